@@ -344,6 +344,28 @@ impl CudaDevice {
         Ok(m)
     }
 
+    /// A module of this crate's kernel sources, compiled with
+    /// [`compile_ptx`](crate::kernel_source::compile_ptx) (IEEE arithmetic) for this GPU on first use and
+    /// cached under its name.
+    pub fn load_kernel_module(
+        &self,
+        module: &crate::kernel_source::KernelModule,
+    ) -> Result<Arc<CudaModule>, KernelError> {
+        let mut cache = self
+            .inner
+            .modules
+            .lock()
+            .map_err(|_| KernelError::Internal("module cache lock poisoned".into()))?;
+        if let Some(m) = cache.get(module.name) {
+            return Ok(m.clone());
+        }
+        let arch = crate::kernel_source::arch_for(self.compute_capability());
+        let ptx = crate::kernel_source::compile_ptx(module, arch)?;
+        let m = self.inner.ctx.load_module(ptx)?;
+        cache.insert(module.name, m.clone());
+        Ok(m)
+    }
+
     /// Records an event on the compute stream.
     pub fn record_compute(&self) -> Result<GpuEvent, KernelError> {
         Ok(GpuEvent(self.stream().record_event(None)?))

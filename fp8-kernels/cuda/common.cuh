@@ -1,0 +1,194 @@
+// Common definitions shared by every kernel module of fp8-kernels.
+//
+// NVRTC compiles each module as one string: this header is prepended with concat!, so it must not
+// #include anything (NVRTC has no CUDA toolkit headers here). bf16 and f16 travel as raw 16-bit words
+// and are converted with PTX instructions.
+//
+// The modules are compiled WITHOUT --use_fast_math and with --fmad=false: no flush-to-zero, IEEE
+// division, no multiply-add contraction, so elementwise results equal the CPU (Rust) implementation bit
+// for bit where the operation is a single rounding. The explicit mul_rn/add_rn below make that true even
+// if the options change.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FP8_E4M3 0
+#define FP8_E5M2 1
+// Mirrors fp8_core::SCALE_EXP_LIMIT.
+#define SCALE_EXP_LIMIT 125
+
+// f32 multiply / add, round to nearest even, subnormals kept (no .ftz), never fused.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float div_rn(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// ---- 16-bit float conversions (round to nearest even, like the `half` crate) ----
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// Element type tags: storage type T, load to f32, store from f32 (one rounding).
+struct TF32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(const float* p, u64 i) { return p[i]; }
+    static __device__ __forceinline__ void store(float* p, u64 i, float v) { p[i] = v; }
+    // 8 consecutive elements starting at i (i multiple of 8; buffers are 256-byte aligned).
+    static __device__ __forceinline__ void load8(const float* p, u64 i, float (&v)[8]) {
+        float4 a = *reinterpret_cast<const float4*>(p + i);
+        float4 b = *reinterpret_cast<const float4*>(p + i + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+    static __device__ __forceinline__ void store8(float* p, u64 i, const float (&v)[8]) {
+        *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(p + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
+};
+__device__ __forceinline__ void unpack_u16x8(uint4 w, u16 (&h)[8]) {
+    h[0] = (u16)(w.x & 0xFFFF); h[1] = (u16)(w.x >> 16);
+    h[2] = (u16)(w.y & 0xFFFF); h[3] = (u16)(w.y >> 16);
+    h[4] = (u16)(w.z & 0xFFFF); h[5] = (u16)(w.z >> 16);
+    h[6] = (u16)(w.w & 0xFFFF); h[7] = (u16)(w.w >> 16);
+}
+__device__ __forceinline__ uint4 pack_u16x8(const u16 (&h)[8]) {
+    return make_uint4((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16),
+                      (u32)h[4] | ((u32)h[5] << 16), (u32)h[6] | ((u32)h[7] << 16));
+}
+struct TBF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const u16* p, u64 i) { return bf16_to_f32(p[i]); }
+    static __device__ __forceinline__ void store(u16* p, u64 i, float v) { p[i] = f32_to_bf16(v); }
+    static __device__ __forceinline__ void load8(const u16* p, u64 i, float (&v)[8]) {
+        u16 h[8];
+        unpack_u16x8(*reinterpret_cast<const uint4*>(p + i), h);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = bf16_to_f32(h[k]);
+    }
+    static __device__ __forceinline__ void store8(u16* p, u64 i, const float (&v)[8]) {
+        u16 h[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = f32_to_bf16(v[k]);
+        *reinterpret_cast<uint4*>(p + i) = pack_u16x8(h);
+    }
+};
+struct TF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const u16* p, u64 i) { return f16_to_f32(p[i]); }
+    static __device__ __forceinline__ void store(u16* p, u64 i, float v) { p[i] = f32_to_f16(v); }
+    static __device__ __forceinline__ void load8(const u16* p, u64 i, float (&v)[8]) {
+        u16 h[8];
+        unpack_u16x8(*reinterpret_cast<const uint4*>(p + i), h);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = f16_to_f32(h[k]);
+    }
+    static __device__ __forceinline__ void store8(u16* p, u64 i, const float (&v)[8]) {
+        u16 h[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = f32_to_f16(v[k]);
+        *reinterpret_cast<uint4*>(p + i) = pack_u16x8(h);
+    }
+};
+
+// ---- FP8 encode / decode with the hardware instructions ----
+// The raw instruction: `lo` goes to the low byte, `hi` to the high byte.
+template <int FMT>
+__device__ __forceinline__ u16 fp8x2_raw(float lo, float hi) {
+    u16 r;
+    if (FMT == FP8_E4M3) {
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+// As fp8_core::Fp8Format::encode: NaN becomes the canonical 0x7F whatever the hardware gives for it
+// (two selects per pair; the kernels are memory bound).
+template <int FMT>
+__device__ __forceinline__ u16 fp8x2(float lo, float hi) {
+    u16 r = fp8x2_raw<FMT>(lo, hi);
+    if (lo != lo) r = (u16)((r & 0xFF00u) | 0x007Fu);
+    if (hi != hi) r = (u16)((r & 0x00FFu) | 0x7F00u);
+    return r;
+}
+// Two FP8 codes (low byte first) to two floats, exactly.
+template <int FMT>
+__device__ __forceinline__ void fp8x2_decode(u16 codes, float& lo, float& hi) {
+    u32 h2;
+    if (FMT == FP8_E4M3) {
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(codes));
+    } else {
+        // E5M2 is the top byte of an f16.
+        h2 = ((u32)(codes & 0xFFu) << 8) | ((u32)(codes & 0xFF00u) << 16);
+    }
+    lo = f16_to_f32((u16)(h2 & 0xFFFFu));
+    hi = f16_to_f32((u16)(h2 >> 16));
+}
+
+// |v| as ordered integer bits, NaN counted as 0 (NaN never raises an amax, as in fp8-core).
+__device__ __forceinline__ int abs_bits_no_nan(float v) {
+    u32 a = __float_as_uint(v) & 0x7FFFFFFFu;
+    return a > 0x7F800000u ? 0 : (int)a;
+}
+
+// Block-wide max of non-negative int bits, then one atomicMax into *dst (as int: non-negative floats order
+// like integers). Every thread of the block must call it. blockDim.x must be a multiple of 32, <= 1024.
+__device__ __forceinline__ void block_amax_commit(int m, float* dst) {
+    __shared__ int warp_max[32];
+    m = __reduce_max_sync(0xFFFFFFFFu, m);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = (blockDim.x + 31) >> 5;
+        int v = lane < nw ? warp_max[lane] : 0;
+        v = __reduce_max_sync(0xFFFFFFFFu, v);
+        if (lane == 0 && dst != nullptr) atomicMax(reinterpret_cast<int*>(dst), v);
+    }
+}
+
+// fp8_core::compute_scale, operation for operation (the f64 division and exponent read included).
+__device__ __forceinline__ float pow2f_exact(int e) { return __uint_as_float((u32)(e + 127) << 23); }
+__device__ float compute_scale_dev(float amax, float fmax, int margin, int exact, float previous) {
+    if (!(isfinite(amax) && amax > 0.0f)) return previous;
+    const double ratio = __ddiv_rn((double)fmax, (double)amax);
+    const int floor_log2 = (int)((__double_as_longlong(ratio) >> 52) & 0x7FF) - 1023;
+    const int e = floor_log2 - margin;
+    const int ec = e < -SCALE_EXP_LIMIT ? -SCALE_EXP_LIMIT : (e > SCALE_EXP_LIMIT ? SCALE_EXP_LIMIT : e);
+    if (!exact || e != ec) return pow2f_exact(ec);
+    const double p = __longlong_as_double((i64)(margin + 1023) << 52);
+    float s = __double2float_rn(__ddiv_rn(ratio, p));
+    while (mul_rn(amax, s) > fmax) s = __uint_as_float(__float_as_uint(s) - 1u);
+    return s;
+}
+
+// Grid-stride helpers.
+__device__ __forceinline__ u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }
