@@ -239,6 +239,8 @@ struct CudaInner {
     comm_stream: Arc<CudaStream>,
     compute_capability: (i32, i32),
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// cuBLASLt handle and workspace of this device, created on first GEMM.
+    blaslt: std::sync::OnceLock<Arc<crate::blaslt::BlasLt>>,
 }
 
 impl CudaDevice {
@@ -263,6 +265,7 @@ impl CudaDevice {
                 comm_stream,
                 compute_capability,
                 modules: Mutex::new(HashMap::new()),
+                blaslt: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -364,6 +367,11 @@ impl CudaDevice {
         let m = self.inner.ctx.load_module(ptx)?;
         cache.insert(module.name, m.clone());
         Ok(m)
+    }
+
+    /// The slot holding this device's cuBLASLt state (see `blaslt.rs`).
+    pub(crate) fn blaslt_slot(&self) -> &std::sync::OnceLock<Arc<crate::blaslt::BlasLt>> {
+        &self.inner.blaslt
     }
 
     /// Records an event on the compute stream.
