@@ -583,6 +583,45 @@ impl<T: Element> Buffer<T> {
         }
         Ok(())
     }
+
+    /// Copies `len` elements of `src` starting at `src_offset` into this buffer at `dst_offset` (same
+    /// device; a device-to-device copy on CUDA). FSDP uses it to cut parameters out of flat buffers.
+    pub fn copy_range_from(
+        &mut self,
+        dst_offset: usize,
+        src: &Buffer<T>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        let bad = |what: &str, off: usize, have: usize| KernelError::InvalidArgument {
+            what: "copy_range_from",
+            detail: format!(
+                "{what} range {off}..{} exceeds length {have}",
+                off.saturating_add(len)
+            ),
+        };
+        if src_offset.checked_add(len).is_none_or(|e| e > src.len()) {
+            return Err(bad("source", src_offset, src.len()));
+        }
+        if dst_offset.checked_add(len).is_none_or(|e| e > self.len()) {
+            return Err(bad("destination", dst_offset, self.len()));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        match (&mut self.store, &src.store) {
+            (Store::Host(d), Store::Host(s)) => {
+                d[dst_offset..dst_offset + len].copy_from_slice(&s[src_offset..src_offset + len])
+            }
+            (Store::Cuda { slice: d, device }, Store::Cuda { slice: s, .. }) => {
+                let sv = s.slice(src_offset..src_offset + len);
+                let mut dv = d.slice_mut(dst_offset..dst_offset + len);
+                device.stream().memcpy_dtod(&sv, &mut dv)?
+            }
+            _ => return Err(KernelError::WrongDevice("copy_range_from across devices")),
+        }
+        Ok(())
+    }
 }
 
 /// Checks that two lengths agree, naming the operation.
