@@ -1,0 +1,669 @@
+//! The in-process backend: `N` ranks as threads of one process, exchanging through shared memory.
+//!
+//! Every collective is one round of a generation-counted barrier (a `Mutex` and a `Condvar`): each rank
+//! deposits a copy of its input and a description of the call, the last rank to arrive checks that all
+//! descriptions agree and publishes the deposits, and each rank then computes its own output from them.
+//! Reductions follow [`crate::ring`], so results do not depend on thread timing.
+//!
+//! Failures never hang: a rank that does not arrive within the group's timeout makes the waiting ranks
+//! fail with [`CommError::Timeout`] naming the operation and the missing ranks; a rank that panics, or
+//! whose communicator is dropped while others wait for it, poisons the group so every rank gets an
+//! error. A rank whose own arguments are wrong (sizes, types) still takes part in the round with an
+//! error marker, so every rank fails at once instead of waiting for a timeout.
+
+use crate::collective::{
+    Collective, CollectiveKind, CommDType, CommWork, Communicator, RecvBuf, ReduceOp, SendBuf,
+};
+use crate::error::CommError;
+use crate::ring::{self, RingElement};
+use fp8_kernels::{Buffer, Device, Element};
+use half::{bf16, f16};
+use std::any::Any;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Default time a rank waits for the others in one collective.
+pub const DEFAULT_THREAD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A copy of one rank's input.
+#[derive(Debug, Clone)]
+enum HostData {
+    None,
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    U8(Vec<u8>),
+}
+
+/// Element types a host copy can hold.
+trait HostElem: Element + Copy {
+    fn slice(d: &HostData) -> Option<&[Self]>;
+}
+
+macro_rules! host_elem {
+    ($t:ty, $v:ident) => {
+        impl HostElem for $t {
+            fn slice(d: &HostData) -> Option<&[Self]> {
+                match d {
+                    HostData::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+host_elem!(f32, F32);
+host_elem!(bf16, BF16);
+host_elem!(f16, F16);
+host_elem!(u8, U8);
+
+/// What a rank called, compared across ranks before data is combined.
+#[derive(Debug, Clone, PartialEq)]
+struct OpDesc {
+    kind: CollectiveKind,
+    dtype: Option<CommDType>,
+    op: Option<ReduceOp>,
+    root: Option<usize>,
+    send_len: usize,
+    recv_len: usize,
+}
+
+impl fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind.name())?;
+        if let Some(d) = self.dtype {
+            write!(f, " {d}")?;
+        }
+        if let Some(op) = self.op {
+            write!(f, " {op}")?;
+        }
+        if let Some(root) = self.root {
+            write!(f, " root {root}")?;
+        }
+        if self.kind != CollectiveKind::Barrier {
+            write!(f, " send {} recv {}", self.send_len, self.recv_len)?;
+        }
+        Ok(())
+    }
+}
+
+struct Deposit {
+    desc: OpDesc,
+    data: Result<HostData, CommError>,
+}
+
+type Outcome = Result<Arc<Vec<HostData>>, CommError>;
+
+struct State {
+    generation: u64,
+    arrived: usize,
+    slots: Vec<Option<Deposit>>,
+    /// The result of the last completed generation; nobody can complete the next one before every rank
+    /// has read this one, because every rank must arrive for it.
+    outcome: Option<Outcome>,
+    poisoned: Option<CommError>,
+    departed: Vec<bool>,
+}
+
+struct Shared {
+    world_size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> Result<MutexGuard<'_, State>, CommError> {
+        // The state lock is never held across user code, so poisoning means a bug here; report it.
+        self.state
+            .lock()
+            .map_err(|_| CommError::Poisoned("thread group state lock poisoned".into()))
+    }
+
+    fn poison(&self, err: CommError) {
+        if let Ok(mut st) = self.state.lock() {
+            if st.poisoned.is_none() {
+                st.poisoned = Some(err);
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// One round of the barrier: deposit, wait for all ranks (or a failure), return all deposits.
+    fn exchange(
+        &self,
+        rank: usize,
+        desc: OpDesc,
+        data: Result<HostData, CommError>,
+    ) -> Result<Arc<Vec<HostData>>, CommError> {
+        let mut st = self.lock()?;
+        if let Some(e) = &st.poisoned {
+            return Err(e.clone());
+        }
+        if st.slots[rank].is_some() {
+            return Err(CommError::Poisoned(format!(
+                "rank {rank} entered a collective twice at once (one communicator shared by two threads)"
+            )));
+        }
+        let op_name = desc.to_string();
+        st.slots[rank] = Some(Deposit { desc, data });
+        st.arrived += 1;
+        let my_generation = st.generation;
+        if st.arrived == self.world_size {
+            let deposits: Vec<Deposit> = st.slots.iter_mut().filter_map(Option::take).collect();
+            let outcome = combine_deposits(deposits);
+            st.arrived = 0;
+            st.generation += 1;
+            st.outcome = Some(outcome.clone());
+            drop(st);
+            self.cv.notify_all();
+            return outcome;
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if st.generation != my_generation {
+                return match &st.outcome {
+                    Some(o) => o.clone(),
+                    None => Err(CommError::Poisoned("collective finished without a result".into())),
+                };
+            }
+            if let Some(e) = &st.poisoned {
+                return Err(e.clone());
+            }
+            let missing: Vec<usize> = (0..self.world_size)
+                .filter(|&r| st.slots[r].is_none())
+                .collect();
+            let gone: Vec<usize> = missing
+                .iter()
+                .copied()
+                .filter(|&r| st.departed[r])
+                .collect();
+            if !gone.is_empty() {
+                let e = CommError::RankExited {
+                    op: op_name,
+                    ranks: gone,
+                };
+                st.poisoned = Some(e.clone());
+                drop(st);
+                self.cv.notify_all();
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let e = CommError::Timeout {
+                    op: op_name,
+                    rank,
+                    missing,
+                    timeout: self.timeout,
+                };
+                st.poisoned = Some(e.clone());
+                drop(st);
+                self.cv.notify_all();
+                return Err(e);
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .map_err(|_| CommError::Poisoned("thread group state lock poisoned".into()))?
+                .0;
+        }
+    }
+}
+
+/// Checks that all ranks made the same call and none rejected its arguments; returns the data.
+fn combine_deposits(deposits: Vec<Deposit>) -> Outcome {
+    let first = deposits
+        .first()
+        .map(|d| d.desc.clone())
+        .ok_or_else(|| CommError::Poisoned("empty collective round".into()))?;
+    for (r, d) in deposits.iter().enumerate() {
+        if let Err(e) = &d.data {
+            return Err(CommError::PeerFailed {
+                op: first.kind.name().to_string(),
+                rank: r,
+                detail: e.to_string(),
+            });
+        }
+    }
+    if let Some((r, d)) = deposits
+        .iter()
+        .enumerate()
+        .find(|(_, d)| d.desc != first)
+    {
+        return Err(CommError::RankMismatch {
+            op: first.kind.name().to_string(),
+            detail: format!("rank 0 called `{first}` but rank {r} called `{}`", d.desc),
+        });
+    }
+    let mut out = Vec::with_capacity(deposits.len());
+    for d in deposits {
+        out.push(d.data?);
+    }
+    Ok(Arc::new(out))
+}
+
+/// A group of thread ranks sharing one exchange.
+pub struct ThreadGroup;
+
+impl ThreadGroup {
+    /// Creates the communicators of a group of `world_size` ranks (index = rank). Each must be moved to
+    /// its own thread. `timeout` bounds every wait for other ranks.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(world_size: usize, timeout: Duration) -> Result<Vec<ThreadComm>, CommError> {
+        if world_size == 0 {
+            return Err(CommError::InvalidArgument {
+                op: "ThreadGroup::new",
+                detail: "world size must be at least 1".into(),
+            });
+        }
+        if timeout.is_zero() {
+            return Err(CommError::InvalidArgument {
+                op: "ThreadGroup::new",
+                detail: "timeout must be positive".into(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            world_size,
+            timeout,
+            state: Mutex::new(State {
+                generation: 0,
+                arrived: 0,
+                slots: (0..world_size).map(|_| None).collect(),
+                outcome: None,
+                poisoned: None,
+                departed: vec![false; world_size],
+            }),
+            cv: Condvar::new(),
+        });
+        Ok((0..world_size)
+            .map(|rank| ThreadComm {
+                rank,
+                shared: shared.clone(),
+                device: Device::Cpu,
+            })
+            .collect())
+    }
+}
+
+/// One rank of a [`ThreadGroup`]. Dropping it tells the others this rank has left (collectives still
+/// waiting for it fail at once); dropping it during a panic poisons the group.
+pub struct ThreadComm {
+    rank: usize,
+    shared: Arc<Shared>,
+    device: Device,
+}
+
+impl fmt::Debug for ThreadComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ThreadComm(rank {} of {})",
+            self.rank, self.shared.world_size
+        )
+    }
+}
+
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.shared.poison(CommError::RankPanicked {
+                rank: self.rank,
+                message: "panicked while holding its communicator".into(),
+            });
+        }
+        if let Ok(mut st) = self.shared.state.lock() {
+            st.departed[self.rank] = true;
+        }
+        self.shared.cv.notify_all();
+    }
+}
+
+impl ThreadComm {
+    /// The timeout of every wait.
+    pub fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
+    /// Marks the group failed with `reason`: every rank's current and later collectives return it.
+    pub fn poison(&self, reason: CommError) {
+        self.shared.poison(reason);
+    }
+
+    fn run(&self, call: Collective<'_>) -> Result<(), CommError> {
+        let n = self.shared.world_size;
+        let (send_len, recv_len) = call.lengths();
+        let desc = OpDesc {
+            kind: call.kind(),
+            dtype: Some(call.dtype()),
+            op: call.op(),
+            root: call.root(),
+            send_len,
+            recv_len,
+        };
+        let deposit = call
+            .validate(n)
+            .and_then(|()| self.deposit_of(&call))
+            .and_then(|d| check_recv_on_host(&call).map(|()| d));
+        let data = self.shared.exchange(self.rank, desc, deposit)?;
+        self.write_output(call, &data)
+    }
+
+    /// The copy of this rank's input that the other ranks need.
+    fn deposit_of(&self, call: &Collective<'_>) -> Result<HostData, CommError> {
+        let needs_input = match call.root() {
+            Some(root) => root == self.rank,
+            None => true,
+        };
+        if !needs_input {
+            return Ok(HostData::None);
+        }
+        let send = match call {
+            Collective::AllGather { send, .. }
+            | Collective::ReduceScatter { send, .. }
+            | Collective::AllReduce { send, .. }
+            | Collective::Broadcast { send, .. } => *send,
+            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
+                buf.as_send()
+            }
+        };
+        let what = "thread backend (send buffer must be on the CPU)";
+        Ok(match send {
+            SendBuf::F32(b) => HostData::F32(b.host(what)?.to_vec()),
+            SendBuf::BF16(b) => HostData::BF16(b.host(what)?.to_vec()),
+            SendBuf::F16(b) => HostData::F16(b.host(what)?.to_vec()),
+            SendBuf::Bytes(b) | SendBuf::Fp8(b, _) => HostData::U8(b.host(what)?.to_vec()),
+        })
+    }
+
+    fn write_output(&self, call: Collective<'_>, data: &[HostData]) -> Result<(), CommError> {
+        let rank = self.rank;
+        let kind = call.kind();
+        let op = call.op().unwrap_or(ReduceOp::Sum);
+        let root = call.root().unwrap_or(0);
+        let (send_len, _) = call.lengths();
+        let recv = match call {
+            Collective::AllGather { recv, .. }
+            | Collective::ReduceScatter { recv, .. }
+            | Collective::AllReduce { recv, .. }
+            | Collective::Broadcast { recv, .. } => recv,
+            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => buf,
+        };
+        let plan = Plan {
+            kind,
+            rank,
+            root,
+            send_len,
+        };
+        match recv {
+            RecvBuf::F32(b) => plan.apply(data, b, |a, x| f32::combine(op, a, x)),
+            RecvBuf::BF16(b) => plan.apply(data, b, |a, x| bf16::combine(op, a, x)),
+            RecvBuf::F16(b) => plan.apply(data, b, |a, x| f16::combine(op, a, x)),
+            RecvBuf::Fp8(b, format) => {
+                plan.apply(data, b, |a, x| ring::fp8_combine(format, op, a, x))
+            }
+            // Reductions of bytes were rejected by validate(); this combine is never reached.
+            RecvBuf::Bytes(b) => plan.apply(data, b, |a, _| a),
+        }
+    }
+}
+
+fn check_recv_on_host(call: &Collective<'_>) -> Result<(), CommError> {
+    let dev = match call {
+        Collective::AllGather { recv, .. }
+        | Collective::ReduceScatter { recv, .. }
+        | Collective::AllReduce { recv, .. }
+        | Collective::Broadcast { recv, .. } => recv.device(),
+        Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
+            buf.device()
+        }
+    };
+    if dev.is_cuda() {
+        return Err(CommError::Device(
+            "thread backend: receive buffer must be on the CPU".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// How a rank turns the published deposits into its output.
+struct Plan {
+    kind: CollectiveKind,
+    rank: usize,
+    root: usize,
+    send_len: usize,
+}
+
+impl Plan {
+    fn apply<T: HostElem>(
+        &self,
+        data: &[HostData],
+        out: &mut Buffer<T>,
+        combine: impl Fn(T, T) -> T,
+    ) -> Result<(), CommError> {
+        let out = out.host_mut("thread backend (receive buffer must be on the CPU)")?;
+        let n = data.len();
+        let input = |r: usize| -> Result<&[T], CommError> {
+            data.get(r).and_then(T::slice).ok_or_else(|| {
+                CommError::Poisoned(format!("rank {r} deposited data of another type"))
+            })
+        };
+        match self.kind {
+            CollectiveKind::AllGather => {
+                for r in 0..n {
+                    out[r * self.send_len..(r + 1) * self.send_len].copy_from_slice(input(r)?);
+                }
+            }
+            CollectiveKind::Broadcast => out.copy_from_slice(input(self.root)?),
+            CollectiveKind::ReduceScatter => {
+                let inputs = (0..n).map(input).collect::<Result<Vec<_>, _>>()?;
+                let len = out.len();
+                let range = self.rank * len..(self.rank + 1) * len;
+                ring::reduce_chunk_with(&inputs, self.rank, range, out, combine);
+            }
+            CollectiveKind::AllReduce => {
+                let inputs = (0..n).map(input).collect::<Result<Vec<_>, _>>()?;
+                let len = out.len();
+                for c in 0..n {
+                    let range = ring::chunk_range(len, n, c);
+                    let dst = &mut out[range.clone()];
+                    ring::reduce_chunk_with(&inputs, c, range, dst, &combine);
+                }
+            }
+            CollectiveKind::Barrier => {}
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        let desc = OpDesc {
+            kind: CollectiveKind::Barrier,
+            dtype: None,
+            op: None,
+            root: None,
+            send_len: 0,
+            recv_len: 0,
+        };
+        self.shared
+            .exchange(self.rank, desc, Ok(HostData::None))
+            .map(|_| ())
+    }
+
+    fn start(&self, call: Collective<'_>) -> Result<CommWork, CommError> {
+        self.run(call)?;
+        Ok(CommWork::completed())
+    }
+}
+
+fn panic_message(p: &(dyn Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    }
+}
+
+/// Runs `f` on `world_size` rank threads (scoped, so `f` may borrow) and returns every rank's result,
+/// in rank order. A rank that panics becomes [`CommError::RankPanicked`] on that rank and poisons the
+/// group, so the other ranks' collectives fail instead of hanging.
+///
+/// Fails only if the group or a thread cannot be created.
+pub fn run_ranks_each<R, E, F>(
+    world_size: usize,
+    timeout: Duration,
+    f: F,
+) -> Result<Vec<Result<R, E>>, CommError>
+where
+    F: Fn(ThreadComm) -> Result<R, E> + Sync,
+    R: Send,
+    E: From<CommError> + Send,
+{
+    let comms = ThreadGroup::new(world_size, timeout)?;
+    let f = &f;
+    std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(world_size);
+        for comm in comms {
+            let rank = comm.rank;
+            let shared = comm.shared.clone();
+            let shared_for_thread = shared.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("rank-{rank}"))
+                .spawn_scoped(scope, move || {
+                    match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+                        Ok(r) => r,
+                        Err(p) => {
+                            let e = CommError::RankPanicked {
+                                rank,
+                                message: panic_message(p.as_ref()),
+                            };
+                            shared_for_thread.poison(e.clone());
+                            Err(E::from(e))
+                        }
+                    }
+                });
+            match handle {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    shared.poison(CommError::io("spawning a rank thread", e));
+                    // Threads already started see the poison and return; scope joins them.
+                    return Err(CommError::Launch(format!(
+                        "could not spawn the thread of rank {rank}"
+                    )));
+                }
+            }
+        }
+        Ok(handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|p| {
+                    Err(E::from(CommError::RankPanicked {
+                        rank,
+                        message: panic_message(p.as_ref()),
+                    }))
+                })
+            })
+            .collect())
+    })
+}
+
+/// Like [`run_ranks_each`] with an explicit timeout, but returns all results or one error: the error
+/// of the first rank that panicked if any (the cause), else the first error a rank returned.
+pub fn run_ranks_timeout<R, E, F>(world_size: usize, timeout: Duration, f: F) -> Result<Vec<R>, E>
+where
+    F: Fn(ThreadComm) -> Result<R, E> + Sync,
+    R: Send,
+    E: From<CommError> + Send,
+{
+    // Completion order of failing ranks, so the first failure (the cause) is reported, not the
+    // follow-up errors of ranks that saw the poisoned group.
+    let seq = AtomicUsize::new(0);
+    let panicked = Mutex::new(Vec::new());
+    let results = run_ranks_each(world_size, timeout, |comm| {
+        let rank = comm.rank;
+        let r = catch_unwind(AssertUnwindSafe(|| f(comm)));
+        let r = match r {
+            Ok(r) => r,
+            Err(p) => {
+                if let Ok(mut v) = panicked.lock() {
+                    v.push(rank);
+                }
+                std::panic::resume_unwind(p)
+            }
+        };
+        let order = seq.fetch_add(1, Ordering::SeqCst);
+        r.map_err(|err| Ordered { order, err })
+    })
+    .map_err(E::from)?;
+    let first_panic = panicked.lock().ok().and_then(|v| v.iter().min().copied());
+    let mut first_err: Option<(usize, E)> = None;
+    let mut panic_err: Option<E> = None;
+    let mut values = Vec::with_capacity(world_size);
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(v) => values.push(v),
+            Err(Ordered { order, err }) => {
+                if Some(rank) == first_panic {
+                    panic_err = Some(err);
+                } else if first_err.as_ref().is_none_or(|(o, _)| order < *o) {
+                    first_err = Some((order, err));
+                }
+            }
+        }
+    }
+    if let Some(e) = panic_err {
+        return Err(e);
+    }
+    if let Some((_, e)) = first_err {
+        return Err(e);
+    }
+    Ok(values)
+}
+
+/// Runs `f` on `world_size` rank threads with [`DEFAULT_THREAD_TIMEOUT`]; see [`run_ranks_timeout`].
+pub fn run_ranks<R, E, F>(world_size: usize, f: F) -> Result<Vec<R>, E>
+where
+    F: Fn(ThreadComm) -> Result<R, E> + Sync,
+    R: Send,
+    E: From<CommError> + Send,
+{
+    run_ranks_timeout(world_size, DEFAULT_THREAD_TIMEOUT, f)
+}
+
+/// A rank's error tagged with the order in which ranks failed.
+struct Ordered<E> {
+    order: usize,
+    err: E,
+}
+
+impl<E: From<CommError>> From<CommError> for Ordered<E> {
+    fn from(e: CommError) -> Self {
+        // Errors made by run_ranks_each itself (a panicking rank) sort last; panics are picked apart.
+        Ordered {
+            order: usize::MAX,
+            err: E::from(e),
+        }
+    }
+}
