@@ -36,13 +36,19 @@ pub const CAST_MODULE: KernelModule = KernelModule {
     ),
 };
 
-/// Every module compiled with [`compile_ptx`] by this crate (the compile test walks this list and checks
-/// that each `.cu` file under `cuda/` belongs to a module here or in [`OTHER_MODULE_FILES`]).
-pub const MODULES: &[KernelModule] = &[CAST_MODULE];
+/// Layer operations: bias, activations, softmax + NLL, im2col, pooling, dropout, reductions, axpy.
+pub const OPS_MODULE: KernelModule = KernelModule {
+    name: "fp8_kernels_ops",
+    files: &["common.cuh", "ops.cu"],
+    source: concat!(
+        include_str!("../cuda/common.cuh"),
+        include_str!("../cuda/ops.cu")
+    ),
+};
 
-/// `.cu` files under `cuda/` that other parts of the crate compile themselves (through
-/// [`CudaDevice::module`](crate::CudaDevice::module)); the compile test does not require them in [`MODULES`].
-pub const OTHER_MODULE_FILES: &[&str] = &["adam.cu"];
+/// The modules defined in this file. Other parts of the crate define their own [`KernelModule`]s the same
+/// way (`common.cuh` + one `.cu` file); the compile test builds every `.cu` file under `cuda/` like that.
+pub const MODULES: &[KernelModule] = &[CAST_MODULE, OPS_MODULE];
 
 /// NVRTC options of these modules: IEEE arithmetic (no fast math, no flush-to-zero, no contraction of
 /// multiply-add) so elementwise results match the CPU implementations bit for bit.

@@ -24,6 +24,7 @@ pub mod device;
 mod error;
 pub mod gemm;
 pub mod kernel_source;
+pub mod ops;
 
 pub use device::{check_len, Buffer, CudaDevice, DType, Device, Element, GpuEvent};
 pub use error::KernelError;
