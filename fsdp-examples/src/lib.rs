@@ -1,12 +1,52 @@
-//! Layers (`nn`), the MNIST FSDP example and the MLP benchmark.
+//! Examples and their building blocks for fp8-fsdp: the MNIST data pipeline, a distributed sampler,
+//! per-epoch metrics with an SVG plot, and a terminal progress bar.
 //!
-//! Planned: Conv2d, Linear in FP8/BF16/F32, pooling, dropout and losses; a distributed sampler; the
-//! `mnist_fsdp` binary and the `mlp_bench` benchmark.
+//! - [`data`]: IDX files (plain or gzip), MNIST CSV, [`data::MnistDataset`] with PyTorch-style
+//!   normalisation and NCHW batch extraction. `scripts/fetch-mnist.sh` downloads the full MNIST; a real
+//!   subset is committed in this crate's `testdata/`.
+//! - [`sampler`]: [`sampler::DistributedSampler`], one seeded shuffle per epoch with the same global
+//!   order for every world size.
+//! - [`metrics`]: [`metrics::EpochMetrics`] as JSON lines, and [`metrics::render_svg`] to overlay runs.
+//! - [`progress`]: [`progress::EpochProgress`], hidden when the output is not a terminal.
+//!
+//! Two ranks split one epoch of a tiny dataset written to and read back from an IDX file:
 //!
 //! ```
-//! assert_eq!(fsdp_examples::CRATE_NAME, "fsdp-examples");
+//! use fsdp_examples::data::{parse_idx_u8, encode_idx_u8, IdxArray, MnistDataset};
+//! use fsdp_examples::sampler::{DistributedSampler, Remainder};
+//!
+//! // Five 2x2 "images" and their labels, through the IDX encoder and reader.
+//! let pixels: Vec<u8> = (0..20).map(|i| (i * 12) as u8).collect();
+//! let bytes = encode_idx_u8(&IdxArray::new(vec![5, 2, 2], pixels.clone())?)?;
+//! let read = parse_idx_u8(&bytes, "in-memory")?;
+//! assert_eq!(read.dims, [5, 2, 2]);
+//! let data = MnistDataset::from_raw(read.data, vec![3, 1, 4, 1, 5], 2, 2)?;
+//!
+//! // Five samples over two ranks, padded by wrapping: 3 per rank, disjoint but for the one pad.
+//! let rank0 = DistributedSampler::new(data.len(), 2, 0, 42, Remainder::Pad)?;
+//! let rank1 = rank0.for_rank(1)?;
+//! let (a, b) = (rank0.indices(1), rank1.indices(1));
+//! assert_eq!((a.len(), b.len()), (3, 3));
+//! assert_eq!(rank1.num_real_samples(), 2); // rank 1's last sample is the pad
+//! let mut seen: Vec<usize> = a.iter().chain(&b[..2]).copied().collect();
+//! seen.sort();
+//! assert_eq!(seen, [0, 1, 2, 3, 4]);
+//!
+//! // The global order interleaves the ranks and does not depend on the world size.
+//! let one_rank = DistributedSampler::new(data.len(), 1, 0, 42, Remainder::Pad)?;
+//! assert_eq!(one_rank.indices(1)[..4], [a[0], b[0], a[1], b[1]]);
+//!
+//! // A normalised NCHW batch of rank 0's first two samples.
+//! let mut images = vec![0f32; 2 * 4];
+//! let mut labels = vec![0i32; 2];
+//! data.fill_batch(&a[..2], &mut images, &mut labels)?;
+//! assert_eq!(labels[0], i32::from(data.labels()[a[0]]));
+//! assert_eq!(images[0], (f32::from(pixels[4 * a[0]]) / 255.0 - 0.1307) / 0.3081);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![warn(missing_docs)]
 
-/// The crate name, until the examples land.
-pub const CRATE_NAME: &str = "fsdp-examples";
+pub mod data;
+pub mod metrics;
+pub mod progress;
+pub mod sampler;
