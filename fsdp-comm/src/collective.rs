@@ -611,7 +611,12 @@ pub trait Communicator: Send + Sync {
     }
 
     /// All-reduce into `recv`.
-    fn all_reduce(&self, send: SendBuf<'_>, recv: RecvBuf<'_>, op: ReduceOp) -> Result<(), CommError> {
+    fn all_reduce(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         self.start(Collective::AllReduce { send, recv, op })?.wait()
     }
 
@@ -631,13 +636,20 @@ pub trait Communicator: Send + Sync {
     }
 
     /// Broadcast `send` of `root` into every rank's `recv`.
-    fn broadcast(&self, send: SendBuf<'_>, recv: RecvBuf<'_>, root: usize) -> Result<(), CommError> {
-        self.start(Collective::Broadcast { send, recv, root })?.wait()
+    fn broadcast(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.start(Collective::Broadcast { send, recv, root })?
+            .wait()
     }
 
     /// Broadcast in place from `root`.
     fn broadcast_in_place(&self, buf: RecvBuf<'_>, root: usize) -> Result<(), CommError> {
-        self.start(Collective::BroadcastInPlace { buf, root })?.wait()
+        self.start(Collective::BroadcastInPlace { buf, root })?
+            .wait()
     }
 
     /// All-reduce a small host vector of f32 (amaxes, non-finite counts) in place. On CUDA this copies

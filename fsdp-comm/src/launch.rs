@@ -206,7 +206,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, CommError> {
         return Err(CommError::Launch("--nproc must be at least 1".into()));
     }
     let Some(program) = cfg.command.first() else {
-        return Err(CommError::Launch("no command given (use: fsdp-run --nproc N -- cmd ...)".into()));
+        return Err(CommError::Launch(
+            "no command given (use: fsdp-run --nproc N -- cmd ...)".into(),
+        ));
     };
     let port = if cfg.master_port == 0 {
         pick_free_port(&cfg.master_addr)?

@@ -113,7 +113,11 @@ pub fn unique_id() -> Result<[u8; 128], CommError> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-fn nccl_error(call: &'static str, code: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> CommError {
+fn nccl_error(
+    call: &'static str,
+    code: sys::ncclResult_t,
+    comm: Option<sys::ncclComm_t>,
+) -> CommError {
     // SAFETY: ncclGetErrorString returns a static C string for any code (or null).
     let mut message = unsafe { c_string(sys::ncclGetErrorString(code)) };
     if let Some(c) = comm.filter(|c| !c.is_null()) {
@@ -393,7 +397,11 @@ impl NcclComm {
     pub fn from_dist_env(env: &DistEnv, cfg: &NcclConfig) -> Result<Self, CommError> {
         nccl_library_status()?;
         let cuda = CudaDevice::new(env.local_rank)?;
-        let blob = rendezvous::exchange(env, || unique_id().map(|id| id.to_vec()), cfg.rendezvous_timeout)?;
+        let blob = rendezvous::exchange(
+            env,
+            || unique_id().map(|id| id.to_vec()),
+            cfg.rendezvous_timeout,
+        )?;
         let id: [u8; 128] = blob.as_slice().try_into().map_err(|_| {
             CommError::Rendezvous(format!(
                 "received {} bytes where an NCCL unique id has 128",
@@ -428,13 +436,7 @@ impl NcclComm {
         // SAFETY: `comm` and `config` are valid for writes/reads for the call; the context of the
         // target GPU is current on this thread (NCCL uses the current device).
         let r = unsafe {
-            sys::ncclCommInitRankConfig(
-                &mut comm,
-                world_size as i32,
-                uid,
-                rank as i32,
-                &mut config,
-            )
+            sys::ncclCommInitRankConfig(&mut comm, world_size as i32, uid, rank as i32, &mut config)
         };
         if !matches!(
             r,

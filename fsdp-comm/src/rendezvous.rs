@@ -216,7 +216,9 @@ impl RendezvousServer {
                         }
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
+                Err(e)
+                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted =>
+                {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Err(e) => return Err(CommError::io("rendezvous: accept", e)),
@@ -224,7 +226,8 @@ impl RendezvousServer {
         }
         for (r, s) in peers.iter_mut().enumerate() {
             if let Some(s) = s {
-                reply(s, 0, blob).map_err(|e| CommError::io(format!("rendezvous: sending to rank {r}"), e))?;
+                reply(s, 0, blob)
+                    .map_err(|e| CommError::io(format!("rendezvous: sending to rank {r}"), e))?;
             }
         }
         Ok(())
@@ -307,7 +310,9 @@ pub fn fetch(
             Ok(s) => break s,
             Err(e) => {
                 last_err = e.to_string();
-                std::thread::sleep(RETRY_INTERVAL.min(deadline.saturating_duration_since(Instant::now())));
+                std::thread::sleep(
+                    RETRY_INTERVAL.min(deadline.saturating_duration_since(Instant::now())),
+                );
             }
         }
     };
@@ -333,7 +338,10 @@ pub fn fetch(
         ErrorKind::UnexpectedEof => CommError::Rendezvous(format!(
             "rank 0 at {addr} closed the connection before answering rank {rank}"
         )),
-        _ => CommError::io(format!("rendezvous: rank {rank} reading rank 0's answer"), e),
+        _ => CommError::io(
+            format!("rendezvous: rank {rank} reading rank 0's answer"),
+            e,
+        ),
     })?;
     if &header[..8] != MAGIC {
         return Err(CommError::Rendezvous(format!(
@@ -425,11 +433,17 @@ mod tests {
         let err = |vars: &[(&str, &str)]| DistEnv::from_lookup(lookup(vars)).unwrap_err();
         assert!(matches!(err(&[("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
             CommError::Env { name, .. } if name == "RANK"));
-        assert!(matches!(err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
-            CommError::Env { name, .. } if name == "RANK"));
-        assert!(matches!(err(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
-            CommError::Env { name, .. } if name == "RANK"));
-        assert!(matches!(err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")]),
-            CommError::Env { name, .. } if name == "MASTER_PORT"));
+        assert!(
+            matches!(err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
+            CommError::Env { name, .. } if name == "RANK")
+        );
+        assert!(
+            matches!(err(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]),
+            CommError::Env { name, .. } if name == "RANK")
+        );
+        assert!(
+            matches!(err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")]),
+            CommError::Env { name, .. } if name == "MASTER_PORT")
+        );
     }
 }

@@ -103,12 +103,7 @@ pub fn fp8_combine(format: Fp8Format, op: ReduceOp, acc: u8, x: u8) -> u8 {
 }
 
 /// Reduces element `i` of `inputs` (one slice per rank) along `ring_order(chunk)`.
-fn reduce_at<T: Copy>(
-    inputs: &[&[T]],
-    chunk: usize,
-    i: usize,
-    combine: &impl Fn(T, T) -> T,
-) -> T {
+fn reduce_at<T: Copy>(inputs: &[&[T]], chunk: usize, i: usize, combine: &impl Fn(T, T) -> T) -> T {
     let n = inputs.len();
     let mut order = ring_order(chunk, n);
     // ring_order yields exactly n >= 1 ranks; the first starts the partial result.

@@ -167,7 +167,9 @@ impl Shared {
             if st.generation != my_generation {
                 return match &st.outcome {
                     Some(o) => o.clone(),
-                    None => Err(CommError::Poisoned("collective finished without a result".into())),
+                    None => Err(CommError::Poisoned(
+                        "collective finished without a result".into(),
+                    )),
                 };
             }
             if let Some(e) = &st.poisoned {
@@ -228,11 +230,7 @@ fn combine_deposits(deposits: Vec<Deposit>) -> Outcome {
             });
         }
     }
-    if let Some((r, d)) = deposits
-        .iter()
-        .enumerate()
-        .find(|(_, d)| d.desc != first)
-    {
+    if let Some((r, d)) = deposits.iter().enumerate().find(|(_, d)| d.desc != first) {
         return Err(CommError::RankMismatch {
             op: first.kind.name().to_string(),
             detail: format!("rank 0 called `{first}` but rank {r} called `{}`", d.desc),
@@ -347,8 +345,13 @@ impl ThreadComm {
             .validate(n)
             .and_then(|()| self.deposit_of(&call))
             .and_then(|d| check_recv_on_host(&call).map(|()| d));
-        let data = self.shared.exchange(self.rank, desc, deposit)?;
-        self.write_output(call, &data)
+        // A rank whose own arguments are wrong reports its own error; the others report it as a peer's.
+        let own_error = deposit.as_ref().err().cloned();
+        let data = self.shared.exchange(self.rank, desc, deposit);
+        if let Some(e) = own_error {
+            return Err(e);
+        }
+        self.write_output(call, &data?)
     }
 
     /// The copy of this rank's input that the other ranks need.
@@ -389,7 +392,9 @@ impl ThreadComm {
             | Collective::ReduceScatter { recv, .. }
             | Collective::AllReduce { recv, .. }
             | Collective::Broadcast { recv, .. } => recv,
-            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => buf,
+            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
+                buf
+            }
         };
         let plan = Plan {
             kind,
