@@ -34,7 +34,7 @@
 //! See `docs/kernels-gemm-adam.md`.
 
 use crate::blaslt;
-use crate::{Buffer, DType, Device, Element, KernelError};
+use crate::{Buffer, DType, Device, FloatElement, KernelError};
 use fp8_core::Fp8Format;
 use half::bf16;
 use rayon::prelude::*;
@@ -237,31 +237,11 @@ pub struct Fp8Matrix<'a> {
     pub scale_inv: DeviceScalar<'a>,
 }
 
-/// Output element types of GEMMs: f32 or bf16.
-pub trait GemmOutput: Element + Copy {
-    /// Rounds an f32 to this type (round to nearest even).
-    fn from_f32(x: f32) -> Self;
-    /// Widens to f32 (exact).
-    fn to_f32(self) -> f32;
-}
+/// Element types GEMMs read and write besides FP8: f32 or bf16 (conversions from [`FloatElement`]).
+pub trait GemmOutput: FloatElement {}
 
-impl GemmOutput for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl GemmOutput for bf16 {
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-}
+impl GemmOutput for f32 {}
+impl GemmOutput for bf16 {}
 
 /// Below this many elements a conversion runs on the calling thread.
 const PAR_MIN: usize = 1 << 16;
@@ -406,6 +386,37 @@ pub fn gemm_bf16<O: GemmOutput>(
             let what = "gemm_bf16";
             let (a32, b32) = (widen(a.host(what)?), widen(b.host(what)?));
             gemm_into_host(spec, &a32, &b32, c.host_mut(what)?)
+        }
+        Device::Cuda(dev) => blaslt::gemm_float(&dev, spec, a, b, c),
+    }
+}
+
+/// GEMM on f32 or bf16 inputs `T` into an f32 or bf16 output `O`, f32 accumulation: [`gemm_f32`] or
+/// [`gemm_bf16`] chosen by type. F32 inputs need an f32 output (cuBLASLt has no f32 x f32 -> bf16).
+pub fn gemm<T: GemmOutput, O: GemmOutput>(
+    spec: &GemmSpec,
+    a: &Buffer<T>,
+    b: &Buffer<T>,
+    c: &mut Buffer<O>,
+) -> Result<(), KernelError> {
+    spec.check(a.len(), b.len(), c.len())?;
+    if T::DTYPE == DType::F32 && O::DTYPE != DType::F32 {
+        return Err(KernelError::InvalidArgument {
+            what: "gemm",
+            detail: format!("f32 inputs need an f32 output, not {}", O::DTYPE),
+        });
+    }
+    match c.device() {
+        Device::Cpu => {
+            let what = "gemm";
+            let (ah, bh) = (a.host(what)?, b.host(what)?);
+            if T::DTYPE == DType::F32 {
+                let (a32, b32): (&[f32], &[f32]) =
+                    (bytemuck::cast_slice(ah), bytemuck::cast_slice(bh));
+                gemm_into_host(spec, a32, b32, c.host_mut(what)?)
+            } else {
+                gemm_into_host(spec, &widen(ah), &widen(bh), c.host_mut(what)?)
+            }
         }
         Device::Cuda(dev) => blaslt::gemm_float(&dev, spec, a, b, c),
     }
