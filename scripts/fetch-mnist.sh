@@ -23,7 +23,7 @@ dest=""
 for arg in "$@"; do
     case "$arg" in
         --gzip) gzip_flag="--gzip" ;;
-        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         -*) echo "fetch-mnist: unknown option $arg (see --help)" >&2; exit 2 ;;
         *)
             if [[ -n "$dest" ]]; then echo "fetch-mnist: more than one DEST given" >&2; exit 2; fi
@@ -31,8 +31,11 @@ for arg in "$@"; do
     esac
 done
 dest="${dest:-$repo_root/data/mnist}"
-mkdir -p "$dest"
-dest="$(cd "$dest" && pwd)"
+# Absolute, because cargo runs the converter from the repository; created only once there is data.
+case "$dest" in
+    /*) ;;
+    *) dest="$PWD/$dest" ;;
+esac
 
 have_all=1
 for name in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte; do
