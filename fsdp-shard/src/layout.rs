@@ -1,0 +1,346 @@
+//! How a model's parameters are grouped into flat-parameter units and split into equal shards.
+//!
+//! A model declares its parameters ([`ParamSpec`]) in order; a [`WrapPolicy`] groups them into units. Within a
+//! unit, parameters of the same storage group ([`ParamGroup`]: FP8 linear weights, or plain F32 tensors) are laid
+//! end to end in one flat buffer, each starting at a multiple of [`ALIGN`] elements. The buffer is padded to a
+//! multiple of `ALIGN * world_size` so every rank's shard has the same length and starts aligned. Offsets do
+//! not depend on the world size (only the tail padding does), which makes resharding a matter of
+//! concatenating shards and cutting them again.
+
+use crate::ShardError;
+use serde::{Deserialize, Serialize};
+
+/// Every parameter starts at a multiple of this many elements (cuBLASLt and 16-byte vector loads need it).
+pub const ALIGN: usize = 16;
+
+/// What kind of parameter this is, which decides its storage group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ParamKind {
+    /// The weight of an FP8 linear layer: gathered as FP8 E4M3 (one byte per element), one `ScalingMeta` each.
+    Fp8Weight,
+    /// Any other parameter (bias, convolution kernel, BF16/F32 linear weight): gathered as F32.
+    Plain,
+}
+
+/// The flat buffers of a unit: one per storage dtype, since a collective moves one dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ParamGroup {
+    /// FP8 weights (bytes on the wire, F32 gradients).
+    Fp8,
+    /// Plain F32 parameters.
+    Plain,
+}
+
+impl ParamGroup {
+    /// Both groups, in a fixed order.
+    pub const ALL: [ParamGroup; 2] = [ParamGroup::Fp8, ParamGroup::Plain];
+
+    /// Short name used in checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            ParamGroup::Fp8 => "fp8",
+            ParamGroup::Plain => "plain",
+        }
+    }
+}
+
+impl ParamKind {
+    /// The storage group of this kind.
+    pub fn group(self) -> ParamGroup {
+        match self {
+            ParamKind::Fp8Weight => ParamGroup::Fp8,
+            ParamKind::Plain => ParamGroup::Plain,
+        }
+    }
+}
+
+/// One parameter of a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamSpec {
+    /// Unique name, e.g. `fc1.weight`.
+    pub name: String,
+    /// The module (layer) it belongs to, e.g. `fc1`; wrap policies group by module.
+    pub module: String,
+    /// Shape (row-major). FP8 weights are `[out_features, in_features]`.
+    pub shape: Vec<usize>,
+    /// Kind, which decides the storage group.
+    pub kind: ParamKind,
+}
+
+impl ParamSpec {
+    /// A parameter of `module` named `module.local`.
+    pub fn new(module: &str, local: &str, shape: &[usize], kind: ParamKind) -> Self {
+        ParamSpec {
+            name: format!("{module}.{local}"),
+            module: module.to_string(),
+            shape: shape.to_vec(),
+            kind,
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// How parameters are grouped into units.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WrapPolicy {
+    /// Every module is its own unit.
+    PerModule,
+    /// Modules with at least this many parameters get their own unit; the rest share one root unit (placed
+    /// first), like PyTorch's `size_based_auto_wrap_policy`.
+    MinParams(usize),
+    /// One unit for the whole model.
+    Single,
+}
+
+/// Where one parameter sits in its group's flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamSlot {
+    /// Index into the model's parameter list.
+    pub param: usize,
+    /// Offset in elements (a multiple of [`ALIGN`]).
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+/// One flat buffer of a unit: its parameters and its unpadded length.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupLayout {
+    /// The storage group.
+    pub group: ParamGroup,
+    /// Parameters in buffer order.
+    pub slots: Vec<ParamSlot>,
+    /// End of the last parameter, rounded up to [`ALIGN`].
+    pub len: usize,
+}
+
+impl GroupLayout {
+    /// Buffer length padded so `world_size` equal shards each start at a multiple of [`ALIGN`].
+    pub fn padded_len(&self, world_size: usize) -> usize {
+        let q = ALIGN * world_size.max(1);
+        self.len.div_ceil(q) * q
+    }
+
+    /// Elements per rank.
+    pub fn shard_len(&self, world_size: usize) -> usize {
+        self.padded_len(world_size) / world_size.max(1)
+    }
+
+    /// The `[start, end)` range of the flat buffer that `rank` holds.
+    pub fn shard_range(&self, rank: usize, world_size: usize) -> std::ops::Range<usize> {
+        let s = self.shard_len(world_size);
+        rank * s..(rank + 1) * s
+    }
+
+    /// Whether the group holds no parameter.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
+/// A unit: a set of parameters gathered, computed with and freed together.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitLayout {
+    /// Unit name (the module name, or `root`).
+    pub name: String,
+    /// The FP8 group and the plain group, in [`ParamGroup::ALL`] order.
+    pub groups: [GroupLayout; 2],
+}
+
+impl UnitLayout {
+    /// The layout of one group.
+    pub fn group(&self, g: ParamGroup) -> &GroupLayout {
+        &self.groups[g as usize]
+    }
+
+    /// Finds a parameter's group and slot.
+    pub fn find(&self, param: usize) -> Option<(ParamGroup, &ParamSlot)> {
+        ParamGroup::ALL.into_iter().find_map(|g| {
+            self.group(g)
+                .slots
+                .iter()
+                .find(|s| s.param == param)
+                .map(|s| (g, s))
+        })
+    }
+}
+
+/// The whole model's layout: parameters and units. Identical on every rank and independent of the world size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelLayout {
+    /// Parameters in declaration order.
+    pub params: Vec<ParamSpec>,
+    /// Units in execution order.
+    pub units: Vec<UnitLayout>,
+}
+
+impl ModelLayout {
+    /// Groups `params` into units by `policy`. Names must be unique and shapes non-empty in rank.
+    pub fn new(params: Vec<ParamSpec>, policy: &WrapPolicy) -> Result<Self, ShardError> {
+        for (i, p) in params.iter().enumerate() {
+            if p.shape.is_empty() {
+                return Err(ShardError::InvalidModel(format!(
+                    "parameter {} has an empty shape",
+                    p.name
+                )));
+            }
+            if params[..i].iter().any(|q| q.name == p.name) {
+                return Err(ShardError::InvalidModel(format!(
+                    "parameter name {} appears twice",
+                    p.name
+                )));
+            }
+            if p.kind == ParamKind::Fp8Weight && p.shape.len() != 2 {
+                return Err(ShardError::InvalidModel(format!(
+                    "FP8 weight {} must be 2-D [out, in], got shape {:?}",
+                    p.name, p.shape
+                )));
+            }
+        }
+        // Modules in first-appearance order, with their parameter indices.
+        let mut modules: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            match modules.iter_mut().find(|(m, _)| *m == p.module) {
+                Some((_, v)) => v.push(i),
+                None => modules.push((p.module.clone(), vec![i])),
+            }
+        }
+        let mut unit_params: Vec<(String, Vec<usize>)> = Vec::new();
+        match policy {
+            WrapPolicy::PerModule => unit_params = modules,
+            WrapPolicy::Single => {
+                unit_params.push(("root".into(), (0..params.len()).collect()));
+            }
+            WrapPolicy::MinParams(min) => {
+                let mut root = Vec::new();
+                for (m, idx) in modules {
+                    let count: usize = idx.iter().map(|&i| params[i].numel()).sum();
+                    if count >= *min {
+                        unit_params.push((m, idx));
+                    } else {
+                        root.extend(idx);
+                    }
+                }
+                if !root.is_empty() {
+                    root.sort_unstable();
+                    unit_params.insert(0, ("root".into(), root));
+                }
+            }
+        }
+        let units = unit_params
+            .into_iter()
+            .map(|(name, idx)| {
+                let groups = ParamGroup::ALL.map(|g| {
+                    let mut offset = 0;
+                    let mut slots = Vec::new();
+                    for &i in idx.iter().filter(|&&i| params[i].kind.group() == g) {
+                        let numel = params[i].numel();
+                        slots.push(ParamSlot {
+                            param: i,
+                            offset,
+                            numel,
+                        });
+                        offset += numel.div_ceil(ALIGN) * ALIGN;
+                    }
+                    GroupLayout {
+                        group: g,
+                        slots,
+                        len: offset,
+                    }
+                });
+                UnitLayout { name, groups }
+            })
+            .collect();
+        Ok(ModelLayout { params, units })
+    }
+
+    /// Index of the parameter named `name`.
+    pub fn param_index(&self, name: &str) -> Option<usize> {
+        self.params.iter().position(|p| p.name == name)
+    }
+
+    /// The unit index, group and slot of parameter `param`.
+    pub fn locate(&self, param: usize) -> Option<(usize, ParamGroup, &ParamSlot)> {
+        self.units
+            .iter()
+            .enumerate()
+            .find_map(|(u, unit)| unit.find(param).map(|(g, s)| (u, g, s)))
+    }
+
+    /// Total parameter count (unpadded).
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(ParamSpec::numel).sum()
+    }
+}
+
+/// Copies `full` (a group's unpadded or padded flat data) into `out`, padded to `padded_len` with zeros.
+pub fn pad_to<T: Copy + Default>(full: &[T], padded_len: usize) -> Vec<T> {
+    let mut v = vec![T::default(); padded_len];
+    let n = full.len().min(padded_len);
+    v[..n].copy_from_slice(&full[..n]);
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mnist_params() -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("conv1", "weight", &[32, 1, 3, 3], ParamKind::Plain),
+            ParamSpec::new("conv1", "bias", &[32], ParamKind::Plain),
+            ParamSpec::new("conv2", "weight", &[64, 32, 3, 3], ParamKind::Plain),
+            ParamSpec::new("conv2", "bias", &[64], ParamKind::Plain),
+            ParamSpec::new("fc1", "weight", &[128, 9216], ParamKind::Fp8Weight),
+            ParamSpec::new("fc1", "bias", &[128], ParamKind::Plain),
+            ParamSpec::new("fc2", "weight", &[10, 128], ParamKind::Fp8Weight),
+            ParamSpec::new("fc2", "bias", &[10], ParamKind::Plain),
+        ]
+    }
+
+    #[test]
+    fn min_params_policy_matches_the_reference_wrapping() {
+        let l = ModelLayout::new(mnist_params(), &WrapPolicy::MinParams(20000)).unwrap();
+        assert_eq!(l.units.len(), 2);
+        assert_eq!(l.units[0].name, "root");
+        assert_eq!(l.units[1].name, "fc1");
+        let root = &l.units[0];
+        // conv1 w, conv1 b, conv2 w, conv2 b, fc2 b in the plain group; fc2 w in the FP8 group.
+        let plain: Vec<usize> = root
+            .group(ParamGroup::Plain)
+            .slots
+            .iter()
+            .map(|s| s.param)
+            .collect();
+        assert_eq!(plain, vec![0, 1, 2, 3, 7]);
+        assert_eq!(root.group(ParamGroup::Fp8).slots[0].param, 6);
+        for u in &l.units {
+            for g in &u.groups {
+                for s in &g.slots {
+                    assert_eq!(s.offset % ALIGN, 0);
+                }
+                for ws in [1, 2, 3, 4, 8] {
+                    assert_eq!(g.padded_len(ws) % (ALIGN * ws), 0);
+                    assert!(g.padded_len(ws) >= g.len);
+                    assert_eq!(g.shard_len(ws) * ws, g.padded_len(ws));
+                }
+            }
+        }
+        assert_eq!(l.numel(), 1_199_882);
+    }
+
+    #[test]
+    fn bad_models_are_errors() {
+        let mut p = mnist_params();
+        p.push(ParamSpec::new("fc2", "bias", &[10], ParamKind::Plain));
+        assert!(ModelLayout::new(p, &WrapPolicy::PerModule).is_err());
+        let p = vec![ParamSpec::new("x", "w", &[2, 3, 4], ParamKind::Fp8Weight)];
+        assert!(ModelLayout::new(p, &WrapPolicy::PerModule).is_err());
+        let p = vec![ParamSpec::new("x", "w", &[], ParamKind::Plain)];
+        assert!(ModelLayout::new(p, &WrapPolicy::PerModule).is_err());
+    }
+}

@@ -1,0 +1,588 @@
+//! [`ShardedModel`]: one rank's share of every unit, and the gather / reduce lifecycle.
+//!
+//! Per unit and rank it holds:
+//! - the FP8 weight shard (`Buffer<u8>`, E4M3 codes) and the plain parameter shard (`Buffer<f32>`, which is
+//!   also the master copy of plain parameters);
+//! - for every FP8 weight of the unit, its scale and inverse scale in a small buffer on the device
+//!   ([`UnitShards::weight_scales`]: `[scale_0, scale_inv_0, scale_1, scale_inv_1, ...]`), identical on every
+//!   rank because it is computed from an all-reduced amax;
+//! - the reduced gradient shards of both groups (F32 accumulators, so micro-batches add up exactly);
+//! - while gathered: the full flat buffers and each parameter cut out of them.
+//!
+//! Master weights of FP8 parameters are not here: the optimizer owns them, once.
+
+use crate::grad::{GradReducer, GradReduction};
+use crate::layout::{ModelLayout, ParamGroup, ParamKind};
+use crate::memory::MemoryReport;
+use crate::ShardError;
+use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
+use fp8_kernels::{Buffer, Device};
+use fsdp_comm::{Communicator, RecvBuf, SendBuf};
+use std::sync::Arc;
+
+/// Options of a sharded model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FsdpConfig {
+    /// Free the gathered parameters after forward and gather again for backward (ZeRO-3, the default);
+    /// `false` keeps them until the unit's gradients are reduced (ZeRO-2-like: more memory, one gather less).
+    pub reshard_after_forward: bool,
+    /// How gradients are reduced across ranks.
+    pub grad_reduction: GradReduction,
+    /// Margin of the weights' current scaling (scale divided by `2^margin`).
+    pub weight_margin: i32,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            reshard_after_forward: true,
+            grad_reduction: GradReduction::F32,
+            weight_margin: 0,
+        }
+    }
+}
+
+/// A parameter cut out of a gathered unit.
+#[derive(Debug)]
+pub enum GatheredParam {
+    /// An FP8 weight: E4M3 codes `[out, in]` (row-major) and its scale pair (`[scale, scale_inv]`, on the
+    /// device, for GEMM scale pointers).
+    Fp8 {
+        /// E4M3 codes.
+        codes: Buffer<u8>,
+        /// `[scale, scale_inv]`.
+        scales: Buffer<f32>,
+    },
+    /// A plain F32 parameter.
+    Plain(Buffer<f32>),
+}
+
+/// One unit's shards on this rank.
+#[derive(Debug)]
+pub struct UnitShards {
+    /// This rank's E4M3 codes of the unit's FP8 weights (padded flat layout).
+    pub fp8: Buffer<u8>,
+    /// This rank's plain parameters (padded flat layout); the master copy of plain parameters.
+    pub plain: Buffer<f32>,
+    /// `[scale, scale_inv]` of every FP8 weight of the unit, in slot order.
+    pub weight_scales: Buffer<f32>,
+    /// Reduced gradient shards of the FP8 group and the plain group (F32).
+    pub grads: [Buffer<f32>; 2],
+    /// Full flat gradients of the current backward, before reduction.
+    full_grads: [Option<Buffer<f32>>; 2],
+    /// Parameters of the gathered unit, by model parameter index.
+    gathered: Option<Vec<(usize, GatheredParam)>>,
+}
+
+/// One rank's share of a model.
+pub struct ShardedModel {
+    layout: Arc<ModelLayout>,
+    comm: Arc<dyn Communicator>,
+    device: Device,
+    config: FsdpConfig,
+    units: Vec<UnitShards>,
+    reducer: GradReducer,
+    /// When false, gradients stay in the full buffers across micro-batches (no-sync accumulation).
+    sync_grads: bool,
+    peak_gathered_bytes: usize,
+}
+
+impl std::fmt::Debug for ShardedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedModel")
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .field("units", &self.units.len())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl ShardedModel {
+    /// Shards a model whose full initial values are given by `init(param_index)` (row-major f32, the same on
+    /// every rank, e.g. from a seeded initializer). FP8 weights are cast with current scaling from their
+    /// amax; the returned vector holds, per unit, this rank's F32 master shard of the FP8 group (for the
+    /// optimizer, which owns FP8 masters).
+    pub fn new(
+        layout: Arc<ModelLayout>,
+        comm: Arc<dyn Communicator>,
+        config: FsdpConfig,
+        init: &dyn Fn(usize) -> Vec<f32>,
+    ) -> Result<(Self, Vec<Vec<f32>>), ShardError> {
+        let device = comm.device().clone();
+        let (rank, ws) = (comm.rank(), comm.world_size());
+        let mut units = Vec::with_capacity(layout.units.len());
+        let mut masters = Vec::with_capacity(layout.units.len());
+        for unit in &layout.units {
+            let mut full = [
+                vec![0f32; unit.group(ParamGroup::Fp8).padded_len(ws)],
+                vec![0f32; unit.group(ParamGroup::Plain).padded_len(ws)],
+            ];
+            for g in ParamGroup::ALL {
+                for slot in &unit.group(g).slots {
+                    let values = init(slot.param);
+                    if values.len() != slot.numel {
+                        return Err(ShardError::InvalidArgument(format!(
+                            "initial values of {} have {} elements, its shape needs {}",
+                            layout.params[slot.param].name,
+                            values.len(),
+                            slot.numel
+                        )));
+                    }
+                    full[g as usize][slot.offset..slot.offset + slot.numel]
+                        .copy_from_slice(&values);
+                }
+            }
+            let fp8_group = unit.group(ParamGroup::Fp8);
+            let mut scales = Vec::with_capacity(fp8_group.slots.len() * 2);
+            let mut codes_full = vec![0u8; fp8_group.padded_len(ws)];
+            for slot in &fp8_group.slots {
+                let values = &full[0][slot.offset..slot.offset + slot.numel];
+                let amax = fp8_core::amax_f32(values);
+                let s = compute_scale(
+                    amax,
+                    Fp8Format::E4M3.max(),
+                    config.weight_margin,
+                    ScaleRounding::PowerOfTwo,
+                    1.0,
+                );
+                Fp8Format::E4M3.encode_scaled(
+                    values,
+                    s,
+                    &mut codes_full[slot.offset..slot.offset + slot.numel],
+                )?;
+                scales.extend([s, 1.0 / s]);
+            }
+            let r8 = fp8_group.shard_range(rank, ws);
+            let rp = unit.group(ParamGroup::Plain).shard_range(rank, ws);
+            masters.push(full[0][r8.clone()].to_vec());
+            let grads = [
+                device.zeros::<f32>(r8.len())?,
+                device.zeros::<f32>(rp.len())?,
+            ];
+            units.push(UnitShards {
+                fp8: device.upload(&codes_full[r8])?,
+                plain: device.upload(&full[1][rp])?,
+                weight_scales: device.upload(&scales)?,
+                grads,
+                full_grads: [None, None],
+                gathered: None,
+            });
+        }
+        let reducer = GradReducer::new(config.grad_reduction, &device);
+        Ok((
+            ShardedModel {
+                layout,
+                comm,
+                device,
+                config,
+                units,
+                reducer,
+                sync_grads: true,
+                peak_gathered_bytes: 0,
+            },
+            masters,
+        ))
+    }
+
+    /// The model layout.
+    pub fn layout(&self) -> &Arc<ModelLayout> {
+        &self.layout
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.config
+    }
+
+    /// Number of units.
+    pub fn num_units(&self) -> usize {
+        self.units.len()
+    }
+
+    /// This rank's shards of unit `u`.
+    pub fn unit(&self, u: usize) -> Result<&UnitShards, ShardError> {
+        self.units
+            .get(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))
+    }
+
+    /// This rank's shards of unit `u`, mutable (for optimizers).
+    pub fn unit_mut(&mut self, u: usize) -> Result<&mut UnitShards, ShardError> {
+        self.units
+            .get_mut(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))
+    }
+
+    /// All-gathers unit `u` and cuts its parameters out (no-op if already gathered).
+    pub fn gather(&mut self, u: usize) -> Result<(), ShardError> {
+        let ws = self.comm.world_size();
+        let layout = self.layout.clone();
+        let unit_layout = layout
+            .units
+            .get(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
+        let shards = &self.units[u];
+        if shards.gathered.is_some() {
+            return Ok(());
+        }
+        let g8 = unit_layout.group(ParamGroup::Fp8);
+        let gp = unit_layout.group(ParamGroup::Plain);
+        let mut params = Vec::new();
+        let mut bytes = 0;
+        if !g8.is_empty() {
+            let mut full = self.device.zeros::<u8>(g8.padded_len(ws))?;
+            self.comm.all_gather(
+                SendBuf::fp8(&shards.fp8, Fp8Format::E4M3),
+                RecvBuf::Fp8(&mut full, Fp8Format::E4M3),
+            )?;
+            bytes += full.num_bytes();
+            for (i, slot) in g8.slots.iter().enumerate() {
+                let mut codes = self.device.zeros::<u8>(slot.numel)?;
+                codes.copy_range_from(0, &full, slot.offset, slot.numel)?;
+                let mut scales = self.device.zeros::<f32>(2)?;
+                scales.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
+                bytes += codes.num_bytes() + scales.num_bytes();
+                params.push((slot.param, GatheredParam::Fp8 { codes, scales }));
+            }
+        }
+        if !gp.is_empty() {
+            let mut full = self.device.zeros::<f32>(gp.padded_len(ws))?;
+            self.comm
+                .all_gather((&shards.plain).into(), (&mut full).into())?;
+            bytes += full.num_bytes();
+            for slot in &gp.slots {
+                let mut p = self.device.zeros::<f32>(slot.numel)?;
+                p.copy_range_from(0, &full, slot.offset, slot.numel)?;
+                bytes += p.num_bytes();
+                params.push((slot.param, GatheredParam::Plain(p)));
+            }
+        }
+        // During the gather the flat buffers and the cut parameters coexist: that is the peak.
+        let held = self.gathered_bytes() + bytes;
+        self.peak_gathered_bytes = self.peak_gathered_bytes.max(held);
+        self.units[u].gathered = Some(params);
+        Ok(())
+    }
+
+    /// Frees unit `u`'s gathered parameters.
+    pub fn release(&mut self, u: usize) -> Result<(), ShardError> {
+        self.unit_mut(u)?.gathered = None;
+        Ok(())
+    }
+
+    /// Frees after forward if the configuration says so (ZeRO-3); keeps otherwise.
+    pub fn release_after_forward(&mut self, u: usize) -> Result<(), ShardError> {
+        if self.config.reshard_after_forward {
+            self.release(u)?;
+        }
+        Ok(())
+    }
+
+    /// Whether unit `u` is gathered.
+    pub fn is_gathered(&self, u: usize) -> bool {
+        self.units.get(u).is_some_and(|s| s.gathered.is_some())
+    }
+
+    /// The gathered parameter `param` (its unit must be gathered).
+    pub fn param(&self, param: usize) -> Result<&GatheredParam, ShardError> {
+        let (u, _, _) = self.layout.locate(param).ok_or_else(|| {
+            ShardError::InvalidArgument(format!("no parameter with index {param}"))
+        })?;
+        let gathered = self.units[u].gathered.as_ref().ok_or_else(|| {
+            ShardError::State(format!(
+                "parameter {} used while its unit {} is not gathered",
+                self.layout.params[param].name, self.layout.units[u].name
+            ))
+        })?;
+        gathered
+            .iter()
+            .find(|(p, _)| *p == param)
+            .map(|(_, g)| g)
+            .ok_or_else(|| ShardError::State(format!("parameter {param} missing from its unit")))
+    }
+
+    /// The gathered plain parameter named `name`.
+    pub fn plain(&self, name: &str) -> Result<&Buffer<f32>, ShardError> {
+        match self.param(self.index(name)?)? {
+            GatheredParam::Plain(b) => Ok(b),
+            GatheredParam::Fp8 { .. } => Err(ShardError::InvalidArgument(format!(
+                "{name} is an FP8 weight, not a plain parameter"
+            ))),
+        }
+    }
+
+    /// The gathered FP8 weight named `name`: its E4M3 codes and `[scale, scale_inv]`.
+    pub fn fp8_weight(&self, name: &str) -> Result<(&Buffer<u8>, &Buffer<f32>), ShardError> {
+        match self.param(self.index(name)?)? {
+            GatheredParam::Fp8 { codes, scales } => Ok((codes, scales)),
+            GatheredParam::Plain(_) => Err(ShardError::InvalidArgument(format!(
+                "{name} is a plain parameter, not an FP8 weight"
+            ))),
+        }
+    }
+
+    /// Index of the parameter named `name`.
+    pub fn index(&self, name: &str) -> Result<usize, ShardError> {
+        self.layout
+            .param_index(name)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no parameter named {name}")))
+    }
+
+    /// Adds a full gradient of parameter `name` (from this rank's backward) into the unit's flat gradient.
+    pub fn add_grad(&mut self, name: &str, grad: &Buffer<f32>) -> Result<(), ShardError> {
+        let param = self.index(name)?;
+        let ws = self.comm.world_size();
+        let (u, g, slot) = self
+            .layout
+            .locate(param)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("{name} is in no unit")))?;
+        let (offset, numel) = (slot.offset, slot.numel);
+        if grad.len() != numel {
+            return Err(ShardError::InvalidArgument(format!(
+                "gradient of {name} has {} elements, the parameter {}",
+                grad.len(),
+                numel
+            )));
+        }
+        let padded = self.layout.units[u].group(g).padded_len(ws);
+        let device = self.device.clone();
+        let slot_buf = &mut self.units[u].full_grads[g as usize];
+        let full = match slot_buf {
+            Some(b) => b,
+            None => slot_buf.insert(device.zeros::<f32>(padded)?),
+        };
+        crate::grad::add_into_range(full, offset, grad)?;
+        Ok(())
+    }
+
+    /// Whether gradients are reduced at [`ShardedModel::reduce_grads`] (true) or kept in the full buffers
+    /// across micro-batches (no-sync accumulation: less communication, more memory).
+    pub fn set_grad_sync(&mut self, sync: bool) {
+        self.sync_grads = sync;
+    }
+
+    /// Reduce-scatters unit `u`'s full gradients into this rank's gradient shards (adding to what they hold)
+    /// and frees the full buffers. In no-sync mode it only keeps them for the next micro-batch.
+    pub fn reduce_grads(&mut self, u: usize) -> Result<(), ShardError> {
+        if !self.sync_grads {
+            return Ok(());
+        }
+        let shards = self
+            .units
+            .get_mut(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
+        for g in ParamGroup::ALL {
+            if let Some(full) = shards.full_grads[g as usize].take() {
+                // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
+                let mode = if g == ParamGroup::Fp8 {
+                    self.config.grad_reduction
+                } else {
+                    GradReduction::F32
+                };
+                self.reducer.reduce_scatter_add(
+                    self.comm.as_ref(),
+                    mode,
+                    &full,
+                    &mut shards.grads[g as usize],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes the gradient shards (after an optimizer step).
+    pub fn zero_grads(&mut self) -> Result<(), ShardError> {
+        for s in &mut self.units {
+            for g in &mut s.grads {
+                g.fill_zero()?;
+            }
+            s.full_grads = [None, None];
+        }
+        Ok(())
+    }
+
+    /// Whether a parameter is an FP8 weight.
+    pub fn is_fp8(&self, param: usize) -> bool {
+        self.layout
+            .params
+            .get(param)
+            .is_some_and(|p| p.kind == ParamKind::Fp8Weight)
+    }
+
+    fn gathered_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .filter_map(|s| s.gathered.as_ref())
+            .flat_map(|v| v.iter())
+            .map(|(_, p)| match p {
+                GatheredParam::Fp8 { codes, scales } => codes.num_bytes() + scales.num_bytes(),
+                GatheredParam::Plain(b) => b.num_bytes(),
+            })
+            .sum()
+    }
+
+    /// Bytes held by this rank, by category (optimizer states are added by the optimizer).
+    pub fn memory(&self) -> Result<MemoryReport, ShardError> {
+        let mut r = MemoryReport::default();
+        for s in &self.units {
+            r.fp8_weight_shards += s.fp8.num_bytes() + s.weight_scales.num_bytes();
+            r.plain_param_shards += s.plain.num_bytes();
+            r.grad_shards += s.grads.iter().map(Buffer::num_bytes).sum::<usize>();
+            r.full_grads += s
+                .full_grads
+                .iter()
+                .flatten()
+                .map(Buffer::num_bytes)
+                .sum::<usize>();
+        }
+        r.gathered = self.gathered_bytes();
+        r.peak_gathered = self.peak_gathered_bytes;
+        r.device_used = self.device.memory_used()?;
+        Ok(r)
+    }
+
+    /// Per unit, the `(slot index, local range)` pieces of this rank's FP8 shard: which part of the shard
+    /// holds which FP8 weight. Ranks whose shard misses a weight get no piece for it.
+    pub fn fp8_segments(
+        &self,
+        u: usize,
+    ) -> Result<Vec<(usize, std::ops::Range<usize>)>, ShardError> {
+        let unit = self
+            .layout
+            .units
+            .get(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
+        let g = unit.group(ParamGroup::Fp8);
+        let r = g.shard_range(self.comm.rank(), self.comm.world_size());
+        Ok(g.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let start = s.offset.max(r.start);
+                let end = (s.offset + s.numel).min(r.end);
+                (start < end).then(|| (i, start - r.start..end - r.start))
+            })
+            .collect())
+    }
+
+    /// Number of FP8 weights of every unit, in order (the length of the amax vector of
+    /// [`ShardedModel::update_fp8_weights`]).
+    pub fn fp8_counts(&self) -> Vec<usize> {
+        self.layout
+            .units
+            .iter()
+            .map(|u| u.group(ParamGroup::Fp8).slots.len())
+            .collect()
+    }
+
+    /// Re-quantizes every FP8 weight shard from the optimizer's new F32 master shards (one per unit, in the
+    /// FP8 group's shard layout), with current scaling: local amax per weight, ONE all-reduce(MAX) of the
+    /// vector of all weights' amaxes across ranks, new scales (identical on every rank), cast.
+    ///
+    /// `local_amaxes`, when given, are the per-weight amaxes of this rank's masters already computed by the
+    /// optimizer's fused pass (flattened over units in slot order), which saves a pass over the masters.
+    pub fn update_fp8_weights(
+        &mut self,
+        masters: &[&[f32]],
+        local_amaxes: Option<&[f32]>,
+    ) -> Result<(), ShardError> {
+        let counts = self.fp8_counts();
+        let total: usize = counts.iter().sum();
+        if masters.len() != self.units.len() {
+            return Err(ShardError::InvalidArgument(format!(
+                "{} master shards given for {} units",
+                masters.len(),
+                self.units.len()
+            )));
+        }
+        let mut amaxes = vec![0f32; total];
+        let mut base = 0;
+        let mut segments = Vec::with_capacity(self.units.len());
+        for (u, m) in masters.iter().enumerate() {
+            if m.len() != self.units[u].fp8.len() {
+                return Err(ShardError::InvalidArgument(format!(
+                    "unit {u}: master shard has {} elements, the FP8 shard {}",
+                    m.len(),
+                    self.units[u].fp8.len()
+                )));
+            }
+            let segs = self.fp8_segments(u)?;
+            if local_amaxes.is_none() {
+                for (i, r) in &segs {
+                    amaxes[base + i] = fp8_core::amax_f32(&m[r.clone()]);
+                }
+            }
+            segments.push(segs);
+            base += counts[u];
+        }
+        if let Some(given) = local_amaxes {
+            if given.len() != total {
+                return Err(ShardError::InvalidArgument(format!(
+                    "{} local amaxes given for {total} FP8 weights",
+                    given.len()
+                )));
+            }
+            amaxes.copy_from_slice(given);
+        }
+        if total > 0 {
+            self.comm
+                .all_reduce_host_f32(&mut amaxes, fsdp_comm::ReduceOp::Max)?;
+        }
+        let mut base = 0;
+        for (u, segs) in segments.into_iter().enumerate() {
+            let mut scales = self.units[u].weight_scales.to_vec()?;
+            let mut codes = self.units[u].fp8.to_vec()?;
+            for i in 0..counts[u] {
+                let s = compute_scale(
+                    amaxes[base + i],
+                    Fp8Format::E4M3.max(),
+                    self.config.weight_margin,
+                    ScaleRounding::PowerOfTwo,
+                    scales[2 * i],
+                );
+                scales[2 * i] = s;
+                scales[2 * i + 1] = 1.0 / s;
+            }
+            for (i, r) in segs {
+                Fp8Format::E4M3.encode_scaled(
+                    &masters[u][r.clone()],
+                    scales[2 * i],
+                    &mut codes[r],
+                )?;
+            }
+            self.units[u].weight_scales.copy_from_host(&scales)?;
+            self.units[u].fp8.copy_from_host(&codes)?;
+            base += counts[u];
+        }
+        Ok(())
+    }
+
+    /// Non-finite gradient values seen by FP8 gradient casts since the last call (they cannot be seen in
+    /// the reduced shards, because the cast saturates infinities).
+    pub fn take_nonfinite_before_cast(&mut self) -> u64 {
+        self.reducer.take_nonfinite()
+    }
+
+    /// Current scale pairs of every FP8 weight, by parameter index (reads the device buffers).
+    pub fn weight_scales(&self) -> Result<Vec<(usize, f32, f32)>, ShardError> {
+        let mut out = Vec::new();
+        for (unit, s) in self.layout.units.iter().zip(&self.units) {
+            let v = s.weight_scales.to_vec()?;
+            for (i, slot) in unit.group(ParamGroup::Fp8).slots.iter().enumerate() {
+                out.push((slot.param, v[2 * i], v[2 * i + 1]));
+            }
+        }
+        Ok(out)
+    }
+}
