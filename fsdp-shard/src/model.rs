@@ -486,19 +486,7 @@ impl ShardedModel {
             .collect()
     }
 
-    /// Re-quantizes every FP8 weight shard from the optimizer's new F32 master shards (one per unit, in the
-    /// FP8 group's shard layout), with current scaling: local amax per weight, ONE all-reduce(MAX) of the
-    /// vector of all weights' amaxes across ranks, new scales (identical on every rank), cast.
-    ///
-    /// `local_amaxes`, when given, are the per-weight amaxes of this rank's masters already computed by the
-    /// optimizer's fused pass (flattened over units in slot order), which saves a pass over the masters.
-    pub fn update_fp8_weights(
-        &mut self,
-        masters: &[&[f32]],
-        local_amaxes: Option<&[f32]>,
-    ) -> Result<(), ShardError> {
-        let counts = self.fp8_counts();
-        let total: usize = counts.iter().sum();
+    fn check_masters(&self, masters: &[&Buffer<f32>]) -> Result<(), ShardError> {
         if masters.len() != self.units.len() {
             return Err(ShardError::InvalidArgument(format!(
                 "{} master shards given for {} units",
@@ -506,9 +494,6 @@ impl ShardedModel {
                 self.units.len()
             )));
         }
-        let mut amaxes = vec![0f32; total];
-        let mut base = 0;
-        let mut segments = Vec::with_capacity(self.units.len());
         for (u, m) in masters.iter().enumerate() {
             if m.len() != self.units[u].fp8.len() {
                 return Err(ShardError::InvalidArgument(format!(
@@ -517,32 +502,52 @@ impl ShardedModel {
                     self.units[u].fp8.len()
                 )));
             }
-            let segs = self.fp8_segments(u)?;
-            if local_amaxes.is_none() {
-                for (i, r) in &segs {
-                    amaxes[base + i] = fp8_core::amax_f32(&m[r.clone()]);
-                }
+        }
+        Ok(())
+    }
+
+    /// This rank's amax of every FP8 weight's master values (flattened over units in slot order; 0 for
+    /// weights outside this rank's shard), as a buffer on the model's device. `masters` holds one F32
+    /// master shard per unit, in the FP8 group's shard layout.
+    pub fn fp8_local_amaxes(&self, masters: &[&Buffer<f32>]) -> Result<Buffer<f32>, ShardError> {
+        self.check_masters(masters)?;
+        let counts = self.fp8_counts();
+        let mut amaxes = vec![0f32; counts.iter().sum()];
+        let mut base = 0;
+        for (u, m) in masters.iter().enumerate() {
+            let m = m.host("fp8_local_amaxes")?;
+            for (i, r) in self.fp8_segments(u)? {
+                amaxes[base + i] = fp8_core::amax_f32(&m[r]);
             }
-            segments.push(segs);
             base += counts[u];
         }
-        if let Some(given) = local_amaxes {
-            if given.len() != total {
-                return Err(ShardError::InvalidArgument(format!(
-                    "{} local amaxes given for {total} FP8 weights",
-                    given.len()
-                )));
-            }
-            amaxes.copy_from_slice(given);
+        Ok(self.device.upload(&amaxes)?)
+    }
+
+    /// Sets every FP8 weight's scale from its global amax (already all-reduced with MAX across ranks, so
+    /// identical everywhere; flattened over units in slot order) and casts this rank's master shards into
+    /// the FP8 weight shards. A zero or non-finite amax keeps the previous scale.
+    pub fn apply_fp8_weights(
+        &mut self,
+        masters: &[&Buffer<f32>],
+        global_amaxes: &Buffer<f32>,
+    ) -> Result<(), ShardError> {
+        self.check_masters(masters)?;
+        let counts = self.fp8_counts();
+        let total: usize = counts.iter().sum();
+        if global_amaxes.len() != total {
+            return Err(ShardError::InvalidArgument(format!(
+                "{} amaxes given for {total} FP8 weights",
+                global_amaxes.len()
+            )));
         }
-        if total > 0 {
-            self.comm
-                .all_reduce_host_f32(&mut amaxes, fsdp_comm::ReduceOp::Max)?;
-        }
+        let amaxes = global_amaxes.host("apply_fp8_weights")?;
         let mut base = 0;
-        for (u, segs) in segments.into_iter().enumerate() {
-            let mut scales = self.units[u].weight_scales.to_vec()?;
-            let mut codes = self.units[u].fp8.to_vec()?;
+        for (u, m) in masters.iter().enumerate() {
+            let segs = self.fp8_segments(u)?;
+            let m = m.host("apply_fp8_weights")?;
+            let shards = &mut self.units[u];
+            let scales = shards.weight_scales.host_mut("apply_fp8_weights")?;
             for i in 0..counts[u] {
                 let s = compute_scale(
                     amaxes[base + i],
@@ -554,18 +559,28 @@ impl ShardedModel {
                 scales[2 * i] = s;
                 scales[2 * i + 1] = 1.0 / s;
             }
+            let scales: Vec<f32> = scales.to_vec();
+            let codes = shards.fp8.host_mut("apply_fp8_weights")?;
             for (i, r) in segs {
-                Fp8Format::E4M3.encode_scaled(
-                    &masters[u][r.clone()],
-                    scales[2 * i],
-                    &mut codes[r],
-                )?;
+                Fp8Format::E4M3.encode_scaled(&m[r.clone()], scales[2 * i], &mut codes[r])?;
             }
-            self.units[u].weight_scales.copy_from_host(&scales)?;
-            self.units[u].fp8.copy_from_host(&codes)?;
             base += counts[u];
         }
         Ok(())
+    }
+
+    /// Re-quantizes every FP8 weight shard from the optimizer's new F32 master shards with current scaling:
+    /// local amaxes, ONE all-reduce(MAX) of the vector of all weights' amaxes, new scales (identical on
+    /// every rank), cast. An optimizer that also reduces other amaxes calls
+    /// [`ShardedModel::fp8_local_amaxes`] and [`ShardedModel::apply_fp8_weights`] around its own single
+    /// all-reduce instead.
+    pub fn update_fp8_weights(&mut self, masters: &[&Buffer<f32>]) -> Result<(), ShardError> {
+        let mut amaxes = self.fp8_local_amaxes(masters)?;
+        if !amaxes.is_empty() {
+            self.comm
+                .all_reduce_in_place((&mut amaxes).into(), fsdp_comm::ReduceOp::Max)?;
+        }
+        self.apply_fp8_weights(masters, &amaxes)
     }
 
     /// Non-finite gradient values seen by FP8 gradient casts since the last call (they cannot be seen in

@@ -67,6 +67,13 @@ pub struct Sgd {
     pub masters: Vec<Vec<f32>>,
 }
 
+pub fn master_buffers(masters: &[Vec<f32>]) -> Vec<fp8_kernels::Buffer<f32>> {
+    masters
+        .iter()
+        .map(|m| fp8_kernels::Buffer::from_vec(m.clone()))
+        .collect()
+}
+
 impl ShardedState for Sgd {
     fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
         Ok(self
@@ -116,8 +123,9 @@ impl Sgd {
                 *m -= self.lr * g;
             }
         }
-        let masters: Vec<&[f32]> = self.masters.iter().map(Vec::as_slice).collect();
-        model.update_fp8_weights(&masters, None)?;
+        let bufs = master_buffers(&self.masters);
+        let refs: Vec<&fp8_kernels::Buffer<f32>> = bufs.iter().collect();
+        model.update_fp8_weights(&refs)?;
         model.zero_grads()
     }
 }
