@@ -287,8 +287,10 @@ impl Shared {
 fn watchdog(shared: Arc<Shared>, ctx: Arc<cudarc::driver::CudaContext>) {
     // Event queries need the context current on this thread.
     let _ = ctx.bind_to_thread();
+    // Coarser than host waits: deadlines are seconds to minutes, the lock is shared with issuing.
+    let interval = (shared.poll * 10).min(Duration::from_millis(100));
     while !shared.stop.load(Ordering::Acquire) {
-        std::thread::sleep(shared.poll);
+        std::thread::sleep(interval);
         let now = Instant::now();
         let expired = match shared.pending.lock() {
             Ok(mut p) => {
@@ -397,6 +399,17 @@ impl NcclComm {
     pub fn from_dist_env(env: &DistEnv, cfg: &NcclConfig) -> Result<Self, CommError> {
         nccl_library_status()?;
         let cuda = CudaDevice::new(env.local_rank)?;
+        Self::from_dist_env_on(env, cuda, cfg)
+    }
+
+    /// Rendezvous as `env` says and init on an already opened GPU. Collectives accept only buffers of
+    /// this same [`CudaDevice`] (its compute stream is the one they are ordered against).
+    pub fn from_dist_env_on(
+        env: &DistEnv,
+        cuda: CudaDevice,
+        cfg: &NcclConfig,
+    ) -> Result<Self, CommError> {
+        nccl_library_status()?;
         let blob = rendezvous::exchange(
             env,
             || unique_id().map(|id| id.to_vec()),
@@ -856,5 +869,64 @@ impl Communicator for NcclComm {
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn types_and_ops_map_to_nccl_without_avg() {
+        use sys::ncclDataType_t as T;
+        assert_eq!(
+            nccl_dtype(CommDType::Fp8(Fp8Format::E4M3), true),
+            T::ncclFloat8e4m3
+        );
+        assert_eq!(
+            nccl_dtype(CommDType::Fp8(Fp8Format::E5M2), true),
+            T::ncclFloat8e5m2
+        );
+        assert_eq!(
+            nccl_dtype(CommDType::Fp8(Fp8Format::E5M2), false),
+            T::ncclUint8
+        );
+        assert_eq!(nccl_dtype(CommDType::BF16, true), T::ncclBfloat16);
+        assert_eq!(nccl_dtype(CommDType::F16, true), T::ncclFloat16);
+        assert_eq!(nccl_dtype(CommDType::F32, false), T::ncclFloat32);
+        assert_eq!(nccl_dtype(CommDType::Bytes, false), T::ncclUint8);
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            assert_ne!(nccl_op(op), sys::ncclRedOp_t::ncclAvg);
+        }
+        assert_eq!(
+            <Fp8E4M3Byte as cudarc::nccl::NcclType>::as_nccl_type(),
+            T::ncclFloat8e4m3
+        );
+        assert_eq!(std::mem::size_of::<Fp8E5M2Byte>(), 1);
+    }
+
+    #[test]
+    fn config_is_non_blocking_with_nccl_defaults() {
+        let c = nccl_config(22809);
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.version, 22809);
+        assert_eq!(c.blocking, 0);
+        assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
+        assert_eq!(c.minCTAs, i32::MIN);
+        assert!(c.netName.is_null());
+    }
+
+    #[test]
+    fn missing_nccl_is_an_error_not_a_panic() {
+        if nccl_library_status().is_ok() {
+            println!(
+                "skipped: NCCL is present here (the GPU path is checked by the nccl_check binary)"
+            );
+            return;
+        }
+        assert!(matches!(unique_id(), Err(CommError::NcclUnavailable(_))));
+        assert!(matches!(nccl_version(), Err(CommError::NcclUnavailable(_))));
+        let e = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default()).unwrap_err();
+        assert!(matches!(e, CommError::NcclUnavailable(_)), "{e}");
     }
 }
