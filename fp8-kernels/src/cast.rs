@@ -941,3 +941,37 @@ enum UpdateSource<'a> {
     /// Slot of a shared buffer, only read.
     Shared(&'a Buffer<f32>, usize),
 }
+
+/// Verification aid: `out[i]` = the FP8 code of the f32 whose bit pattern is `start + i`, at scale 1,
+/// computed on the GPU. With `canonical_nan` it uses the conversion every cast kernel uses (NaN fixed up
+/// to `0x7F`); without, the bare hardware instruction, to observe what the hardware does with NaN.
+/// `out` must be a CUDA buffer; `start + out.len()` must not exceed 2^32.
+pub fn fp8_encode_bit_patterns(
+    start: u32,
+    format: Fp8Format,
+    canonical_nan: bool,
+    out: &mut Buffer<u8>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "fp8_encode_bit_patterns";
+    let dev = cuda_of(out).ok_or(KernelError::NeedsCuda(WHAT))?;
+    dev.require_fp8()?;
+    if start as u64 + out.len() as u64 > 1u64 << 32 {
+        return Err(KernelError::InvalidArgument {
+            what: WHAT,
+            detail: format!("{start} + {} runs past 2^32", out.len()),
+        });
+    }
+    let f = function(
+        &dev,
+        &CAST_MODULE,
+        &format!("fp8_bits_{}", format_name(format)),
+    )?;
+    let cfg = vec_launch(&dev, out.len(), 1)?;
+    let (n, flag) = (out.len() as u64, canonical_nan as i32);
+    let ys = cuda_slice_mut(out, WHAT)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(ys).arg(&start).arg(&n).arg(&flag);
+    // SAFETY: `fp8_bits_<fmt>(u8*, u32, u64, int)`; out holds n bytes.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
