@@ -102,21 +102,32 @@ pub fn fp8_combine(format: Fp8Format, op: ReduceOp, acc: u8, x: u8) -> u8 {
     }
 }
 
-/// Reduces element `i` of `inputs` (one slice per rank) along `ring_order(chunk)`.
-fn reduce_at<T: Copy>(inputs: &[&[T]], chunk: usize, i: usize, combine: &impl Fn(T, T) -> T) -> T {
-    let n = inputs.len();
-    let mut order = ring_order(chunk, n);
-    // ring_order yields exactly n >= 1 ranks; the first starts the partial result.
-    let first = order.next().unwrap_or(0);
-    let mut acc = inputs[first][i];
-    for r in order {
-        acc = combine(acc, inputs[r][i]);
-    }
-    acc
+/// [`fp8_combine`] for every pair of codes, `table[(acc << 8) | x]`: the thread backend's fast path
+/// (built once per format and operation from `fp8_combine`, so it is the same function).
+pub fn fp8_combine_table(format: Fp8Format, op: ReduceOp) -> &'static [u8] {
+    use std::sync::OnceLock;
+    static TABLES: [OnceLock<Vec<u8>>; 6] = [const { OnceLock::new() }; 6];
+    let f = match format {
+        Fp8Format::E4M3 => 0,
+        Fp8Format::E5M2 => 1,
+    };
+    let o = match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Max => 1,
+        ReduceOp::Min => 2,
+    };
+    TABLES[f * 3 + o].get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|i| fp8_combine(format, op, (i >> 8) as u8, (i & 0xFF) as u8))
+            .collect()
+    })
 }
 
 /// Writes into `out` the reduction of `inputs[r][range]` over ranks `r`, for chunk `chunk`'s ring
 /// order. `inputs` holds one slice per rank (all of one length); `out.len() == range.len()`.
+///
+/// Rank by rank over the whole range (the first rank's values start the partial results, each next rank
+/// is combined into them), which is the same per-element chain as NCCL's and vectorises.
 pub fn reduce_chunk_with<T: Copy>(
     inputs: &[&[T]],
     chunk: usize,
@@ -127,8 +138,13 @@ pub fn reduce_chunk_with<T: Copy>(
     if inputs.is_empty() {
         return;
     }
-    for (o, i) in out.iter_mut().zip(range) {
-        *o = reduce_at(inputs, chunk, i, &combine);
+    let mut order = ring_order(chunk, inputs.len());
+    let first = order.next().unwrap_or(0);
+    out.copy_from_slice(&inputs[first][range.clone()]);
+    for r in order {
+        for (o, &x) in out.iter_mut().zip(&inputs[r][range.clone()]) {
+            *o = combine(*o, x);
+        }
     }
 }
 
@@ -152,8 +168,9 @@ pub fn reduce_chunk_fp8(
     range: Range<usize>,
     out: &mut [u8],
 ) {
+    let table = fp8_combine_table(format, op);
     reduce_chunk_with(inputs, chunk, range, out, |a, b| {
-        fp8_combine(format, op, a, b)
+        table[((a as usize) << 8) | b as usize]
     });
 }
 
@@ -210,6 +227,24 @@ mod tests {
         let e = Fp8Format::E5M2;
         assert_eq!(e.decode(fp8_combine(e, ReduceOp::Sum, 0x7C, 0x3C)), 57344.0);
         assert_eq!(e.decode(fp8_combine(e, ReduceOp::Max, 0x7F, 0x3C)), 1.0);
+    }
+
+    #[test]
+    fn tables_agree_with_the_step_function() {
+        for f in Fp8Format::ALL {
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                let t = fp8_combine_table(f, op);
+                assert_eq!(t.len(), 65536);
+                for a in (0..=255u8).step_by(3) {
+                    for b in 0..=255u8 {
+                        assert_eq!(
+                            t[((a as usize) << 8) | b as usize],
+                            fp8_combine(f, op, a, b)
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
