@@ -265,7 +265,7 @@ pub fn amax<T: FloatElement>(x: &Buffer<T>, out: AmaxSlot<'_>) -> Result<(), Ker
         None => accumulate_host(out, WHAT, cpu_amax(x.host(WHAT)?)),
         Some(dev) => {
             let f = function(&dev, &CAST_MODULE, &format!("amax_{}", T::NAME))?;
-            let cfg = vec_launch(&dev, x.len(), 8)?;
+            let cfg = vec_launch(&dev, x.len(), 16)?;
             let (slot, n) = (out.slot as i32, x.len() as u64);
             let xs = cuda_slice(x, WHAT)?;
             let a = cuda_slice_mut(out.buffer, WHAT)?;
