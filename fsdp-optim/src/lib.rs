@@ -1,12 +1,66 @@
-//! Optimizers over FSDP shards.
+//! Adam and AdamW over FSDP shards, with FP8/FP16 optimizer states and one scale synchronisation per
+//! step.
 //!
-//! Planned: `FsdpAdam` and `FsdpAdamW` with F32 or low-precision states (F16 master, FP8 first moment, F16
-//! second moment), one amax all-reduce per step, global-norm clipping and learning-rate schedules.
+//! [`FsdpAdam`] (L2 penalty) and [`FsdpAdamW`] (decoupled weight decay) update this rank's shards of a
+//! [`fsdp_shard::ShardedModel`] with the fused kernels of `fp8_kernels::adam`, PyTorch's formulas and
+//! defaults. FP8 weights keep their master copy here, once: in F32 ([`StatePrecision::F32`]) or, by
+//! default, as MS-AMP does: F16 master, FP8 E4M3 first moment and F16 second moment, each with a scale
+//! per parameter ([`StatePrecision::LowPrecision`]). Plain parameters keep F32 moments.
+//!
+//! A step ([`ShardedAdam::step`]) is collective and does, on every rank alike:
+//! 1. one all-reduce SUM of `[non-finite gradient count, sum of squared gradients, per-rank gradient
+//!    amaxes]`: the global norm, the skip decision (a non-finite gradient anywhere skips the step
+//!    everywhere, leaving weights and states untouched) and the bounds of the new states' scales;
+//! 2. clipping by the global norm, folded into the kernel's gradient factor;
+//! 3. the fused update per FP8 weight segment of the shard, writing the amaxes of the new values;
+//! 4. one all-reduce MAX of all those amaxes, new FP8 weights
+//!    ([`fsdp_shard::ShardedModel::apply_fp8_weights`]) and agreed state metas.
+//!
+//! Gradients are used as the model holds them: averaging over ranks and micro-batches is the caller's
+//! (make the loss a mean over the global batch). See `docs/optimizers.md`.
 //!
 //! ```
-//! assert_eq!(fsdp_optim::CRATE_NAME, "fsdp-optim");
+//! use fsdp_comm::{run_ranks, Communicator, ThreadComm};
+//! use fsdp_optim::{AdamOptions, FsdpAdamW, OptimError};
+//! use fsdp_shard::{FsdpConfig, ModelLayout, ParamKind, ParamSpec, ShardedModel, WrapPolicy};
+//! use std::sync::Arc;
+//!
+//! let layout = Arc::new(ModelLayout::new(
+//!     vec![
+//!         ParamSpec::new("fc", "weight", &[4, 8], ParamKind::Fp8Weight),
+//!         ParamSpec::new("fc", "bias", &[4], ParamKind::Plain),
+//!     ],
+//!     &WrapPolicy::Single,
+//! )?);
+//! let reports = run_ranks(2, |comm: ThreadComm| {
+//!     let comm: Arc<dyn Communicator> = Arc::new(comm);
+//!     let init = |p: usize| if p == 0 { vec![0.25; 32] } else { vec![0.0; 4] };
+//!     let (mut model, masters) =
+//!         ShardedModel::new(layout.clone(), comm, FsdpConfig::default(), &init)?;
+//!     let mut opt = FsdpAdamW::new(&model, masters, AdamOptions::adamw())?;
+//!     // A backward pass would produce these; each rank adds its part, then they are reduced.
+//!     let dev = model.device().clone();
+//!     model.add_grad("fc.weight", &dev.upload(&[0.5f32; 32])?)?;
+//!     model.add_grad("fc.bias", &dev.upload(&[-1.0f32; 4])?)?;
+//!     model.reduce_grads(0)?;
+//!     Ok::<_, OptimError>(opt.step(&mut model)?)
+//! })?;
+//! // Both ranks agree: one step; the reduced gradients are the two ranks' sums (1.0 and -2.0), so the
+//! // global norm is sqrt(32 * 1 + 4 * 4).
+//! assert_eq!(reports[0], reports[1]);
+//! assert_eq!(reports[0].step, 1);
+//! assert!((reports[0].grad_norm - 48f64.sqrt()).abs() < 1e-5);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![warn(missing_docs)]
 
-/// The crate name, until the optimizers land.
-pub const CRATE_NAME: &str = "fsdp-optim";
+mod config;
+mod error;
+mod optimizer;
+pub mod schedule;
+pub mod state_scaling;
+
+pub use config::{AdamOptions, StatePrecision};
+pub use error::OptimError;
+pub use optimizer::{BytesPerParam, FsdpAdam, FsdpAdamW, ShardedAdam, StateMeta, StepReport};
+pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};

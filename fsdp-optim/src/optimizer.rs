@@ -1,0 +1,1034 @@
+//! [`ShardedAdam`]: Adam / AdamW over one rank's shards of a [`ShardedModel`], and its two faces
+//! [`FsdpAdam`] (L2 penalty) and [`FsdpAdamW`] (decoupled weight decay).
+
+use crate::config::{AdamOptions, StatePrecision};
+use crate::schedule::LrSchedule;
+use crate::state_scaling::{self, BoundParams, StateAmaxes, StateScales};
+use crate::OptimError;
+use fp8_core::{Fp8Format, QType};
+use fp8_kernels::adam::{
+    adam_step_f32, adam_step_low_precision, f16_saturating, lp_slot, AmaxSlots,
+    LowPrecisionAdamState,
+};
+use fp8_kernels::{Buffer, Device, WeightDecay};
+use fsdp_comm::ReduceOp;
+use fsdp_shard::{MemoryReport, ParamGroup, ShardError, ShardedModel, ShardedState, StateShard};
+use half::f16;
+use std::ops::Range;
+
+const FP8: usize = ParamGroup::Fp8 as usize;
+const PLAIN: usize = ParamGroup::Plain as usize;
+
+/// What one call of [`ShardedAdam::step`] did (identical on every rank).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Adam's step count after this call (skipped steps do not count).
+    pub step: u64,
+    /// Whether this step was skipped because a gradient was not finite.
+    pub skipped: bool,
+    /// Steps skipped so far.
+    pub skipped_total: u64,
+    /// Non-finite gradient values found on all ranks (before any FP8 cast and in the shards).
+    pub nonfinite: u64,
+    /// Global L2 norm of the gradients before clipping (not finite when skipped).
+    pub grad_norm: f64,
+    /// Factor the gradients were multiplied with by clipping (1 without clipping or below the limit).
+    pub clip_coef: f64,
+    /// Learning rate used.
+    pub lr: f64,
+}
+
+/// The per-parameter metas of one FP8 weight's optimizer states: identical on every rank after a step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StateMeta {
+    /// Model parameter index.
+    pub param: usize,
+    /// Scales the stored master, first and second moment belong to (1 for F32 states).
+    pub scales: StateScales,
+    /// Agreed amaxes of master, first and second moment after the last step (master only for F32 states).
+    pub amaxes: StateAmaxes,
+}
+
+/// States of a unit's FP8 group.
+#[derive(Debug)]
+enum Fp8States {
+    F32 {
+        master: Buffer<f32>,
+        m: Buffer<f32>,
+        v: Buffer<f32>,
+    },
+    Low {
+        master: Buffer<f16>,
+        m: Buffer<u8>,
+        v: Buffer<f16>,
+        /// `lp_slot::SCALES` read/write scales per slot, in the kernel's layout.
+        kernel_scales: Buffer<f32>,
+    },
+}
+
+#[derive(Debug)]
+struct UnitStates {
+    fp8: Fp8States,
+    plain_m: Buffer<f32>,
+    plain_v: Buffer<f32>,
+    /// `(slot, local range)` pieces of this rank's FP8 shard.
+    segments: Vec<(usize, Range<usize>)>,
+    /// Model parameter index of every FP8 slot.
+    params: Vec<usize>,
+    /// Index of this unit's first slot in the model-wide slot numbering.
+    slot_base: usize,
+    fp8_len: usize,
+    plain_len: usize,
+}
+
+/// Adam / AdamW over this rank's shards (see the crate docs for the algorithm). Use it through
+/// [`FsdpAdam`] or [`FsdpAdamW`], which fix where weight decay enters.
+pub struct ShardedAdam {
+    options: AdamOptions,
+    decay_mode: WeightDecay,
+    schedule: Option<Box<dyn LrSchedule>>,
+    schedule_position: u64,
+    step: u64,
+    skipped: u64,
+    units: Vec<UnitStates>,
+    /// Agreed state amaxes per FP8 slot (model-wide numbering).
+    amaxes: Vec<StateAmaxes>,
+    /// Scales the stored states belong to, per FP8 slot.
+    scales: Vec<StateScales>,
+    total_slots: usize,
+    rank: usize,
+    world_size: usize,
+    device: Device,
+}
+
+impl std::fmt::Debug for ShardedAdam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedAdam")
+            .field("options", &self.options)
+            .field("decay_mode", &self.decay_mode)
+            .field("schedule", &self.schedule)
+            .field("step", &self.step)
+            .field("skipped", &self.skipped)
+            .finish()
+    }
+}
+
+fn mismatch(m: String) -> OptimError {
+    OptimError::Mismatch(m)
+}
+
+impl ShardedAdam {
+    /// Builds the states of this rank from the model and the F32 master shards of its FP8 groups (as
+    /// returned by [`ShardedModel::new`], one per unit). Moments start at zero.
+    pub fn new(
+        model: &ShardedModel,
+        fp8_masters: Vec<Vec<f32>>,
+        options: AdamOptions,
+        decay_mode: WeightDecay,
+    ) -> Result<Self, OptimError> {
+        options.validate()?;
+        let device = model.device().clone();
+        let (rank, world_size) = (model.comm().rank(), model.comm().world_size());
+        if fp8_masters.len() != model.num_units() {
+            return Err(mismatch(format!(
+                "{} master shards for {} units",
+                fp8_masters.len(),
+                model.num_units()
+            )));
+        }
+        // The model's agreed weight scales bound the initial amaxes: amax <= 448 / scale (for margin >= 0).
+        let weight_scales = model.weight_scales()?;
+        let margin_factor = 2f32.powi((-model.config().weight_margin).max(0));
+        let mut units = Vec::with_capacity(model.num_units());
+        let mut amaxes = Vec::new();
+        let mut scales = Vec::new();
+        let mut slot_base = 0;
+        for (u, master) in fp8_masters.into_iter().enumerate() {
+            let shards = model.unit(u)?;
+            let (fp8_len, plain_len) = (shards.fp8.len(), shards.plain.len());
+            if master.len() != fp8_len {
+                return Err(mismatch(format!(
+                    "unit {u}: master shard has {} elements, the FP8 shard {fp8_len}",
+                    master.len()
+                )));
+            }
+            let slots = &model.layout().units[u].group(ParamGroup::Fp8).slots;
+            let params: Vec<usize> = slots.iter().map(|s| s.param).collect();
+            let segments = model.fp8_segments(u)?;
+            let unit_amaxes: Vec<StateAmaxes> = params
+                .iter()
+                .map(|p| {
+                    let s = weight_scales
+                        .iter()
+                        .find(|(q, _, _)| q == p)
+                        .map_or(1.0, |x| x.1);
+                    [Fp8Format::E4M3.max() / s * margin_factor, 0.0, 0.0]
+                })
+                .collect();
+            let fp8 = match options.state_precision {
+                StatePrecision::F32 => Fp8States::F32 {
+                    master: device.upload(&master)?,
+                    m: device.zeros(fp8_len)?,
+                    v: device.zeros(fp8_len)?,
+                },
+                StatePrecision::LowPrecision => {
+                    let unit_scales: Vec<StateScales> = unit_amaxes
+                        .iter()
+                        .map(|a| [state_scaling::initial_master_scale(a[0]), 1.0, 1.0])
+                        .collect();
+                    let mut stored = vec![f16::ZERO; fp8_len];
+                    for (i, r) in &segments {
+                        for k in r.clone() {
+                            stored[k] = f16_saturating(master[k] * unit_scales[*i][0]);
+                        }
+                    }
+                    let ks = kernel_scale_table(&unit_scales, &unit_scales);
+                    scales.extend(unit_scales);
+                    Fp8States::Low {
+                        master: device.upload(&stored)?,
+                        m: device.zeros(fp8_len)?,
+                        v: device.zeros(fp8_len)?,
+                        kernel_scales: device.upload(&ks)?,
+                    }
+                }
+            };
+            if options.state_precision == StatePrecision::F32 {
+                scales.extend(std::iter::repeat_n([1.0; 3], params.len()));
+            }
+            amaxes.extend(unit_amaxes);
+            units.push(UnitStates {
+                fp8,
+                plain_m: device.zeros(plain_len)?,
+                plain_v: device.zeros(plain_len)?,
+                segments,
+                slot_base,
+                fp8_len,
+                plain_len,
+                params,
+            });
+            slot_base += slots.len();
+        }
+        Ok(ShardedAdam {
+            options,
+            decay_mode,
+            schedule: None,
+            schedule_position: 0,
+            step: 0,
+            skipped: 0,
+            units,
+            amaxes,
+            scales,
+            total_slots: slot_base,
+            rank,
+            world_size,
+            device,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn options(&self) -> &AdamOptions {
+        &self.options
+    }
+
+    /// Where weight decay enters.
+    pub fn decay_mode(&self) -> WeightDecay {
+        self.decay_mode
+    }
+
+    /// Adam's step count (successful steps).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Steps skipped for non-finite gradients.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Sets the base learning rate (what a schedule multiplies).
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), OptimError> {
+        AdamOptions { lr, ..self.options }.validate()?;
+        self.options.lr = lr;
+        Ok(())
+    }
+
+    /// Attaches a learning-rate schedule, starting at position 0.
+    pub fn set_schedule(&mut self, schedule: Box<dyn LrSchedule>) {
+        self.schedule = Some(schedule);
+        self.schedule_position = 0;
+    }
+
+    /// Advances the schedule by one position (call it per epoch or per step, as the schedule means).
+    pub fn advance_schedule(&mut self) {
+        self.schedule_position += 1;
+    }
+
+    /// The schedule's position.
+    pub fn schedule_position(&self) -> u64 {
+        self.schedule_position
+    }
+
+    /// The learning rate the next step uses.
+    pub fn current_lr(&self) -> f64 {
+        match &self.schedule {
+            Some(s) => s.lr_at(self.options.lr, self.schedule_position),
+            None => self.options.lr,
+        }
+    }
+
+    /// Metas of every FP8 weight's states, in model-wide slot order.
+    pub fn state_metas(&self) -> Vec<StateMeta> {
+        let params = self.units.iter().flat_map(|u| u.params.iter().copied());
+        params
+            .zip(self.amaxes.iter().zip(&self.scales))
+            .map(|(param, (a, s))| StateMeta {
+                param,
+                scales: *s,
+                amaxes: *a,
+            })
+            .collect()
+    }
+
+    /// This rank's master values of unit `u`'s FP8 group as F32 (decoded from F16 for low-precision
+    /// states; zeros outside the weights), in the shard layout.
+    pub fn fp8_master_shard(&self, u: usize) -> Result<Vec<f32>, OptimError> {
+        let unit = self
+            .units
+            .get(u)
+            .ok_or_else(|| mismatch(format!("no unit {u}")))?;
+        match &unit.fp8 {
+            Fp8States::F32 { master, .. } => Ok(master.to_vec()?),
+            Fp8States::Low { master, .. } => {
+                let stored = master.to_vec()?;
+                let mut out = vec![0f32; stored.len()];
+                for (i, r) in &unit.segments {
+                    let inv = 1.0 / self.scales[unit.slot_base + i][0];
+                    for k in r.clone() {
+                        out[k] = stored[k].to_f32() * inv;
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn check_model(&self, model: &ShardedModel) -> Result<(), OptimError> {
+        let (rank, ws) = (model.comm().rank(), model.comm().world_size());
+        if (rank, ws) != (self.rank, self.world_size) || model.num_units() != self.units.len() {
+            return Err(mismatch(format!(
+                "optimizer built for rank {} of {} with {} units, model is rank {rank} of {ws} with {} units",
+                self.rank,
+                self.world_size,
+                self.units.len(),
+                model.num_units()
+            )));
+        }
+        for (u, st) in self.units.iter().enumerate() {
+            let s = model.unit(u)?;
+            if s.fp8.len() != st.fp8_len || s.plain.len() != st.plain_len {
+                return Err(mismatch(format!("unit {u}: shard sizes changed")));
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step on this rank's shards (collective: every rank calls it). The gradients are
+    /// consumed: the model's gradient shards are zeroed afterwards, also when the step is skipped.
+    pub fn step(&mut self, model: &mut ShardedModel) -> Result<StepReport, OptimError> {
+        self.check_model(model)?;
+        let lr = self.current_lr();
+        let low = self.options.state_precision == StatePrecision::LowPrecision;
+        let (rank, ws, n) = (self.rank, self.world_size, self.total_slots);
+
+        // 1. Local statistics and ONE all-reduce SUM: [non-finite count, sum of squares, per-rank rows of
+        //    gradient amaxes (low precision only; zeros elsewhere, so the sum is the exact maximum)].
+        let mut sums = vec![0f32; 2 + if low { ws * n } else { 0 }];
+        let mut nonfinite = model.take_nonfinite_before_cast();
+        let mut sumsq = 0f64;
+        for (u, st) in self.units.iter().enumerate() {
+            let s = model.unit(u)?;
+            let g8 = s.grads[FP8].host("FsdpAdam step")?;
+            for (i, r) in &st.segments {
+                let (sq, nf, amax) = state_scaling::grad_stats(&g8[r.clone()]);
+                sumsq += sq;
+                nonfinite += nf;
+                if low {
+                    sums[2 + rank * n + st.slot_base + i] = amax;
+                }
+            }
+            let (sq, nf, _) = state_scaling::grad_stats(s.grads[PLAIN].host("FsdpAdam step")?);
+            sumsq += sq;
+            nonfinite += nf;
+        }
+        sums[0] = nonfinite as f32;
+        sums[1] = sumsq as f32;
+        model.comm().all_reduce_host_f32(&mut sums, ReduceOp::Sum)?;
+        let nonfinite_total = sums[0] as u64;
+        let grad_norm = (sums[1] as f64).sqrt();
+        if sums[0] != 0.0 || !grad_norm.is_finite() {
+            self.skipped += 1;
+            model.zero_grads()?;
+            return Ok(StepReport {
+                step: self.step,
+                skipped: true,
+                skipped_total: self.skipped,
+                nonfinite: nonfinite_total,
+                grad_norm,
+                clip_coef: 1.0,
+                lr,
+            });
+        }
+
+        // 2. Clipping folds into the kernel's gradient factor (torch.nn.utils.clip_grad_norm_'s formula).
+        let clip_coef = match self.options.max_grad_norm {
+            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
+            None => 1.0,
+        };
+        let t = self.step + 1;
+        let coef = self
+            .options
+            .kernel_config(lr, self.decay_mode)
+            .coefficients(t, clip_coef as f32)?;
+        let bound_params = BoundParams {
+            beta1: self.options.betas.0,
+            beta2: self.options.betas.1,
+            eps: self.options.eps,
+            step: t,
+        };
+        let grad_amax: Vec<f32> = if low {
+            (0..n)
+                .map(|i| (0..ws).fold(0f32, |a, r| a.max(sums[2 + r * n + i])))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let write: Vec<StateScales> = if low {
+            (0..n)
+                .map(|i| {
+                    state_scaling::write_scales(
+                        &coef,
+                        &bound_params,
+                        self.amaxes[i],
+                        grad_amax[i],
+                        self.scales[i],
+                    )
+                })
+                .collect()
+        } else {
+            self.scales.clone()
+        };
+
+        // 3. The fused update, per FP8 weight segment (each with its own scales), writing amaxes.
+        let per_slot = if low { lp_slot::AMAXES } else { 1 };
+        let mut amax = self.device.zeros::<f32>(per_slot * n)?;
+        for (u, st) in self.units.iter_mut().enumerate() {
+            let s = model.unit_mut(u)?;
+            if st.plain_len > 0 {
+                adam_step_f32(
+                    &coef,
+                    0..st.plain_len,
+                    &mut s.plain,
+                    &mut st.plain_m,
+                    &mut st.plain_v,
+                    &s.grads[PLAIN],
+                    None,
+                )?;
+            }
+            match &mut st.fp8 {
+                Fp8States::F32 { master, m, v } => {
+                    for (i, r) in &st.segments {
+                        adam_step_f32(
+                            &coef,
+                            r.clone(),
+                            master,
+                            m,
+                            v,
+                            &s.grads[FP8],
+                            Some(AmaxSlots {
+                                buffer: &mut amax,
+                                base: st.slot_base + i,
+                            }),
+                        )?;
+                    }
+                }
+                Fp8States::Low {
+                    master,
+                    m,
+                    v,
+                    kernel_scales,
+                } => {
+                    let count = st.params.len();
+                    let old = &self.scales[st.slot_base..st.slot_base + count];
+                    let new = &write[st.slot_base..st.slot_base + count];
+                    kernel_scales.copy_from_host(&kernel_scale_table(old, new))?;
+                    for (i, r) in &st.segments {
+                        adam_step_low_precision(
+                            &coef,
+                            r.clone(),
+                            LowPrecisionAdamState { master, m, v },
+                            &s.grads[FP8],
+                            kernel_scales,
+                            lp_slot::SCALES * i,
+                            AmaxSlots {
+                                buffer: &mut amax,
+                                base: lp_slot::AMAXES * (st.slot_base + i),
+                            },
+                        )?;
+                    }
+                }
+            }
+        }
+
+        // 4. ONE all-reduce(MAX) of every amax: new weights' (for the FP8 casts) and, for low-precision
+        //    states, the moments' (for the next step's write scales).
+        if n > 0 {
+            model
+                .comm()
+                .all_reduce_in_place((&mut amax).into(), ReduceOp::Max)?;
+        }
+        let agreed = amax.to_vec()?;
+        if low {
+            self.scales = write;
+            for (i, a) in self.amaxes.iter_mut().enumerate() {
+                a.copy_from_slice(&agreed[3 * i..3 * i + 3]);
+            }
+            let weight_amax: Vec<f32> = self.amaxes.iter().map(|a| a[0]).collect();
+            let weight_amax = self.device.upload(&weight_amax)?;
+            let masters = (0..self.units.len())
+                .map(|u| {
+                    self.fp8_master_shard(u)
+                        .and_then(|m| Ok(self.device.upload(&m)?))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let refs: Vec<&Buffer<f32>> = masters.iter().collect();
+            model.apply_fp8_weights(&refs, &weight_amax)?;
+        } else {
+            for (a, g) in self.amaxes.iter_mut().zip(&agreed) {
+                *a = [*g, 0.0, 0.0];
+            }
+            let refs: Vec<&Buffer<f32>> = self
+                .units
+                .iter()
+                .map(|st| match &st.fp8 {
+                    Fp8States::F32 { master, .. } => Ok(master),
+                    Fp8States::Low { .. } => Err(mismatch("mixed state precisions".into())),
+                })
+                .collect::<Result<_, _>>()?;
+            model.apply_fp8_weights(&refs, &amax)?;
+        }
+        self.step = t;
+        model.zero_grads()?;
+        Ok(StepReport {
+            step: t,
+            skipped: false,
+            skipped_total: self.skipped,
+            nonfinite: 0,
+            grad_norm,
+            clip_coef,
+            lr,
+        })
+    }
+
+    /// The model's memory report with this optimizer's states added.
+    pub fn memory(&self, model: &ShardedModel) -> Result<MemoryReport, OptimError> {
+        let mut r = model.memory()?;
+        r.optimizer_states = self.state_bytes();
+        Ok(r)
+    }
+
+    /// Measured model-state bytes (parameter shards, gradient shards, optimizer states) per parameter of
+    /// this rank's share (`numel / world_size`), padding included.
+    pub fn bytes_per_param(&self, model: &ShardedModel) -> Result<f64, OptimError> {
+        let r = self.memory(model)?;
+        let share = model.layout().numel() as f64 / self.world_size as f64;
+        Ok(r.model_state() as f64 / share.max(1.0))
+    }
+}
+
+/// The kernel's six scales per slot: read with the old scales' inverses, write with the new scales.
+fn kernel_scale_table(old: &[StateScales], new: &[StateScales]) -> Vec<f32> {
+    let mut t = vec![0f32; old.len() * lp_slot::SCALES];
+    for (i, (o, w)) in old.iter().zip(new).enumerate() {
+        let b = i * lp_slot::SCALES;
+        t[b + lp_slot::MASTER_SCALE_INV] = 1.0 / o[0];
+        t[b + lp_slot::MASTER_SCALE] = w[0];
+        t[b + lp_slot::M_SCALE_INV] = 1.0 / o[1];
+        t[b + lp_slot::M_SCALE] = w[1];
+        t[b + lp_slot::V_SCALE_INV] = 1.0 / o[2];
+        t[b + lp_slot::V_SCALE] = w[2];
+    }
+    t
+}
+
+fn le_bytes<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(|x| f(*x)).collect()
+}
+
+fn from_le<T, const N: usize>(
+    bytes: &[u8],
+    len: usize,
+    what: &str,
+    f: impl Fn([u8; N]) -> T,
+) -> Result<Vec<T>, ShardError> {
+    if bytes.len() != len * N {
+        return Err(ShardError::Checkpoint(format!(
+            "{what}: {} bytes for {len} elements of {N} bytes",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(N)
+        .map(|c| {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            f(a)
+        })
+        .collect())
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    le_bytes(v, f32::to_le_bytes)
+}
+
+fn state_shard(
+    name: &str,
+    unit: usize,
+    group: ParamGroup,
+    qtype: QType,
+    bytes: Vec<u8>,
+    slot_scales: Vec<f32>,
+) -> StateShard {
+    StateShard {
+        name: name.into(),
+        unit,
+        group,
+        qtype,
+        bytes,
+        slot_scales,
+    }
+}
+
+fn encode_f32_list(v: impl Iterator<Item = f32>) -> String {
+    v.map(|x| format!("{:08x}", x.to_bits()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn decode_f32_list(s: &str) -> Result<Vec<f32>, ShardError> {
+    s.split_whitespace()
+        .map(|w| {
+            u32::from_str_radix(w, 16)
+                .map(f32::from_bits)
+                .map_err(|e| ShardError::Checkpoint(format!("optimizer amaxes: {e}")))
+        })
+        .collect()
+}
+
+impl ShardedState for ShardedAdam {
+    fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
+        let mut out = Vec::new();
+        for (u, st) in self.units.iter().enumerate() {
+            if !st.params.is_empty() {
+                let scales = &self.scales[st.slot_base..st.slot_base + st.params.len()];
+                let col = |k: usize| scales.iter().map(|s| s[k]).collect::<Vec<f32>>();
+                let g = ParamGroup::Fp8;
+                match &st.fp8 {
+                    Fp8States::F32 { master, m, v } => {
+                        for (name, b) in [("master", master), ("exp_avg", m), ("exp_avg_sq", v)] {
+                            out.push(state_shard(
+                                name,
+                                u,
+                                g,
+                                QType::F32,
+                                f32s(&b.to_vec()?),
+                                vec![],
+                            ));
+                        }
+                    }
+                    Fp8States::Low { master, m, v, .. } => {
+                        out.push(state_shard(
+                            "master",
+                            u,
+                            g,
+                            QType::F16,
+                            le_bytes(&master.to_vec()?, f16::to_le_bytes),
+                            col(0),
+                        ));
+                        out.push(state_shard(
+                            "exp_avg",
+                            u,
+                            g,
+                            QType::E4M3,
+                            m.to_vec()?,
+                            col(1),
+                        ));
+                        out.push(state_shard(
+                            "exp_avg_sq",
+                            u,
+                            g,
+                            QType::F16,
+                            le_bytes(&v.to_vec()?, f16::to_le_bytes),
+                            col(2),
+                        ));
+                    }
+                }
+            }
+            if st.plain_len > 0 {
+                for (name, b) in [("exp_avg", &st.plain_m), ("exp_avg_sq", &st.plain_v)] {
+                    out.push(state_shard(
+                        name,
+                        u,
+                        ParamGroup::Plain,
+                        QType::F32,
+                        f32s(&b.to_vec()?),
+                        vec![],
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_state(&mut self, shards: Vec<StateShard>) -> Result<(), ShardError> {
+        let expected = self.export_state()?;
+        if expected.len() != shards.len() {
+            return Err(ShardError::Checkpoint(format!(
+                "optimizer: {} state shards given, {} expected",
+                shards.len(),
+                expected.len()
+            )));
+        }
+        let mut new_scales = self.scales.clone();
+        for sh in shards {
+            let key = |s: &StateShard| (s.name.clone(), s.unit, s.group);
+            let want = expected
+                .iter()
+                .find(|e| key(e) == key(&sh))
+                .ok_or_else(|| {
+                    ShardError::Checkpoint(format!(
+                        "optimizer: unexpected state {} of unit {} ({:?})",
+                        sh.name, sh.unit, sh.group
+                    ))
+                })?;
+            if want.qtype != sh.qtype || want.slot_scales.len() != sh.slot_scales.len() {
+                return Err(ShardError::Checkpoint(format!(
+                    "optimizer: state {} of unit {} is {:?} with {} scales, this optimizer keeps {:?} with {}",
+                    sh.name,
+                    sh.unit,
+                    sh.qtype,
+                    sh.slot_scales.len(),
+                    want.qtype,
+                    want.slot_scales.len()
+                )));
+            }
+            if sh.slot_scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+                return Err(ShardError::Checkpoint(format!(
+                    "optimizer: state {} of unit {} has a non-positive scale",
+                    sh.name, sh.unit
+                )));
+            }
+            let st = &mut self.units[sh.unit];
+            let what = "optimizer state";
+            let f32v = |b: &[u8], n: usize| from_le(b, n, what, f32::from_le_bytes);
+            let f16v = |b: &[u8], n: usize| from_le(b, n, what, f16::from_le_bytes);
+            match (sh.group, &mut st.fp8, sh.name.as_str()) {
+                (ParamGroup::Plain, _, "exp_avg") => {
+                    st.plain_m.copy_from_host(&f32v(&sh.bytes, st.plain_len)?)?
+                }
+                (ParamGroup::Plain, _, "exp_avg_sq") => {
+                    st.plain_v.copy_from_host(&f32v(&sh.bytes, st.plain_len)?)?
+                }
+                (ParamGroup::Fp8, Fp8States::F32 { master, m, v }, name) => {
+                    let dst = match name {
+                        "master" => master,
+                        "exp_avg" => m,
+                        _ => v,
+                    };
+                    dst.copy_from_host(&f32v(&sh.bytes, st.fp8_len)?)?;
+                }
+                (ParamGroup::Fp8, Fp8States::Low { master, m, v, .. }, name) => {
+                    let k = match name {
+                        "master" => {
+                            master.copy_from_host(&f16v(&sh.bytes, st.fp8_len)?)?;
+                            0
+                        }
+                        "exp_avg" => {
+                            if sh.bytes.len() != st.fp8_len {
+                                return Err(ShardError::Checkpoint(format!(
+                                    "optimizer: exp_avg of unit {} has {} bytes, expected {}",
+                                    sh.unit,
+                                    sh.bytes.len(),
+                                    st.fp8_len
+                                )));
+                            }
+                            m.copy_from_host(&sh.bytes)?;
+                            1
+                        }
+                        _ => {
+                            v.copy_from_host(&f16v(&sh.bytes, st.fp8_len)?)?;
+                            2
+                        }
+                    };
+                    for (i, s) in sh.slot_scales.iter().enumerate() {
+                        new_scales[st.slot_base + i][k] = *s;
+                    }
+                }
+                _ => {
+                    return Err(ShardError::Checkpoint(format!(
+                        "optimizer: unexpected state {}",
+                        sh.name
+                    )))
+                }
+            }
+        }
+        self.scales = new_scales;
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .map(|st| {
+                let fp8 = match &st.fp8 {
+                    Fp8States::F32 { master, m, v } => {
+                        master.num_bytes() + m.num_bytes() + v.num_bytes()
+                    }
+                    Fp8States::Low {
+                        master,
+                        m,
+                        v,
+                        kernel_scales,
+                    } => {
+                        master.num_bytes()
+                            + m.num_bytes()
+                            + v.num_bytes()
+                            + kernel_scales.num_bytes()
+                    }
+                };
+                fp8 + st.plain_m.num_bytes() + st.plain_v.num_bytes()
+            })
+            .sum()
+    }
+
+    fn scalar_state(&self) -> Vec<(String, String)> {
+        let mut v = vec![
+            ("step".to_string(), self.step.to_string()),
+            ("skipped".to_string(), self.skipped.to_string()),
+            ("base_lr".to_string(), format!("{:e}", self.options.lr)),
+            (
+                "schedule_position".to_string(),
+                self.schedule_position.to_string(),
+            ),
+            (
+                "schedule".to_string(),
+                self.schedule
+                    .as_ref()
+                    .map_or("none".into(), |s| s.describe()),
+            ),
+            (
+                "state_precision".to_string(),
+                self.options.state_precision.name().to_string(),
+            ),
+            (
+                "amaxes".to_string(),
+                encode_f32_list(self.amaxes.iter().flatten().copied()),
+            ),
+        ];
+        v.sort();
+        v
+    }
+
+    fn load_scalar_state(&mut self, values: &[(String, String)]) -> Result<(), ShardError> {
+        let get = |k: &str| {
+            values
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+                .ok_or_else(|| ShardError::Checkpoint(format!("optimizer: no {k} in checkpoint")))
+        };
+        let parse_u64 = |k: &str| -> Result<u64, ShardError> {
+            get(k)?
+                .parse()
+                .map_err(|e| ShardError::Checkpoint(format!("optimizer {k}: {e}")))
+        };
+        let precision = get("state_precision")?;
+        if precision != self.options.state_precision.name() {
+            return Err(ShardError::Checkpoint(format!(
+                "optimizer states were saved as {precision}, this optimizer keeps {}",
+                self.options.state_precision.name()
+            )));
+        }
+        let schedule = get("schedule")?;
+        let mine = self
+            .schedule
+            .as_ref()
+            .map_or("none".into(), |s| s.describe());
+        if schedule != mine {
+            return Err(ShardError::Checkpoint(format!(
+                "the checkpoint's learning-rate schedule is {schedule}, this optimizer's {mine}"
+            )));
+        }
+        let amaxes = decode_f32_list(get("amaxes")?)?;
+        if amaxes.len() != 3 * self.total_slots {
+            return Err(ShardError::Checkpoint(format!(
+                "optimizer: {} amaxes for {} FP8 weights",
+                amaxes.len(),
+                self.total_slots
+            )));
+        }
+        let lr: f64 = get("base_lr")?
+            .parse()
+            .map_err(|e| ShardError::Checkpoint(format!("optimizer base_lr: {e}")))?;
+        self.set_lr(lr).map_err(ShardError::from)?;
+        self.step = parse_u64("step")?;
+        self.skipped = parse_u64("skipped")?;
+        self.schedule_position = parse_u64("schedule_position")?;
+        for (a, c) in self.amaxes.iter_mut().zip(amaxes.chunks_exact(3)) {
+            a.copy_from_slice(c);
+        }
+        // The stored states belong to the imported scales: the next step reads with their inverses.
+        for st in &mut self.units {
+            if let Fp8States::Low { kernel_scales, .. } = &mut st.fp8 {
+                let s = &self.scales[st.slot_base..st.slot_base + st.params.len()];
+                kernel_scales.copy_from_host(&kernel_scale_table(s, s))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+macro_rules! adam_face {
+    ($name:ident, $mode:expr, $defaults:expr, $doc:literal) => {
+        #[doc = $doc]
+        #[derive(Debug)]
+        pub struct $name(ShardedAdam);
+
+        impl $name {
+            /// Builds the optimizer for this rank from the model and the F32 master shards of its FP8
+            /// groups (as returned by [`ShardedModel::new`]).
+            pub fn new(
+                model: &ShardedModel,
+                fp8_masters: Vec<Vec<f32>>,
+                options: AdamOptions,
+            ) -> Result<Self, OptimError> {
+                Ok($name(ShardedAdam::new(model, fp8_masters, options, $mode)?))
+            }
+
+            /// The optimizer with PyTorch's default hyperparameters and low-precision states.
+            pub fn with_defaults(
+                model: &ShardedModel,
+                fp8_masters: Vec<Vec<f32>>,
+            ) -> Result<Self, OptimError> {
+                Self::new(model, fp8_masters, $defaults)
+            }
+        }
+
+        impl std::ops::Deref for $name {
+            type Target = ShardedAdam;
+            fn deref(&self) -> &ShardedAdam {
+                &self.0
+            }
+        }
+
+        impl std::ops::DerefMut for $name {
+            fn deref_mut(&mut self) -> &mut ShardedAdam {
+                &mut self.0
+            }
+        }
+
+        impl ShardedState for $name {
+            fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
+                self.0.export_state()
+            }
+            fn import_state(&mut self, shards: Vec<StateShard>) -> Result<(), ShardError> {
+                self.0.import_state(shards)
+            }
+            fn state_bytes(&self) -> usize {
+                self.0.state_bytes()
+            }
+            fn scalar_state(&self) -> Vec<(String, String)> {
+                self.0.scalar_state()
+            }
+            fn load_scalar_state(&mut self, values: &[(String, String)]) -> Result<(), ShardError> {
+                self.0.load_scalar_state(values)
+            }
+        }
+    };
+}
+
+adam_face!(
+    FsdpAdam,
+    WeightDecay::L2,
+    AdamOptions::adam(),
+    "`torch.optim.Adam` over FSDP shards: weight decay is an L2 penalty added to the gradient."
+);
+adam_face!(
+    FsdpAdamW,
+    WeightDecay::Decoupled,
+    AdamOptions::adamw(),
+    "`torch.optim.AdamW` over FSDP shards: decoupled weight decay (`w *= 1 - lr * weight_decay`)."
+);
+
+/// Model-state bytes per parameter per rank-share, by part (analytic, padding excluded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BytesPerParam {
+    /// The parameter shard the model keeps (E4M3 code, or F32 for plain parameters).
+    pub weight: usize,
+    /// The reduced gradient shard (F32 accumulator in `fsdp-shard`).
+    pub grad: usize,
+    /// Optimizer master copy (0 for plain parameters: their shard is the master).
+    pub master: usize,
+    /// First moment.
+    pub exp_avg: usize,
+    /// Second moment.
+    pub exp_avg_sq: usize,
+}
+
+impl BytesPerParam {
+    /// An FP8 weight's bytes with the given state precision.
+    pub fn fp8_weight(precision: StatePrecision) -> Self {
+        match precision {
+            StatePrecision::F32 => BytesPerParam {
+                weight: 1,
+                grad: 4,
+                master: 4,
+                exp_avg: 4,
+                exp_avg_sq: 4,
+            },
+            StatePrecision::LowPrecision => BytesPerParam {
+                weight: 1,
+                grad: 4,
+                master: 2,
+                exp_avg: 1,
+                exp_avg_sq: 2,
+            },
+        }
+    }
+
+    /// A plain parameter's bytes (F32 parameter = master, F32 gradient, F32 moments).
+    pub fn plain() -> Self {
+        BytesPerParam {
+            weight: 4,
+            grad: 4,
+            master: 0,
+            exp_avg: 4,
+            exp_avg_sq: 4,
+        }
+    }
+
+    /// The peer: BF16 mixed precision with F32 Adam (BF16 weight and gradient, F32 master and moments).
+    pub fn bf16_mixed_precision() -> Self {
+        BytesPerParam {
+            weight: 2,
+            grad: 2,
+            master: 4,
+            exp_avg: 4,
+            exp_avg_sq: 4,
+        }
+    }
+
+    /// Total.
+    pub fn total(&self) -> usize {
+        self.weight + self.grad + self.master + self.exp_avg + self.exp_avg_sq
+    }
+}

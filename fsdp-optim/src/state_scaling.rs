@@ -1,0 +1,220 @@
+//! Scales of the low-precision states, chosen before the fused update writes them.
+//!
+//! The fused kernel stores each new value as `encode(x * write_scale)` in the same pass that computes
+//! `x`, so the write scale of step `t` must be known before the amax of step `t` is. It is derived from
+//! quantities every rank already agrees on, as an upper bound of the new values' amax:
+//! - the agreed amaxes of master, first and second moment after step `t - 1` (from the previous step's
+//!   single all-reduce),
+//! - the global amax of this step's gradient per weight (from this step's all-reduce SUM, where every
+//!   rank writes its local amax into its own row of zeros, so the sum is the exact maximum).
+//!
+//! For an effective gradient `g` with `|g| <= G` (clipping and L2 folded in):
+//! `|m_t| <= beta1 |m_{t-1}| + (1 - beta1) G` and `|v_t| <= beta2 |v_{t-1}| + (1 - beta2) G^2` exactly,
+//! and `|w_t| <= |w_{t-1}| max(1, decay) + step_size |m_t / denom|`, where `|m_t / denom|` is at most
+//! `bound(m_t) / eps` and, by Cauchy-Schwarz over Adam's sums, about
+//! `sqrt(1 - beta2^t) (1 - beta1) / sqrt(1 - beta2) sqrt(sum_{j<t} (beta1^2 / beta2)^j)`; the smaller
+//! is used, doubled for the rounding of stored states. Scales are powers of two with margins: E4M3 first
+//! moment 0 (the bound is tight), F16 second moment 1, F16 master 4 bits (F16 has 40 binades; the master
+//! bound is the least rigorous). A value above its bound would saturate, never become infinite.
+
+use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
+use fp8_kernels::adam::AdamCoefficients;
+
+/// Largest finite F16.
+pub const F16_MAX: f32 = 65504.0;
+/// Margin (binades of headroom) of the F16 master's scale.
+pub const MASTER_MARGIN: i32 = 4;
+/// Margin of the E4M3 first moment's scale.
+pub const M_MARGIN: i32 = 0;
+/// Margin of the F16 second moment's scale.
+pub const V_MARGIN: i32 = 1;
+
+/// Relative growth a decoded stored value may have over the amax it was stored from (round to nearest:
+/// half an ulp; E4M3 has 3 mantissa bits, F16 10).
+const E4M3_ROUNDING: f64 = 1.0 / 16.0;
+const F16_ROUNDING: f64 = 1.0 / 2048.0;
+/// Slack for the f32 rounding of the update itself.
+const ARITHMETIC_SLACK: f64 = 1.01;
+
+/// Agreed amaxes of one FP8 weight's states: master, first moment, second moment.
+pub type StateAmaxes = [f32; 3];
+/// Scales of one FP8 weight's states (stored values are `x * scale`): master, first moment, second moment.
+pub type StateScales = [f32; 3];
+
+/// The hyperparameters the bounds need besides the per-step coefficients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BoundParams {
+    /// `beta1`.
+    pub beta1: f64,
+    /// `beta2`.
+    pub beta2: f64,
+    /// `eps`.
+    pub eps: f64,
+    /// Adam's step `t` (1-based).
+    pub step: u64,
+}
+
+/// Upper bound of `|m_t| / sqrt(v_t)` times `sqrt(1 - beta2^t)` for exact Adam (Cauchy-Schwarz), or
+/// infinity when it does not exist (`beta1^2 >= beta2`... grows with t; `beta2 = 0`).
+fn update_ratio_bound(p: &BoundParams) -> f64 {
+    if p.beta2 <= 0.0 {
+        return f64::INFINITY;
+    }
+    let gamma = p.beta1 * p.beta1 / p.beta2;
+    let t = p.step.min(i32::MAX as u64) as i32;
+    let sum = if (gamma - 1.0).abs() < 1e-12 {
+        t as f64
+    } else {
+        (1.0 - gamma.powi(t)) / (1.0 - gamma)
+    };
+    let bc2_sqrt = (1.0 - p.beta2.powi(t)).sqrt();
+    bc2_sqrt * (1.0 - p.beta1) / (1.0 - p.beta2).sqrt() * sum.max(0.0).sqrt()
+}
+
+/// Upper bounds of the new master, first and second moment of one weight after this step.
+pub fn state_bounds(
+    c: &AdamCoefficients,
+    p: &BoundParams,
+    prev: StateAmaxes,
+    grad_amax: f32,
+) -> [f64; 3] {
+    let aw = prev[0] as f64 * (1.0 + F16_ROUNDING);
+    let am = prev[1] as f64 * (1.0 + E4M3_ROUNDING);
+    let av = prev[2] as f64 * (1.0 + F16_ROUNDING);
+    let mut g = grad_amax as f64 * (c.grad_scale as f64).abs();
+    if c.l2 != 0 {
+        g += c.weight_decay as f64 * aw;
+    }
+    let bm = p.beta1 * am + (1.0 - p.beta1) * g;
+    let bv = p.beta2 * av + (1.0 - p.beta2) * g * g;
+    let ratio = (bm / p.eps).min(2.0 * update_ratio_bound(p));
+    let decay = if c.decoupled != 0 {
+        (c.decay as f64).abs().max(1.0)
+    } else {
+        1.0
+    };
+    let bw = aw * decay + (c.step_size as f64).abs() * ratio;
+    [bw, bm, bv].map(|b| b * ARITHMETIC_SLACK)
+}
+
+fn scale_from_bound(bound: f64, fmax: f32, margin: i32, previous: f32) -> f32 {
+    // A bound beyond f32 still deserves the smallest scale, not "keep the previous one".
+    let b = if bound.is_nan() {
+        0.0
+    } else {
+        bound.min(f32::MAX as f64) as f32
+    };
+    compute_scale(b, fmax, margin, ScaleRounding::PowerOfTwo, previous)
+}
+
+/// Write scales of master (F16), first moment (E4M3) and second moment (F16) for this step. A zero bound
+/// keeps the previous scale (nothing to store but zeros).
+pub fn write_scales(
+    c: &AdamCoefficients,
+    p: &BoundParams,
+    prev_amax: StateAmaxes,
+    grad_amax: f32,
+    prev_scales: StateScales,
+) -> StateScales {
+    let b = state_bounds(c, p, prev_amax, grad_amax);
+    [
+        scale_from_bound(b[0], F16_MAX, MASTER_MARGIN, prev_scales[0]),
+        scale_from_bound(b[1], Fp8Format::E4M3.max(), M_MARGIN, prev_scales[1]),
+        scale_from_bound(b[2], F16_MAX, V_MARGIN, prev_scales[2]),
+    ]
+}
+
+/// The F16 master's initial scale for initial values whose amax is at most `amax_bound`.
+pub fn initial_master_scale(amax_bound: f32) -> f32 {
+    scale_from_bound(amax_bound as f64, F16_MAX, MASTER_MARGIN, 1.0)
+}
+
+/// Sum of squares (f64), non-finite count and amax (NaN ignored) of a gradient range.
+pub fn grad_stats(g: &[f32]) -> (f64, u64, f32) {
+    let mut sq = 0f64;
+    let mut nonfinite = 0u64;
+    let mut amax = 0f32;
+    for &x in g {
+        if x.is_finite() {
+            sq += (x as f64) * (x as f64);
+            amax = amax.max(x.abs());
+        } else {
+            nonfinite += 1;
+        }
+    }
+    (sq, nonfinite, amax)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fp8_kernels::adam::adam_element;
+    use fp8_kernels::{AdamConfig, WeightDecay};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Exact (f32) Adam on random gradient sequences never exceeds the predicted bounds.
+        #[test]
+        fn bounds_hold_for_exact_adam(
+            seed in any::<u64>(), steps in 1usize..40, n in 1usize..40,
+            b1 in 0.0f64..0.99, b2 in 0.5f64..0.9999, l2 in any::<bool>(), wd in 0.0f64..0.2,
+            lr in 1e-5f64..1e-1, gscale in -3.0f64..3.0, clip in 0.1f32..1.0,
+        ) {
+            let cfg = AdamConfig {
+                lr, beta1: b1, beta2: b2, eps: 1e-8, weight_decay: wd,
+                decay_mode: if l2 { WeightDecay::L2 } else { WeightDecay::Decoupled },
+                maximize: false,
+            };
+            let mut s = seed | 1;
+            let mut rnd = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0 };
+            let mut w: Vec<f32> = (0..n).map(|_| rnd() as f32).collect();
+            let mut m = vec![0f32; n];
+            let mut v = vec![0f32; n];
+            let mut prev = [w.iter().fold(0f32, |a, x| a.max(x.abs())), 0.0, 0.0];
+            for t in 1..=steps as u64 {
+                let mag = 10f64.powf(gscale);
+                let g: Vec<f32> = (0..n).map(|_| (rnd() * mag) as f32).collect();
+                let gmax = g.iter().fold(0f32, |a, x| a.max(x.abs()));
+                let c = cfg.coefficients(t, clip).unwrap();
+                let p = BoundParams { beta1: b1, beta2: b2, eps: 1e-8, step: t };
+                let b = state_bounds(&c, &p, prev, gmax);
+                let mut now = [0f32; 3];
+                for i in 0..n {
+                    let (nw, nm, nv) = adam_element(&c, g[i], w[i], m[i], v[i]);
+                    w[i] = nw; m[i] = nm; v[i] = nv;
+                    now = [now[0].max(nw.abs()), now[1].max(nm.abs()), now[2].max(nv.abs())];
+                }
+                for k in 0..3 {
+                    prop_assert!(now[k] as f64 <= b[k], "step {t} state {k}: {} > bound {}", now[k], b[k]);
+                }
+                let sc = write_scales(&c, &p, prev, gmax, [1.0; 3]);
+                prop_assert!(now[1] * sc[1] <= 448.0, "first moment would saturate");
+                prop_assert!(now[2] * sc[2] <= F16_MAX && now[0] * sc[0] <= F16_MAX);
+                prev = now;
+            }
+        }
+    }
+
+    #[test]
+    fn scales_are_powers_of_two_and_keep_previous_on_zero() {
+        let c = AdamConfig::default().coefficients(1, 1.0).unwrap();
+        let p = BoundParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            step: 1,
+        };
+        let s = write_scales(&c, &p, [0.0; 3], 0.0, [2.0, 4.0, 8.0]);
+        // The master bound is 0 + step * 0 = 0: everything keeps its previous scale.
+        assert_eq!(s, [2.0, 4.0, 8.0]);
+        let s = write_scales(&c, &p, [0.5, 0.0, 0.0], 1.0, [1.0; 3]);
+        for x in s {
+            assert_eq!(x.to_bits() & 0x007F_FFFF, 0, "{x} is a power of two");
+        }
+        // m bound = 0.1 * 1.0 * 1.01: 448 / 0.101 = 4435.6 -> 4096.
+        assert_eq!(s[1], 4096.0);
+        let (sq, nf, a) = grad_stats(&[3.0, -4.0, f32::NAN, f32::INFINITY]);
+        assert_eq!((sq, nf, a), (25.0, 2, 4.0));
+    }
+}
