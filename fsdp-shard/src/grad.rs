@@ -11,11 +11,11 @@
 //!    step; the thread backend emulates that), decode with the inverse scale and add to the F32 shard.
 
 use crate::ShardError;
-use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
-use fp8_kernels::{Buffer, Device};
+use fp8_core::Fp8Format;
+use fp8_kernels::segmented::{add_at, add_decoded_fp8, finite_amax_count, grad_scale_from_amax};
+use fp8_kernels::{cast_to_fp8, convert, Buffer, Device, Element};
 use fsdp_comm::{Communicator, RecvBuf, ReduceOp, SendBuf};
 use half::bf16;
-use rayon::prelude::*;
 
 /// How gradients travel in the reduce-scatter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -30,10 +30,52 @@ pub enum GradReduction {
 }
 
 /// Runs gradient reductions and remembers the non-finite values it saw before FP8 casts.
+///
+/// Every step runs where the buffers live, through fp8-kernels (CPU with rayon, or the GPU's compute
+/// stream with the collectives on its communication stream): on CUDA nothing goes through the host. The
+/// FP8 path's amax, scale and non-finite count stay in small device buffers; the count is read only by
+/// [`GradReducer::take_nonfinite`]. Wire and receive buffers are kept and reused while their lengths
+/// match, so a step with equal-sized units allocates nothing here after the first unit.
 #[derive(Debug)]
 pub struct GradReducer {
     device: Device,
-    nonfinite: u64,
+    /// `[amax]`, `[scale]`, `[scale_inv]` of the current FP8 reduction.
+    amax: Option<Buffer<f32>>,
+    scale: Option<Buffer<f32>>,
+    scale_inv: Option<Buffer<f32>>,
+    /// Non-finite values seen since the last `take_nonfinite` (u32 on the device, wrapping).
+    nonfinite: Option<Buffer<u32>>,
+    scratch: Scratch,
+}
+
+/// Reused wire and receive buffers.
+#[derive(Debug, Default)]
+struct Scratch {
+    part_f32: Option<Buffer<f32>>,
+    wire_bf16: Option<Buffer<bf16>>,
+    part_bf16: Option<Buffer<bf16>>,
+    wire_u8: Option<Buffer<u8>>,
+    part_u8: Option<Buffer<u8>>,
+}
+
+/// The buffer in `slot` if it has `len` elements, else a fresh zeroed one put there.
+fn reuse<'a, T: Element>(
+    device: &Device,
+    slot: &'a mut Option<Buffer<T>>,
+    len: usize,
+) -> Result<&'a mut Buffer<T>, ShardError> {
+    if slot.as_ref().is_none_or(|b| b.len() != len) {
+        *slot = Some(device.zeros::<T>(len)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| ShardError::State("scratch buffer vanished".into()))
+}
+
+fn scalar<'a>(
+    device: &Device,
+    slot: &'a mut Option<Buffer<f32>>,
+) -> Result<&'a mut Buffer<f32>, ShardError> {
+    reuse(device, slot, 1)
 }
 
 /// Power of two `>= world_size`: the pre-scale divisor that keeps a sum of `world_size` values in range.
@@ -46,13 +88,36 @@ impl GradReducer {
     pub fn new(_mode: GradReduction, device: &Device) -> Self {
         GradReducer {
             device: device.clone(),
-            nonfinite: 0,
+            amax: None,
+            scale: None,
+            scale_inv: None,
+            nonfinite: None,
+            scratch: Scratch::default(),
         }
     }
 
-    /// Non-finite gradient values seen (and cleared) since the last call, for the FP8 path.
+    /// Non-finite gradient values seen (and cleared) since the last call, for the FP8 path. On CUDA this
+    /// reads a counter on the device (it waits for the queued work): call it once per step.
     pub fn take_nonfinite(&mut self) -> u64 {
-        std::mem::take(&mut self.nonfinite)
+        self.try_take_nonfinite().unwrap_or(u64::MAX)
+    }
+
+    /// [`GradReducer::take_nonfinite`] with device errors reported (`take_nonfinite` reports a failed read
+    /// as `u64::MAX` non-finite values, so a caller that skips steps on non-finite gradients skips).
+    pub fn try_take_nonfinite(&mut self) -> Result<u64, ShardError> {
+        match self.nonfinite.as_mut() {
+            None => Ok(0),
+            Some(c) => {
+                let n = c.to_vec()?.first().copied().unwrap_or(0);
+                c.fill_zero()?;
+                Ok(u64::from(n))
+            }
+        }
+    }
+
+    /// The FP8 scale pair `[scale]`, `[scale_inv]` of the last FP8 reduction (device buffers), if any.
+    pub fn last_fp8_scales(&self) -> Option<(&Buffer<f32>, &Buffer<f32>)> {
+        Some((self.scale.as_ref()?, self.scale_inv.as_ref()?))
     }
 
     /// Reduce-scatters `full` (length `world_size * shard.len()`) and adds this rank's reduced chunk to `shard`.
@@ -71,131 +136,98 @@ impl GradReducer {
                 shard.len()
             )));
         }
-        let dev = &self.device;
+        let dev = self.device.clone();
+        let n = shard.len();
+        let s = &mut self.scratch;
         match mode {
             GradReduction::F32 => {
-                let mut part = dev.zeros::<f32>(shard.len())?;
-                comm.reduce_scatter(full.into(), (&mut part).into(), ReduceOp::Sum)?;
-                add_assign(shard, &part)?;
+                let part = reuse(&dev, &mut s.part_f32, n)?;
+                comm.reduce_scatter(full.into(), (&mut *part).into(), ReduceOp::Sum)?;
+                add_at(shard, 0, part)?;
             }
             GradReduction::Bf16 => {
-                let wire = to_bf16(full)?;
-                let mut part = dev.zeros::<bf16>(shard.len())?;
-                comm.reduce_scatter((&wire).into(), (&mut part).into(), ReduceOp::Sum)?;
-                add_assign_bf16(shard, &part)?;
+                let wire = reuse(&dev, &mut s.wire_bf16, full.len())?;
+                convert(full, wire)?;
+                let part = reuse(&dev, &mut s.part_bf16, n)?;
+                comm.reduce_scatter((&*wire).into(), (&mut *part).into(), ReduceOp::Sum)?;
+                add_at(shard, 0, part)?;
             }
             GradReduction::Fp8(format) => {
-                let (local_amax, nonfinite) = amax_and_nonfinite(full)?;
-                self.nonfinite += nonfinite;
-                let mut amax = [local_amax];
-                comm.all_reduce_host_f32(&mut amax, ReduceOp::Max)?;
-                let scale = compute_scale(
-                    amax[0],
-                    format.max(),
-                    world_prescale_margin(ws),
-                    ScaleRounding::PowerOfTwo,
-                    1.0,
-                );
-                let wire = encode(full, format, scale)?;
-                let mut part = dev.zeros::<u8>(shard.len())?;
+                // 1. local amax of the finite values and count of the others (before any cast);
+                let amax = scalar(&dev, &mut self.amax)?;
+                amax.fill_zero()?;
+                let count = reuse(&dev, &mut self.nonfinite, 1)?;
+                finite_amax_count(full, amax, count)?;
+                // 2. one all-reduce MAX on the device buffer: every rank gets the same scale;
+                comm.all_reduce_in_place(RecvBuf::F32(amax), ReduceOp::Max)?;
+                // 3. scale with the world pre-scale folded in, computed where the amax is;
+                let scale = scalar(&dev, &mut self.scale)?;
+                let scale_inv = scalar(&dev, &mut self.scale_inv)?;
+                grad_scale_from_amax(amax, format, world_prescale_margin(ws), scale, scale_inv)?;
+                // 4. cast, FP8 sum reduce-scatter, decode + add.
+                let wire = reuse(&dev, &mut s.wire_u8, full.len())?;
+                cast_to_fp8(full, format, scale, wire, None)?;
+                let part = reuse(&dev, &mut s.part_u8, n)?;
                 comm.reduce_scatter(
-                    SendBuf::fp8(&wire, format),
-                    RecvBuf::Fp8(&mut part, format),
+                    SendBuf::fp8(wire, format),
+                    RecvBuf::Fp8(part, format),
                     ReduceOp::Sum,
                 )?;
-                add_assign_decoded(shard, &part, format, 1.0 / scale)?;
+                add_decoded_fp8(shard, part, format, scale_inv)?;
             }
         }
         Ok(())
     }
+
+    /// Frees the reused wire and receive buffers (they are re-created on the next reduction).
+    pub fn release_scratch(&mut self) {
+        self.scratch = Scratch::default();
+    }
+
+    /// Bytes held in reused wire and receive buffers.
+    pub fn scratch_bytes(&self) -> usize {
+        let s = &self.scratch;
+        s.part_f32.as_ref().map_or(0, Buffer::num_bytes)
+            + s.wire_bf16.as_ref().map_or(0, Buffer::num_bytes)
+            + s.part_bf16.as_ref().map_or(0, Buffer::num_bytes)
+            + s.wire_u8.as_ref().map_or(0, Buffer::num_bytes)
+            + s.part_u8.as_ref().map_or(0, Buffer::num_bytes)
+    }
 }
 
-fn host<'a>(b: &'a Buffer<f32>, what: &'static str) -> Result<&'a [f32], ShardError> {
-    Ok(b.host(what)?)
-}
-
-/// `full[offset..offset + grad.len()] += grad`.
+/// `full[offset..offset + grad.len()] += grad`, where the buffers live (one kernel on CUDA).
 pub fn add_into_range(
     full: &mut Buffer<f32>,
     offset: usize,
     grad: &Buffer<f32>,
 ) -> Result<(), ShardError> {
-    let g = host(grad, "add_into_range")?;
-    let f = full.host_mut("add_into_range")?;
-    let dst = f.get_mut(offset..offset + g.len()).ok_or_else(|| {
-        ShardError::InvalidArgument("gradient range outside its flat buffer".into())
-    })?;
-    dst.par_iter_mut()
-        .with_min_len(1 << 14)
-        .zip(g.par_iter())
-        .for_each(|(d, s)| *d += s);
+    if offset
+        .checked_add(grad.len())
+        .is_none_or(|e| e > full.len())
+    {
+        return Err(ShardError::InvalidArgument(
+            "gradient range outside its flat buffer".into(),
+        ));
+    }
+    add_at(full, offset, grad)?;
     Ok(())
 }
 
-fn add_assign(dst: &mut Buffer<f32>, src: &Buffer<f32>) -> Result<(), ShardError> {
-    let s = host(src, "gradient add")?;
-    let d = dst.host_mut("gradient add")?;
-    d.par_iter_mut()
-        .with_min_len(1 << 14)
-        .zip(s.par_iter())
-        .for_each(|(d, s)| *d += s);
-    Ok(())
-}
-
-fn to_bf16(src: &Buffer<f32>) -> Result<Buffer<bf16>, ShardError> {
-    let s = host(src, "bf16 gradient cast")?;
-    Ok(Buffer::from_vec(
-        s.par_iter()
-            .with_min_len(1 << 14)
-            .map(|&x| bf16::from_f32(x))
-            .collect(),
-    ))
-}
-
-fn add_assign_bf16(dst: &mut Buffer<f32>, src: &Buffer<bf16>) -> Result<(), ShardError> {
-    let s = src.host("bf16 gradient add")?;
-    let d = dst.host_mut("bf16 gradient add")?;
-    d.par_iter_mut()
-        .with_min_len(1 << 14)
-        .zip(s.par_iter())
-        .for_each(|(d, s)| *d += s.to_f32());
-    Ok(())
-}
-
-fn amax_and_nonfinite(src: &Buffer<f32>) -> Result<(f32, u64), ShardError> {
-    let s = host(src, "gradient amax")?;
-    Ok(s.par_iter()
-        .with_min_len(1 << 14)
-        .map(|x| {
-            if x.is_finite() {
-                (x.abs(), 0u64)
-            } else {
-                (0.0, 1)
-            }
-        })
-        .reduce(|| (0.0, 0), |a, b| (a.0.max(b.0), a.1 + b.1)))
-}
-
-fn encode(src: &Buffer<f32>, format: Fp8Format, scale: f32) -> Result<Buffer<u8>, ShardError> {
-    let s = host(src, "fp8 gradient cast")?;
-    let mut out = vec![0u8; s.len()];
-    format.encode_scaled(s, scale, &mut out)?;
-    Ok(Buffer::from_vec(out))
-}
-
-fn add_assign_decoded(
-    dst: &mut Buffer<f32>,
-    src: &Buffer<u8>,
-    format: Fp8Format,
-    scale_inv: f32,
+/// `full[offset..offset + grad.len()] += grad` for a BF16 gradient (widened exactly to f32).
+pub fn add_into_range_bf16(
+    full: &mut Buffer<f32>,
+    offset: usize,
+    grad: &Buffer<bf16>,
 ) -> Result<(), ShardError> {
-    let s = src.host("fp8 gradient add")?;
-    let d = dst.host_mut("fp8 gradient add")?;
-    let table = format.decode_table();
-    d.par_iter_mut()
-        .with_min_len(1 << 14)
-        .zip(s.par_iter())
-        .for_each(|(d, &c)| *d += table[c as usize] * scale_inv);
+    if offset
+        .checked_add(grad.len())
+        .is_none_or(|e| e > full.len())
+    {
+        return Err(ShardError::InvalidArgument(
+            "gradient range outside its flat buffer".into(),
+        ));
+    }
+    add_at(full, offset, grad)?;
     Ok(())
 }
 

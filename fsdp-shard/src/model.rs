@@ -16,8 +16,11 @@ use crate::layout::{ModelLayout, ParamGroup, ParamKind};
 use crate::memory::MemoryReport;
 use crate::ShardError;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
+use fp8_kernels::segmented::{
+    segmented_amax, segmented_cast, segmented_scales, Segment, SegmentTable,
+};
 use fp8_kernels::{Buffer, Device};
-use fsdp_comm::{Communicator, RecvBuf, SendBuf};
+use fsdp_comm::{CommWork, Communicator, RecvBuf, SendBuf};
 use std::sync::Arc;
 
 /// Options of a sharded model.
@@ -72,6 +75,44 @@ pub struct UnitShards {
     full_grads: [Option<Buffer<f32>>; 2],
     /// Parameters of the gathered unit, by model parameter index.
     gathered: Option<Vec<(usize, GatheredParam)>>,
+    /// An all-gather issued by [`ShardedModel::gather_async`] and not yet waited for.
+    pending: Option<PendingGather>,
+    /// Which part of this rank's FP8 shard holds which FP8 weight (slot = index in the unit's FP8 group),
+    /// on the model's device, for the one-launch-per-unit amax and cast.
+    fp8_table: SegmentTable,
+}
+
+/// The full flat buffers an all-gather is writing, and the handles of its collectives.
+#[derive(Debug)]
+struct PendingGather {
+    fp8: Option<Buffer<u8>>,
+    plain: Option<Buffer<f32>>,
+    works: Vec<CommWork>,
+}
+
+impl PendingGather {
+    fn num_bytes(&self) -> usize {
+        self.fp8.as_ref().map_or(0, Buffer::num_bytes)
+            + self.plain.as_ref().map_or(0, Buffer::num_bytes)
+    }
+}
+
+/// The `(slot index, local range)` pieces of rank `rank`'s shard of an FP8 group.
+fn shard_segments(
+    g: &crate::layout::GroupLayout,
+    rank: usize,
+    world_size: usize,
+) -> Vec<(usize, std::ops::Range<usize>)> {
+    let r = g.shard_range(rank, world_size);
+    g.slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let start = s.offset.max(r.start);
+            let end = (s.offset + s.numel).min(r.end);
+            (start < end).then(|| (i, start - r.start..end - r.start))
+        })
+        .collect()
 }
 
 /// One rank's share of a model.
@@ -160,6 +201,14 @@ impl ShardedModel {
                 device.zeros::<f32>(r8.len())?,
                 device.zeros::<f32>(rp.len())?,
             ];
+            let segments: Vec<Segment> = shard_segments(fp8_group, rank, ws)
+                .into_iter()
+                .map(|(slot, r)| Segment {
+                    start: r.start,
+                    end: r.end,
+                    slot,
+                })
+                .collect();
             units.push(UnitShards {
                 fp8: device.upload(&codes_full[r8])?,
                 plain: device.upload(&full[1][rp])?,
@@ -167,6 +216,8 @@ impl ShardedModel {
                 grads,
                 full_grads: [None, None],
                 gathered: None,
+                pending: None,
+                fp8_table: SegmentTable::new(&device, &segments)?,
             });
         }
         let reducer = GradReducer::new(config.grad_reduction, &device);
@@ -224,8 +275,22 @@ impl ShardedModel {
             .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))
     }
 
-    /// All-gathers unit `u` and cuts its parameters out (no-op if already gathered).
+    /// All-gathers unit `u` and cuts its parameters out (no-op if already gathered). Equivalent to
+    /// [`ShardedModel::gather_async`] followed by [`ShardedModel::wait_gather`].
     pub fn gather(&mut self, u: usize) -> Result<(), ShardError> {
+        self.gather_async(u)?;
+        self.wait_gather(u)
+    }
+
+    /// Issues unit `u`'s all-gathers without waiting for them (prefetch): on CUDA they are queued on the
+    /// communication stream and run while the compute stream works on something else. A no-op when the
+    /// unit is gathered or its gather is already in flight. [`ShardedModel::wait_gather`] completes it.
+    ///
+    /// Overlap: the NCCL backend orders each collective after the work already queued on the compute
+    /// stream when it is issued. So issue the prefetch of unit `u + 1` *before* queuing unit `u`'s compute
+    /// (e.g. right after `wait_gather(u)`): then it waits for nothing but earlier work and overlaps `u`'s
+    /// kernels. On CPU backends the collective completes inside this call.
+    pub fn gather_async(&mut self, u: usize) -> Result<(), ShardError> {
         let ws = self.comm.world_size();
         let layout = self.layout.clone();
         let unit_layout = layout
@@ -233,51 +298,106 @@ impl ShardedModel {
             .get(u)
             .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
         let shards = &self.units[u];
-        if shards.gathered.is_some() {
+        if shards.gathered.is_some() || shards.pending.is_some() {
             return Ok(());
         }
         let g8 = unit_layout.group(ParamGroup::Fp8);
         let gp = unit_layout.group(ParamGroup::Plain);
-        let mut params = Vec::new();
-        let mut bytes = 0;
+        let mut pending = PendingGather {
+            fp8: None,
+            plain: None,
+            works: Vec::with_capacity(2),
+        };
         if !g8.is_empty() {
             let mut full = self.device.zeros::<u8>(g8.padded_len(ws))?;
-            self.comm.all_gather(
+            pending.works.push(self.comm.all_gather_async(
                 SendBuf::fp8(&shards.fp8, Fp8Format::E4M3),
                 RecvBuf::Fp8(&mut full, Fp8Format::E4M3),
-            )?;
+            )?);
+            pending.fp8 = Some(full);
+        }
+        if !gp.is_empty() {
+            let mut full = self.device.zeros::<f32>(gp.padded_len(ws))?;
+            pending.works.push(
+                self.comm
+                    .all_gather_async((&shards.plain).into(), (&mut full).into())?,
+            );
+            pending.plain = Some(full);
+        }
+        let held = self.gathered_bytes() + self.pending_bytes() + pending.num_bytes();
+        self.peak_gathered_bytes = self.peak_gathered_bytes.max(held);
+        self.units[u].pending = Some(pending);
+        Ok(())
+    }
+
+    /// Whether unit `u` has a gather in flight (issued by [`ShardedModel::gather_async`], not waited for).
+    pub fn is_gather_pending(&self, u: usize) -> bool {
+        self.units.get(u).is_some_and(|s| s.pending.is_some())
+    }
+
+    /// Completes unit `u`'s gather: orders the compute stream after its all-gathers (the host does not
+    /// block) and cuts the parameters out of the full buffers on the compute stream. Issues the gather
+    /// first if none is in flight; a no-op when the unit is gathered.
+    pub fn wait_gather(&mut self, u: usize) -> Result<(), ShardError> {
+        if self.unit(u)?.gathered.is_some() {
+            return Ok(());
+        }
+        if self.units[u].pending.is_none() {
+            self.gather_async(u)?;
+        }
+        let pending = self.units[u]
+            .pending
+            .take()
+            .ok_or_else(|| ShardError::State(format!("unit {u}: no gather in flight")))?;
+        for w in pending.works {
+            w.wait()?;
+        }
+        let layout = self.layout.clone();
+        let unit_layout = &layout.units[u];
+        let shards = &self.units[u];
+        let mut params = Vec::new();
+        let mut bytes = 0;
+        if let Some(full) = &pending.fp8 {
             bytes += full.num_bytes();
-            for (i, slot) in g8.slots.iter().enumerate() {
+            for (i, slot) in unit_layout.group(ParamGroup::Fp8).slots.iter().enumerate() {
                 let mut codes = self.device.zeros::<u8>(slot.numel)?;
-                codes.copy_range_from(0, &full, slot.offset, slot.numel)?;
+                codes.copy_range_from(0, full, slot.offset, slot.numel)?;
                 let mut scales = self.device.zeros::<f32>(2)?;
                 scales.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
                 bytes += codes.num_bytes() + scales.num_bytes();
                 params.push((slot.param, GatheredParam::Fp8 { codes, scales }));
             }
         }
-        if !gp.is_empty() {
-            let mut full = self.device.zeros::<f32>(gp.padded_len(ws))?;
-            self.comm
-                .all_gather((&shards.plain).into(), (&mut full).into())?;
+        if let Some(full) = &pending.plain {
             bytes += full.num_bytes();
-            for slot in &gp.slots {
+            for slot in &unit_layout.group(ParamGroup::Plain).slots {
                 let mut p = self.device.zeros::<f32>(slot.numel)?;
-                p.copy_range_from(0, &full, slot.offset, slot.numel)?;
+                p.copy_range_from(0, full, slot.offset, slot.numel)?;
                 bytes += p.num_bytes();
                 params.push((slot.param, GatheredParam::Plain(p)));
             }
         }
-        // During the gather the flat buffers and the cut parameters coexist: that is the peak.
-        let held = self.gathered_bytes() + bytes;
+        // During the cut the flat buffers and the cut parameters coexist: that is the peak.
+        let held = self.gathered_bytes() + self.pending_bytes() + bytes;
         self.peak_gathered_bytes = self.peak_gathered_bytes.max(held);
         self.units[u].gathered = Some(params);
         Ok(())
     }
 
-    /// Frees unit `u`'s gathered parameters.
+    fn pending_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .filter_map(|s| s.pending.as_ref())
+            .map(PendingGather::num_bytes)
+            .sum()
+    }
+
+    /// Frees unit `u`'s gathered parameters (and drops a gather still in flight; on CUDA the memory is
+    /// reused only after the collective has finished).
     pub fn release(&mut self, u: usize) -> Result<(), ShardError> {
-        self.unit_mut(u)?.gathered = None;
+        let s = self.unit_mut(u)?;
+        s.gathered = None;
+        s.pending = None;
         Ok(())
     }
 
@@ -366,6 +486,45 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// [`ShardedModel::add_grad`] for a BF16 gradient (widened exactly to f32 as it is added).
+    pub fn add_grad_bf16(
+        &mut self,
+        name: &str,
+        grad: &Buffer<half::bf16>,
+    ) -> Result<(), ShardError> {
+        let (full, offset) = self.full_grad_range(name, grad.len())?;
+        crate::grad::add_into_range_bf16(full, offset, grad)
+    }
+
+    /// The unit's full flat gradient buffer holding parameter `name` (created zeroed on first use) and the
+    /// parameter's offset in it, after checking that a gradient of `len` elements fits.
+    fn full_grad_range(
+        &mut self,
+        name: &str,
+        len: usize,
+    ) -> Result<(&mut Buffer<f32>, usize), ShardError> {
+        let param = self.index(name)?;
+        let ws = self.comm.world_size();
+        let (u, g, slot) = self
+            .layout
+            .locate(param)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("{name} is in no unit")))?;
+        let (offset, numel) = (slot.offset, slot.numel);
+        if len != numel {
+            return Err(ShardError::InvalidArgument(format!(
+                "gradient of {name} has {len} elements, the parameter {numel}"
+            )));
+        }
+        let padded = self.layout.units[u].group(g).padded_len(ws);
+        let device = self.device.clone();
+        let slot_buf = &mut self.units[u].full_grads[g as usize];
+        let full = match slot_buf {
+            Some(b) => b,
+            None => slot_buf.insert(device.zeros::<f32>(padded)?),
+        };
+        Ok((full, offset))
+    }
+
     /// Whether gradients are reduced at [`ShardedModel::reduce_grads`] (true) or kept in the full buffers
     /// across micro-batches (no-sync accumulation: less communication, more memory).
     pub fn set_grad_sync(&mut self, sync: bool) {
@@ -446,7 +605,8 @@ impl ShardedModel {
                 .map(Buffer::num_bytes)
                 .sum::<usize>();
         }
-        r.gathered = self.gathered_bytes();
+        // Full buffers of gathers in flight are gathered memory too.
+        r.gathered = self.gathered_bytes() + self.pending_bytes();
         r.peak_gathered = self.peak_gathered_bytes;
         r.device_used = self.device.memory_used()?;
         Ok(r)
@@ -463,17 +623,11 @@ impl ShardedModel {
             .units
             .get(u)
             .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
-        let g = unit.group(ParamGroup::Fp8);
-        let r = g.shard_range(self.comm.rank(), self.comm.world_size());
-        Ok(g.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| {
-                let start = s.offset.max(r.start);
-                let end = (s.offset + s.numel).min(r.end);
-                (start < end).then(|| (i, start - r.start..end - r.start))
-            })
-            .collect())
+        Ok(shard_segments(
+            unit.group(ParamGroup::Fp8),
+            self.comm.rank(),
+            self.comm.world_size(),
+        ))
     }
 
     /// Number of FP8 weights of every unit, in order (the length of the amax vector of
@@ -512,16 +666,14 @@ impl ShardedModel {
     pub fn fp8_local_amaxes(&self, masters: &[&Buffer<f32>]) -> Result<Buffer<f32>, ShardError> {
         self.check_masters(masters)?;
         let counts = self.fp8_counts();
-        let mut amaxes = vec![0f32; counts.iter().sum()];
+        let mut amaxes = self.device.zeros::<f32>(counts.iter().sum())?;
         let mut base = 0;
         for (u, m) in masters.iter().enumerate() {
-            let m = m.host("fp8_local_amaxes")?;
-            for (i, r) in self.fp8_segments(u)? {
-                amaxes[base + i] = fp8_core::amax_f32(&m[r]);
-            }
+            // One launch per unit over this rank's shard, one amax slot per FP8 weight.
+            segmented_amax(m, &self.units[u].fp8_table, &mut amaxes, base)?;
             base += counts[u];
         }
-        Ok(self.device.upload(&amaxes)?)
+        Ok(amaxes)
     }
 
     /// Sets every FP8 weight's scale from its global amax (already all-reduced with MAX across ranks, so
@@ -541,29 +693,24 @@ impl ShardedModel {
                 global_amaxes.len()
             )));
         }
-        let amaxes = global_amaxes.host("apply_fp8_weights")?;
         let mut base = 0;
         for (u, m) in masters.iter().enumerate() {
-            let segs = self.fp8_segments(u)?;
-            let m = m.host("apply_fp8_weights")?;
             let shards = &mut self.units[u];
-            let scales = shards.weight_scales.host_mut("apply_fp8_weights")?;
-            for i in 0..counts[u] {
-                let s = compute_scale(
-                    amaxes[base + i],
-                    Fp8Format::E4M3.max(),
-                    self.config.weight_margin,
-                    ScaleRounding::PowerOfTwo,
-                    scales[2 * i],
-                );
-                scales[2 * i] = s;
-                scales[2 * i + 1] = 1.0 / s;
-            }
-            let scales: Vec<f32> = scales.to_vec();
-            let codes = shards.fp8.host_mut("apply_fp8_weights")?;
-            for (i, r) in segs {
-                Fp8Format::E4M3.encode_scaled(&m[r.clone()], scales[2 * i], &mut codes[r])?;
-            }
+            // Scales first (one small launch), then one cast launch over the unit's shard.
+            segmented_scales(
+                global_amaxes,
+                base,
+                Fp8Format::E4M3,
+                self.config.weight_margin,
+                &mut shards.weight_scales,
+            )?;
+            segmented_cast(
+                m,
+                &shards.fp8_table,
+                Fp8Format::E4M3,
+                &shards.weight_scales,
+                &mut shards.fp8,
+            )?;
             base += counts[u];
         }
         Ok(())
