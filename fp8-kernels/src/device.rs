@@ -383,6 +383,19 @@ impl CudaDevice {
     pub fn record_comm(&self) -> Result<GpuEvent, KernelError> {
         Ok(GpuEvent(self.comm_stream().record_event(None)?))
     }
+
+    /// Records a timing event on the compute stream (for [`GpuEvent::elapsed_ms`]; plain events carry no
+    /// timestamps and cost less).
+    pub fn record_compute_timed(&self) -> Result<GpuEvent, KernelError> {
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(GpuEvent(self.stream().record_event(Some(flags))?))
+    }
+
+    /// Records a timing event on the communication stream.
+    pub fn record_comm_timed(&self) -> Result<GpuEvent, KernelError> {
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(GpuEvent(self.comm_stream().record_event(Some(flags))?))
+    }
 }
 
 /// A point in a stream's work; another stream can wait for it.
@@ -402,6 +415,12 @@ impl GpuEvent {
     /// Whether the event has happened.
     pub fn is_complete(&self) -> bool {
         self.0.is_complete()
+    }
+
+    /// Milliseconds from this event to `end` (both timing events, see
+    /// [`CudaDevice::record_compute_timed`]); waits for both to complete. Works across streams.
+    pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32, KernelError> {
+        Ok(self.0.elapsed_ms(&end.0)?)
     }
 
     /// The underlying cudarc event.
