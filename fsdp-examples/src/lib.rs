@@ -48,5 +48,7 @@
 
 pub mod data;
 pub mod metrics;
+pub mod mnist;
+pub mod nn;
 pub mod progress;
 pub mod sampler;

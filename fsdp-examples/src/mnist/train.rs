@@ -1,0 +1,688 @@
+//! The training loop: data-parallel steps over sharded parameters, evaluation, metrics, checkpoints.
+
+use super::{MnistError, MnistNet, NetConfig, ShardAdamF32, ShardOptimizer};
+use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
+use crate::metrics::{EpochMetrics, MetricsWriter};
+use crate::nn::LinearPrecision;
+use crate::progress::{EpochProgress, ProgressMode};
+use crate::sampler::{DistributedSampler, Remainder};
+use fp8_core::Fp8Format;
+use fp8_kernels::ops::{self, nll_stat};
+use fp8_kernels::{Buffer, CpuParallelism, Device, Element};
+use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
+use fsdp_shard::checkpoint::{load_sharded, save_sharded};
+use fsdp_shard::{
+    FsdpConfig, GatheredParam, GradReduction, MemoryReport, ShardedModel, ShardedState,
+};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where to train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// CUDA when a GPU and its libraries are usable, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU, ranks as threads.
+    Cpu,
+    /// CUDA, one process per GPU (NCCL; several GPUs through the `fsdp-run` launcher).
+    Cuda,
+}
+
+/// A training run. [`TrainConfig::default`] is the reference setup (14 epochs, batch 64 per rank, test
+/// batch 1000, Adam lr 1e-3, StepLR gamma 0.7, seed 1, FP8, one rank).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    /// Epochs to train (1-based; a resumed run continues up to this epoch).
+    pub epochs: u32,
+    /// Training batch per rank (per micro-batch with accumulation).
+    pub batch_size: usize,
+    /// Test batch per rank.
+    pub test_batch_size: usize,
+    /// Base learning rate of Adam.
+    pub lr: f64,
+    /// StepLR factor applied after every epoch.
+    pub gamma: f64,
+    /// Seed of initialisation, shuffling and dropout.
+    pub seed: u64,
+    /// Arithmetic of the linear layers.
+    pub precision: LinearPrecision,
+    /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
+    pub fp8_grad_comm: bool,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Ranks: threads on the CPU; on CUDA it must match the launcher's `WORLD_SIZE` (1 without one).
+    pub world_size: usize,
+    /// Where to run.
+    pub device: DeviceChoice,
+    /// Directory of the MNIST IDX files.
+    pub data_dir: PathBuf,
+    /// Save a sharded checkpoint here after every epoch (and every `save_every_steps` steps).
+    pub save: Option<PathBuf>,
+    /// Also save every this many optimizer steps (mid-epoch), when `save` is set.
+    pub save_every_steps: Option<u64>,
+    /// Resume from this sharded checkpoint (same world size, precision, batch size and seed).
+    pub resume: Option<PathBuf>,
+    /// Append one JSON line per epoch here (rank 0).
+    pub metrics: Option<PathBuf>,
+    /// Train at most this many batches per epoch and rank (smoke runs).
+    pub limit_batches: Option<usize>,
+    /// Stop after this many optimizer steps in total (after saving, when `save` is set): an
+    /// interruption, for testing resumption.
+    pub stop_after_steps: Option<u64>,
+    /// Progress bar on rank 0.
+    pub progress: ProgressMode,
+    /// Print the reference lines on rank 0.
+    pub print: bool,
+    /// CPU threads per rank (default: the cores divided by the ranks, at least 1).
+    pub threads_per_rank: Option<usize>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 14,
+            batch_size: 64,
+            test_batch_size: 1000,
+            lr: 1e-3,
+            gamma: 0.7,
+            seed: 1,
+            precision: LinearPrecision::Fp8,
+            fp8_grad_comm: false,
+            grad_accum: 1,
+            world_size: 1,
+            device: DeviceChoice::Auto,
+            data_dir: PathBuf::from(crate::data::DEFAULT_MNIST_DIR),
+            save: None,
+            save_every_steps: None,
+            resume: None,
+            metrics: None,
+            limit_batches: None,
+            stop_after_steps: None,
+            progress: ProgressMode::Auto,
+            print: true,
+            threads_per_rank: None,
+        }
+    }
+}
+
+/// What a run produced (rank 0's view, plus every rank's memory).
+#[derive(Debug, Clone)]
+pub struct TrainReport {
+    /// One record per epoch run by this invocation.
+    pub epochs: Vec<EpochMetrics>,
+    /// Memory held per rank at the end, by category (optimizer states included).
+    pub memory: Vec<MemoryReport>,
+    /// Every parameter at the end, gathered and as F32 (FP8 weights decoded), in
+    /// [`MnistNet::param_specs`] order, with its name.
+    pub params: Vec<(String, Vec<f32>)>,
+    /// Optimizer steps taken in total (including those before a resume).
+    pub steps: u64,
+    /// Whether the run stopped at `stop_after_steps` before finishing.
+    pub stopped_early: bool,
+    /// The device, in words.
+    pub device: String,
+    /// Ranks.
+    pub world_size: usize,
+    /// The optimizer, in words.
+    pub optimizer: String,
+}
+
+impl TrainReport {
+    /// Mean seconds per epoch (training and test).
+    pub fn seconds_per_epoch(&self) -> f64 {
+        mean(self.epochs.iter().map(|e| e.seconds))
+    }
+
+    /// Mean training samples per second over all ranks.
+    pub fn samples_per_sec(&self) -> f64 {
+        mean(self.epochs.iter().map(|e| e.samples_per_sec))
+    }
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 {
+        f64::NAN
+    } else {
+        s / n as f64
+    }
+}
+
+impl TrainConfig {
+    fn validate(&self) -> Result<(), MnistError> {
+        let bad = |m: String| Err(MnistError::Config(m));
+        if self.batch_size == 0 || self.test_batch_size == 0 {
+            return bad("batch sizes must be at least 1".into());
+        }
+        if self.grad_accum == 0 {
+            return bad("gradient accumulation needs at least 1 micro-batch".into());
+        }
+        if self.world_size == 0 {
+            return bad("world size must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0)
+            || !(self.gamma.is_finite() && self.gamma >= 0.0)
+        {
+            return bad(format!(
+                "lr {} and gamma {} must be finite and >= 0",
+                self.lr, self.gamma
+            ));
+        }
+        if self.limit_batches == Some(0) {
+            return bad("--limit-batches must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The learning rate of `epoch` (1-based): StepLR with step 1, `lr * gamma^(epoch - 1)`.
+    pub fn lr_for_epoch(&self, epoch: u32) -> f64 {
+        self.lr * self.gamma.powi(epoch.saturating_sub(1) as i32)
+    }
+}
+
+/// Trains and tests as `config` says; prints the reference lines on rank 0 when `config.print`.
+pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
+    config.validate()?;
+    let train_data = MnistDataset::load(&config.data_dir, MnistSplit::Train)?;
+    let test_data = MnistDataset::load(&config.data_dir, MnistSplit::Test)?;
+    let data = (&train_data, &test_data);
+    let use_cuda = match config.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => Device::auto().0.is_cuda(),
+    };
+    let outcomes = if use_cuda {
+        let comm = NcclComm::from_env(&NcclConfig::default())?;
+        if comm.world_size() != config.world_size {
+            return Err(MnistError::Config(format!(
+                "--world-size {} but the launcher started {} process(es); on CUDA start one process \
+                 per GPU with fsdp-run",
+                config.world_size,
+                comm.world_size()
+            )));
+        }
+        let device = format!(
+            "CUDA GPU {} of {} rank(s), NCCL",
+            comm.cuda().ordinal(),
+            comm.world_size()
+        );
+        vec![(
+            run_rank(Arc::new(comm), config, data, CpuParallelism::Single)?,
+            device,
+        )]
+    } else {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per_rank = config
+            .threads_per_rank
+            .unwrap_or((cores / config.world_size).max(1))
+            .max(1);
+        let par = if per_rank == 1 {
+            CpuParallelism::Single
+        } else {
+            CpuParallelism::Rayon(per_rank)
+        };
+        let device = format!(
+            "CPU, {} thread rank(s), {per_rank} thread(s) each",
+            config.world_size
+        );
+        // Collectives wait at most this long for the other ranks (an evaluation pass can be long).
+        let timeout = Duration::from_secs(600);
+        run_ranks_timeout(config.world_size, timeout, |comm: ThreadComm| {
+            // Each rank gets its own rayon pool, so the layer kernels of one rank stay on its cores.
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(per_rank)
+                .thread_name(move |i| format!("rank-worker-{i}"))
+                .build()
+                .map_err(|e| MnistError::Config(format!("thread pool: {e}")))?;
+            let r = pool.install(|| run_rank(Arc::new(comm), config, data, par))?;
+            Ok::<_, MnistError>((r, device.clone()))
+        })?
+    };
+    let memory = outcomes.iter().map(|(o, _)| o.memory.clone()).collect();
+    let Some((first, device)) = outcomes.into_iter().next() else {
+        return Err(MnistError::Config("no rank ran".into()));
+    };
+    Ok(TrainReport {
+        epochs: first.records,
+        memory,
+        params: first.params,
+        steps: first.steps,
+        stopped_early: first.stopped,
+        device,
+        world_size: config.world_size,
+        optimizer: first.optimizer,
+    })
+}
+
+struct RankOutcome {
+    records: Vec<EpochMetrics>,
+    memory: MemoryReport,
+    params: Vec<(String, Vec<f32>)>,
+    steps: u64,
+    stopped: bool,
+    optimizer: String,
+}
+
+/// Where training stands: the next batch of an epoch and the epoch's loss so far.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Position {
+    epoch: u32,
+    batch: usize,
+    step: u64,
+    loss_sum: f32,
+    samples: u64,
+}
+
+const POSITION_KEYS: [&str; 5] = [
+    "epoch",
+    "batch",
+    "global_step",
+    "train_loss_sum",
+    "train_samples",
+];
+
+impl Position {
+    fn to_extra(self, config: &TrainConfig) -> BTreeMap<String, String> {
+        let mut m = BTreeMap::new();
+        let vals = [
+            self.epoch.to_string(),
+            self.batch.to_string(),
+            self.step.to_string(),
+            format!("{:08x}", self.loss_sum.to_bits()),
+            self.samples.to_string(),
+        ];
+        for (k, v) in POSITION_KEYS.iter().zip(vals) {
+            m.insert((*k).to_string(), v);
+        }
+        for (k, v) in run_identity(config) {
+            m.insert(k, v);
+        }
+        m
+    }
+
+    fn from_extra(
+        extra: &BTreeMap<String, String>,
+        config: &TrainConfig,
+    ) -> Result<Self, MnistError> {
+        let get = |k: &str| {
+            extra
+                .get(k)
+                .ok_or_else(|| MnistError::Checkpoint(format!("no {k} in the checkpoint")))
+        };
+        for (k, want) in run_identity(config) {
+            let have = get(&k)?;
+            if *have != want {
+                return Err(MnistError::Checkpoint(format!(
+                    "saved with {k} = {have}, this run has {want}; resume with the same settings"
+                )));
+            }
+        }
+        let num = |k: &str| -> Result<u64, MnistError> {
+            get(k)?
+                .parse()
+                .map_err(|e| MnistError::Checkpoint(format!("{k}: {e}")))
+        };
+        let bits = u32::from_str_radix(get("train_loss_sum")?, 16)
+            .map_err(|e| MnistError::Checkpoint(format!("train_loss_sum: {e}")))?;
+        Ok(Position {
+            epoch: u32::try_from(num("epoch")?)
+                .map_err(|e| MnistError::Checkpoint(format!("epoch: {e}")))?,
+            batch: num("batch")? as usize,
+            step: num("global_step")?,
+            loss_sum: f32::from_bits(bits),
+            samples: num("train_samples")?,
+        })
+    }
+}
+
+/// Settings a resumed run must share with the saved one (the data order and numerics depend on them).
+fn run_identity(config: &TrainConfig) -> Vec<(String, String)> {
+    vec![
+        ("seed".into(), config.seed.to_string()),
+        ("precision".into(), format!("{:?}", config.precision)),
+        ("batch_size".into(), config.batch_size.to_string()),
+        ("grad_accum".into(), config.grad_accum.to_string()),
+        ("fp8_grad_comm".into(), config.fp8_grad_comm.to_string()),
+    ]
+}
+
+/// Makes `slot` a device buffer holding `data` (reallocated only when the length changes).
+fn upload_into<T: Element>(
+    slot: &mut Option<Buffer<T>>,
+    device: &Device,
+    data: &[T],
+) -> Result<(), MnistError> {
+    match slot {
+        Some(b) if b.len() == data.len() => b.copy_from_host(data)?,
+        _ => *slot = Some(device.upload(data)?),
+    }
+    Ok(())
+}
+
+/// Host staging and device buffers of one batch.
+struct BatchBuffers {
+    images_host: Vec<f32>,
+    labels_host: Vec<i32>,
+    images: Option<Buffer<f32>>,
+    labels: Option<Buffer<i32>>,
+}
+
+impl BatchBuffers {
+    fn load(
+        &mut self,
+        data: &MnistDataset,
+        indices: &[usize],
+        device: &Device,
+    ) -> Result<(&Buffer<f32>, &Buffer<i32>), MnistError> {
+        let pixels = MNIST_ROWS * MNIST_COLS;
+        self.images_host.resize(indices.len() * pixels, 0.0);
+        self.labels_host.resize(indices.len(), 0);
+        data.fill_batch(indices, &mut self.images_host, &mut self.labels_host)?;
+        upload_into(&mut self.images, device, &self.images_host)?;
+        upload_into(&mut self.labels, device, &self.labels_host)?;
+        match (&self.images, &self.labels) {
+            (Some(i), Some(l)) => Ok((i, l)),
+            _ => Err(MnistError::Config("batch buffers missing".into())),
+        }
+    }
+}
+
+fn save(
+    dir: &Path,
+    model: &ShardedModel,
+    opt: &ShardAdamF32,
+    net: &MnistNet,
+    pos: Position,
+    config: &TrainConfig,
+) -> Result<(), MnistError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| MnistError::Checkpoint(format!("cannot create {}: {e}", dir.display())))?;
+    let mut extra = pos.to_extra(config);
+    extra.extend(net.export_state()?);
+    save_sharded(dir, model, Some(opt), &extra)?;
+    Ok(())
+}
+
+/// Every parameter gathered as F32 (FP8 weights decoded with their scale).
+fn gathered_params(
+    model: &mut ShardedModel,
+    net: &MnistNet,
+) -> Result<Vec<(String, Vec<f32>)>, MnistError> {
+    for u in 0..model.num_units() {
+        model.gather(u)?;
+    }
+    let mut out = Vec::new();
+    for spec in net.param_specs() {
+        let values = match model.param(model.index(&spec.name)?)? {
+            GatheredParam::Plain(b) => b.to_vec()?,
+            GatheredParam::Fp8 { codes, scales } => {
+                let c = codes.to_vec()?;
+                let s = scales.to_vec()?;
+                let mut v = vec![0f32; c.len()];
+                Fp8Format::E4M3.decode_scaled(&c, s[1], &mut v)?;
+                v
+            }
+        };
+        out.push((spec.name.clone(), values));
+    }
+    for u in 0..model.num_units() {
+        model.release(u)?;
+    }
+    Ok(out)
+}
+
+/// Test loss sum, correct predictions and digits over all ranks (each rank evaluates its shard of the
+/// test set, padding excluded, so every digit counts once).
+#[allow(clippy::too_many_arguments)]
+fn evaluate(
+    net: &mut MnistNet,
+    model: &mut ShardedModel,
+    comm: &dyn Communicator,
+    data: &MnistDataset,
+    sampler: &DistributedSampler,
+    batch: usize,
+    buffers: &mut BatchBuffers,
+) -> Result<(f64, u64, u64), MnistError> {
+    let device = model.device().clone();
+    let mut indices = sampler.indices(0);
+    indices.truncate(sampler.num_real_samples());
+    // Gather on every rank first (a collective), so ranks with fewer test batches do not skip it.
+    for u in 0..model.num_units() {
+        model.gather(u)?;
+    }
+    let mut sums = [0f32; 3];
+    for chunk in indices.chunks(batch) {
+        let (images, labels) = buffers.load(data, chunk, &device)?;
+        let stats = net.forward(model, images, labels, false)?.to_vec()?;
+        sums[0] += stats[nll_stat::MEAN_LOSS] * chunk.len() as f32;
+        sums[1] += stats[nll_stat::CORRECT];
+        sums[2] += chunk.len() as f32;
+        if stats[nll_stat::INVALID_LABELS] != 0.0 {
+            return Err(MnistError::Config("test labels outside 0..10".into()));
+        }
+    }
+    net.release_all(model)?;
+    comm.all_reduce_host_f32(&mut sums, ReduceOp::Sum)?;
+    Ok((sums[0] as f64, sums[1] as u64, sums[2] as u64))
+}
+
+fn run_rank(
+    comm: Arc<dyn Communicator>,
+    config: &TrainConfig,
+    (train_data, test_data): (&MnistDataset, &MnistDataset),
+    parallelism: CpuParallelism,
+) -> Result<RankOutcome, MnistError> {
+    let device = comm.device().clone();
+    let (rank, ws) = (comm.rank(), comm.world_size());
+    let lead = rank == 0;
+    let mut net = MnistNet::new(
+        &device,
+        NetConfig {
+            precision: config.precision,
+            seed: config.seed,
+            rank,
+            parallelism,
+        },
+    )?;
+    let layout = Arc::new(net.layout()?);
+    let init = net.initial_values();
+    let fsdp = FsdpConfig {
+        grad_reduction: if config.fp8_grad_comm {
+            GradReduction::Fp8(Fp8Format::E5M2)
+        } else {
+            GradReduction::F32
+        },
+        ..FsdpConfig::default()
+    };
+    let (mut model, masters) =
+        ShardedModel::new(layout, comm.clone(), fsdp, &|p: usize| init[p].clone())?;
+    drop(init);
+    net.bind(&model)?;
+    let mut opt = ShardAdamF32::new(&model, masters, config.lr)?;
+    let mut pos = Position {
+        epoch: 1,
+        batch: 0,
+        step: 0,
+        loss_sum: 0.0,
+        samples: 0,
+    };
+    if let Some(dir) = &config.resume {
+        let loaded = load_sharded(dir, &mut model, Some(&mut opt))?;
+        if loaded.saved_world_size != ws {
+            return Err(MnistError::Checkpoint(format!(
+                "saved by {} rank(s); resuming needs the same world size (got {ws}) to continue the \
+                 exact data order and dropout streams",
+                loaded.saved_world_size
+            )));
+        }
+        net.import_state(&loaded.extra)?;
+        pos = Position::from_extra(&loaded.extra, config)?;
+    }
+    let train_sampler =
+        DistributedSampler::new(train_data.len(), ws, rank, config.seed, Remainder::Pad)?;
+    let test_sampler =
+        DistributedSampler::new(test_data.len(), ws, rank, config.seed, Remainder::Pad)?
+            .with_shuffle(false);
+    let mut writer = match (&config.metrics, lead) {
+        (Some(path), true) if config.resume.is_some() => Some(MetricsWriter::append(path)?),
+        (Some(path), true) => Some(MetricsWriter::create(path)?),
+        _ => None,
+    };
+    let mut buffers = BatchBuffers {
+        images_host: Vec::new(),
+        labels_host: Vec::new(),
+        images: None,
+        labels: None,
+    };
+    let mut loss_acc = device.upload(&[pos.loss_sum, 0.0, 0.0])?;
+    let mut records = Vec::new();
+    let read_every = if device.is_cuda() { 10 } else { 1 };
+    while pos.epoch <= config.epochs {
+        let epoch = pos.epoch;
+        let lr = config.lr_for_epoch(epoch);
+        opt.set_lr(lr);
+        let started = Instant::now();
+        let mut batches = train_sampler.batches(u64::from(epoch), config.batch_size)?;
+        if let Some(l) = config.limit_batches {
+            batches.truncate(l);
+        }
+        let nb = batches.len();
+        let total: u64 = batches.iter().map(|b| (b.len() * ws) as u64).sum();
+        let mode = if lead {
+            config.progress
+        } else {
+            ProgressMode::Hidden
+        };
+        let mut progress = EpochProgress::new(epoch, total, mode);
+        let mut shown_loss = f64::NAN;
+        let trained_from = pos.batch;
+        for (bi, indices) in batches.iter().enumerate().skip(pos.batch) {
+            let rows = indices.len();
+            let (images, labels) = buffers.load(train_data, indices, &device)?;
+            let micro = bi % config.grad_accum;
+            let step_start = bi - micro;
+            let micro_count = config.grad_accum.min(nb - step_start);
+            let last_micro = micro + 1 == micro_count;
+            model.set_grad_sync(last_micro);
+            let stats = net.forward(&mut model, images, labels, true)?;
+            ops::axpy(rows as f32, stats, &mut loss_acc)?;
+            if (bi + 1) % read_every == 0 || bi + 1 == nb {
+                shown_loss = f64::from(stats.to_vec()?[nll_stat::MEAN_LOSS]);
+            }
+            net.backward(&mut model, labels, 1.0 / (ws * micro_count) as f32)?;
+            pos.samples += (rows * ws) as u64;
+            progress.advance((rows * ws) as u64, shown_loss);
+            if !last_micro {
+                continue;
+            }
+            net.update_fp8_scales(comm.as_ref())?;
+            opt.step(&mut model)?;
+            pos.step += 1;
+            pos.batch = bi + 1;
+            let stop = config.stop_after_steps == Some(pos.step);
+            let periodic = config
+                .save_every_steps
+                .is_some_and(|k| k > 0 && pos.step % k == 0);
+            if let (Some(dir), true) = (&config.save, stop || periodic) {
+                pos.loss_sum = loss_acc.to_vec()?[0];
+                save(dir, &model, &opt, &net, pos, config)?;
+            }
+            if stop {
+                progress.finish();
+                let params = gathered_params(&mut model, &net)?;
+                let mut memory = model.memory()?;
+                memory.optimizer_states = opt.state_bytes();
+                return Ok(RankOutcome {
+                    records,
+                    memory,
+                    params,
+                    steps: pos.step,
+                    stopped: true,
+                    optimizer: opt.describe(),
+                });
+            }
+        }
+        progress.finish();
+        // Training loss: per-digit mean over the epoch and all ranks.
+        let mut sums = [loss_acc.to_vec()?[0], 0.0, 0.0];
+        comm.all_reduce_host_f32(&mut sums[..1], ReduceOp::Sum)?;
+        let train_loss = if pos.samples > 0 {
+            f64::from(sums[0]) / pos.samples as f64
+        } else {
+            f64::NAN
+        };
+        let trained_samples: u64 = batches[trained_from.min(nb)..]
+            .iter()
+            .map(|b| (b.len() * ws) as u64)
+            .sum();
+        let train_secs = started.elapsed().as_secs_f64();
+        let (test_loss_sum, correct, count) = evaluate(
+            &mut net,
+            &mut model,
+            comm.as_ref(),
+            test_data,
+            &test_sampler,
+            config.test_batch_size,
+            &mut buffers,
+        )?;
+        let seconds = started.elapsed().as_secs_f64();
+        let test_loss = test_loss_sum / count.max(1) as f64;
+        let mut record = EpochMetrics::new(
+            epoch,
+            train_loss,
+            test_loss,
+            correct,
+            count,
+            seconds,
+            trained_samples as f64 / train_secs.max(1e-9),
+        );
+        record.lr = Some(lr);
+        record
+            .extra
+            .insert("precision".into(), format!("{:?}", config.precision).into());
+        record.extra.insert("world_size".into(), (ws as u64).into());
+        record.extra.insert(
+            "device".into(),
+            (if device.is_cuda() { "cuda" } else { "cpu" }).into(),
+        );
+        record
+            .extra
+            .insert("train_seconds".into(), train_secs.into());
+        if lead && config.print {
+            println!("Train Epoch: {epoch} \tLoss: {train_loss:.6}");
+            println!(
+                "Test set: Average loss: {test_loss:.4}, Accuracy: {correct}/{count} ({:.2}%)\n",
+                record.test_accuracy
+            );
+        }
+        if let Some(w) = writer.as_mut() {
+            w.write(&record)?;
+        }
+        records.push(record);
+        pos = Position {
+            epoch: epoch + 1,
+            batch: 0,
+            step: pos.step,
+            loss_sum: 0.0,
+            samples: 0,
+        };
+        loss_acc.fill_zero()?;
+        if let Some(dir) = &config.save {
+            save(dir, &model, &opt, &net, pos, config)?;
+        }
+    }
+    let params = gathered_params(&mut model, &net)?;
+    let mut memory = model.memory()?;
+    memory.optimizer_states = opt.state_bytes();
+    Ok(RankOutcome {
+        records,
+        memory,
+        params,
+        steps: pos.step,
+        stopped: false,
+        optimizer: opt.describe(),
+    })
+}
