@@ -49,10 +49,17 @@ impl std::fmt::Debug for BlasLt {
     }
 }
 
+/// Elements between the two scale slots of the scratch buffer (keeps both 128-byte aligned).
+const SCALE_SLOT: usize = 32;
+
 struct State {
     handle: sys::cublasLtHandle_t,
     pref: sys::cublasLtMatmulPreference_t,
     workspace: CudaSlice<u8>,
+    /// Aligned home for A/B scales whose address is not 16-byte aligned (e.g. `scale_inv` stored right
+    /// after `scale` in a pair buffer): cuBLASLt answers NOT_SUPPORTED for such scale pointers, so the
+    /// value is copied here on the stream first.
+    scale_scratch: CudaSlice<f32>,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -237,6 +244,7 @@ impl BlasLt {
         // cuBLASLt uses the calling thread's current context.
         dev.context().bind_to_thread()?;
         let workspace = dev.stream().alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        let scale_scratch = dev.stream().alloc_zeros::<f32>(2 * SCALE_SLOT)?;
         let handle = lt::create_handle()?;
         let pref = match lt::create_matmul_pref() {
             Ok(p) => p,
@@ -252,6 +260,7 @@ impl BlasLt {
             handle,
             pref,
             workspace,
+            scale_scratch,
             plans: HashMap::new(),
         };
         let ws: u64 = WORKSPACE_BYTES as u64;
@@ -304,11 +313,35 @@ impl BlasLt {
             }
         };
         let (ws_ptr, _ws_guard) = state.workspace.device_ptr_mut(&stream);
+        let (scratch, _scratch_guard) = state.scale_scratch.device_ptr_mut(&stream);
+        let mut aligned = [0u64; 2];
+        if let (Some(sa), Some(sb)) = (mm.a_scale, mm.b_scale) {
+            for (i, p) in [sa, sb].into_iter().enumerate() {
+                aligned[i] = if p % 16 == 0 {
+                    p
+                } else {
+                    let dst = scratch + (i * SCALE_SLOT * std::mem::size_of::<f32>()) as u64;
+                    // SAFETY: `p` addresses one f32 inside a live device buffer (checked by
+                    // `scalar_ptr`), `dst` a slot of the scratch buffer owned by this state; the copy is
+                    // ordered on the stream before the GEMM that reads it.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            dst,
+                            p,
+                            std::mem::size_of::<f32>(),
+                            stream.cu_stream(),
+                        )?
+                    };
+                    dst
+                };
+            }
+        }
         // SAFETY: the descriptor is live; scale pointers are device addresses of f32 values that stay
         // allocated until the GEMM has run (the callers hold the buffers across this call and the
         // stream orders later frees after it).
         unsafe {
-            if let (Some(sa), Some(sb)) = (mm.a_scale, mm.b_scale) {
+            if let (Some(_), Some(_)) = (mm.a_scale, mm.b_scale) {
+                let (sa, sb) = (aligned[0], aligned[1]);
                 set_desc(
                     plan.desc,
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,

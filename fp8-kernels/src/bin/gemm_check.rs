@@ -71,8 +71,10 @@ fn worst(gpu: &[f32], cpu: &[f32], mag: &[f32], rel: f64, bf16_out: bool) -> f64
         .zip(cpu)
         .zip(mag)
         .map(|((g, c), m)| {
+            // A bf16 output may differ by one bf16 ulp when the two f32 accumulations straddle a
+            // rounding boundary: at most 2^-7 of the value (7 stored mantissa bits).
             let extra = if bf16_out {
-                (*c as f64).abs() * 2f64.powi(-8)
+                (*c as f64).abs() * 2f64.powi(-7)
             } else {
                 0.0
             };

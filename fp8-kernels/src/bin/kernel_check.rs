@@ -378,7 +378,8 @@ fn meta_updates(rep: &mut Report, rng: &mut Rng, gpu: &Device) -> Result<(), Ker
             .history()
             .iter()
             .zip(host.history())
-            .all(|(a, b)| a.to_bits() == b.to_bits())
+            // A NaN amax is kept as a NaN (window_amax skips it); its payload may differ on the GPU.
+            .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
             && back.recorded() == host.recorded();
         rep.exact_f32(
             &format!("scaling meta update {q:?} {amax_compute:?} {rounding:?}"),
