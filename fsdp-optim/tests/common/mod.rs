@@ -111,11 +111,14 @@ pub fn set_grads(model: &mut ShardedModel, grads: &[Vec<f32>]) -> Result<(), Opt
     Ok(())
 }
 
+/// One unit on one rank: FP8 master shard (F32), plain shard, FP8 codes shard, weight scales.
+pub type UnitResult = (Vec<f32>, Vec<f32>, Vec<u8>, Vec<f32>);
+
 /// What one rank holds after a run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankResult {
     /// Per unit: FP8 master shard (F32), plain shard, FP8 codes shard, weight scales.
-    pub shards: Vec<(Vec<f32>, Vec<f32>, Vec<u8>, Vec<f32>)>,
+    pub shards: Vec<UnitResult>,
     pub metas: Vec<StateMeta>,
     pub reports: Vec<StepReport>,
 }
