@@ -384,6 +384,59 @@ impl CudaDevice {
         Ok(GpuEvent(self.comm_stream().record_event(None)?))
     }
 
+    /// Statistics of the device's default stream-ordered memory pool, which every buffer allocation goes
+    /// through (`cuMemAllocAsync`): `(used, used_high_water)` in bytes. The high-water mark is the peak of
+    /// live buffer bytes since [`CudaDevice::reset_pool_high_water`], the analogue of PyTorch's
+    /// `max_memory_allocated` (it excludes the CUDA context and cuBLASLt workspaces made outside the pool).
+    pub fn pool_memory(&self) -> Result<(u64, u64), KernelError> {
+        use cudarc::driver::sys;
+        let pool = self.default_pool()?;
+        let mut used = 0u64;
+        let mut high = 0u64;
+        // SAFETY: a valid pool handle of this device; both attributes are u64 values written to live locals.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                (&mut used as *mut u64).cast(),
+            )
+            .result()?;
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok((used, high))
+    }
+
+    /// Resets the pool's high-water mark to its current use.
+    pub fn reset_pool_high_water(&self) -> Result<(), KernelError> {
+        use cudarc::driver::sys;
+        let pool = self.default_pool()?;
+        let mut zero = 0u64;
+        // SAFETY: a valid pool handle; the driver only accepts 0 for this attribute, passed as a u64.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok(())
+    }
+
+    fn default_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, KernelError> {
+        use cudarc::driver::sys;
+        self.context().bind_to_thread()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: writes one handle to a live local; the device handle comes from this device's context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.context().cu_device()).result()? };
+        Ok(pool)
+    }
+
     /// Records a timing event on the compute stream (for [`GpuEvent::elapsed_ms`]; plain events carry no
     /// timestamps and cost less).
     pub fn record_compute_timed(&self) -> Result<GpuEvent, KernelError> {
