@@ -128,6 +128,14 @@ impl ShardedAdam {
     ) -> Result<Self, OptimError> {
         options.validate()?;
         let device = model.device().clone();
+        if device.is_cuda() {
+            // The gradient statistics and state-scale computation run on the host this round, and the
+            // step must not read device buffers back; fail at construction instead of mid-training.
+            return Err(OptimError::Unsupported(
+                "the CUDA path of ShardedAdam (gradient statistics and state scales on the device)"
+                    .into(),
+            ));
+        }
         let (rank, world_size) = (model.comm().rank(), model.comm().world_size());
         if fp8_masters.len() != model.num_units() {
             return Err(mismatch(format!(

@@ -392,6 +392,7 @@ fn memory_per_parameter() {
         })
         .unwrap();
         for b in got {
+            eprintln!("{precision:?}: {b:.3} bytes per parameter");
             assert!(
                 (lo..hi).contains(&b),
                 "{precision:?}: {b} bytes per parameter"
