@@ -48,6 +48,7 @@
 
 pub mod data;
 pub mod metrics;
+pub mod mlp;
 pub mod mnist;
 pub mod nn;
 pub mod progress;

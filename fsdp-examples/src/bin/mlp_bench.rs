@@ -1,0 +1,283 @@
+//! `mlp_bench`: step time, model FLOP/s and memory of the MLP-stack model (see `fsdp_examples::mlp`) in
+//! BF16 or FP8 FSDP, the same model and measurement as the PyTorch peer script `peer_fsdp.py`: median of
+//! 20 steps after 5 warm-up steps, each step bracketed by device synchronisations.
+//!
+//! `mlp_bench --mode fp8 --d 4096 --blocks 8 --tokens 16384 --device cuda`; on the CPU use small sizes.
+//! Prints a table and one JSON line (last line of stdout).
+
+use clap::{Parser, ValueEnum};
+use fp8_core::Fp8Format;
+use fp8_kernels::Device;
+use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
+use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError, OptimizerChoice};
+use fsdp_shard::GradReduction;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Bf16,
+    Fp8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Dev {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Reduction {
+    F32,
+    Bf16,
+    Fp8E4m3,
+    Fp8E5m2,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Opt {
+    /// fsdp-optim's FsdpAdamW (default on the CPU).
+    Fsdp,
+    /// The bench's device-resident AdamW with F32 states (default on CUDA until FsdpAdamW runs there).
+    Local,
+}
+
+/// MLP-stack FSDP benchmark (BF16 vs FP8).
+#[derive(Parser, Debug)]
+#[command(name = "mlp_bench", version, about)]
+struct Args {
+    /// Compute mode.
+    #[arg(long, value_enum, default_value = "fp8")]
+    mode: Mode,
+    /// Model width.
+    #[arg(long, default_value_t = 4096)]
+    d: usize,
+    /// Number of blocks (FSDP units).
+    #[arg(long, default_value_t = 8)]
+    blocks: usize,
+    /// Input rows.
+    #[arg(long, default_value_t = 16384)]
+    tokens: usize,
+    /// Device.
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: Dev,
+    /// CPU only: ranks as threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Gradient reduction of the FP8 weights (fp8 mode).
+    #[arg(long, value_enum, default_value = "f32")]
+    grad_reduction: Reduction,
+    /// fp8 mode: recompute each block in the backward instead of keeping its activations.
+    #[arg(long)]
+    recompute: bool,
+    /// Optimizer (default: fsdp on the CPU, local on CUDA).
+    #[arg(long, value_enum)]
+    optimizer: Option<Opt>,
+    /// Warm-up steps.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+}
+
+struct Outcome {
+    bench: MlpBench,
+    times: Vec<f64>,
+    peak_pool: Option<u64>,
+    loss: f64,
+}
+
+fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
+    let device = comm.device().clone();
+    let config = MlpConfig {
+        d: args.d,
+        blocks: args.blocks,
+        tokens: args.tokens,
+        mode: match args.mode {
+            Mode::Bf16 => BenchMode::Bf16,
+            Mode::Fp8 => BenchMode::Fp8,
+        },
+        grad_reduction: match args.grad_reduction {
+            Reduction::F32 => GradReduction::F32,
+            Reduction::Bf16 => GradReduction::Bf16,
+            Reduction::Fp8E4m3 => GradReduction::Fp8(Fp8Format::E4M3),
+            Reduction::Fp8E5m2 => GradReduction::Fp8(Fp8Format::E5M2),
+        },
+        recompute: args.recompute,
+        optimizer: match args.optimizer {
+            Some(Opt::Fsdp) => OptimizerChoice::FsdpOptim,
+            Some(Opt::Local) => OptimizerChoice::LocalF32,
+            None if device.is_cuda() => OptimizerChoice::LocalF32,
+            None => OptimizerChoice::FsdpOptim,
+        },
+        lr: args.lr,
+        seed: 0,
+    };
+    let mut bench = MlpBench::new(config, comm.clone())?;
+    for _ in 0..args.warmup {
+        bench.step()?;
+    }
+    device.synchronize()?;
+    if let Device::Cuda(c) = &device {
+        c.reset_pool_high_water()?;
+    }
+    let mut times = Vec::with_capacity(args.steps);
+    for _ in 0..args.steps {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let ev0 = match &device {
+            Device::Cuda(c) => Some(c.record_compute_timed()?),
+            Device::Cpu => None,
+        };
+        bench.step()?;
+        let secs = match (&device, ev0) {
+            (Device::Cuda(c), Some(e0)) => {
+                let e1 = c.record_compute_timed()?;
+                device.synchronize()?;
+                f64::from(e0.elapsed_ms(&e1)?) / 1e3
+            }
+            _ => t0.elapsed().as_secs_f64(),
+        };
+        times.push(secs);
+    }
+    device.synchronize()?;
+    let peak_pool = match &device {
+        Device::Cuda(c) => Some(c.pool_memory()?.1),
+        Device::Cpu => None,
+    };
+    let loss = bench.loss()?;
+    Ok(Outcome {
+        bench,
+        times,
+        peak_pool,
+        loss,
+    })
+}
+
+fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
+    let mut t = o.times.clone();
+    t.sort_by(f64::total_cmp);
+    let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+    let cfg = o.bench.config();
+    let params = cfg.params();
+    let flops = 6.0 * params as f64 * cfg.tokens as f64 * world_size as f64;
+    let mem = o.bench.memory()?;
+    let gib = |b: f64| b / f64::from(1u32 << 30);
+    let device_used = o.bench.device().memory_used()?;
+    println!(
+        "mlp_bench {} d={} blocks={} tokens={} ranks={} optimizer: {}",
+        cfg.mode.name(),
+        cfg.d,
+        cfg.blocks,
+        cfg.tokens,
+        world_size,
+        o.bench.optimizer_name()
+    );
+    println!("| quantity | value |");
+    println!("| --- | --- |");
+    println!("| median step (s) | {median:.4} |");
+    println!("| model TFLOP/s | {:.1} |", flops / median / 1e12);
+    println!(
+        "| FP8 weight shards (GiB) | {:.3} |",
+        gib(mem.fp8_weight_shards as f64)
+    );
+    println!(
+        "| plain parameter shards (GiB) | {:.3} |",
+        gib(mem.plain_param_shards as f64)
+    );
+    println!(
+        "| gradient shards (GiB) | {:.3} |",
+        gib(mem.grad_shards as f64)
+    );
+    println!(
+        "| optimizer states (GiB) | {:.3} |",
+        gib(mem.optimizer_states as f64)
+    );
+    println!(
+        "| model state (GiB) | {:.3} |",
+        gib(mem.model_state() as f64)
+    );
+    println!(
+        "| model state bytes / param | {:.2} |",
+        mem.model_state() as f64 * world_size as f64 / params as f64
+    );
+    println!(
+        "| activations + step buffers (GiB) | {:.3} |",
+        gib(o.bench.activation_bytes() as f64)
+    );
+    if let Some(p) = o.peak_pool {
+        println!("| peak pool memory (GiB) | {:.3} |", gib(p as f64));
+    }
+    if let Some(u) = device_used {
+        println!(
+            "| device memory in use at end (GiB) | {:.3} |",
+            gib(u as f64)
+        );
+    }
+    println!("| final loss | {:.6} |", o.loss);
+    let json = serde_json::json!({
+        "bench": "mlp_bench",
+        "mode": cfg.mode.name(),
+        "device": if o.bench.device().is_cuda() { "cuda" } else { "cpu" },
+        "d": cfg.d, "layers": cfg.blocks, "tokens": cfg.tokens, "ranks": world_size,
+        "params": params,
+        "grad_reduction": format!("{:?}", args.grad_reduction),
+        "recompute": cfg.recompute,
+        "optimizer": o.bench.optimizer_name(),
+        "warmup": args.warmup, "steps": o.times.len(),
+        "step_s": median,
+        "step_times_s": o.times,
+        "TFLOPs": flops / median / 1e12,
+        "model_state_bytes": {
+            "fp8_weight_shards": mem.fp8_weight_shards,
+            "plain_param_shards": mem.plain_param_shards,
+            "grad_shards": mem.grad_shards,
+            "optimizer_states": mem.optimizer_states,
+            "total": mem.model_state(),
+        },
+        "activation_bytes": o.bench.activation_bytes(),
+        "peak_GiB": o.peak_pool.map(|p| gib(p as f64)),
+        "device_used_GiB": device_used.map(|u| gib(u as f64)),
+        "loss": o.loss,
+    });
+    println!("{json}");
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let result: Result<(), MlpError> = match args.device {
+        Dev::Cuda => (|| {
+            let comm = NcclComm::from_env(&NcclConfig::default())?;
+            let ws = comm.world_size();
+            let rank = comm.rank();
+            let o = run(&args, Arc::new(comm))?;
+            if rank == 0 {
+                report(&args, &o, ws)?;
+            }
+            Ok(())
+        })(),
+        Dev::Cpu => run_ranks(args.threads.max(1), |comm| {
+            let rank = comm.rank();
+            let ws = comm.world_size();
+            let o = run(&args, Arc::new(comm))?;
+            if rank == 0 {
+                report(&args, &o, ws)?;
+            }
+            Ok::<(), MlpError>(())
+        })
+        .map(|_| ()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mlp_bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

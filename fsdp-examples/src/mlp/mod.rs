@@ -1,0 +1,602 @@
+//! The MLP-stack benchmark model of `mlp_bench`: the model of the PyTorch peer script
+//! (`peer_fsdp.py`): `blocks` blocks of `x + Linear(4d -> d)(GELU(Linear(d -> 4d)(x)))` without biases,
+//! exact (erf) GELU as `nn.GELU()`, an input of `tokens` rows, loss = mean of squares of the output,
+//! AdamW, one FSDP unit per block.
+//!
+//! Two modes ([`BenchMode`]):
+//! - `bf16`: parameters sharded in F32 (they are the F32 master), gathered and converted to BF16 once per
+//!   gather, BF16 GEMMs with f32 accumulation, F32 gradients and F32 AdamW states (what PyTorch FSDP2 with
+//!   BF16 mixed precision does);
+//! - `fp8`: E4M3 weight shards gathered in FP8 (one byte per element on the wire), [`Fp8Linear`] for both
+//!   linears (E4M3 activations and weights, E5M2 output gradients, delayed scaling of activations and
+//!   gradients), the backward keeps only the FP8 transposed inputs the weight-gradient GEMM consumes plus
+//!   the BF16 pre-activation for GELU (or recomputes the block: [`MlpConfig::recompute`]), gradient
+//!   reduction exact (F32) or FP8, weights re-quantized by current scaling after the optimizer step.
+//!
+//! Buffers are allocated once and reused every step ([`MlpBench::new`] sizes them); the per-step work on
+//! CUDA is kernel launches and collectives only, with the next unit's gather prefetched on the
+//! communication stream while the current unit computes.
+
+mod adamw;
+
+use crate::mlp::adamw::LocalAdamW;
+use fp8_kernels::ops::{add, axpy, gelu_backward, gelu_forward, scale, GeluApprox};
+use fp8_kernels::{
+    convert, Buffer, CpuParallelism, Device, DeviceScalar, FloatLinear, Fp8Linear, Fp8LinearConfig,
+    Fp8LinearSaved, KernelError,
+};
+use fsdp_comm::Communicator;
+use fsdp_optim::{AdamOptions, FsdpAdamW, OptimError, StatePrecision};
+use fsdp_shard::{
+    FsdpConfig, GatheredParam, GradReduction, MemoryReport, ModelLayout, ParamKind, ParamSpec,
+    ShardError, ShardedModel, WrapPolicy,
+};
+use half::bf16;
+use std::sync::Arc;
+
+/// Errors of the benchmark model.
+#[derive(Debug, thiserror::Error)]
+pub enum MlpError {
+    /// A kernel failed.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// Sharding or a collective failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// The optimizer failed.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] fsdp_comm::CommError),
+    /// A bad configuration.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Compute precision of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BenchMode {
+    /// BF16 GEMMs, F32 master weights and F32 AdamW states.
+    Bf16,
+    /// FP8 linears, FP8 weight shards and all-gather.
+    Fp8,
+}
+
+impl BenchMode {
+    /// `"bf16"` or `"fp8"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchMode::Bf16 => "bf16",
+            BenchMode::Fp8 => "fp8",
+        }
+    }
+}
+
+/// Which optimizer runs the AdamW step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OptimizerChoice {
+    /// `fsdp_optim::FsdpAdamW` (low-precision states for FP8 weights in `fp8` mode).
+    FsdpOptim,
+    /// The bench's own AdamW with F32 states over the F32 masters (fused `adam_step_f32`, device-resident).
+    LocalF32,
+}
+
+/// The benchmark's sizes and options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlpConfig {
+    /// Model width `d` (hidden width `4 d`).
+    pub d: usize,
+    /// Number of blocks (= FSDP units).
+    pub blocks: usize,
+    /// Rows of the input.
+    pub tokens: usize,
+    /// Compute mode.
+    pub mode: BenchMode,
+    /// Gradient reduction of FP8 weights (`fp8` mode; `bf16` mode always reduces in F32).
+    pub grad_reduction: GradReduction,
+    /// `fp8` mode: keep only each block's input and recompute the block in the backward pass.
+    pub recompute: bool,
+    /// The optimizer.
+    pub optimizer: OptimizerChoice,
+    /// Learning rate.
+    pub lr: f64,
+    /// Seed of the initial weights and the input.
+    pub seed: u64,
+}
+
+impl MlpConfig {
+    /// Parameters of the model: `blocks * 8 d^2`.
+    pub fn params(&self) -> usize {
+        self.blocks * 8 * self.d * self.d
+    }
+}
+
+/// Deterministic pseudo-random values, roughly uniform in `[-1, 1)` (SplitMix64).
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// One block's per-step buffers (allocated once).
+struct BlockBuffers {
+    /// Pre-activation `u = h W_up^T` `[T, 4d]` (kept for the GELU backward unless recomputing).
+    u: Buffer<bf16>,
+    /// FP8 mode: what the two linears keep for their backward.
+    saved: Option<(Fp8LinearSaved, Fp8LinearSaved)>,
+    /// The two FP8 linear ops (their delayed-scaling metas), `fp8` mode.
+    linears: Option<(Fp8Linear, Fp8Linear)>,
+}
+
+/// Buffers shared by all blocks (one block computes at a time).
+struct Shared {
+    /// GELU output `[T, 4d]`, and its gradient.
+    a: Buffer<bf16>,
+    da: Buffer<bf16>,
+    /// Branch output `[T, d]`.
+    o: Buffer<bf16>,
+    /// Gradient of the branch input `[T, d]`.
+    dh_branch: Buffer<bf16>,
+    /// Weight gradients in F32: up `[4d, d]`, down `[d, 4d]`.
+    dw_up: Buffer<f32>,
+    dw_down: Buffer<f32>,
+    /// Pre-activation of the block being recomputed (`fp8` mode with recompute).
+    u_recompute: Option<Buffer<bf16>>,
+    /// BF16 copies of the gathered weights, `bf16` mode.
+    w_up16: Option<Buffer<bf16>>,
+    w_down16: Option<Buffer<bf16>>,
+}
+
+/// The benchmark model on one rank: sharded parameters, optimizer, activations.
+pub struct MlpBench {
+    config: MlpConfig,
+    model: ShardedModel,
+    optimizer: Optimizer,
+    /// `h[0]` is the input; `h[i + 1]` the output of block `i` (residual stream, `[T, d]` BF16).
+    h: Vec<Buffer<bf16>>,
+    /// Gradient of the residual stream flowing back (`[T, d]`).
+    dh: Buffer<bf16>,
+    blocks: Vec<BlockBuffers>,
+    shared: Shared,
+    float_up: FloatLinear,
+    float_down: FloatLinear,
+    step: u64,
+}
+
+enum Optimizer {
+    Fsdp(Box<FsdpAdamW>),
+    Local(Box<LocalAdamW>),
+}
+
+impl MlpBench {
+    /// Builds the sharded model, the optimizer and every buffer on `comm`'s device.
+    pub fn new(config: MlpConfig, comm: Arc<dyn Communicator>) -> Result<Self, MlpError> {
+        let (d, t) = (config.d, config.tokens);
+        if d == 0 || config.blocks == 0 || t == 0 {
+            return Err(MlpError::Config(
+                "d, blocks and tokens must be positive".into(),
+            ));
+        }
+        let device = comm.device().clone();
+        let kind = match config.mode {
+            BenchMode::Bf16 => ParamKind::Plain,
+            BenchMode::Fp8 => ParamKind::Fp8Weight,
+        };
+        let mut specs = Vec::with_capacity(2 * config.blocks);
+        for b in 0..config.blocks {
+            let m = format!("b{b}");
+            specs.push(ParamSpec::new(&m, "up", &[4 * d, d], kind));
+            specs.push(ParamSpec::new(&m, "down", &[d, 4 * d], kind));
+        }
+        let layout = Arc::new(ModelLayout::new(specs, &WrapPolicy::PerModule)?);
+        let fsdp = FsdpConfig {
+            reshard_after_forward: true,
+            grad_reduction: match config.mode {
+                BenchMode::Bf16 => GradReduction::F32,
+                BenchMode::Fp8 => config.grad_reduction,
+            },
+            weight_margin: 0,
+        };
+        // PyTorch's Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        let seed = config.seed;
+        let init = move |p: usize| -> Vec<f32> {
+            let (n, fan_in) = if p % 2 == 0 {
+                (4 * d * d, d)
+            } else {
+                (4 * d * d, 4 * d)
+            };
+            let bound = 1.0 / (fan_in as f32).sqrt();
+            values(seed.wrapping_mul(1000).wrapping_add(p as u64), n)
+                .into_iter()
+                .map(|v| v * bound)
+                .collect()
+        };
+        let (model, masters) = ShardedModel::new(layout, comm.clone(), fsdp, &init)?;
+        let options = AdamOptions {
+            lr: config.lr,
+            state_precision: match config.mode {
+                BenchMode::Bf16 => StatePrecision::F32,
+                BenchMode::Fp8 => StatePrecision::LowPrecision,
+            },
+            ..AdamOptions::adamw()
+        };
+        let optimizer = match config.optimizer {
+            OptimizerChoice::FsdpOptim => {
+                Optimizer::Fsdp(Box::new(FsdpAdamW::new(&model, masters, options)?))
+            }
+            OptimizerChoice::LocalF32 => Optimizer::Local(Box::new(LocalAdamW::new(
+                &model,
+                masters,
+                config.lr,
+                config.mode == BenchMode::Fp8,
+            )?)),
+        };
+        let x: Vec<bf16> = values(seed ^ 0xABCD, t * d)
+            .into_iter()
+            .map(|v| bf16::from_f32(v * 1.7))
+            .collect();
+        let mut h = vec![device.upload(&x)?];
+        for _ in 0..config.blocks {
+            h.push(device.zeros::<bf16>(t * d)?);
+        }
+        let par = CpuParallelism::default();
+        let mut blocks = Vec::with_capacity(config.blocks);
+        for _ in 0..config.blocks {
+            let linears = match config.mode {
+                BenchMode::Fp8 => {
+                    let cfg = Fp8LinearConfig::default();
+                    Some((
+                        Fp8Linear::new(&device, d, 4 * d, cfg)?,
+                        Fp8Linear::new(&device, 4 * d, d, cfg)?,
+                    ))
+                }
+                BenchMode::Bf16 => None,
+            };
+            let keep_u = !(config.recompute && config.mode == BenchMode::Fp8);
+            blocks.push(BlockBuffers {
+                // With recompute one shared pre-activation buffer would do; kept per block for simplicity
+                // only when it is needed.
+                u: device.zeros::<bf16>(if keep_u { t * 4 * d } else { 0 })?,
+                saved: None,
+                linears,
+            });
+        }
+        let bf16_mode = config.mode == BenchMode::Bf16;
+        let shared = Shared {
+            a: device.zeros(t * 4 * d)?,
+            da: device.zeros(t * 4 * d)?,
+            o: device.zeros(t * d)?,
+            dh_branch: device.zeros(t * d)?,
+            dw_up: device.zeros(4 * d * d)?,
+            dw_down: device.zeros(4 * d * d)?,
+            u_recompute: if config.recompute && !bf16_mode {
+                Some(device.zeros(t * 4 * d)?)
+            } else {
+                None
+            },
+            w_up16: if bf16_mode {
+                Some(device.zeros(4 * d * d)?)
+            } else {
+                None
+            },
+            w_down16: if bf16_mode {
+                Some(device.zeros(4 * d * d)?)
+            } else {
+                None
+            },
+        };
+        Ok(MlpBench {
+            float_up: FloatLinear::new(d, 4 * d, par)?,
+            float_down: FloatLinear::new(4 * d, d, par)?,
+            dh: device.zeros(t * d)?,
+            config,
+            model,
+            optimizer,
+            h,
+            blocks,
+            shared,
+            step: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MlpConfig {
+        &self.config
+    }
+
+    /// The sharded model.
+    pub fn model(&self) -> &ShardedModel {
+        &self.model
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        self.model.device()
+    }
+
+    /// Which optimizer runs.
+    pub fn optimizer_name(&self) -> &'static str {
+        match &self.optimizer {
+            Optimizer::Fsdp(_) => match self.config.mode {
+                BenchMode::Bf16 => "fsdp-optim AdamW (f32 states)",
+                BenchMode::Fp8 => "fsdp-optim AdamW (f16 master, e4m3 m, f16 v)",
+            },
+            Optimizer::Local(_) => "local AdamW (f32 master, f32 m, f32 v)",
+        }
+    }
+
+    /// Bytes held by this rank by category, optimizer states included.
+    pub fn memory(&self) -> Result<MemoryReport, MlpError> {
+        let mut r = self.model.memory()?;
+        r.optimizer_states = match &self.optimizer {
+            Optimizer::Fsdp(o) => o.memory(&self.model)?.optimizer_states,
+            Optimizer::Local(o) => o.state_bytes(),
+        };
+        Ok(r)
+    }
+
+    /// Bytes of activations and step buffers held by the bench (not model state).
+    pub fn activation_bytes(&self) -> usize {
+        let s = &self.shared;
+        self.h.iter().map(Buffer::num_bytes).sum::<usize>()
+            + self.dh.num_bytes()
+            + self
+                .blocks
+                .iter()
+                .map(|b| {
+                    b.u.num_bytes()
+                        + b.saved
+                            .as_ref()
+                            .map_or(0, |(x, y)| x.num_bytes() + y.num_bytes())
+                })
+                .sum::<usize>()
+            + s.a.num_bytes()
+            + s.da.num_bytes()
+            + s.o.num_bytes()
+            + s.dh_branch.num_bytes()
+            + s.dw_up.num_bytes()
+            + s.dw_down.num_bytes()
+            + s.u_recompute.as_ref().map_or(0, Buffer::num_bytes)
+            + s.w_up16.as_ref().map_or(0, Buffer::num_bytes)
+            + s.w_down16.as_ref().map_or(0, Buffer::num_bytes)
+    }
+
+    /// The loss `mean(h_L^2)` of the last forward (reads the output: a host round trip).
+    pub fn loss(&self) -> Result<f64, MlpError> {
+        let out = self.h[self.config.blocks].to_vec()?;
+        let s: f64 = out.iter().map(|v| (v.to_f32() as f64).powi(2)).sum();
+        Ok(s / out.len() as f64)
+    }
+
+    /// One training step: forward, backward with per-unit gradient reduction, AdamW, FP8 re-quantization.
+    /// Nothing is read back to the host (on CUDA the step is only queued when this returns).
+    pub fn step(&mut self) -> Result<(), MlpError> {
+        let n = self.config.blocks;
+        // Forward, prefetching unit b + 1 while block b computes.
+        self.model.gather_async(0)?;
+        for b in 0..n {
+            self.model.wait_gather(b)?;
+            if b + 1 < n {
+                self.model.gather_async(b + 1)?;
+            }
+            self.block_forward(b, !self.recomputing())?;
+            self.model.release_after_forward(b)?;
+        }
+        // dL/dh_L = 2 h_L / (T d).
+        let (t, d) = (self.config.tokens, self.config.d);
+        self.dh.copy_from(&self.h[n])?;
+        scale(&mut self.dh, 2.0 / (t * d) as f32)?;
+        // Backward in reverse, prefetching the previous unit.
+        self.model.gather_async(n - 1)?;
+        for b in (0..n).rev() {
+            self.model.wait_gather(b)?;
+            if b > 0 {
+                self.model.gather_async(b - 1)?;
+            }
+            if self.recomputing() {
+                self.block_forward(b, true)?;
+            }
+            self.block_backward(b)?;
+            self.model.release(b)?;
+            self.model.reduce_grads(b)?;
+        }
+        match &mut self.optimizer {
+            Optimizer::Fsdp(o) => {
+                o.step(&mut self.model)?;
+            }
+            Optimizer::Local(o) => o.step(&mut self.model)?,
+        }
+        for blk in &mut self.blocks {
+            if let Some((up, down)) = &mut blk.linears {
+                up.update_scales()?;
+                down.update_scales()?;
+            }
+        }
+        self.step += 1;
+        Ok(())
+    }
+
+    fn recomputing(&self) -> bool {
+        self.config.recompute && self.config.mode == BenchMode::Fp8
+    }
+
+    /// Block `b`'s forward: `h[b + 1] = h[b] + down(gelu(up(h[b])))`. With `keep`, what the backward
+    /// needs is kept (`u`, and the FP8 saved inputs).
+    fn block_forward(&mut self, b: usize, keep: bool) -> Result<(), MlpError> {
+        let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
+        let (before, after) = self.h.split_at_mut(b + 1);
+        let (x, y) = (&before[b], &mut after[0]);
+        let s = &mut self.shared;
+        let blk = &mut self.blocks[b];
+        // With recompute, the pre-activation goes to the one shared buffer (read by the backward next).
+        let u: &mut Buffer<bf16> = if blk.u.is_empty() {
+            s.u_recompute
+                .as_mut()
+                .ok_or_else(|| MlpError::Config("recompute buffer missing".into()))?
+        } else {
+            &mut blk.u
+        };
+        match self.config.mode {
+            BenchMode::Bf16 => {
+                let (w_up16, w_down16) = match (&mut s.w_up16, &mut s.w_down16) {
+                    (Some(a), Some(b)) => (a, b),
+                    _ => return Err(MlpError::Config("bf16 weight buffers missing".into())),
+                };
+                convert(self.model.plain(&up_name)?, w_up16)?;
+                convert(self.model.plain(&down_name)?, w_down16)?;
+                self.float_up.forward::<bf16, bf16>(x, w_up16, None, u)?;
+                gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                self.float_down
+                    .forward::<bf16, bf16>(&s.a, w_down16, None, &mut s.o)?;
+            }
+            BenchMode::Fp8 => {
+                let (up, down) = blk
+                    .linears
+                    .as_mut()
+                    .ok_or_else(|| MlpError::Config("fp8 linears missing".into()))?;
+                let (wu, su) = fp8_param(&self.model, &up_name)?;
+                let (wd, sd) = fp8_param(&self.model, &down_name)?;
+                let saved_up = up.forward::<bf16, bf16>(
+                    x,
+                    wu,
+                    Some(DeviceScalar {
+                        buffer: su,
+                        index: 1,
+                    }),
+                    None,
+                    u,
+                )?;
+                gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                let saved_down = down.forward::<bf16, bf16>(
+                    &s.a,
+                    wd,
+                    Some(DeviceScalar {
+                        buffer: sd,
+                        index: 1,
+                    }),
+                    None,
+                    &mut s.o,
+                )?;
+                blk.saved = keep.then_some((saved_up, saved_down));
+            }
+        }
+        add(x, &s.o, y)?;
+        Ok(())
+    }
+
+    /// Block `b`'s backward: consumes `dh` (the gradient of `h[b + 1]`) and leaves the gradient of `h[b]`
+    /// in it; adds the weight gradients to the unit's flat gradient.
+    ///
+    /// Buffers: `da = dh W_down` goes to `shared.da`, `du = gelu'(u) da` to `shared.a` (free by then), the
+    /// branch's input gradient to `shared.dh_branch`, then `dh += dh_branch`.
+    fn block_backward(&mut self, b: usize) -> Result<(), MlpError> {
+        let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
+        let x = &self.h[b];
+        let s = &mut self.shared;
+        let blk = &mut self.blocks[b];
+        let u: &Buffer<bf16> = if blk.u.is_empty() {
+            s.u_recompute
+                .as_ref()
+                .ok_or_else(|| MlpError::Config("recompute buffer missing".into()))?
+        } else {
+            &blk.u
+        };
+        match self.config.mode {
+            BenchMode::Bf16 => {
+                let (w_up16, w_down16) = match (&mut s.w_up16, &mut s.w_down16) {
+                    (Some(a), Some(b)) => (a, b),
+                    _ => return Err(MlpError::Config("bf16 weight buffers missing".into())),
+                };
+                // Gathered again for the backward (ZeRO-3): convert again.
+                convert(self.model.plain(&up_name)?, w_up16)?;
+                convert(self.model.plain(&down_name)?, w_down16)?;
+                // a = gelu(u), recomputed: the shared buffer was reused by later blocks.
+                gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                self.float_down.backward::<bf16, bf16, f32>(
+                    &s.a,
+                    &self.dh,
+                    w_down16,
+                    Some(&mut s.da),
+                    &mut s.dw_down,
+                    false,
+                    None,
+                )?;
+                gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
+                self.float_up.backward::<bf16, bf16, f32>(
+                    x,
+                    &s.a,
+                    w_up16,
+                    Some(&mut s.dh_branch),
+                    &mut s.dw_up,
+                    false,
+                    None,
+                )?;
+            }
+            BenchMode::Fp8 => {
+                let (up, down) = blk
+                    .linears
+                    .as_mut()
+                    .ok_or_else(|| MlpError::Config("fp8 linears missing".into()))?;
+                let (saved_up, saved_down) = blk
+                    .saved
+                    .take()
+                    .ok_or_else(|| MlpError::Config(format!("block {b}: no saved forward")))?;
+                let (wu, su) = fp8_param(&self.model, &up_name)?;
+                let (wd, sd) = fp8_param(&self.model, &down_name)?;
+                down.backward::<bf16, bf16, f32>(
+                    &saved_down,
+                    &self.dh,
+                    wd,
+                    Some(DeviceScalar {
+                        buffer: sd,
+                        index: 1,
+                    }),
+                    None,
+                    Some(&mut s.da),
+                    &mut s.dw_down,
+                    false,
+                    None,
+                )?;
+                gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
+                up.backward::<bf16, bf16, f32>(
+                    &saved_up,
+                    &s.a,
+                    wu,
+                    Some(DeviceScalar {
+                        buffer: su,
+                        index: 1,
+                    }),
+                    None,
+                    Some(&mut s.dh_branch),
+                    &mut s.dw_up,
+                    false,
+                    None,
+                )?;
+            }
+        }
+        axpy(1.0, &s.dh_branch, &mut self.dh)?;
+        self.model.add_grad(&up_name, &s.dw_up)?;
+        self.model.add_grad(&down_name, &s.dw_down)?;
+        Ok(())
+    }
+}
+
+/// The gathered FP8 weight `name`: codes and `[scale, scale_inv]`.
+fn fp8_param<'a>(
+    model: &'a ShardedModel,
+    name: &str,
+) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>), MlpError> {
+    match model.param(model.index(name)?)? {
+        GatheredParam::Fp8 { codes, scales } => Ok((codes, scales)),
+        GatheredParam::Plain(_) => Err(MlpError::Config(format!("{name} is not an FP8 weight"))),
+    }
+}
