@@ -163,9 +163,8 @@ impl TrainConfig {
         if self.world_size == 0 {
             return bad("world size must be at least 1".into());
         }
-        if !(self.lr.is_finite() && self.lr >= 0.0)
-            || !(self.gamma.is_finite() && self.gamma >= 0.0)
-        {
+        let usable = |v: f64| v.is_finite() && v >= 0.0;
+        if !usable(self.lr) || !usable(self.gamma) {
             return bad(format!(
                 "lr {} and gamma {} must be finite and >= 0",
                 self.lr, self.gamma
