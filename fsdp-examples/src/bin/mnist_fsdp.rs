@@ -24,6 +24,14 @@ enum PrecisionArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StatesArg {
+    /// F16 master, FP8 E4M3 first moment, F16 second moment (MS-AMP's recipe).
+    Low,
+    /// F32 master and moments.
+    F32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum DeviceArg {
     Auto,
     Cpu,
@@ -57,6 +65,9 @@ struct Args {
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     #[arg(long)]
     fp8_grad_comm: bool,
+    /// Optimizer states of the FP8 weights (fsdp-optim FsdpAdam; the CUDA fallback Adam keeps F32).
+    #[arg(long, value_enum, default_value_t = StatesArg::Low)]
+    optimizer_states: StatesArg,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
@@ -190,6 +201,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             PrecisionArg::Fp32 => LinearPrecision::F32,
         },
         fp8_grad_comm: args.fp8_grad_comm,
+        optimizer_states: match args.optimizer_states {
+            StatesArg::Low => fsdp_optim::StatePrecision::LowPrecision,
+            StatesArg::F32 => fsdp_optim::StatePrecision::F32,
+        },
         grad_accum: args.grad_accum,
         world_size: args.world_size.unwrap_or(if on_cpu { 2 } else { 1 }),
         device,

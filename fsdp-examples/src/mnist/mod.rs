@@ -37,6 +37,9 @@ pub enum MnistError {
     /// A kernel failed.
     #[error(transparent)]
     Kernel(#[from] fp8_kernels::KernelError),
+    /// The optimizer failed.
+    #[error(transparent)]
+    Optim(#[from] fsdp_optim::OptimError),
     /// An fp8-core error (scaling metas).
     #[error(transparent)]
     Core(#[from] fp8_core::Fp8Error),

@@ -4,6 +4,7 @@ use super::MnistError;
 use fp8_core::QType;
 use fp8_kernels::adam::adam_step_f32;
 use fp8_kernels::{AdamConfig, Buffer, WeightDecay};
+use fsdp_optim::FsdpAdam;
 use fsdp_shard::{ParamGroup, ShardError, ShardedModel, ShardedState, StateShard};
 
 /// What the training loop needs from an optimizer over a [`ShardedModel`]: a step on this rank's shards
@@ -16,6 +17,13 @@ pub trait ShardOptimizer: ShardedState + Send {
     fn set_lr(&mut self, lr: f64);
     /// The learning rate.
     fn lr(&self) -> f64;
+    /// Moves the StepLR schedule (step one epoch) to epoch `epoch` (1-based): the learning rate becomes
+    /// `base_lr * gamma^(epoch - 1)`.
+    fn start_epoch(&mut self, epoch: u32) -> Result<(), MnistError>;
+    /// The optimizer as its checkpointable state.
+    fn as_state(&self) -> &dyn ShardedState;
+    /// The optimizer as its checkpointable state, mutable.
+    fn as_state_mut(&mut self) -> &mut dyn ShardedState;
     /// A short description for logs.
     fn describe(&self) -> String;
 }
@@ -28,6 +36,8 @@ pub trait ShardOptimizer: ShardedState + Send {
 #[derive(Debug)]
 pub struct ShardAdamF32 {
     config: AdamConfig,
+    base_lr: f64,
+    gamma: f64,
     step: u64,
     masters: Vec<Buffer<f32>>,
     exp_avg: Vec<[Buffer<f32>; 2]>,
@@ -35,9 +45,15 @@ pub struct ShardAdamF32 {
 }
 
 impl ShardAdamF32 {
-    /// Adam with learning rate `lr` (betas 0.9/0.999, eps 1e-8, no weight decay) over `model`, whose FP8
-    /// master shards are `masters` (as returned by [`ShardedModel::new`]).
-    pub fn new(model: &ShardedModel, masters: Vec<Vec<f32>>, lr: f64) -> Result<Self, MnistError> {
+    /// Adam with base learning rate `lr` (betas 0.9/0.999, eps 1e-8, no weight decay) and StepLR factor
+    /// `gamma` per epoch over `model`, whose FP8 master shards are `masters` (as returned by
+    /// [`ShardedModel::new`]).
+    pub fn new(
+        model: &ShardedModel,
+        masters: Vec<Vec<f32>>,
+        lr: f64,
+        gamma: f64,
+    ) -> Result<Self, MnistError> {
         let config = AdamConfig {
             lr,
             weight_decay: 0.0,
@@ -72,6 +88,8 @@ impl ShardAdamF32 {
         }
         Ok(ShardAdamF32 {
             config,
+            base_lr: lr,
+            gamma,
             step: 0,
             masters: master_bufs,
             exp_avg,
@@ -127,6 +145,19 @@ impl ShardOptimizer for ShardAdamF32 {
 
     fn set_lr(&mut self, lr: f64) {
         self.config.lr = lr;
+    }
+
+    fn start_epoch(&mut self, epoch: u32) -> Result<(), MnistError> {
+        self.config.lr = self.base_lr * self.gamma.powi(epoch.saturating_sub(1) as i32);
+        Ok(())
+    }
+
+    fn as_state(&self) -> &dyn ShardedState {
+        self
+    }
+
+    fn as_state_mut(&mut self) -> &mut dyn ShardedState {
+        self
     }
 
     fn lr(&self) -> f64 {
@@ -225,5 +256,56 @@ impl ShardedState for ShardAdamF32 {
             }
         }
         Ok(())
+    }
+}
+
+/// `fsdp_optim::FsdpAdam` (the project's optimizer: low-precision or F32 states, one amax all-reduce per
+/// step, non-finite steps skipped on every rank) with its StepLR schedule advanced once per epoch.
+impl ShardOptimizer for FsdpAdam {
+    fn step(&mut self, model: &mut ShardedModel) -> Result<(), MnistError> {
+        fsdp_optim::ShardedAdam::step(self, model)?;
+        Ok(())
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        // A negative or non-finite rate is refused by the optimizer and then left unchanged.
+        let _ = fsdp_optim::ShardedAdam::set_lr(self, lr);
+    }
+
+    fn lr(&self) -> f64 {
+        self.current_lr()
+    }
+
+    fn start_epoch(&mut self, epoch: u32) -> Result<(), MnistError> {
+        let want = u64::from(epoch.saturating_sub(1));
+        if self.schedule_position() > want {
+            return Err(MnistError::Config(format!(
+                "the schedule is at epoch {}, past epoch {epoch}",
+                self.schedule_position() + 1
+            )));
+        }
+        while self.schedule_position() < want {
+            self.advance_schedule();
+        }
+        Ok(())
+    }
+
+    fn as_state(&self) -> &dyn ShardedState {
+        self
+    }
+
+    fn as_state_mut(&mut self) -> &mut dyn ShardedState {
+        self
+    }
+
+    fn describe(&self) -> String {
+        let o = self.options();
+        format!(
+            "fsdp-optim Adam ({} states) lr {} betas {:?} eps {}, StepLR",
+            o.state_precision.name(),
+            o.lr,
+            o.betas,
+            o.eps
+        )
     }
 }

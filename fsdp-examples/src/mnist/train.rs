@@ -10,10 +10,9 @@ use fp8_core::Fp8Format;
 use fp8_kernels::ops::{self, nll_stat};
 use fp8_kernels::{Buffer, CpuParallelism, Device, Element};
 use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
+use fsdp_optim::{AdamOptions, FsdpAdam, StatePrecision, StepLr};
 use fsdp_shard::checkpoint::{load_sharded, save_sharded};
-use fsdp_shard::{
-    FsdpConfig, GatheredParam, GradReduction, MemoryReport, ShardedModel, ShardedState,
-};
+use fsdp_shard::{FsdpConfig, GatheredParam, GradReduction, MemoryReport, ShardedModel};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,6 +50,8 @@ pub struct TrainConfig {
     pub precision: LinearPrecision,
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     pub fp8_grad_comm: bool,
+    /// Storage of the FP8 weights' optimizer states (`fsdp_optim::FsdpAdam`; the CUDA fallback keeps F32).
+    pub optimizer_states: StatePrecision,
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
     /// Ranks: threads on the CPU; on CUDA it must match the launcher's `WORLD_SIZE` (1 without one).
@@ -91,6 +92,7 @@ impl Default for TrainConfig {
             seed: 1,
             precision: LinearPrecision::Fp8,
             fp8_grad_comm: false,
+            optimizer_states: StatePrecision::default(),
             grad_accum: 1,
             world_size: 1,
             device: DeviceChoice::Auto,
@@ -345,6 +347,10 @@ fn run_identity(config: &TrainConfig) -> Vec<(String, String)> {
         ("batch_size".into(), config.batch_size.to_string()),
         ("grad_accum".into(), config.grad_accum.to_string()),
         ("fp8_grad_comm".into(), config.fp8_grad_comm.to_string()),
+        (
+            "optimizer_states".into(),
+            config.optimizer_states.name().to_string(),
+        ),
     ]
 }
 
@@ -392,7 +398,7 @@ impl BatchBuffers {
 fn save(
     dir: &Path,
     model: &ShardedModel,
-    opt: &ShardAdamF32,
+    opt: &dyn ShardOptimizer,
     net: &MnistNet,
     pos: Position,
     config: &TrainConfig,
@@ -401,7 +407,7 @@ fn save(
         .map_err(|e| MnistError::Checkpoint(format!("cannot create {}: {e}", dir.display())))?;
     let mut extra = pos.to_extra(config);
     extra.extend(net.export_state()?);
-    save_sharded(dir, model, Some(opt), &extra)?;
+    save_sharded(dir, model, Some(opt.as_state()), &extra)?;
     Ok(())
 }
 
@@ -468,6 +474,31 @@ fn evaluate(
     Ok((sums[0] as f64, sums[1] as u64, sums[2] as u64))
 }
 
+/// `fsdp_optim::FsdpAdam` with a StepLR schedule (step one epoch); on CUDA, where it cannot run yet,
+/// the device-resident [`ShardAdamF32`].
+fn new_optimizer(
+    model: &ShardedModel,
+    masters: Vec<Vec<f32>>,
+    config: &TrainConfig,
+) -> Result<Box<dyn ShardOptimizer>, MnistError> {
+    if model.device().is_cuda() {
+        return Ok(Box::new(ShardAdamF32::new(
+            model,
+            masters,
+            config.lr,
+            config.gamma,
+        )?));
+    }
+    let options = AdamOptions {
+        lr: config.lr,
+        state_precision: config.optimizer_states,
+        ..AdamOptions::adam()
+    };
+    let mut opt = FsdpAdam::new(model, masters, options)?;
+    opt.set_schedule(Box::new(StepLr::new(1, config.gamma)?));
+    Ok(Box::new(opt))
+}
+
 fn run_rank(
     comm: Arc<dyn Communicator>,
     config: &TrainConfig,
@@ -500,7 +531,7 @@ fn run_rank(
         ShardedModel::new(layout, comm.clone(), fsdp, &|p: usize| init[p].clone())?;
     drop(init);
     net.bind(&model)?;
-    let mut opt = ShardAdamF32::new(&model, masters, config.lr)?;
+    let mut opt = new_optimizer(&model, masters, config)?;
     let mut pos = Position {
         epoch: 1,
         batch: 0,
@@ -509,7 +540,7 @@ fn run_rank(
         samples: 0,
     };
     if let Some(dir) = &config.resume {
-        let loaded = load_sharded(dir, &mut model, Some(&mut opt))?;
+        let loaded = load_sharded(dir, &mut model, Some(opt.as_state_mut()))?;
         if loaded.saved_world_size != ws {
             return Err(MnistError::Checkpoint(format!(
                 "saved by {} rank(s); resuming needs the same world size (got {ws}) to continue the \
@@ -541,8 +572,8 @@ fn run_rank(
     let read_every = if device.is_cuda() { 10 } else { 1 };
     while pos.epoch <= config.epochs {
         let epoch = pos.epoch;
-        let lr = config.lr_for_epoch(epoch);
-        opt.set_lr(lr);
+        opt.start_epoch(epoch)?;
+        let lr = opt.lr();
         let started = Instant::now();
         let mut batches = train_sampler.batches(u64::from(epoch), config.batch_size)?;
         if let Some(l) = config.limit_batches {
@@ -587,13 +618,13 @@ fn run_rank(
                 .is_some_and(|k| k > 0 && pos.step % k == 0);
             if let (Some(dir), true) = (&config.save, stop || periodic) {
                 pos.loss_sum = loss_acc.to_vec()?[0];
-                save(dir, &model, &opt, &net, pos, config)?;
+                save(dir, &model, opt.as_ref(), &net, pos, config)?;
             }
             if stop {
                 progress.finish();
                 let params = gathered_params(&mut model, &net)?;
                 let mut memory = model.memory()?;
-                memory.optimizer_states = opt.state_bytes();
+                memory.optimizer_states = opt.as_state().state_bytes();
                 return Ok(RankOutcome {
                     records,
                     memory,
@@ -670,12 +701,12 @@ fn run_rank(
         };
         loss_acc.fill_zero()?;
         if let Some(dir) = &config.save {
-            save(dir, &model, &opt, &net, pos, config)?;
+            save(dir, &model, opt.as_ref(), &net, pos, config)?;
         }
     }
     let params = gathered_params(&mut model, &net)?;
     let mut memory = model.memory()?;
-    memory.optimizer_states = opt.state_bytes();
+    memory.optimizer_states = opt.as_state().state_bytes();
     Ok(RankOutcome {
         records,
         memory,
