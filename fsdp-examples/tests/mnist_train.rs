@@ -163,3 +163,29 @@ fn bad_configuration_and_missing_data_are_errors() {
     .unwrap_err();
     assert!(err.to_string().contains("fetch-mnist.sh"), "{err}");
 }
+
+/// GPU check for the H200 (`cargo test --release -p fsdp-examples --test mnist_train -- --ignored`, or
+/// the built test binary with `--ignored`): the same subset run on CUDA (world size 1, NCCL) reaches the
+/// accuracy bar and lands within 2 points of the CPU run. Skips with a reason where no GPU is usable.
+#[test]
+#[ignore]
+fn cuda_subset_run_matches_cpu() {
+    if let Err(why) = fp8_kernels::Device::cuda(0) {
+        eprintln!("skipped: no usable GPU ({why})");
+        return;
+    }
+    let cpu = train(&subset_config(1, LinearPrecision::Fp8)).unwrap();
+    let gpu = train(&TrainConfig {
+        device: DeviceChoice::Cuda,
+        ..subset_config(1, LinearPrecision::Fp8)
+    })
+    .unwrap();
+    eprintln!(
+        "CPU {:.2}%, CUDA {:.2}% ({:.2} s per epoch on CUDA)",
+        accuracy(&cpu),
+        accuracy(&gpu),
+        gpu.seconds_per_epoch()
+    );
+    assert!(accuracy(&gpu) >= 90.0);
+    assert!((accuracy(&gpu) - accuracy(&cpu)).abs() <= 2.0);
+}
