@@ -428,6 +428,25 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Sets the default memory pool's release threshold: memory the pool holds beyond `bytes` is returned
+    /// to the driver at each synchronisation. The default (0) frees everything at every sync, so a step
+    /// that allocates maps fresh memory again; `u64::MAX` keeps it cached between steps.
+    pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<(), KernelError> {
+        use cudarc::driver::sys;
+        let pool = self.default_pool()?;
+        let mut value = bytes;
+        // SAFETY: a valid pool handle; the attribute is a u64 read from a live local.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok(())
+    }
+
     fn default_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, KernelError> {
         use cudarc::driver::sys;
         self.context().bind_to_thread()?;

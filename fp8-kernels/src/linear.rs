@@ -65,6 +65,22 @@ pub struct Fp8LinearSaved {
 }
 
 impl Fp8LinearSaved {
+    /// Zeroed buffers for the saved input of `tokens` rows of `in_features` (for
+    /// [`Fp8Linear::forward_into`], which fills them; allocate once and reuse every step).
+    pub fn zeros(device: &Device, tokens: usize, in_features: usize) -> Result<Self, KernelError> {
+        let n = tokens.checked_mul(in_features).ok_or_else(|| {
+            bad(
+                "Fp8LinearSaved::zeros",
+                format!("{tokens} x {in_features} overflows"),
+            )
+        })?;
+        Ok(Fp8LinearSaved {
+            tokens,
+            x_t: device.zeros(n)?,
+            x_scale_inv: device.zeros(1)?,
+        })
+    }
+
     /// Number of rows of `x`.
     pub fn tokens(&self) -> usize {
         self.tokens
@@ -247,6 +263,8 @@ impl Fp8Linear {
     /// Forward: `y = x W^T (+ bias)`; returns what the backward needs. `x` is `[tokens, in]`, `y` is
     /// `[tokens, out]`, `bias` `[out]`. `weight` holds E4M3 codes `[out, in]`; their inverse scale is
     /// `weight_scale_inv`, or this op's weight meta when `None`.
+    ///
+    /// Allocates its FP8 operands on every call; [`Fp8Linear::forward_into`] takes them from the caller.
     pub fn forward<T: LinearElement, O: GemmOutput>(
         &mut self,
         x: &Buffer<T>,
@@ -255,21 +273,72 @@ impl Fp8Linear {
         bias: Option<&Buffer<O>>,
         y: &mut Buffer<O>,
     ) -> Result<Fp8LinearSaved, KernelError> {
-        const WHAT: &str = "Fp8Linear::forward";
-        let (inf, outf) = (self.in_features, self.out_features);
+        let tokens = rows_of("Fp8Linear::forward", x.len(), self.in_features)?;
+        let mut saved = Fp8LinearSaved::zeros(&self.device, tokens, self.in_features)?;
+        let mut x_q = self.device.zeros::<u8>(tokens * self.in_features)?;
+        self.forward_into(x, weight, weight_scale_inv, bias, y, &mut x_q, &mut saved)?;
+        Ok(saved)
+    }
+
+    /// [`Fp8Linear::forward`] into caller-provided buffers (no allocation on CUDA but the bias path):
+    /// `x_q` (E4M3 codes of `x`, `[tokens, in]`, scratch) and `saved` (from
+    /// [`Fp8LinearSaved::zeros`] with the same `tokens`), which receives what the backward needs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_into<T: LinearElement, O: GemmOutput>(
+        &mut self,
+        x: &Buffer<T>,
+        weight: &Buffer<u8>,
+        weight_scale_inv: Option<DeviceScalar<'_>>,
+        bias: Option<&Buffer<O>>,
+        y: &mut Buffer<O>,
+        x_q: &mut Buffer<u8>,
+        saved: &mut Fp8LinearSaved,
+    ) -> Result<(), KernelError> {
+        self.quantize_input(x, x_q, saved)?;
+        self.forward_quantized(x_q, saved, weight, weight_scale_inv, bias, y)
+    }
+
+    /// First half of the forward: casts `x [tokens, in]` to E4M3 with the input meta (recording its amax)
+    /// into `x_q` and `saved`'s `x^T`, and keeps the scale used in `saved` (the meta may change before
+    /// the backward runs).
+    pub fn quantize_input<T: LinearElement>(
+        &mut self,
+        x: &Buffer<T>,
+        x_q: &mut Buffer<u8>,
+        saved: &mut Fp8LinearSaved,
+    ) -> Result<(), KernelError> {
+        const WHAT: &str = "Fp8Linear::quantize_input";
+        let inf = self.in_features;
         let tokens = rows_of(WHAT, x.len(), inf)?;
+        crate::check_len(WHAT, tokens * inf, x_q.len())?;
+        crate::check_len(WHAT, tokens * inf, saved.x_t.len())?;
+        crate::check_len(WHAT, 1, saved.x_scale_inv.len())?;
+        self.input
+            .cast_transpose(x, [tokens, inf], &mut saved.x_t, Some(x_q))?;
+        saved.x_scale_inv.copy_from(self.input.scale_inv())?;
+        saved.tokens = tokens;
+        Ok(())
+    }
+
+    /// Second half of the forward: the FP8 GEMM `y = x_q W^T (+ bias)` from the codes and scale that
+    /// [`Fp8Linear::quantize_input`] wrote (or a fused kernel that writes the same).
+    pub fn forward_quantized<O: GemmOutput>(
+        &self,
+        x_q: &Buffer<u8>,
+        saved: &Fp8LinearSaved,
+        weight: &Buffer<u8>,
+        weight_scale_inv: Option<DeviceScalar<'_>>,
+        bias: Option<&Buffer<O>>,
+        y: &mut Buffer<O>,
+    ) -> Result<(), KernelError> {
+        const WHAT: &str = "Fp8Linear::forward_quantized";
+        let (inf, outf, tokens) = (self.in_features, self.out_features, saved.tokens);
+        crate::check_len(WHAT, tokens * inf, x_q.len())?;
         self.check_weight(WHAT, weight)?;
         crate::check_len(WHAT, tokens * outf, y.len())?;
         if let Some(b) = bias {
             crate::check_len(WHAT, outf, b.len())?;
         }
-        let dev = &self.device;
-        let mut x_q = dev.zeros::<u8>(tokens * inf)?;
-        let mut x_t = dev.zeros::<u8>(tokens * inf)?;
-        self.input
-            .cast_transpose(x, [tokens, inf], &mut x_t, Some(&mut x_q))?;
-        // Keep the scale x was cast with: the meta may be updated before the backward runs.
-        let x_scale_inv = self.input.scale_inv().to_device(dev)?;
         let mut spec = GemmSpec::new(tokens, outf, inf)
             .transposes(Transpose::No, Transpose::Yes)
             .parallelism(self.parallelism);
@@ -278,10 +347,10 @@ impl Fp8Linear {
             spec.beta = 1.0;
         }
         let a = Fp8Matrix {
-            data: &x_q,
+            data: x_q,
             format: Fp8Format::E4M3,
             scale_inv: DeviceScalar {
-                buffer: &x_scale_inv,
+                buffer: &saved.x_scale_inv,
                 index: 0,
             },
         };
@@ -293,12 +362,7 @@ impl Fp8Linear {
                 index: 0,
             }),
         };
-        gemm_fp8(&spec, a, w, y)?;
-        Ok(Fp8LinearSaved {
-            tokens,
-            x_t,
-            x_scale_inv,
-        })
+        gemm_fp8(&spec, a, w, y)
     }
 
     /// Backward: casts `dy [tokens, out]` to E5M2 (recording its amax), then
@@ -306,6 +370,9 @@ impl Fp8Linear {
     /// gradient `db (+)= sum_rows dy` when `dbias` is given. `weight` and `weight_scale_inv` are the
     /// forward's; `weight_t` (`W^T`, E4M3 `[in, out]`, same scale) saves a transpose on CUDA when
     /// available.
+    ///
+    /// Allocates its FP8 operands on every call; [`Fp8Linear::quantize_grad_output`] +
+    /// [`Fp8Linear::backward_quantized`] take them from the caller.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<T: LinearElement, O: GemmOutput, W: GemmOutput>(
         &mut self,
@@ -319,20 +386,76 @@ impl Fp8Linear {
         accumulate: bool,
         dbias: Option<&mut Buffer<f32>>,
     ) -> Result<(), KernelError> {
+        let n = saved.tokens * self.out_features;
+        crate::check_len("Fp8Linear::backward", n, dy.len())?;
+        let mut dy_q = self.device.zeros::<u8>(n)?;
+        let mut dy_t = self.device.zeros::<u8>(n)?;
+        self.quantize_grad_output(dy, &mut dy_q, &mut dy_t)?;
+        self.backward_quantized(
+            saved,
+            &dy_q,
+            &dy_t,
+            weight,
+            weight_scale_inv,
+            weight_t,
+            dx,
+            dw,
+            accumulate,
+        )?;
+        if let Some(db) = dbias {
+            bias_grad(
+                dy,
+                saved.tokens,
+                self.out_features,
+                db,
+                accumulate,
+                self.parallelism,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// First half of the backward: casts `dy [tokens, out]` to E5M2 with the output-gradient meta
+    /// (recording its amax) into `dy_q` (`[tokens, out]`) and `dy_t` (`[out, tokens]`).
+    pub fn quantize_grad_output<T: LinearElement>(
+        &mut self,
+        dy: &Buffer<T>,
+        dy_q: &mut Buffer<u8>,
+        dy_t: &mut Buffer<u8>,
+    ) -> Result<(), KernelError> {
+        const WHAT: &str = "Fp8Linear::quantize_grad_output";
+        let outf = self.out_features;
+        let tokens = rows_of(WHAT, dy.len(), outf)?;
+        crate::check_len(WHAT, tokens * outf, dy_q.len())?;
+        self.grad_output
+            .cast_transpose(dy, [tokens, outf], dy_t, Some(dy_q))
+    }
+
+    /// Second half of the backward: `dx = dy_q W` (when `dx` is given) and `dW (+)= dy_q^T x` from the
+    /// codes [`Fp8Linear::quantize_grad_output`] wrote (scale: the output-gradient meta's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_quantized<O: GemmOutput, W: GemmOutput>(
+        &self,
+        saved: &Fp8LinearSaved,
+        dy_q: &Buffer<u8>,
+        dy_t: &Buffer<u8>,
+        weight: &Buffer<u8>,
+        weight_scale_inv: Option<DeviceScalar<'_>>,
+        weight_t: Option<&Buffer<u8>>,
+        dx: Option<&mut Buffer<O>>,
+        dw: &mut Buffer<W>,
+        accumulate: bool,
+    ) -> Result<(), KernelError> {
         const WHAT: &str = "Fp8Linear::backward";
         let (inf, outf, tokens) = (self.in_features, self.out_features, saved.tokens);
-        crate::check_len(WHAT, tokens * outf, dy.len())?;
+        crate::check_len(WHAT, tokens * outf, dy_q.len())?;
+        crate::check_len(WHAT, tokens * outf, dy_t.len())?;
         crate::check_len(WHAT, tokens * inf, saved.x_t.len())?;
         self.check_weight(WHAT, weight)?;
         crate::check_len(WHAT, inf * outf, dw.len())?;
         if let Some(wt) = weight_t {
             crate::check_len(WHAT, inf * outf, wt.len())?;
         }
-        let dev = &self.device;
-        let mut dy_q = dev.zeros::<u8>(tokens * outf)?;
-        let mut dy_t = dev.zeros::<u8>(tokens * outf)?;
-        self.grad_output
-            .cast_transpose(dy, [tokens, outf], &mut dy_t, Some(&mut dy_q))?;
         let g_scale = DeviceScalar {
             buffer: self.grad_output.scale_inv(),
             index: 0,
@@ -341,7 +464,7 @@ impl Fp8Linear {
             crate::check_len(WHAT, tokens * inf, dx.len())?;
             // dx [tokens, in] = dy [tokens, out] * W [out, in].
             let a = Fp8Matrix {
-                data: &dy_q,
+                data: dy_q,
                 format: Fp8Format::E5M2,
                 scale_inv: g_scale,
             };
@@ -364,7 +487,7 @@ impl Fp8Linear {
         }
         // dW [out, in] = dy^T [out, tokens] * x [tokens, in]; both operands held K-major (transposed).
         let a = Fp8Matrix {
-            data: &dy_t,
+            data: dy_t,
             format: Fp8Format::E5M2,
             scale_inv: g_scale,
         };
@@ -380,11 +503,7 @@ impl Fp8Linear {
             .transposes(Transpose::No, Transpose::Yes)
             .scalars(1.0, if accumulate { 1.0 } else { 0.0 })
             .parallelism(self.parallelism);
-        gemm_fp8(&spec, a, b, dw)?;
-        if let Some(db) = dbias {
-            bias_grad(dy, tokens, outf, db, accumulate, self.parallelism)?;
-        }
-        Ok(())
+        gemm_fp8(&spec, a, b, dw)
     }
 
     /// The step-end update of the delayed metas (input and output gradient): each pending amax enters
@@ -478,5 +597,100 @@ impl FloatLinear {
             bias_grad(dy, tokens, outf, db, accumulate, self.parallelism)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn codes(seed: u32, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let v = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
+                (v as f32 / (1u32 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// The split entry points with reused caller buffers give bit-identical results to the allocating
+    /// `forward`/`backward`, also on a second call whose input differs (stale buffers must not leak).
+    #[test]
+    fn caller_buffers_match_allocating_calls() {
+        let dev = Device::cpu();
+        let (t, inf, outf) = (24, 16, 8);
+        let cfg = Fp8LinearConfig {
+            parallelism: CpuParallelism::Single,
+            ..Fp8LinearConfig::default()
+        };
+        let mut a = Fp8Linear::new(&dev, inf, outf, cfg).unwrap();
+        let mut b = Fp8Linear::new(&dev, inf, outf, cfg).unwrap();
+        let w32 = dev.upload(&codes(7, inf * outf)).unwrap();
+        let mut wa = dev.zeros::<u8>(inf * outf).unwrap();
+        let mut wb = dev.zeros::<u8>(inf * outf).unwrap();
+        a.cast_weight(&w32, &mut wa).unwrap();
+        b.cast_weight(&w32, &mut wb).unwrap();
+        let mut x_q = dev.zeros::<u8>(t * inf).unwrap();
+        let mut saved = Fp8LinearSaved::zeros(&dev, t, inf).unwrap();
+        let (mut dy_q, mut dy_t) = (
+            dev.zeros::<u8>(t * outf).unwrap(),
+            dev.zeros::<u8>(t * outf).unwrap(),
+        );
+        for step in 0..2u32 {
+            let x = dev.upload(&codes(100 + step, t * inf)).unwrap();
+            let dy = dev.upload(&codes(200 + step, t * outf)).unwrap();
+            let mut ya = dev.zeros::<f32>(t * outf).unwrap();
+            let mut yb = dev.zeros::<f32>(t * outf).unwrap();
+            let sa = a.forward::<f32, f32>(&x, &wa, None, None, &mut ya).unwrap();
+            b.forward_into::<f32, f32>(&x, &wb, None, None, &mut yb, &mut x_q, &mut saved)
+                .unwrap();
+            assert_eq!(ya.to_vec().unwrap(), yb.to_vec().unwrap());
+            assert_eq!(sa.x_t().to_vec().unwrap(), saved.x_t().to_vec().unwrap());
+            let (mut dxa, mut dxb) = (
+                dev.zeros::<f32>(t * inf).unwrap(),
+                dev.zeros::<f32>(t * inf).unwrap(),
+            );
+            let (mut dwa, mut dwb) = (
+                dev.zeros::<f32>(inf * outf).unwrap(),
+                dev.zeros::<f32>(inf * outf).unwrap(),
+            );
+            a.backward::<f32, f32, f32>(
+                &sa,
+                &dy,
+                &wa,
+                None,
+                None,
+                Some(&mut dxa),
+                &mut dwa,
+                false,
+                None,
+            )
+            .unwrap();
+            b.quantize_grad_output(&dy, &mut dy_q, &mut dy_t).unwrap();
+            b.backward_quantized::<f32, f32>(
+                &saved,
+                &dy_q,
+                &dy_t,
+                &wb,
+                None,
+                None,
+                Some(&mut dxb),
+                &mut dwb,
+                false,
+            )
+            .unwrap();
+            assert_eq!(dxa.to_vec().unwrap(), dxb.to_vec().unwrap());
+            assert_eq!(dwa.to_vec().unwrap(), dwb.to_vec().unwrap());
+            assert!(dwa.to_vec().unwrap().iter().any(|v| *v != 0.0));
+            a.update_scales().unwrap();
+            b.update_scales().unwrap();
+        }
+        // A saved buffer of the wrong size is refused, not overrun.
+        let mut small = Fp8LinearSaved::zeros(&dev, t - 1, inf).unwrap();
+        let x = dev.upload(&codes(1, t * inf)).unwrap();
+        let mut y = dev.zeros::<f32>(t * outf).unwrap();
+        assert!(b
+            .forward_into::<f32, f32>(&x, &wb, None, None, &mut y, &mut x_q, &mut small)
+            .is_err());
     }
 }
