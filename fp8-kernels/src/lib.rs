@@ -26,6 +26,7 @@ pub mod gemm;
 pub mod kernel_source;
 pub mod linear;
 pub mod ops;
+pub mod optim_step;
 pub mod segmented;
 
 pub use adam::{AdamConfig, AdamGrad, LowPrecisionAdamState, WeightDecay};

@@ -1,7 +1,6 @@
 //! Hyperparameters and state precisions.
 
 use crate::OptimError;
-use fp8_kernels::{AdamConfig, WeightDecay};
 
 /// How the optimizer stores the states of FP8 weights. Plain parameters (biases, convolutions) always
 /// keep F32 states: their master is the model's plain shard itself.
@@ -112,18 +111,5 @@ impl AdamOptions {
             ));
         }
         Ok(())
-    }
-
-    /// The fused kernel's configuration at learning rate `lr`.
-    pub(crate) fn kernel_config(&self, lr: f64, decay_mode: WeightDecay) -> AdamConfig {
-        AdamConfig {
-            lr,
-            beta1: self.betas.0,
-            beta2: self.betas.1,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-            decay_mode,
-            maximize: self.maximize,
-        }
     }
 }

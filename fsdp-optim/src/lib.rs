@@ -43,7 +43,7 @@
 //!     model.add_grad("fc.weight", &dev.upload(&[0.5f32; 32])?)?;
 //!     model.add_grad("fc.bias", &dev.upload(&[-1.0f32; 4])?)?;
 //!     model.reduce_grads(0)?;
-//!     Ok::<_, OptimError>(opt.step(&mut model)?)
+//!     Ok::<_, OptimError>(opt.step_with_report(&mut model)?)
 //! })?;
 //! // Both ranks agree: one step; the reduced gradients are the two ranks' sums (1.0 and -2.0), so the
 //! // global norm is sqrt(32 * 1 + 4 * 4).
@@ -62,5 +62,7 @@ pub mod state_scaling;
 
 pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
-pub use optimizer::{BytesPerParam, FsdpAdam, FsdpAdamW, ShardedAdam, StateMeta, StepReport};
+pub use optimizer::{
+    BytesPerParam, FsdpAdam, FsdpAdamW, PendingStepReport, ShardedAdam, StateMeta, StepReport,
+};
 pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};

@@ -3,12 +3,13 @@
 
 use crate::config::{AdamOptions, StatePrecision};
 use crate::schedule::LrSchedule;
-use crate::state_scaling::{self, BoundParams, StateAmaxes, StateScales};
+use crate::state_scaling::{self, StateAmaxes, StateScales};
 use crate::OptimError;
 use fp8_core::{Fp8Format, QType};
-use fp8_kernels::adam::{
-    adam_step_f32, adam_step_low_precision, f16_saturating, lp_slot, AmaxSlots,
-    LowPrecisionAdamState,
+use fp8_kernels::adam::{f16_saturating, lp_slot, AmaxSlots, LowPrecisionAdamState};
+use fp8_kernels::optim_step::{
+    self as ctlk, adam_step_f32_ctl, adam_step_low_precision_ctl, apply_source, ctl, grad_stats,
+    grad_stats_finish, step_control, step_finish, MasterSource, SlotScales, StepControlParams,
 };
 use fp8_kernels::{Buffer, Device, WeightDecay};
 use fsdp_comm::ReduceOp;
@@ -38,6 +39,43 @@ pub struct StepReport {
     pub lr: f64,
 }
 
+/// The report of a queued step: a copy of the step counters and statistics on the device, read on demand.
+#[derive(Debug)]
+pub struct PendingStepReport {
+    report: Buffer<f32>,
+    lr: f64,
+    max_grad_norm: Option<f64>,
+}
+
+impl PendingStepReport {
+    /// Reads the report (on CUDA this waits for the step to finish).
+    pub fn read(&self) -> Result<StepReport, OptimError> {
+        let r = self.report.to_vec()?;
+        if r.len() != ctl::LEN {
+            return Err(mismatch(format!("step report of {} words", r.len())));
+        }
+        let skipped = r[ctl::LAST_SKIPPED] != 0.0;
+        let grad_norm = (r[ctl::LAST_SUMSQ] as f64).sqrt();
+        let clip_coef = match (skipped, self.max_grad_norm) {
+            (false, Some(max)) => (max / (grad_norm + 1e-6)).min(1.0),
+            _ => 1.0,
+        };
+        Ok(StepReport {
+            step: u64::from(r[ctl::STEP].to_bits()),
+            skipped,
+            skipped_total: u64::from(r[ctl::SKIPPED].to_bits()),
+            nonfinite: if skipped {
+                r[ctl::LAST_NONFINITE] as u64
+            } else {
+                0
+            },
+            grad_norm,
+            clip_coef,
+            lr: self.lr,
+        })
+    }
+}
+
 /// The per-parameter metas of one FP8 weight's optimizer states: identical on every rank after a step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StateMeta {
@@ -61,8 +99,6 @@ enum Fp8States {
         master: Buffer<f16>,
         m: Buffer<u8>,
         v: Buffer<f16>,
-        /// `lp_slot::SCALES` read/write scales per slot, in the kernel's layout.
-        kernel_scales: Buffer<f32>,
     },
 }
 
@@ -88,13 +124,21 @@ pub struct ShardedAdam {
     decay_mode: WeightDecay,
     schedule: Option<Box<dyn LrSchedule>>,
     schedule_position: u64,
-    step: u64,
-    skipped: u64,
     units: Vec<UnitStates>,
-    /// Agreed state amaxes per FP8 slot (model-wide numbering).
-    amaxes: Vec<StateAmaxes>,
-    /// Scales the stored states belong to, per FP8 slot.
-    scales: Vec<StateScales>,
+    /// Step counters and the last step's statistics ([`ctl`] layout), on the model's device.
+    control: Buffer<f32>,
+    /// Adam's coefficients of the current step and the skip flag, written on the device.
+    coef: Buffer<f32>,
+    /// Gradient-statistics accumulator.
+    stats_acc: Buffer<f32>,
+    /// Agreed state amaxes, 3 per FP8 slot (model-wide numbering): master, first, second moment.
+    amaxes: Buffer<f32>,
+    /// Scales the stored states belong to, 3 per FP8 slot (1 for F32 states).
+    scales: Buffer<f32>,
+    /// This step's write scales, 3 per slot (low precision).
+    write: Buffer<f32>,
+    /// The fused kernel's read/write scales, `lp_slot::SCALES` per slot (low precision).
+    kernel_scales: Buffer<f32>,
     total_slots: usize,
     rank: usize,
     world_size: usize,
@@ -107,8 +151,7 @@ impl std::fmt::Debug for ShardedAdam {
             .field("options", &self.options)
             .field("decay_mode", &self.decay_mode)
             .field("schedule", &self.schedule)
-            .field("step", &self.step)
-            .field("skipped", &self.skipped)
+            .field("schedule_position", &self.schedule_position)
             .finish()
     }
 }
@@ -128,14 +171,6 @@ impl ShardedAdam {
     ) -> Result<Self, OptimError> {
         options.validate()?;
         let device = model.device().clone();
-        if device.is_cuda() {
-            // The gradient statistics and state-scale computation run on the host this round, and the
-            // step must not read device buffers back; fail at construction instead of mid-training.
-            return Err(OptimError::Unsupported(
-                "the CUDA path of ShardedAdam (gradient statistics and state scales on the device)"
-                    .into(),
-            ));
-        }
         let (rank, world_size) = (model.comm().rank(), model.comm().world_size());
         if fp8_masters.len() != model.num_units() {
             return Err(mismatch(format!(
@@ -190,13 +225,11 @@ impl ShardedAdam {
                             stored[k] = f16_saturating(master[k] * unit_scales[*i][0]);
                         }
                     }
-                    let ks = kernel_scale_table(&unit_scales, &unit_scales);
                     scales.extend(unit_scales);
                     Fp8States::Low {
                         master: device.upload(&stored)?,
                         m: device.zeros(fp8_len)?,
                         v: device.zeros(fp8_len)?,
-                        kernel_scales: device.upload(&ks)?,
                     }
                 }
             };
@@ -216,16 +249,22 @@ impl ShardedAdam {
             });
             slot_base += slots.len();
         }
+        let low = options.state_precision == StatePrecision::LowPrecision;
+        let lp_len = |k: usize| if low { k * slot_base } else { 0 };
+        let flat = |v: Vec<[f32; 3]>| v.into_iter().flatten().collect::<Vec<f32>>();
         Ok(ShardedAdam {
             options,
             decay_mode,
             schedule: None,
             schedule_position: 0,
-            step: 0,
-            skipped: 0,
             units,
-            amaxes,
-            scales,
+            control: device.zeros(ctl::LEN)?,
+            coef: device.zeros(ctlk::COEF_LEN)?,
+            stats_acc: device.zeros(ctlk::STATS_ACC_LEN)?,
+            amaxes: device.upload(&flat(amaxes))?,
+            scales: device.upload(&flat(scales))?,
+            write: device.zeros(lp_len(3))?,
+            kernel_scales: device.zeros(lp_len(lp_slot::SCALES))?,
             total_slots: slot_base,
             rank,
             world_size,
@@ -243,14 +282,19 @@ impl ShardedAdam {
         self.decay_mode
     }
 
-    /// Adam's step count (successful steps).
-    pub fn step_count(&self) -> u64 {
-        self.step
+    fn counter(&self, k: usize) -> Result<u64, OptimError> {
+        let c = self.control.to_vec()?;
+        Ok(u64::from(c[k].to_bits()))
     }
 
-    /// Steps skipped for non-finite gradients.
-    pub fn skipped_steps(&self) -> u64 {
-        self.skipped
+    /// Adam's step count (successful steps). Reads the device (it waits for queued work).
+    pub fn step_count(&self) -> Result<u64, OptimError> {
+        self.counter(ctl::STEP)
+    }
+
+    /// Steps skipped for non-finite gradients. Reads the device (it waits for queued work).
+    pub fn skipped_steps(&self) -> Result<u64, OptimError> {
+        self.counter(ctl::SKIPPED)
     }
 
     /// Sets the base learning rate (what a schedule multiplies).
@@ -284,17 +328,26 @@ impl ShardedAdam {
         }
     }
 
-    /// Metas of every FP8 weight's states, in model-wide slot order.
-    pub fn state_metas(&self) -> Vec<StateMeta> {
+    fn host_triples(b: &Buffer<f32>) -> Result<Vec<[f32; 3]>, OptimError> {
+        Ok(b.to_vec()?
+            .chunks_exact(3)
+            .map(|c| [c[0], c[1], c[2]])
+            .collect())
+    }
+
+    /// Metas of every FP8 weight's states, in model-wide slot order (reads the device).
+    pub fn state_metas(&self) -> Result<Vec<StateMeta>, OptimError> {
         let params = self.units.iter().flat_map(|u| u.params.iter().copied());
-        params
-            .zip(self.amaxes.iter().zip(&self.scales))
+        let amaxes = Self::host_triples(&self.amaxes)?;
+        let scales = Self::host_triples(&self.scales)?;
+        Ok(params
+            .zip(amaxes.iter().zip(&scales))
             .map(|(param, (a, s))| StateMeta {
                 param,
                 scales: *s,
                 amaxes: *a,
             })
-            .collect()
+            .collect())
     }
 
     /// This rank's master values of unit `u`'s FP8 group as F32 (decoded from F16 for low-precision
@@ -308,9 +361,10 @@ impl ShardedAdam {
             Fp8States::F32 { master, .. } => Ok(master.to_vec()?),
             Fp8States::Low { master, .. } => {
                 let stored = master.to_vec()?;
+                let scales = Self::host_triples(&self.scales)?;
                 let mut out = vec![0f32; stored.len()];
                 for (i, r) in &unit.segments {
-                    let inv = 1.0 / self.scales[unit.slot_base + i][0];
+                    let inv = 1.0 / scales[unit.slot_base + i][0];
                     for k in r.clone() {
                         out[k] = stored[k].to_f32() * inv;
                     }
@@ -340,100 +394,83 @@ impl ShardedAdam {
         Ok(())
     }
 
-    /// One optimizer step on this rank's shards (collective: every rank calls it). The gradients are
-    /// consumed: the model's gradient shards are zeroed afterwards, also when the step is skipped.
-    pub fn step(&mut self, model: &mut ShardedModel) -> Result<StepReport, OptimError> {
+    /// One optimizer step on this rank's shards (collective: every rank calls it), queued on the model's
+    /// device without waiting for it: the skip decision, clipping, Adam's coefficients and the states'
+    /// scales are computed on the device, so a CUDA step never reads device memory back. The returned
+    /// [`PendingStepReport`] reads the step's report when asked ([`ShardedAdam::step_with_report`] does
+    /// so at once). The gradients are consumed: the model's gradient shards are zeroed afterwards, also
+    /// when the step is skipped.
+    ///
+    /// With FP8 gradient reduction the model counts non-finite values before its casts; that count is
+    /// read from the device here (the one host read left in a CUDA step, only in that mode).
+    pub fn step(&mut self, model: &mut ShardedModel) -> Result<PendingStepReport, OptimError> {
         self.check_model(model)?;
         let lr = self.current_lr();
         let low = self.options.state_precision == StatePrecision::LowPrecision;
         let (rank, ws, n) = (self.rank, self.world_size, self.total_slots);
+        let dev = self.device.clone();
 
         // 1. Local statistics and ONE all-reduce SUM: [non-finite count, sum of squares, per-rank rows of
         //    gradient amaxes (low precision only; zeros elsewhere, so the sum is the exact maximum)].
-        let mut sums = vec![0f32; 2 + if low { ws * n } else { 0 }];
-        let mut nonfinite = model.take_nonfinite_before_cast();
-        let mut sumsq = 0f64;
+        let mut sums = dev.zeros::<f32>(2 + if low { ws * n } else { 0 })?;
+        let before_cast = model.take_nonfinite_before_cast();
         for (u, st) in self.units.iter().enumerate() {
             let s = model.unit(u)?;
-            let g8 = s.grads[FP8].host("FsdpAdam step")?;
             for (i, r) in &st.segments {
-                let (sq, nf, amax) = state_scaling::grad_stats(&g8[r.clone()]);
-                sumsq += sq;
-                nonfinite += nf;
-                if low {
-                    sums[2 + rank * n + st.slot_base + i] = amax;
-                }
+                let amax = low.then_some((&mut sums, 2 + rank * n + st.slot_base + i));
+                grad_stats(&s.grads[FP8], r.clone(), &mut self.stats_acc, amax)?;
             }
-            let (sq, nf, _) = state_scaling::grad_stats(s.grads[PLAIN].host("FsdpAdam step")?);
-            sumsq += sq;
-            nonfinite += nf;
+            if st.plain_len > 0 {
+                grad_stats(&s.grads[PLAIN], 0..st.plain_len, &mut self.stats_acc, None)?;
+            }
         }
-        sums[0] = nonfinite as f32;
-        sums[1] = sumsq as f32;
-        model.comm().all_reduce_host_f32(&mut sums, ReduceOp::Sum)?;
-        let nonfinite_total = sums[0] as u64;
-        let grad_norm = (sums[1] as f64).sqrt();
-        if sums[0] != 0.0 || !grad_norm.is_finite() {
-            self.skipped += 1;
-            model.zero_grads()?;
-            return Ok(StepReport {
-                step: self.step,
-                skipped: true,
-                skipped_total: self.skipped,
-                nonfinite: nonfinite_total,
-                grad_norm,
-                clip_coef: 1.0,
-                lr,
-            });
-        }
+        let extra = u32::try_from(before_cast).unwrap_or(u32::MAX);
+        grad_stats_finish(&mut self.stats_acc, extra, &mut sums)?;
+        model
+            .comm()
+            .all_reduce_in_place((&mut sums).into(), ReduceOp::Sum)?;
 
-        // 2. Clipping folds into the kernel's gradient factor (torch.nn.utils.clip_grad_norm_'s formula).
-        let clip_coef = match self.options.max_grad_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        let t = self.step + 1;
-        let coef = self
-            .options
-            .kernel_config(lr, self.decay_mode)
-            .coefficients(t, clip_coef as f32)?;
-        let bound_params = BoundParams {
+        // 2. On the device: skip or go, clipping (torch.nn.utils.clip_grad_norm_'s formula) folded into
+        //    the gradient factor, the coefficients of step t + 1 and the states' write scales.
+        let params = StepControlParams {
+            lr,
             beta1: self.options.betas.0,
             beta2: self.options.betas.1,
             eps: self.options.eps,
-            step: t,
+            weight_decay: self.options.weight_decay,
+            max_grad_norm: self.options.max_grad_norm.unwrap_or(0.0),
+            maximize: i32::from(self.options.maximize),
+            decay_mode: StepControlParams::decay_code(self.decay_mode),
+            low: i32::from(low),
+            pad: 0,
+            slots: n as u64,
+            world_size: ws as u64,
         };
-        let grad_amax: Vec<f32> = if low {
-            (0..n)
-                .map(|i| (0..ws).fold(0f32, |a, r| a.max(sums[2 + r * n + i])))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let write: Vec<StateScales> = if low {
-            (0..n)
-                .map(|i| {
-                    state_scaling::write_scales(
-                        &coef,
-                        &bound_params,
-                        self.amaxes[i],
-                        grad_amax[i],
-                        self.scales[i],
-                    )
-                })
-                .collect()
-        } else {
-            self.scales.clone()
-        };
+        let mut report = dev.zeros::<f32>(ctl::LEN)?;
+        let slot_scales = low.then_some(SlotScales {
+            amaxes: &self.amaxes,
+            scales: &self.scales,
+            write: &mut self.write,
+            kernel_scales: &mut self.kernel_scales,
+        });
+        step_control(
+            &params,
+            &sums,
+            &mut self.control,
+            &mut self.coef,
+            slot_scales,
+            &mut report,
+        )?;
 
-        // 3. The fused update, per FP8 weight segment (each with its own scales), writing amaxes.
+        // 3. The fused update, per FP8 weight segment (each with its own scales), writing amaxes; every
+        //    kernel returns at once on a skipped step.
         let per_slot = if low { lp_slot::AMAXES } else { 1 };
-        let mut amax = self.device.zeros::<f32>(per_slot * n)?;
+        let mut amax = dev.zeros::<f32>(per_slot * n)?;
         for (u, st) in self.units.iter_mut().enumerate() {
             let s = model.unit_mut(u)?;
             if st.plain_len > 0 {
-                adam_step_f32(
-                    &coef,
+                adam_step_f32_ctl(
+                    &self.coef,
                     0..st.plain_len,
                     &mut s.plain,
                     &mut st.plain_m,
@@ -445,8 +482,8 @@ impl ShardedAdam {
             match &mut st.fp8 {
                 Fp8States::F32 { master, m, v } => {
                     for (i, r) in &st.segments {
-                        adam_step_f32(
-                            &coef,
+                        adam_step_f32_ctl(
+                            &self.coef,
                             r.clone(),
                             master,
                             m,
@@ -459,24 +496,15 @@ impl ShardedAdam {
                         )?;
                     }
                 }
-                Fp8States::Low {
-                    master,
-                    m,
-                    v,
-                    kernel_scales,
-                } => {
-                    let count = st.params.len();
-                    let old = &self.scales[st.slot_base..st.slot_base + count];
-                    let new = &write[st.slot_base..st.slot_base + count];
-                    kernel_scales.copy_from_host(&kernel_scale_table(old, new))?;
+                Fp8States::Low { master, m, v } => {
                     for (i, r) in &st.segments {
-                        adam_step_low_precision(
-                            &coef,
+                        adam_step_low_precision_ctl(
+                            &self.coef,
                             r.clone(),
                             LowPrecisionAdamState { master, m, v },
                             &s.grads[FP8],
-                            kernel_scales,
-                            lp_slot::SCALES * i,
+                            &self.kernel_scales,
+                            lp_slot::SCALES * (st.slot_base + i),
                             AmaxSlots {
                                 buffer: &mut amax,
                                 base: lp_slot::AMAXES * (st.slot_base + i),
@@ -488,53 +516,60 @@ impl ShardedAdam {
         }
 
         // 4. ONE all-reduce(MAX) of every amax: new weights' (for the FP8 casts) and, for low-precision
-        //    states, the moments' (for the next step's write scales).
+        //    states, the moments' (for the next step's write scales). Then agreed metas and new weights.
         if n > 0 {
             model
                 .comm()
                 .all_reduce_in_place((&mut amax).into(), ReduceOp::Max)?;
         }
-        let agreed = amax.to_vec()?;
-        if low {
-            self.scales = write;
-            for (i, a) in self.amaxes.iter_mut().enumerate() {
-                a.copy_from_slice(&agreed[3 * i..3 * i + 3]);
+        let mut weight_amax = dev.zeros::<f32>(n)?;
+        step_finish(
+            &self.coef,
+            &amax,
+            per_slot,
+            &mut self.amaxes,
+            &mut self.scales,
+            low.then_some(&self.write),
+            &mut weight_amax,
+        )?;
+        let mut sources = Vec::with_capacity(self.units.len());
+        for (u, st) in self.units.iter().enumerate() {
+            let s = model.unit(u)?;
+            let mut out = dev.zeros::<f32>(st.fp8_len)?;
+            for (i, r) in &st.segments {
+                let source = match &st.fp8 {
+                    Fp8States::F32 { master, .. } => MasterSource::F32(master),
+                    Fp8States::Low { master, .. } => MasterSource::F16 {
+                        master,
+                        scales: &self.scales,
+                        slot: st.slot_base + i,
+                    },
+                };
+                apply_source(
+                    &self.coef,
+                    &mut out,
+                    r.clone(),
+                    &s.fp8,
+                    &s.weight_scales,
+                    *i,
+                    source,
+                )?;
             }
-            let weight_amax: Vec<f32> = self.amaxes.iter().map(|a| a[0]).collect();
-            let weight_amax = self.device.upload(&weight_amax)?;
-            let masters = (0..self.units.len())
-                .map(|u| {
-                    self.fp8_master_shard(u)
-                        .and_then(|m| Ok(self.device.upload(&m)?))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let refs: Vec<&Buffer<f32>> = masters.iter().collect();
-            model.apply_fp8_weights(&refs, &weight_amax)?;
-        } else {
-            for (a, g) in self.amaxes.iter_mut().zip(&agreed) {
-                *a = [*g, 0.0, 0.0];
-            }
-            let refs: Vec<&Buffer<f32>> = self
-                .units
-                .iter()
-                .map(|st| match &st.fp8 {
-                    Fp8States::F32 { master, .. } => Ok(master),
-                    Fp8States::Low { .. } => Err(mismatch("mixed state precisions".into())),
-                })
-                .collect::<Result<_, _>>()?;
-            model.apply_fp8_weights(&refs, &amax)?;
+            sources.push(out);
         }
-        self.step = t;
+        let refs: Vec<&Buffer<f32>> = sources.iter().collect();
+        model.apply_fp8_weights(&refs, &weight_amax)?;
         model.zero_grads()?;
-        Ok(StepReport {
-            step: t,
-            skipped: false,
-            skipped_total: self.skipped,
-            nonfinite: 0,
-            grad_norm,
-            clip_coef,
+        Ok(PendingStepReport {
+            report,
             lr,
+            max_grad_norm: self.options.max_grad_norm,
         })
+    }
+
+    /// [`ShardedAdam::step`], then reads its report (on CUDA this waits for the step).
+    pub fn step_with_report(&mut self, model: &mut ShardedModel) -> Result<StepReport, OptimError> {
+        self.step(model)?.read()
     }
 
     /// The model's memory report with this optimizer's states added.
@@ -551,21 +586,6 @@ impl ShardedAdam {
         let share = model.layout().numel() as f64 / self.world_size as f64;
         Ok(r.model_state() as f64 / share.max(1.0))
     }
-}
-
-/// The kernel's six scales per slot: read with the old scales' inverses, write with the new scales.
-fn kernel_scale_table(old: &[StateScales], new: &[StateScales]) -> Vec<f32> {
-    let mut t = vec![0f32; old.len() * lp_slot::SCALES];
-    for (i, (o, w)) in old.iter().zip(new).enumerate() {
-        let b = i * lp_slot::SCALES;
-        t[b + lp_slot::MASTER_SCALE_INV] = 1.0 / o[0];
-        t[b + lp_slot::MASTER_SCALE] = w[0];
-        t[b + lp_slot::M_SCALE_INV] = 1.0 / o[1];
-        t[b + lp_slot::M_SCALE] = w[1];
-        t[b + lp_slot::V_SCALE_INV] = 1.0 / o[2];
-        t[b + lp_slot::V_SCALE] = w[2];
-    }
-    t
 }
 
 fn le_bytes<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
@@ -635,9 +655,10 @@ fn decode_f32_list(s: &str) -> Result<Vec<f32>, ShardError> {
 impl ShardedState for ShardedAdam {
     fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
         let mut out = Vec::new();
+        let all_scales = Self::host_triples(&self.scales)?;
         for (u, st) in self.units.iter().enumerate() {
             if !st.params.is_empty() {
-                let scales = &self.scales[st.slot_base..st.slot_base + st.params.len()];
+                let scales = &all_scales[st.slot_base..st.slot_base + st.params.len()];
                 let col = |k: usize| scales.iter().map(|s| s[k]).collect::<Vec<f32>>();
                 let g = ParamGroup::Fp8;
                 match &st.fp8 {
@@ -706,7 +727,7 @@ impl ShardedState for ShardedAdam {
                 expected.len()
             )));
         }
-        let mut new_scales = self.scales.clone();
+        let mut new_scales = Self::host_triples(&self.scales)?;
         for sh in shards {
             let key = |s: &StateShard| (s.name.clone(), s.unit, s.group);
             let want = expected
@@ -789,7 +810,8 @@ impl ShardedState for ShardedAdam {
                 }
             }
         }
-        self.scales = new_scales;
+        self.scales
+            .copy_from_host(&new_scales.into_iter().flatten().collect::<Vec<f32>>())?;
         Ok(())
     }
 
@@ -801,27 +823,41 @@ impl ShardedState for ShardedAdam {
                     Fp8States::F32 { master, m, v } => {
                         master.num_bytes() + m.num_bytes() + v.num_bytes()
                     }
-                    Fp8States::Low {
-                        master,
-                        m,
-                        v,
-                        kernel_scales,
-                    } => {
-                        master.num_bytes()
-                            + m.num_bytes()
-                            + v.num_bytes()
-                            + kernel_scales.num_bytes()
+                    Fp8States::Low { master, m, v } => {
+                        master.num_bytes() + m.num_bytes() + v.num_bytes()
                     }
                 };
                 fp8 + st.plain_m.num_bytes() + st.plain_v.num_bytes()
             })
-            .sum()
+            .sum::<usize>()
+            + [
+                &self.control,
+                &self.coef,
+                &self.stats_acc,
+                &self.amaxes,
+                &self.scales,
+                &self.write,
+                &self.kernel_scales,
+            ]
+            .iter()
+            .map(|b| b.num_bytes())
+            .sum::<usize>()
     }
 
     fn scalar_state(&self) -> Vec<(String, String)> {
-        let mut v = vec![
-            ("step".to_string(), self.step.to_string()),
-            ("skipped".to_string(), self.skipped.to_string()),
+        // Reads the device; a failed read leaves the values out, so loading such a checkpoint fails with
+        // a clear "no step" / "amaxes" error instead of resuming from wrong counters.
+        let control = self.control.to_vec().unwrap_or_default();
+        let counter = |k: usize| control.get(k).map(|c| c.to_bits().to_string());
+        let amaxes = self.amaxes.to_vec().unwrap_or_default();
+        let mut v: Vec<(String, String)> = [
+            ("step", counter(ctl::STEP)),
+            ("skipped", counter(ctl::SKIPPED)),
+        ]
+        .into_iter()
+        .filter_map(|(k, c)| c.map(|c| (k.to_string(), c)))
+        .collect();
+        v.extend([
             ("base_lr".to_string(), format!("{:e}", self.options.lr)),
             (
                 "schedule_position".to_string(),
@@ -839,9 +875,9 @@ impl ShardedState for ShardedAdam {
             ),
             (
                 "amaxes".to_string(),
-                encode_f32_list(self.amaxes.iter().flatten().copied()),
+                encode_f32_list(amaxes.iter().copied()),
             ),
-        ];
+        ]);
         v.sort();
         v
     }
@@ -888,19 +924,18 @@ impl ShardedState for ShardedAdam {
             .parse()
             .map_err(|e| ShardError::Checkpoint(format!("optimizer base_lr: {e}")))?;
         self.set_lr(lr).map_err(ShardError::from)?;
-        self.step = parse_u64("step")?;
-        self.skipped = parse_u64("skipped")?;
+        let as_u32 = |k: &str| -> Result<u32, ShardError> {
+            u32::try_from(parse_u64(k)?)
+                .map_err(|e| ShardError::Checkpoint(format!("optimizer {k}: {e}")))
+        };
+        let mut control = vec![0f32; ctl::LEN];
+        control[ctl::STEP] = f32::from_bits(as_u32("step")?);
+        control[ctl::SKIPPED] = f32::from_bits(as_u32("skipped")?);
+        self.control.copy_from_host(&control)?;
         self.schedule_position = parse_u64("schedule_position")?;
-        for (a, c) in self.amaxes.iter_mut().zip(amaxes.chunks_exact(3)) {
-            a.copy_from_slice(c);
-        }
-        // The stored states belong to the imported scales: the next step reads with their inverses.
-        for st in &mut self.units {
-            if let Fp8States::Low { kernel_scales, .. } = &mut st.fp8 {
-                let s = &self.scales[st.slot_base..st.slot_base + st.params.len()];
-                kernel_scales.copy_from_host(&kernel_scale_table(s, s))?;
-            }
-        }
+        self.amaxes.copy_from_host(&amaxes)?;
+        // The stored states belong to the imported scales: the next step's control kernel reads them
+        // (they arrive through import_state).
         Ok(())
     }
 }

@@ -17,24 +17,10 @@
 //! moment 0 (the bound is tight), F16 second moment 1, F16 master 4 bits (F16 has 40 binades; the master
 //! bound is the least rigorous). A value above its bound would saturate, never become infinite.
 
-use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::adam::AdamCoefficients;
+use fp8_kernels::optim_step;
 
-/// Largest finite F16.
-pub const F16_MAX: f32 = 65504.0;
-/// Margin (binades of headroom) of the F16 master's scale.
-pub const MASTER_MARGIN: i32 = 4;
-/// Margin of the E4M3 first moment's scale.
-pub const M_MARGIN: i32 = 0;
-/// Margin of the F16 second moment's scale.
-pub const V_MARGIN: i32 = 1;
-
-/// Relative growth a decoded stored value may have over the amax it was stored from (round to nearest:
-/// half an ulp; E4M3 has 3 mantissa bits, F16 10).
-const E4M3_ROUNDING: f64 = 1.0 / 16.0;
-const F16_ROUNDING: f64 = 1.0 / 2048.0;
-/// Slack for the f32 rounding of the update itself.
-const ARITHMETIC_SLACK: f64 = 1.01;
+pub use fp8_kernels::optim_step::{F16_MAX, MASTER_MARGIN, M_MARGIN, V_MARGIN};
 
 /// Agreed amaxes of one FP8 weight's states: master, first moment, second moment.
 pub type StateAmaxes = [f32; 3];
@@ -54,57 +40,21 @@ pub struct BoundParams {
     pub step: u64,
 }
 
-/// Upper bound of `|m_t| / sqrt(v_t)` times `sqrt(1 - beta2^t)` for exact Adam (Cauchy-Schwarz), or
-/// infinity when it does not exist (`beta1^2 >= beta2`... grows with t; `beta2 = 0`).
-fn update_ratio_bound(p: &BoundParams) -> f64 {
-    if p.beta2 <= 0.0 {
-        return f64::INFINITY;
-    }
-    let gamma = p.beta1 * p.beta1 / p.beta2;
-    let t = p.step.min(i32::MAX as u64) as i32;
-    let sum = if (gamma - 1.0).abs() < 1e-12 {
-        t as f64
-    } else {
-        (1.0 - gamma.powi(t)) / (1.0 - gamma)
-    };
-    let bc2_sqrt = (1.0 - p.beta2.powi(t)).sqrt();
-    bc2_sqrt * (1.0 - p.beta1) / (1.0 - p.beta2).sqrt() * sum.max(0.0).sqrt()
-}
-
-/// Upper bounds of the new master, first and second moment of one weight after this step.
+/// Upper bounds of the new master, first and second moment of one weight after this step (the rule
+/// of `fp8_kernels::optim_step::state_bounds`, which the device-side step control runs).
 pub fn state_bounds(
     c: &AdamCoefficients,
     p: &BoundParams,
     prev: StateAmaxes,
     grad_amax: f32,
 ) -> [f64; 3] {
-    let aw = prev[0] as f64 * (1.0 + F16_ROUNDING);
-    let am = prev[1] as f64 * (1.0 + E4M3_ROUNDING);
-    let av = prev[2] as f64 * (1.0 + F16_ROUNDING);
-    let mut g = grad_amax as f64 * (c.grad_scale as f64).abs();
-    if c.l2 != 0 {
-        g += c.weight_decay as f64 * aw;
-    }
-    let bm = p.beta1 * am + (1.0 - p.beta1) * g;
-    let bv = p.beta2 * av + (1.0 - p.beta2) * g * g;
-    let ratio = (bm / p.eps).min(2.0 * update_ratio_bound(p));
-    let decay = if c.decoupled != 0 {
-        (c.decay as f64).abs().max(1.0)
-    } else {
-        1.0
-    };
-    let bw = aw * decay + (c.step_size as f64).abs() * ratio;
-    [bw, bm, bv].map(|b| b * ARITHMETIC_SLACK)
+    let t = p.step.min(i32::MAX as u64) as i32;
+    let ratio = optim_step::update_ratio_bound(p.beta1, p.beta2, t);
+    optim_step::state_bounds(c, p.beta1, p.beta2, p.eps, ratio, prev, grad_amax)
 }
 
 fn scale_from_bound(bound: f64, fmax: f32, margin: i32, previous: f32) -> f32 {
-    // A bound beyond f32 still deserves the smallest scale, not "keep the previous one".
-    let b = if bound.is_nan() {
-        0.0
-    } else {
-        bound.min(f32::MAX as f64) as f32
-    };
-    compute_scale(b, fmax, margin, ScaleRounding::PowerOfTwo, previous)
+    optim_step::scale_from_bound(bound, fmax, margin, previous)
 }
 
 /// Write scales of master (F16), first moment (E4M3) and second moment (F16) for this step. A zero bound
@@ -116,12 +66,7 @@ pub fn write_scales(
     grad_amax: f32,
     prev_scales: StateScales,
 ) -> StateScales {
-    let b = state_bounds(c, p, prev_amax, grad_amax);
-    [
-        scale_from_bound(b[0], F16_MAX, MASTER_MARGIN, prev_scales[0]),
-        scale_from_bound(b[1], Fp8Format::E4M3.max(), M_MARGIN, prev_scales[1]),
-        scale_from_bound(b[2], F16_MAX, V_MARGIN, prev_scales[2]),
-    ]
+    optim_step::state_write_scales(state_bounds(c, p, prev_amax, grad_amax), prev_scales)
 }
 
 /// The F16 master's initial scale for initial values whose amax is at most `amax_bound`.

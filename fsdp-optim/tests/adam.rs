@@ -203,7 +203,7 @@ fn a_skipped_step_leaves_everything_untouched() {
         if model.comm().rank() == 0 {
             model.unit_mut(0)?.grads[0].copy_from_host(&g)?;
         }
-        let rep = opt.step(&mut model)?;
+        let rep = opt.step_with_report(&mut model)?;
         let after = (opt.export_state()?, collect(&model, &opt)?);
         let grads_zeroed = model.unit(0)?.grads[0].to_vec()?.iter().all(|x| *x == 0.0);
         Ok::<_, OptimError>((before == after, rep.skipped, grads_zeroed))
@@ -357,7 +357,7 @@ fn schedule_sets_the_learning_rate() {
         let mut lrs = Vec::new();
         for t in 0..3 {
             set_grads(&mut model, &p.grads[t])?;
-            lrs.push(opt.step(&mut model)?.lr);
+            lrs.push(opt.step_with_report(&mut model)?.lr);
             opt.advance_schedule();
         }
         Ok::<_, OptimError>(lrs)

@@ -136,7 +136,7 @@ pub fn collect(model: &ShardedModel, opt: &ShardedAdam) -> Result<RankResult, Op
     }
     Ok(RankResult {
         shards,
-        metas: opt.state_metas(),
+        metas: opt.state_metas()?,
         reports: Vec::new(),
     })
 }
@@ -196,7 +196,7 @@ pub fn run_with(
         for t in 0..steps {
             set_grads(&mut model, &problem.grads[t])?;
             poison(t, rank, &mut model);
-            reports.push(opt.step(&mut model)?);
+            reports.push(opt.step_with_report(&mut model)?);
         }
         let mut r = collect(&model, &opt)?;
         r.reports = reports;

@@ -1,0 +1,255 @@
+// Device-side control of a sharded Adam step (see src/optim_step.rs for the exact definitions).
+//
+// Compiled after common.cuh and adam.cu (it reuses AdamCoef, adam_f32_impl and adam_lp_impl). The
+// control kernel works in f64 with explicitly rounded operations (__dadd_rn, __dmul_rn, __ddiv_rn,
+// __dsqrt_rn; powers by squaring) in the order of the CPU implementation, so both devices derive the same
+// coefficients and state scales bit for bit. Standalone (common.cuh only) the file compiles to nothing.
+#ifdef F16_MAX
+
+// Word offsets of the control buffer (mirrors optim_step::ctl).
+#define CTL_STEP 0
+#define CTL_SKIPPED 1
+#define CTL_LAST_SKIPPED 2
+#define CTL_LAST_NONFINITE 3
+#define CTL_LAST_SUMSQ 4
+#define CTL_LEN 8
+// Word of the coefficient buffer holding the skip flag (after the 14 words of AdamCoef).
+#define COEF_SKIP 14
+
+// Mirrors optim_step::StepControlParams (#[repr(C)]).
+struct StepParams {
+    double lr, beta1, beta2, eps, weight_decay, max_grad_norm;
+    int maximize, decay_mode, low, pad;
+    u64 slots, world_size;
+};
+
+__device__ __forceinline__ double powi_sq(double a, int b) {
+    double r = 1.0;
+    while (true) {
+        if (b & 1) r = __dmul_rn(r, a);
+        b >>= 1;
+        if (b == 0) break;
+        a = __dmul_rn(a, a);
+    }
+    return r;
+}
+
+// ---- gradient statistics: acc = [f64 sum of squares (2 words), u32 non-finite count], amax ----
+extern "C" __global__ void grad_stats_f32(const float* g, u64 off, u64 n, float* acc, float* amax, u64 slot,
+                                          int with_amax) {
+    double sq = 0.0;
+    u32 nf = 0;
+    int am = 0;
+    for (u64 i = global_thread(); i < n; i += grid_threads()) {
+        const float x = g[off + i];
+        if (isfinite(x)) {
+            sq = __dadd_rn(sq, __dmul_rn((double)x, (double)x));
+            am = imax(am, abs_bits_no_nan(x));
+        } else {
+            nf += 1;
+        }
+    }
+    __shared__ double wsq[32];
+    __shared__ u32 wnf[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_down_sync(0xFFFFFFFFu, sq, o);
+        nf += __shfl_down_sync(0xFFFFFFFFu, nf, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        wsq[warp] = sq;
+        wnf[warp] = nf;
+    }
+    block_amax_commit(am, with_amax ? amax + slot : nullptr);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        u32 c = 0;
+        for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) {
+            s += wsq[w];
+            c += wnf[w];
+        }
+        atomicAdd(reinterpret_cast<double*>(acc), s);
+        atomicAdd(reinterpret_cast<u32*>(acc + 2), c);
+    }
+}
+
+// sums[0] = non-finite count (+ extra), sums[1] = sum of squares as f32; the accumulator is cleared.
+extern "C" __global__ void grad_stats_finish(float* acc, u32 extra_nonfinite, float* sums) {
+    if (global_thread() != 0) return;
+    const double sq = *reinterpret_cast<double*>(acc);
+    const u32 nf = *reinterpret_cast<u32*>(acc + 2) + extra_nonfinite;
+    sums[0] = (float)nf;
+    sums[1] = __double2float_rn(sq);
+    acc[0] = 0.0f;
+    acc[1] = 0.0f;
+    acc[2] = 0.0f;
+    acc[3] = 0.0f;
+}
+
+// ---- the bound rule of the state scales (optim_step::state_bounds) ----
+__device__ double update_ratio_bound(const StepParams& p, int t) {
+    if (p.beta2 <= 0.0) return __longlong_as_double(0x7FF0000000000000LL);
+    const double gamma = __ddiv_rn(__dmul_rn(p.beta1, p.beta1), p.beta2);
+    double sum;
+    if (fabs(__dadd_rn(gamma, -1.0)) < 1e-12) {
+        sum = (double)t;
+    } else {
+        sum = __ddiv_rn(__dadd_rn(1.0, -powi_sq(gamma, t)), __dadd_rn(1.0, -gamma));
+    }
+    const double bc2_sqrt = __dsqrt_rn(__dadd_rn(1.0, -powi_sq(p.beta2, t)));
+    const double a = __ddiv_rn(__dmul_rn(bc2_sqrt, __dadd_rn(1.0, -p.beta1)), __dsqrt_rn(__dadd_rn(1.0, -p.beta2)));
+    return __dmul_rn(a, __dsqrt_rn(fmax(sum, 0.0)));
+}
+
+__device__ float scale_from_bound(double bound, float fmax_, int margin, float previous) {
+    const double b = isnan(bound) ? 0.0 : fmin(bound, (double)3.40282346638528859812e+38);
+    return compute_scale_dev(__double2float_rn(b), fmax_, margin, 0, previous);
+}
+
+// ---- step control: skip decision, clipping, coefficients, write scales (one block) ----
+extern "C" __global__ void step_control(StepParams p, const float* sums, float* ctl, float* coef_out,
+                                        const float* amaxes, const float* scales, float* write,
+                                        float* kernel_scales, float* report) {
+    const float nonfinite = sums[0];
+    const float sumsq = sums[1];
+    const double norm = __dsqrt_rn((double)sumsq);
+    const bool skip = nonfinite != 0.0f || !isfinite(norm);
+    const u32 step = __float_as_uint(ctl[CTL_STEP]);
+    const u32 skipped = __float_as_uint(ctl[CTL_SKIPPED]);
+    if (skip) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            ctl[CTL_SKIPPED] = __uint_as_float(skipped + 1);
+            ctl[CTL_LAST_SKIPPED] = 1.0f;
+            ctl[CTL_LAST_NONFINITE] = nonfinite;
+            ctl[CTL_LAST_SUMSQ] = sumsq;
+            coef_out[COEF_SKIP] = 1.0f;
+            for (int k = 0; k < CTL_LEN; ++k) report[k] = ctl[k];
+        }
+        return;
+    }
+    double clip = 1.0;
+    if (p.max_grad_norm > 0.0) clip = fmin(__ddiv_rn(p.max_grad_norm, __dadd_rn(norm, 1e-6)), 1.0);
+    const u32 t_u = step + 1;
+    const int t = (int)(t_u > 0x7FFFFFFFu ? 0x7FFFFFFFu : t_u);
+    AdamCoef c;
+    const double bc1 = __dadd_rn(1.0, -powi_sq(p.beta1, t));
+    const double bc2 = __dadd_rn(1.0, -powi_sq(p.beta2, t));
+    const bool wd = p.weight_decay != 0.0;
+    c.beta1 = __double2float_rn(p.beta1);
+    c.one_minus_beta1 = __double2float_rn(__dadd_rn(1.0, -p.beta1));
+    c.beta2 = __double2float_rn(p.beta2);
+    c.one_minus_beta2 = __double2float_rn(__dadd_rn(1.0, -p.beta2));
+    c.step_size = __double2float_rn(__ddiv_rn(p.lr, bc1));
+    c.bc2_sqrt = __double2float_rn(__dsqrt_rn(bc2));
+    c.eps = __double2float_rn(p.eps);
+    c.weight_decay = __double2float_rn(p.weight_decay);
+    c.decay = __double2float_rn(__dadd_rn(1.0, -__dmul_rn(p.lr, p.weight_decay)));
+    c.grad_scale = __double2float_rn(clip);
+    c.maximize = p.maximize;
+    c.l2 = (wd && p.decay_mode == 1) ? 1 : 0;
+    c.decoupled = (wd && p.decay_mode == 2) ? 1 : 0;
+    c.pad = 0;
+    if (p.low) {
+        const double ub = update_ratio_bound(p, t);
+        for (u64 i = threadIdx.x; i < p.slots; i += blockDim.x) {
+            float gmax = 0.0f;
+            for (u64 r = 0; r < p.world_size; ++r) gmax = fmaxf(gmax, sums[2 + r * p.slots + i]);
+            const double aw = __dmul_rn((double)amaxes[3 * i + 0], 1.0 + 1.0 / 2048.0);
+            const double am = __dmul_rn((double)amaxes[3 * i + 1], 1.0 + 1.0 / 16.0);
+            const double av = __dmul_rn((double)amaxes[3 * i + 2], 1.0 + 1.0 / 2048.0);
+            double g = __dmul_rn((double)gmax, fabs((double)c.grad_scale));
+            if (c.l2) g = __dadd_rn(g, __dmul_rn((double)c.weight_decay, aw));
+            const double bm = __dadd_rn(__dmul_rn(p.beta1, am), __dmul_rn(__dadd_rn(1.0, -p.beta1), g));
+            const double bv =
+                __dadd_rn(__dmul_rn(p.beta2, av), __dmul_rn(__dmul_rn(__dadd_rn(1.0, -p.beta2), g), g));
+            const double ratio = fmin(__ddiv_rn(bm, p.eps), __dmul_rn(2.0, ub));
+            const double decay = c.decoupled ? fmax(fabs((double)c.decay), 1.0) : 1.0;
+            const double bw = __dadd_rn(__dmul_rn(aw, decay), __dmul_rn(fabs((double)c.step_size), ratio));
+            const float sw = scale_from_bound(__dmul_rn(bw, 1.01), F16_MAX, 4, scales[3 * i + 0]);
+            const float sm = scale_from_bound(__dmul_rn(bm, 1.01), 448.0f, 0, scales[3 * i + 1]);
+            const float sv = scale_from_bound(__dmul_rn(bv, 1.01), F16_MAX, 1, scales[3 * i + 2]);
+            write[3 * i + 0] = sw;
+            write[3 * i + 1] = sm;
+            write[3 * i + 2] = sv;
+            float* k = kernel_scales + 6 * i;
+            k[0] = div_rn(1.0f, scales[3 * i + 0]);
+            k[1] = sw;
+            k[2] = div_rn(1.0f, scales[3 * i + 1]);
+            k[3] = sm;
+            k[4] = div_rn(1.0f, scales[3 * i + 2]);
+            k[5] = sv;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const float* cw = reinterpret_cast<const float*>(&c);
+        for (int k = 0; k < 14; ++k) coef_out[k] = cw[k];
+        coef_out[COEF_SKIP] = 0.0f;
+        ctl[CTL_STEP] = __uint_as_float(t_u);
+        ctl[CTL_LAST_SKIPPED] = 0.0f;
+        ctl[CTL_LAST_NONFINITE] = nonfinite;
+        ctl[CTL_LAST_SUMSQ] = sumsq;
+        for (int k = 0; k < CTL_LEN; ++k) report[k] = ctl[k];
+    }
+}
+
+// ---- Adam with coefficients (and the skip flag) read from the device ----
+extern "C" __global__ void adam_f32_ctl_g_f32(float* master, float* m, float* v, const float* grad, u64 offset,
+                                              u64 n, const float* coef, float* amax, u64 slot) {
+    if (coef[COEF_SKIP] != 0.0f) return;
+    const AdamCoef c = *reinterpret_cast<const AdamCoef*>(coef);
+    adam_f32_impl<TF32>(master, m, v, grad, offset, n, c, amax, slot);
+}
+extern "C" __global__ void adam_lp_ctl_g_f32(u16* master, u8* m, u16* v, const float* grad, u64 offset, u64 n,
+                                             const float* coef, const float* scales, u64 sbase, float* amax,
+                                             u64 abase) {
+    if (coef[COEF_SKIP] != 0.0f) return;
+    const AdamCoef c = *reinterpret_cast<const AdamCoef*>(coef);
+    adam_lp_impl<TF32>(master, m, v, grad, offset, n, c, scales, sbase, amax, abase);
+}
+
+// ---- after the MAX all-reduce: agreed amaxes, new scales, the weights' amax vector ----
+extern "C" __global__ void step_finish(const float* coef, const float* agreed, u64 per_slot, u64 slots,
+                                       float* amaxes, float* scales, const float* write, float* weight_amax) {
+    const bool skip = coef[COEF_SKIP] != 0.0f;
+    for (u64 i = global_thread(); i < slots; i += grid_threads()) {
+        if (skip) {
+            // Zero keeps every weight's scale in apply_fp8_weights.
+            weight_amax[i] = 0.0f;
+            continue;
+        }
+        for (u64 k = 0; k < 3; ++k) amaxes[3 * i + k] = k < per_slot ? agreed[per_slot * i + k] : 0.0f;
+        if (write != nullptr)
+            for (u64 k = 0; k < 3; ++k) scales[3 * i + k] = write[3 * i + k];
+        weight_amax[i] = agreed[per_slot * i];
+    }
+}
+
+// ---- the F32 values the FP8 weights are cast from, over out[off..off+n) ----
+// Skipped: the current FP8 weight decoded (its cast with the kept scale gives the same codes back).
+// Otherwise the F32 master (f16_master == null) or the F16 master times 1 / its scale.
+extern "C" __global__ void apply_source(const float* coef, float* out, u64 off, u64 n, const u8* fp8,
+                                        const float* weight_scales, u64 wslot, const float* master32,
+                                        const u16* master16, const float* state_scales, u64 gslot) {
+    const bool skip = coef[COEF_SKIP] != 0.0f;
+    const float wsi = weight_scales[2 * wslot + 1];
+    const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
+    for (u64 j = global_thread(); j < n; j += grid_threads()) {
+        const u64 i = off + j;
+        float x;
+        if (skip) {
+            float lo, hi;
+            fp8x2_decode<FP8_E4M3>((u16)fp8[i], lo, hi);
+            x = mul_rn(lo, wsi);
+        } else if (master16 != nullptr) {
+            x = mul_rn(f16_to_f32(master16[i]), msi);
+        } else {
+            x = master32[i];
+        }
+        out[i] = x;
+    }
+}
+
+#endif
