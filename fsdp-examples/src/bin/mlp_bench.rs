@@ -9,6 +9,7 @@ use clap::{Parser, ValueEnum};
 use fp8_core::Fp8Format;
 use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
+use fsdp_examples::mlp::profile::Phase;
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError, OptimizerChoice};
 use fsdp_shard::GradReduction;
 use std::process::ExitCode;
@@ -83,6 +84,10 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
+    /// Time each phase of the timed steps with CUDA events (wall time on the CPU) and print a per-phase
+    /// table; the events add a little time to the step.
+    #[arg(long)]
+    profile: bool,
 }
 
 struct Outcome {
@@ -125,6 +130,9 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     device.synchronize()?;
     if let Device::Cuda(c) = &device {
         c.reset_pool_high_water()?;
+    }
+    if args.profile {
+        bench.enable_profile();
     }
     let mut times = Vec::with_capacity(args.steps);
     for _ in 0..args.steps {
@@ -220,6 +228,26 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         );
     }
     println!("| final loss | {:.6} |", o.loss);
+    let profile = o.bench.profile();
+    if !profile.is_empty() {
+        let total: f64 = profile
+            .iter()
+            .filter(|(p, _)| *p != Phase::Gather)
+            .map(|(_, s)| s)
+            .sum();
+        println!();
+        println!("| phase (mean per step) | ms | share of compute stream |");
+        println!("| --- | --- | --- |");
+        for (p, secs) in &profile {
+            let share = if *p == Phase::Gather {
+                "(overlapped)".to_string()
+            } else {
+                format!("{:.1} %", 100.0 * secs / total.max(f64::MIN_POSITIVE))
+            };
+            println!("| {} | {:.2} | {share} |", p.name(), secs * 1e3);
+        }
+        println!("| sum (compute stream) | {:.2} | |", total * 1e3);
+    }
     let json = serde_json::json!({
         "bench": "mlp_bench",
         "mode": cfg.mode.name(),
@@ -244,6 +272,10 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "peak_GiB": o.peak_pool.map(|p| gib(p as f64)),
         "device_used_GiB": device_used.map(|u| gib(u as f64)),
         "loss": o.loss,
+        "profile_ms": profile
+            .iter()
+            .map(|(p, s)| (p.name().to_string(), serde_json::json!(s * 1e3)))
+            .collect::<serde_json::Map<_, _>>(),
     });
     println!("{json}");
     Ok(())

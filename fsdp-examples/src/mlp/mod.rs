@@ -18,8 +18,10 @@
 //! communication stream while the current unit computes.
 
 mod adamw;
+pub mod profile;
 
 use crate::mlp::adamw::LocalAdamW;
+use crate::mlp::profile::{Phase, Profiler};
 use fp8_kernels::ops::{add, axpy, gelu_backward, gelu_forward, scale, GeluApprox};
 use fp8_kernels::{
     convert, Buffer, CpuParallelism, Device, DeviceScalar, FloatLinear, Fp8Linear, Fp8LinearConfig,
@@ -131,7 +133,8 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
 struct BlockBuffers {
     /// Pre-activation `u = h W_up^T` `[T, 4d]` (kept for the GELU backward unless recomputing).
     u: Buffer<bf16>,
-    /// FP8 mode: what the two linears keep for their backward.
+    /// FP8 mode without recompute: what the two linears keep for their backward (allocated once,
+    /// rewritten by every forward).
     saved: Option<(Fp8LinearSaved, Fp8LinearSaved)>,
     /// The two FP8 linear ops (their delayed-scaling metas), `fp8` mode.
     linears: Option<(Fp8Linear, Fp8Linear)>,
@@ -151,6 +154,14 @@ struct Shared {
     dw_down: Buffer<f32>,
     /// Pre-activation of the block being recomputed (`fp8` mode with recompute).
     u_recompute: Option<Buffer<bf16>>,
+    /// FP8 mode with recompute: the one saved pair (the recomputed block's).
+    saved_recompute: Option<(Fp8LinearSaved, Fp8LinearSaved)>,
+    /// FP8 scratch of the linears (E4M3/E5M2 codes and their transposes), `[T, d]` and `[T, 4d]`:
+    /// allocated once so no linear allocates per call.
+    q_d: Buffer<u8>,
+    qt_d: Buffer<u8>,
+    q_4d: Buffer<u8>,
+    qt_4d: Buffer<u8>,
     /// BF16 copies of the gathered weights, `bf16` mode.
     w_up16: Option<Buffer<bf16>>,
     w_down16: Option<Buffer<bf16>>,
@@ -170,6 +181,7 @@ pub struct MlpBench {
     float_up: FloatLinear,
     float_down: FloatLinear,
     step: u64,
+    profiler: Option<Profiler>,
 }
 
 enum Optimizer {
@@ -187,6 +199,10 @@ impl MlpBench {
             ));
         }
         let device = comm.device().clone();
+        if let Device::Cuda(c) = &device {
+            // Keep freed pool memory cached between steps instead of unmapping it at every sync.
+            c.set_pool_release_threshold(u64::MAX)?;
+        }
         let kind = match config.mode {
             BenchMode::Bf16 => ParamKind::Plain,
             BenchMode::Fp8 => ParamKind::Fp8Weight,
@@ -261,17 +277,37 @@ impl MlpBench {
                 }
                 BenchMode::Bf16 => None,
             };
-            let keep_u = !(config.recompute && config.mode == BenchMode::Fp8);
+            let recompute = config.recompute && config.mode == BenchMode::Fp8;
+            let saved = if config.mode == BenchMode::Fp8 && !recompute {
+                Some((
+                    Fp8LinearSaved::zeros(&device, t, d)?,
+                    Fp8LinearSaved::zeros(&device, t, 4 * d)?,
+                ))
+            } else {
+                None
+            };
             blocks.push(BlockBuffers {
-                // With recompute one shared pre-activation buffer would do; kept per block for simplicity
-                // only when it is needed.
-                u: device.zeros::<bf16>(if keep_u { t * 4 * d } else { 0 })?,
-                saved: None,
+                // With recompute the shared pre-activation buffer is used instead.
+                u: device.zeros::<bf16>(if recompute { 0 } else { t * 4 * d })?,
+                saved,
                 linears,
             });
         }
         let bf16_mode = config.mode == BenchMode::Bf16;
+        let fp8_len = |n: usize| if bf16_mode { 0 } else { n };
         let shared = Shared {
+            saved_recompute: if config.recompute && !bf16_mode {
+                Some((
+                    Fp8LinearSaved::zeros(&device, t, d)?,
+                    Fp8LinearSaved::zeros(&device, t, 4 * d)?,
+                ))
+            } else {
+                None
+            },
+            q_d: device.zeros(fp8_len(t * d))?,
+            qt_d: device.zeros(fp8_len(t * d))?,
+            q_4d: device.zeros(fp8_len(t * 4 * d))?,
+            qt_4d: device.zeros(fp8_len(t * 4 * d))?,
             a: device.zeros(t * 4 * d)?,
             da: device.zeros(t * 4 * d)?,
             o: device.zeros(t * d)?,
@@ -305,7 +341,21 @@ impl MlpBench {
             blocks,
             shared,
             step: 0,
+            profiler: None,
         })
+    }
+
+    /// Turns per-phase timing on (see [`profile`]); totals accumulate over the following steps.
+    pub fn enable_profile(&mut self) {
+        self.profiler = Some(Profiler::new(self.device().clone()));
+    }
+
+    /// Mean seconds per step of each phase since [`MlpBench::enable_profile`] (empty when off).
+    pub fn profile(&self) -> Vec<(Phase, f64)> {
+        self.profiler
+            .as_ref()
+            .map(Profiler::mean_per_step)
+            .unwrap_or_default()
     }
 
     /// The configuration.
@@ -366,6 +416,13 @@ impl MlpBench {
             + s.dw_up.num_bytes()
             + s.dw_down.num_bytes()
             + s.u_recompute.as_ref().map_or(0, Buffer::num_bytes)
+            + s.saved_recompute
+                .as_ref()
+                .map_or(0, |(x, y)| x.num_bytes() + y.num_bytes())
+            + s.q_d.num_bytes()
+            + s.qt_d.num_bytes()
+            + s.q_4d.num_bytes()
+            + s.qt_4d.num_bytes()
             + s.w_up16.as_ref().map_or(0, Buffer::num_bytes)
             + s.w_down16.as_ref().map_or(0, Buffer::num_bytes)
     }
@@ -378,37 +435,43 @@ impl MlpBench {
     }
 
     /// One training step: forward, backward with per-unit gradient reduction, AdamW, FP8 re-quantization.
-    /// Nothing is read back to the host (on CUDA the step is only queued when this returns).
+    /// Nothing is read back to the host (on CUDA the step is only queued when this returns), unless
+    /// profiling is on, which synchronises at the end of the step to read its timing events.
     pub fn step(&mut self) -> Result<(), MlpError> {
         let n = self.config.blocks;
         // Forward, prefetching unit b + 1 while block b computes.
-        self.model.gather_async(0)?;
+        self.gather(0)?;
         for b in 0..n {
-            self.model.wait_gather(b)?;
+            self.wait_gather(b)?;
             if b + 1 < n {
-                self.model.gather_async(b + 1)?;
+                self.gather(b + 1)?;
             }
-            self.block_forward(b, !self.recomputing())?;
+            self.block_forward(b)?;
             self.model.release_after_forward(b)?;
         }
         // dL/dh_L = 2 h_L / (T d).
         let (t, d) = (self.config.tokens, self.config.d);
+        let m = profile::start(&self.profiler, false)?;
         self.dh.copy_from(&self.h[n])?;
         scale(&mut self.dh, 2.0 / (t * d) as f32)?;
+        profile::stop(&mut self.profiler, Phase::Residual, m)?;
         // Backward in reverse, prefetching the previous unit.
-        self.model.gather_async(n - 1)?;
+        self.gather(n - 1)?;
         for b in (0..n).rev() {
-            self.model.wait_gather(b)?;
+            self.wait_gather(b)?;
             if b > 0 {
-                self.model.gather_async(b - 1)?;
+                self.gather(b - 1)?;
             }
             if self.recomputing() {
-                self.block_forward(b, true)?;
+                self.block_forward(b)?;
             }
             self.block_backward(b)?;
+            let m = profile::start(&self.profiler, false)?;
             self.model.release(b)?;
             self.model.reduce_grads(b)?;
+            profile::stop(&mut self.profiler, Phase::Reduction, m)?;
         }
+        let m = profile::start(&self.profiler, false)?;
         match &mut self.optimizer {
             Optimizer::Fsdp(o) => {
                 o.step(&mut self.model)?;
@@ -421,22 +484,39 @@ impl MlpBench {
                 down.update_scales()?;
             }
         }
+        profile::stop(&mut self.profiler, Phase::Optimizer, m)?;
+        if let Some(p) = &mut self.profiler {
+            p.end_step()?;
+        }
         self.step += 1;
         Ok(())
+    }
+
+    fn gather(&mut self, unit: usize) -> Result<(), MlpError> {
+        let m = profile::start(&self.profiler, true)?;
+        self.model.gather_async(unit)?;
+        profile::stop(&mut self.profiler, Phase::Gather, m)
+    }
+
+    fn wait_gather(&mut self, unit: usize) -> Result<(), MlpError> {
+        let m = profile::start(&self.profiler, false)?;
+        self.model.wait_gather(unit)?;
+        profile::stop(&mut self.profiler, Phase::GatherWait, m)
     }
 
     fn recomputing(&self) -> bool {
         self.config.recompute && self.config.mode == BenchMode::Fp8
     }
 
-    /// Block `b`'s forward: `h[b + 1] = h[b] + down(gelu(up(h[b])))`. With `keep`, what the backward
-    /// needs is kept (`u`, and the FP8 saved inputs).
-    fn block_forward(&mut self, b: usize, keep: bool) -> Result<(), MlpError> {
+    /// Block `b`'s forward: `h[b + 1] = h[b] + down(gelu(up(h[b])))`, keeping what the backward needs
+    /// (`u` and the FP8 saved inputs: the block's own buffers, or the shared ones when recomputing).
+    fn block_forward(&mut self, b: usize) -> Result<(), MlpError> {
         let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
         let (before, after) = self.h.split_at_mut(b + 1);
         let (x, y) = (&before[b], &mut after[0]);
         let s = &mut self.shared;
         let blk = &mut self.blocks[b];
+        let prof = &mut self.profiler;
         // With recompute, the pre-activation goes to the one shared buffer (read by the backward next).
         let u: &mut Buffer<bf16> = if blk.u.is_empty() {
             s.u_recompute
@@ -451,22 +531,41 @@ impl MlpBench {
                     (Some(a), Some(b)) => (a, b),
                     _ => return Err(MlpError::Config("bf16 weight buffers missing".into())),
                 };
+                let m = profile::start(prof, false)?;
                 convert(self.model.plain(&up_name)?, w_up16)?;
                 convert(self.model.plain(&down_name)?, w_down16)?;
+                profile::stop(prof, Phase::WeightConvert, m)?;
+                let m = profile::start(prof, false)?;
                 self.float_up.forward::<bf16, bf16>(x, w_up16, None, u)?;
+                profile::stop(prof, Phase::ForwardGemm, m)?;
+                let m = profile::start(prof, false)?;
                 gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                profile::stop(prof, Phase::Gelu, m)?;
+                let m = profile::start(prof, false)?;
                 self.float_down
                     .forward::<bf16, bf16>(&s.a, w_down16, None, &mut s.o)?;
+                profile::stop(prof, Phase::ForwardGemm, m)?;
             }
             BenchMode::Fp8 => {
                 let (up, down) = blk
                     .linears
                     .as_mut()
                     .ok_or_else(|| MlpError::Config("fp8 linears missing".into()))?;
+                let (saved_up, saved_down) = match (&mut blk.saved, &mut s.saved_recompute) {
+                    (Some(p), _) | (None, Some(p)) => (&mut p.0, &mut p.1),
+                    (None, None) => {
+                        return Err(MlpError::Config(format!("block {b}: no saved buffers")))
+                    }
+                };
                 let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let (wd, sd) = fp8_param(&self.model, &down_name)?;
-                let saved_up = up.forward::<bf16, bf16>(
-                    x,
+                let m = profile::start(prof, false)?;
+                up.quantize_input(x, &mut s.q_d, saved_up)?;
+                profile::stop(prof, Phase::ForwardCast, m)?;
+                let m = profile::start(prof, false)?;
+                up.forward_quantized::<bf16>(
+                    &s.q_d,
+                    saved_up,
                     wu,
                     Some(DeviceScalar {
                         buffer: su,
@@ -475,9 +574,17 @@ impl MlpBench {
                     None,
                     u,
                 )?;
+                profile::stop(prof, Phase::ForwardGemm, m)?;
+                let m = profile::start(prof, false)?;
                 gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
-                let saved_down = down.forward::<bf16, bf16>(
-                    &s.a,
+                profile::stop(prof, Phase::Gelu, m)?;
+                let m = profile::start(prof, false)?;
+                down.quantize_input(&s.a, &mut s.q_4d, saved_down)?;
+                profile::stop(prof, Phase::ForwardCast, m)?;
+                let m = profile::start(prof, false)?;
+                down.forward_quantized::<bf16>(
+                    &s.q_4d,
+                    saved_down,
                     wd,
                     Some(DeviceScalar {
                         buffer: sd,
@@ -486,10 +593,12 @@ impl MlpBench {
                     None,
                     &mut s.o,
                 )?;
-                blk.saved = keep.then_some((saved_up, saved_down));
+                profile::stop(prof, Phase::ForwardGemm, m)?;
             }
         }
+        let m = profile::start(prof, false)?;
         add(x, &s.o, y)?;
+        profile::stop(prof, Phase::Residual, m)?;
         Ok(())
     }
 
@@ -503,6 +612,7 @@ impl MlpBench {
         let x = &self.h[b];
         let s = &mut self.shared;
         let blk = &mut self.blocks[b];
+        let prof = &mut self.profiler;
         let u: &Buffer<bf16> = if blk.u.is_empty() {
             s.u_recompute
                 .as_ref()
@@ -517,10 +627,15 @@ impl MlpBench {
                     _ => return Err(MlpError::Config("bf16 weight buffers missing".into())),
                 };
                 // Gathered again for the backward (ZeRO-3): convert again.
+                let m = profile::start(prof, false)?;
                 convert(self.model.plain(&up_name)?, w_up16)?;
                 convert(self.model.plain(&down_name)?, w_down16)?;
+                profile::stop(prof, Phase::WeightConvert, m)?;
                 // a = gelu(u), recomputed: the shared buffer was reused by later blocks.
+                let m = profile::start(prof, false)?;
                 gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                profile::stop(prof, Phase::Gelu, m)?;
+                let m = profile::start(prof, false)?;
                 self.float_down.backward::<bf16, bf16, f32>(
                     &s.a,
                     &self.dh,
@@ -530,7 +645,11 @@ impl MlpBench {
                     false,
                     None,
                 )?;
+                profile::stop(prof, Phase::BackwardGemm, m)?;
+                let m = profile::start(prof, false)?;
                 gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
+                profile::stop(prof, Phase::GeluBackward, m)?;
+                let m = profile::start(prof, false)?;
                 self.float_up.backward::<bf16, bf16, f32>(
                     x,
                     &s.a,
@@ -540,21 +659,29 @@ impl MlpBench {
                     false,
                     None,
                 )?;
+                profile::stop(prof, Phase::BackwardGemm, m)?;
             }
             BenchMode::Fp8 => {
                 let (up, down) = blk
                     .linears
                     .as_mut()
                     .ok_or_else(|| MlpError::Config("fp8 linears missing".into()))?;
-                let (saved_up, saved_down) = blk
-                    .saved
-                    .take()
-                    .ok_or_else(|| MlpError::Config(format!("block {b}: no saved forward")))?;
+                let (saved_up, saved_down) = match (&blk.saved, &s.saved_recompute) {
+                    (Some(p), _) | (None, Some(p)) => (&p.0, &p.1),
+                    (None, None) => {
+                        return Err(MlpError::Config(format!("block {b}: no saved forward")))
+                    }
+                };
                 let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let (wd, sd) = fp8_param(&self.model, &down_name)?;
-                down.backward::<bf16, bf16, f32>(
-                    &saved_down,
-                    &self.dh,
+                let m = profile::start(prof, false)?;
+                down.quantize_grad_output(&self.dh, &mut s.q_d, &mut s.qt_d)?;
+                profile::stop(prof, Phase::BackwardCast, m)?;
+                let m = profile::start(prof, false)?;
+                down.backward_quantized::<bf16, f32>(
+                    saved_down,
+                    &s.q_d,
+                    &s.qt_d,
                     wd,
                     Some(DeviceScalar {
                         buffer: sd,
@@ -564,12 +691,19 @@ impl MlpBench {
                     Some(&mut s.da),
                     &mut s.dw_down,
                     false,
-                    None,
                 )?;
+                profile::stop(prof, Phase::BackwardGemm, m)?;
+                let m = profile::start(prof, false)?;
                 gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
-                up.backward::<bf16, bf16, f32>(
-                    &saved_up,
-                    &s.a,
+                profile::stop(prof, Phase::GeluBackward, m)?;
+                let m = profile::start(prof, false)?;
+                up.quantize_grad_output(&s.a, &mut s.q_4d, &mut s.qt_4d)?;
+                profile::stop(prof, Phase::BackwardCast, m)?;
+                let m = profile::start(prof, false)?;
+                up.backward_quantized::<bf16, f32>(
+                    saved_up,
+                    &s.q_4d,
+                    &s.qt_4d,
                     wu,
                     Some(DeviceScalar {
                         buffer: su,
@@ -579,13 +713,17 @@ impl MlpBench {
                     Some(&mut s.dh_branch),
                     &mut s.dw_up,
                     false,
-                    None,
                 )?;
+                profile::stop(prof, Phase::BackwardGemm, m)?;
             }
         }
+        let m = profile::start(prof, false)?;
         axpy(1.0, &s.dh_branch, &mut self.dh)?;
+        profile::stop(prof, Phase::Residual, m)?;
+        let m = profile::start(prof, false)?;
         self.model.add_grad(&up_name, &s.dw_up)?;
         self.model.add_grad(&down_name, &s.dw_down)?;
+        profile::stop(prof, Phase::GradAdd, m)?;
         Ok(())
     }
 }
