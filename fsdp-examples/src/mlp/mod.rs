@@ -446,7 +446,7 @@ impl MlpBench {
             if b + 1 < n {
                 self.gather(b + 1)?;
             }
-            self.block_forward(b)?;
+            self.block_forward(b, true)?;
             self.model.release_after_forward(b)?;
         }
         // dL/dh_L = 2 h_L / (T d).
@@ -463,7 +463,9 @@ impl MlpBench {
                 self.gather(b - 1)?;
             }
             if self.recomputing() {
-                self.block_forward(b)?;
+                // Only what the backward reads: u, and the down linear's saved input; the down GEMM
+                // and the residual add (their output h[b + 1] is kept) are skipped.
+                self.block_forward(b, false)?;
             }
             self.block_backward(b)?;
             let m = profile::start(&self.profiler, false)?;
@@ -510,7 +512,8 @@ impl MlpBench {
 
     /// Block `b`'s forward: `h[b + 1] = h[b] + down(gelu(up(h[b])))`, keeping what the backward needs
     /// (`u` and the FP8 saved inputs: the block's own buffers, or the shared ones when recomputing).
-    fn block_forward(&mut self, b: usize) -> Result<(), MlpError> {
+    /// Without `full` (fp8 recompute in the backward) it stops after the down linear's input cast.
+    fn block_forward(&mut self, b: usize, full: bool) -> Result<(), MlpError> {
         let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
         let (before, after) = self.h.split_at_mut(b + 1);
         let (x, y) = (&before[b], &mut after[0]);
@@ -581,6 +584,9 @@ impl MlpBench {
                 let m = profile::start(prof, false)?;
                 down.quantize_input(&s.a, &mut s.q_4d, saved_down)?;
                 profile::stop(prof, Phase::ForwardCast, m)?;
+                if !full {
+                    return Ok(());
+                }
                 let m = profile::start(prof, false)?;
                 down.forward_quantized::<bf16>(
                     &s.q_4d,
