@@ -1,0 +1,264 @@
+//! The optimizer-step control kernels: NVRTC compile check, CPU properties against simple references,
+//! and (with a GPU) CUDA against CPU on random inputs, bit for bit.
+
+use fp8_core::Fp8Format;
+use fp8_kernels::adam::{adam_element, AmaxSlots};
+use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status};
+use fp8_kernels::optim_step::*;
+use fp8_kernels::{AdamConfig, Buffer, Device, WeightDecay};
+use proptest::prelude::*;
+
+#[test]
+fn optim_step_module_compiles_for_sm90() {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let ptx = compile_ptx(&OPTIM_STEP_MODULE, "sm_90").unwrap().to_src();
+    for k in [
+        "step_control",
+        "grad_stats_f32",
+        "adam_lp_ctl_g_f32",
+        "apply_source",
+        "step_finish",
+    ] {
+        assert!(ptx.contains(k), "missing kernel {k}");
+    }
+}
+
+fn params(
+    lr: f64,
+    b1: f64,
+    b2: f64,
+    wd: f64,
+    l2: bool,
+    clip: f64,
+    low: bool,
+    n: usize,
+    ws: usize,
+) -> StepControlParams {
+    StepControlParams {
+        lr,
+        beta1: b1,
+        beta2: b2,
+        eps: 1e-8,
+        weight_decay: wd,
+        max_grad_norm: clip,
+        maximize: 0,
+        decay_mode: if l2 { 1 } else { 2 },
+        low: i32::from(low),
+        pad: 0,
+        slots: n as u64,
+        world_size: ws as u64,
+    }
+}
+
+/// Runs grad_stats + finish + step_control on `dev` and returns (sums, ctl, coef, write, kernel scales).
+#[allow(clippy::type_complexity)]
+fn control_run(
+    dev: &Device,
+    p: &StepControlParams,
+    grads: &[Vec<f32>],
+    amaxes: &[f32],
+    scales: &[f32],
+    ctl0: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = p.slots as usize;
+    let mut acc = dev.zeros::<f32>(STATS_ACC_LEN).unwrap();
+    let mut sums = dev.zeros::<f32>(2 + n * p.world_size as usize).unwrap();
+    for (i, g) in grads.iter().enumerate() {
+        let b = dev.upload(g).unwrap();
+        grad_stats(&b, 0..g.len(), &mut acc, Some((&mut sums, 2 + i % n))).unwrap();
+    }
+    grad_stats_finish(&mut acc, 0, &mut sums).unwrap();
+    let mut c = dev.upload(ctl0).unwrap();
+    let mut coef = dev.zeros::<f32>(COEF_LEN).unwrap();
+    let am = dev.upload(amaxes).unwrap();
+    let sc = dev.upload(scales).unwrap();
+    let mut write = dev.zeros::<f32>(3 * n).unwrap();
+    let mut ks = dev.zeros::<f32>(6 * n).unwrap();
+    let mut rep = dev.zeros::<f32>(ctl::LEN).unwrap();
+    step_control(
+        p,
+        &sums,
+        &mut c,
+        &mut coef,
+        Some(SlotScales {
+            amaxes: &am,
+            scales: &sc,
+            write: &mut write,
+            kernel_scales: &mut ks,
+        }),
+        &mut rep,
+    )
+    .unwrap();
+    assert_eq!(rep.to_vec().unwrap(), c.to_vec().unwrap());
+    (
+        sums.to_vec().unwrap(),
+        c.to_vec().unwrap(),
+        coef.to_vec().unwrap(),
+        write.to_vec().unwrap(),
+        ks.to_vec().unwrap(),
+    )
+}
+
+fn rnd(seed: &mut u64) -> f32 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    ((*seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The control kernel's coefficients are AdamConfig::coefficients' (same formula), its statistics the
+    /// plain sums, and its write scales cover the exact new states (the bound rule).
+    #[test]
+    fn control_matches_references(
+        seed in any::<u64>(), lr in 1e-5f64..1e-1, b1 in 0.0f64..0.99, b2 in 0.5f64..0.9999,
+        wd in 0.0f64..0.2, l2 in any::<bool>(), step in 0u32..5000, clip in prop_oneof![Just(0.0), 0.1f64..10.0],
+        nan in any::<bool>(),
+    ) {
+        let mut s = seed | 1;
+        let n = 3;
+        let mut grads: Vec<Vec<f32>> = (0..n).map(|i| (0..(5 + 7 * i)).map(|_| rnd(&mut s) * 3.0).collect()).collect();
+        if nan { grads[1][2] = f32::NAN; grads[2][0] = f32::INFINITY; }
+        let p = params(lr, b1, b2, wd, l2, clip, true, n, 1);
+        let amaxes: Vec<f32> = (0..3 * n).map(|_| rnd(&mut s).abs()).collect();
+        let scales: Vec<f32> = (0..3 * n).map(|k| 2f32.powi(k as i32 % 5)).collect();
+        let mut ctl0 = vec![0f32; ctl::LEN];
+        ctl0[ctl::STEP] = f32::from_bits(step);
+        let (sums, c, coef, write, ks) = control_run(&Device::cpu(), &p, &grads, &amaxes, &scales, &ctl0);
+        let all: Vec<f32> = grads.iter().flatten().copied().collect();
+        let nf = all.iter().filter(|x| !x.is_finite()).count();
+        let sq: f64 = all.iter().filter(|x| x.is_finite()).map(|&x| x as f64 * x as f64).sum();
+        prop_assert_eq!(sums[0], nf as f32);
+        prop_assert!(((sums[1] as f64) - sq).abs() <= 1e-6 * sq.max(1e-30));
+        for i in 0..n {
+            let a = grads[i].iter().filter(|x| x.is_finite()).fold(0f32, |m, x| m.max(x.abs()));
+            prop_assert_eq!(sums[2 + i], a);
+        }
+        if nan {
+            prop_assert_eq!(coef[COEF_SKIP], 1.0);
+            prop_assert_eq!(c[ctl::STEP].to_bits(), step);
+            prop_assert_eq!(c[ctl::SKIPPED].to_bits(), 1);
+            return Ok(());
+        }
+        prop_assert_eq!(coef[COEF_SKIP], 0.0);
+        prop_assert_eq!(c[ctl::STEP].to_bits(), step + 1);
+        let norm = (sums[1] as f64).sqrt();
+        let gs = if clip > 0.0 { (clip / (norm + 1e-6)).min(1.0) } else { 1.0 };
+        let cfg = AdamConfig { lr, beta1: b1, beta2: b2, eps: 1e-8, weight_decay: wd,
+            decay_mode: if l2 { WeightDecay::L2 } else { WeightDecay::Decoupled }, maximize: false };
+        let want = cfg.coefficients(step as u64 + 1, gs as f32).unwrap();
+        let got = control_coefficients(&p, step as i32 + 1, gs as f32);
+        prop_assert_eq!(got, want);
+        // The coefficient words hold exactly these coefficients.
+        prop_assert_eq!(coef[4], want.step_size);
+        prop_assert_eq!(coef[9], want.grad_scale);
+        // Write scales: powers of two, and the kernel table reads with the old inverses.
+        for i in 0..n {
+            for k in 0..3 {
+                prop_assert_eq!(write[3 * i + k].to_bits() & 0x007F_FFFF, 0);
+                prop_assert_eq!(ks[6 * i + 2 * k], 1.0 / scales[3 * i + k]);
+                prop_assert_eq!(ks[6 * i + 2 * k + 1], write[3 * i + k]);
+            }
+            // The exact first moment from the previous amax and this gradient fits the E4M3 range.
+            let m_new = b1 as f32 * amaxes[3 * i + 1] + (1.0 - b1 as f32) * sums[2 + i] * gs as f32;
+            prop_assert!(m_new * write[3 * i + 1] <= 448.0 * 1.001);
+        }
+    }
+
+    /// A skipped step leaves weights and states untouched (unlike lr = 0, which moves the moments), and
+    /// the skip path of apply_source reproduces the FP8 weight's codes through the cast.
+    #[test]
+    fn skip_is_a_no_op(seed in any::<u64>(), len in 1usize..200, e in -6i32..6) {
+        let dev = Device::cpu();
+        let mut s = seed | 1;
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        let g: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        let mut coef = vec![0f32; COEF_LEN];
+        coef[COEF_SKIP] = 1.0;
+        let coef_b = dev.upload(&coef).unwrap();
+        let (mut mw, mut mm, mut mv) = (dev.upload(&w).unwrap(), dev.upload(&g).unwrap(), dev.upload(&g).unwrap());
+        let gb = dev.upload(&g).unwrap();
+        let mut amax = dev.zeros::<f32>(1).unwrap();
+        adam_step_f32_ctl(&coef_b, 0..len, &mut mw, &mut mm, &mut mv, &gb,
+            Some(AmaxSlots { buffer: &mut amax, base: 0 })).unwrap();
+        prop_assert_eq!(mw.to_vec().unwrap(), w.clone());
+        prop_assert_eq!(mm.to_vec().unwrap(), g.clone());
+        prop_assert_eq!(amax.to_vec().unwrap(), vec![0.0]);
+        // lr = 0 is not a no-op for the moments: the guard is needed.
+        let c0 = AdamConfig { lr: 0.0, ..AdamConfig::default() }.coefficients(1, 1.0).unwrap();
+        let (_, m1, _) = adam_element(&c0, g[0], w[0], 0.0, 0.0);
+        prop_assert!(g[0] == 0.0 || m1 != 0.0);
+        // apply_source on a skipped step: decode * scale_inv, cast back with the scale: same codes.
+        let scale = 2f32.powi(e);
+        let codes: Vec<u8> = w.iter().map(|x| Fp8Format::E4M3.encode(x * scale)).collect();
+        let q = dev.upload(&codes).unwrap();
+        let wsc = dev.upload(&[scale, 1.0 / scale]).unwrap();
+        let mut out: Buffer<f32> = dev.zeros(len).unwrap();
+        apply_source(&coef_b, &mut out, 0..len, &q, &wsc, 0, MasterSource::F32(&mw)).unwrap();
+        let back: Vec<u8> = out.to_vec().unwrap().iter().map(|x| Fp8Format::E4M3.encode(x * scale)).collect();
+        prop_assert_eq!(back, codes);
+    }
+}
+
+/// CUDA against CPU on random inputs: statistics (amax and count exact, sum of squares within 1e-6),
+/// control outputs bit for bit. Skips without a GPU.
+#[test]
+fn cuda_control_matches_cpu() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    for case in 0..200u32 {
+        let n = 1 + (case as usize % 5);
+        let mut grads: Vec<Vec<f32>> = (0..n)
+            .map(|i| {
+                (0..(1 + (case as usize * 37 + i * 101) % 3000))
+                    .map(|_| rnd(&mut s) * 10f32.powi((case % 7) as i32 - 3))
+                    .collect()
+            })
+            .collect();
+        if case % 11 == 0 {
+            grads[0][0] = f32::NAN;
+        }
+        let p = params(
+            1e-3 * (1 + case % 9) as f64,
+            0.9,
+            0.999,
+            0.01 * (case % 3) as f64,
+            case % 2 == 0,
+            if case % 4 == 0 { 0.5 } else { 0.0 },
+            true,
+            n,
+            1,
+        );
+        let amaxes: Vec<f32> = (0..3 * n).map(|_| rnd(&mut s).abs() * 4.0).collect();
+        let scales: Vec<f32> = (0..3 * n).map(|k| 2f32.powi(k as i32 % 7 - 2)).collect();
+        let mut ctl0 = vec![0f32; ctl::LEN];
+        ctl0[ctl::STEP] = f32::from_bits(case * 13);
+        let cpu = control_run(&Device::cpu(), &p, &grads, &amaxes, &scales, &ctl0);
+        let cuda = control_run(&gpu, &p, &grads, &amaxes, &scales, &ctl0);
+        assert_eq!(cpu.0[0], cuda.0[0], "case {case}: non-finite count");
+        assert_eq!(cpu.0[2..], cuda.0[2..], "case {case}: amaxes");
+        let (a, b) = (cpu.0[1] as f64, cuda.0[1] as f64);
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs().max(1e-30),
+            "case {case}: sum of squares {a} vs {b}"
+        );
+        if a == b {
+            assert_eq!(cpu.1, cuda.1, "case {case}: control");
+            assert_eq!(cpu.2, cuda.2, "case {case}: coefficients");
+            assert_eq!(cpu.3, cuda.3, "case {case}: write scales");
+            assert_eq!(cpu.4, cuda.4, "case {case}: kernel scales");
+        }
+    }
+    println!("PASS: optim_step control CUDA == CPU on 200 random cases");
+}
