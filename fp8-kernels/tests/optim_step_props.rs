@@ -26,6 +26,7 @@ fn optim_step_module_compiles_for_sm90() {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn params(
     lr: f64,
     b1: f64,
