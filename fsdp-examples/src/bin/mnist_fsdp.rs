@@ -113,6 +113,13 @@ struct Args {
     /// Never draw the progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Time the phases of --profile-steps training batches (after 20 warm-up batches) with CUDA events
+    /// (host time on the CPU) and print a table.
+    #[arg(long)]
+    profile: bool,
+    /// Batches timed by --profile.
+    #[arg(long, default_value_t = 200)]
+    profile_steps: usize,
 }
 
 /// Whether all four files are in `dir`.
@@ -222,6 +229,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         print: true,
         threads_per_rank: args.threads_per_rank,
+        profile_steps: args.profile.then_some(args.profile_steps),
     };
     let report = train(&config)?;
     print_summary(&report, &config);

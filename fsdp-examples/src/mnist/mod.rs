@@ -15,7 +15,10 @@ mod train;
 
 pub use net::{MnistNet, NetConfig, MIN_UNIT_PARAMS};
 pub use optimizer::{ShardAdamF32, ShardOptimizer};
-pub use train::{train, DeviceChoice, TrainConfig, TrainReport};
+pub use train::{
+    train, DeviceChoice, Phase, PhaseTiming, StepProfile, TrainConfig, TrainReport,
+    PROFILE_WARMUP_STEPS,
+};
 
 use crate::data::DataError;
 use crate::metrics::MetricsError;

@@ -1,14 +1,15 @@
 //! The training loop: data-parallel steps over sharded parameters, evaluation, metrics, checkpoints.
 
-use super::{MnistError, MnistNet, NetConfig, ShardAdamF32, ShardOptimizer};
+use super::{MnistError, MnistNet, NetConfig, ShardOptimizer};
 use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
 use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::nn::LinearPrecision;
 use crate::progress::{EpochProgress, ProgressMode};
 use crate::sampler::{DistributedSampler, Remainder};
 use fp8_core::Fp8Format;
+use fp8_kernels::gather_rows::{gather_rows, RowIndex};
 use fp8_kernels::ops::{self, nll_stat};
-use fp8_kernels::{Buffer, CpuParallelism, Device, Element};
+use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
 use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
 use fsdp_optim::{AdamOptions, FsdpAdam, StatePrecision, StepLr};
 use fsdp_shard::checkpoint::{load_sharded, save_sharded};
@@ -79,7 +80,13 @@ pub struct TrainConfig {
     pub print: bool,
     /// CPU threads per rank (default: the cores divided by the ranks, at least 1).
     pub threads_per_rank: Option<usize>,
+    /// Time the phases of this many training steps (after [`PROFILE_WARMUP_STEPS`] warm-up steps of the
+    /// first epoch run) and print a table on rank 0: CUDA-event time on a GPU, host time everywhere.
+    pub profile_steps: Option<usize>,
 }
+
+/// Steps run before a `profile_steps` window opens (NVRTC compilation, cuBLASLt plans, pool growth).
+pub const PROFILE_WARMUP_STEPS: usize = 20;
 
 impl Default for TrainConfig {
     fn default() -> Self {
@@ -106,6 +113,7 @@ impl Default for TrainConfig {
             progress: ProgressMode::Auto,
             print: true,
             threads_per_rank: None,
+            profile_steps: None,
         }
     }
 }
@@ -130,6 +138,8 @@ pub struct TrainReport {
     pub world_size: usize,
     /// The optimizer, in words.
     pub optimizer: String,
+    /// Rank 0's phase timings when `profile_steps` was set and the window completed.
+    pub profile: Option<StepProfile>,
 }
 
 impl TrainReport {
@@ -255,6 +265,7 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
         device,
         world_size: config.world_size,
         optimizer: first.optimizer,
+        profile: first.profile,
     })
 }
 
@@ -265,6 +276,7 @@ struct RankOutcome {
     steps: u64,
     stopped: bool,
     optimizer: String,
+    profile: Option<StepProfile>,
 }
 
 /// Where training stands: the next batch of an epoch and the epoch's loss so far.
@@ -395,6 +407,98 @@ impl BatchBuffers {
     }
 }
 
+/// A split resident on the GPU: every normalised image and label uploaded once, the sample order of the
+/// epoch uploaded once as a [`RowIndex`], and each batch gathered on the device into reused buffers (no
+/// host-to-device copy and no host wait per step).
+struct DeviceSplit {
+    images: Buffer<f32>,
+    labels: Buffer<i32>,
+    order: RowIndex,
+    batch_images: Option<Buffer<f32>>,
+    batch_labels: Option<Buffer<i32>>,
+}
+
+/// Where batches come from: host staging and an upload per batch (CPU), or a device-resident split.
+enum Batches {
+    Host(BatchBuffers),
+    Device(Box<DeviceSplit>),
+}
+
+impl Batches {
+    fn new(data: &MnistDataset, device: &Device) -> Result<Self, MnistError> {
+        if !device.is_cuda() {
+            return Ok(Batches::Host(BatchBuffers {
+                images_host: Vec::new(),
+                labels_host: Vec::new(),
+                images: None,
+                labels: None,
+            }));
+        }
+        Ok(Batches::Device(Box::new(DeviceSplit {
+            images: device.from_vec(data.normalized_images())?,
+            labels: device.from_vec(data.labels_i32())?,
+            order: RowIndex::new(device, &[], data.len())?,
+            batch_images: None,
+            batch_labels: None,
+        })))
+    }
+
+    /// Sets the sample order that [`Batches::load`] ranges refer to (one upload on a GPU).
+    fn set_order(&mut self, order: &[usize], device: &Device) -> Result<(), MnistError> {
+        if let Batches::Device(d) = self {
+            d.order.set(device, order)?;
+        }
+        Ok(())
+    }
+
+    /// The batch `order[range]` (the order last given to [`Batches::set_order`]).
+    fn load(
+        &mut self,
+        data: &MnistDataset,
+        order: &[usize],
+        range: std::ops::Range<usize>,
+        device: &Device,
+    ) -> Result<(&Buffer<f32>, &Buffer<i32>), MnistError> {
+        let d = match self {
+            Batches::Host(h) => {
+                let indices = order.get(range.clone()).ok_or_else(|| {
+                    MnistError::Config(format!("batch {range:?} outside the sample order"))
+                })?;
+                return h.load(data, indices, device);
+            }
+            Batches::Device(d) => d,
+        };
+        if d.order.as_slice().len() != order.len() {
+            return Err(MnistError::Config(
+                "the device sample order is not the one given".into(),
+            ));
+        }
+        let rows = range.len();
+        let pixels = MNIST_ROWS * MNIST_COLS;
+        let images = reuse(&mut d.batch_images, device, rows * pixels)?;
+        gather_rows(&d.images, pixels, &d.order, range.clone(), images)?;
+        let labels = reuse(&mut d.batch_labels, device, rows)?;
+        gather_rows(&d.labels, 1, &d.order, range, labels)?;
+        match (&d.batch_images, &d.batch_labels) {
+            (Some(i), Some(l)) => Ok((i, l)),
+            _ => Err(MnistError::Config("batch buffers missing".into())),
+        }
+    }
+}
+
+/// `slot`'s buffer, reallocated only when its length is not `len` (its contents are then overwritten).
+fn reuse<'a, T: Element>(
+    slot: &'a mut Option<Buffer<T>>,
+    device: &Device,
+    len: usize,
+) -> Result<&'a mut Buffer<T>, MnistError> {
+    if slot.as_ref().is_none_or(|b| b.len() != len) {
+        *slot = Some(device.zeros(len)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| MnistError::Config("batch buffer missing".into()))
+}
+
 fn save(
     dir: &Path,
     model: &ShardedModel,
@@ -447,20 +551,20 @@ fn evaluate(
     model: &mut ShardedModel,
     comm: &dyn Communicator,
     data: &MnistDataset,
-    sampler: &DistributedSampler,
     batch: usize,
-    buffers: &mut BatchBuffers,
+    buffers: &mut Batches,
+    indices: &[usize],
 ) -> Result<(f64, u64, u64), MnistError> {
     let device = model.device().clone();
-    let mut indices = sampler.indices(0);
-    indices.truncate(sampler.num_real_samples());
     // Gather on every rank first (a collective), so ranks with fewer test batches do not skip it.
     for u in 0..model.num_units() {
         model.gather(u)?;
     }
     let mut sums = [0f32; 3];
-    for chunk in indices.chunks(batch) {
-        let (images, labels) = buffers.load(data, chunk, &device)?;
+    for (ci, chunk) in indices.chunks(batch).enumerate() {
+        let start = ci * batch;
+        let range = start..start + chunk.len();
+        let (images, labels) = buffers.load(data, indices, range, &device)?;
         let stats = net.forward(model, images, labels, false)?.to_vec()?;
         sums[0] += stats[nll_stat::MEAN_LOSS] * chunk.len() as f32;
         sums[1] += stats[nll_stat::CORRECT];
@@ -474,21 +578,13 @@ fn evaluate(
     Ok((sums[0] as f64, sums[1] as u64, sums[2] as u64))
 }
 
-/// `fsdp_optim::FsdpAdam` with a StepLR schedule (step one epoch); on CUDA, where it cannot run yet,
-/// the device-resident [`ShardAdamF32`].
+/// `fsdp_optim::FsdpAdam` with a StepLR schedule (step one epoch), on the CPU and on CUDA (where its step
+/// is queued on the device without host reads).
 fn new_optimizer(
     model: &ShardedModel,
     masters: Vec<Vec<f32>>,
     config: &TrainConfig,
 ) -> Result<Box<dyn ShardOptimizer>, MnistError> {
-    if model.device().is_cuda() {
-        return Ok(Box::new(ShardAdamF32::new(
-            model,
-            masters,
-            config.lr,
-            config.gamma,
-        )?));
-    }
     let options = AdamOptions {
         lr: config.lr,
         state_precision: config.optimizer_states,
@@ -561,15 +657,19 @@ fn run_rank(
         (Some(path), true) => Some(MetricsWriter::create(path)?),
         _ => None,
     };
-    let mut buffers = BatchBuffers {
-        images_host: Vec::new(),
-        labels_host: Vec::new(),
-        images: None,
-        labels: None,
-    };
+    let mut train_batches = Batches::new(train_data, &device)?;
+    let mut test_batches = Batches::new(test_data, &device)?;
+    let mut test_order = test_sampler.indices(0);
+    test_order.truncate(test_sampler.num_real_samples());
+    test_batches.set_order(&test_order, &device)?;
     let mut loss_acc = device.upload(&[pos.loss_sum, 0.0, 0.0])?;
     let mut records = Vec::new();
-    let read_every = if device.is_cuda() { 10 } else { 1 };
+    let mut profiler = config
+        .profile_steps
+        .filter(|&n| n > 0)
+        .map(|n| StepProfiler::new(&device, n));
+    let mut profile = None;
+    let mut steps_run = 0usize;
     while pos.epoch <= config.epochs {
         let epoch = pos.epoch;
         opt.start_epoch(epoch)?;
@@ -579,6 +679,9 @@ fn run_rank(
         if let Some(l) = config.limit_batches {
             batches.truncate(l);
         }
+        // Batch `bi` is `order[bi * batch_size..]`: the concatenated batches, uploaded once on a GPU.
+        let order: Vec<usize> = batches.iter().flatten().copied().collect();
+        train_batches.set_order(&order, &device)?;
         let nb = batches.len();
         let total: u64 = batches.iter().map(|b| (b.len() * ws) as u64).sum();
         let mode = if lead {
@@ -588,10 +691,23 @@ fn run_rank(
         };
         let mut progress = EpochProgress::new(epoch, total, mode);
         let mut shown_loss = f64::NAN;
+        // Reading the batch loss waits for the GPU: only for a visible progress bar, every 10th batch.
+        let read_every = match (device.is_cuda(), progress.is_visible()) {
+            (false, _) => 1,
+            (true, true) => 10,
+            (true, false) => usize::MAX,
+        };
         let trained_from = pos.batch;
         for (bi, indices) in batches.iter().enumerate().skip(pos.batch) {
             let rows = indices.len();
-            let (images, labels) = buffers.load(train_data, indices, &device)?;
+            let mut prof = match profiler.as_mut() {
+                Some(p) if steps_run >= PROFILE_WARMUP_STEPS => p.begin()?,
+                _ => None,
+            };
+            let first = bi * config.batch_size;
+            let (images, labels) =
+                train_batches.load(train_data, &order, first..first + rows, &device)?;
+            mark(&mut prof, Phase::Data)?;
             let micro = bi % config.grad_accum;
             let step_start = bi - micro;
             let micro_count = config.grad_accum.min(nb - step_start);
@@ -599,17 +715,25 @@ fn run_rank(
             model.set_grad_sync(last_micro);
             let stats = net.forward(&mut model, images, labels, true)?;
             ops::axpy(rows as f32, stats, &mut loss_acc)?;
-            if (bi + 1) % read_every == 0 || bi + 1 == nb {
+            if read_every != usize::MAX && ((bi + 1) % read_every == 0 || bi + 1 == nb) {
                 shown_loss = f64::from(stats.to_vec()?[nll_stat::MEAN_LOSS]);
             }
+            mark(&mut prof, Phase::Forward)?;
             net.backward(&mut model, labels, 1.0 / (ws * micro_count) as f32)?;
+            mark(&mut prof, Phase::Backward)?;
             pos.samples += (rows * ws) as u64;
             progress.advance((rows * ws) as u64, shown_loss);
             if !last_micro {
+                finish_profiled_step(&mut profiler, prof, &mut profile, lead && config.print)?;
+                steps_run += 1;
                 continue;
             }
             net.update_fp8_scales(comm.as_ref())?;
+            mark(&mut prof, Phase::Fp8Scales)?;
             opt.step(&mut model)?;
+            mark(&mut prof, Phase::Optimizer)?;
+            finish_profiled_step(&mut profiler, prof, &mut profile, lead && config.print)?;
+            steps_run += 1;
             pos.step += 1;
             pos.batch = bi + 1;
             let stop = config.stop_after_steps == Some(pos.step);
@@ -632,6 +756,7 @@ fn run_rank(
                     steps: pos.step,
                     stopped: true,
                     optimizer: opt.describe(),
+                    profile,
                 });
             }
         }
@@ -654,9 +779,9 @@ fn run_rank(
             &mut model,
             comm.as_ref(),
             test_data,
-            &test_sampler,
             config.test_batch_size,
-            &mut buffers,
+            &mut test_batches,
+            &test_order,
         )?;
         let seconds = started.elapsed().as_secs_f64();
         let test_loss = test_loss_sum / count.max(1) as f64;
@@ -714,5 +839,230 @@ fn run_rank(
         steps: pos.step,
         stopped: false,
         optimizer: opt.describe(),
+        profile,
     })
+}
+
+/// A phase of a training batch, as timed by [`TrainConfig::profile_steps`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Batch assembly: gather on the device (GPU) or fill and upload (CPU).
+    Data,
+    /// Forward pass with the loss (gathers of the units included) and the loss accumulation.
+    Forward,
+    /// Backward pass with the gradient reductions.
+    Backward,
+    /// The step-end update of the FP8 activation and output-gradient scales (one all-reduce).
+    Fp8Scales,
+    /// The optimizer step (FP8 weight re-cast and zeroed gradients included).
+    Optimizer,
+}
+
+impl Phase {
+    /// Every phase, in step order.
+    pub const ALL: [Phase; 5] = [
+        Phase::Data,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Fp8Scales,
+        Phase::Optimizer,
+    ];
+
+    /// The phase's name in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Data => "data",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Fp8Scales => "fp8 scales",
+            Phase::Optimizer => "optimizer",
+        }
+    }
+}
+
+/// Time of one phase, per batch of the profiled window.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseTiming {
+    /// The phase.
+    pub phase: Phase,
+    /// Milliseconds of the compute stream between the events around the phase (GPU only). This includes
+    /// idle time while the GPU waits for the host to queue work, so GPU time close to host time means
+    /// the phase is bound by the host (launch overhead, host reads), not by the kernels.
+    pub gpu_ms: Option<f64>,
+    /// Milliseconds the host spent queuing (GPU) or running (CPU) the phase.
+    pub host_ms: f64,
+}
+
+/// Phase timings of a profiled window of training batches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepProfile {
+    /// Batches timed.
+    pub batches: usize,
+    /// One entry per [`Phase`], in step order.
+    pub phases: Vec<PhaseTiming>,
+    /// Wall-clock milliseconds per batch over the window, up to the end of the last batch's GPU work.
+    pub wall_ms: f64,
+}
+
+impl StepProfile {
+    /// The table printed by `mnist_fsdp --profile`.
+    pub fn table(&self) -> String {
+        let mut t = format!(
+            "Profile of {} training batches (after {PROFILE_WARMUP_STEPS} warm-up), ms per batch:\n",
+            self.batches
+        );
+        t.push_str(&format!("  {:<12} {:>10} {:>10}\n", "phase", "gpu", "host"));
+        let (mut g, mut h) = (0.0, 0.0);
+        let gpu = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+        for p in &self.phases {
+            t.push_str(&format!(
+                "  {:<12} {:>10} {:>10.3}\n",
+                p.phase.name(),
+                gpu(p.gpu_ms),
+                p.host_ms
+            ));
+            g += p.gpu_ms.unwrap_or(0.0);
+            h += p.host_ms;
+        }
+        let any_gpu = self.phases.iter().any(|p| p.gpu_ms.is_some());
+        t.push_str(&format!(
+            "  {:<12} {:>10} {:>10.3}\n",
+            "sum",
+            gpu(any_gpu.then_some(g)),
+            h
+        ));
+        t.push_str(&format!("  {:<12} {:>21.3}\n", "wall", self.wall_ms));
+        t
+    }
+}
+
+/// The events and host times of one profiled batch.
+struct ProfiledStep {
+    cuda: Option<fp8_kernels::CudaDevice>,
+    events: Vec<(Phase, GpuEvent)>,
+    begin: Option<GpuEvent>,
+    last_host: Instant,
+    host_ms: [f64; 5],
+}
+
+/// Collects [`ProfiledStep`]s until the window is full; reads the events only then (one wait).
+struct StepProfiler {
+    cuda: Option<fp8_kernels::CudaDevice>,
+    target: usize,
+    started: Option<Instant>,
+    steps: Vec<ProfiledStep>,
+    complete: bool,
+}
+
+impl StepProfiler {
+    fn new(device: &Device, target: usize) -> Self {
+        StepProfiler {
+            cuda: device.as_cuda("profile").ok().cloned(),
+            target,
+            started: None,
+            steps: Vec::with_capacity(target),
+            complete: false,
+        }
+    }
+
+    /// Starts timing a batch, or `None` once the window is complete.
+    fn begin(&mut self) -> Result<Option<ProfiledStep>, MnistError> {
+        if self.complete {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        self.started.get_or_insert(now);
+        let begin = match &self.cuda {
+            Some(c) => Some(c.record_compute_timed()?),
+            None => None,
+        };
+        Ok(Some(ProfiledStep {
+            cuda: self.cuda.clone(),
+            events: Vec::with_capacity(Phase::ALL.len()),
+            begin,
+            last_host: now,
+            host_ms: [0.0; 5],
+        }))
+    }
+
+    /// Adds a finished batch; returns the profile when the window is complete.
+    fn add(&mut self, step: ProfiledStep) -> Result<Option<StepProfile>, MnistError> {
+        self.steps.push(step);
+        if self.steps.len() < self.target {
+            return Ok(None);
+        }
+        self.complete = true;
+        if let Some(c) = &self.cuda {
+            c.stream()
+                .synchronize()
+                .map_err(fp8_kernels::KernelError::from)?;
+        }
+        let n = self.steps.len();
+        let wall_ms = self
+            .started
+            .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3)
+            / n as f64;
+        let mut gpu = [0f64; 5];
+        let mut host = [0f64; 5];
+        for st in &self.steps {
+            for (h, v) in host.iter_mut().zip(st.host_ms) {
+                *h += v;
+            }
+            let mut prev = st.begin.as_ref();
+            for (phase, ev) in &st.events {
+                if let Some(p) = prev {
+                    gpu[*phase as usize] += f64::from(p.elapsed_ms(ev)?);
+                }
+                prev = Some(ev);
+            }
+        }
+        let on_gpu = self.cuda.is_some();
+        let phases = Phase::ALL
+            .iter()
+            .map(|&p| PhaseTiming {
+                phase: p,
+                gpu_ms: on_gpu.then_some(gpu[p as usize] / n as f64),
+                host_ms: host[p as usize] / n as f64,
+            })
+            .collect();
+        self.steps.clear();
+        Ok(Some(StepProfile {
+            batches: n,
+            phases,
+            wall_ms,
+        }))
+    }
+}
+
+/// Ends `phase` of a profiled batch (a no-op when the batch is not profiled).
+fn mark(step: &mut Option<ProfiledStep>, phase: Phase) -> Result<(), MnistError> {
+    let Some(st) = step.as_mut() else {
+        return Ok(());
+    };
+    let now = Instant::now();
+    st.host_ms[phase as usize] += (now - st.last_host).as_secs_f64() * 1e3;
+    st.last_host = now;
+    if let Some(c) = &st.cuda {
+        st.events.push((phase, c.record_compute_timed()?));
+    }
+    Ok(())
+}
+
+/// Hands a profiled batch to the profiler; prints the table on completion when `print`.
+fn finish_profiled_step(
+    profiler: &mut Option<StepProfiler>,
+    step: Option<ProfiledStep>,
+    out: &mut Option<StepProfile>,
+    print: bool,
+) -> Result<(), MnistError> {
+    let (Some(p), Some(st)) = (profiler.as_mut(), step) else {
+        return Ok(());
+    };
+    if let Some(done) = p.add(st)? {
+        if print {
+            println!("{}", done.table());
+        }
+        *out = Some(done);
+    }
+    Ok(())
 }
