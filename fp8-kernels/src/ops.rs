@@ -1204,11 +1204,7 @@ fn col2im_cpu_stride1_unpadded(cols: &[f32], g: &Conv2dGeometry, dx: &mut [f32])
                 out.fill(0.0);
                 for oy in (0..oh).rev() {
                     let block = &img_cols[oy * ow * pl..][..ow * pl];
-                    for (ox, row) in block.chunks_exact(pl).enumerate() {
-                        for (col, &v) in row.iter().enumerate() {
-                            block_t[col * ow + ox] = v;
-                        }
-                    }
+                    transpose_2d(block, ow, pl, block_t);
                     let mut spans = block_t.chunks_exact(ow);
                     for plane in out.chunks_exact_mut(plane_len) {
                         for ky in 0..kh {
@@ -1227,37 +1223,58 @@ fn col2im_cpu_stride1_unpadded(cols: &[f32], g: &Conv2dGeometry, dx: &mut [f32])
         );
 }
 
-/// Batched transpose on the CPU: one task per batch entry, in square tiles so that both the strided
-/// reads and the writes stay in L1.
+/// `y = x^T` for a row-major `[rows, cols]` matrix `x`, in 8x8 tiles held in registers: each tile is
+/// read as eight contiguous row pieces and written as eight contiguous column pieces.
+fn transpose_2d<T: Copy>(x: &[T], rows: usize, cols: usize, y: &mut [T]) {
+    const B: usize = 8;
+    let (rb, cb) = (rows / B * B, cols / B * B);
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    for r0 in (0..rb).step_by(B) {
+        for c0 in (0..cb).step_by(B) {
+            let mut tile = [[x[0]; B]; B];
+            for (i, t) in tile.iter_mut().enumerate() {
+                t.copy_from_slice(&x[(r0 + i) * cols + c0..][..B]);
+            }
+            for j in 0..B {
+                let dst = &mut y[(c0 + j) * rows + r0..][..B];
+                for (d, t) in dst.iter_mut().zip(&tile) {
+                    *d = t[j];
+                }
+            }
+        }
+        for c in cb..cols {
+            for i in 0..B {
+                y[c * rows + r0 + i] = x[(r0 + i) * cols + c];
+            }
+        }
+    }
+    for r in rb..rows {
+        for c in 0..cols {
+            y[c * rows + r] = x[r * cols + c];
+        }
+    }
+}
+
+/// Batched transpose on the CPU: one task per batch entry.
 fn transpose_batched_cpu<T: Copy + Send + Sync>(
     xs: &[T],
     [_, rows, cols]: [usize; 3],
     ys: &mut [T],
 ) {
-    const TILE: usize = 32;
     let mat = rows * cols;
-    let one = |x: &[T], y: &mut [T]| {
-        for r0 in (0..rows).step_by(TILE) {
-            let r1 = (r0 + TILE).min(rows);
-            for c0 in (0..cols).step_by(TILE) {
-                let c1 = (c0 + TILE).min(cols);
-                for c in c0..c1 {
-                    let dst = &mut y[c * rows + r0..c * rows + r1];
-                    for (r, d) in (r0..r1).zip(dst.iter_mut()) {
-                        *d = x[r * cols + c];
-                    }
-                }
-            }
-        }
-    };
+    if mat == 0 {
+        return;
+    }
     if xs.len() < CPU_PAR_THRESHOLD {
         xs.chunks_exact(mat)
             .zip(ys.chunks_exact_mut(mat))
-            .for_each(|(x, y)| one(x, y));
+            .for_each(|(x, y)| transpose_2d(x, rows, cols, y));
     } else {
         xs.par_chunks_exact(mat)
             .zip(ys.par_chunks_exact_mut(mat))
-            .for_each(|(x, y)| one(x, y));
+            .for_each(|(x, y)| transpose_2d(x, rows, cols, y));
     }
 }
 
