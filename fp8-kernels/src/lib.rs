@@ -28,6 +28,7 @@ pub mod kernel_source;
 pub mod linear;
 pub mod ops;
 pub mod optim_step;
+pub mod rng;
 pub mod segmented;
 
 pub use adam::{AdamConfig, AdamGrad, LowPrecisionAdamState, WeightDecay};

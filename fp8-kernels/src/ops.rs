@@ -11,6 +11,7 @@
 
 use crate::cast::{cuda_of, same_device, FloatElement};
 use crate::kernel_source::{function, grid_1d, sm_count, OPS_MODULE};
+use crate::rng::SplitMix64;
 use crate::{check_len, Buffer, CudaDevice, Element, KernelError};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
@@ -504,10 +505,7 @@ impl Dropout {
 
 /// The 32 random bits of counter `counter`: splitmix64 of `seed + counter * 0x9E3779B97F4A7C15`, upper half.
 pub fn dropout_bits(seed: u64, counter: u64) -> u32 {
-    let mut z = seed.wrapping_add(counter.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
+    let z = SplitMix64::mix(seed.wrapping_add(counter.wrapping_mul(SplitMix64::GAMMA)));
     (z >> 32) as u32
 }
 

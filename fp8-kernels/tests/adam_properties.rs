@@ -7,6 +7,7 @@ use fp8_core::Fp8Format;
 use fp8_kernels::adam::{
     adam_element, adam_step_f32, adam_step_low_precision, f16_saturating, lp_slot, AmaxSlots,
 };
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AdamConfig, Device, LowPrecisionAdamState, WeightDecay};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -40,17 +41,8 @@ fn reference_step(
 }
 
 fn splitmix(seed: u64, len: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            (((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect()
+    let mut rng = SplitMix64::new(seed);
+    (0..len).map(|_| rng.uniform_f32() * scale).collect()
 }
 
 prop_compose! {

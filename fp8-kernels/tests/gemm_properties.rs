@@ -3,6 +3,7 @@
 
 use fp8_core::Fp8Format;
 use fp8_kernels::gemm::{dequantize_fp8_host, gemm, gemm_bf16, gemm_f32, gemm_fp8};
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{CpuParallelism, Device, DeviceScalar, Fp8Matrix, GemmSpec, Transpose};
 use half::bf16;
 use proptest::prelude::*;
@@ -68,17 +69,8 @@ prop_compose! {
 
 /// Deterministic pseudo-random values in [-4, 4) (splitmix64).
 fn values(seed: u64, len: usize) -> Vec<f32> {
-    let mut s = seed;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
-        })
-        .collect()
+    let mut rng = SplitMix64::new(seed);
+    (0..len).map(|_| rng.unit_f32() * 8.0 - 4.0).collect()
 }
 
 fn widen(x: &[f32]) -> Vec<f64> {

@@ -4,22 +4,14 @@
 
 use fp8_core::{Fp8Format, ScalingRecipe};
 use fp8_kernels::linear::LinearElement;
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{CpuParallelism, Device, FloatLinear, Fp8Linear, Fp8LinearConfig};
 use half::bf16;
 use proptest::prelude::*;
 
 fn splitmix(seed: u64, len: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            (((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect()
+    let mut rng = SplitMix64::new(seed);
+    (0..len).map(|_| rng.uniform_f32() * scale).collect()
 }
 
 /// Quantize-dequantize with fp8-core: the values the FP8 GEMMs see.

@@ -23,44 +23,10 @@
 //! global batches). The last batch of an epoch is partial when `num_samples % B != 0`; it has the same
 //! size on every rank.
 
-/// SplitMix64, the 64-bit generator of Steele, Lea and Flood (2014) in Vigna's reference form: a
-/// counter stepped by `0x9E3779B97F4A7C15` and a finaliser. Small, fast, portable and easy to reproduce
-/// in any language (see `docs/mnist-data.md`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    /// A generator whose first output is the finalised `seed + 0x9E3779B97F4A7C15`.
-    pub fn new(seed: u64) -> Self {
-        SplitMix64 { state: seed }
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform integer in `0..bound` (unbiased: draws below `2^64 mod bound` are rejected and
-    /// redrawn, then the draw is reduced modulo `bound`). Returns 0 when `bound` is 0.
-    pub fn below(&mut self, bound: u64) -> u64 {
-        if bound == 0 {
-            return 0;
-        }
-        let threshold = bound.wrapping_neg() % bound;
-        loop {
-            let x = self.next_u64();
-            if x >= threshold {
-                return x % bound;
-            }
-        }
-    }
-}
+/// SplitMix64 (Steele, Lea and Flood 2014, in Vigna's reference form): a counter stepped by
+/// `0x9E3779B97F4A7C15` and a finaliser, easy to reproduce in any language (see `docs/mnist-data.md`).
+/// It is the workspace's one generator, re-exported here where the sampler's API has always named it.
+pub use fp8_kernels::rng::SplitMix64;
 
 /// The generator for one epoch: `SplitMix64::new(k ^ epoch)` where `k` is the first output of
 /// `SplitMix64::new(seed)`, so nearby seeds and epochs give unrelated streams.

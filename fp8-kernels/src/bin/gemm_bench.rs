@@ -13,6 +13,7 @@
 use fp8_core::Fp8Format;
 use fp8_kernels::adam::{adam_step_f32, adam_step_low_precision, bytes_per_element, AmaxSlots};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     AdamConfig, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmSpec, KernelError,
     LowPrecisionAdamState, Transpose,
@@ -29,10 +30,8 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
     (0..n)
         .into_par_iter()
         .map(|i| {
-            let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
+            // Counter-based, so the parallel fill does not depend on how rayon splits it.
+            let z = SplitMix64::mix(seed.wrapping_add((i as u64).wrapping_mul(SplitMix64::GAMMA)));
             ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()

@@ -11,6 +11,7 @@
 use fp8_core::Fp8Format;
 use fp8_kernels::adam::{adam_step_f32, adam_step_low_precision, AmaxSlots};
 use fp8_kernels::gemm::{gemm, gemm_f32, gemm_f32_host, gemm_fp8};
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     AdamConfig, Buffer, Device, DeviceScalar, Element, FloatLinear, Fp8Linear, Fp8LinearConfig,
     Fp8Matrix, GemmOutput, GemmSpec, LowPrecisionAdamState, Transpose, WeightDecay,
@@ -18,14 +19,14 @@ use fp8_kernels::{
 use half::{bf16, f16};
 use std::process::ExitCode;
 
-struct Rng(u64);
+/// The workspace generator with this file's own float mappings on top.
+struct Rng(SplitMix64);
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(SplitMix64::new(seed))
+    }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     /// Uniform in [-scale, scale), never exactly zero.
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
@@ -597,7 +598,7 @@ fn main() -> ExitCode {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0x5EED);
     println!("gemm_check: seed {seed:#x}");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut report = Report::default();
     for (name, f) in [
         (

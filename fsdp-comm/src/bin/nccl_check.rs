@@ -13,6 +13,7 @@
 //! prints why and exits 0. Options: `--timeout SECONDS` (default 120), `--skip-init-timeout-check`.
 
 use fp8_core::Fp8Format;
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::nccl::{nccl_library_status, NcclComm, NcclConfig};
 use fsdp_comm::ring::fp8_unit_roundoff;
@@ -52,14 +53,14 @@ impl Call {
     }
 }
 
-struct Rng(u64);
+/// The workspace generator with this file's own float mappings on top.
+struct Rng(SplitMix64);
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(SplitMix64::new(seed))
+    }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     fn float(&mut self) -> f32 {
         let r = self.next();
@@ -88,7 +89,7 @@ fn inputs(kind: CommDType, call: Call, len: usize, n: usize, rank: usize) -> Vec
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         });
     let seed = ((len as u64) << 32) ^ ((rank as u64) << 16) ^ tag;
-    let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ rank as u64);
+    let mut rng = Rng::new(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ rank as u64);
     (0..len)
         .map(|_| match kind {
             CommDType::F32 => rng.float().to_bits(),

@@ -23,6 +23,7 @@ pub mod profile;
 use crate::mlp::adamw::LocalAdamW;
 use crate::mlp::profile::{Phase, Profiler};
 use fp8_kernels::ops::{add, axpy, gelu_backward, gelu_forward, scale, GeluApprox};
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     convert, Buffer, CpuParallelism, Device, DeviceScalar, FloatLinear, Fp8Linear, Fp8LinearConfig,
     Fp8LinearSaved, KernelError,
@@ -116,17 +117,7 @@ impl MlpConfig {
 
 /// Deterministic pseudo-random values, roughly uniform in `[-1, 1)` (SplitMix64).
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    SplitMix64::new(seed).uniform_vec(n)
 }
 
 /// One block's per-step buffers (allocated once).

@@ -6,6 +6,7 @@ use crate::nn::{
     Conv2d, Dropout, Flatten, Linear, LinearPrecision, LogSoftmaxNll, MaxPool2d, NnError, Relu,
 };
 use fp8_core::{QType, ScalingMeta};
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_shard::{ModelLayout, ParamSpec, ShardedModel, WrapPolicy};
@@ -53,10 +54,7 @@ pub struct MnistNet {
 /// Mixes a seed with a stream number (SplitMix64 finaliser), so every parameter and dropout layer has
 /// its own generator.
 fn stream_seed(seed: u64, stream: u64) -> u64 {
-    let mut z = seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    SplitMix64::mix(seed ^ stream.wrapping_mul(SplitMix64::GAMMA))
 }
 
 impl MnistNet {

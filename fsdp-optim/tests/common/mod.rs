@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use fp8_core::Fp8Format;
+use fp8_kernels::rng::SplitMix64;
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_optim::{AdamOptions, OptimError, ShardedAdam, StateMeta, StepReport};
 use fsdp_shard::{
@@ -12,17 +13,7 @@ use std::sync::Arc;
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    SplitMix64::new(seed).uniform_vec(n)
 }
 
 /// A model of FP8 weights and plain parameters with given initial values and gradients per step.

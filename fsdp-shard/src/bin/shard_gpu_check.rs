@@ -10,6 +10,7 @@
 use fp8_core::Fp8Format;
 use fp8_kernels::gemm::{gemm_bf16, GemmSpec};
 use fp8_kernels::ops::axpy;
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{dequantize_fp8, Buffer, Device};
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_shard::{
@@ -25,17 +26,7 @@ const OUT: usize = 256;
 const IN: usize = 528; // not a multiple of the world size times 16: shards cut weights
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    SplitMix64::new(seed).uniform_vec(n)
 }
 
 fn layout() -> Result<Arc<ModelLayout>, ShardError> {
