@@ -195,20 +195,23 @@ impl GradReducer {
     }
 }
 
+/// Rejects a gradient of `len` elements at `offset` that would not fit in a flat buffer of `full_len`.
+fn check_range(full_len: usize, offset: usize, len: usize) -> Result<(), ShardError> {
+    if offset.checked_add(len).is_none_or(|e| e > full_len) {
+        return Err(ShardError::InvalidArgument(
+            "gradient range outside its flat buffer".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// `full[offset..offset + grad.len()] += grad`, where the buffers live (one kernel on CUDA).
 pub fn add_into_range(
     full: &mut Buffer<f32>,
     offset: usize,
     grad: &Buffer<f32>,
 ) -> Result<(), ShardError> {
-    if offset
-        .checked_add(grad.len())
-        .is_none_or(|e| e > full.len())
-    {
-        return Err(ShardError::InvalidArgument(
-            "gradient range outside its flat buffer".into(),
-        ));
-    }
+    check_range(full.len(), offset, grad.len())?;
     add_at(full, offset, grad)?;
     Ok(())
 }
@@ -219,14 +222,7 @@ pub fn add_into_range_bf16(
     offset: usize,
     grad: &Buffer<bf16>,
 ) -> Result<(), ShardError> {
-    if offset
-        .checked_add(grad.len())
-        .is_none_or(|e| e > full.len())
-    {
-        return Err(ShardError::InvalidArgument(
-            "gradient range outside its flat buffer".into(),
-        ));
-    }
+    check_range(full.len(), offset, grad.len())?;
     add_at(full, offset, grad)?;
     Ok(())
 }
