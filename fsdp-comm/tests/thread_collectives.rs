@@ -52,15 +52,9 @@ const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
 /// values from a proptest seed.
 struct Rng(SplitMix64);
 impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(SplitMix64::new(seed))
-    }
-    fn next(&mut self) -> u64 {
-        self.0.next_u64()
-    }
     /// A float spread over magnitudes 2^-10 .. 2^10, either sign, sometimes exactly zero.
     fn float(&mut self) -> f32 {
-        let r = self.next();
+        let r = self.0.next_u64();
         if r % 17 == 0 {
             return 0.0;
         }
@@ -78,7 +72,7 @@ fn random_bits(kind: Kind, len: usize, rng: &mut Rng) -> Vec<u32> {
             Kind::F32 => rng.float().to_bits(),
             Kind::BF16 => bf16::from_f32(rng.float()).to_bits() as u32,
             Kind::F16 => f16::from_f32(rng.float()).to_bits() as u32,
-            Kind::Bytes | Kind::Fp8(_) => (rng.next() & 0xFF) as u32,
+            Kind::Bytes | Kind::Fp8(_) => (rng.0.next_u64() & 0xFF) as u32,
         })
         .collect()
 }
@@ -234,7 +228,7 @@ impl HostBuf {
 }
 
 fn inputs_for(kind: Kind, n: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
-    let mut rng = Rng::new(seed);
+    let mut rng = Rng(SplitMix64::new(seed));
     (0..n).map(|_| random_bits(kind, len, &mut rng)).collect()
 }
 
@@ -371,12 +365,12 @@ proptest! {
         let kind = Kind::Fp8(format);
         // Values small enough that no partial sum reaches the largest finite value (no saturation).
         let limit = format.max() as f64 / (2.0 * n as f64);
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng(SplitMix64::new(seed));
         let inputs: Vec<Vec<u32>> = (0..n)
             .map(|_| {
                 (0..chunk * n)
                     .map(|_| loop {
-                        let c = (rng.next() & 0xFF) as u8;
+                        let c = (rng.0.next_u64() & 0xFF) as u8;
                         let v = format.decode(c) as f64;
                         if v.is_finite() && v.abs() <= limit {
                             break c as u32;

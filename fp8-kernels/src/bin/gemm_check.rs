@@ -22,17 +22,11 @@ use std::process::ExitCode;
 /// The workspace generator with this file's own float mappings on top.
 struct Rng(SplitMix64);
 impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(SplitMix64::new(seed))
-    }
-    fn next(&mut self) -> u64 {
-        self.0.next_u64()
-    }
     /// Uniform in [-scale, scale), never exactly zero.
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n)
             .map(|_| {
-                let u = ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
+                let u = ((self.0.next_u64() >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
                 (u * 2.0 - 1.0) * scale
             })
             .collect()
@@ -598,7 +592,7 @@ fn main() -> ExitCode {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0x5EED);
     println!("gemm_check: seed {seed:#x}");
-    let mut rng = Rng::new(seed);
+    let mut rng = Rng(SplitMix64::new(seed));
     let mut report = Report::default();
     for (name, f) in [
         (

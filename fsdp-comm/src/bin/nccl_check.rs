@@ -56,14 +56,8 @@ impl Call {
 /// The workspace generator with this file's own float mappings on top.
 struct Rng(SplitMix64);
 impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(SplitMix64::new(seed))
-    }
-    fn next(&mut self) -> u64 {
-        self.0.next_u64()
-    }
     fn float(&mut self) -> f32 {
-        let r = self.next();
+        let r = self.0.next_u64();
         let sign = if r & 1 == 0 { 1.0 } else { -1.0 };
         let e = ((r >> 8) % 13) as i32 - 6;
         let frac = ((r >> 16) % 1_000_000) as f32 / 1_000_000.0;
@@ -89,15 +83,17 @@ fn inputs(kind: CommDType, call: Call, len: usize, n: usize, rank: usize) -> Vec
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         });
     let seed = ((len as u64) << 32) ^ ((rank as u64) << 16) ^ tag;
-    let mut rng = Rng::new(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ rank as u64);
+    let mut rng = Rng(SplitMix64::new(
+        seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ rank as u64,
+    ));
     (0..len)
         .map(|_| match kind {
             CommDType::F32 => rng.float().to_bits(),
             CommDType::BF16 => bf16::from_f32(rng.float()).to_bits() as u32,
             CommDType::F16 => f16::from_f32(rng.float()).to_bits() as u32,
-            CommDType::Bytes => (rng.next() & 0xFF) as u32,
+            CommDType::Bytes => (rng.0.next_u64() & 0xFF) as u32,
             CommDType::Fp8(f) => loop {
-                let c = (rng.next() & 0xFF) as u8;
+                let c = (rng.0.next_u64() & 0xFF) as u8;
                 let v = f.decode(c);
                 // Sums stay below saturation so the error bound applies; NaN is checked on CPU tests.
                 let limit = f.max() / (2.0 * n as f32);
