@@ -615,65 +615,6 @@ impl NcclComm {
 
     /// Queues one NCCL call on the communication stream, ordered after the compute stream's work, and
     /// returns the handle of its completion.
-    /// Queues `ncclAllReduce(send -> recv, count)`; `send == recv` reduces in place.
-    ///
-    /// # Safety
-    /// `send` and `recv` are device pointers of live buffers of at least `count` elements of `dt` on
-    /// this communicator's GPU, kept alive (their guards held) until this returns.
-    unsafe fn issue_all_reduce(
-        &self,
-        name: &'static str,
-        send: CUdeviceptr,
-        recv: CUdeviceptr,
-        count: usize,
-        dt: sys::ncclDataType_t,
-        red: sys::ncclRedOp_t,
-    ) -> Result<CommWork, CommError> {
-        self.issue(name, |comm, st| {
-            // SAFETY: the caller's contract above.
-            unsafe {
-                sys::ncclAllReduce(
-                    send as usize as *const c_void,
-                    recv as usize as *mut c_void,
-                    count,
-                    dt,
-                    red,
-                    comm,
-                    st,
-                )
-            }
-        })
-    }
-
-    /// Queues `ncclBroadcast(send on root -> recv, count)`; `send == recv` broadcasts in place.
-    ///
-    /// # Safety
-    /// As [`Self::issue_all_reduce`], and `root` is below the world size.
-    unsafe fn issue_broadcast(
-        &self,
-        name: &'static str,
-        send: CUdeviceptr,
-        recv: CUdeviceptr,
-        count: usize,
-        dt: sys::ncclDataType_t,
-        root: usize,
-    ) -> Result<CommWork, CommError> {
-        self.issue(name, |comm, st| {
-            // SAFETY: the caller's contract above.
-            unsafe {
-                sys::ncclBroadcast(
-                    send as usize as *const c_void,
-                    recv as usize as *mut c_void,
-                    count,
-                    dt,
-                    root as i32,
-                    comm,
-                    st,
-                )
-            }
-        })
-    }
-
     fn issue(
         &self,
         op: &'static str,
@@ -860,24 +801,72 @@ impl Communicator for NcclComm {
             Collective::AllReduce { send, recv, .. } => {
                 let (s, _gs) = self.send_ptr(send, &stream)?;
                 let (r, _gr) = self.recv_ptr(recv, &stream)?;
-                // SAFETY: equal validated lengths, live buffers.
-                unsafe { self.issue_all_reduce(name, s, r, recv_len, dt, red) }
+                self.issue(name, |comm, st| {
+                    // SAFETY: equal validated lengths, live buffers.
+                    unsafe {
+                        sys::ncclAllReduce(
+                            s as usize as *const c_void,
+                            r as usize as *mut c_void,
+                            recv_len,
+                            dt,
+                            red,
+                            comm,
+                            st,
+                        )
+                    }
+                })
             }
             Collective::AllReduceInPlace { buf, .. } => {
                 let (p, _g) = self.recv_ptr(buf, &stream)?;
-                // SAFETY: in place (send == recv) is allowed by NCCL; live buffer.
-                unsafe { self.issue_all_reduce(name, p, p, recv_len, dt, red) }
+                self.issue(name, |comm, st| {
+                    // SAFETY: in place (send == recv) is allowed by NCCL; live buffer.
+                    unsafe {
+                        sys::ncclAllReduce(
+                            p as usize as *const c_void,
+                            p as usize as *mut c_void,
+                            recv_len,
+                            dt,
+                            red,
+                            comm,
+                            st,
+                        )
+                    }
+                })
             }
             Collective::Broadcast { send, recv, root } => {
                 let (s, _gs) = self.send_ptr(send, &stream)?;
                 let (r, _gr) = self.recv_ptr(recv, &stream)?;
-                // SAFETY: equal validated lengths, root checked below world_size, live buffers.
-                unsafe { self.issue_broadcast(name, s, r, recv_len, dt, root) }
+                self.issue(name, |comm, st| {
+                    // SAFETY: equal validated lengths, root checked below world_size, live buffers.
+                    unsafe {
+                        sys::ncclBroadcast(
+                            s as usize as *const c_void,
+                            r as usize as *mut c_void,
+                            recv_len,
+                            dt,
+                            root as i32,
+                            comm,
+                            st,
+                        )
+                    }
+                })
             }
             Collective::BroadcastInPlace { buf, root } => {
                 let (p, _g) = self.recv_ptr(buf, &stream)?;
-                // SAFETY: in place is allowed by NCCL; root checked; live buffer.
-                unsafe { self.issue_broadcast(name, p, p, recv_len, dt, root) }
+                self.issue(name, |comm, st| {
+                    // SAFETY: in place is allowed by NCCL; root checked; live buffer.
+                    unsafe {
+                        sys::ncclBroadcast(
+                            p as usize as *const c_void,
+                            p as usize as *mut c_void,
+                            recv_len,
+                            dt,
+                            root as i32,
+                            comm,
+                            st,
+                        )
+                    }
+                })
             }
         }
     }
