@@ -22,6 +22,7 @@ pub mod blaslt;
 pub mod cast;
 pub mod device;
 mod error;
+pub mod fused;
 pub mod gather_rows;
 pub mod gemm;
 pub mod kernel_source;

@@ -100,6 +100,12 @@ impl Fp8LinearSaved {
     pub fn num_bytes(&self) -> usize {
         self.x_t.num_bytes() + self.x_scale_inv.num_bytes()
     }
+
+    /// `x^T`, the scale-inverse slot and the row count, for kernels of this crate that quantize an input
+    /// themselves (the fused GELU + cast of `crate::fused`).
+    pub(crate) fn parts_mut(&mut self) -> (&mut Buffer<u8>, &mut Buffer<f32>, &mut usize) {
+        (&mut self.x_t, &mut self.x_scale_inv, &mut self.tokens)
+    }
 }
 
 /// The FP8 linear operation with its three scaling metas (input, weight, output gradient).

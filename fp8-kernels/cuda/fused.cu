@@ -1,0 +1,105 @@
+// GELU fused with the FP8 cast + transpose of its result (see src/fused.rs for the exact definitions).
+//
+// Compiled after common.cuh and ops.cu: it reuses ops.cu's erf_approx and GELU constants and writes the
+// GELU math with the same operations in the same order as gelu_fwd_impl / gelu_bwd_impl, so the fused
+// kernels equal "GELU kernel (stored in the element type), then cast_transpose" bit for bit. Standalone
+// (common.cuh only) the file compiles to nothing.
+#ifdef GELU_K0
+
+// The element type's rounding of an f32 (what storing the unfused GELU output and reloading it does).
+template <class E>
+__device__ __forceinline__ float round_through(float v) {
+    typename E::T tmp[1];
+    E::store(tmp, 0, v);
+    return E::load(tmp, 0);
+}
+
+// gelu_fwd_impl's expression.
+__device__ __forceinline__ float gelu_value(float v, int exact) {
+    if (exact) return mul_rn(mul_rn(0.5f, v), add_rn(1.0f, erf_approx(mul_rn(v, INV_SQRT2))));
+    const float u = mul_rn(GELU_K0, add_rn(v, mul_rn(GELU_K1, mul_rn(mul_rn(v, v), v))));
+    return mul_rn(mul_rn(0.5f, v), add_rn(1.0f, tanhf(u)));
+}
+
+// gelu_bwd_impl's expression (before the multiplication by dy).
+__device__ __forceinline__ float gelu_slope(float v, int exact) {
+    if (exact) {
+        const float cdf = mul_rn(0.5f, add_rn(1.0f, erf_approx(mul_rn(v, INV_SQRT2))));
+        const float pdf = mul_rn(INV_SQRT_2PI, expf(mul_rn(-0.5f, mul_rn(v, v))));
+        return add_rn(cdf, mul_rn(v, pdf));
+    }
+    const float v2 = mul_rn(v, v);
+    const float u = mul_rn(GELU_K0, add_rn(v, mul_rn(GELU_K1, mul_rn(v2, v))));
+    const float t = tanhf(u);
+    const float du = mul_rn(GELU_K0, add_rn(1.0f, mul_rn(3.0f * GELU_K1, v2)));
+    return add_rn(mul_rn(0.5f, add_rn(1.0f, t)), mul_rn(mul_rn(mul_rn(0.5f, v), add_rn(1.0f, -mul_rn(t, t))), du));
+}
+
+// x [rows, cols] row-major -> y = codes [rows, cols], yt = codes of the transpose [cols, rows], amax into
+// amax[slot]. dy == nullptr: value = gelu(x); otherwise value = gelu'(x) * dy. The value is rounded to the
+// element type before the amax and the cast, as the unfused path stores it. Tiles and the amax reduction
+// are those of cast_transpose_impl (block (32, 8)).
+#define FG_TILE 32
+template <class E, int FMT>
+__device__ void gelu_cast_transpose_impl(const typename E::T* x, const typename E::T* dy, u8* y, u8* yt,
+                                         const float* scale, float* amax, int slot, int rows, int cols, int exact) {
+    __shared__ u8 tile[FG_TILE][FG_TILE + 4];
+    const float s = *scale;
+    int m = 0;
+    const int tiles_c = (cols + FG_TILE - 1) / FG_TILE;
+    const int tiles_r = (rows + FG_TILE - 1) / FG_TILE;
+    for (int t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
+        const int r0 = (t / tiles_c) * FG_TILE, c0 = (t % tiles_c) * FG_TILE;
+        for (int k = threadIdx.y; k < FG_TILE; k += blockDim.y) {
+            const int r = r0 + k, c = c0 + threadIdx.x;
+            u8 code = 0;
+            if (r < rows && c < cols) {
+                const u64 i = (u64)r * cols + c;
+                const float v = E::load(x, i);
+                const float h = dy == nullptr ? round_through<E>(gelu_value(v, exact))
+                                              : round_through<E>(mul_rn(gelu_slope(v, exact), E::load(dy, i)));
+                m = max(m, abs_bits_no_nan(h));
+                code = (u8)(fp8x2<FMT>(mul_rn(h, s), 0.0f) & 0xFF);
+                y[i] = code;
+            }
+            tile[k][threadIdx.x] = code;
+        }
+        __syncthreads();
+        for (int k = threadIdx.y; k < FG_TILE; k += blockDim.y) {
+            const int c = c0 + k, r = r0 + threadIdx.x;
+            if (r < rows && c < cols) yt[(u64)c * rows + r] = tile[threadIdx.x][k];
+        }
+        __syncthreads();
+    }
+    const int flat = threadIdx.y * blockDim.x + threadIdx.x;
+    __shared__ int wm[32];
+    m = __reduce_max_sync(0xFFFFFFFFu, m);
+    if ((flat & 31) == 0) wm[flat >> 5] = m;
+    __syncthreads();
+    if (flat < 32) {
+        const int nw = (blockDim.x * blockDim.y + 31) >> 5;
+        int v = flat < nw ? wm[flat] : 0;
+        v = __reduce_max_sync(0xFFFFFFFFu, v);
+        if (flat == 0 && amax != nullptr) atomicMax(reinterpret_cast<int*>(amax + slot), v);
+    }
+}
+
+#define GELU_CAST_ENTRY(NAME, E, FNAME, FMT)                                                                      \
+    extern "C" __global__ void gelu_cast_transpose_##NAME##_##FNAME(const E::T* x, u8* y, u8* yt,                   \
+                                                                    const float* scale, float* amax, int slot,      \
+                                                                    int rows, int cols, int exact) {                \
+        gelu_cast_transpose_impl<E, FMT>(x, nullptr, y, yt, scale, amax, slot, rows, cols, exact);                  \
+    }                                                                                                               \
+    extern "C" __global__ void gelu_bwd_cast_transpose_##NAME##_##FNAME(const E::T* x, const E::T* dy, u8* y,       \
+                                                                        u8* yt, const float* scale, float* amax,    \
+                                                                        int slot, int rows, int cols, int exact) {  \
+        gelu_cast_transpose_impl<E, FMT>(x, dy, y, yt, scale, amax, slot, rows, cols, exact);                       \
+    }
+GELU_CAST_ENTRY(f32, TF32, e4m3, FP8_E4M3)
+GELU_CAST_ENTRY(f32, TF32, e5m2, FP8_E5M2)
+GELU_CAST_ENTRY(bf16, TBF16, e4m3, FP8_E4M3)
+GELU_CAST_ENTRY(bf16, TBF16, e5m2, FP8_E5M2)
+GELU_CAST_ENTRY(f16, TF16, e4m3, FP8_E4M3)
+GELU_CAST_ENTRY(f16, TF16, e5m2, FP8_E5M2)
+
+#endif
