@@ -14,6 +14,7 @@ fn config(mode: BenchMode, optimizer: OptimizerChoice) -> MlpConfig {
         mode,
         grad_reduction: GradReduction::F32,
         recompute: false,
+        fused: false,
         optimizer,
         lr: 1e-2,
         seed: 3,
@@ -143,4 +144,42 @@ fn recompute_matches_saved_activations() {
     let (b0, b1) = losses(cfg, 1, 4);
     assert_eq!((a0, a1), (b0, b1));
     assert!(a1 < a0, "{a0} -> {a1}");
+}
+
+/// Every rank's final residual stream and the gathered master weights after `steps` steps.
+fn final_state(cfg: MlpConfig, ranks: usize, steps: usize) -> Vec<(Vec<u32>, Vec<f64>)> {
+    run_ranks(ranks, |comm| {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let mut b = MlpBench::new(cfg.clone(), comm)?;
+        let mut losses = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            b.step()?;
+            losses.push(b.loss()?);
+        }
+        let out = b.output()?;
+        Ok::<_, MlpError>((
+            out.into_iter().map(|v| v.to_bits() as u32).collect(),
+            losses,
+        ))
+    })
+    .unwrap()
+}
+
+#[test]
+fn fused_gelu_casts_train_bit_identically() {
+    // The fused kernels write the same FP8 codes, transposes and amaxes as GELU-then-cast, so every step
+    // (weights, scales, activations) is identical; with and without recompute, one and two ranks.
+    for (recompute, ranks) in [(false, 1), (true, 1), (false, 2)] {
+        let mut cfg = config(BenchMode::Fp8, OptimizerChoice::LocalF32);
+        cfg.recompute = recompute;
+        let plain = final_state(cfg.clone(), ranks, 5);
+        cfg.fused = true;
+        let fused = final_state(cfg, ranks, 5);
+        assert_eq!(plain, fused, "recompute {recompute}, {ranks} rank(s)");
+        let losses = &plain[0].1;
+        assert!(
+            losses[4] < losses[0],
+            "the runs train (so scales and weights move): {losses:?}"
+        );
+    }
 }

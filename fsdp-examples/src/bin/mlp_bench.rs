@@ -72,6 +72,9 @@ struct Args {
     /// fp8 mode: recompute each block in the backward instead of keeping its activations.
     #[arg(long)]
     recompute: bool,
+    /// fp8 mode: fused GELU + FP8 cast kernels (one pass over the [T, 4d] activations each way).
+    #[arg(long)]
+    fused: bool,
     /// Optimizer (default: fsdp on the CPU, local on CUDA).
     #[arg(long, value_enum)]
     optimizer: Option<Opt>,
@@ -114,6 +117,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Reduction::Fp8E5m2 => GradReduction::Fp8(Fp8Format::E5M2),
         },
         recompute: args.recompute,
+        fused: args.fused,
         optimizer: match args.optimizer {
             Some(Opt::Fsdp) => OptimizerChoice::FsdpOptim,
             Some(Opt::Local) => OptimizerChoice::LocalF32,
@@ -256,6 +260,7 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "params": params,
         "grad_reduction": format!("{:?}", args.grad_reduction),
         "recompute": cfg.recompute,
+        "fused": cfg.fused,
         "optimizer": o.bench.optimizer_name(),
         "warmup": args.warmup, "steps": o.times.len(),
         "step_s": median,

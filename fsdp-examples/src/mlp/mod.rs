@@ -100,6 +100,9 @@ pub struct MlpConfig {
     pub grad_reduction: GradReduction,
     /// `fp8` mode: keep only each block's input and recompute the block in the backward pass.
     pub recompute: bool,
+    /// `fp8` mode: GELU fused with the FP8 casts around it ([`fp8_kernels::fused`]): one pass over the
+    /// `[T, 4d]` activations in each direction instead of two; trains bit-identically to the unfused path.
+    pub fused: bool,
     /// The optimizer.
     pub optimizer: OptimizerChoice,
     /// Learning rate.
@@ -133,7 +136,7 @@ struct BlockBuffers {
 
 /// Buffers shared by all blocks (one block computes at a time).
 struct Shared {
-    /// GELU output `[T, 4d]`, and its gradient.
+    /// GELU output `[T, 4d]` (then the pre-activation's gradient); empty with `fused` in `fp8` mode.
     a: Buffer<bf16>,
     da: Buffer<bf16>,
     /// Branch output `[T, d]`.
@@ -299,7 +302,12 @@ impl MlpBench {
             qt_d: device.zeros(fp8_len(t * d))?,
             q_4d: device.zeros(fp8_len(t * 4 * d))?,
             qt_4d: device.zeros(fp8_len(t * 4 * d))?,
-            a: device.zeros(t * 4 * d)?,
+            // The fused fp8 path never materialises the GELU output or its gradient.
+            a: device.zeros(if config.fused && !bf16_mode {
+                0
+            } else {
+                t * 4 * d
+            })?,
             da: device.zeros(t * 4 * d)?,
             o: device.zeros(t * d)?,
             dh_branch: device.zeros(t * d)?,
@@ -418,6 +426,11 @@ impl MlpBench {
             + s.w_down16.as_ref().map_or(0, Buffer::num_bytes)
     }
 
+    /// The output `h_L` of the last forward, `[T, d]` (a host round trip).
+    pub fn output(&self) -> Result<Vec<bf16>, MlpError> {
+        Ok(self.h[self.config.blocks].to_vec()?)
+    }
+
     /// The loss `mean(h_L^2)` of the last forward (reads the output: a host round trip).
     pub fn loss(&self) -> Result<f64, MlpError> {
         let out = self.h[self.config.blocks].to_vec()?;
@@ -506,6 +519,7 @@ impl MlpBench {
     /// Without `full` (fp8 recompute in the backward) it stops after the down linear's input cast.
     fn block_forward(&mut self, b: usize, full: bool) -> Result<(), MlpError> {
         let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
+        let fused = self.config.fused;
         let (before, after) = self.h.split_at_mut(b + 1);
         let (x, y) = (&before[b], &mut after[0]);
         let s = &mut self.shared;
@@ -569,12 +583,19 @@ impl MlpBench {
                     u,
                 )?;
                 profile::stop(prof, Phase::ForwardGemm, m)?;
-                let m = profile::start(prof, false)?;
-                gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
-                profile::stop(prof, Phase::Gelu, m)?;
-                let m = profile::start(prof, false)?;
-                down.quantize_input(&s.a, &mut s.q_4d, saved_down)?;
-                profile::stop(prof, Phase::ForwardCast, m)?;
+                if fused {
+                    // GELU output never materialised: its E4M3 codes and transpose come out directly.
+                    let m = profile::start(prof, false)?;
+                    down.quantize_input_gelu(u, GeluApprox::Erf, &mut s.q_4d, saved_down)?;
+                    profile::stop(prof, Phase::GeluCastFused, m)?;
+                } else {
+                    let m = profile::start(prof, false)?;
+                    gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                    profile::stop(prof, Phase::Gelu, m)?;
+                    let m = profile::start(prof, false)?;
+                    down.quantize_input(&s.a, &mut s.q_4d, saved_down)?;
+                    profile::stop(prof, Phase::ForwardCast, m)?;
+                }
                 if !full {
                     return Ok(());
                 }
@@ -606,6 +627,7 @@ impl MlpBench {
     /// branch's input gradient to `shared.dh_branch`, then `dh += dh_branch`.
     fn block_backward(&mut self, b: usize) -> Result<(), MlpError> {
         let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
+        let fused = self.config.fused;
         let x = &self.h[b];
         let s = &mut self.shared;
         let blk = &mut self.blocks[b];
@@ -690,12 +712,24 @@ impl MlpBench {
                     false,
                 )?;
                 profile::stop(prof, Phase::BackwardGemm, m)?;
-                let m = profile::start(prof, false)?;
-                gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
-                profile::stop(prof, Phase::GeluBackward, m)?;
-                let m = profile::start(prof, false)?;
-                up.quantize_grad_output(&s.a, &mut s.q_4d, &mut s.qt_4d)?;
-                profile::stop(prof, Phase::BackwardCast, m)?;
+                if fused {
+                    let m = profile::start(prof, false)?;
+                    up.quantize_grad_output_gelu(
+                        u,
+                        &s.da,
+                        GeluApprox::Erf,
+                        &mut s.q_4d,
+                        &mut s.qt_4d,
+                    )?;
+                    profile::stop(prof, Phase::GeluBackwardCastFused, m)?;
+                } else {
+                    let m = profile::start(prof, false)?;
+                    gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
+                    profile::stop(prof, Phase::GeluBackward, m)?;
+                    let m = profile::start(prof, false)?;
+                    up.quantize_grad_output(&s.a, &mut s.q_4d, &mut s.qt_4d)?;
+                    profile::stop(prof, Phase::BackwardCast, m)?;
+                }
                 let m = profile::start(prof, false)?;
                 up.backward_quantized::<bf16, f32>(
                     saved_up,

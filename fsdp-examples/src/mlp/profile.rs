@@ -38,21 +38,28 @@ pub enum Phase {
     Reduction,
     /// Optimizer step, FP8 re-quantization of the weights, and scale updates.
     Optimizer,
+    /// `--fused`: GELU fused with the E4M3 cast of its output (replaces GELU + the down input's cast).
+    GeluCastFused,
+    /// `--fused`: GELU backward fused with the E5M2 cast of its output (replaces GELU backward + the up
+    /// output gradient's cast).
+    GeluBackwardCastFused,
 }
 
 impl Phase {
     /// Every phase, in table order.
-    pub const ALL: [Phase; 13] = [
+    pub const ALL: [Phase; 15] = [
         Phase::Gather,
         Phase::GatherWait,
         Phase::WeightConvert,
         Phase::ForwardCast,
         Phase::ForwardGemm,
         Phase::Gelu,
+        Phase::GeluCastFused,
         Phase::Residual,
         Phase::BackwardCast,
         Phase::BackwardGemm,
         Phase::GeluBackward,
+        Phase::GeluBackwardCastFused,
         Phase::GradAdd,
         Phase::Reduction,
         Phase::Optimizer,
@@ -74,6 +81,8 @@ impl Phase {
             Phase::GradAdd => "weight-gradient adds",
             Phase::Reduction => "gradient reduction",
             Phase::Optimizer => "optimizer + re-quantization",
+            Phase::GeluCastFused => "GELU + e4m3 cast (fused)",
+            Phase::GeluBackwardCastFused => "GELU backward + e5m2 cast (fused)",
         }
     }
 
