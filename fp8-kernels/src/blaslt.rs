@@ -9,6 +9,7 @@
 //! problems onto cuBLASLt's column-major ones: row-major `C[m, n] = op(A) op(B)` is column-major
 //! `C^T[n, m] = op(B)^T op(A)^T`, so B becomes cuBLASLt's "A" and A its "B".
 
+use crate::device::cuda_slice;
 use crate::gemm::{DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose};
 use crate::kernel_source::KernelModule;
 use crate::{Buffer, CudaDevice, DType, Device, Element, KernelError};
@@ -404,15 +405,6 @@ fn same_device(what: &'static str, dev: &CudaDevice, other: &Device) -> Result<(
     }
 }
 
-fn cuda_slice<'a, T: Element>(
-    what: &'static str,
-    b: &'a Buffer<T>,
-) -> Result<&'a CudaSlice<T>, KernelError> {
-    b.as_cuda()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
-}
-
 fn grid_1d(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
     LaunchConfig {
@@ -573,8 +565,8 @@ pub(crate) fn gemm_float<T: Element, O: GemmOutput>(
     };
     let blas = BlasLt::for_device(dev)?;
     let stream = dev.stream().clone();
-    let (pa, _ga) = cuda_slice("gemm: A", a)?.device_ptr(&stream);
-    let (pb, _gb) = cuda_slice("gemm: B", b)?.device_ptr(&stream);
+    let (pa, _ga) = cuda_slice(a, "gemm: A")?.device_ptr(&stream);
+    let (pb, _gb) = cuda_slice(b, "gemm: B")?.device_ptr(&stream);
     let (cs, _) = c.as_cuda_mut().ok_or(KernelError::WrongDevice("gemm: C"))?;
     let (pd, _gd) = cs.device_ptr_mut(&stream);
     blas.run(
@@ -597,7 +589,7 @@ fn scalar_ptr(
     s: &DeviceScalar<'_>,
     stream: &Arc<cudarc::driver::CudaStream>,
 ) -> Result<u64, KernelError> {
-    let slice = cuda_slice(what, s.buffer)?;
+    let slice = cuda_slice(s.buffer, what)?;
     if s.index >= slice.len() {
         return Err(KernelError::InvalidArgument {
             what,
@@ -643,8 +635,8 @@ pub(crate) fn gemm_fp8<O: GemmOutput>(
         (pad(m), pad(n), pad(k))
     };
 
-    let a_src = cuda_slice("gemm_fp8: A", a.data)?;
-    let b_src = cuda_slice("gemm_fp8: B", b.data)?;
+    let a_src = cuda_slice(a.data, "gemm_fp8: A")?;
+    let b_src = cuda_slice(b.data, "gemm_fp8: B")?;
     // A must be [m, k] row-major (K-major), B must be [n, k] row-major.
     let a_tmp = if fits && !spec.trans_a.is_yes() {
         None
@@ -768,8 +760,8 @@ fn fp8_to_bf16(dev: &CudaDevice, x: &Fp8Matrix<'_>) -> Result<Buffer<bf16>, Kern
     let f = module.load_function("gemm_fp8_to_bf16")?;
     let n = x.data.len();
     let mut out = Device::Cuda(dev.clone()).zeros::<bf16>(n)?;
-    let src = cuda_slice("gemm_fp8", x.data)?;
-    let scales = cuda_slice("gemm_fp8 scale", x.scale_inv.buffer)?;
+    let src = cuda_slice(x.data, "gemm_fp8")?;
+    let scales = cuda_slice(x.scale_inv.buffer, "gemm_fp8 scale")?;
     let format: i32 = match x.format {
         Fp8Format::E4M3 => 0,
         Fp8Format::E5M2 => 1,

@@ -15,6 +15,7 @@
 //! `slot = max(slot, amax(x))`, so several casts (micro-batches, or shards) can share a slot; zero the
 //! slot to start afresh (the scaling-meta update does that for its own slot).
 
+use crate::device::{cuda_slice, cuda_slice_mut};
 use crate::kernel_source::{function, grid_1d, sm_count, CAST_MODULE};
 use crate::{Buffer, CudaDevice, Device, Element, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -227,24 +228,6 @@ pub(crate) fn same_device<T: Element>(
     } else {
         Err(KernelError::WrongDevice(what))
     }
-}
-
-fn cuda_slice<'a, T: Element>(
-    b: &'a Buffer<T>,
-    what: &'static str,
-) -> Result<&'a cudarc::driver::CudaSlice<T>, KernelError> {
-    b.as_cuda()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
-}
-
-fn cuda_slice_mut<'a, T: Element>(
-    b: &'a mut Buffer<T>,
-    what: &'static str,
-) -> Result<&'a mut cudarc::driver::CudaSlice<T>, KernelError> {
-    b.as_cuda_mut()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
 }
 
 /// Blocks per SM of the streaming kernels.

@@ -715,6 +715,26 @@ impl<T: Element> Buffer<T> {
     }
 }
 
+/// The CUDA slice of a buffer, or an error naming the operation when it lives on the CPU.
+pub(crate) fn cuda_slice<'a, T: Element>(
+    b: &'a Buffer<T>,
+    what: &'static str,
+) -> Result<&'a CudaSlice<T>, KernelError> {
+    b.as_cuda()
+        .map(|(s, _)| s)
+        .ok_or(KernelError::WrongDevice(what))
+}
+
+/// The mutable CUDA slice of a buffer, or an error naming the operation when it lives on the CPU.
+pub(crate) fn cuda_slice_mut<'a, T: Element>(
+    b: &'a mut Buffer<T>,
+    what: &'static str,
+) -> Result<&'a mut CudaSlice<T>, KernelError> {
+    b.as_cuda_mut()
+        .map(|(s, _)| s)
+        .ok_or(KernelError::WrongDevice(what))
+}
+
 /// Checks that two lengths agree, naming the operation.
 pub fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), KernelError> {
     if expected == actual {

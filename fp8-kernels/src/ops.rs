@@ -10,10 +10,11 @@
 //! reproduces exactly (see each function).
 
 use crate::cast::{cuda_of, same_device, FloatElement};
+use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::{function, grid_1d, sm_count, OPS_MODULE};
 use crate::rng::SplitMix64;
-use crate::{check_len, Buffer, CudaDevice, Element, KernelError};
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use crate::{check_len, Buffer, CudaDevice, KernelError};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
 /// Elements per rayon task of the CPU paths.
@@ -22,24 +23,6 @@ const CPU_CHUNK: usize = 1 << 14;
 const CPU_PAR_THRESHOLD: usize = 1 << 15;
 /// Blocks per SM of the grid-stride kernels.
 const BLOCKS_PER_SM: u32 = 8;
-
-fn cs<'a, T: Element>(
-    b: &'a Buffer<T>,
-    what: &'static str,
-) -> Result<&'a CudaSlice<T>, KernelError> {
-    b.as_cuda()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
-}
-
-fn cs_mut<'a, T: Element>(
-    b: &'a mut Buffer<T>,
-    what: &'static str,
-) -> Result<&'a mut CudaSlice<T>, KernelError> {
-    b.as_cuda_mut()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
-}
 
 fn cfg_for(dev: &CudaDevice, threads: u64) -> Result<LaunchConfig, KernelError> {
     Ok(grid_1d(sm_count(dev)?, threads, BLOCKS_PER_SM))

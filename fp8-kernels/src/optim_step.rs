@@ -673,19 +673,7 @@ mod cuda {
         crate::kernel_source::function(dev, &OPTIM_STEP_MODULE, name)
     }
 
-    fn cs<'a, T: crate::Element>(
-        b: &'a Buffer<T>,
-        what: &'static str,
-    ) -> Result<&'a cudarc::driver::CudaSlice<T>, KernelError> {
-        Ok(b.as_cuda().ok_or(KernelError::WrongDevice(what))?.0)
-    }
-
-    fn csm<'a, T: crate::Element>(
-        b: &'a mut Buffer<T>,
-        what: &'static str,
-    ) -> Result<&'a mut cudarc::driver::CudaSlice<T>, KernelError> {
-        Ok(b.as_cuda_mut().ok_or(KernelError::WrongDevice(what))?.0)
-    }
+    use crate::device::{cuda_slice as cs, cuda_slice_mut as csm};
 
     fn grid(dev: &CudaDevice, n: usize, per_thread: u64) -> Result<LaunchConfig, KernelError> {
         let sms = crate::kernel_source::sm_count(dev)?;

@@ -12,8 +12,9 @@
 //! sums are single f32 additions, amaxes are exact maxima (NaN never raises one).
 
 use crate::cast::{cuda_of, format_name, same_device, FloatElement};
+use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::{function, grid_1d, sm_count, KernelModule};
-use crate::{check_len, Buffer, Device, Element, KernelError};
+use crate::{check_len, Buffer, Device, KernelError};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use rayon::prelude::*;
@@ -151,24 +152,6 @@ impl SegmentTable {
         cfg.grid_dim.1 = rows;
         Ok(cfg)
     }
-}
-
-fn cs<'a, T: Element>(
-    b: &'a Buffer<T>,
-    what: &'static str,
-) -> Result<&'a CudaSlice<T>, KernelError> {
-    b.as_cuda()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
-}
-
-fn cs_mut<'a, T: Element>(
-    b: &'a mut Buffer<T>,
-    what: &'static str,
-) -> Result<&'a mut CudaSlice<T>, KernelError> {
-    b.as_cuda_mut()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
 }
 
 fn check_table_device(
