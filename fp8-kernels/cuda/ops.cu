@@ -130,12 +130,27 @@ __device__ void add_impl(const typename E::T* a, const typename E::T* b, typenam
 }
 
 // ---- reductions ----
-// Column sums (sum over rows): one thread per column, rows in order (the CPU sums in the same order).
+// Column sums (sum over rows) in two fixed levels, so that no thread walks all the rows (a conv bias
+// gradient has ~40k rows and only 32-64 columns): thread (k, c) sums rows [k*chunk, (k+1)*chunk) of column
+// c in row order into partial[k*cols + c]; then sum_partials adds the chunk sums in chunk order, starting
+// from chunk 0. With one chunk the first kernel writes the result directly. The CPU reproduces the order.
 template <class E>
-__device__ void sum_rows_impl(const typename E::T* x, float* out, u64 rows, u64 cols) {
-    for (u64 c = global_thread(); c < cols; c += grid_threads()) {
+__device__ void sum_rows_impl(const typename E::T* x, float* partial, u64 rows, u64 cols, u64 chunk) {
+    const u64 chunks = rows == 0 ? 1 : (rows + chunk - 1) / chunk;
+    const u64 total = chunks * cols;
+    for (u64 i = global_thread(); i < total; i += grid_threads()) {
+        const u64 c = i % cols, k = i / cols;
+        const u64 r0 = k * chunk, r1 = min(r0 + chunk, rows);
         float s = 0.0f;
-        for (u64 r = 0; r < rows; ++r) s = add_rn(s, E::load(x, r * cols + c));
+        for (u64 r = r0; r < r1; ++r) s = add_rn(s, E::load(x, r * cols + c));
+        partial[i] = s;
+    }
+}
+
+extern "C" __global__ void sum_partials_f32(const float* partial, float* out, u64 chunks, u64 cols) {
+    for (u64 c = global_thread(); c < cols; c += grid_threads()) {
+        float s = partial[c];
+        for (u64 k = 1; k < chunks; ++k) s = add_rn(s, partial[k * cols + c]);
         out[c] = s;
     }
 }
@@ -352,8 +367,8 @@ extern "C" __global__ void maxpool_bwd_f32(const float* dy, const u32* idx, floa
     extern "C" __global__ void add_##NAME(const E::T* a, const E::T* b, E::T* out, u64 n) {                          \
         add_impl<E>(a, b, out, n);                                                                                  \
     }                                                                                                               \
-    extern "C" __global__ void sum_rows_##NAME(const E::T* x, float* out, u64 rows, u64 cols) {                      \
-        sum_rows_impl<E>(x, out, rows, cols);                                                                       \
+    extern "C" __global__ void sum_rows_##NAME(const E::T* x, float* partial, u64 rows, u64 cols, u64 chunk) {       \
+        sum_rows_impl<E>(x, partial, rows, cols, chunk);                                                            \
     }                                                                                                               \
     extern "C" __global__ void sum_cols_##NAME(const E::T* x, float* out, u64 rows, u64 cols) {                      \
         sum_cols_impl<E>(x, out, rows, cols);                                                                       \

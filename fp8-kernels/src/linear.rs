@@ -24,7 +24,7 @@
 use crate::gemm::{
     gemm, gemm_fp8, CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose,
 };
-use crate::{Buffer, DType, Device, DeviceScalingMeta, FloatElement, KernelError};
+use crate::{Buffer, Device, DeviceScalingMeta, FloatElement, KernelError};
 use fp8_core::{Fp8Format, QType, ScalingRecipe};
 
 /// Input element types of the linear operations: f32 or bf16.
@@ -135,39 +135,33 @@ fn rows_of(what: &'static str, len: usize, cols: usize) -> Result<usize, KernelE
     Ok(len / cols)
 }
 
-/// `y[t, :] = bias` for every row (rank-1 GEMM `ones[tokens, 1] * bias[1, out]`, exact).
+/// `y[t, :] = bias` for every row: zero, then [`crate::ops::bias_add`] (exact; no per-call upload, one
+/// memset and one elementwise launch on CUDA).
 fn broadcast_bias<O: GemmOutput>(
     bias: &Buffer<O>,
     tokens: usize,
     y: &mut Buffer<O>,
-    parallelism: CpuParallelism,
 ) -> Result<(), KernelError> {
-    let dev = y.device();
-    let ones = dev.upload(&vec![O::from_f32(1.0); tokens])?;
-    let spec = GemmSpec::new(tokens, bias.len(), 1).parallelism(parallelism);
-    if O::DTYPE == DType::F32 || O::DTYPE == DType::BF16 {
-        gemm(&spec, &ones, bias, y)
-    } else {
-        Err(bad("linear bias", format!("{} bias", O::DTYPE)))
-    }
+    y.fill_zero()?;
+    crate::ops::bias_add(y, bias, tokens, bias.len())
 }
 
-/// `db (+)= sum over rows of dy` (GEMM `dy^T [out, tokens] * ones[tokens, 1]`), f32.
+/// `db (+)= sum over rows of dy`, in f32: the column sums of [`crate::ops::sum_over_rows`] (a fixed
+/// order, identical on CPU and CUDA, and no per-call upload), added to `db` when `accumulate`.
 fn bias_grad<T: LinearElement>(
     dy: &Buffer<T>,
     tokens: usize,
     out: usize,
     db: &mut Buffer<f32>,
     accumulate: bool,
-    parallelism: CpuParallelism,
 ) -> Result<(), KernelError> {
     crate::check_len("linear bias gradient", out, db.len())?;
-    let ones = dy.device().upload(&vec![T::from_f32(1.0); tokens])?;
-    let spec = GemmSpec::new(out, 1, tokens)
-        .transposes(Transpose::Yes, Transpose::No)
-        .scalars(1.0, if accumulate { 1.0 } else { 0.0 })
-        .parallelism(parallelism);
-    gemm(&spec, dy, &ones, db)
+    if !accumulate {
+        return crate::ops::sum_over_rows(dy, tokens, out, db);
+    }
+    let mut sums = db.device().zeros::<f32>(out)?;
+    crate::ops::sum_over_rows(dy, tokens, out, &mut sums)?;
+    crate::ops::axpy(1.0, &sums, db)
 }
 
 impl Fp8Linear {
@@ -349,7 +343,7 @@ impl Fp8Linear {
             .transposes(Transpose::No, Transpose::Yes)
             .parallelism(self.parallelism);
         if let Some(b) = bias {
-            broadcast_bias(b, tokens, y, self.parallelism)?;
+            broadcast_bias(b, tokens, y)?;
             spec.beta = 1.0;
         }
         let a = Fp8Matrix {
@@ -409,14 +403,7 @@ impl Fp8Linear {
             accumulate,
         )?;
         if let Some(db) = dbias {
-            bias_grad(
-                dy,
-                saved.tokens,
-                self.out_features,
-                db,
-                accumulate,
-                self.parallelism,
-            )?;
+            bias_grad(dy, saved.tokens, self.out_features, db, accumulate)?;
         }
         Ok(())
     }
@@ -567,7 +554,7 @@ impl FloatLinear {
             .parallelism(self.parallelism);
         if let Some(b) = bias {
             crate::check_len(WHAT, outf, b.len())?;
-            broadcast_bias(b, tokens, y, self.parallelism)?;
+            broadcast_bias(b, tokens, y)?;
             spec.beta = 1.0;
         }
         gemm(&spec, x, weight, y)
@@ -600,7 +587,7 @@ impl FloatLinear {
             .parallelism(self.parallelism);
         gemm(&spec, dy, x, dw)?;
         if let Some(db) = dbias {
-            bias_grad(dy, tokens, outf, db, accumulate, self.parallelism)?;
+            bias_grad(dy, tokens, outf, db, accumulate)?;
         }
         Ok(())
     }

@@ -116,8 +116,20 @@ pub fn bias_add<T: FloatElement>(
     }
 }
 
-/// Column sums of a row-major `[rows, cols]` tensor: `out[c] = sum_r x[r, c]`, summed in row order
-/// (identical on both devices). This is the bias gradient.
+/// Rows per chunk of [`sum_over_rows`]: at least 64, about `sqrt(rows)` for tall inputs, so both levels
+/// of the sum are short.
+pub fn sum_rows_chunk(rows: usize) -> usize {
+    let mut r = (rows as f64).sqrt() as usize;
+    while r * r < rows {
+        r += 1;
+    }
+    r.max(64)
+}
+
+/// Column sums of a row-major `[rows, cols]` tensor: `out[c] = sum_r x[r, c]`, identical on both devices.
+/// This is the bias gradient. The order is fixed in two levels: rows are cut into chunks of
+/// [`sum_rows_chunk`]`(rows)` rows, each chunk summed in row order from zero, then the chunk sums are
+/// added in chunk order starting from the first (one chunk, i.e. up to 64 rows: plain row order).
 pub fn sum_over_rows<T: FloatElement>(
     x: &Buffer<T>,
     rows: usize,
@@ -129,19 +141,31 @@ pub fn sum_over_rows<T: FloatElement>(
     check_len(WHAT, cols, out.len())?;
     let dev = cuda_of(x);
     same_device(WHAT, &dev, out)?;
+    let chunk = sum_rows_chunk(rows);
+    let chunks = rows.div_ceil(chunk).max(1);
     match dev {
         None => {
             let xs = x.host(WHAT)?;
             let o = out.host_mut(WHAT)?;
-            // Tasks own column bands and walk the rows in order: same order as the GPU, contiguous reads.
+            // Tasks own column bands; within a band, contiguous row reads in the device's order.
             let band = 256usize;
             let run = |(bi, ob): (usize, &mut [f32])| {
                 let c0 = bi * band;
-                ob.fill(0.0);
-                for r in 0..rows {
-                    let row = &xs[r * cols + c0..r * cols + c0 + ob.len()];
-                    for (s, &v) in ob.iter_mut().zip(row) {
-                        *s += v.to_f32();
+                let mut part = vec![0.0f32; ob.len()];
+                for k in 0..chunks {
+                    part.fill(0.0);
+                    for r in k * chunk..((k + 1) * chunk).min(rows) {
+                        let row = &xs[r * cols + c0..r * cols + c0 + ob.len()];
+                        for (s, &v) in part.iter_mut().zip(row) {
+                            *s += v.to_f32();
+                        }
+                    }
+                    if k == 0 {
+                        ob.copy_from_slice(&part);
+                    } else {
+                        for (s, p) in ob.iter_mut().zip(&part) {
+                            *s += *p;
+                        }
                     }
                 }
             };
@@ -154,13 +178,32 @@ pub fn sum_over_rows<T: FloatElement>(
         }
         Some(dev) => {
             let f = function(&dev, &OPS_MODULE, &format!("sum_rows_{}", T::NAME))?;
-            let cfg = cfg_for(&dev, cols as u64)?;
-            let (r, c) = (rows as u64, cols as u64);
+            let cfg = cfg_for(&dev, (chunks * cols) as u64)?;
+            let (r, c, ch) = (rows as u64, cols as u64, chunk as u64);
             let xs = cs(x, WHAT)?;
-            let os = cs_mut(out, WHAT)?;
+            if chunks == 1 {
+                let os = cs_mut(out, WHAT)?;
+                let mut b = dev.stream().launch_builder(&f);
+                b.arg(xs).arg(os).arg(&r).arg(&c).arg(&ch);
+                // SAFETY: `sum_rows_<T>(const T*, float*, u64, u64, u64)`; x holds rows*cols elements and
+                // out cols, the one chunk's sums.
+                unsafe { b.launch(cfg) }?;
+                return Ok(());
+            }
+            // SAFETY: every element is written by `sum_rows_<T>` below before `sum_partials_f32` reads it.
+            let mut partial = unsafe { dev.stream().alloc::<f32>(chunks * cols) }?;
             let mut b = dev.stream().launch_builder(&f);
-            b.arg(xs).arg(os).arg(&r).arg(&c);
-            // SAFETY: `sum_rows_<T>(const T*, float*, u64, u64)`; x holds rows*cols, out cols elements.
+            b.arg(xs).arg(&mut partial).arg(&r).arg(&c).arg(&ch);
+            // SAFETY: as above; partial holds chunks*cols elements.
+            unsafe { b.launch(cfg) }?;
+            let g = function(&dev, &OPS_MODULE, "sum_partials_f32")?;
+            let cfg = cfg_for(&dev, cols as u64)?;
+            let k = chunks as u64;
+            let os = cs_mut(out, WHAT)?;
+            let mut b = dev.stream().launch_builder(&g);
+            b.arg(&partial).arg(os).arg(&k).arg(&c);
+            // SAFETY: `sum_partials_f32(const float*, float*, u64, u64)`; partial holds chunks*cols
+            // elements, out cols.
             unsafe { b.launch(cfg) }?;
             Ok(())
         }

@@ -393,11 +393,52 @@ fn large_elementwise_inputs_use_the_parallel_paths() {
     ops::sum_over_rows(&dev.upload(&xs).unwrap(), rows, cols, &mut s).unwrap();
     let sv = s.to_vec().unwrap();
     for c in 0..cols {
-        let mut a = 0.0f32;
-        for r in 0..rows {
-            a += xs[r * cols + c];
-        }
-        assert_eq!(sv[c], a);
+        assert_eq!(sv[c], chunked_column_sum(&xs, rows, cols, c));
     }
-    assert!(close(sv[0], sv[0], 0.0));
+}
+
+/// The documented order of `sum_over_rows`, written out independently: chunks of
+/// `max(64, ceil(sqrt(rows)))` rows summed from zero, chunk sums added from the first.
+fn chunked_column_sum(x: &[f32], rows: usize, cols: usize, c: usize) -> f32 {
+    let chunk = ((rows as f64).sqrt().ceil() as usize).max(64);
+    let mut total: Option<f32> = None;
+    let mut r0 = 0;
+    loop {
+        let mut s = 0.0f32;
+        for r in r0..(r0 + chunk).min(rows) {
+            s += x[r * cols + c];
+        }
+        total = Some(match total {
+            None => s,
+            Some(t) => t + s,
+        });
+        r0 += chunk;
+        if r0 >= rows {
+            break;
+        }
+    }
+    total.unwrap_or(0.0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn column_sums_of_tall_inputs_follow_the_chunked_order(
+        rows in 0usize..6000, cols in 1usize..9, seed in any::<u64>()
+    ) {
+        let dev = Device::cpu();
+        let x = vals(rows * cols, seed, 3.0);
+        let mut s = dev.zeros::<f32>(cols).unwrap();
+        ops::sum_over_rows(&dev.upload(&x).unwrap(), rows, cols, &mut s).unwrap();
+        let s = s.to_vec().unwrap();
+        let mut plain_err = 0.0f64;
+        for c in 0..cols {
+            prop_assert_eq!(s[c], chunked_column_sum(&x, rows, cols, c));
+            let exact: f64 = (0..rows).map(|r| f64::from(x[r * cols + c])).sum();
+            plain_err = plain_err.max((f64::from(s[c]) - exact).abs());
+        }
+        // And the sum is a sum: within f32 rounding of the exact value.
+        prop_assert!(plain_err <= 3.0 * rows as f64 * 6e-8 * 3.0 + 1e-6, "error {plain_err}");
+    }
 }

@@ -426,10 +426,22 @@ fn ops_checks<T: FloatElement>(
     ops::sum_over_rows(&xc, rows, cols, &mut sc)?;
     ops::sum_over_rows(&xg, rows, cols, &mut sg)?;
     rep.exact_f32(
-        &format!("sum_over_rows (bias grad) {t}"),
+        &format!("sum_over_rows (bias grad) {t} {rows}x{cols}"),
         &sc.to_vec()?,
         &sg.to_vec()?,
     );
+    // One chunk (<= 64 rows) and the conv bias-gradient shapes of the MNIST net (tall, few columns).
+    for (r, c) in [(40usize, 300usize), (43_264, 32), (36_864, 64)] {
+        let v: Vec<T> = narrow(&(0..r * c).map(|_| rng.sym(2.0)).collect::<Vec<_>>());
+        let (mut sc, mut sg) = (cpu.zeros::<f32>(c)?, gpu.zeros::<f32>(c)?);
+        ops::sum_over_rows(&up(cpu, &v)?, r, c, &mut sc)?;
+        ops::sum_over_rows(&up(gpu, &v)?, r, c, &mut sg)?;
+        rep.exact_f32(
+            &format!("sum_over_rows (bias grad) {t} {r}x{c}"),
+            &sc.to_vec()?,
+            &sg.to_vec()?,
+        );
+    }
     let (mut sc, mut sg) = (cpu.zeros::<f32>(rows)?, gpu.zeros::<f32>(rows)?);
     ops::sum_over_cols(&xc, rows, cols, &mut sc)?;
     ops::sum_over_cols(&xg, rows, cols, &mut sg)?;

@@ -120,6 +120,10 @@ struct Args {
     /// Batches timed by --profile.
     #[arg(long, default_value_t = 200)]
     profile_steps: usize,
+    /// With --profile: wait for the GPU at every phase boundary, so the table separates kernel time
+    /// from host queuing time (the timed steps run serialised).
+    #[arg(long)]
+    profile_sync: bool,
 }
 
 /// Whether all four files are in `dir`.
@@ -230,6 +234,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         print: true,
         threads_per_rank: args.threads_per_rank,
         profile_steps: args.profile.then_some(args.profile_steps),
+        profile_sync: args.profile_sync,
     };
     let report = train(&config)?;
     print_summary(&report, &config);

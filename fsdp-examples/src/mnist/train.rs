@@ -83,6 +83,10 @@ pub struct TrainConfig {
     /// Time the phases of this many training steps (after [`PROFILE_WARMUP_STEPS`] warm-up steps of the
     /// first epoch run) and print a table on rank 0: CUDA-event time on a GPU, host time everywhere.
     pub profile_steps: Option<usize>,
+    /// With `profile_steps` on a GPU: wait for the device at every phase boundary, so each phase's GPU
+    /// time is its own kernels' time and its host time is pure queuing cost (the step is serialised, so
+    /// the wall time is their sum, not the overlapped step).
+    pub profile_sync: bool,
 }
 
 /// Steps run before a `profile_steps` window opens (NVRTC compilation, cuBLASLt plans, pool growth).
@@ -114,6 +118,7 @@ impl Default for TrainConfig {
             print: true,
             threads_per_rank: None,
             profile_steps: None,
+            profile_sync: false,
         }
     }
 }
@@ -602,6 +607,10 @@ fn run_rank(
     parallelism: CpuParallelism,
 ) -> Result<RankOutcome, MnistError> {
     let device = comm.device().clone();
+    if let Device::Cuda(c) = &device {
+        // Keep freed pool memory cached across the evaluation's host reads instead of unmapping it.
+        c.set_pool_release_threshold(u64::MAX)?;
+    }
     let (rank, ws) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
     let mut net = MnistNet::new(
@@ -667,7 +676,7 @@ fn run_rank(
     let mut profiler = config
         .profile_steps
         .filter(|&n| n > 0)
-        .map(|n| StepProfiler::new(&device, n));
+        .map(|n| StepProfiler::new(&device, n, config.profile_sync));
     let mut profile = None;
     let mut steps_run = 0usize;
     while pos.epoch <= config.epochs {
@@ -939,6 +948,7 @@ impl StepProfile {
 /// The events and host times of one profiled batch.
 struct ProfiledStep {
     cuda: Option<fp8_kernels::CudaDevice>,
+    sync: bool,
     events: Vec<(Phase, GpuEvent)>,
     begin: Option<GpuEvent>,
     last_host: Instant,
@@ -948,6 +958,7 @@ struct ProfiledStep {
 /// Collects [`ProfiledStep`]s until the window is full; reads the events only then (one wait).
 struct StepProfiler {
     cuda: Option<fp8_kernels::CudaDevice>,
+    sync: bool,
     target: usize,
     started: Option<Instant>,
     steps: Vec<ProfiledStep>,
@@ -955,9 +966,10 @@ struct StepProfiler {
 }
 
 impl StepProfiler {
-    fn new(device: &Device, target: usize) -> Self {
+    fn new(device: &Device, target: usize, sync: bool) -> Self {
         StepProfiler {
             cuda: device.as_cuda("profile").ok().cloned(),
+            sync,
             target,
             started: None,
             steps: Vec::with_capacity(target),
@@ -970,6 +982,9 @@ impl StepProfiler {
         if self.complete {
             return Ok(None);
         }
+        if let (Some(c), true) = (&self.cuda, self.sync) {
+            wait_for_device(c)?;
+        }
         let now = Instant::now();
         self.started.get_or_insert(now);
         let begin = match &self.cuda {
@@ -978,6 +993,7 @@ impl StepProfiler {
         };
         Ok(Some(ProfiledStep {
             cuda: self.cuda.clone(),
+            sync: self.sync,
             events: Vec::with_capacity(Phase::ALL.len()),
             begin,
             last_host: now,
@@ -1044,7 +1060,20 @@ fn mark(step: &mut Option<ProfiledStep>, phase: Phase) -> Result<(), MnistError>
     st.last_host = now;
     if let Some(c) = &st.cuda {
         st.events.push((phase, c.record_compute_timed()?));
+        if st.sync {
+            wait_for_device(c)?;
+            // The wait is neither this phase's nor the next one's host time.
+            st.last_host = Instant::now();
+        }
     }
+    Ok(())
+}
+
+/// Waits for every stream of the device (compute and communication).
+fn wait_for_device(c: &fp8_kernels::CudaDevice) -> Result<(), MnistError> {
+    c.context()
+        .synchronize()
+        .map_err(fp8_kernels::KernelError::from)?;
     Ok(())
 }
 
