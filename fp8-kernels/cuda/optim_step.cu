@@ -35,13 +35,15 @@ __device__ __forceinline__ double powi_sq(double a, int b) {
 }
 
 // ---- gradient statistics: acc = [f64 sum of squares (2 words), u32 non-finite count], amax ----
-extern "C" __global__ void grad_stats_f32(const float* g, u64 off, u64 n, float* acc, float* amax, u64 slot,
-                                          int with_amax) {
+// G is the gradient shard's type (TF32 or TBF16); BF16 values widen exactly to f32.
+template <class G>
+__device__ void grad_stats_impl(const typename G::T* g, u64 off, u64 n, float* acc, float* amax, u64 slot,
+                                int with_amax) {
     double sq = 0.0;
     u32 nf = 0;
     int am = 0;
     for (u64 i = global_thread(); i < n; i += grid_threads()) {
-        const float x = g[off + i];
+        const float x = G::load(g, off + i);
         if (isfinite(x)) {
             sq = __dadd_rn(sq, __dmul_rn((double)x, (double)x));
             am = imax(am, abs_bits_no_nan(x));
@@ -72,6 +74,14 @@ extern "C" __global__ void grad_stats_f32(const float* g, u64 off, u64 n, float*
         atomicAdd(reinterpret_cast<double*>(acc), s);
         atomicAdd(reinterpret_cast<u32*>(acc + 2), c);
     }
+}
+extern "C" __global__ void grad_stats_f32(const float* g, u64 off, u64 n, float* acc, float* amax, u64 slot,
+                                          int with_amax) {
+    grad_stats_impl<TF32>(g, off, n, acc, amax, slot, with_amax);
+}
+extern "C" __global__ void grad_stats_bf16(const u16* g, u64 off, u64 n, float* acc, float* amax, u64 slot,
+                                           int with_amax) {
+    grad_stats_impl<TBF16>(g, off, n, acc, amax, slot, with_amax);
 }
 
 // sums[0] = non-finite count (+ extra), sums[1] = sum of squares as f32; the accumulator is cleared.
@@ -195,20 +205,26 @@ extern "C" __global__ void step_control(StepParams p, const float* sums, float* 
     }
 }
 
-// ---- Adam with coefficients (and the skip flag) read from the device ----
-extern "C" __global__ void adam_f32_ctl_g_f32(float* master, float* m, float* v, const float* grad, u64 offset,
-                                              u64 n, const float* coef, float* amax, u64 slot) {
-    if (coef[COEF_SKIP] != 0.0f) return;
-    const AdamCoef c = *reinterpret_cast<const AdamCoef*>(coef);
-    adam_f32_impl<TF32>(master, m, v, grad, offset, n, c, amax, slot);
-}
-extern "C" __global__ void adam_lp_ctl_g_f32(u16* master, u8* m, u16* v, const float* grad, u64 offset, u64 n,
-                                             const float* coef, const float* scales, u64 sbase, float* amax,
-                                             u64 abase) {
-    if (coef[COEF_SKIP] != 0.0f) return;
-    const AdamCoef c = *reinterpret_cast<const AdamCoef*>(coef);
-    adam_lp_impl<TF32>(master, m, v, grad, offset, n, c, scales, sbase, amax, abase);
-}
+// ---- Adam with coefficients (and the skip flag) read from the device; f32 or bf16 gradients ----
+#define ADAM_CTL_KERNELS(GNAME, G)                                                                         \
+    extern "C" __global__ void adam_f32_ctl_g_##GNAME(float* master, float* m, float* v, const G::T* grad, \
+                                                      u64 offset, u64 n, const float* coef, float* amax,    \
+                                                      u64 slot) {                                           \
+        if (coef[COEF_SKIP] != 0.0f) return;                                                                \
+        const AdamCoef c = *reinterpret_cast<const AdamCoef*>(coef);                                        \
+        adam_f32_impl<G>(master, m, v, grad, offset, n, c, amax, slot);                                     \
+    }                                                                                                       \
+    extern "C" __global__ void adam_lp_ctl_g_##GNAME(u16* master, u8* m, u16* v, const G::T* grad,         \
+                                                     u64 offset, u64 n, const float* coef,                  \
+                                                     const float* scales, u64 sbase, float* amax,           \
+                                                     u64 abase) {                                           \
+        if (coef[COEF_SKIP] != 0.0f) return;                                                                \
+        const AdamCoef c = *reinterpret_cast<const AdamCoef*>(coef);                                        \
+        adam_lp_impl<G>(master, m, v, grad, offset, n, c, scales, sbase, amax, abase);                      \
+    }
+
+ADAM_CTL_KERNELS(f32, TF32)
+ADAM_CTL_KERNELS(bf16, TBF16)
 
 // ---- after the MAX all-reduce: agreed amaxes, new scales, the weights' amax vector ----
 extern "C" __global__ void step_finish(const float* coef, const float* agreed, u64 per_slot, u64 slots,
@@ -249,6 +265,34 @@ extern "C" __global__ void apply_source(const float* coef, float* out, u64 off, 
             x = master32[i];
         }
         out[i] = x;
+    }
+}
+
+// ---- apply_source fused with the weight cast, in place over fp8[off..off+n) ----
+// x as apply_source computes it (with the weight's scale_inv AFTER segmented_scales: on a skipped step the
+// amax is 0 and the scale pair is kept, so it is the same value), then fp8[i] = encode(x * scale) as
+// segmented_cast does: the codes are bit-identical to apply_source + segmented_cast, without the F32
+// buffer between them.
+extern "C" __global__ void cast_from_source(const float* coef, u8* fp8, u64 off, u64 n,
+                                            const float* weight_scales, u64 wslot, const float* master32,
+                                            const u16* master16, const float* state_scales, u64 gslot) {
+    const bool skip = coef[COEF_SKIP] != 0.0f;
+    const float ws = weight_scales[2 * wslot];
+    const float wsi = weight_scales[2 * wslot + 1];
+    const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
+    for (u64 j = global_thread(); j < n; j += grid_threads()) {
+        const u64 i = off + j;
+        float x;
+        if (skip) {
+            float lo, hi;
+            fp8x2_decode<FP8_E4M3>((u16)fp8[i], lo, hi);
+            x = mul_rn(lo, wsi);
+        } else if (master16 != nullptr) {
+            x = mul_rn(f16_to_f32(master16[i]), msi);
+        } else {
+            x = master32[i];
+        }
+        fp8[i] = (u8)(fp8x2<FP8_E4M3>(mul_rn(x, ws), 0.0f) & 0xFFu);
     }
 }
 

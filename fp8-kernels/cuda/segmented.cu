@@ -50,6 +50,19 @@ extern "C" __global__ void add_at_bf16(float* dst, u64 offset, const u16* src, u
         dst[offset + i] = add_rn(dst[offset + i], bf16_to_f32(src[i]));
 }
 
+// ---- BF16 destinations (BF16 gradient shards): dst = bf16_rne(f32(dst) + src), one f32 add, one rounding ----
+template <class S>
+__device__ void add_at_to_bf16_impl(u16* dst, u64 offset, const typename S::T* src, u64 n) {
+    for (u64 i = global_thread(); i < n; i += grid_threads())
+        dst[offset + i] = f32_to_bf16(add_rn(bf16_to_f32(dst[offset + i]), S::load(src, i)));
+}
+extern "C" __global__ void add_at_f32_to_bf16(u16* dst, u64 offset, const float* src, u64 n) {
+    add_at_to_bf16_impl<TF32>(dst, offset, src, n);
+}
+extern "C" __global__ void add_at_bf16_to_bf16(u16* dst, u64 offset, const u16* src, u64 n) {
+    add_at_to_bf16_impl<TBF16>(dst, offset, src, n);
+}
+
 // ---- dst[i] += decode(q[i]) * scale_inv[0] (a reduced FP8 gradient chunk into its F32 shard) ----
 template <int FMT>
 __device__ void add_decoded_impl(float* dst, const u8* q, const float* scale_inv, u64 n) {
@@ -65,6 +78,23 @@ extern "C" __global__ void add_decoded_e4m3(float* dst, const u8* q, const float
 }
 extern "C" __global__ void add_decoded_e5m2(float* dst, const u8* q, const float* scale_inv, u64 n) {
     add_decoded_impl<FP8_E5M2>(dst, q, scale_inv, n);
+}
+
+// ---- dst = bf16_rne(f32(dst) + decode(q[i]) * scale_inv[0]) (into a BF16 shard) ----
+template <int FMT>
+__device__ void add_decoded_to_bf16_impl(u16* dst, const u8* q, const float* scale_inv, u64 n) {
+    const float si = *scale_inv;
+    for (u64 i = global_thread(); i < n; i += grid_threads()) {
+        float lo, hi;
+        fp8x2_decode<FMT>((u16)q[i], lo, hi);
+        dst[i] = f32_to_bf16(add_rn(bf16_to_f32(dst[i]), mul_rn(lo, si)));
+    }
+}
+extern "C" __global__ void add_decoded_e4m3_to_bf16(u16* dst, const u8* q, const float* scale_inv, u64 n) {
+    add_decoded_to_bf16_impl<FP8_E4M3>(dst, q, scale_inv, n);
+}
+extern "C" __global__ void add_decoded_e5m2_to_bf16(u16* dst, const u8* q, const float* scale_inv, u64 n) {
+    add_decoded_to_bf16_impl<FP8_E5M2>(dst, q, scale_inv, n);
 }
 
 // ---- gradient statistics before an FP8 cast: amax of the finite values, count of non-finite ones ----

@@ -8,7 +8,46 @@ use crate::KernelError;
 use cudarc::driver::{CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream};
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// Bytes held by live CPU buffers in this process, and their high-water mark (see [`host_buffer_bytes`]).
+static HOST_LIVE: AtomicUsize = AtomicUsize::new(0);
+static HOST_PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes held by the CPU [`Buffer`]s alive in this process (`live`) and the most held at once since the
+/// last [`reset_host_buffer_peak`] (`peak`): the CPU analogue of the CUDA pool statistics
+/// ([`CudaDevice::pool_memory`]), so memory claims can be checked without a GPU. Process-wide: buffers of
+/// every thread (thread ranks included) count; element bytes only (`len * size_of::<T>()`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HostBufferBytes {
+    /// Bytes held now.
+    pub live: usize,
+    /// High-water mark of `live`.
+    pub peak: usize,
+}
+
+/// The live and peak bytes of CPU buffers (see [`HostBufferBytes`]).
+pub fn host_buffer_bytes() -> HostBufferBytes {
+    HostBufferBytes {
+        live: HOST_LIVE.load(Ordering::SeqCst),
+        peak: HOST_PEAK.load(Ordering::SeqCst),
+    }
+}
+
+/// Resets the high-water mark of CPU buffer bytes to what is held now.
+pub fn reset_host_buffer_peak() {
+    HOST_PEAK.store(HOST_LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
+}
+
+fn host_alloc(bytes: usize) {
+    let now = HOST_LIVE.fetch_add(bytes, Ordering::SeqCst) + bytes;
+    HOST_PEAK.fetch_max(now, Ordering::SeqCst);
+}
+
+fn host_free(bytes: usize) {
+    HOST_LIVE.fetch_sub(bytes, Ordering::SeqCst);
+}
 
 /// Element types a [`Buffer`] can hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -529,6 +568,7 @@ impl<T: Element> fmt::Debug for Buffer<T> {
 impl<T: Element> Buffer<T> {
     /// A CPU buffer owning `data`.
     pub fn from_vec(data: Vec<T>) -> Self {
+        host_alloc(std::mem::size_of_val(data.as_slice()));
         Buffer {
             store: Store::Host(data),
         }
@@ -715,6 +755,15 @@ impl<T: Element> Buffer<T> {
     }
 }
 
+impl<T: Element> Drop for Buffer<T> {
+    fn drop(&mut self) {
+        // CUDA buffers are counted by the device's pool; only host bytes are tracked here.
+        if let Store::Host(v) = &self.store {
+            host_free(std::mem::size_of_val(v.as_slice()));
+        }
+    }
+}
+
 /// The CUDA slice of a buffer, or an error naming the operation when it lives on the CPU.
 pub(crate) fn cuda_slice<'a, T: Element>(
     b: &'a Buffer<T>,
@@ -771,6 +820,20 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn host_bytes_follow_allocation_and_drop() {
+        // Other tests of this binary allocate concurrently: check only what this test's buffers must
+        // do to the counters (peak >= live + ours while ours are alive).
+        let a = Device::cpu().zeros::<f32>(1 << 20).unwrap();
+        let held = host_buffer_bytes();
+        assert!(held.live >= a.num_bytes());
+        assert!(held.peak >= held.live);
+        let b = Buffer::from_vec(vec![0u8; 3 << 20]);
+        assert!(host_buffer_bytes().peak >= a.num_bytes() + b.num_bytes());
+        drop(a);
+        drop(b);
     }
 
     #[test]

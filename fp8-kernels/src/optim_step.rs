@@ -24,11 +24,11 @@
 //! [`STATS_ACC_LEN`] words.
 
 use crate::adam::{
-    adam_step_f32, adam_step_low_precision, lp_slot, AdamCoefficients, AmaxSlots,
+    adam_step_f32, adam_step_low_precision, lp_slot, AdamCoefficients, AdamGrad, AmaxSlots,
     LowPrecisionAdamState,
 };
 use crate::kernel_source::KernelModule;
-use crate::{Buffer, CudaDevice, Device, KernelError, WeightDecay};
+use crate::{Buffer, CudaDevice, DType, Device, KernelError, WeightDecay};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use half::f16;
@@ -304,9 +304,9 @@ fn check_range(what: &'static str, r: &Range<usize>, len: usize) -> Result<(), K
 
 /// Adds the statistics of `grad[range]` to `acc` (sum of squares of the finite values in f64, count of
 /// non-finite values) and, with `amax = Some((buffer, slot))`, raises `buffer[slot]` to the amax of the
-/// finite values.
-pub fn grad_stats(
-    grad: &Buffer<f32>,
+/// finite values. The gradient is f32 or bf16 (widened exactly).
+pub fn grad_stats<G: AdamGrad>(
+    grad: &Buffer<G>,
     range: Range<usize>,
     acc: &mut Buffer<f32>,
     amax: Option<(&mut Buffer<f32>, usize)>,
@@ -323,7 +323,7 @@ pub fn grad_stats(
             let mut sq = 0f64;
             let mut nf = 0u32;
             let mut am = 0f32;
-            for &x in g {
+            for x in g.iter().map(|v| v.to_f32()) {
                 if x.is_finite() {
                     sq += (x as f64) * (x as f64);
                     am = am.max(x.abs());
@@ -475,14 +475,15 @@ pub fn step_control(
     }
 }
 
-/// [`adam_step_f32`] with the coefficients read from `coef` (nothing happens when it says "skip").
-pub fn adam_step_f32_ctl(
+/// [`adam_step_f32`] with the coefficients read from `coef` (nothing happens when it says "skip"); f32 or
+/// bf16 gradients.
+pub fn adam_step_f32_ctl<G: AdamGrad>(
     coef: &Buffer<f32>,
     range: Range<usize>,
     master: &mut Buffer<f32>,
     m: &mut Buffer<f32>,
     v: &mut Buffer<f32>,
-    grad: &Buffer<f32>,
+    grad: &Buffer<G>,
     amax: Option<AmaxSlots<'_>>,
 ) -> Result<(), KernelError> {
     let what = "adam_step_f32_ctl";
@@ -500,12 +501,12 @@ pub fn adam_step_f32_ctl(
 }
 
 /// [`adam_step_low_precision`] with the coefficients read from `coef` (nothing happens when it says
-/// "skip").
-pub fn adam_step_low_precision_ctl(
+/// "skip"); f32 or bf16 gradients.
+pub fn adam_step_low_precision_ctl<G: AdamGrad>(
     coef: &Buffer<f32>,
     range: Range<usize>,
     state: LowPrecisionAdamState<'_>,
-    grad: &Buffer<f32>,
+    grad: &Buffer<G>,
     scales: &Buffer<f32>,
     scale_base: usize,
     amax: AmaxSlots<'_>,
@@ -666,6 +667,96 @@ pub fn apply_source(
     }
 }
 
+/// [`apply_source`] fused with the weight cast, in place: `fp8[i] = encode_e4m3(x_i * weight_scales[2 *
+/// wslot])` for `i` in `range`, where `x_i` is what [`apply_source`] writes (reading `weight_scales[2 *
+/// wslot + 1]` on a skipped step). Call it after the new scales are in `weight_scales`: on a skipped step
+/// the weight's amax is 0, which keeps its scale pair, so the codes are bit-identical to
+/// `apply_source` (before the scale update) followed by `segmented_cast` (after it), without the F32
+/// buffer of the whole shard between them.
+pub fn cast_from_source(
+    coef: &Buffer<f32>,
+    fp8: &mut Buffer<u8>,
+    range: Range<usize>,
+    weight_scales: &Buffer<f32>,
+    wslot: usize,
+    source: MasterSource<'_>,
+) -> Result<(), KernelError> {
+    let what = "cast_from_source";
+    check(what, coef.len(), COEF_LEN)?;
+    check_range(what, &range, fp8.len())?;
+    check(what, weight_scales.len(), 2 * wslot + 2)?;
+    match source {
+        MasterSource::F32(m) => check_range(what, &range, m.len())?,
+        MasterSource::F16 {
+            master,
+            scales,
+            slot,
+        } => {
+            check_range(what, &range, master.len())?;
+            check(what, scales.len(), 3 * slot + 3)?;
+        }
+    }
+    match coef.device() {
+        Device::Cpu => {
+            use rayon::prelude::*;
+            const CHUNK: usize = 1 << 14;
+            let (_, skip) = host_coefficients(coef.host(what)?);
+            let ws = weight_scales.host(what)?;
+            let (s, si) = (ws[2 * wslot], ws[2 * wslot + 1]);
+            let e4m3 = Fp8Format::E4M3;
+            let q = &mut fp8.host_mut(what)?[range.clone()];
+            if skip {
+                q.par_chunks_mut(CHUNK).for_each(|c| {
+                    for x in c.iter_mut() {
+                        *x = e4m3.encode(e4m3.decode(*x) * si * s);
+                    }
+                });
+                return Ok(());
+            }
+            match source {
+                MasterSource::F32(m) => {
+                    let m = &m.host(what)?[range];
+                    q.par_chunks_mut(CHUNK)
+                        .zip(m.par_chunks(CHUNK))
+                        .for_each(|(q, m)| {
+                            for (x, &w) in q.iter_mut().zip(m) {
+                                *x = e4m3.encode(w * s);
+                            }
+                        });
+                }
+                MasterSource::F16 {
+                    master,
+                    scales,
+                    slot,
+                } => {
+                    let inv = 1.0 / scales.host(what)?[3 * slot];
+                    let m = &master.host(what)?[range];
+                    q.par_chunks_mut(CHUNK)
+                        .zip(m.par_chunks(CHUNK))
+                        .for_each(|(q, m)| {
+                            for (x, h) in q.iter_mut().zip(m) {
+                                *x = e4m3.encode(h.to_f32() * inv * s);
+                            }
+                        });
+                }
+            }
+            Ok(())
+        }
+        Device::Cuda(dev) => {
+            cuda::cast_from_source(&dev, coef, fp8, range, weight_scales, wslot, source)
+        }
+    }
+}
+
+/// The kernel-name suffix of a gradient type.
+fn grad_suffix<G: AdamGrad>(what: &'static str) -> Result<&'static str, KernelError> {
+    match G::DTYPE {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        other => Err(bad(what, format!("{other} gradients are not supported"))),
+    }
+}
+
 mod cuda {
     use super::*;
 
@@ -692,9 +783,9 @@ mod cuda {
         }
     }
 
-    pub(super) fn grad_stats(
+    pub(super) fn grad_stats<G: AdamGrad>(
         dev: &CudaDevice,
-        grad: &Buffer<f32>,
+        grad: &Buffer<G>,
         range: Range<usize>,
         acc: &mut Buffer<f32>,
         amax: Option<(&mut Buffer<f32>, usize)>,
@@ -704,7 +795,7 @@ mod cuda {
         if n == 0 {
             return Ok(());
         }
-        let func = f(dev, "grad_stats_f32")?;
+        let func = f(dev, &format!("grad_stats_{}", grad_suffix::<G>(what)?))?;
         let stream = dev.stream().clone();
         let cfg = grid(dev, n, 4)?;
         let (off, len) = (range.start as u64, n as u64);
@@ -802,14 +893,14 @@ mod cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn adam_f32_ctl(
+    pub(super) fn adam_f32_ctl<G: AdamGrad>(
         dev: &CudaDevice,
         coef: &Buffer<f32>,
         range: Range<usize>,
         master: &mut Buffer<f32>,
         m: &mut Buffer<f32>,
         v: &mut Buffer<f32>,
-        grad: &Buffer<f32>,
+        grad: &Buffer<G>,
         amax: Option<AmaxSlots<'_>>,
     ) -> Result<(), KernelError> {
         let what = "adam_step_f32_ctl";
@@ -823,7 +914,7 @@ mod cuda {
         if n == 0 {
             return Ok(());
         }
-        let func = f(dev, "adam_f32_ctl_g_f32")?;
+        let func = f(dev, &format!("adam_f32_ctl_g_{}", grad_suffix::<G>(what)?))?;
         let stream = dev.stream().clone();
         let cfg = grid(dev, n, 8)?;
         let (off, len) = (range.start as u64, n as u64);
@@ -858,12 +949,12 @@ mod cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn adam_lp_ctl(
+    pub(super) fn adam_lp_ctl<G: AdamGrad>(
         dev: &CudaDevice,
         coef: &Buffer<f32>,
         range: Range<usize>,
         state: LowPrecisionAdamState<'_>,
-        grad: &Buffer<f32>,
+        grad: &Buffer<G>,
         scales: &Buffer<f32>,
         scale_base: usize,
         amax: AmaxSlots<'_>,
@@ -880,7 +971,7 @@ mod cuda {
         if n == 0 {
             return Ok(());
         }
-        let func = f(dev, "adam_lp_ctl_g_f32")?;
+        let func = f(dev, &format!("adam_lp_ctl_g_{}", grad_suffix::<G>(what)?))?;
         let stream = dev.stream().clone();
         let cfg = grid(dev, n, 8)?;
         let (off, len) = (range.start as u64, n as u64);
@@ -1015,6 +1106,66 @@ mod cuda {
             .arg(&gslot);
         // SAFETY: touches [off, off + n) of out, fp8 and the master (checked), reads one weight-scale pair
         // and one state scale (checked); exactly one of the master pointers is non-null.
+        unsafe { l.launch(cfg) }?;
+        drop(guards);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn cast_from_source(
+        dev: &CudaDevice,
+        coef: &Buffer<f32>,
+        fp8: &mut Buffer<u8>,
+        range: Range<usize>,
+        weight_scales: &Buffer<f32>,
+        wslot: usize,
+        source: MasterSource<'_>,
+    ) -> Result<(), KernelError> {
+        let what = "cast_from_source";
+        dev.require_fp8()?;
+        let n = range.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let func = f(dev, "cast_from_source")?;
+        let stream = dev.stream().clone();
+        let cfg = grid(dev, n, 4)?;
+        let (off, len, ws) = (range.start as u64, n as u64, wslot as u64);
+        let co = cs(coef, what)?;
+        let wsc = cs(weight_scales, what)?;
+        let mut guards = Vec::new();
+        let (m32, m16, ss, gslot) = match source {
+            MasterSource::F32(m) => {
+                let (p, g) = cs(m, what)?.device_ptr(&stream);
+                guards.push(g);
+                (p, 0u64, 0u64, 0u64)
+            }
+            MasterSource::F16 {
+                master,
+                scales,
+                slot,
+            } => {
+                let (p, g) = cs(master, what)?.device_ptr(&stream);
+                let (s, g2) = cs(scales, what)?.device_ptr(&stream);
+                guards.push(g);
+                guards.push(g2);
+                (0u64, p, s, slot as u64)
+            }
+        };
+        let q = csm(fp8, what)?;
+        let mut l = stream.launch_builder(&func);
+        l.arg(co)
+            .arg(q)
+            .arg(&off)
+            .arg(&len)
+            .arg(wsc)
+            .arg(&ws)
+            .arg(&m32)
+            .arg(&m16)
+            .arg(&ss)
+            .arg(&gslot);
+        // SAFETY: reads and rewrites [off, off + n) of fp8 and reads that range of the master (checked),
+        // one weight-scale pair and one state scale (checked); exactly one master pointer is non-null.
         unsafe { l.launch(cfg) }?;
         drop(guards);
         Ok(())

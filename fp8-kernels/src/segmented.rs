@@ -336,9 +336,11 @@ pub fn segmented_cast(
     }
 }
 
-/// `dst[offset + i] += src[i]` for every `i < src.len()`, widening `src` to f32 (one f32 addition each).
-pub fn add_at<S: FloatElement>(
-    dst: &mut Buffer<f32>,
+/// `dst[offset + i] += src[i]` for every `i < src.len()`: both widened to f32, one f32 addition, the sum
+/// rounded to the destination type (exact for an F32 destination; round to nearest even for a BF16 one,
+/// as `half` does: a BF16 gradient shard).
+pub fn add_at<D: FloatElement, S: FloatElement>(
+    dst: &mut Buffer<D>,
     offset: usize,
     src: &Buffer<S>,
 ) -> Result<(), KernelError> {
@@ -366,29 +368,35 @@ pub fn add_at<S: FloatElement>(
                 .zip(s.par_chunks(CPU_CHUNK))
                 .for_each(|(d, s)| {
                     for (o, v) in d.iter_mut().zip(s) {
-                        *o += v.to_f32();
+                        *o = D::from_f32(o.to_f32() + v.to_f32());
                     }
                 });
             Ok(())
         }
         Some(dev) => {
-            let f = function(&dev, &SEGMENTED_MODULE, &format!("add_at_{}", S::NAME))?;
+            let name = match D::NAME {
+                "f32" => format!("add_at_{}", S::NAME),
+                "bf16" => format!("add_at_{}_to_bf16", S::NAME),
+                other => return Err(bad(WHAT, format!("{other} destinations are not supported"))),
+            };
+            let f = function(&dev, &SEGMENTED_MODULE, &name)?;
             let cfg = grid_1d(sm_count(&dev)?, n as u64, BLOCKS_PER_SM);
             let (o64, n64) = (offset as u64, n as u64);
             let s = cs(src, WHAT)?;
             let d = cs_mut(dst, WHAT)?;
             let mut b = dev.stream().launch_builder(&f);
             b.arg(d).arg(&o64).arg(s).arg(&n64);
-            // SAFETY: `add_at_<S>(float*, u64, const S*, u64)`; dst holds offset + n elements, src n.
+            // SAFETY: `add_at_<S>[_to_bf16](D*, u64, const S*, u64)`; dst holds offset + n elements, src n.
             unsafe { b.launch(cfg) }?;
             Ok(())
         }
     }
 }
 
-/// `dst[i] += decode(q[i]) * scale_inv[0]` (the product rounded to f32, then the sum).
-pub fn add_decoded_fp8(
-    dst: &mut Buffer<f32>,
+/// `dst[i] += decode(q[i]) * scale_inv[0]` (the product rounded to f32, then the f32 sum, rounded to the
+/// destination type: exact for F32, nearest even for a BF16 shard).
+pub fn add_decoded_fp8<D: FloatElement>(
+    dst: &mut Buffer<D>,
     q: &Buffer<u8>,
     format: Fp8Format,
     scale_inv: &Buffer<f32>,
@@ -414,13 +422,17 @@ pub fn add_decoded_fp8(
                 .zip(qs.par_chunks(CPU_CHUNK))
                 .for_each(|(d, s)| {
                     for (o, &c) in d.iter_mut().zip(s) {
-                        *o += table[c as usize] * si;
+                        *o = D::from_f32(o.to_f32() + table[c as usize] * si);
                     }
                 });
             Ok(())
         }
         Some(dev) => {
-            let name = format!("add_decoded_{}", format_name(format));
+            let name = match D::NAME {
+                "f32" => format!("add_decoded_{}", format_name(format)),
+                "bf16" => format!("add_decoded_{}_to_bf16", format_name(format)),
+                other => return Err(bad(WHAT, format!("{other} destinations are not supported"))),
+            };
             let f = function(&dev, &SEGMENTED_MODULE, &name)?;
             let n = q.len() as u64;
             let cfg = grid_1d(sm_count(&dev)?, n, BLOCKS_PER_SM);
@@ -428,7 +440,7 @@ pub fn add_decoded_fp8(
             let d = cs_mut(dst, WHAT)?;
             let mut b = dev.stream().launch_builder(&f);
             b.arg(d).arg(qs).arg(si).arg(&n);
-            // SAFETY: `add_decoded_<fmt>(float*, const u8*, const float*, u64)`; dst and q hold n elements,
+            // SAFETY: `add_decoded_<fmt>[_to_bf16](D*, const u8*, const float*, u64)`; dst and q hold n elements,
             // scale_inv at least one.
             unsafe { b.launch(cfg) }?;
             Ok(())

@@ -3,9 +3,12 @@
 
 use fp8_core::Fp8Format;
 use fp8_kernels::adam::{adam_element, AmaxSlots};
+use fp8_kernels::adam::{lp_slot, LowPrecisionAdamState};
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status};
 use fp8_kernels::optim_step::*;
+use fp8_kernels::segmented::{segmented_cast, Segment, SegmentTable};
 use fp8_kernels::{AdamConfig, Buffer, Device, WeightDecay};
+use half::{bf16, f16};
 use proptest::prelude::*;
 
 #[test]
@@ -20,6 +23,10 @@ fn optim_step_module_compiles_for_sm90() {
         "grad_stats_f32",
         "adam_lp_ctl_g_f32",
         "apply_source",
+        "cast_from_source",
+        "grad_stats_bf16",
+        "adam_f32_ctl_g_bf16",
+        "adam_lp_ctl_g_bf16",
         "step_finish",
     ] {
         assert!(ptx.contains(k), "missing kernel {k}");
@@ -204,6 +211,253 @@ proptest! {
         let back: Vec<u8> = out.to_vec().unwrap().iter().map(|x| Fp8Format::E4M3.encode(x * scale)).collect();
         prop_assert_eq!(back, codes);
     }
+}
+
+/// A closure running an F32-state step on (master, m, v).
+type F32Step<'a> = dyn Fn(&mut Buffer<f32>, &mut Buffer<f32>, &mut Buffer<f32>) + 'a;
+
+/// The coefficient buffer of AdamW step `t` with PyTorch's defaults (not skipped).
+fn coef_words(t: u64) -> Vec<f32> {
+    let c = AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::default()
+    }
+    .coefficients(t, 1.0)
+    .unwrap();
+    let i = |x: i32| f32::from_bits(x as u32);
+    let mut w = vec![
+        c.beta1,
+        c.one_minus_beta1,
+        c.beta2,
+        c.one_minus_beta2,
+        c.step_size,
+        c.bc2_sqrt,
+        c.eps,
+        c.weight_decay,
+        c.decay,
+        c.grad_scale,
+        i(c.maximize),
+        i(c.l2),
+        i(c.decoupled),
+        i(c.pad),
+    ];
+    w.resize(COEF_LEN, 0.0);
+    w
+}
+
+/// Runs `cast_from_source` and, for comparison, `apply_source` into an F32 buffer followed by
+/// `segmented_cast` over `range`, on `dev`; returns both code vectors.
+#[allow(clippy::too_many_arguments)]
+fn cast_both_ways(
+    dev: &Device,
+    skip: bool,
+    codes: &[u8],
+    range: std::ops::Range<usize>,
+    scale_pair: [f32; 2],
+    master32: &[f32],
+    master16: Option<(&[f16], f32)>,
+) -> (Vec<u8>, Vec<u8>) {
+    let mut coef = vec![0f32; COEF_LEN];
+    coef[COEF_SKIP] = if skip { 1.0 } else { 0.0 };
+    let coef = dev.upload(&coef).unwrap();
+    let wsc = dev.upload(&scale_pair).unwrap();
+    let m32 = dev.upload(master32).unwrap();
+    let (m16, st) = match master16 {
+        Some((m, s)) => (
+            Some(dev.upload(m).unwrap()),
+            dev.upload(&[0.0, 0.0, 0.0, s, 1.0, 1.0]).unwrap(),
+        ),
+        None => (None, dev.zeros::<f32>(6).unwrap()),
+    };
+    let source = || match &m16 {
+        Some(m) => MasterSource::F16 {
+            master: m,
+            scales: &st,
+            slot: 1,
+        },
+        None => MasterSource::F32(&m32),
+    };
+    let mut fused = dev.upload(codes).unwrap();
+    cast_from_source(&coef, &mut fused, range.clone(), &wsc, 0, source()).unwrap();
+    let q = dev.upload(codes).unwrap();
+    let mut out: Buffer<f32> = dev.zeros(codes.len()).unwrap();
+    apply_source(&coef, &mut out, range.clone(), &q, &wsc, 0, source()).unwrap();
+    let table = SegmentTable::new(
+        dev,
+        &[Segment {
+            start: range.start,
+            end: range.end,
+            slot: 0,
+        }],
+    )
+    .unwrap();
+    let mut two_pass = dev.upload(codes).unwrap();
+    segmented_cast(&out, &table, fp8_core::Fp8Format::E4M3, &wsc, &mut two_pass).unwrap();
+    (fused.to_vec().unwrap(), two_pass.to_vec().unwrap())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The fused source cast writes the same codes as apply_source + segmented_cast (F32 and F16
+    /// masters, skipped or not), and leaves codes outside the range alone.
+    #[test]
+    fn cast_from_source_is_apply_source_then_cast(
+        seed in any::<u64>(), len in 1usize..300, e in -6i32..6, skip in any::<bool>(), f16m in any::<bool>(),
+        cut in 0usize..50,
+    ) {
+        let mut s = seed | 1;
+        let scale = 2f32.powi(e);
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s) * 3.0).collect();
+        let codes: Vec<u8> = (0..len).map(|_| (rnd(&mut s).to_bits() >> 9) as u8).collect();
+        let m16: Vec<f16> = w.iter().map(|&x| f16::from_f32(x * 16.0)).collect();
+        let start = cut.min(len - 1);
+        let (fused, two) = cast_both_ways(&Device::cpu(), skip, &codes, start..len, [scale, 1.0 / scale],
+            &w, f16m.then_some((&m16[..], 16.0)));
+        prop_assert_eq!(&fused[..start], &codes[..start]);
+        prop_assert_eq!(fused, two);
+    }
+
+    /// BF16 gradients: the statistics and both Adam steps equal the F32 path fed the widened values.
+    #[test]
+    fn bf16_gradients_equal_widened_f32(seed in any::<u64>(), len in 1usize..200) {
+        let dev = Device::cpu();
+        let mut s = seed | 1;
+        let g16: Vec<bf16> = (0..len).map(|_| bf16::from_f32(rnd(&mut s) * 0.1)).collect();
+        let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        let (b16, b32) = (dev.upload(&g16).unwrap(), dev.upload(&g32).unwrap());
+        let stats = |g: &dyn Fn(&mut Buffer<f32>, &mut Buffer<f32>)| {
+            let mut acc = dev.zeros::<f32>(STATS_ACC_LEN).unwrap();
+            let mut sums = dev.zeros::<f32>(3).unwrap();
+            g(&mut acc, &mut sums);
+            grad_stats_finish(&mut acc, 0, &mut sums).unwrap();
+            sums.to_vec().unwrap()
+        };
+        let a = stats(&|acc, sums| grad_stats(&b16, 0..len, acc, Some((sums, 2))).unwrap());
+        let b = stats(&|acc, sums| grad_stats(&b32, 0..len, acc, Some((sums, 2))).unwrap());
+        prop_assert_eq!(a, b);
+        let coef = dev.upload(&coef_words(3)).unwrap();
+        let run32 = |g: &F32Step<'_>| {
+            let (mut mw, mut mm, mut mv) = (dev.upload(&w).unwrap(), dev.zeros(len).unwrap(), dev.zeros(len).unwrap());
+            g(&mut mw, &mut mm, &mut mv);
+            (mw.to_vec().unwrap(), mm.to_vec().unwrap(), mv.to_vec().unwrap())
+        };
+        let x = run32(&|w, m, v| adam_step_f32_ctl(&coef, 0..len, w, m, v, &b16, None).unwrap());
+        let y = run32(&|w, m, v| adam_step_f32_ctl(&coef, 0..len, w, m, v, &b32, None).unwrap());
+        prop_assert_eq!(x, y);
+        let scales = dev.upload(&[1.0f32 / 1024.0, 1024.0, 1.0, 64.0, 1.0, 1024.0]).unwrap();
+        let lp = |use16: bool| {
+            let mut master = dev.upload(&w.iter().map(|&x| f16::from_f32(x * 1024.0)).collect::<Vec<_>>()).unwrap();
+            let mut m = dev.zeros::<u8>(len).unwrap();
+            let mut v = dev.zeros::<f16>(len).unwrap();
+            let mut amax = dev.zeros::<f32>(lp_slot::AMAXES).unwrap();
+            let st = LowPrecisionAdamState { master: &mut master, m: &mut m, v: &mut v };
+            let am = AmaxSlots { buffer: &mut amax, base: 0 };
+            if use16 {
+                adam_step_low_precision_ctl(&coef, 0..len, st, &b16, &scales, 0, am).unwrap();
+            } else {
+                adam_step_low_precision_ctl(&coef, 0..len, st, &b32, &scales, 0, am).unwrap();
+            }
+            (master.to_vec().unwrap(), m.to_vec().unwrap(), v.to_vec().unwrap(), amax.to_vec().unwrap())
+        };
+        prop_assert_eq!(lp(true), lp(false));
+    }
+}
+
+/// CUDA against CPU for the fused source cast and the BF16-gradient kernels, bit for bit. Skips without
+/// a GPU.
+#[test]
+fn cuda_cast_from_source_and_bf16_grads_match_cpu() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    for case in 0..64u32 {
+        let len = 1 + (case as usize * 7919) % 100_000;
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s) * 3.0).collect();
+        let codes: Vec<u8> = (0..len)
+            .map(|_| (rnd(&mut s).to_bits() >> 9) as u8)
+            .collect();
+        let m16: Vec<f16> = w.iter().map(|&x| f16::from_f32(x * 16.0)).collect();
+        let scale = 2f32.powi(case as i32 % 9 - 4);
+        let start = (case as usize * 13) % len;
+        let master16 = (case % 2 == 0).then_some((&m16[..], 16.0f32));
+        let args = |d: &Device| {
+            cast_both_ways(
+                d,
+                case % 5 == 0,
+                &codes,
+                start..len,
+                [scale, 1.0 / scale],
+                &w,
+                master16,
+            )
+        };
+        let (c, g) = (args(&Device::cpu()), args(&gpu));
+        assert_eq!(c.0, g.0, "case {case}: fused cast");
+        assert_eq!(g.0, g.1, "case {case}: fused vs two-pass on the GPU");
+        // BF16 gradients through the statistics and the low-precision step.
+        let g16: Vec<bf16> = (0..len)
+            .map(|_| bf16::from_f32(rnd(&mut s) * 0.1))
+            .collect();
+        let run = |d: &Device| {
+            let b = d.upload(&g16).unwrap();
+            let mut acc = d.zeros::<f32>(STATS_ACC_LEN).unwrap();
+            let mut sums = d.zeros::<f32>(3).unwrap();
+            grad_stats(&b, 0..len, &mut acc, Some((&mut sums, 2))).unwrap();
+            let coef = d.upload(&coef_words(2)).unwrap();
+            let scales = d
+                .upload(&[1.0f32 / 16.0, 16.0, 1.0, 64.0, 1.0, 1024.0])
+                .unwrap();
+            let mut master = d.upload(&m16).unwrap();
+            let mut m = d.zeros::<u8>(len).unwrap();
+            let mut v = d.zeros::<f16>(len).unwrap();
+            let mut amax = d.zeros::<f32>(3).unwrap();
+            adam_step_low_precision_ctl(
+                &coef,
+                0..len,
+                LowPrecisionAdamState {
+                    master: &mut master,
+                    m: &mut m,
+                    v: &mut v,
+                },
+                &b,
+                &scales,
+                0,
+                AmaxSlots {
+                    buffer: &mut amax,
+                    base: 0,
+                },
+            )
+            .unwrap();
+            let mut mw = d.upload(&w).unwrap();
+            let (mut m2, mut v2) = (d.zeros::<f32>(len).unwrap(), d.zeros::<f32>(len).unwrap());
+            adam_step_f32_ctl(&coef, 0..len, &mut mw, &mut m2, &mut v2, &b, None).unwrap();
+            (
+                sums.to_vec().unwrap()[2],
+                acc.to_vec().unwrap()[2].to_bits(),
+                master.to_vec().unwrap(),
+                m.to_vec().unwrap(),
+                v.to_vec().unwrap(),
+                amax.to_vec().unwrap(),
+                mw.to_vec().unwrap(),
+            )
+        };
+        let (c, g) = (run(&Device::cpu()), run(&gpu));
+        assert_eq!(c.0, g.0, "case {case}: bf16 grad amax");
+        assert_eq!(c.1, g.1, "case {case}: bf16 non-finite count");
+        assert_eq!(c.2, g.2, "case {case}: master");
+        assert_eq!(c.3, g.3, "case {case}: m");
+        assert_eq!(c.4, g.4, "case {case}: v");
+        assert_eq!(c.5, g.5, "case {case}: amaxes");
+        assert_eq!(c.6, g.6, "case {case}: f32-state master");
+    }
+    println!("PASS: cast_from_source and bf16-gradient optimizer kernels CUDA == CPU on 64 cases");
 }
 
 /// CUDA against CPU on random inputs: statistics (amax and count exact, sum of squares within 1e-6),

@@ -143,6 +143,55 @@ proptest! {
         }
     }
 
+    /// BF16 destinations (BF16 gradient shards): one f32 addition of the widened values, rounded once to
+    /// nearest even; untouched outside the range.
+    #[test]
+    fn add_at_into_bf16_rounds_once(
+        dst in prop::collection::vec(-10.0f32..10.0, 1..300),
+        src in prop::collection::vec(-10.0f32..10.0, 0..300),
+        offset in 0usize..300,
+        src_bf16 in any::<bool>(),
+    ) {
+        let d0: Vec<bf16> = dst.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut d = Buffer::from_vec(d0.clone());
+        let r = if src_bf16 {
+            add_at(&mut d, offset, &Buffer::from_vec(src.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()))
+        } else {
+            add_at(&mut d, offset, &Buffer::from_vec(src.clone()))
+        };
+        if offset + src.len() > dst.len() {
+            prop_assert!(r.is_err());
+            prop_assert_eq!(d.to_vec().unwrap(), d0);
+        } else {
+            r.unwrap();
+            let mut want = d0.clone();
+            for (i, &v) in src.iter().enumerate() {
+                let v = if src_bf16 { bf16::from_f32(v).to_f32() } else { v };
+                want[offset + i] = bf16::from_f32(d0[offset + i].to_f32() + v);
+            }
+            prop_assert_eq!(d.to_vec().unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn add_decoded_into_bf16_rounds_once(
+        dst in prop::collection::vec(-10.0f32..10.0, 0..300),
+        codes in prop::collection::vec(any::<u8>(), 300),
+        si in prop::sample::select(vec![1.0f32, 0.25, 1.0 / 1024.0, 8.0]),
+        e5m2 in any::<bool>(),
+    ) {
+        let format = if e5m2 { Fp8Format::E5M2 } else { Fp8Format::E4M3 };
+        let q = &codes[..dst.len()];
+        let d0: Vec<bf16> = dst.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut d = Buffer::from_vec(d0.clone());
+        add_decoded_fp8(&mut d, &Buffer::from_vec(q.to_vec()), format, &Buffer::from_vec(vec![si])).unwrap();
+        let got = d.to_vec().unwrap();
+        for ((g, a), &c) in got.iter().zip(&d0).zip(q) {
+            let w = bf16::from_f32(a.to_f32() + format.decode(c) * si);
+            prop_assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()));
+        }
+    }
+
     #[test]
     fn add_decoded_adds_scaled_codes(
         dst in prop::collection::vec(-10.0f32..10.0, 0..300),
@@ -303,6 +352,28 @@ fn segmented_cuda_check(gpu: &Device, n: usize, seed: u64) -> Vec<String> {
         )
         .unwrap();
         add_at(&mut acc, 100, &d.upload(&x[..1000]).unwrap()).unwrap();
+        // BF16 destinations (BF16 gradient shards).
+        let mut acc16 = d
+            .upload(
+                &x[..n / 4]
+                    .iter()
+                    .map(|&v| bf16::from_f32(v))
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        add_decoded_fp8(
+            &mut acc16,
+            &d.upload(&q.to_vec().unwrap()[..n / 4]).unwrap(),
+            Fp8Format::E5M2,
+            &d.upload(&[0.25f32]).unwrap(),
+        )
+        .unwrap();
+        add_at(&mut acc16, 100, &d.upload(&x[..1000]).unwrap()).unwrap();
+        let x16: Vec<bf16> = x[..2000]
+            .iter()
+            .map(|&v| bf16::from_f32(v * 0.37))
+            .collect();
+        add_at(&mut acc16, 3, &d.upload(&x16).unwrap()).unwrap();
         let mut a = d.zeros::<f32>(1).unwrap();
         let mut cnt = d.zeros::<u32>(1).unwrap();
         finite_amax_count(&xb, &mut a, &mut cnt).unwrap();
@@ -312,6 +383,13 @@ fn segmented_cuda_check(gpu: &Device, n: usize, seed: u64) -> Vec<String> {
         v.extend(scales.to_vec().unwrap().iter().map(|&f| canon(f)));
         v.extend(q.to_vec().unwrap().iter().map(|&b| b as u32));
         v.extend(acc.to_vec().unwrap().iter().map(|&f| canon(f)));
+        v.extend(acc16.to_vec().unwrap().iter().map(|&h| {
+            if h.is_nan() {
+                0x7FC0
+            } else {
+                u32::from(h.to_bits())
+            }
+        }));
         v.push(canon(a.to_vec().unwrap()[0]));
         v.push(cnt.to_vec().unwrap()[0]);
         v.push(canon(s.to_vec().unwrap()[0]));
