@@ -12,6 +12,7 @@
 
 use crate::ShardError;
 use fp8_core::Fp8Format;
+use fp8_kernels::cast::FloatElement;
 use fp8_kernels::segmented::{add_at, add_decoded_fp8, finite_amax_count, grad_scale_from_amax};
 use fp8_kernels::{cast_to_fp8, convert, Buffer, Device, Element};
 use fsdp_comm::{Communicator, RecvBuf, ReduceOp, SendBuf};
@@ -120,13 +121,14 @@ impl GradReducer {
         Some((self.scale.as_ref()?, self.scale_inv.as_ref()?))
     }
 
-    /// Reduce-scatters `full` (length `world_size * shard.len()`) and adds this rank's reduced chunk to `shard`.
-    pub fn reduce_scatter_add(
+    /// Reduce-scatters `full` (length `world_size * shard.len()`) and adds this rank's reduced chunk to `shard`
+    /// (F32, or BF16: the chunk is added in f32 and the sum rounded once to BF16).
+    pub fn reduce_scatter_add<D: FloatElement>(
         &mut self,
         comm: &dyn Communicator,
         mode: GradReduction,
         full: &Buffer<f32>,
-        shard: &mut Buffer<f32>,
+        shard: &mut Buffer<D>,
     ) -> Result<(), ShardError> {
         let ws = comm.world_size();
         if full.len() != shard.len() * ws {

@@ -38,5 +38,5 @@ pub use layout::{
     ALIGN,
 };
 pub use memory::MemoryReport;
-pub use model::{FsdpConfig, GatheredParam, ShardedModel, UnitShards};
+pub use model::{FsdpConfig, GatheredParam, GradDtype, GradShard, ShardedModel, UnitShards};
 pub use state::{ShardedState, StateShard};

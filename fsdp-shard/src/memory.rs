@@ -10,7 +10,7 @@ pub struct MemoryReport {
     pub fp8_weight_shards: usize,
     /// Plain parameter shards (F32; the master copy of plain parameters).
     pub plain_param_shards: usize,
-    /// Reduced gradient shards (F32 accumulators).
+    /// Reduced gradient shards, their real bytes (F32 or BF16, see `GradDtype`).
     pub grad_shards: usize,
     /// Full gradients awaiting reduction (no-sync accumulation keeps them across micro-batches).
     pub full_grads: usize,

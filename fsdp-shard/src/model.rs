@@ -6,7 +6,9 @@
 //! - for every FP8 weight of the unit, its scale and inverse scale in a small buffer on the device
 //!   ([`UnitShards::weight_scales`]: `[scale_0, scale_inv_0, scale_1, scale_inv_1, ...]`), identical on every
 //!   rank because it is computed from an all-reduced amax;
-//! - the reduced gradient shards of both groups (F32 accumulators, so micro-batches add up exactly);
+//! - the reduced gradient shards of both groups, F32 (the default: micro-batches add up exactly) or BF16
+//!   ([`FsdpConfig::grad_dtype`], half the bytes: each reduction's F32 sum is added to the shard in f32 and
+//!   rounded once to BF16);
 //! - while gathered: the full flat buffers and each parameter cut out of them.
 //!
 //! Master weights of FP8 parameters are not here: the optimizer owns them, once.
@@ -21,6 +23,7 @@ use fp8_kernels::segmented::{
 };
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::{CommWork, Communicator, RecvBuf, SendBuf};
+use half::bf16;
 use std::sync::Arc;
 
 /// Options of a sharded model.
@@ -33,6 +36,75 @@ pub struct FsdpConfig {
     pub grad_reduction: GradReduction,
     /// Margin of the weights' current scaling (scale divided by `2^margin`).
     pub weight_margin: i32,
+    /// Storage type of the reduced gradient shards (both groups).
+    pub grad_dtype: GradDtype,
+}
+
+/// Storage type of the reduced gradient shards.
+///
+/// BF16 shards halve the gradient bytes (2 per parameter instead of 4). Each reduction (one per
+/// [`ShardedModel::reduce_grads`]) is summed as the reduction mode says (exactly in F32 by default), added
+/// to the shard's current value in f32 and rounded once to BF16 (nearest even). So one micro-batch per
+/// step rounds the exact F32 sum once; `k` synchronised micro-batches round `k` times (a relative error
+/// up to about `k * 2^-9` of the running sum). For many micro-batches keep F32 shards, or accumulate in the
+/// full F32 buffers without syncing ([`ShardedModel::set_grad_sync`]) and reduce once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GradDtype {
+    /// F32 shards (exact accumulation).
+    #[default]
+    F32,
+    /// BF16 shards.
+    Bf16,
+}
+
+impl GradDtype {
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            GradDtype::F32 => 4,
+            GradDtype::Bf16 => 2,
+        }
+    }
+
+    /// `"f32"` or `"bf16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GradDtype::F32 => "f32",
+            GradDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One gradient shard, in its storage type.
+#[derive(Debug, Clone, Copy)]
+pub enum GradShard<'a> {
+    /// F32 shard.
+    F32(&'a Buffer<f32>),
+    /// BF16 shard.
+    Bf16(&'a Buffer<bf16>),
+}
+
+impl GradShard<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            GradShard::F32(b) => b.len(),
+            GradShard::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Whether the shard is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f32 (a host copy; reads the device).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>, ShardError> {
+        Ok(match self {
+            GradShard::F32(b) => b.to_vec()?,
+            GradShard::Bf16(b) => b.to_vec()?.into_iter().map(bf16::to_f32).collect(),
+        })
+    }
 }
 
 impl Default for FsdpConfig {
@@ -41,6 +113,7 @@ impl Default for FsdpConfig {
             reshard_after_forward: true,
             grad_reduction: GradReduction::F32,
             weight_margin: 0,
+            grad_dtype: GradDtype::F32,
         }
     }
 }
@@ -69,8 +142,11 @@ pub struct UnitShards {
     pub plain: Buffer<f32>,
     /// `[scale, scale_inv]` of every FP8 weight of the unit, in slot order.
     pub weight_scales: Buffer<f32>,
-    /// Reduced gradient shards of the FP8 group and the plain group (F32).
+    /// Reduced gradient shards of the FP8 group and the plain group when they are F32 (the default
+    /// [`GradDtype`]); empty when the model keeps BF16 shards.
     pub grads: [Buffer<f32>; 2],
+    /// Reduced gradient shards when they are BF16 ([`GradDtype::Bf16`]); empty otherwise.
+    pub grads_bf16: [Buffer<bf16>; 2],
     /// Full flat gradients of the current backward, before reduction.
     full_grads: [Option<Buffer<f32>>; 2],
     /// Parameters of the gathered unit, by model parameter index.
@@ -80,6 +156,21 @@ pub struct UnitShards {
     /// Which part of this rank's FP8 shard holds which FP8 weight (slot = index in the unit's FP8 group),
     /// on the model's device, for the one-launch-per-unit amax and cast.
     fp8_table: SegmentTable,
+}
+
+impl UnitShards {
+    /// The reduced gradient shard of group `g` (index of [`ParamGroup`]), in its storage type.
+    pub fn grad(&self, g: ParamGroup) -> GradShard<'_> {
+        let i = g as usize;
+        if self.grads_bf16[i].is_empty() && !self.grads[i].is_empty() {
+            GradShard::F32(&self.grads[i])
+        } else if !self.grads_bf16[i].is_empty() {
+            GradShard::Bf16(&self.grads_bf16[i])
+        } else {
+            // Both empty (an empty group): either view is the same empty shard.
+            GradShard::F32(&self.grads[i])
+        }
+    }
 }
 
 /// The full flat buffers an all-gather is writing, and the handles of its collectives.
@@ -197,10 +288,12 @@ impl ShardedModel {
             let r8 = fp8_group.shard_range(rank, ws);
             let rp = unit.group(ParamGroup::Plain).shard_range(rank, ws);
             masters.push(full[0][r8.clone()].to_vec());
-            let grads = [
-                device.zeros::<f32>(r8.len())?,
-                device.zeros::<f32>(rp.len())?,
-            ];
+            let (n32, n16) = match config.grad_dtype {
+                GradDtype::F32 => ([r8.len(), rp.len()], [0, 0]),
+                GradDtype::Bf16 => ([0, 0], [r8.len(), rp.len()]),
+            };
+            let grads = [device.zeros::<f32>(n32[0])?, device.zeros::<f32>(n32[1])?];
+            let grads_bf16 = [device.zeros::<bf16>(n16[0])?, device.zeros::<bf16>(n16[1])?];
             let segments: Vec<Segment> = shard_segments(fp8_group, rank, ws)
                 .into_iter()
                 .map(|(slot, r)| Segment {
@@ -214,6 +307,7 @@ impl ShardedModel {
                 plain: device.upload(&full[1][rp])?,
                 weight_scales: device.upload(&scales)?,
                 grads,
+                grads_bf16,
                 full_grads: [None, None],
                 gathered: None,
                 pending: None,
@@ -549,12 +643,20 @@ impl ShardedModel {
                 } else {
                     GradReduction::F32
                 };
-                self.reducer.reduce_scatter_add(
-                    self.comm.as_ref(),
-                    mode,
-                    &full,
-                    &mut shards.grads[g as usize],
-                )?;
+                match self.config.grad_dtype {
+                    GradDtype::F32 => self.reducer.reduce_scatter_add(
+                        self.comm.as_ref(),
+                        mode,
+                        &full,
+                        &mut shards.grads[g as usize],
+                    )?,
+                    GradDtype::Bf16 => self.reducer.reduce_scatter_add(
+                        self.comm.as_ref(),
+                        mode,
+                        &full,
+                        &mut shards.grads_bf16[g as usize],
+                    )?,
+                }
             }
         }
         Ok(())
@@ -564,6 +666,9 @@ impl ShardedModel {
     pub fn zero_grads(&mut self) -> Result<(), ShardError> {
         for s in &mut self.units {
             for g in &mut s.grads {
+                g.fill_zero()?;
+            }
+            for g in &mut s.grads_bf16 {
                 g.fill_zero()?;
             }
             s.full_grads = [None, None];
@@ -597,7 +702,8 @@ impl ShardedModel {
         for s in &self.units {
             r.fp8_weight_shards += s.fp8.num_bytes() + s.weight_scales.num_bytes();
             r.plain_param_shards += s.plain.num_bytes();
-            r.grad_shards += s.grads.iter().map(Buffer::num_bytes).sum::<usize>();
+            r.grad_shards += s.grads.iter().map(Buffer::num_bytes).sum::<usize>()
+                + s.grads_bf16.iter().map(Buffer::num_bytes).sum::<usize>();
             r.full_grads += s
                 .full_grads
                 .iter()
@@ -710,6 +816,33 @@ impl ShardedModel {
                 Fp8Format::E4M3,
                 &shards.weight_scales,
                 &mut shards.fp8,
+            )?;
+            base += counts[u];
+        }
+        Ok(())
+    }
+
+    /// Sets every FP8 weight's scale pair from its global amax (all-reduced with MAX, flattened over units
+    /// in slot order), as [`ShardedModel::apply_fp8_weights`] does, without casting: for an optimizer that
+    /// casts its masters into [`UnitShards::fp8`] itself (in place, with no F32 copy of the shard). A zero or
+    /// non-finite amax keeps the previous scale.
+    pub fn set_fp8_weight_scales(&mut self, global_amaxes: &Buffer<f32>) -> Result<(), ShardError> {
+        let counts = self.fp8_counts();
+        let total: usize = counts.iter().sum();
+        if global_amaxes.len() != total {
+            return Err(ShardError::InvalidArgument(format!(
+                "{} amaxes given for {total} FP8 weights",
+                global_amaxes.len()
+            )));
+        }
+        let mut base = 0;
+        for (u, shards) in self.units.iter_mut().enumerate() {
+            segmented_scales(
+                global_amaxes,
+                base,
+                Fp8Format::E4M3,
+                self.config.weight_margin,
+                &mut shards.weight_scales,
             )?;
             base += counts[u];
         }

@@ -14,8 +14,8 @@ use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{dequantize_fp8, Buffer, Device};
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_shard::{
-    FsdpConfig, GatheredParam, GradReduction, ModelLayout, ParamGroup, ParamKind, ParamSpec,
-    ShardError, ShardedModel, WrapPolicy,
+    FsdpConfig, GatheredParam, GradDtype, GradReduction, ModelLayout, ParamGroup, ParamKind,
+    ParamSpec, ShardError, ShardedModel, WrapPolicy,
 };
 use half::bf16;
 use std::process::ExitCode;
@@ -54,11 +54,16 @@ struct StepResult {
     nonfinite: u64,
 }
 
-fn step(comm: Arc<dyn Communicator>, mode: GradReduction) -> Result<StepResult, ShardError> {
+fn step(
+    comm: Arc<dyn Communicator>,
+    mode: GradReduction,
+    grad_dtype: GradDtype,
+) -> Result<StepResult, ShardError> {
     let dev = comm.device().clone();
     let rank = comm.rank() as u64;
     let cfg = FsdpConfig {
         grad_reduction: mode,
+        grad_dtype,
         ..FsdpConfig::default()
     };
     let init = |p: usize| {
@@ -95,11 +100,13 @@ fn step(comm: Arc<dyn Communicator>, mode: GradReduction) -> Result<StepResult, 
     let mut grads = Vec::new();
     for (u, master) in masters.iter_mut().enumerate() {
         let s = model.unit_mut(u)?;
-        grads.push(s.grads[ParamGroup::Fp8 as usize].to_vec()?);
-        grads.push(s.grads[ParamGroup::Plain as usize].to_vec()?);
-        axpy(-0.5, &s.grads[ParamGroup::Fp8 as usize], master)?;
-        let g = s.grads[ParamGroup::Plain as usize].to_device(&dev)?;
-        axpy(-0.5, &g, &mut s.plain)?;
+        // BF16 shards are widened exactly for the (F32) SGD update below.
+        let g8 = s.grad(ParamGroup::Fp8).to_f32_vec()?;
+        let gp = s.grad(ParamGroup::Plain).to_f32_vec()?;
+        axpy(-0.5, &dev.upload(&g8)?, master)?;
+        axpy(-0.5, &dev.upload(&gp)?, &mut s.plain)?;
+        grads.push(g8);
+        grads.push(gp);
     }
     let refs: Vec<&Buffer<f32>> = masters.iter().collect();
     model.update_fp8_weights(&refs)?;
@@ -222,14 +229,44 @@ fn main() -> ExitCode {
     let comm: Arc<dyn Communicator> = Arc::new(comm);
     let mut all_ok = true;
     let modes = [
-        ("f32", GradReduction::F32, 1e-6),
-        ("bf16", GradReduction::Bf16, 1e-2),
-        ("fp8-e4m3", GradReduction::Fp8(Fp8Format::E4M3), 0.1),
-        ("fp8-e5m2", GradReduction::Fp8(Fp8Format::E5M2), 0.2),
+        ("f32", GradReduction::F32, GradDtype::F32, 1e-6),
+        ("bf16", GradReduction::Bf16, GradDtype::F32, 1e-2),
+        (
+            "fp8-e4m3",
+            GradReduction::Fp8(Fp8Format::E4M3),
+            GradDtype::F32,
+            0.1,
+        ),
+        (
+            "fp8-e5m2",
+            GradReduction::Fp8(Fp8Format::E5M2),
+            GradDtype::F32,
+            0.2,
+        ),
+        // BF16 gradient shards (the add into the shard rounds once to BF16).
+        (
+            "f32, bf16 shards",
+            GradReduction::F32,
+            GradDtype::Bf16,
+            1e-2,
+        ),
+        (
+            "bf16, bf16 shards",
+            GradReduction::Bf16,
+            GradDtype::Bf16,
+            1e-2,
+        ),
+        (
+            "fp8-e5m2, bf16 shards",
+            GradReduction::Fp8(Fp8Format::E5M2),
+            GradDtype::Bf16,
+            0.2,
+        ),
     ];
-    for (name, mode, tol) in modes {
-        let gpu = step(comm.clone(), mode);
-        let cpu = run_ranks(ws, |c| step(Arc::new(c), mode)).map(|mut v| v.swap_remove(rank));
+    for (name, mode, dtype, tol) in modes {
+        let gpu = step(comm.clone(), mode, dtype);
+        let cpu =
+            run_ranks(ws, |c| step(Arc::new(c), mode, dtype)).map(|mut v| v.swap_remove(rank));
         let (gpu, cpu) = match (gpu, cpu) {
             (Ok(g), Ok(c)) => (g, c),
             (g, c) => {

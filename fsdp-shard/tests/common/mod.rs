@@ -103,13 +103,13 @@ impl Sgd {
     pub fn step(&mut self, model: &mut ShardedModel) -> Result<(), ShardError> {
         for u in 0..model.num_units() {
             let s = model.unit_mut(u)?;
-            let g = s.grads[ParamGroup::Plain as usize].to_vec()?;
+            let g = s.grad(ParamGroup::Plain).to_f32_vec()?;
             let mut p = s.plain.to_vec()?;
             for (p, g) in p.iter_mut().zip(&g) {
                 *p -= self.lr * g;
             }
             s.plain.copy_from_host(&p)?;
-            let g = s.grads[ParamGroup::Fp8 as usize].to_vec()?;
+            let g = s.grad(ParamGroup::Fp8).to_f32_vec()?;
             for (m, g) in self.masters[u].iter_mut().zip(&g) {
                 *m -= self.lr * g;
             }
