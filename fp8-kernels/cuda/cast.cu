@@ -154,6 +154,11 @@ __device__ void cast_transpose_impl(const typename In::T* x, u8* y, u8* yt, cons
     int m = 0;
     const int tiles_c = (cols + CT_TILE - 1) / CT_TILE;
     const int tiles_r = (rows + CT_TILE - 1) / CT_TILE;
+    // A one-dimensional block selects the vectorised 64x64 path (the caller launches it for shapes in
+    // multiples of 64); the (32, 8) block walks 32x32 tiles element by element.
+    if (blockDim.y == 1) {
+        cast_transpose64<In, FMT>(x, nullptr, y, yt, s, m, rows, cols, CastValue<In>());
+    } else {
     for (int t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
         const int r0 = (t / tiles_c) * CT_TILE, c0 = (t % tiles_c) * CT_TILE;
         // threads: (32, 8); each covers 4 rows of the tile.
@@ -175,6 +180,7 @@ __device__ void cast_transpose_impl(const typename In::T* x, u8* y, u8* yt, cons
             if (r < rows && c < cols) yt[(u64)c * rows + r] = tile[threadIdx.x][k];
         }
         __syncthreads();
+    }
     }
     // block_amax_commit wants a 1-D view of the block.
     const int flat = threadIdx.y * blockDim.x + threadIdx.x;

@@ -192,3 +192,82 @@ __device__ float compute_scale_dev(float amax, float fmax, int margin, int exact
 // Grid-stride helpers.
 __device__ __forceinline__ u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }
+
+// ---- vectorised FP8 cast + transpose over 64x64 tiles ----
+// One block of 256 threads (blockDim (256, 1, 1)) per tile at a time: each thread loads 8 consecutive
+// elements per pass with 16-byte loads, stores their 8 codes with one 8-byte store, and packs them into a
+// shared tile; then each thread writes 16 consecutive codes of one transposed row with one 16-byte store.
+// The value cast from element k is VAL::value(x, dy, i) (already rounded as its unfused kernel stores it),
+// so each code and the amax equal those of the element-wise kernels bit for bit. Needs rows and cols to be
+// multiples of 64 (the caller checks) and 16-byte aligned pointers (checked here; otherwise a plain
+// element-wise loop runs instead). `m` accumulates the |value| bits for the caller's block amax.
+#define CT64 64
+template <class E, int FMT, class VAL>
+__device__ void cast_transpose64(const typename E::T* x, const typename E::T* dy, u8* y, u8* yt, float s, int& m,
+                                 int rows, int cols, const VAL& val) {
+    __shared__ u32 tile[CT64][CT64 / 4 + 1];
+    const unsigned long long align =
+        (unsigned long long)x | (unsigned long long)dy | (unsigned long long)y | (unsigned long long)yt;
+    if ((align & 15) != 0) {
+        const u64 n = (u64)rows * cols;
+        for (u64 i = global_thread(); i < n; i += grid_threads()) {
+            const float h = val.value(x, dy, i);
+            m = max(m, abs_bits_no_nan(h));
+            const u8 code = (u8)(fp8x2<FMT>(mul_rn(h, s), 0.0f) & 0xFF);
+            if (y != nullptr) y[i] = code;
+            yt[(i % cols) * rows + i / cols] = code;
+        }
+        return;
+    }
+    const int tid = threadIdx.x;
+    const int tiles_c = cols / CT64, tiles = (rows / CT64) * tiles_c;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int r0 = (t / tiles_c) * CT64, c0 = (t % tiles_c) * CT64;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int lr = (tid >> 3) + 32 * j, lc = (tid & 7) * 8;
+            const u64 i = (u64)(r0 + lr) * cols + c0 + lc;
+            float h[8];
+            val.value8(x, dy, i, h);
+            u32 w[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int k = 4 * q;
+                m = max(m, max(max(abs_bits_no_nan(h[k]), abs_bits_no_nan(h[k + 1])),
+                               max(abs_bits_no_nan(h[k + 2]), abs_bits_no_nan(h[k + 3]))));
+                const u32 lo = fp8x2<FMT>(mul_rn(h[k], s), mul_rn(h[k + 1], s));
+                const u32 hi = fp8x2<FMT>(mul_rn(h[k + 2], s), mul_rn(h[k + 3], s));
+                w[q] = lo | (hi << 16);
+            }
+            if (y != nullptr) *reinterpret_cast<uint2*>(y + i) = make_uint2(w[0], w[1]);
+            tile[lr][lc / 4] = w[0];
+            tile[lr][lc / 4 + 1] = w[1];
+        }
+        __syncthreads();
+        {
+            const int c = tid >> 2, rr = (tid & 3) * 16;
+            const int word = c >> 2, shift = (c & 3) * 8;
+            u32 out[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                u32 v = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) v |= ((tile[rr + 4 * q + b][word] >> shift) & 0xFFu) << (8 * b);
+                out[q] = v;
+            }
+            *reinterpret_cast<uint4*>(yt + (u64)(c0 + c) * rows + r0 + rr) = make_uint4(out[0], out[1], out[2], out[3]);
+        }
+        __syncthreads();
+    }
+}
+
+// The plain cast's value: the input element itself.
+template <class E>
+struct CastValue {
+    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T*, u64 i) const {
+        return E::load(x, i);
+    }
+    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T*, u64 i, float (&h)[8]) const {
+        E::load8(x, i, h);
+    }
+};

@@ -35,6 +35,34 @@ __device__ __forceinline__ float gelu_slope(float v, int exact) {
     return add_rn(mul_rn(0.5f, add_rn(1.0f, t)), mul_rn(mul_rn(mul_rn(0.5f, v), add_rn(1.0f, -mul_rn(t, t))), du));
 }
 
+// The values of the vectorised path (cast_transpose64): gelu(x), or gelu'(x) * dy, rounded to the element type.
+template <class E>
+struct GeluValue {
+    int exact;
+    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T*, u64 i) const {
+        return round_through<E>(gelu_value(E::load(x, i), exact));
+    }
+    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T*, u64 i, float (&h)[8]) const {
+        E::load8(x, i, h);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = round_through<E>(gelu_value(h[k], exact));
+    }
+};
+template <class E>
+struct GeluGradValue {
+    int exact;
+    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T* dy, u64 i) const {
+        return round_through<E>(mul_rn(gelu_slope(E::load(x, i), exact), E::load(dy, i)));
+    }
+    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T* dy, u64 i, float (&h)[8]) const {
+        float d[8];
+        E::load8(x, i, h);
+        E::load8(dy, i, d);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = round_through<E>(mul_rn(gelu_slope(h[k], exact), d[k]));
+    }
+};
+
 // x [rows, cols] row-major -> y = codes [rows, cols], yt = codes of the transpose [cols, rows], amax into
 // amax[slot]. dy == nullptr: value = gelu(x); otherwise value = gelu'(x) * dy. The value is rounded to the
 // element type before the amax and the cast, as the unfused path stores it. Tiles and the amax reduction
@@ -48,6 +76,11 @@ __device__ void gelu_cast_transpose_impl(const typename E::T* x, const typename 
     int m = 0;
     const int tiles_c = (cols + FG_TILE - 1) / FG_TILE;
     const int tiles_r = (rows + FG_TILE - 1) / FG_TILE;
+    // A one-dimensional block selects the vectorised 64x64 path of common.cuh (shapes in multiples of 64).
+    if (blockDim.y == 1) {
+        if (dy == nullptr) cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, GeluValue<E>{exact});
+        else cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, GeluGradValue<E>{exact});
+    } else {
     for (int t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
         const int r0 = (t / tiles_c) * FG_TILE, c0 = (t % tiles_c) * FG_TILE;
         for (int k = threadIdx.y; k < FG_TILE; k += blockDim.y) {
@@ -70,6 +103,7 @@ __device__ void gelu_cast_transpose_impl(const typename E::T* x, const typename 
             if (r < rows && c < cols) yt[(u64)c * rows + r] = tile[threadIdx.x][k];
         }
         __syncthreads();
+    }
     }
     const int flat = threadIdx.y * blockDim.x + threadIdx.x;
     __shared__ int wm[32];

@@ -16,7 +16,7 @@
 //! slot to start afresh (the scaling-meta update does that for its own slot).
 
 use crate::device::{cuda_slice, cuda_slice_mut};
-use crate::kernel_source::{function, grid_1d, sm_count, CAST_MODULE};
+use crate::kernel_source::{cast_transpose_launch, function, grid_1d, sm_count, CAST_MODULE};
 use crate::{Buffer, CudaDevice, Device, Element, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use fp8_core::{
@@ -504,13 +504,7 @@ pub fn cast_transpose_to_fp8<T: FloatElement>(
             dev.require_fp8()?;
             let name = format!("cast_transpose_{}_{}", T::NAME, format_name(format));
             let f = function(&dev, &CAST_MODULE, &name)?;
-            let tiles = rows.div_ceil(TRANSPOSE_TILE) * cols.div_ceil(TRANSPOSE_TILE);
-            let cap = sm_count(&dev)? as usize * 16;
-            let cfg = LaunchConfig {
-                grid_dim: (tiles.clamp(1, cap) as u32, 1, 1),
-                block_dim: (32, 8, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = cast_transpose_launch(sm_count(&dev)?, rows, cols);
             let (r, c) = (rows as i32, cols as i32);
             let xs = cuda_slice(x, WHAT)?;
             let ss = cuda_slice(scale, WHAT)?;

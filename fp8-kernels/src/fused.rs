@@ -16,12 +16,12 @@
 //! and [`Fp8Linear::quantize_grad_output`].
 
 use crate::cast::{cuda_of, format_name, same_device, AmaxSlot, FloatElement};
-use crate::kernel_source::{function, sm_count, KernelModule};
+use crate::kernel_source::{cast_transpose_launch, function, sm_count, KernelModule};
 use crate::ops::{gelu_grad_scalar, gelu_scalar, GeluApprox};
 use crate::{
     check_len, Buffer, DeviceScalingMeta, Element, Fp8Linear, Fp8LinearSaved, KernelError,
 };
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use fp8_core::Fp8Format;
 use rayon::prelude::*;
 
@@ -208,13 +208,7 @@ fn run_fused<T: FloatElement>(
             let kind = if dh.is_some() { "gelu_bwd" } else { "gelu" };
             let name = format!("{kind}_cast_transpose_{}_{}", T::NAME, format_name(format));
             let f = function(&dev, &FUSED_MODULE, &name)?;
-            let tiles = rows.div_ceil(TILE) * cols.div_ceil(TILE);
-            let cap = sm_count(&dev)? as usize * 16;
-            let cfg = LaunchConfig {
-                grid_dim: (tiles.clamp(1, cap) as u32, 1, 1),
-                block_dim: (32, 8, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = cast_transpose_launch(sm_count(&dev)?, rows, cols);
             let (r, c) = (rows as i32, cols as i32);
             let exact = (approx == GeluApprox::Erf) as i32;
             let us = cslice(u, what)?;

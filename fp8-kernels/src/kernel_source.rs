@@ -119,6 +119,29 @@ pub(crate) fn grid_1d(sm_count: u32, items: u64, blocks_per_sm: u32) -> LaunchCo
     }
 }
 
+/// The launch of the cast + transpose kernels (`cast_transpose_*`, `gelu[_bwd]_cast_transpose_*`) for a
+/// `[rows, cols]` input: a one-dimensional block of 256 threads when both sides are multiples of 64 (the
+/// kernels then take their vectorised 64x64-tile path), else a (32, 8) block over 32x32 tiles. At most
+/// 16 blocks per SM, with grid-stride loops over the tiles.
+pub(crate) fn cast_transpose_launch(sm_count: u32, rows: usize, cols: usize) -> LaunchConfig {
+    let cap = sm_count.max(1) as usize * 16;
+    if rows % 64 == 0 && cols % 64 == 0 && rows > 0 && cols > 0 {
+        let tiles = (rows / 64) * (cols / 64);
+        LaunchConfig {
+            grid_dim: (tiles.clamp(1, cap) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    } else {
+        let tiles = rows.div_ceil(32) * cols.div_ceil(32);
+        LaunchConfig {
+            grid_dim: (tiles.clamp(1, cap) as u32, 1, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
 /// A function of a loaded module, compiling the module on first use.
 pub(crate) fn function(
     dev: &crate::CudaDevice,

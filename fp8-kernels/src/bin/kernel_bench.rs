@@ -7,9 +7,11 @@
 //! cast's second read of the input is not counted), 1 read + 2 written for the dequantize, 2 + 2 for the copy.
 
 use fp8_core::Fp8Format;
+use fp8_kernels::fused::{gelu_backward_cast_fp8, gelu_cast_fp8};
+use fp8_kernels::ops::{gelu_forward, GeluApprox};
 use fp8_kernels::{
-    cast_to_fp8, cast_to_fp8_current, dequantize_fp8, AmaxSlot, CudaDevice, CurrentScaling, Device,
-    KernelError,
+    cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, dequantize_fp8, AmaxSlot, CudaDevice,
+    CurrentScaling, Device, KernelError,
 };
 use half::bf16;
 use rayon::prelude::*;
@@ -112,6 +114,83 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
         tb(3.0 * n as f64, ms),
         "-",
     ));
+
+    // The MLP's [tokens, 4d] casts: rows of 16384 (or fewer) so both sides are multiples of 64.
+    let rows_t = 16384.min(n / 64) / 64 * 64;
+    let cols_t = (n / rows_t.max(1)) / 64 * 64;
+    let m = rows_t * cols_t;
+    if m > 0 {
+        let shape = [rows_t, cols_t];
+        let xs = gpu.zeros::<bf16>(m)?;
+        let mut xs2 = gpu.zeros::<bf16>(m)?;
+        xs2.copy_range_from(0, &x, 0, m)?;
+        let mut qt = gpu.zeros::<u8>(m)?;
+        let mut q2 = gpu.zeros::<u8>(m)?;
+        drop(xs);
+        let ms = time_ms(&dev, iters, || {
+            cast_transpose_to_fp8(
+                &xs2,
+                shape,
+                Fp8Format::E4M3,
+                &scale,
+                &mut qt,
+                Some(&mut q2),
+                Some(AmaxSlot::first(&mut amax_buf)),
+            )
+        })?;
+        rows.push((
+            format!("cast+transpose bf16->e4m3 {rows_t}x{cols_t}"),
+            ms,
+            tb(4.0 * m as f64, ms),
+            "2 read + 2 written per element",
+        ));
+        let ms = time_ms(&dev, iters, || {
+            gelu_cast_fp8(
+                &xs2,
+                shape,
+                GeluApprox::Erf,
+                Fp8Format::E4M3,
+                &scale,
+                &mut q2,
+                &mut qt,
+                Some(AmaxSlot::first(&mut amax_buf)),
+            )
+        })?;
+        rows.push((
+            "GELU + cast+transpose e4m3 (fused)".into(),
+            ms,
+            tb(4.0 * m as f64, ms),
+            "2 read + 2 written",
+        ));
+        let mut dh = gpu.zeros::<bf16>(m)?;
+        gelu_forward(&xs2, &mut dh, GeluApprox::Erf)?;
+        let ms = time_ms(&dev, iters, || {
+            gelu_backward_cast_fp8(
+                &xs2,
+                &dh,
+                shape,
+                GeluApprox::Erf,
+                Fp8Format::E5M2,
+                &scale,
+                &mut q2,
+                &mut qt,
+                Some(AmaxSlot::first(&mut amax_buf)),
+            )
+        })?;
+        rows.push((
+            "GELU bwd + cast+transpose e5m2 (fused)".into(),
+            ms,
+            tb(6.0 * m as f64, ms),
+            "4 read + 2 written",
+        ));
+        let ms = time_ms(&dev, iters, || gelu_forward(&xs2, &mut dh, GeluApprox::Erf))?;
+        rows.push((
+            "GELU bf16 (unfused, for reference)".into(),
+            ms,
+            tb(4.0 * m as f64, ms),
+            "2 read + 2 written",
+        ));
+    }
 
     println!(
         "{:<36} {:>10} {:>8} {:>8}  target",

@@ -260,7 +260,7 @@ fn casts_of<T: FloatElement>(
         rep.exact_f32(&format!("{name} scale/inv/amax"), &scal_c, &scal_g);
 
         // cast + transpose, both outputs
-        for (r, c) in [(1000usize, 333usize), (64, 64), (1, 17)] {
+        for (r, c) in [(1000usize, 333usize), (64, 64), (256, 192), (1, 17)] {
             let m = r * c;
             let (tc, tg) = (up(cpu, &x[..m])?, up(gpu, &x[..m])?);
             let (mut o1, mut o2) = (cpu.zeros::<u8>(m)?, gpu.zeros::<u8>(m)?);
