@@ -113,20 +113,64 @@ __device__ void dropout_bwd_impl(const typename E::T* dy, const u8* mask, typena
         E::store(dx, i, mask[i] ? mul_rn(E::load(dy, i), scale) : 0.0f);
 }
 
+// The three kernels below take 8 elements per step with 16-byte accesses when every pointer is 16-byte
+// aligned (the element-wise tail and unaligned inputs go one by one); the arithmetic per element is the same.
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+    return (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0;
+}
+
 template <class E>
 __device__ void scale_impl(typename E::T* x, u64 n, float a) {
-    for (u64 i = global_thread(); i < n; i += grid_threads()) E::store(x, i, mul_rn(E::load(x, i), a));
+    u64 done = 0;
+    if (aligned16(x, x, x)) {
+        const u64 groups = n / 8;
+        for (u64 g = global_thread(); g < groups; g += grid_threads()) {
+            float v[8];
+            E::load8(x, g * 8, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = mul_rn(v[k], a);
+            E::store8(x, g * 8, v);
+        }
+        done = groups * 8;
+    }
+    for (u64 i = done + global_thread(); i < n; i += grid_threads()) E::store(x, i, mul_rn(E::load(x, i), a));
 }
 
 template <class E>
 __device__ void axpy_impl(const typename E::T* x, typename E::T* y, u64 n, float a) {
-    for (u64 i = global_thread(); i < n; i += grid_threads())
+    u64 done = 0;
+    if (aligned16(x, y, y)) {
+        const u64 groups = n / 8;
+        for (u64 g = global_thread(); g < groups; g += grid_threads()) {
+            float xv[8], yv[8];
+            E::load8(x, g * 8, xv);
+            E::load8(y, g * 8, yv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) yv[k] = add_rn(yv[k], mul_rn(a, xv[k]));
+            E::store8(y, g * 8, yv);
+        }
+        done = groups * 8;
+    }
+    for (u64 i = done + global_thread(); i < n; i += grid_threads())
         E::store(y, i, add_rn(E::load(y, i), mul_rn(a, E::load(x, i))));
 }
 
 template <class E>
 __device__ void add_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n) {
-    for (u64 i = global_thread(); i < n; i += grid_threads()) E::store(out, i, add_rn(E::load(a, i), E::load(b, i)));
+    u64 done = 0;
+    if (aligned16(a, b, out)) {
+        const u64 groups = n / 8;
+        for (u64 g = global_thread(); g < groups; g += grid_threads()) {
+            float av[8], bv[8];
+            E::load8(a, g * 8, av);
+            E::load8(b, g * 8, bv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) av[k] = add_rn(av[k], bv[k]);
+            E::store8(out, g * 8, av);
+        }
+        done = groups * 8;
+    }
+    for (u64 i = done + global_thread(); i < n; i += grid_threads()) E::store(out, i, add_rn(E::load(a, i), E::load(b, i)));
 }
 
 // ---- reductions ----
