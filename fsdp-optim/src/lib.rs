@@ -13,9 +13,12 @@
 //!    everywhere, leaving weights and states untouched) and the bounds of the new states' scales;
 //! 2. clipping by the global norm, folded into the kernel's gradient factor;
 //! 3. the fused update per FP8 weight segment of the shard, writing the amaxes of the new values;
-//! 4. one all-reduce MAX of all those amaxes, new FP8 weights
-//!    ([`fsdp_shard::ShardedModel::apply_fp8_weights`]) and agreed state metas.
+//! 4. one all-reduce MAX of all those amaxes, new weight scales
+//!    ([`fsdp_shard::ShardedModel::set_fp8_weight_scales`]), each FP8 weight segment cast in place from
+//!    its master (`fp8_kernels::optim_step::cast_from_source`: no F32 copy of the shards) and agreed state
+//!    metas.
 //!
+//! Gradient shards may be F32 or BF16 (`fsdp_shard::GradDtype`): BF16 values are widened exactly.
 //! Gradients are used as the model holds them: averaging over ranks and micro-batches is the caller's
 //! (make the loss a mean over the global batch). See `docs/optimizers.md`.
 //!

@@ -8,12 +8,16 @@ use crate::OptimError;
 use fp8_core::{Fp8Format, QType};
 use fp8_kernels::adam::{f16_saturating, lp_slot, AmaxSlots, LowPrecisionAdamState};
 use fp8_kernels::optim_step::{
-    self as ctlk, adam_step_f32_ctl, adam_step_low_precision_ctl, apply_source, ctl, grad_stats,
-    grad_stats_finish, step_control, step_finish, MasterSource, SlotScales, StepControlParams,
+    self as ctlk, adam_step_f32_ctl, adam_step_low_precision_ctl, cast_from_source, ctl,
+    grad_stats, grad_stats_finish, step_control, step_finish, MasterSource, SlotScales,
+    StepControlParams,
 };
 use fp8_kernels::{Buffer, Device, WeightDecay};
 use fsdp_comm::ReduceOp;
-use fsdp_shard::{MemoryReport, ParamGroup, ShardError, ShardedModel, ShardedState, StateShard};
+use fsdp_shard::{
+    GradDtype, GradShard, MemoryReport, ParamGroup, ShardError, ShardedModel, ShardedState,
+    StateShard,
+};
 use half::f16;
 use std::ops::Range;
 
@@ -418,10 +422,17 @@ impl ShardedAdam {
             let s = model.unit(u)?;
             for (i, r) in &st.segments {
                 let amax = low.then_some((&mut sums, 2 + rank * n + st.slot_base + i));
-                grad_stats(&s.grads[FP8], r.clone(), &mut self.stats_acc, amax)?;
+                match s.grad(ParamGroup::Fp8) {
+                    GradShard::F32(g) => grad_stats(g, r.clone(), &mut self.stats_acc, amax)?,
+                    GradShard::Bf16(g) => grad_stats(g, r.clone(), &mut self.stats_acc, amax)?,
+                }
             }
             if st.plain_len > 0 {
-                grad_stats(&s.grads[PLAIN], 0..st.plain_len, &mut self.stats_acc, None)?;
+                let acc = &mut self.stats_acc;
+                match s.grad(ParamGroup::Plain) {
+                    GradShard::F32(g) => grad_stats(g, 0..st.plain_len, acc, None)?,
+                    GradShard::Bf16(g) => grad_stats(g, 0..st.plain_len, acc, None)?,
+                }
             }
         }
         let extra = u32::try_from(before_cast).unwrap_or(u32::MAX);
@@ -466,50 +477,49 @@ impl ShardedAdam {
         //    kernel returns at once on a skipped step.
         let per_slot = if low { lp_slot::AMAXES } else { 1 };
         let mut amax = dev.zeros::<f32>(per_slot * n)?;
+        let bf16_grads = model.config().grad_dtype == GradDtype::Bf16;
         for (u, st) in self.units.iter_mut().enumerate() {
             let s = model.unit_mut(u)?;
             if st.plain_len > 0 {
-                adam_step_f32_ctl(
-                    &self.coef,
-                    0..st.plain_len,
-                    &mut s.plain,
-                    &mut st.plain_m,
-                    &mut st.plain_v,
-                    &s.grads[PLAIN],
-                    None,
-                )?;
+                let (w, m, v) = (&mut s.plain, &mut st.plain_m, &mut st.plain_v);
+                let r = 0..st.plain_len;
+                if bf16_grads {
+                    adam_step_f32_ctl(&self.coef, r, w, m, v, &s.grads_bf16[PLAIN], None)?;
+                } else {
+                    adam_step_f32_ctl(&self.coef, r, w, m, v, &s.grads[PLAIN], None)?;
+                }
             }
             match &mut st.fp8 {
                 Fp8States::F32 { master, m, v } => {
                     for (i, r) in &st.segments {
-                        adam_step_f32_ctl(
-                            &self.coef,
-                            r.clone(),
-                            master,
-                            m,
-                            v,
-                            &s.grads[FP8],
-                            Some(AmaxSlots {
-                                buffer: &mut amax,
-                                base: st.slot_base + i,
-                            }),
-                        )?;
+                        let slots = Some(AmaxSlots {
+                            buffer: &mut amax,
+                            base: st.slot_base + i,
+                        });
+                        let (c, r) = (&self.coef, r.clone());
+                        if bf16_grads {
+                            adam_step_f32_ctl(c, r, master, m, v, &s.grads_bf16[FP8], slots)?;
+                        } else {
+                            adam_step_f32_ctl(c, r, master, m, v, &s.grads[FP8], slots)?;
+                        }
                     }
                 }
                 Fp8States::Low { master, m, v } => {
                     for (i, r) in &st.segments {
-                        adam_step_low_precision_ctl(
-                            &self.coef,
-                            r.clone(),
-                            LowPrecisionAdamState { master, m, v },
-                            &s.grads[FP8],
-                            &self.kernel_scales,
-                            lp_slot::SCALES * (st.slot_base + i),
-                            AmaxSlots {
-                                buffer: &mut amax,
-                                base: lp_slot::AMAXES * (st.slot_base + i),
-                            },
-                        )?;
+                        let state = LowPrecisionAdamState { master, m, v };
+                        let base = lp_slot::SCALES * (st.slot_base + i);
+                        let slots = AmaxSlots {
+                            buffer: &mut amax,
+                            base: lp_slot::AMAXES * (st.slot_base + i),
+                        };
+                        let (c, r, ks) = (&self.coef, r.clone(), &self.kernel_scales);
+                        if bf16_grads {
+                            let g = &s.grads_bf16[FP8];
+                            adam_step_low_precision_ctl(c, r, state, g, ks, base, slots)?;
+                        } else {
+                            let g = &s.grads[FP8];
+                            adam_step_low_precision_ctl(c, r, state, g, ks, base, slots)?;
+                        }
                     }
                 }
             }
@@ -532,10 +542,12 @@ impl ShardedAdam {
             low.then_some(&self.write),
             &mut weight_amax,
         )?;
-        let mut sources = Vec::with_capacity(self.units.len());
+        // New weight scales, then each segment cast in place from its master (or, on a skipped step,
+        // from its current codes): no F32 copy of the shards (that copy was 4 bytes per parameter of the
+        // whole model at the step's end, the largest transient of a step).
+        model.set_fp8_weight_scales(&weight_amax)?;
         for (u, st) in self.units.iter().enumerate() {
-            let s = model.unit(u)?;
-            let mut out = dev.zeros::<f32>(st.fp8_len)?;
+            let s = model.unit_mut(u)?;
             for (i, r) in &st.segments {
                 let source = match &st.fp8 {
                     Fp8States::F32 { master, .. } => MasterSource::F32(master),
@@ -545,20 +557,16 @@ impl ShardedAdam {
                         slot: st.slot_base + i,
                     },
                 };
-                apply_source(
+                cast_from_source(
                     &self.coef,
-                    &mut out,
+                    &mut s.fp8,
                     r.clone(),
-                    &s.fp8,
                     &s.weight_scales,
                     *i,
                     source,
                 )?;
             }
-            sources.push(out);
         }
-        let refs: Vec<&Buffer<f32>> = sources.iter().collect();
-        model.apply_fp8_weights(&refs, &weight_amax)?;
         model.zero_grads()?;
         Ok(PendingStepReport {
             report,
@@ -1017,7 +1025,8 @@ adam_face!(
 pub struct BytesPerParam {
     /// The parameter shard the model keeps (E4M3 code, or F32 for plain parameters).
     pub weight: usize,
-    /// The reduced gradient shard (F32 accumulator in `fsdp-shard`).
+    /// The reduced gradient shard (F32 by default in `fsdp-shard`, 2 bytes with BF16 shards: see
+    /// [`BytesPerParam::with_grad`]).
     pub grad: usize,
     /// Optimizer master copy (0 for plain parameters: their shard is the master).
     pub master: usize,
@@ -1067,6 +1076,14 @@ impl BytesPerParam {
             master: 4,
             exp_avg: 4,
             exp_avg_sq: 4,
+        }
+    }
+
+    /// The same with gradient shards stored as `dtype`.
+    pub fn with_grad(self, dtype: GradDtype) -> Self {
+        BytesPerParam {
+            grad: dtype.size_bytes(),
+            ..self
         }
     }
 

@@ -13,7 +13,8 @@ use fsdp_comm::nccl::{nccl_library_status, NcclComm, NcclConfig};
 use fsdp_comm::{run_ranks, Communicator, DistEnv, ThreadComm};
 use fsdp_optim::{AdamOptions, FsdpAdamW, OptimError, StatePrecision};
 use fsdp_shard::{
-    FsdpConfig, ModelLayout, ParamKind, ParamSpec, ShardedModel, ShardedState, WrapPolicy,
+    FsdpConfig, GradDtype, ModelLayout, ParamKind, ParamSpec, ShardedModel, ShardedState,
+    WrapPolicy,
 };
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -56,21 +57,28 @@ fn layout() -> Result<Arc<ModelLayout>, OptimError> {
     Ok(Arc::new(ModelLayout::new(specs, &WrapPolicy::Single)?))
 }
 
-fn run(comm: Arc<dyn Communicator>, opts: AdamOptions) -> Result<Vec<Snapshot>, OptimError> {
+fn run(
+    comm: Arc<dyn Communicator>,
+    opts: AdamOptions,
+    grad_dtype: GradDtype,
+) -> Result<Vec<Snapshot>, OptimError> {
     let layout = layout()?;
     let init = |p: usize| {
         let n = layout.params[p].numel();
         values(p as u64 + 1, n, 0.5)
     };
-    let (mut model, masters) =
-        ShardedModel::new(layout.clone(), comm, FsdpConfig::default(), &init)?;
+    let cfg = FsdpConfig {
+        grad_dtype,
+        ..FsdpConfig::default()
+    };
+    let (mut model, masters) = ShardedModel::new(layout.clone(), comm, cfg, &init)?;
     let mut opt = FsdpAdamW::new(&model, masters, opts)?;
     let mut out = Vec::new();
     for t in 0..STEPS {
         for u in 0..model.num_units() {
             let s = model.unit_mut(u)?;
             for k in 0..2 {
-                let n = s.grads[k].len();
+                let n = s.grads[k].len().max(s.grads_bf16[k].len());
                 let mut g = values(
                     1000 + (t * 7 + u * 3 + k) as u64,
                     n,
@@ -79,7 +87,12 @@ fn run(comm: Arc<dyn Communicator>, opts: AdamOptions) -> Result<Vec<Snapshot>, 
                 if t == NAN_STEP && k == 0 && n > 3 {
                     g[3] = f32::NAN;
                 }
-                s.grads[k].copy_from_host(&g)?;
+                if grad_dtype == GradDtype::Bf16 {
+                    let h: Vec<half::bf16> = g.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    s.grads_bf16[k].copy_from_host(&h)?;
+                } else {
+                    s.grads[k].copy_from_host(&g)?;
+                }
             }
         }
         let rep = opt.step_with_report(&mut model)?;
@@ -145,13 +158,31 @@ fn main() -> ExitCode {
         }
     };
     let mut failed = false;
-    for (name, precision, clip) in [
-        ("f32 states", StatePrecision::F32, None),
-        ("low-precision states", StatePrecision::LowPrecision, None),
+    for (name, precision, clip, dtype) in [
+        ("f32 states", StatePrecision::F32, None, GradDtype::F32),
+        (
+            "low-precision states",
+            StatePrecision::LowPrecision,
+            None,
+            GradDtype::F32,
+        ),
         (
             "low-precision states, clipping",
             StatePrecision::LowPrecision,
             Some(0.05),
+            GradDtype::F32,
+        ),
+        (
+            "low-precision states, bf16 gradient shards",
+            StatePrecision::LowPrecision,
+            None,
+            GradDtype::Bf16,
+        ),
+        (
+            "f32 states, bf16 gradient shards",
+            StatePrecision::F32,
+            None,
+            GradDtype::Bf16,
         ),
     ] {
         let opts = AdamOptions {
@@ -159,8 +190,8 @@ fn main() -> ExitCode {
             max_grad_norm: clip,
             ..AdamOptions::adamw()
         };
-        let cpu = run_ranks(1, |c: ThreadComm| run(Arc::new(c), opts));
-        let gpu = run(comm.clone(), opts);
+        let cpu = run_ranks(1, |c: ThreadComm| run(Arc::new(c), opts, dtype));
+        let gpu = run(comm.clone(), opts, dtype);
         let (cpu, gpu) = match (cpu, gpu) {
             (Ok(mut c), Ok(g)) => (c.remove(0), g),
             (c, g) => {

@@ -7,7 +7,7 @@ use fp8_kernels::rng::SplitMix64;
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_optim::{AdamOptions, OptimError, ShardedAdam, StateMeta, StepReport};
 use fsdp_shard::{
-    FsdpConfig, ModelLayout, ParamGroup, ParamKind, ParamSpec, ShardedModel, WrapPolicy,
+    FsdpConfig, GradDtype, ModelLayout, ParamGroup, ParamKind, ParamSpec, ShardedModel, WrapPolicy,
 };
 use std::sync::Arc;
 
@@ -96,10 +96,26 @@ pub fn set_grads(model: &mut ShardedModel, grads: &[Vec<f32>]) -> Result<(), Opt
                 full[slot.offset..slot.offset + slot.numel].copy_from_slice(&grads[slot.param]);
             }
             let r = gl.shard_range(rank, ws);
-            model.unit_mut(u)?.grads[g as usize].copy_from_host(&full[r])?;
+            let s = model.unit_mut(u)?;
+            // BF16 shards get the values rounded to nearest even, as a reduction would store them.
+            if model_grad_dtype(s) == GradDtype::Bf16 {
+                let h: Vec<half::bf16> = full[r].iter().map(|&x| half::bf16::from_f32(x)).collect();
+                s.grads_bf16[g as usize].copy_from_host(&h)?;
+            } else {
+                s.grads[g as usize].copy_from_host(&full[r])?;
+            }
         }
     }
     Ok(())
+}
+
+/// Which gradient shards a unit keeps (BF16 when its BF16 shards hold the elements).
+fn model_grad_dtype(s: &fsdp_shard::UnitShards) -> GradDtype {
+    if s.grads_bf16.iter().any(|b| !b.is_empty()) {
+        GradDtype::Bf16
+    } else {
+        GradDtype::F32
+    }
 }
 
 /// One unit on one rank: FP8 master shard (F32), plain shard, FP8 codes shard, weight scales.
@@ -171,12 +187,33 @@ pub fn run_with(
     steps: usize,
     poison: &(dyn Fn(usize, usize, &mut ShardedModel) + Sync),
 ) -> Vec<RankResult> {
+    run_config(
+        problem,
+        ws,
+        options,
+        decoupled,
+        steps,
+        FsdpConfig::default(),
+        poison,
+    )
+}
+
+/// [`run_with`] with a given sharding configuration (e.g. BF16 gradient shards).
+pub fn run_config(
+    problem: &Problem,
+    ws: usize,
+    options: AdamOptions,
+    decoupled: bool,
+    steps: usize,
+    config: FsdpConfig,
+    poison: &(dyn Fn(usize, usize, &mut ShardedModel) + Sync),
+) -> Vec<RankResult> {
     run_ranks(ws, |comm: ThreadComm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let rank = comm.rank();
         let init = |p: usize| problem.init[p].clone();
         let (mut model, masters) =
-            ShardedModel::new(problem.layout.clone(), comm, FsdpConfig::default(), &init)?;
+            ShardedModel::new(problem.layout.clone(), comm, config.clone(), &init)?;
         let mode = if decoupled {
             fp8_kernels::WeightDecay::Decoupled
         } else {
