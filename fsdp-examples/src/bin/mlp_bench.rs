@@ -11,7 +11,7 @@ use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::profile::Phase;
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError, OptimizerChoice};
-use fsdp_shard::GradReduction;
+use fsdp_shard::{GradDtype, GradReduction};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,6 +34,12 @@ enum Reduction {
     Bf16,
     Fp8E4m3,
     Fp8E5m2,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum GradShards {
+    F32,
+    Bf16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -69,6 +75,9 @@ struct Args {
     /// Gradient reduction of the FP8 weights (fp8 mode).
     #[arg(long, value_enum, default_value = "f32")]
     grad_reduction: Reduction,
+    /// fp8 mode: storage of the reduced gradient shards (bf16 mode keeps F32).
+    #[arg(long, value_enum, default_value = "bf16")]
+    grad_shards: GradShards,
     /// fp8 mode: recompute each block in the backward instead of keeping its activations.
     #[arg(long)]
     recompute: bool,
@@ -116,6 +125,10 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Reduction::Fp8E4m3 => GradReduction::Fp8(Fp8Format::E4M3),
             Reduction::Fp8E5m2 => GradReduction::Fp8(Fp8Format::E5M2),
         },
+        grad_dtype: match args.grad_shards {
+            GradShards::F32 => GradDtype::F32,
+            GradShards::Bf16 => GradDtype::Bf16,
+        },
         recompute: args.recompute,
         fused: args.fused,
         optimizer: match args.optimizer {
@@ -135,6 +148,8 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     if let Device::Cuda(c) = &device {
         c.reset_pool_high_water()?;
     }
+    // CPU: live bytes of all host buffers (every thread rank of this process).
+    fp8_kernels::device::reset_host_buffer_peak();
     if args.profile {
         bench.enable_profile();
     }
@@ -160,7 +175,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     device.synchronize()?;
     let peak_pool = match &device {
         Device::Cuda(c) => Some(c.pool_memory()?.1),
-        Device::Cpu => None,
+        Device::Cpu => Some(fp8_kernels::device::host_buffer_bytes().peak as u64),
     };
     let loss = bench.loss()?;
     Ok(Outcome {
@@ -222,8 +237,16 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "| activations + step buffers (GiB) | {:.3} |",
         gib(o.bench.activation_bytes() as f64)
     );
+    let peak_source = if o.bench.device().is_cuda() {
+        "CUDA pool high-water mark"
+    } else {
+        "live CPU buffers high-water mark, all ranks of the process"
+    };
     if let Some(p) = o.peak_pool {
-        println!("| peak pool memory (GiB) | {:.3} |", gib(p as f64));
+        println!(
+            "| peak memory (GiB, {peak_source}) | {:.3} |",
+            gib(p as f64)
+        );
     }
     if let Some(u) = device_used {
         println!(
@@ -259,6 +282,10 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "d": cfg.d, "layers": cfg.blocks, "tokens": cfg.tokens, "ranks": world_size,
         "params": params,
         "grad_reduction": format!("{:?}", args.grad_reduction),
+        "grad_shards": match cfg.mode {
+            BenchMode::Bf16 => "f32",
+            BenchMode::Fp8 => cfg.grad_dtype.name(),
+        },
         "recompute": cfg.recompute,
         "fused": cfg.fused,
         "optimizer": o.bench.optimizer_name(),
@@ -275,6 +302,7 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         },
         "activation_bytes": o.bench.activation_bytes(),
         "peak_GiB": o.peak_pool.map(|p| gib(p as f64)),
+        "peak_source": peak_source,
         "device_used_GiB": device_used.map(|u| gib(u as f64)),
         "loss": o.loss,
         "profile_ms": profile

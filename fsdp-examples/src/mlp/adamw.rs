@@ -4,7 +4,7 @@
 use super::MlpError;
 use fp8_kernels::adam::adam_step_f32;
 use fp8_kernels::{AdamConfig, Buffer};
-use fsdp_shard::{ParamGroup, ShardedModel};
+use fsdp_shard::{GradDtype, ParamGroup, ShardedModel};
 
 /// AdamW (PyTorch defaults but the learning rate) over every unit's shards: the F32 master of the FP8
 /// weights (`fp8` mode) or the plain F32 shard, which is its own master (`bf16` mode).
@@ -64,12 +64,21 @@ impl LocalAdamW {
     pub(crate) fn step(&mut self, model: &mut ShardedModel) -> Result<(), MlpError> {
         self.step += 1;
         let coef = self.config.coefficients(self.step, 1.0)?;
+        let bf16_grads = model.config().grad_dtype == GradDtype::Bf16;
         for u in 0..model.num_units() {
             let shards = model.unit_mut(u)?;
             let (m, v) = (&mut self.m[u], &mut self.v[u]);
             if self.fp8 {
-                let g = &shards.grads[ParamGroup::Fp8 as usize];
-                adam_step_f32(&coef, 0..g.len(), &mut self.masters[u], m, v, g, None)?;
+                // F32 or BF16 gradient shards (BF16 widened exactly).
+                let k = ParamGroup::Fp8 as usize;
+                let w = &mut self.masters[u];
+                if bf16_grads {
+                    let g = &shards.grads_bf16[k];
+                    adam_step_f32(&coef, 0..g.len(), w, m, v, g, None)?;
+                } else {
+                    let g = &shards.grads[k];
+                    adam_step_f32(&coef, 0..g.len(), w, m, v, g, None)?;
+                }
             } else {
                 let g = &shards.grads[ParamGroup::Plain as usize];
                 adam_step_f32(&coef, 0..g.len(), &mut shards.plain, m, v, g, None)?;

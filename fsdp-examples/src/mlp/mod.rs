@@ -31,8 +31,8 @@ use fp8_kernels::{
 use fsdp_comm::Communicator;
 use fsdp_optim::{AdamOptions, FsdpAdamW, OptimError, StatePrecision};
 use fsdp_shard::{
-    FsdpConfig, GatheredParam, GradReduction, MemoryReport, ModelLayout, ParamKind, ParamSpec,
-    ShardError, ShardedModel, WrapPolicy,
+    FsdpConfig, GatheredParam, GradDtype, GradReduction, MemoryReport, ModelLayout, ParamKind,
+    ParamSpec, ShardError, ShardedModel, WrapPolicy,
 };
 use half::bf16;
 use std::sync::Arc;
@@ -98,6 +98,9 @@ pub struct MlpConfig {
     pub mode: BenchMode,
     /// Gradient reduction of FP8 weights (`fp8` mode; `bf16` mode always reduces in F32).
     pub grad_reduction: GradReduction,
+    /// Storage of the reduced gradient shards in `fp8` mode (`bf16` mode keeps F32 shards, as PyTorch's
+    /// FSDP2 mixed precision does): BF16 halves the gradient bytes (2 instead of 4 per parameter).
+    pub grad_dtype: GradDtype,
     /// `fp8` mode: keep only each block's input and recompute the block in the backward pass.
     pub recompute: bool,
     /// `fp8` mode: GELU fused with the FP8 casts around it ([`fp8_kernels::fused`]): one pass over the
@@ -139,13 +142,12 @@ struct Shared {
     /// GELU output `[T, 4d]` (then the pre-activation's gradient); empty with `fused` in `fp8` mode.
     a: Buffer<bf16>,
     da: Buffer<bf16>,
-    /// Branch output `[T, d]`.
-    o: Buffer<bf16>,
-    /// Gradient of the branch input `[T, d]`.
-    dh_branch: Buffer<bf16>,
-    /// Weight gradients in F32: up `[4d, d]`, down `[d, 4d]`.
-    dw_up: Buffer<f32>,
-    dw_down: Buffer<f32>,
+    /// `[T, d]`: the branch output in the forward, the gradient of the branch input in the backward
+    /// (never both live at once).
+    branch: Buffer<bf16>,
+    /// One weight gradient in F32 (`4 d^2`: up `[4d, d]` and down `[d, 4d]` have the same size); each is
+    /// added to the unit's flat gradient before the next is computed.
+    dw: Buffer<f32>,
     /// Pre-activation of the block being recomputed (`fp8` mode with recompute).
     u_recompute: Option<Buffer<bf16>>,
     /// FP8 mode with recompute: the one saved pair (the recomputed block's).
@@ -166,7 +168,9 @@ pub struct MlpBench {
     config: MlpConfig,
     model: ShardedModel,
     optimizer: Optimizer,
-    /// `h[0]` is the input; `h[i + 1]` the output of block `i` (residual stream, `[T, d]` BF16).
+    /// The residual stream (`[T, d]` BF16): `h[0]` is the input. When the backward reads block inputs
+    /// (`bf16` mode, recompute) `h[i + 1]` is the output of block `i`; otherwise (`fp8` mode keeps what its
+    /// backward reads in FP8) only the input and two rotating buffers exist (see [`MlpBench::h_slot`]).
     h: Vec<Buffer<bf16>>,
     /// Gradient of the residual stream flowing back (`[T, d]`).
     dh: Buffer<bf16>,
@@ -215,6 +219,10 @@ impl MlpBench {
                 BenchMode::Fp8 => config.grad_reduction,
             },
             weight_margin: 0,
+            grad_dtype: match config.mode {
+                BenchMode::Bf16 => GradDtype::F32,
+                BenchMode::Fp8 => config.grad_dtype,
+            },
         };
         // PyTorch's Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
         let seed = config.seed;
@@ -255,7 +263,7 @@ impl MlpBench {
             .map(|v| bf16::from_f32(v * 1.7))
             .collect();
         let mut h = vec![device.upload(&x)?];
-        for _ in 0..config.blocks {
+        for _ in 1..Self::h_buffers(&config) {
             h.push(device.zeros::<bf16>(t * d)?);
         }
         let par = CpuParallelism::default();
@@ -309,10 +317,8 @@ impl MlpBench {
                 t * 4 * d
             })?,
             da: device.zeros(t * 4 * d)?,
-            o: device.zeros(t * d)?,
-            dh_branch: device.zeros(t * d)?,
-            dw_up: device.zeros(4 * d * d)?,
-            dw_down: device.zeros(4 * d * d)?,
+            branch: device.zeros(t * d)?,
+            dw: device.zeros(4 * d * d)?,
             u_recompute: if config.recompute && !bf16_mode {
                 Some(device.zeros(t * 4 * d)?)
             } else {
@@ -410,10 +416,8 @@ impl MlpBench {
                 .sum::<usize>()
             + s.a.num_bytes()
             + s.da.num_bytes()
-            + s.o.num_bytes()
-            + s.dh_branch.num_bytes()
-            + s.dw_up.num_bytes()
-            + s.dw_down.num_bytes()
+            + s.branch.num_bytes()
+            + s.dw.num_bytes()
             + s.u_recompute.as_ref().map_or(0, Buffer::num_bytes)
             + s.saved_recompute
                 .as_ref()
@@ -426,14 +430,34 @@ impl MlpBench {
             + s.w_down16.as_ref().map_or(0, Buffer::num_bytes)
     }
 
+    /// Residual-stream buffers: all `blocks + 1` when the backward reads block inputs (`bf16` mode and
+    /// recompute), else the input and two rotating buffers.
+    fn h_buffers(config: &MlpConfig) -> usize {
+        let keep_all = config.mode == BenchMode::Bf16 || config.recompute;
+        if keep_all {
+            config.blocks + 1
+        } else {
+            (config.blocks + 1).min(3)
+        }
+    }
+
+    /// Which buffer of `h` holds the residual stream after `i` blocks (`i = 0`: the input).
+    fn h_slot(&self, i: usize) -> usize {
+        if self.h.len() == self.config.blocks + 1 || i == 0 {
+            i
+        } else {
+            1 + (i - 1) % 2
+        }
+    }
+
     /// The output `h_L` of the last forward, `[T, d]` (a host round trip).
     pub fn output(&self) -> Result<Vec<bf16>, MlpError> {
-        Ok(self.h[self.config.blocks].to_vec()?)
+        Ok(self.h[self.h_slot(self.config.blocks)].to_vec()?)
     }
 
     /// The loss `mean(h_L^2)` of the last forward (reads the output: a host round trip).
     pub fn loss(&self) -> Result<f64, MlpError> {
-        let out = self.h[self.config.blocks].to_vec()?;
+        let out = self.h[self.h_slot(self.config.blocks)].to_vec()?;
         let s: f64 = out.iter().map(|v| (v.to_f32() as f64).powi(2)).sum();
         Ok(s / out.len() as f64)
     }
@@ -456,7 +480,7 @@ impl MlpBench {
         // dL/dh_L = 2 h_L / (T d).
         let (t, d) = (self.config.tokens, self.config.d);
         let m = profile::start(&self.profiler, false)?;
-        self.dh.copy_from(&self.h[n])?;
+        self.dh.copy_from(&self.h[self.h_slot(n)])?;
         scale(&mut self.dh, 2.0 / (t * d) as f32)?;
         profile::stop(&mut self.profiler, Phase::Residual, m)?;
         // Backward in reverse, prefetching the previous unit.
@@ -520,8 +544,15 @@ impl MlpBench {
     fn block_forward(&mut self, b: usize, full: bool) -> Result<(), MlpError> {
         let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
         let fused = self.config.fused;
-        let (before, after) = self.h.split_at_mut(b + 1);
-        let (x, y) = (&before[b], &mut after[0]);
+        // Block input and output: distinct buffers (h_slot never maps i and i + 1 to the same one).
+        let (xi, yi) = (self.h_slot(b), self.h_slot(b + 1));
+        let (x, y) = if xi < yi {
+            let (lo, hi) = self.h.split_at_mut(yi);
+            (&lo[xi], &mut hi[0])
+        } else {
+            let (lo, hi) = self.h.split_at_mut(xi);
+            (&hi[0], &mut lo[yi])
+        };
         let s = &mut self.shared;
         let blk = &mut self.blocks[b];
         let prof = &mut self.profiler;
@@ -551,7 +582,7 @@ impl MlpBench {
                 profile::stop(prof, Phase::Gelu, m)?;
                 let m = profile::start(prof, false)?;
                 self.float_down
-                    .forward::<bf16, bf16>(&s.a, w_down16, None, &mut s.o)?;
+                    .forward::<bf16, bf16>(&s.a, w_down16, None, &mut s.branch)?;
                 profile::stop(prof, Phase::ForwardGemm, m)?;
             }
             BenchMode::Fp8 => {
@@ -609,13 +640,13 @@ impl MlpBench {
                         index: 1,
                     }),
                     None,
-                    &mut s.o,
+                    &mut s.branch,
                 )?;
                 profile::stop(prof, Phase::ForwardGemm, m)?;
             }
         }
         let m = profile::start(prof, false)?;
-        add(x, &s.o, y)?;
+        add(x, &s.branch, y)?;
         profile::stop(prof, Phase::Residual, m)?;
         Ok(())
     }
@@ -624,11 +655,13 @@ impl MlpBench {
     /// in it; adds the weight gradients to the unit's flat gradient.
     ///
     /// Buffers: `da = dh W_down` goes to `shared.da`, `du = gelu'(u) da` to `shared.a` (free by then), the
-    /// branch's input gradient to `shared.dh_branch`, then `dh += dh_branch`.
+    /// branch's input gradient to `shared.branch`, then `dh += branch`. The down weight's gradient is
+    /// added to the unit before the up weight's is computed into the same buffer.
     fn block_backward(&mut self, b: usize) -> Result<(), MlpError> {
         let (up_name, down_name) = (format!("b{b}.up"), format!("b{b}.down"));
         let fused = self.config.fused;
-        let x = &self.h[b];
+        // The block input: read by the bf16 backward only (fp8 reads its saved FP8 copy).
+        let x = &self.h[self.h_slot(b)];
         let s = &mut self.shared;
         let blk = &mut self.blocks[b];
         let prof = &mut self.profiler;
@@ -660,11 +693,14 @@ impl MlpBench {
                     &self.dh,
                     w_down16,
                     Some(&mut s.da),
-                    &mut s.dw_down,
+                    &mut s.dw,
                     false,
                     None,
                 )?;
                 profile::stop(prof, Phase::BackwardGemm, m)?;
+                let m = profile::start(prof, false)?;
+                self.model.add_grad(&down_name, &s.dw)?;
+                profile::stop(prof, Phase::GradAdd, m)?;
                 let m = profile::start(prof, false)?;
                 gelu_backward(u, &s.da, &mut s.a, GeluApprox::Erf)?;
                 profile::stop(prof, Phase::GeluBackward, m)?;
@@ -673,8 +709,8 @@ impl MlpBench {
                     x,
                     &s.a,
                     w_up16,
-                    Some(&mut s.dh_branch),
-                    &mut s.dw_up,
+                    Some(&mut s.branch),
+                    &mut s.dw,
                     false,
                     None,
                 )?;
@@ -691,7 +727,6 @@ impl MlpBench {
                         return Err(MlpError::Config(format!("block {b}: no saved forward")))
                     }
                 };
-                let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let (wd, sd) = fp8_param(&self.model, &down_name)?;
                 let m = profile::start(prof, false)?;
                 down.quantize_grad_output(&self.dh, &mut s.q_d, &mut s.qt_d)?;
@@ -708,10 +743,13 @@ impl MlpBench {
                     }),
                     None,
                     Some(&mut s.da),
-                    &mut s.dw_down,
+                    &mut s.dw,
                     false,
                 )?;
                 profile::stop(prof, Phase::BackwardGemm, m)?;
+                let m = profile::start(prof, false)?;
+                self.model.add_grad(&down_name, &s.dw)?;
+                profile::stop(prof, Phase::GradAdd, m)?;
                 if fused {
                     let m = profile::start(prof, false)?;
                     up.quantize_grad_output_gelu(
@@ -730,6 +768,8 @@ impl MlpBench {
                     up.quantize_grad_output(&s.a, &mut s.q_4d, &mut s.qt_4d)?;
                     profile::stop(prof, Phase::BackwardCast, m)?;
                 }
+                // Fetched after the down gradient's add (which borrows the model mutably).
+                let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let m = profile::start(prof, false)?;
                 up.backward_quantized::<bf16, f32>(
                     saved_up,
@@ -741,19 +781,18 @@ impl MlpBench {
                         index: 1,
                     }),
                     None,
-                    Some(&mut s.dh_branch),
-                    &mut s.dw_up,
+                    Some(&mut s.branch),
+                    &mut s.dw,
                     false,
                 )?;
                 profile::stop(prof, Phase::BackwardGemm, m)?;
             }
         }
         let m = profile::start(prof, false)?;
-        axpy(1.0, &s.dh_branch, &mut self.dh)?;
+        axpy(1.0, &s.branch, &mut self.dh)?;
         profile::stop(prof, Phase::Residual, m)?;
         let m = profile::start(prof, false)?;
-        self.model.add_grad(&up_name, &s.dw_up)?;
-        self.model.add_grad(&down_name, &s.dw_down)?;
+        self.model.add_grad(&up_name, &s.dw)?;
         profile::stop(prof, Phase::GradAdd, m)?;
         Ok(())
     }
