@@ -16,6 +16,7 @@ fn config(mode: BenchMode, optimizer: OptimizerChoice) -> MlpConfig {
         grad_dtype: GradDtype::Bf16,
         recompute: false,
         fused: false,
+        recompute_gelu: false,
         optimizer,
         lr: 1e-2,
         seed: 3,
@@ -183,6 +184,22 @@ fn fused_gelu_casts_train_bit_identically() {
             losses[4] < losses[0],
             "the runs train (so scales and weights move): {losses:?}"
         );
+    }
+}
+
+#[test]
+fn recomputed_gelu_input_trains_bit_identically() {
+    // The backward recasts the down linear's input from the kept u with the forward's scale: the same
+    // codes, so every step is identical; fused and unfused, one and two ranks.
+    for (fused, ranks) in [(true, 1), (false, 1), (true, 2)] {
+        let mut cfg = config(BenchMode::Fp8, OptimizerChoice::FsdpOptim);
+        cfg.fused = fused;
+        let kept = final_state(cfg.clone(), ranks, 5);
+        cfg.recompute_gelu = true;
+        let recast = final_state(cfg, ranks, 5);
+        assert_eq!(kept, recast, "fused {fused}, {ranks} rank(s)");
+        let losses = &kept[0].1;
+        assert!(losses[4] < losses[0], "the runs train: {losses:?}");
     }
 }
 

@@ -49,11 +49,15 @@ fn config(d: usize, blocks: usize, t: usize, fused: bool) -> MlpConfig {
         grad_dtype: GradDtype::Bf16,
         recompute: false,
         fused,
+        recompute_gelu: false,
         optimizer: OptimizerChoice::FsdpOptim,
         lr: 1e-3,
         seed: 5,
     }
 }
+
+/// The live-bytes counters are process-wide: the tests of this file measure one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Peak live host bytes over `steps` steps after one warm-up step, and the bench's own accounting.
 fn measure(cfg: MlpConfig, steps: usize) -> (usize, usize, usize, usize) {
@@ -76,6 +80,7 @@ fn measure(cfg: MlpConfig, steps: usize) -> (usize, usize, usize, usize) {
 
 #[test]
 fn fp8_step_peak_is_within_the_size_bound() {
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for (d, blocks, t, fused) in [
         (64, 4, 256, false),
         (64, 4, 256, true),
@@ -100,4 +105,23 @@ fn fp8_step_peak_is_within_the_size_bound() {
             4 * params
         );
     }
+}
+
+#[test]
+fn recomputing_the_gelu_input_saves_its_codes_per_block() {
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Each block's E4M3 `gelu(u)^T` (T * 4d bytes) is replaced by one shared buffer: the whole step's
+    // peak drops by about (blocks - 1) * T * 4d bytes (those buffers live through the step).
+    let (d, blocks, t) = (64, 4, 256);
+    let (kept, ..) = measure(config(d, blocks, t, true), 1);
+    let mut cfg = config(d, blocks, t, true);
+    cfg.recompute_gelu = true;
+    let (recast, ..) = measure(cfg, 1);
+    // Less the shared buffer's one scale (a few bytes of scalars).
+    let saved = (blocks - 1) * t * 4 * d - 64;
+    println!("peak {kept} B kept, {recast} B recast; expected saving >= {saved} B");
+    assert!(
+        recast + saved <= kept,
+        "peak {kept} B -> {recast} B, expected at least {saved} B less"
+    );
 }

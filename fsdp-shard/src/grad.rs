@@ -142,6 +142,11 @@ impl GradReducer {
         let n = shard.len();
         let s = &mut self.scratch;
         match mode {
+            GradReduction::F32 if ws == 1 => {
+                // One rank: the sum reduce-scatter is the identity, so the full buffer is added directly
+                // (the same values; no receive buffer the size of the unit, no copy).
+                add_at(shard, 0, full)?;
+            }
             GradReduction::F32 => {
                 let part = reuse(&dev, &mut s.part_f32, n)?;
                 comm.reduce_scatter(full.into(), (&mut *part).into(), ReduceOp::Sum)?;

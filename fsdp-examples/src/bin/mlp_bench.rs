@@ -84,6 +84,10 @@ struct Args {
     /// fp8 mode: fused GELU + FP8 cast kernels (one pass over the [T, 4d] activations each way).
     #[arg(long)]
     fused: bool,
+    /// fp8 mode: do not keep each block's FP8 GELU output for the down linear's backward; recast it
+    /// from the kept pre-activation in the backward (bit-identical training, one GELU + cast pass more).
+    #[arg(long)]
+    recompute_gelu: bool,
     /// Optimizer (default: fsdp on the CPU, local on CUDA).
     #[arg(long, value_enum)]
     optimizer: Option<Opt>,
@@ -131,6 +135,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
         },
         recompute: args.recompute,
         fused: args.fused,
+        recompute_gelu: args.recompute_gelu,
         optimizer: match args.optimizer {
             Some(Opt::Fsdp) => OptimizerChoice::FsdpOptim,
             Some(Opt::Local) => OptimizerChoice::LocalF32,
@@ -288,6 +293,7 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         },
         "recompute": cfg.recompute,
         "fused": cfg.fused,
+        "recompute_gelu": cfg.recompute_gelu,
         "optimizer": o.bench.optimizer_name(),
         "warmup": args.warmup, "steps": o.times.len(),
         "step_s": median,

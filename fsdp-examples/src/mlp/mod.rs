@@ -106,6 +106,11 @@ pub struct MlpConfig {
     /// `fp8` mode: GELU fused with the FP8 casts around it ([`fp8_kernels::fused`]): one pass over the
     /// `[T, 4d]` activations in each direction instead of two; trains bit-identically to the unfused path.
     pub fused: bool,
+    /// `fp8` mode without `recompute`: do not keep the down linear's FP8 input (`gelu(u)^T`, `[4d, T]`
+    /// E4M3) per block; the backward recasts it from the kept `u` with the same scale (the metas change
+    /// only at the step end), so the codes and the training are bit-identical, for one GELU + cast pass
+    /// per block instead of `T * 4d` bytes per block.
+    pub recompute_gelu: bool,
     /// The optimizer.
     pub optimizer: OptimizerChoice,
     /// Learning rate.
@@ -152,6 +157,9 @@ struct Shared {
     u_recompute: Option<Buffer<bf16>>,
     /// FP8 mode with recompute: the one saved pair (the recomputed block's).
     saved_recompute: Option<(Fp8LinearSaved, Fp8LinearSaved)>,
+    /// FP8 mode with `recompute_gelu`: the down linear's saved input, shared by all blocks (written by
+    /// each forward, rewritten from `u` by each backward).
+    saved_gelu: Option<Fp8LinearSaved>,
     /// FP8 scratch of the linears (E4M3/E5M2 codes and their transposes), `[T, d]` and `[T, 4d]`:
     /// allocated once so no linear allocates per call.
     q_d: Buffer<u8>,
@@ -281,9 +289,11 @@ impl MlpBench {
             };
             let recompute = config.recompute && config.mode == BenchMode::Fp8;
             let saved = if config.mode == BenchMode::Fp8 && !recompute {
+                // With recompute_gelu the down linear's saved input lives in `Shared::saved_gelu`.
+                let down_tokens = if config.recompute_gelu { 0 } else { t };
                 Some((
                     Fp8LinearSaved::zeros(&device, t, d)?,
-                    Fp8LinearSaved::zeros(&device, t, 4 * d)?,
+                    Fp8LinearSaved::zeros(&device, down_tokens, 4 * d)?,
                 ))
             } else {
                 None
@@ -303,6 +313,11 @@ impl MlpBench {
                     Fp8LinearSaved::zeros(&device, t, d)?,
                     Fp8LinearSaved::zeros(&device, t, 4 * d)?,
                 ))
+            } else {
+                None
+            },
+            saved_gelu: if config.recompute_gelu && !config.recompute && !bf16_mode {
+                Some(Fp8LinearSaved::zeros(&device, t, 4 * d)?)
             } else {
                 None
             },
@@ -422,6 +437,7 @@ impl MlpBench {
             + s.saved_recompute
                 .as_ref()
                 .map_or(0, |(x, y)| x.num_bytes() + y.num_bytes())
+            + s.saved_gelu.as_ref().map_or(0, Fp8LinearSaved::num_bytes)
             + s.q_d.num_bytes()
             + s.qt_d.num_bytes()
             + s.q_4d.num_bytes()
@@ -596,6 +612,10 @@ impl MlpBench {
                         return Err(MlpError::Config(format!("block {b}: no saved buffers")))
                     }
                 };
+                let saved_down = match s.saved_gelu.as_mut() {
+                    Some(g) => g,
+                    None => saved_down,
+                };
                 let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let (wd, sd) = fp8_param(&self.model, &down_name)?;
                 let m = profile::start(prof, false)?;
@@ -721,11 +741,28 @@ impl MlpBench {
                     .linears
                     .as_mut()
                     .ok_or_else(|| MlpError::Config("fp8 linears missing".into()))?;
+                if let Some(g) = s.saved_gelu.as_mut() {
+                    // The down linear's input codes again, from the kept `u`: the input meta's scale
+                    // is the forward's (it changes only at the step end), so the codes are too; the
+                    // amax it records again is the same maximum.
+                    let m = profile::start(prof, false)?;
+                    if fused {
+                        down.quantize_input_gelu(u, GeluApprox::Erf, &mut s.q_4d, g)?;
+                    } else {
+                        gelu_forward(u, &mut s.a, GeluApprox::Erf)?;
+                        down.quantize_input(&s.a, &mut s.q_4d, g)?;
+                    }
+                    profile::stop(prof, Phase::GeluRecast, m)?;
+                }
                 let (saved_up, saved_down) = match (&blk.saved, &s.saved_recompute) {
                     (Some(p), _) | (None, Some(p)) => (&p.0, &p.1),
                     (None, None) => {
                         return Err(MlpError::Config(format!("block {b}: no saved forward")))
                     }
+                };
+                let saved_down = match s.saved_gelu.as_ref() {
+                    Some(g) => g,
+                    None => saved_down,
                 };
                 let (wd, sd) = fp8_param(&self.model, &down_name)?;
                 let m = profile::start(prof, false)?;

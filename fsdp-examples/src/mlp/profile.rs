@@ -43,11 +43,13 @@ pub enum Phase {
     /// `--fused`: GELU backward fused with the E5M2 cast of its output (replaces GELU backward + the up
     /// output gradient's cast).
     GeluBackwardCastFused,
+    /// `--recompute-gelu`: the backward's recast of the down linear's input from `u`.
+    GeluRecast,
 }
 
 impl Phase {
     /// Every phase, in table order.
-    pub const ALL: [Phase; 15] = [
+    pub const ALL: [Phase; 16] = [
         Phase::Gather,
         Phase::GatherWait,
         Phase::WeightConvert,
@@ -60,6 +62,7 @@ impl Phase {
         Phase::BackwardGemm,
         Phase::GeluBackward,
         Phase::GeluBackwardCastFused,
+        Phase::GeluRecast,
         Phase::GradAdd,
         Phase::Reduction,
         Phase::Optimizer,
@@ -78,6 +81,7 @@ impl Phase {
             Phase::BackwardCast => "backward casts (e5m2)",
             Phase::BackwardGemm => "backward GEMMs",
             Phase::GeluBackward => "GELU backward",
+            Phase::GeluRecast => "GELU input recast (backward)",
             Phase::GradAdd => "weight-gradient adds",
             Phase::Reduction => "gradient reduction",
             Phase::Optimizer => "optimizer + re-quantization",
