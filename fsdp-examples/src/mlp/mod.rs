@@ -153,6 +153,9 @@ struct Shared {
     /// One weight gradient in F32 (`4 d^2`: up `[4d, d]` and down `[d, 4d]` have the same size); each is
     /// added to the unit's flat gradient before the next is computed.
     dw: Buffer<f32>,
+    /// `fp8` mode with BF16 gradient shards: the weight gradient comes out of the GEMM in BF16 (what
+    /// the shard rounds it to anyway; half the buffer and half the add's traffic) and `dw` is empty.
+    dw16: Option<Buffer<bf16>>,
     /// Pre-activation of the block being recomputed (`fp8` mode with recompute).
     u_recompute: Option<Buffer<bf16>>,
     /// FP8 mode with recompute: the one saved pair (the recomputed block's).
@@ -306,6 +309,7 @@ impl MlpBench {
             });
         }
         let bf16_mode = config.mode == BenchMode::Bf16;
+        let bf16_grads = !bf16_mode && config.grad_dtype == GradDtype::Bf16;
         let fp8_len = |n: usize| if bf16_mode { 0 } else { n };
         let shared = Shared {
             saved_recompute: if config.recompute && !bf16_mode {
@@ -333,7 +337,12 @@ impl MlpBench {
             })?,
             da: device.zeros(t * 4 * d)?,
             branch: device.zeros(t * d)?,
-            dw: device.zeros(4 * d * d)?,
+            dw: device.zeros(if bf16_grads { 0 } else { 4 * d * d })?,
+            dw16: if bf16_grads {
+                Some(device.zeros(4 * d * d)?)
+            } else {
+                None
+            },
             u_recompute: if config.recompute && !bf16_mode {
                 Some(device.zeros(t * 4 * d)?)
             } else {
@@ -433,6 +442,7 @@ impl MlpBench {
             + s.da.num_bytes()
             + s.branch.num_bytes()
             + s.dw.num_bytes()
+            + s.dw16.as_ref().map_or(0, Buffer::num_bytes)
             + s.u_recompute.as_ref().map_or(0, Buffer::num_bytes)
             + s.saved_recompute
                 .as_ref()
@@ -769,23 +779,40 @@ impl MlpBench {
                 down.quantize_grad_output(&self.dh, &mut s.q_d, &mut s.qt_d)?;
                 profile::stop(prof, Phase::BackwardCast, m)?;
                 let m = profile::start(prof, false)?;
-                down.backward_quantized::<bf16, f32>(
-                    saved_down,
-                    &s.q_d,
-                    &s.qt_d,
-                    wd,
-                    Some(DeviceScalar {
-                        buffer: sd,
-                        index: 1,
-                    }),
-                    None,
-                    Some(&mut s.da),
-                    &mut s.dw,
-                    false,
-                )?;
+                let wsd = Some(DeviceScalar {
+                    buffer: sd,
+                    index: 1,
+                });
+                match s.dw16.as_mut() {
+                    Some(dw16) => down.backward_quantized::<bf16, bf16>(
+                        saved_down,
+                        &s.q_d,
+                        &s.qt_d,
+                        wd,
+                        wsd,
+                        None,
+                        Some(&mut s.da),
+                        dw16,
+                        false,
+                    )?,
+                    None => down.backward_quantized::<bf16, f32>(
+                        saved_down,
+                        &s.q_d,
+                        &s.qt_d,
+                        wd,
+                        wsd,
+                        None,
+                        Some(&mut s.da),
+                        &mut s.dw,
+                        false,
+                    )?,
+                }
                 profile::stop(prof, Phase::BackwardGemm, m)?;
                 let m = profile::start(prof, false)?;
-                self.model.add_grad(&down_name, &s.dw)?;
+                match s.dw16.as_ref() {
+                    Some(dw16) => self.model.add_grad_bf16(&down_name, dw16)?,
+                    None => self.model.add_grad(&down_name, &s.dw)?,
+                }
                 profile::stop(prof, Phase::GradAdd, m)?;
                 if fused {
                     let m = profile::start(prof, false)?;
@@ -808,20 +835,34 @@ impl MlpBench {
                 // Fetched after the down gradient's add (which borrows the model mutably).
                 let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let m = profile::start(prof, false)?;
-                up.backward_quantized::<bf16, f32>(
-                    saved_up,
-                    &s.q_4d,
-                    &s.qt_4d,
-                    wu,
-                    Some(DeviceScalar {
-                        buffer: su,
-                        index: 1,
-                    }),
-                    None,
-                    Some(&mut s.branch),
-                    &mut s.dw,
-                    false,
-                )?;
+                let wsu = Some(DeviceScalar {
+                    buffer: su,
+                    index: 1,
+                });
+                match s.dw16.as_mut() {
+                    Some(dw16) => up.backward_quantized::<bf16, bf16>(
+                        saved_up,
+                        &s.q_4d,
+                        &s.qt_4d,
+                        wu,
+                        wsu,
+                        None,
+                        Some(&mut s.branch),
+                        dw16,
+                        false,
+                    )?,
+                    None => up.backward_quantized::<bf16, f32>(
+                        saved_up,
+                        &s.q_4d,
+                        &s.qt_4d,
+                        wu,
+                        wsu,
+                        None,
+                        Some(&mut s.branch),
+                        &mut s.dw,
+                        false,
+                    )?,
+                }
                 profile::stop(prof, Phase::BackwardGemm, m)?;
             }
         }
@@ -829,7 +870,10 @@ impl MlpBench {
         axpy(1.0, &s.branch, &mut self.dh)?;
         profile::stop(prof, Phase::Residual, m)?;
         let m = profile::start(prof, false)?;
-        self.model.add_grad(&up_name, &s.dw)?;
+        match s.dw16.as_ref() {
+            Some(dw16) => self.model.add_grad_bf16(&up_name, dw16)?,
+            None => self.model.add_grad(&up_name, &s.dw)?,
+        }
         profile::stop(prof, Phase::GradAdd, m)?;
         Ok(())
     }
