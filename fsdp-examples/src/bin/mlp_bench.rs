@@ -88,7 +88,7 @@ struct Args {
     /// from the kept pre-activation in the backward (bit-identical training, one GELU + cast pass more).
     #[arg(long)]
     recompute_gelu: bool,
-    /// Optimizer (default: fsdp on the CPU, local on CUDA).
+    /// Optimizer (default: fsdp, FsdpAdamW with low-precision states).
     #[arg(long, value_enum)]
     optimizer: Option<Opt>,
     /// Warm-up steps.
@@ -139,7 +139,6 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
         optimizer: match args.optimizer {
             Some(Opt::Fsdp) => OptimizerChoice::FsdpOptim,
             Some(Opt::Local) => OptimizerChoice::LocalF32,
-            None if device.is_cuda() => OptimizerChoice::LocalF32,
             None => OptimizerChoice::FsdpOptim,
         },
         lr: args.lr,
