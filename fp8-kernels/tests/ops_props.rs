@@ -17,10 +17,6 @@ fn vals(len: usize, seed: u64, spread: f32) -> Vec<f32> {
         .collect()
 }
 
-fn close(a: f32, b: f32, rel: f32) -> bool {
-    (a - b).abs() <= rel * a.abs().max(b.abs()).max(1.0)
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -392,8 +388,8 @@ fn large_elementwise_inputs_use_the_parallel_paths() {
     let mut s = dev.zeros::<f32>(cols).unwrap();
     ops::sum_over_rows(&dev.upload(&xs).unwrap(), rows, cols, &mut s).unwrap();
     let sv = s.to_vec().unwrap();
-    for c in 0..cols {
-        assert_eq!(sv[c], chunked_column_sum(&xs, rows, cols, c));
+    for (c, &v) in sv.iter().enumerate() {
+        assert_eq!(v, chunked_column_sum(&xs, rows, cols, c));
     }
 }
 
