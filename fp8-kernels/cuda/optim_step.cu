@@ -243,6 +243,18 @@ extern "C" __global__ void step_finish(const float* coef, const float* agreed, u
     }
 }
 
+// The F32 value element i of an FP8 weight is cast from (see apply_source below).
+__device__ __forceinline__ float source_value(bool skip, const u8* fp8, u64 i, float wsi, const float* master32,
+                                              const u16* master16, float msi) {
+    if (skip) {
+        float lo, hi;
+        fp8x2_decode<FP8_E4M3>((u16)fp8[i], lo, hi);
+        return mul_rn(lo, wsi);
+    }
+    if (master16 != nullptr) return mul_rn(f16_to_f32(master16[i]), msi);
+    return master32[i];
+}
+
 // ---- the F32 values the FP8 weights are cast from, over out[off..off+n) ----
 // Skipped: the current FP8 weight decoded (its cast with the kept scale gives the same codes back).
 // Otherwise the F32 master (f16_master == null) or the F16 master times 1 / its scale.
@@ -254,16 +266,7 @@ extern "C" __global__ void apply_source(const float* coef, float* out, u64 off, 
     const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
     for (u64 j = global_thread(); j < n; j += grid_threads()) {
         const u64 i = off + j;
-        float x;
-        if (skip) {
-            float lo, hi;
-            fp8x2_decode<FP8_E4M3>((u16)fp8[i], lo, hi);
-            x = mul_rn(lo, wsi);
-        } else if (master16 != nullptr) {
-            x = mul_rn(f16_to_f32(master16[i]), msi);
-        } else {
-            x = master32[i];
-        }
+        const float x = source_value(skip, fp8, i, wsi, master32, master16, msi);
         out[i] = x;
     }
 }
@@ -282,16 +285,7 @@ extern "C" __global__ void cast_from_source(const float* coef, u8* fp8, u64 off,
     const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
     for (u64 j = global_thread(); j < n; j += grid_threads()) {
         const u64 i = off + j;
-        float x;
-        if (skip) {
-            float lo, hi;
-            fp8x2_decode<FP8_E4M3>((u16)fp8[i], lo, hi);
-            x = mul_rn(lo, wsi);
-        } else if (master16 != nullptr) {
-            x = mul_rn(f16_to_f32(master16[i]), msi);
-        } else {
-            x = master32[i];
-        }
+        const float x = source_value(skip, fp8, i, wsi, master32, master16, msi);
         fp8[i] = (u8)(fp8x2<FP8_E4M3>(mul_rn(x, ws), 0.0f) & 0xFFu);
     }
 }

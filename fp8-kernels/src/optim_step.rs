@@ -606,6 +606,23 @@ pub enum MasterSource<'a> {
     },
 }
 
+impl MasterSource<'_> {
+    /// An error unless the master covers `range` (and, for F16, its slot's scale exists).
+    fn check(&self, what: &'static str, range: &Range<usize>) -> Result<(), KernelError> {
+        match *self {
+            MasterSource::F32(m) => check_range(what, range, m.len()),
+            MasterSource::F16 {
+                master,
+                scales,
+                slot,
+            } => {
+                check_range(what, range, master.len())?;
+                check(what, scales.len(), 3 * slot + 3)
+            }
+        }
+    }
+}
+
 /// Writes `out[range]`, the F32 values FP8 weight segment `range` is cast from: the master (F32, or F16
 /// times `1 / scale`), or on a skipped step the current weight `decode(fp8) * weight_scales[2 * wslot +
 /// 1]`.
@@ -623,17 +640,7 @@ pub fn apply_source(
     check_range(what, &range, out.len())?;
     check_range(what, &range, fp8.len())?;
     check(what, weight_scales.len(), 2 * wslot + 2)?;
-    match source {
-        MasterSource::F32(m) => check_range(what, &range, m.len())?,
-        MasterSource::F16 {
-            master,
-            scales,
-            slot,
-        } => {
-            check_range(what, &range, master.len())?;
-            check(what, scales.len(), 3 * slot + 3)?;
-        }
-    }
+    source.check(what, &range)?;
     match coef.device() {
         Device::Cpu => {
             let (_, skip) = host_coefficients(coef.host(what)?);
@@ -685,17 +692,7 @@ pub fn cast_from_source(
     check(what, coef.len(), COEF_LEN)?;
     check_range(what, &range, fp8.len())?;
     check(what, weight_scales.len(), 2 * wslot + 2)?;
-    match source {
-        MasterSource::F32(m) => check_range(what, &range, m.len())?,
-        MasterSource::F16 {
-            master,
-            scales,
-            slot,
-        } => {
-            check_range(what, &range, master.len())?;
-            check(what, scales.len(), 3 * slot + 3)?;
-        }
-    }
+    source.check(what, &range)?;
     match coef.device() {
         Device::Cpu => {
             use rayon::prelude::*;
@@ -765,6 +762,8 @@ mod cuda {
     }
 
     use crate::device::{cuda_slice as cs, cuda_slice_mut as csm};
+    use cudarc::driver::{CudaStream, SyncOnDrop};
+    use std::sync::Arc;
 
     fn grid(dev: &CudaDevice, n: usize, per_thread: u64) -> Result<LaunchConfig, KernelError> {
         let sms = crate::kernel_source::sm_count(dev)?;
@@ -1048,6 +1047,30 @@ mod cuda {
         Ok(())
     }
 
+    /// The kernel arguments `master32, master16, state_scales, slot` of a [`MasterSource`] (null for the
+    /// unused form), with the guards that order their use on `stream`.
+    fn master_args<'a>(
+        source: MasterSource<'a>,
+        stream: &'a Arc<CudaStream>,
+        what: &'static str,
+    ) -> Result<(Vec<SyncOnDrop<'a>>, [u64; 4]), KernelError> {
+        Ok(match source {
+            MasterSource::F32(m) => {
+                let (p, g) = cs(m, what)?.device_ptr(stream);
+                (vec![g], [p, 0, 0, 0])
+            }
+            MasterSource::F16 {
+                master,
+                scales,
+                slot,
+            } => {
+                let (p, g) = cs(master, what)?.device_ptr(stream);
+                let (s, g2) = cs(scales, what)?.device_ptr(stream);
+                (vec![g, g2], [0, p, s, slot as u64])
+            }
+        })
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn apply_source(
         dev: &CudaDevice,
@@ -1072,25 +1095,7 @@ mod cuda {
         let co = cs(coef, what)?;
         let q = cs(fp8, what)?;
         let wsc = cs(weight_scales, what)?;
-        let mut guards = Vec::new();
-        let (m32, m16, ss, gslot) = match source {
-            MasterSource::F32(m) => {
-                let (p, g) = cs(m, what)?.device_ptr(&stream);
-                guards.push(g);
-                (p, 0u64, 0u64, 0u64)
-            }
-            MasterSource::F16 {
-                master,
-                scales,
-                slot,
-            } => {
-                let (p, g) = cs(master, what)?.device_ptr(&stream);
-                let (s, g2) = cs(scales, what)?.device_ptr(&stream);
-                guards.push(g);
-                guards.push(g2);
-                (0u64, p, s, slot as u64)
-            }
-        };
+        let (guards, [m32, m16, ss, gslot]) = master_args(source, &stream, what)?;
         let o = csm(out, what)?;
         let mut l = stream.launch_builder(&func);
         l.arg(co)
@@ -1133,25 +1138,7 @@ mod cuda {
         let (off, len, ws) = (range.start as u64, n as u64, wslot as u64);
         let co = cs(coef, what)?;
         let wsc = cs(weight_scales, what)?;
-        let mut guards = Vec::new();
-        let (m32, m16, ss, gslot) = match source {
-            MasterSource::F32(m) => {
-                let (p, g) = cs(m, what)?.device_ptr(&stream);
-                guards.push(g);
-                (p, 0u64, 0u64, 0u64)
-            }
-            MasterSource::F16 {
-                master,
-                scales,
-                slot,
-            } => {
-                let (p, g) = cs(master, what)?.device_ptr(&stream);
-                let (s, g2) = cs(scales, what)?.device_ptr(&stream);
-                guards.push(g);
-                guards.push(g2);
-                (0u64, p, s, slot as u64)
-            }
-        };
+        let (guards, [m32, m16, ss, gslot]) = master_args(source, &stream, what)?;
         let q = csm(fp8, what)?;
         let mut l = stream.launch_builder(&func);
         l.arg(co)
