@@ -779,40 +779,17 @@ impl MlpBench {
                 down.quantize_grad_output(&self.dh, &mut s.q_d, &mut s.qt_d)?;
                 profile::stop(prof, Phase::BackwardCast, m)?;
                 let m = profile::start(prof, false)?;
-                let wsd = Some(DeviceScalar {
-                    buffer: sd,
-                    index: 1,
-                });
-                match s.dw16.as_mut() {
-                    Some(dw16) => down.backward_quantized::<bf16, bf16>(
-                        saved_down,
-                        &s.q_d,
-                        &s.qt_d,
-                        wd,
-                        wsd,
-                        None,
-                        Some(&mut s.da),
-                        dw16,
-                        false,
-                    )?,
-                    None => down.backward_quantized::<bf16, f32>(
-                        saved_down,
-                        &s.q_d,
-                        &s.qt_d,
-                        wd,
-                        wsd,
-                        None,
-                        Some(&mut s.da),
-                        &mut s.dw,
-                        false,
-                    )?,
-                }
+                fp8_backward(
+                    down,
+                    saved_down,
+                    [&s.q_d, &s.qt_d],
+                    (wd, sd),
+                    &mut s.da,
+                    (&mut s.dw, s.dw16.as_mut()),
+                )?;
                 profile::stop(prof, Phase::BackwardGemm, m)?;
                 let m = profile::start(prof, false)?;
-                match s.dw16.as_ref() {
-                    Some(dw16) => self.model.add_grad_bf16(&down_name, dw16)?,
-                    None => self.model.add_grad(&down_name, &s.dw)?,
-                }
+                add_weight_grad(&mut self.model, &down_name, &s.dw, s.dw16.as_ref())?;
                 profile::stop(prof, Phase::GradAdd, m)?;
                 if fused {
                     let m = profile::start(prof, false)?;
@@ -835,34 +812,14 @@ impl MlpBench {
                 // Fetched after the down gradient's add (which borrows the model mutably).
                 let (wu, su) = fp8_param(&self.model, &up_name)?;
                 let m = profile::start(prof, false)?;
-                let wsu = Some(DeviceScalar {
-                    buffer: su,
-                    index: 1,
-                });
-                match s.dw16.as_mut() {
-                    Some(dw16) => up.backward_quantized::<bf16, bf16>(
-                        saved_up,
-                        &s.q_4d,
-                        &s.qt_4d,
-                        wu,
-                        wsu,
-                        None,
-                        Some(&mut s.branch),
-                        dw16,
-                        false,
-                    )?,
-                    None => up.backward_quantized::<bf16, f32>(
-                        saved_up,
-                        &s.q_4d,
-                        &s.qt_4d,
-                        wu,
-                        wsu,
-                        None,
-                        Some(&mut s.branch),
-                        &mut s.dw,
-                        false,
-                    )?,
-                }
+                fp8_backward(
+                    up,
+                    saved_up,
+                    [&s.q_4d, &s.qt_4d],
+                    (wu, su),
+                    &mut s.branch,
+                    (&mut s.dw, s.dw16.as_mut()),
+                )?;
                 profile::stop(prof, Phase::BackwardGemm, m)?;
             }
         }
@@ -870,13 +827,66 @@ impl MlpBench {
         axpy(1.0, &s.branch, &mut self.dh)?;
         profile::stop(prof, Phase::Residual, m)?;
         let m = profile::start(prof, false)?;
-        match s.dw16.as_ref() {
-            Some(dw16) => self.model.add_grad_bf16(&up_name, dw16)?,
-            None => self.model.add_grad(&up_name, &s.dw)?,
-        }
+        add_weight_grad(&mut self.model, &up_name, &s.dw, s.dw16.as_ref())?;
         profile::stop(prof, Phase::GradAdd, m)?;
         Ok(())
     }
+}
+
+/// An FP8 linear's backward from its quantized output gradient `[dy_q, dy_t]` and gathered weight
+/// `(codes, [scale, scale_inv])`: `dx`, and the weight gradient into the BF16 buffer when there is one
+/// (BF16 gradient shards), else the F32 one.
+fn fp8_backward(
+    linear: &Fp8Linear,
+    saved: &Fp8LinearSaved,
+    [dy_q, dy_t]: [&Buffer<u8>; 2],
+    (weight, scales): (&Buffer<u8>, &Buffer<f32>),
+    dx: &mut Buffer<bf16>,
+    (dw, dw16): (&mut Buffer<f32>, Option<&mut Buffer<bf16>>),
+) -> Result<(), MlpError> {
+    let scale_inv = Some(DeviceScalar {
+        buffer: scales,
+        index: 1,
+    });
+    match dw16 {
+        Some(dw16) => linear.backward_quantized::<bf16, bf16>(
+            saved,
+            dy_q,
+            dy_t,
+            weight,
+            scale_inv,
+            None,
+            Some(dx),
+            dw16,
+            false,
+        )?,
+        None => linear.backward_quantized::<bf16, f32>(
+            saved,
+            dy_q,
+            dy_t,
+            weight,
+            scale_inv,
+            None,
+            Some(dx),
+            dw,
+            false,
+        )?,
+    }
+    Ok(())
+}
+
+/// Adds the weight gradient of [`fp8_backward`] (or the bf16 mode's F32 one) to parameter `name`.
+fn add_weight_grad(
+    model: &mut ShardedModel,
+    name: &str,
+    dw: &Buffer<f32>,
+    dw16: Option<&Buffer<bf16>>,
+) -> Result<(), MlpError> {
+    match dw16 {
+        Some(g) => model.add_grad_bf16(name, g)?,
+        None => model.add_grad(name, dw)?,
+    }
+    Ok(())
 }
 
 /// The gathered FP8 weight `name`: codes and `[scale, scale_inv]`.
