@@ -791,25 +791,8 @@ impl ShardedModel {
         global_amaxes: &Buffer<f32>,
     ) -> Result<(), ShardError> {
         self.check_masters(masters)?;
-        let counts = self.fp8_counts();
-        let total: usize = counts.iter().sum();
-        if global_amaxes.len() != total {
-            return Err(ShardError::InvalidArgument(format!(
-                "{} amaxes given for {total} FP8 weights",
-                global_amaxes.len()
-            )));
-        }
-        let mut base = 0;
-        for (u, m) in masters.iter().enumerate() {
-            let shards = &mut self.units[u];
-            // Scales first (one small launch), then one cast launch over the unit's shard.
-            segmented_scales(
-                global_amaxes,
-                base,
-                Fp8Format::E4M3,
-                self.config.weight_margin,
-                &mut shards.weight_scales,
-            )?;
+        self.set_fp8_weight_scales(global_amaxes)?;
+        for (shards, m) in self.units.iter_mut().zip(masters) {
             segmented_cast(
                 m,
                 &shards.fp8_table,
@@ -817,7 +800,6 @@ impl ShardedModel {
                 &shards.weight_scales,
                 &mut shards.fp8,
             )?;
-            base += counts[u];
         }
         Ok(())
     }
