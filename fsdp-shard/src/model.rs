@@ -555,29 +555,8 @@ impl ShardedModel {
 
     /// Adds a full gradient of parameter `name` (from this rank's backward) into the unit's flat gradient.
     pub fn add_grad(&mut self, name: &str, grad: &Buffer<f32>) -> Result<(), ShardError> {
-        let param = self.index(name)?;
-        let ws = self.comm.world_size();
-        let (u, g, slot) = self
-            .layout
-            .locate(param)
-            .ok_or_else(|| ShardError::InvalidArgument(format!("{name} is in no unit")))?;
-        let (offset, numel) = (slot.offset, slot.numel);
-        if grad.len() != numel {
-            return Err(ShardError::InvalidArgument(format!(
-                "gradient of {name} has {} elements, the parameter {}",
-                grad.len(),
-                numel
-            )));
-        }
-        let padded = self.layout.units[u].group(g).padded_len(ws);
-        let device = self.device.clone();
-        let slot_buf = &mut self.units[u].full_grads[g as usize];
-        let full = match slot_buf {
-            Some(b) => b,
-            None => slot_buf.insert(device.zeros::<f32>(padded)?),
-        };
-        crate::grad::add_into_range(full, offset, grad)?;
-        Ok(())
+        let (full, offset) = self.full_grad_range(name, grad.len())?;
+        crate::grad::add_into_range(full, offset, grad)
     }
 
     /// [`ShardedModel::add_grad`] for a BF16 gradient (widened exactly to f32 as it is added).
