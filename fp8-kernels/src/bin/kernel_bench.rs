@@ -121,15 +121,13 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
     let m = rows_t * cols_t;
     if m > 0 {
         let shape = [rows_t, cols_t];
-        let xs = gpu.zeros::<bf16>(m)?;
-        let mut xs2 = gpu.zeros::<bf16>(m)?;
-        xs2.copy_range_from(0, &x, 0, m)?;
+        let mut xs = gpu.zeros::<bf16>(m)?;
+        xs.copy_range_from(0, &x, 0, m)?;
         let mut qt = gpu.zeros::<u8>(m)?;
         let mut q2 = gpu.zeros::<u8>(m)?;
-        drop(xs);
         let ms = time_ms(&dev, iters, || {
             cast_transpose_to_fp8(
-                &xs2,
+                &xs,
                 shape,
                 Fp8Format::E4M3,
                 &scale,
@@ -146,7 +144,7 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
         ));
         let ms = time_ms(&dev, iters, || {
             gelu_cast_fp8(
-                &xs2,
+                &xs,
                 shape,
                 GeluApprox::Erf,
                 Fp8Format::E4M3,
@@ -163,10 +161,10 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
             "2 read + 2 written",
         ));
         let mut dh = gpu.zeros::<bf16>(m)?;
-        gelu_forward(&xs2, &mut dh, GeluApprox::Erf)?;
+        gelu_forward(&xs, &mut dh, GeluApprox::Erf)?;
         let ms = time_ms(&dev, iters, || {
             gelu_backward_cast_fp8(
-                &xs2,
+                &xs,
                 &dh,
                 shape,
                 GeluApprox::Erf,
@@ -183,7 +181,7 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
             tb(6.0 * m as f64, ms),
             "4 read + 2 written",
         ));
-        let ms = time_ms(&dev, iters, || gelu_forward(&xs2, &mut dh, GeluApprox::Erf))?;
+        let ms = time_ms(&dev, iters, || gelu_forward(&xs, &mut dh, GeluApprox::Erf))?;
         rows.push((
             "GELU bf16 (unfused, for reference)".into(),
             ms,
