@@ -153,19 +153,7 @@ fn assert_close_scaled(what: &str, got: &[f32], want: &[f64], scale: &[f64], tol
 
 /// `||a - b|| <= tol * max(||b||, 1e-3)`.
 fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(&g, &w)| (g as f64 - w).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let den: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
-    assert!(
-        num <= tol * den.max(1e-3),
-        "{what}: relative error {} (|want| {den})",
-        num / den.max(1e-3)
-    );
+    assert_close_scaled(what, got, want, want, tol);
 }
 
 fn dot(a: &[f64], r: &[f64]) -> f64 {
