@@ -145,6 +145,10 @@ pub struct TrainReport {
     pub optimizer: String,
     /// Rank 0's phase timings when `profile_steps` was set and the window completed.
     pub profile: Option<StepProfile>,
+    /// Per rank, the mean loss of every training micro-batch this invocation ran, in order (the value the
+    /// loss kernel produced on that rank's batch). Read only on the CPU, where it costs no device wait;
+    /// empty on CUDA.
+    pub step_losses: Vec<Vec<f32>>,
 }
 
 impl TrainReport {
@@ -258,6 +262,10 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
         })?
     };
     let memory = outcomes.iter().map(|(o, _)| o.memory.clone()).collect();
+    let step_losses = outcomes
+        .iter()
+        .map(|(o, _)| o.step_losses.clone())
+        .collect();
     let Some((first, device)) = outcomes.into_iter().next() else {
         return Err(MnistError::Config("no rank ran".into()));
     };
@@ -271,6 +279,7 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
         world_size: config.world_size,
         optimizer: first.optimizer,
         profile: first.profile,
+        step_losses,
     })
 }
 
@@ -282,6 +291,7 @@ struct RankOutcome {
     stopped: bool,
     optimizer: String,
     profile: Option<StepProfile>,
+    step_losses: Vec<f32>,
 }
 
 /// Where training stands: the next batch of an epoch and the epoch's loss so far.
@@ -679,6 +689,7 @@ fn run_rank(
         .map(|n| StepProfiler::new(&device, n, config.profile_sync));
     let mut profile = None;
     let mut steps_run = 0usize;
+    let mut step_losses = Vec::new();
     while pos.epoch <= config.epochs {
         let epoch = pos.epoch;
         opt.start_epoch(epoch)?;
@@ -724,6 +735,9 @@ fn run_rank(
             model.set_grad_sync(last_micro);
             let stats = net.forward(&mut model, images, labels, true)?;
             ops::axpy(rows as f32, stats, &mut loss_acc)?;
+            if !device.is_cuda() {
+                step_losses.push(stats.to_vec()?[nll_stat::MEAN_LOSS]);
+            }
             if read_every != usize::MAX && ((bi + 1) % read_every == 0 || bi + 1 == nb) {
                 shown_loss = f64::from(stats.to_vec()?[nll_stat::MEAN_LOSS]);
             }
@@ -766,6 +780,7 @@ fn run_rank(
                     stopped: true,
                     optimizer: opt.describe(),
                     profile,
+                    step_losses,
                 });
             }
         }
@@ -849,6 +864,7 @@ fn run_rank(
         stopped: false,
         optimizer: opt.describe(),
         profile,
+        step_losses,
     })
 }
 
