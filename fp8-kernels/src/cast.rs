@@ -1,5 +1,6 @@
 //! FP8 casts and everything around them: amax, one-pass cast with amax (delayed scaling), the
-//! current-scaling cast (scale computed on the device), device-resident scaling metas, dequantization,
+//! current-scaling cast (scale computed on the device), the update of a device-resident scaling meta,
+//! dequantization,
 //! cast+transpose, and conversions between f32, bf16 and f16.
 //!
 //! Scales and amaxes are read from and written to device buffers (pointers, never host values), so a
@@ -20,7 +21,7 @@ use crate::kernel_source::{cast_transpose_launch, function, grid_1d, sm_count, C
 use crate::{Buffer, CudaDevice, Device, Element, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use fp8_core::{
-    compute_scale, AmaxCompute, Fp8Format, QType, ScaleRounding, ScalingMeta, ScalingRecipe,
+    compute_scale, AmaxCompute, Fp8Format, QType, ScaleRounding, ScalingRecipe,
 };
 use rayon::prelude::*;
 
@@ -618,305 +619,172 @@ pub fn convert<S: FloatElement, D: FloatElement>(
     }
 }
 
-/// A [`ScalingMeta`] whose state lives in device buffers, so casts read its scale and record amaxes, and
-/// its update runs, without a host round trip.
-///
-/// Buffers: `scale[1]`, `scale_inv[1]`, `history[window]` (a ring), `pending_amax[1]` (where casts
-/// accumulate this step's amax), and `state[3]` = ring position (index of the oldest entry) and the
-/// 64-bit count of recorded amaxes. The update matches [`ScalingMeta::update_from_amax`] bit for bit.
+/// The device buffers of one FP8 scaling meta, as [`update_scaling_meta`] reads and writes them:
+/// `scale[1]`, `scale_inv[1]`, `history[window]` (a ring of recorded amaxes) and `state[3]` = ring
+/// position (index of the oldest entry) and the 64-bit count of recorded amaxes (low, high word). Who
+/// owns them (a layer's meta, a registry of a model's metas) is the caller's business.
 #[derive(Debug)]
-pub struct DeviceScalingMeta {
-    qtype: QType,
-    recipe: ScalingRecipe,
-    scale: Buffer<f32>,
-    scale_inv: Buffer<f32>,
-    history: Buffer<f32>,
-    pending_amax: Buffer<f32>,
-    state: Buffer<u32>,
-}
-
-impl DeviceScalingMeta {
-    /// A copy of `meta` on `device`, with a zero pending amax.
-    pub fn new(device: &Device, meta: &ScalingMeta) -> Result<Self, KernelError> {
-        let rec = meta.recorded();
-        Ok(DeviceScalingMeta {
-            qtype: meta.qtype(),
-            recipe: *meta.recipe(),
-            scale: device.upload(&[meta.scale()])?,
-            scale_inv: device.upload(&[meta.scale_inv()])?,
-            history: device.upload(&meta.history())?,
-            pending_amax: device.zeros(1)?,
-            state: device.upload(&[0u32, rec as u32, (rec >> 32) as u32])?,
-        })
-    }
-
-    /// A fresh meta (scale 1, empty history) for `qtype` and `recipe` on `device`.
-    pub fn fresh(
-        device: &Device,
-        qtype: QType,
-        recipe: ScalingRecipe,
-    ) -> Result<Self, KernelError> {
-        Self::new(device, &ScalingMeta::new(qtype, recipe)?)
-    }
-
-    /// Copies the state back into a host [`ScalingMeta`] (waits for queued work). The pending amax is not
-    /// part of a `ScalingMeta`; read it with [`DeviceScalingMeta::pending_amax`].
-    pub fn to_meta(&self) -> Result<ScalingMeta, KernelError> {
-        let scale = self.scale.to_vec()?;
-        let ring = self.history.to_vec()?;
-        let state = self.state.to_vec()?;
-        let (Some(&s), [pos, lo, hi]) = (scale.first(), state.as_slice()) else {
-            return Err(KernelError::Internal(
-                "scaling meta buffers are malformed".into(),
-            ));
-        };
-        let pos = *pos as usize;
-        if pos >= ring.len() {
-            return Err(KernelError::Internal(format!(
-                "scaling meta ring position {pos} outside a window of {}",
-                ring.len()
-            )));
-        }
-        let oldest_first: Vec<f32> = ring[pos..].iter().chain(&ring[..pos]).copied().collect();
-        let recorded = ((*hi as u64) << 32) | *lo as u64;
-        Ok(ScalingMeta::from_parts(
-            self.qtype,
-            self.recipe,
-            s,
-            &oldest_first,
-            recorded,
-        )?)
-    }
-
-    /// Storage type.
-    pub fn qtype(&self) -> QType {
-        self.qtype
-    }
-
-    /// Recipe.
-    pub fn recipe(&self) -> &ScalingRecipe {
-        &self.recipe
-    }
-
-    /// The FP8 format of this meta's type, or an error for 16/32-bit types.
-    pub fn format(&self) -> Result<Fp8Format, KernelError> {
-        self.qtype
-            .fp8_format()
-            .ok_or(KernelError::Core(fp8_core::Fp8Error::NotFp8(self.qtype)))
-    }
-
-    /// The device this meta lives on.
-    pub fn device(&self) -> Device {
-        self.scale.device()
-    }
-
+pub struct ScalingMetaBuffers<'a> {
     /// `scale[0]`: multiply by it before encoding.
-    pub fn scale(&self) -> &Buffer<f32> {
-        &self.scale
-    }
-
-    /// `scale_inv[0] = 1 / scale`: multiply by it after decoding (the GEMM scale pointer).
-    pub fn scale_inv(&self) -> &Buffer<f32> {
-        &self.scale_inv
-    }
-
-    /// The amax accumulated by casts since the last update.
-    pub fn pending_amax(&self) -> &Buffer<f32> {
-        &self.pending_amax
-    }
-
-    /// The pending amax, mutable (e.g. to all-reduce it across ranks before the update).
-    pub fn pending_amax_mut(&mut self) -> &mut Buffer<f32> {
-        &mut self.pending_amax
-    }
-
-    /// The pending amax as an [`AmaxSlot`] for a kernel to accumulate into.
-    pub fn pending_slot(&mut self) -> AmaxSlot<'_> {
-        AmaxSlot::first(&mut self.pending_amax)
-    }
-
-    /// Delayed-scaling cast: `out = encode(x * scale)`, the amax of `x` accumulated into the pending amax.
-    pub fn cast<T: FloatElement>(
-        &mut self,
-        x: &Buffer<T>,
-        out: &mut Buffer<u8>,
-    ) -> Result<(), KernelError> {
-        let format = self.format()?;
-        cast_to_fp8(
-            x,
-            format,
-            &self.scale,
-            out,
-            Some(AmaxSlot::first(&mut self.pending_amax)),
-        )
-    }
-
-    /// Delayed-scaling cast + transpose of a row-major `[rows, cols]` tensor (see
-    /// [`cast_transpose_to_fp8`]), the amax accumulated into the pending amax.
-    pub fn cast_transpose<T: FloatElement>(
-        &mut self,
-        x: &Buffer<T>,
-        shape: [usize; 2],
-        out_t: &mut Buffer<u8>,
-        out: Option<&mut Buffer<u8>>,
-    ) -> Result<(), KernelError> {
-        let format = self.format()?;
-        cast_transpose_to_fp8(
-            x,
-            shape,
-            format,
-            &self.scale,
-            out_t,
-            out,
-            Some(AmaxSlot::first(&mut self.pending_amax)),
-        )
-    }
-
-    /// Current-scaling cast: the amax of `x` becomes the pending amax, the meta is updated from it
-    /// ([`DeviceScalingMeta::update_from_pending`]), then `x` is cast with the new scale.
-    pub fn cast_current<T: FloatElement>(
-        &mut self,
-        x: &Buffer<T>,
-        out: &mut Buffer<u8>,
-    ) -> Result<(), KernelError> {
-        let format = self.format()?;
-        self.pending_amax.fill_zero()?;
-        amax(x, AmaxSlot::first(&mut self.pending_amax))?;
-        self.update_from_pending()?;
-        cast_to_fp8(x, format, &self.scale, out, None)
-    }
-
-    /// The step-end update: records the pending amax in the history, recomputes scale and scale_inv per the
-    /// recipe (as [`ScalingMeta::update_from_amax`]), and resets the pending amax to zero.
-    pub fn update_from_pending(&mut self) -> Result<(), KernelError> {
-        let mut pending = std::mem::replace(&mut self.pending_amax, Buffer::from_vec(Vec::new()));
-        let r = self.update_impl(UpdateSource::Own(&mut pending));
-        self.pending_amax = pending;
-        r
-    }
-
-    /// The update from `amaxes[slot]` (e.g. a vector of all amaxes of a step after an all-reduce MAX);
-    /// `amaxes` is not modified and the pending amax is left as it is.
-    pub fn update_from_amax(
-        &mut self,
-        amaxes: &Buffer<f32>,
-        slot: usize,
-    ) -> Result<(), KernelError> {
-        if slot >= amaxes.len() {
-            return Err(KernelError::InvalidArgument {
-                what: "DeviceScalingMeta::update_from_amax",
-                detail: format!("slot {slot} outside a buffer of {}", amaxes.len()),
-            });
-        }
-        self.update_impl(UpdateSource::Shared(amaxes, slot))
-    }
-
-    fn update_impl(&mut self, src: UpdateSource<'_>) -> Result<(), KernelError> {
-        const WHAT: &str = "DeviceScalingMeta::update";
-        let (window_max, margin, rounding) = match self.recipe {
-            ScalingRecipe::Delayed {
-                amax_compute,
-                margin,
-                rounding,
-                ..
-            } => (amax_compute == AmaxCompute::Max, margin, rounding),
-            ScalingRecipe::Current { margin, rounding } => (false, margin, rounding),
-        };
-        let fmax = self.qtype.max_finite();
-        let dev = cuda_of(&self.scale);
-        let src_buf: &Buffer<f32> = match &src {
-            UpdateSource::Own(b) => b,
-            UpdateSource::Shared(b, _) => b,
-        };
-        same_device(WHAT, &dev, src_buf)?;
-        match dev {
-            None => {
-                let a = match src {
-                    UpdateSource::Own(b) => {
-                        let h = b.host_mut(WHAT)?;
-                        let a = h[0];
-                        h[0] = 0.0;
-                        a
-                    }
-                    UpdateSource::Shared(b, slot) => b.host(WHAT)?[slot],
-                };
-                let hist = self.history.host_mut(WHAT)?;
-                let state = self.state.host_mut(WHAT)?;
-                let len = hist.len();
-                let mut pos = state[0] as usize;
-                hist[pos] = a.abs();
-                pos = (pos + 1) % len;
-                state[0] = pos as u32;
-                let rec = (((state[2] as u64) << 32) | state[1] as u64) + 1;
-                state[1] = rec as u32;
-                state[2] = (rec >> 32) as u32;
-                let w = if window_max {
-                    hist.iter()
-                        .copied()
-                        .filter(|h| h.is_finite())
-                        .fold(0.0, f32::max)
-                } else {
-                    let h = hist[(pos + len - 1) % len];
-                    if h.is_finite() {
-                        h
-                    } else {
-                        0.0
-                    }
-                };
-                let prev = self.scale.host(WHAT)?[0];
-                let s = compute_scale(w, fmax, margin, rounding, prev);
-                self.scale.host_mut(WHAT)?[0] = s;
-                self.scale_inv.host_mut(WHAT)?[0] = 1.0 / s;
-                Ok(())
-            }
-            Some(dev) => {
-                let f = function(&dev, &CAST_MODULE, "scaling_meta_update")?;
-                let cfg = LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let len = self.history.len() as i32;
-                let (wm, ex) = (
-                    window_max as i32,
-                    matches!(rounding, ScaleRounding::Exact) as i32,
-                );
-                let (slot, reset) = match &src {
-                    UpdateSource::Own(_) => (0i32, 1i32),
-                    UpdateSource::Shared(_, s) => (*s as i32, 0i32),
-                };
-                let s = cuda_slice_mut(&mut self.scale, WHAT)?;
-                let si = cuda_slice_mut(&mut self.scale_inv, WHAT)?;
-                let h = cuda_slice_mut(&mut self.history, WHAT)?;
-                let st = cuda_slice_mut(&mut self.state, WHAT)?;
-                let mut b = dev.stream().launch_builder(&f);
-                b.arg(s).arg(si).arg(h).arg(st);
-                match src {
-                    UpdateSource::Own(buf) => b.arg(cuda_slice_mut(buf, WHAT)?),
-                    UpdateSource::Shared(buf, _) => b.arg(cuda_slice(buf, WHAT)?),
-                };
-                b.arg(&slot)
-                    .arg(&reset)
-                    .arg(&len)
-                    .arg(&wm)
-                    .arg(&fmax)
-                    .arg(&margin)
-                    .arg(&ex);
-                // SAFETY: `scaling_meta_update(float*, float*, float*, u32*, float*, int, int, int, int,
-                // float, int, int)`; the history holds `len` entries, the state 3, the slot is in bounds.
-                // With reset = 0 the kernel only reads the source, so a shared (immutable) buffer is fine.
-                unsafe { b.launch(cfg) }?;
-                Ok(())
-            }
-        }
-    }
+    pub scale: &'a mut Buffer<f32>,
+    /// `scale_inv[0] = 1 / scale`.
+    pub scale_inv: &'a mut Buffer<f32>,
+    /// The amax history ring.
+    pub history: &'a mut Buffer<f32>,
+    /// Ring position and record count.
+    pub state: &'a mut Buffer<u32>,
 }
 
-enum UpdateSource<'a> {
-    /// The meta's own pending amax: read, then reset to zero.
-    Own(&'a mut Buffer<f32>),
-    /// Slot of a shared buffer, only read.
-    Shared(&'a Buffer<f32>, usize),
+/// Where [`update_scaling_meta`] takes the amax it records.
+#[derive(Debug)]
+pub enum AmaxInput<'a> {
+    /// `buffer[slot]`, which is reset to zero after it is read (a pending amax consumed by the update).
+    Take(&'a mut Buffer<f32>, usize),
+    /// `buffer[slot]`, only read (e.g. one entry of a vector all-reduced with MAX across ranks).
+    Read(&'a Buffer<f32>, usize),
+}
+
+/// The step-end update of a scaling meta: records `|amax|` in the history ring, recomputes `scale` and
+/// `scale_inv` per `recipe` (window maximum or most recent entry; [`fp8_core::compute_scale`] with the
+/// recipe's margin and rounding, keeping the previous scale when the amax is zero or not finite), exactly
+/// as [`fp8_core::ScalingMeta::update_from_amax`] does on the host, bit for bit. `qtype` gives the format's maximum.
+pub fn update_scaling_meta(
+    meta: ScalingMetaBuffers<'_>,
+    qtype: QType,
+    recipe: &ScalingRecipe,
+    amax: AmaxInput<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "update_scaling_meta";
+    let (window_max, margin, rounding) = match *recipe {
+        ScalingRecipe::Delayed {
+            amax_compute,
+            margin,
+            rounding,
+            ..
+        } => (amax_compute == AmaxCompute::Max, margin, rounding),
+        ScalingRecipe::Current { margin, rounding } => (false, margin, rounding),
+    };
+    let fmax = qtype.max_finite();
+    let ScalingMetaBuffers {
+        scale,
+        scale_inv,
+        history,
+        state,
+    } = meta;
+    crate::check_len(WHAT, 1, scale.len())?;
+    crate::check_len(WHAT, 1, scale_inv.len())?;
+    crate::check_len(WHAT, 3, state.len())?;
+    if history.is_empty() {
+        return Err(KernelError::InvalidArgument {
+            what: WHAT,
+            detail: "empty amax history".into(),
+        });
+    }
+    let (src_len, slot) = match &amax {
+        AmaxInput::Take(b, s) => (b.len(), *s),
+        AmaxInput::Read(b, s) => (b.len(), *s),
+    };
+    if slot >= src_len {
+        return Err(KernelError::InvalidArgument {
+            what: WHAT,
+            detail: format!("amax slot {slot} outside a buffer of {src_len}"),
+        });
+    }
+    let dev = cuda_of(scale);
+    for b in [&*scale_inv, &*history] {
+        same_device(WHAT, &dev, b)?;
+    }
+    same_device(WHAT, &dev, state)?;
+    match &amax {
+        AmaxInput::Take(b, _) => same_device(WHAT, &dev, b)?,
+        AmaxInput::Read(b, _) => same_device(WHAT, &dev, b)?,
+    }
+    match dev {
+        None => {
+            let a = match amax {
+                AmaxInput::Take(b, slot) => {
+                    let h = b.host_mut(WHAT)?;
+                    let a = h[slot];
+                    h[slot] = 0.0;
+                    a
+                }
+                AmaxInput::Read(b, slot) => b.host(WHAT)?[slot],
+            };
+            let hist = history.host_mut(WHAT)?;
+            let st = state.host_mut(WHAT)?;
+            let len = hist.len();
+            let mut pos = st[0] as usize;
+            if pos >= len {
+                return Err(KernelError::InvalidArgument {
+                    what: WHAT,
+                    detail: format!("ring position {pos} outside a history of {len}"),
+                });
+            }
+            hist[pos] = a.abs();
+            pos = (pos + 1) % len;
+            st[0] = pos as u32;
+            let rec = (((st[2] as u64) << 32) | st[1] as u64) + 1;
+            st[1] = rec as u32;
+            st[2] = (rec >> 32) as u32;
+            let w = if window_max {
+                hist.iter()
+                    .copied()
+                    .filter(|h| h.is_finite())
+                    .fold(0.0, f32::max)
+            } else {
+                let h = hist[(pos + len - 1) % len];
+                if h.is_finite() {
+                    h
+                } else {
+                    0.0
+                }
+            };
+            let prev = scale.host(WHAT)?[0];
+            let s = compute_scale(w, fmax, margin, rounding, prev);
+            scale.host_mut(WHAT)?[0] = s;
+            scale_inv.host_mut(WHAT)?[0] = 1.0 / s;
+            Ok(())
+        }
+        Some(dev) => {
+            let f = function(&dev, &CAST_MODULE, "scaling_meta_update")?;
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let len = history.len() as i32;
+            let (wm, ex) = (
+                window_max as i32,
+                matches!(rounding, ScaleRounding::Exact) as i32,
+            );
+            let (slot, reset) = match &amax {
+                AmaxInput::Take(_, s) => (*s as i32, 1i32),
+                AmaxInput::Read(_, s) => (*s as i32, 0i32),
+            };
+            let s = cuda_slice_mut(scale, WHAT)?;
+            let si = cuda_slice_mut(scale_inv, WHAT)?;
+            let h = cuda_slice_mut(history, WHAT)?;
+            let st = cuda_slice_mut(state, WHAT)?;
+            let mut b = dev.stream().launch_builder(&f);
+            b.arg(s).arg(si).arg(h).arg(st);
+            match amax {
+                AmaxInput::Take(buf, _) => b.arg(cuda_slice_mut(buf, WHAT)?),
+                AmaxInput::Read(buf, _) => b.arg(cuda_slice(buf, WHAT)?),
+            };
+            b.arg(&slot)
+                .arg(&reset)
+                .arg(&len)
+                .arg(&wm)
+                .arg(&fmax)
+                .arg(&margin)
+                .arg(&ex);
+            // SAFETY: `scaling_meta_update(float*, float*, float*, u32*, float*, int, int, int, int,
+            // float, int, int)`; the history holds `len` entries, the state 3, the slot is in bounds.
+            // With reset = 0 the kernel only reads the source, so a shared (immutable) buffer is fine.
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        }
+    }
 }
 
 /// Verification aid: `out[i]` = the FP8 code of the f32 whose bit pattern is `start + i`, at scale 1,

@@ -201,6 +201,26 @@ impl Device {
         }
     }
 
+    /// A buffer of `len` elements whose contents are unspecified until written: for outputs a kernel
+    /// overwrites completely (no fill pass on CUDA; zeros on the CPU). On CUDA it comes from the stream's
+    /// memory pool, so a buffer freed earlier on the same stream is reused without a device sync.
+    pub fn uninit<T: Element>(&self, len: usize) -> Result<Buffer<T>, KernelError> {
+        match self {
+            Device::Cpu => Ok(Buffer::from_vec(vec![T::default(); len])),
+            Device::Cuda(d) => {
+                // SAFETY: the slice is device memory of `len` elements of a plain-old-data type; every
+                // byte pattern is a valid `T`, and callers overwrite it before reading (documented above).
+                let slice = unsafe { d.stream().alloc::<T>(len) }?;
+                Ok(Buffer {
+                    store: Store::Cuda {
+                        slice,
+                        device: d.clone(),
+                    },
+                })
+            }
+        }
+    }
+
     /// A buffer holding a copy of `data`.
     pub fn upload<T: Element>(&self, data: &[T]) -> Result<Buffer<T>, KernelError> {
         match self {

@@ -1,26 +1,22 @@
-//! GELU fused with the FP8 cast of its result, for the MLP block's `Linear(d -> 4d) -> GELU -> Linear(4d
-//! -> d)`: one pass over the `[tokens, 4d]` activations instead of two in each direction.
+//! GELU fused with the FP8 cast of its result (the input of an FP8 GEMM that follows a GELU): one pass
+//! over the activations instead of two in each direction.
 //!
 //! - forward, [`gelu_cast_fp8`]: `h = gelu(u)` is cast with a device-resident scale into row-major codes
-//!   and the codes of `h^T` (what [`Fp8Linear::forward_quantized`] and its saved `x^T` consume), and the
+//!   and the codes of `h^T` (the operands of the FP8 forward GEMM and of the weight-gradient GEMM), and the
 //!   amax of `h` accumulates into a device slot; `h` itself is never written.
 //! - backward, [`gelu_backward_cast_fp8`]: `du = gelu'(u) * dh` is cast the same way (E5M2 for the
-//!   output-gradient meta; both layouts, as [`Fp8Linear::backward_quantized`] consumes them).
+//!   output gradient; both layouts, as the two backward GEMMs consume them).
 //!
 //! Bit-identity: each value is computed with [`crate::ops::gelu_scalar`] / [`crate::ops::gelu_grad_scalar`]
 //! (the CUDA kernels with ops.cu's expression), rounded to the element type `T` as the unfused
 //! [`crate::ops::gelu_forward`] / [`crate::ops::gelu_backward`] store it, and then amax'ed and encoded as
 //! [`crate::cast_transpose_to_fp8`] does. So the codes, transposed codes and amax equal those of the two
-//! unfused kernels on the same device, bit for bit. [`Fp8Linear::quantize_input_gelu`] and
-//! [`Fp8Linear::quantize_grad_output_gelu`] are the fused counterparts of [`Fp8Linear::quantize_input`]
-//! and [`Fp8Linear::quantize_grad_output`].
+//! unfused kernels on the same device, bit for bit.
 
 use crate::cast::{cuda_of, format_name, same_device, AmaxSlot, FloatElement};
 use crate::kernel_source::{cast_transpose_launch, function, sm_count, KernelModule};
 use crate::ops::{gelu_grad_scalar, gelu_scalar, GeluApprox};
-use crate::{
-    check_len, Buffer, DeviceScalingMeta, Element, Fp8Linear, Fp8LinearSaved, KernelError,
-};
+use crate::{check_len, Buffer, Element, KernelError};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use fp8_core::Fp8Format;
 use rayon::prelude::*;
@@ -301,92 +297,4 @@ pub fn gelu_backward_cast_fp8<T: FloatElement>(
     )
 }
 
-fn rows_for(what: &'static str, len: usize, cols: usize) -> Result<usize, KernelError> {
-    if cols == 0 || len % cols != 0 {
-        return Err(KernelError::InvalidArgument {
-            what,
-            detail: format!("{len} elements are not a whole number of rows of {cols}"),
-        });
-    }
-    Ok(len / cols)
-}
 
-impl Fp8Linear {
-    /// [`Fp8Linear::quantize_input`] of `x = gelu(u)` without materialising `x`: casts `gelu(u)`
-    /// (`u [tokens, in]`) to E4M3 with the input meta's scale into `x_q` and `saved`'s `x^T`, records its
-    /// amax in the input meta's pending slot and keeps the scale in `saved`. Bit-identical to
-    /// [`crate::ops::gelu_forward`] into a `T` buffer, then [`Fp8Linear::quantize_input`] of it.
-    pub fn quantize_input_gelu<T: FloatElement>(
-        &mut self,
-        u: &Buffer<T>,
-        approx: GeluApprox,
-        x_q: &mut Buffer<u8>,
-        saved: &mut Fp8LinearSaved,
-    ) -> Result<(), KernelError> {
-        const WHAT: &str = "Fp8Linear::quantize_input_gelu";
-        let inf = self.in_features();
-        let tokens = rows_for(WHAT, u.len(), inf)?;
-        let (x_t, x_scale_inv, saved_tokens) = saved.parts_mut();
-        check_len(WHAT, 1, x_scale_inv.len())?;
-        let meta = self.input_meta_mut();
-        with_pending(meta, |meta, pending| {
-            gelu_cast_fp8(
-                u,
-                [tokens, inf],
-                approx,
-                meta.format()?,
-                meta.scale(),
-                x_q,
-                x_t,
-                Some(AmaxSlot::first(pending)),
-            )
-        })?;
-        x_scale_inv.copy_from(meta.scale_inv())?;
-        *saved_tokens = tokens;
-        Ok(())
-    }
-
-    /// [`Fp8Linear::quantize_grad_output`] of `dy = gelu'(u) * dh` without materialising `dy`: casts it
-    /// (`u`, `dh`: `[tokens, out]`) to E5M2 with the output-gradient meta's scale into `dy_q`
-    /// (`[tokens, out]`) and `dy_t` (`[out, tokens]`), recording its amax in the meta's pending slot.
-    /// Bit-identical to [`crate::ops::gelu_backward`] into a `T` buffer, then
-    /// [`Fp8Linear::quantize_grad_output`] of it.
-    pub fn quantize_grad_output_gelu<T: FloatElement>(
-        &mut self,
-        u: &Buffer<T>,
-        dh: &Buffer<T>,
-        approx: GeluApprox,
-        dy_q: &mut Buffer<u8>,
-        dy_t: &mut Buffer<u8>,
-    ) -> Result<(), KernelError> {
-        const WHAT: &str = "Fp8Linear::quantize_grad_output_gelu";
-        let outf = self.out_features();
-        let tokens = rows_for(WHAT, u.len(), outf)?;
-        let meta = self.grad_output_meta_mut();
-        with_pending(meta, |meta, pending| {
-            gelu_backward_cast_fp8(
-                u,
-                dh,
-                [tokens, outf],
-                approx,
-                meta.format()?,
-                meta.scale(),
-                dy_q,
-                dy_t,
-                Some(AmaxSlot::first(pending)),
-            )
-        })
-    }
-}
-
-/// Runs `f` with the meta (for its scale) and its pending amax buffer borrowed apart: the buffer is moved
-/// out for the call and always put back, so a kernel can read one and accumulate into the other.
-fn with_pending<R>(
-    meta: &mut DeviceScalingMeta,
-    f: impl FnOnce(&DeviceScalingMeta, &mut Buffer<f32>) -> Result<R, KernelError>,
-) -> Result<R, KernelError> {
-    let mut pending = std::mem::replace(meta.pending_amax_mut(), Buffer::from_vec(Vec::new()));
-    let r = f(meta, &mut pending);
-    *meta.pending_amax_mut() = pending;
-    r
-}

@@ -26,7 +26,6 @@ pub mod fused;
 pub mod gather_rows;
 pub mod gemm;
 pub mod kernel_source;
-pub mod linear;
 pub mod ops;
 pub mod optim_step;
 pub mod rng;
@@ -35,9 +34,8 @@ pub mod segmented;
 pub use adam::{AdamConfig, AdamGrad, LowPrecisionAdamState, WeightDecay};
 pub use cast::{
     amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert, dequantize_fp8,
-    AmaxSlot, CurrentScaling, DeviceScalingMeta, FloatElement,
+    update_scaling_meta, AmaxInput, AmaxSlot, CurrentScaling, FloatElement, ScalingMetaBuffers,
 };
 pub use device::{check_len, Buffer, CudaDevice, DType, Device, Element, GpuEvent};
 pub use error::KernelError;
 pub use gemm::{CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose};
-pub use linear::{FloatLinear, Fp8Linear, Fp8LinearConfig, Fp8LinearSaved};

@@ -65,6 +65,10 @@ pub struct ParamSpec {
     pub shape: Vec<usize>,
     /// Kind, which decides the storage group.
     pub kind: ParamKind,
+    /// Whether weight decay applies (the optimizer's parameter groups). [`ParamSpec::new`] sets it for
+    /// matrices (two or more dimensions), not for vectors (biases, norm weights).
+    #[serde(default)]
+    pub decay: bool,
 }
 
 impl ParamSpec {
@@ -75,6 +79,7 @@ impl ParamSpec {
             module: module.to_string(),
             shape: shape.to_vec(),
             kind,
+            decay: shape.len() >= 2,
         }
     }
 
@@ -94,6 +99,10 @@ pub enum WrapPolicy {
     MinParams(usize),
     /// One unit for the whole model.
     Single,
+    /// One unit per direct child of the named module (`ChildrenOf("h")`: units `h.0`, `h.1`, ... with
+    /// every parameter below each), in first-appearance order; the root unit (placed first) holds the
+    /// rest. The policy for a stack of blocks: a transformer's `h.N`.
+    ChildrenOf(String),
 }
 
 /// Where one parameter sits in its group's flat buffer.
@@ -169,13 +178,41 @@ impl UnitLayout {
     }
 }
 
+/// Where a parameter is: its unit, group and position in the group's slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamLocation {
+    /// Unit index.
+    pub unit: usize,
+    /// Storage group.
+    pub group: ParamGroup,
+    /// Index in the group's slot list.
+    pub slot: usize,
+}
+
 /// The whole model's layout: parameters and units. Identical on every rank and independent of the world size.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "LayoutParts")]
 pub struct ModelLayout {
     /// Parameters in declaration order.
     pub params: Vec<ParamSpec>,
     /// Units in execution order.
     pub units: Vec<UnitLayout>,
+    /// Where each parameter is, by parameter index (derived from `units`; a constant-time look-up).
+    #[serde(skip)]
+    locations: Vec<Option<ParamLocation>>,
+}
+
+/// The serialized form of a [`ModelLayout`] (the location index is rebuilt on reading).
+#[derive(Deserialize)]
+struct LayoutParts {
+    params: Vec<ParamSpec>,
+    units: Vec<UnitLayout>,
+}
+
+impl From<LayoutParts> for ModelLayout {
+    fn from(p: LayoutParts) -> Self {
+        ModelLayout::from_parts(p.params, p.units)
+    }
 }
 
 impl ModelLayout {
@@ -211,6 +248,35 @@ impl ModelLayout {
         }
         let mut unit_params: Vec<(String, Vec<usize>)> = Vec::new();
         match policy {
+            WrapPolicy::ChildrenOf(parent) => {
+                let prefix = format!("{parent}.");
+                let mut root = Vec::new();
+                for (i, p) in params.iter().enumerate() {
+                    let child = p
+                        .module
+                        .strip_prefix(&prefix)
+                        .and_then(|rest| rest.split('.').next())
+                        .filter(|c| !c.is_empty());
+                    match child {
+                        Some(c) => {
+                            let name = format!("{prefix}{c}");
+                            match unit_params.iter_mut().find(|(n, _)| *n == name) {
+                                Some((_, v)) => v.push(i),
+                                None => unit_params.push((name, vec![i])),
+                            }
+                        }
+                        None => root.push(i),
+                    }
+                }
+                if unit_params.is_empty() {
+                    return Err(ShardError::InvalidModel(format!(
+                        "wrap policy ChildrenOf({parent:?}): no parameter below a child of {parent:?}"
+                    )));
+                }
+                if !root.is_empty() {
+                    unit_params.insert(0, ("root".into(), root));
+                }
+            }
             WrapPolicy::PerModule => unit_params = modules,
             WrapPolicy::Single => {
                 unit_params.push(("root".into(), (0..params.len()).collect()));
@@ -255,7 +321,41 @@ impl ModelLayout {
                 UnitLayout { name, groups }
             })
             .collect();
-        Ok(ModelLayout { params, units })
+        Ok(ModelLayout::from_parts(params, units))
+    }
+
+    /// A layout from its parameters and units (e.g. deserialized), with the location index rebuilt.
+    pub fn from_parts(params: Vec<ParamSpec>, units: Vec<UnitLayout>) -> Self {
+        let mut locations = vec![None; params.len()];
+        for (u, unit) in units.iter().enumerate() {
+            for g in ParamGroup::ALL {
+                for (slot, s) in unit.group(g).slots.iter().enumerate() {
+                    if let Some(l) = locations.get_mut(s.param) {
+                        *l = Some(ParamLocation {
+                            unit: u,
+                            group: g,
+                            slot,
+                        });
+                    }
+                }
+            }
+        }
+        ModelLayout {
+            params,
+            units,
+            locations,
+        }
+    }
+
+    /// Where parameter `param` is (constant time).
+    pub fn location(&self, param: usize) -> Option<ParamLocation> {
+        self.locations.get(param).copied().flatten()
+    }
+
+    /// The index of the root unit (the one named `root`, which holds the parameters of no wrapped
+    /// module: the model's first and last layers, tied parameters), if the policy made one.
+    pub fn root_unit(&self) -> Option<usize> {
+        self.units.iter().position(|u| u.name == "root")
     }
 
     /// Index of the parameter named `name`.
@@ -263,12 +363,11 @@ impl ModelLayout {
         self.params.iter().position(|p| p.name == name)
     }
 
-    /// The unit index, group and slot of parameter `param`.
+    /// The unit index, group and slot of parameter `param` (constant time).
     pub fn locate(&self, param: usize) -> Option<(usize, ParamGroup, &ParamSlot)> {
-        self.units
-            .iter()
-            .enumerate()
-            .find_map(|(u, unit)| unit.find(param).map(|(g, s)| (u, g, s)))
+        let l = self.location(param)?;
+        let slot = self.units.get(l.unit)?.group(l.group).slots.get(l.slot)?;
+        Some((l.unit, l.group, slot))
     }
 
     /// Total parameter count (unpadded).

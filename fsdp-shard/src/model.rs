@@ -149,8 +149,8 @@ pub struct UnitShards {
     pub grads_bf16: [Buffer<bf16>; 2],
     /// Full flat gradients of the current backward, before reduction.
     full_grads: [Option<Buffer<f32>>; 2],
-    /// Parameters of the gathered unit, by model parameter index.
-    gathered: Option<Vec<(usize, GatheredParam)>>,
+    /// Parameters of the gathered unit, per group in slot order.
+    gathered: Option<[Vec<GatheredParam>; 2]>,
     /// An all-gather issued by [`ShardedModel::gather_async`] and not yet waited for.
     pending: Option<PendingGather>,
     /// Which part of this rank's FP8 shard holds which FP8 weight (slot = index in the unit's FP8 group),
@@ -241,6 +241,20 @@ impl ShardedModel {
         config: FsdpConfig,
         init: &dyn Fn(usize) -> Vec<f32>,
     ) -> Result<(Self, Vec<Vec<f32>>), ShardError> {
+        Self::with_unit_init(layout, comm, config, &mut |params: &[usize]| {
+            Ok(params.iter().map(|&p| init(p)).collect())
+        })
+    }
+
+    /// [`ShardedModel::new`] with the initial values made one unit at a time: `init_unit(params)` returns
+    /// the values of those parameters, in that order (so a model never holds more than one unit's full
+    /// values on the host).
+    pub fn with_unit_init(
+        layout: Arc<ModelLayout>,
+        comm: Arc<dyn Communicator>,
+        config: FsdpConfig,
+        init_unit: &mut dyn FnMut(&[usize]) -> Result<Vec<Vec<f32>>, ShardError>,
+    ) -> Result<(Self, Vec<Vec<f32>>), ShardError> {
         let device = comm.device().clone();
         let (rank, ws) = (comm.rank(), comm.world_size());
         let mut units = Vec::with_capacity(layout.units.len());
@@ -250,9 +264,27 @@ impl ShardedModel {
                 vec![0f32; unit.group(ParamGroup::Fp8).padded_len(ws)],
                 vec![0f32; unit.group(ParamGroup::Plain).padded_len(ws)],
             ];
-            for g in ParamGroup::ALL {
-                for slot in &unit.group(g).slots {
-                    let values = init(slot.param);
+            let order: Vec<(ParamGroup, usize)> = ParamGroup::ALL
+                .into_iter()
+                .flat_map(|g| (0..unit.group(g).slots.len()).map(move |i| (g, i)))
+                .collect();
+            let wanted: Vec<usize> = order
+                .iter()
+                .map(|&(g, i)| unit.group(g).slots[i].param)
+                .collect();
+            let mut made = init_unit(&wanted)?;
+            if made.len() != wanted.len() {
+                return Err(ShardError::InvalidArgument(format!(
+                    "unit {}: {} initial tensors for {} parameters",
+                    unit.name,
+                    made.len(),
+                    wanted.len()
+                )));
+            }
+            for (k, &(g, i)) in order.iter().enumerate() {
+                {
+                    let slot = &unit.group(g).slots[i];
+                    let values = std::mem::take(&mut made[k]);
                     if values.len() != slot.numel {
                         return Err(ShardError::InvalidArgument(format!(
                             "initial values of {} have {} elements, its shape needs {}",
@@ -265,6 +297,7 @@ impl ShardedModel {
                         .copy_from_slice(&values);
                 }
             }
+            drop(made);
             let fp8_group = unit.group(ParamGroup::Fp8);
             let mut scales = Vec::with_capacity(fp8_group.slots.len() * 2);
             let mut codes_full = vec![0u8; fp8_group.padded_len(ws)];
@@ -449,7 +482,7 @@ impl ShardedModel {
         let layout = self.layout.clone();
         let unit_layout = &layout.units[u];
         let shards = &self.units[u];
-        let mut params = Vec::new();
+        let mut params: [Vec<GatheredParam>; 2] = [Vec::new(), Vec::new()];
         let mut bytes = 0;
         if let Some(full) = &pending.fp8 {
             bytes += full.num_bytes();
@@ -459,7 +492,7 @@ impl ShardedModel {
                 let mut scales = self.device.zeros::<f32>(2)?;
                 scales.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
                 bytes += codes.num_bytes() + scales.num_bytes();
-                params.push((slot.param, GatheredParam::Fp8 { codes, scales }));
+                params[ParamGroup::Fp8 as usize].push(GatheredParam::Fp8 { codes, scales });
             }
         }
         if let Some(full) = &pending.plain {
@@ -468,7 +501,7 @@ impl ShardedModel {
                 let mut p = self.device.zeros::<f32>(slot.numel)?;
                 p.copy_range_from(0, full, slot.offset, slot.numel)?;
                 bytes += p.num_bytes();
-                params.push((slot.param, GatheredParam::Plain(p)));
+                params[ParamGroup::Plain as usize].push(GatheredParam::Plain(p));
             }
         }
         // During the cut the flat buffers and the cut parameters coexist: that is the peak.
@@ -508,21 +541,19 @@ impl ShardedModel {
         self.units.get(u).is_some_and(|s| s.gathered.is_some())
     }
 
-    /// The gathered parameter `param` (its unit must be gathered).
+    /// The gathered parameter `param` (its unit must be gathered); constant time.
     pub fn param(&self, param: usize) -> Result<&GatheredParam, ShardError> {
-        let (u, _, _) = self.layout.locate(param).ok_or_else(|| {
+        let loc = self.layout.location(param).ok_or_else(|| {
             ShardError::InvalidArgument(format!("no parameter with index {param}"))
         })?;
-        let gathered = self.units[u].gathered.as_ref().ok_or_else(|| {
+        let gathered = self.units[loc.unit].gathered.as_ref().ok_or_else(|| {
             ShardError::State(format!(
                 "parameter {} used while its unit {} is not gathered",
-                self.layout.params[param].name, self.layout.units[u].name
+                self.layout.params[param].name, self.layout.units[loc.unit].name
             ))
         })?;
-        gathered
-            .iter()
-            .find(|(p, _)| *p == param)
-            .map(|(_, g)| g)
+        gathered[loc.group as usize]
+            .get(loc.slot)
             .ok_or_else(|| ShardError::State(format!("parameter {param} missing from its unit")))
     }
 
@@ -555,8 +586,8 @@ impl ShardedModel {
 
     /// Adds a full gradient of parameter `name` (from this rank's backward) into the unit's flat gradient.
     pub fn add_grad(&mut self, name: &str, grad: &Buffer<f32>) -> Result<(), ShardError> {
-        let (full, offset) = self.full_grad_range(name, grad.len())?;
-        crate::grad::add_into_range(full, offset, grad)
+        let param = self.index(name)?;
+        self.add_grad_at(param, grad)
     }
 
     /// [`ShardedModel::add_grad`] for a BF16 gradient (widened exactly to f32 as it is added).
@@ -565,27 +596,42 @@ impl ShardedModel {
         name: &str,
         grad: &Buffer<half::bf16>,
     ) -> Result<(), ShardError> {
-        let (full, offset) = self.full_grad_range(name, grad.len())?;
+        let param = self.index(name)?;
+        self.add_grad_bf16_at(param, grad)
+    }
+
+    /// [`ShardedModel::add_grad`] by parameter index (constant time).
+    pub fn add_grad_at(&mut self, param: usize, grad: &Buffer<f32>) -> Result<(), ShardError> {
+        let (full, offset) = self.full_grad_range(param, grad.len())?;
+        crate::grad::add_into_range(full, offset, grad)
+    }
+
+    /// [`ShardedModel::add_grad_bf16`] by parameter index (constant time).
+    pub fn add_grad_bf16_at(
+        &mut self,
+        param: usize,
+        grad: &Buffer<half::bf16>,
+    ) -> Result<(), ShardError> {
+        let (full, offset) = self.full_grad_range(param, grad.len())?;
         crate::grad::add_into_range_bf16(full, offset, grad)
     }
 
-    /// The unit's full flat gradient buffer holding parameter `name` (created zeroed on first use) and the
-    /// parameter's offset in it, after checking that a gradient of `len` elements fits.
+    /// The unit's full flat gradient buffer holding parameter `param` (created zeroed on first use) and
+    /// the parameter's offset in it, after checking that a gradient of `len` elements fits.
     fn full_grad_range(
         &mut self,
-        name: &str,
+        param: usize,
         len: usize,
     ) -> Result<(&mut Buffer<f32>, usize), ShardError> {
-        let param = self.index(name)?;
         let ws = self.comm.world_size();
-        let (u, g, slot) = self
-            .layout
-            .locate(param)
-            .ok_or_else(|| ShardError::InvalidArgument(format!("{name} is in no unit")))?;
+        let (u, g, slot) = self.layout.locate(param).ok_or_else(|| {
+            ShardError::InvalidArgument(format!("no parameter with index {param}"))
+        })?;
         let (offset, numel) = (slot.offset, slot.numel);
         if len != numel {
             return Err(ShardError::InvalidArgument(format!(
-                "gradient of {name} has {len} elements, the parameter {numel}"
+                "gradient of {} has {len} elements, the parameter {numel}",
+                self.layout.params[param].name
             )));
         }
         let padded = self.layout.units[u].group(g).padded_len(ws);
@@ -667,8 +713,8 @@ impl ShardedModel {
         self.units
             .iter()
             .filter_map(|s| s.gathered.as_ref())
-            .flat_map(|v| v.iter())
-            .map(|(_, p)| match p {
+            .flat_map(|v| v.iter().flatten())
+            .map(|p| match p {
                 GatheredParam::Fp8 { codes, scales } => codes.num_bytes() + scales.num_bytes(),
                 GatheredParam::Plain(b) => b.num_bytes(),
             })

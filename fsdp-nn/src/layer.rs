@@ -1,0 +1,147 @@
+//! The [`Layer`] interface (a module with a forward and a backward over one tensor) and the
+//! [`Sequential`] container.
+
+use crate::{NnError, Tensor};
+use fp8_kernels::{convert, Buffer, FloatElement, GemmOutput, KernelError};
+use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use half::bf16;
+
+/// Element types of activations and gradients between layers: `f32` or `bf16`.
+pub trait Activation: FloatElement + GemmOutput {
+    /// `src` as this type: `src` itself for `f32`, converted into `scratch` (round to nearest even)
+    /// otherwise.
+    fn from_f32_buffer<'a>(
+        src: &'a Buffer<f32>,
+        scratch: &'a mut Option<Buffer<Self>>,
+    ) -> Result<&'a Buffer<Self>, KernelError>;
+}
+
+impl Activation for f32 {
+    fn from_f32_buffer<'a>(
+        src: &'a Buffer<f32>,
+        _scratch: &'a mut Option<Buffer<f32>>,
+    ) -> Result<&'a Buffer<f32>, KernelError> {
+        Ok(src)
+    }
+}
+
+impl Activation for bf16 {
+    fn from_f32_buffer<'a>(
+        src: &'a Buffer<f32>,
+        scratch: &'a mut Option<Buffer<bf16>>,
+    ) -> Result<&'a Buffer<bf16>, KernelError> {
+        let fits = scratch.as_ref().is_some_and(|b| b.len() == src.len());
+        if !fits {
+            *scratch = Some(src.device().uninit(src.len())?);
+        }
+        let out = scratch.as_mut().ok_or(KernelError::Internal(
+            "conversion buffer missing".into(),
+        ))?;
+        convert(src, out)?;
+        Ok(out)
+    }
+}
+
+/// A module with a forward and a backward over one tensor: what a [`Sequential`] chains.
+///
+/// `forward` takes its input by value and keeps what its backward needs; `backward` takes the gradient
+/// of its output and returns the gradient of its input when `need_dx` (the first layer of a network
+/// skips that work), after handing its parameters' gradients to the context.
+pub trait Layer<T: Activation = f32>: Module {
+    /// The forward pass.
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError>;
+    /// The backward pass, after a training forward.
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError>;
+}
+
+/// Layers applied in order, each a named child (`Sequential::new().push("fc1", Linear::new(...))`
+/// names its parameters `fc1.weight`, `fc1.bias`, as PyTorch's attribute names do).
+pub struct Sequential<T: Activation = f32> {
+    layers: Vec<(String, Box<dyn Layer<T>>)>,
+}
+
+impl<T: Activation> Default for Sequential<T> {
+    fn default() -> Self {
+        Sequential { layers: Vec::new() }
+    }
+}
+
+impl<T: Activation> std::fmt::Debug for Sequential<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.layers.iter().map(|(n, _)| n))
+            .finish()
+    }
+}
+
+impl<T: Activation> Sequential<T> {
+    /// An empty sequence.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `layer` under `name`.
+    pub fn push(mut self, name: &str, layer: impl Layer<T> + 'static) -> Self {
+        self.layers.push((name.to_string(), Box::new(layer)));
+        self
+    }
+
+    /// Number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether there is no layer.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+impl<T: Activation> Module for Sequential<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        for (name, layer) in &mut self.layers {
+            v.path().push(name);
+            let r = layer.visit(v);
+            v.path().pop();
+            r?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: Activation> Layer<T> for Sequential<T> {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, mut x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        for (_, layer) in &mut self.layers {
+            x = layer.forward(ctx, x)?;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        mut dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let n = self.layers.len();
+        for (i, (name, layer)) in self.layers.iter_mut().enumerate().rev() {
+            let need = i > 0 || need_dx;
+            match layer.backward(ctx, dy, need)? {
+                Some(d) => dy = d,
+                None if i == 0 => return Ok(None),
+                None => {
+                    return Err(NnError::usage(
+                        name,
+                        format!("returned no input gradient (layer {} of {n})", i + 1),
+                    ))
+                }
+            }
+        }
+        Ok(Some(dy))
+    }
+}

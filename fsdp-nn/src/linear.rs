@@ -1,0 +1,794 @@
+//! Fully connected layer `y = x W^T (+ b)` in FP8, BF16 or F32.
+//!
+//! # FP8 recipe (E4M3 forward, E5M2 gradients, f32 accumulation)
+//! - forward: `x` is cast to E4M3 with the input meta's scale (delayed scaling by default: the scale
+//!   comes from the amax history; the cast records this step's amax in the meta's pending slot), which
+//!   also writes `x^T` in E4M3, all the backward keeps of `x` (one byte per element). The weight arrives
+//!   from the all-gather in E4M3 with its scale (current scaling, set by the optimizer). `y = x_q W_q^T`
+//!   is one FP8 GEMM reading both inverse scales from device pointers.
+//! - backward: `dy` is cast to E5M2 (both layouts) with the output-gradient meta; `dx = dy_q W_q` and
+//!   `dW = dy_q^T x_q`, f32 accumulation; `dW` is written in BF16 when the model keeps BF16 gradient
+//!   shards (the shard rounds to BF16 anyway), else in f32.
+//! - the metas are the model's ([`fsdp_shard::ScalingRegistry`]): once per optimizer step their pending
+//!   amaxes are agreed across ranks in the optimizer's single all-reduce and the scales recomputed.
+//!
+//! Bias: `y` is set to the broadcast bias, then the GEMM accumulates into it (`beta = 1`); the bias
+//! gradient is the column sum of `dy` in a fixed order (`ops::sum_over_rows`).
+//!
+//! A fused producer (LayerNorm or GELU fused with the E4M3 cast) can write the layer's FP8 input itself:
+//! [`Linear::fp8_input`] hands out the buffers and [`Linear::forward_fp8_codes`] runs the GEMM.
+
+use crate::init::{kaiming_uniform, normal, uniform_fan_in};
+use crate::layer::{Activation, Layer};
+use crate::{NnError, Shape, Tensor};
+use fp8_core::{Fp8Format, QType, ScalingRecipe};
+use fp8_kernels::gemm::{gemm, gemm_fp8};
+use fp8_kernels::ops;
+use fp8_kernels::{
+    cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
+    GemmSpec, Transpose,
+};
+use fsdp_shard::{
+    Ctx, GatheredParam, GradDtype, Module, ParamDecl, ParamId, ParamKind, ScalingDecl, ScalingId,
+    ShardError, Visitor,
+};
+use half::bf16;
+
+/// The arithmetic of a [`Linear`] layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum LinearPrecision {
+    /// FP8: input and weight E4M3, output gradient E5M2, f32 accumulation. The weight is an FP8 parameter
+    /// of the sharded model (gathered as E4M3 with the scale the optimizer set).
+    #[default]
+    Fp8,
+    /// BF16 operands (weight and activations rounded to bf16), f32 accumulation.
+    Bf16,
+    /// F32 throughout.
+    F32,
+}
+
+impl LinearPrecision {
+    /// The kind of the weight parameter: FP8 weights travel as E4M3, the others as F32.
+    pub fn weight_kind(self) -> ParamKind {
+        match self {
+            LinearPrecision::Fp8 => ParamKind::Fp8Weight,
+            LinearPrecision::Bf16 | LinearPrecision::F32 => ParamKind::Plain,
+        }
+    }
+
+    /// `"fp8"`, `"bf16"` or `"f32"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinearPrecision::Fp8 => "fp8",
+            LinearPrecision::Bf16 => "bf16",
+            LinearPrecision::F32 => "f32",
+        }
+    }
+}
+
+/// How a layer's weight starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum WeightInit {
+    /// PyTorch's default for `nn.Linear`/`nn.Conv2d`: `kaiming_uniform_(a = sqrt(5))`, bias uniform in
+    /// `±1/sqrt(fan_in)`.
+    PyTorchDefault,
+    /// `N(0, std^2)` (GPT-2's initialisation); a bias starts at zero.
+    Normal(f64),
+}
+
+/// What the FP8 forward keeps for the backward: `x^T` in E4M3 and the inverse scale it was cast with.
+#[derive(Debug)]
+pub struct Fp8Saved {
+    /// Rows of `x`.
+    pub tokens: usize,
+    /// `x^T`, E4M3 codes `[in, tokens]`.
+    pub x_t: Buffer<u8>,
+    /// The inverse scale `x` was cast with (one element; the meta may change before the backward).
+    pub x_scale_inv: Buffer<f32>,
+}
+
+/// `y = x W^T (+ b)` with `x [tokens, in]` (any leading shape), `W [out, in]` (`<path>.weight`),
+/// `b [out]` (`<path>.bias`, F32), `y [tokens, out]` in the activation type `T`.
+#[derive(Debug)]
+pub struct Linear<T: Activation = f32> {
+    name: String,
+    in_features: usize,
+    out_features: usize,
+    precision: LinearPrecision,
+    has_bias: bool,
+    seed: u64,
+    init: WeightInit,
+    input_recipe: ScalingRecipe,
+    grad_recipe: ScalingRecipe,
+    weight: ParamId,
+    bias: ParamId,
+    input_meta: ScalingId,
+    grad_meta: ScalingId,
+    /// FP8: the saved `x^T` codes.
+    fp8_saved: Option<Fp8Saved>,
+    /// F32: the input, kept for the weight gradient.
+    x_saved: Option<Tensor<T>>,
+    /// BF16: the input rounded to bf16, kept for the weight gradient.
+    x_bf16: Option<Buffer<bf16>>,
+    /// Shape of the last training input.
+    in_shape: Option<Shape>,
+    /// The bias in `T` when `T` is not f32.
+    bias_t: Option<Buffer<T>>,
+}
+
+impl<T: Activation> Linear<T> {
+    /// A layer `in_features -> out_features` with a bias, PyTorch's default initialisation from `seed`,
+    /// delayed scaling (window 16) of the FP8 input and output gradient.
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        precision: LinearPrecision,
+        seed: u64,
+    ) -> Result<Self, NnError> {
+        if in_features == 0 || out_features == 0 {
+            return Err(NnError::usage(
+                "Linear",
+                format!("features must be positive ({in_features} -> {out_features})"),
+            ));
+        }
+        if precision == LinearPrecision::F32 && T::DTYPE != DType::F32 {
+            return Err(NnError::usage(
+                "Linear",
+                "an F32 linear needs f32 activations (use BF16 or FP8 with bf16 activations)",
+            ));
+        }
+        Ok(Linear {
+            name: "Linear".into(),
+            in_features,
+            out_features,
+            precision,
+            has_bias: true,
+            seed,
+            init: WeightInit::PyTorchDefault,
+            input_recipe: ScalingRecipe::delayed_default(),
+            grad_recipe: ScalingRecipe::delayed_default(),
+            weight: ParamId::UNSET,
+            bias: ParamId::UNSET,
+            input_meta: ScalingId::UNSET,
+            grad_meta: ScalingId::UNSET,
+            fp8_saved: None,
+            x_saved: None,
+            x_bf16: None,
+            in_shape: None,
+            bias_t: None,
+        })
+    }
+
+    /// Without a bias.
+    pub fn without_bias(mut self) -> Self {
+        self.has_bias = false;
+        self
+    }
+
+    /// With another weight initialisation.
+    pub fn with_init(mut self, init: WeightInit) -> Self {
+        self.init = init;
+        self
+    }
+
+    /// With other scaling recipes for the FP8 input and output gradient (e.g. current scaling).
+    pub fn with_recipes(mut self, input: ScalingRecipe, grad_output: ScalingRecipe) -> Self {
+        self.input_recipe = input;
+        self.grad_recipe = grad_output;
+        self
+    }
+
+    /// The precision.
+    pub fn precision(&self) -> LinearPrecision {
+        self.precision
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// The weight's id.
+    pub fn weight_id(&self) -> ParamId {
+        self.weight
+    }
+
+    /// The FP8 input's scaling meta (for a fused producer of the input codes).
+    pub fn input_meta(&self) -> ScalingId {
+        self.input_meta
+    }
+
+    /// The FP8 output gradient's scaling meta (for a fused producer of the gradient codes).
+    pub fn grad_meta(&self) -> ScalingId {
+        self.grad_meta
+    }
+
+    /// The recipes of the FP8 input and output gradient.
+    pub fn recipes(&self) -> (ScalingRecipe, ScalingRecipe) {
+        (self.input_recipe, self.grad_recipe)
+    }
+
+    /// Bytes kept for the backward.
+    pub fn saved_bytes(&self) -> usize {
+        self.fp8_saved
+            .as_ref()
+            .map_or(0, |s| s.x_t.num_bytes() + s.x_scale_inv.num_bytes())
+            + self.x_saved.as_ref().map_or(0, |t| t.data().num_bytes())
+            + self.x_bf16.as_ref().map_or(0, Buffer::num_bytes)
+    }
+
+    /// Forgets what the forward kept (e.g. when a block recomputes its forward in the backward).
+    pub fn drop_saved(&mut self) {
+        self.fp8_saved = None;
+        self.x_saved = None;
+        self.x_bf16 = None;
+    }
+
+    fn tokens_of(&self, shape: Shape) -> Result<usize, NnError> {
+        if shape.last() != self.in_features {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "input of shape {shape:?}; the last dimension must be {}",
+                    self.in_features
+                ),
+            ));
+        }
+        Ok(shape.rows())
+    }
+
+    fn need_fp8(&self, what: &str) -> Result<(), NnError> {
+        if self.precision == LinearPrecision::Fp8 {
+            Ok(())
+        } else {
+            Err(NnError::usage(
+                &self.name,
+                format!("{what} needs an FP8 layer, this one is {}", self.precision.name()),
+            ))
+        }
+    }
+
+    /// The buffers a fused producer writes the layer's FP8 input into: `x^T` codes `[in, tokens]` and
+    /// the saved inverse scale (the producer copies the input meta's `scale_inv` there). Cast with the
+    /// meta [`Linear::input_meta`] from the context. Then [`Linear::forward_fp8_codes`] with the row-major
+    /// codes.
+    pub fn fp8_input(&mut self, device: &Device, tokens: usize) -> Result<&mut Fp8Saved, NnError> {
+        self.need_fp8("fp8_input")?;
+        let n = tokens
+            .checked_mul(self.in_features)
+            .ok_or_else(|| NnError::usage(&self.name, format!("{tokens} rows overflow")))?;
+        let fits = self
+            .fp8_saved
+            .as_ref()
+            .is_some_and(|s| s.x_t.len() == n && s.x_t.device() == *device);
+        if !fits {
+            self.fp8_saved = Some(Fp8Saved {
+                tokens,
+                x_t: device.uninit(n)?,
+                x_scale_inv: device.zeros(1)?,
+            });
+        }
+        let s = self
+            .fp8_saved
+            .as_mut()
+            .ok_or_else(|| NnError::usage("Linear", "saved input missing"))?;
+        s.tokens = tokens;
+        Ok(s)
+    }
+
+    /// The FP8 forward GEMM `y = x_q W^T (+ b)` from row-major E4M3 codes `x_q [tokens, in]` cast with the
+    /// inverse scale saved by [`Linear::fp8_input`]. `out_shape` is the output's shape (`[..., out]`).
+    pub fn forward_fp8_codes(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x_q: &Buffer<u8>,
+        out_shape: Shape,
+    ) -> Result<Tensor<T>, NnError> {
+        self.need_fp8("forward_fp8_codes")?;
+        let saved = self
+            .fp8_saved
+            .as_ref()
+            .ok_or_else(|| NnError::usage(&self.name, "no FP8 input was prepared"))?;
+        let (inf, outf, tokens) = (self.in_features, self.out_features, saved.tokens);
+        if x_q.len() != tokens * inf || out_shape.numel() != tokens * outf {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "{} input codes and output shape {out_shape:?} for {tokens} rows",
+                    x_q.len()
+                ),
+            ));
+        }
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let mut y = Tensor::<T>::uninit(&dev, out_shape)?;
+        let mut spec = GemmSpec::new(tokens, outf, inf)
+            .transposes(Transpose::No, Transpose::Yes)
+            .parallelism(par);
+        let (codes, scales, bias) = if self.has_bias {
+            let [w, b] = ctx.params([self.weight, self.bias])?;
+            (w, Some(b), ())
+        } else {
+            let [w] = ctx.params([self.weight])?;
+            (w, None, ())
+        }
+        .into_fp8(&self.name)?;
+        if let Some(b) = bias {
+            let b = T::from_f32_buffer(b, &mut self.bias_t)?;
+            broadcast_bias(b, tokens, y.data_mut())?;
+            spec.beta = 1.0;
+        }
+        let a = Fp8Matrix {
+            data: x_q,
+            format: Fp8Format::E4M3,
+            scale_inv: DeviceScalar {
+                buffer: &saved.x_scale_inv,
+                index: 0,
+            },
+        };
+        let w = Fp8Matrix {
+            data: codes,
+            format: Fp8Format::E4M3,
+            scale_inv: DeviceScalar {
+                buffer: scales,
+                index: 1,
+            },
+        };
+        gemm_fp8(&spec, a, w, y.data_mut())?;
+        Ok(y)
+    }
+
+    /// The FP8 backward GEMMs from the output gradient's E5M2 codes `dy_q [tokens, out]` and
+    /// `dy_t [out, tokens]` (cast with [`Linear::grad_meta`]): adds `dW` to the model and returns `dx`
+    /// (shape `in_shape`) when `need_dx`. The bias gradient is not computed here (see
+    /// [`Layer::backward`]).
+    pub fn backward_fp8_codes(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy_q: &Buffer<u8>,
+        dy_t: &Buffer<u8>,
+        in_shape: Shape,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        self.need_fp8("backward_fp8_codes")?;
+        let saved = self
+            .fp8_saved
+            .as_ref()
+            .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
+        let (inf, outf, tokens) = (self.in_features, self.out_features, saved.tokens);
+        if dy_q.len() != tokens * outf || dy_t.len() != tokens * outf {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "{} gradient codes for a forward of {tokens} rows of {outf}",
+                    dy_q.len()
+                ),
+            ));
+        }
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let bf16_grad = ctx.grad_dtype() == GradDtype::Bf16;
+        let (dx, dw32, dw16) = {
+            let ((codes, scales), gmeta) = ctx.fp8_weight_and_scaling(self.weight, self.grad_meta)?;
+            let g_scale = DeviceScalar {
+                buffer: gmeta.scale_inv(),
+                index: 0,
+            };
+            let weight = Fp8Matrix {
+                data: codes,
+                format: Fp8Format::E4M3,
+                scale_inv: DeviceScalar {
+                    buffer: scales,
+                    index: 1,
+                },
+            };
+            let dx = if need_dx {
+                // dx [tokens, in] = dy [tokens, out] * W [out, in].
+                let mut dx = Tensor::<T>::uninit(&dev, in_shape)?;
+                let a = Fp8Matrix {
+                    data: dy_q,
+                    format: Fp8Format::E5M2,
+                    scale_inv: g_scale,
+                };
+                let spec = GemmSpec::new(tokens, inf, outf).parallelism(par);
+                gemm_fp8(&spec, a, weight, dx.data_mut())?;
+                Some(dx)
+            } else {
+                None
+            };
+            // dW [out, in] = dy^T [out, tokens] * x [tokens, in]; both operands held K-major.
+            let a = Fp8Matrix {
+                data: dy_t,
+                format: Fp8Format::E5M2,
+                scale_inv: g_scale,
+            };
+            let b = Fp8Matrix {
+                data: &saved.x_t,
+                format: Fp8Format::E4M3,
+                scale_inv: DeviceScalar {
+                    buffer: &saved.x_scale_inv,
+                    index: 0,
+                },
+            };
+            let spec = GemmSpec::new(outf, inf, tokens)
+                .transposes(Transpose::No, Transpose::Yes)
+                .scalars(1.0, 0.0)
+                .parallelism(par);
+            if bf16_grad {
+                let mut dw = dev.uninit::<bf16>(inf * outf)?;
+                gemm_fp8(&spec, a, b, &mut dw)?;
+                (dx, None, Some(dw))
+            } else {
+                let mut dw = dev.uninit::<f32>(inf * outf)?;
+                gemm_fp8(&spec, a, b, &mut dw)?;
+                (dx, Some(dw), None)
+            }
+        };
+        if let Some(dw) = dw16 {
+            ctx.add_grad_bf16(self.weight, &dw)?;
+        }
+        if let Some(dw) = dw32 {
+            ctx.add_grad(self.weight, &dw)?;
+        }
+        Ok(dx)
+    }
+
+    fn forward_fp8(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let shape = x.shape();
+        let tokens = self.tokens_of(shape)?;
+        let inf = self.in_features;
+        let dev = ctx.device().clone();
+        let mut x_q = dev.uninit::<u8>(tokens * inf)?;
+        let meta = self.input_meta;
+        let saved = self.fp8_input(&dev, tokens)?;
+        {
+            let s = ctx.scaling(meta)?;
+            cast_transpose_to_fp8(
+                x.data(),
+                [tokens, inf],
+                s.state.format()?,
+                s.state.scale(),
+                &mut saved.x_t,
+                Some(&mut x_q),
+                s.amax,
+            )?;
+            saved.x_scale_inv.copy_from(s.state.scale_inv())?;
+        }
+        drop(x);
+        self.forward_fp8_codes(ctx, &x_q, shape.with_last(self.out_features)?)
+    }
+
+    fn backward_fp8(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        in_shape: Shape,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let outf = self.out_features;
+        let tokens = dy.shape().rows();
+        let dev = ctx.device().clone();
+        let (mut dy_q, mut dy_t) = (
+            dev.uninit::<u8>(tokens * outf)?,
+            dev.uninit::<u8>(tokens * outf)?,
+        );
+        {
+            let s = ctx.scaling(self.grad_meta)?;
+            cast_transpose_to_fp8(
+                dy.data(),
+                [tokens, outf],
+                s.state.format()?,
+                s.state.scale(),
+                &mut dy_t,
+                Some(&mut dy_q),
+                s.amax,
+            )?;
+        }
+        let db = self.bias_grad(&dev, &dy, tokens)?;
+        drop(dy);
+        let dx = self.backward_fp8_codes(ctx, &dy_q, &dy_t, in_shape, need_dx)?;
+        if let Some(db) = db {
+            ctx.add_grad(self.bias, &db)?;
+        }
+        Ok(dx)
+    }
+
+    fn bias_grad<G: Activation>(
+        &self,
+        dev: &Device,
+        dy: &Tensor<G>,
+        tokens: usize,
+    ) -> Result<Option<Buffer<f32>>, NnError> {
+        if !self.has_bias {
+            return Ok(None);
+        }
+        let mut db = dev.uninit::<f32>(self.out_features)?;
+        ops::sum_over_rows(dy.data(), tokens, self.out_features, &mut db)?;
+        Ok(Some(db))
+    }
+
+    fn forward_float(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let shape = x.shape();
+        let tokens = self.tokens_of(shape)?;
+        let (inf, outf) = (self.in_features, self.out_features);
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let training = ctx.is_training();
+        let mut spec = GemmSpec::new(tokens, outf, inf)
+            .transposes(Transpose::No, Transpose::Yes)
+            .parallelism(par);
+        let (w, b) = if self.has_bias {
+            let [w, b] = ctx.params([self.weight, self.bias])?;
+            (plain(w, &self.name)?, Some(plain(b, &self.name)?))
+        } else {
+            let [w] = ctx.params([self.weight])?;
+            (plain(w, &self.name)?, None)
+        };
+        let out_shape = shape.with_last(outf)?;
+        match self.precision {
+            LinearPrecision::F32 => {
+                let mut y = Tensor::<f32>::uninit(&dev, out_shape)?;
+                if let Some(b) = b {
+                    broadcast_bias(b, tokens, y.data_mut())?;
+                    spec.beta = 1.0;
+                }
+                let x32 = as_f32(&x)?;
+                gemm(&spec, x32, w, y.data_mut())?;
+                self.x_saved = training.then_some(x);
+                retype(y)
+            }
+            LinearPrecision::Bf16 => {
+                let x16 = to_bf16(x)?;
+                let mut w16 = dev.uninit::<bf16>(w.len())?;
+                convert(w, &mut w16)?;
+                let mut y = Tensor::<T>::uninit(&dev, out_shape)?;
+                if let Some(b) = b {
+                    let b = T::from_f32_buffer(b, &mut self.bias_t)?;
+                    broadcast_bias(b, tokens, y.data_mut())?;
+                    spec.beta = 1.0;
+                }
+                gemm(&spec, &x16, &w16, y.data_mut())?;
+                self.x_bf16 = training.then_some(x16);
+                Ok(y)
+            }
+            LinearPrecision::Fp8 => Err(NnError::usage(&self.name, "not a float layer")),
+        }
+    }
+
+    fn backward_float(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        in_shape: Shape,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let (inf, outf) = (self.in_features, self.out_features);
+        let tokens = dy.shape().rows();
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let mut dw = dev.uninit::<f32>(inf * outf)?;
+        let dx_spec = GemmSpec::new(tokens, inf, outf).parallelism(par);
+        let dw_spec = GemmSpec::new(outf, inf, tokens)
+            .transposes(Transpose::Yes, Transpose::No)
+            .scalars(1.0, 0.0)
+            .parallelism(par);
+        let (dx, db) = match self.precision {
+            LinearPrecision::F32 => {
+                let x = self
+                    .x_saved
+                    .take()
+                    .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
+                let w = plain(ctx.params([self.weight])?[0], &self.name)?;
+                let dy32 = as_f32(&dy)?;
+                let dx = if need_dx {
+                    let mut dx = Tensor::<f32>::uninit(&dev, in_shape)?;
+                    gemm(&dx_spec, dy32, w, dx.data_mut())?;
+                    Some(retype(dx)?)
+                } else {
+                    None
+                };
+                gemm(&dw_spec, dy32, as_f32(&x)?, &mut dw)?;
+                (dx, self.bias_grad(&dev, &dy, tokens)?)
+            }
+            LinearPrecision::Bf16 => {
+                let x16 = self
+                    .x_bf16
+                    .take()
+                    .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
+                let dy16 = to_bf16(dy)?;
+                // The weight again in bf16 from the unit gathered for the backward (ZeRO-3 keeps no
+                // copy between the passes).
+                let w = plain(ctx.params([self.weight])?[0], &self.name)?;
+                let mut w16 = dev.uninit::<bf16>(w.len())?;
+                convert(w, &mut w16)?;
+                let dx = if need_dx {
+                    let mut dx = Tensor::<T>::uninit(&dev, in_shape)?;
+                    gemm(&dx_spec, &dy16, &w16, dx.data_mut())?;
+                    Some(dx)
+                } else {
+                    None
+                };
+                gemm(&dw_spec, &dy16, &x16, &mut dw)?;
+                let db = if self.has_bias {
+                    let mut db = dev.uninit::<f32>(outf)?;
+                    ops::sum_over_rows(&dy16, tokens, outf, &mut db)?;
+                    Some(db)
+                } else {
+                    None
+                };
+                (dx, db)
+            }
+            LinearPrecision::Fp8 => return Err(NnError::usage(&self.name, "not a float layer")),
+        };
+        ctx.add_grad(self.weight, &dw)?;
+        if let Some(db) = db {
+            ctx.add_grad(self.bias, &db)?;
+        }
+        Ok(dx)
+    }
+}
+
+/// Splits gathered `(weight, bias?)` into FP8 codes, scales and the plain bias.
+trait IntoFp8<'a> {
+    #[allow(clippy::type_complexity)]
+    fn into_fp8(
+        self,
+        layer: &str,
+    ) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>, Option<&'a Buffer<f32>>), NnError>;
+}
+
+impl<'a> IntoFp8<'a> for (&'a GatheredParam, Option<&'a GatheredParam>, ()) {
+    fn into_fp8(
+        self,
+        layer: &str,
+    ) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>, Option<&'a Buffer<f32>>), NnError> {
+        let (w, b, ()) = self;
+        let (codes, scales) = match w {
+            GatheredParam::Fp8 { codes, scales } => (codes, scales),
+            GatheredParam::Plain(_) => {
+                return Err(NnError::usage(layer, "the weight is not an FP8 parameter"))
+            }
+        };
+        let bias = b.map(|b| plain(b, layer)).transpose()?;
+        Ok((codes, scales, bias))
+    }
+}
+
+fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
+    match p {
+        GatheredParam::Plain(b) => Ok(b),
+        GatheredParam::Fp8 { .. } => Err(NnError::usage(layer, "expected a plain parameter")),
+    }
+}
+
+/// `y[t, :] = bias` for every row: zero, then the bias added (exact).
+fn broadcast_bias<O: GemmOutput>(
+    bias: &Buffer<O>,
+    tokens: usize,
+    y: &mut Buffer<O>,
+) -> Result<(), NnError> {
+    y.fill_zero()?;
+    ops::bias_add(y, bias, tokens, bias.len())?;
+    Ok(())
+}
+
+/// The f32 buffer of an f32 tensor (an F32 layer's activations are f32: checked at construction).
+fn as_f32<T: Activation>(t: &Tensor<T>) -> Result<&Buffer<f32>, NnError> {
+    let any: &dyn std::any::Any = t.data();
+    any.downcast_ref::<Buffer<f32>>()
+        .ok_or_else(|| NnError::usage("Linear", "an F32 layer got non-f32 activations"))
+}
+
+/// An f32 tensor as `Tensor<T>` when `T` is f32.
+fn retype<T: Activation>(t: Tensor<f32>) -> Result<Tensor<T>, NnError> {
+    let boxed: Box<dyn std::any::Any> = Box::new(t);
+    boxed
+        .downcast::<Tensor<T>>()
+        .map(|b| *b)
+        .map_err(|_| NnError::usage("Linear", "an F32 layer produces f32 activations"))
+}
+
+/// The tensor's data in bf16: itself when it is bf16, else converted.
+fn to_bf16<T: Activation>(t: Tensor<T>) -> Result<Buffer<bf16>, NnError> {
+    let boxed: Box<dyn std::any::Any> = Box::new(t.into_data());
+    match boxed.downcast::<Buffer<bf16>>() {
+        Ok(b) => Ok(*b),
+        Err(other) => {
+            let b32 = other
+                .downcast::<Buffer<f32>>()
+                .map_err(|_| NnError::usage("Linear", "activations are neither f32 nor bf16"))?;
+            let mut out = b32.device().uninit::<bf16>(b32.len())?;
+            convert(&*b32, &mut out)?;
+            Ok(out)
+        }
+    }
+}
+
+impl<T: Activation> Module for Linear<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        self.name = v.path().module();
+        let (inf, outf, seed, init) = (self.in_features, self.out_features, self.seed, self.init);
+        let weight_init = move || match init {
+            WeightInit::PyTorchDefault => kaiming_uniform(outf * inf, inf, 5f64.sqrt(), seed),
+            WeightInit::Normal(std) => normal(outf * inf, std, seed),
+        };
+        let shape = [outf, inf];
+        v.param(
+            "weight",
+            &ParamDecl::new(&shape, self.precision.weight_kind(), &weight_init),
+            &mut self.weight,
+        )?;
+        if self.has_bias {
+            let bias_init = move || match init {
+                WeightInit::PyTorchDefault => uniform_fan_in(outf, inf, seed ^ 0xB1A5),
+                WeightInit::Normal(_) => vec![0.0; outf],
+            };
+            v.param(
+                "bias",
+                &ParamDecl::new(&[outf], ParamKind::Plain, &bias_init),
+                &mut self.bias,
+            )?;
+        }
+        if self.precision == LinearPrecision::Fp8 {
+            v.scaling(
+                "input",
+                ScalingDecl {
+                    qtype: QType::E4M3,
+                    recipe: self.input_recipe,
+                },
+                &mut self.input_meta,
+            )?;
+            v.scaling(
+                "grad_output",
+                ScalingDecl {
+                    qtype: QType::E5M2,
+                    recipe: self.grad_recipe,
+                },
+                &mut self.grad_meta,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: Activation> Layer<T> for Linear<T> {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        self.in_shape = Some(x.shape());
+        match self.precision {
+            LinearPrecision::Fp8 => self.forward_fp8(ctx, x),
+            LinearPrecision::Bf16 | LinearPrecision::F32 => self.forward_float(ctx, x),
+        }
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let in_shape = self
+            .in_shape
+            .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
+        let tokens = in_shape.rows();
+        if dy.shape().numel() != tokens * self.out_features {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "output gradient of shape {:?} for a forward of {tokens} rows",
+                    dy.shape()
+                ),
+            ));
+        }
+        match self.precision {
+            LinearPrecision::Fp8 => self.backward_fp8(ctx, dy, in_shape, need_dx),
+            LinearPrecision::Bf16 | LinearPrecision::F32 => {
+                self.backward_float(ctx, dy, in_shape, need_dx)
+            }
+        }
+    }
+}

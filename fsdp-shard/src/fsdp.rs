@@ -1,0 +1,688 @@
+//! [`FsdpModel`]: the `fully_shard`-style wrapper. It takes a model (a tree of [`Module`]s) by value,
+//! builds the flat-parameter layout by visiting it, and during forward and backward drives gather,
+//! prefetch, release and reduce-scatter itself, so a model's code is its layers' forward and backward.
+//!
+//! # How a pass is driven
+//! A layer asks the pass's [`Ctx`] for its parameters by id ([`Ctx::params`]). The context knows each
+//! parameter's unit (constant time) and acts on the first use of a unit:
+//! - **forward**: the unit is gathered (waiting for a prefetch in flight), the previous non-root unit is
+//!   released (ZeRO-3; kept when [`FsdpConfig::reshard_after_forward`] is off in training), and the
+//!   unit after it in the order recorded by the previous training forward is prefetched;
+//! - **backward**: the previous non-root unit's gradients are complete, so it is reduce-scattered and
+//!   released, and the unit before this one is prefetched. A gradient for a unit already reduced in
+//!   this backward is an error (share parameters through the root unit).
+//!
+//! The **root** unit (the parameters of no wrapped module: embeddings, a tied LM head, the last
+//! layers) is gathered for the whole pass and reduced at the end of the backward; so a parameter used
+//! by two modules — a token embedding tied to the LM head — has one gradient, summed in the root unit.
+//! At the end of a training forward every non-root unit is released; at the end of a backward every
+//! unit is reduced and released. `docs/architecture.md` has the data flow of a step.
+//!
+//! ```
+//! use fsdp_comm::{run_ranks, Communicator, ThreadComm};
+//! use fsdp_shard::{Ctx, FsdpConfig, FsdpModel, Mode, Module, ParamDecl, ParamId, ParamKind};
+//! use fsdp_shard::{ShardError, Visitor, WrapPolicy};
+//! use std::sync::Arc;
+//!
+//! /// `loss = sum(w)`: the gradient of every weight is 1.
+//! struct Sum { w: ParamId }
+//! impl Module for Sum {
+//!     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+//!         v.param("w", &ParamDecl::new(&[8], ParamKind::Plain, &|| vec![0.5; 8]), &mut self.w)
+//!     }
+//! }
+//!
+//! let sums = run_ranks(2, |comm: ThreadComm| {
+//!     let comm: Arc<dyn Communicator> = Arc::new(comm);
+//!     let mut model = FsdpModel::new(Sum { w: ParamId::UNSET }, comm, WrapPolicy::Single,
+//!                                    FsdpConfig::default())?;
+//!     let total = model.forward(Mode::Train, |m, ctx: &mut Ctx<'_>| {
+//!         Ok::<_, ShardError>(ctx.plain(m.w)?.to_vec()?.iter().sum::<f32>())
+//!     })?;
+//!     model.backward(|m, ctx| {
+//!         let ones = ctx.device().upload(&[1.0f32; 8])?;
+//!         ctx.add_grad(m.w, &ones)
+//!     })?;
+//!     // Each rank holds half of the reduced gradient: two ranks each added 1 per element.
+//!     let shard = model.sharded().unit(0)?.grads[1].to_vec()?;
+//!     Ok::<_, ShardError>((total, shard))
+//! })?;
+//! assert_eq!(sums[0].0, 4.0);
+//! assert!(sums[0].1[..8].iter().all(|&g| g == 2.0) || sums[1].1[..8].iter().all(|&g| g == 2.0));
+//! # Ok::<(), ShardError>(())
+//! ```
+
+use crate::layout::{ModelLayout, ParamGroup, WrapPolicy};
+use crate::model::{FsdpConfig, GatheredParam, ShardedModel};
+use crate::module::{
+    initial_values, param_specs, ModulePath, Module, ParamDecl, ParamId, ScalingDecl, ScalingId, Visitor,
+};
+use crate::model::GradDtype;
+use crate::scaling::{ScalingRegistry, ScalingState, ScalingUse};
+use crate::ShardError;
+use fp8_kernels::{Buffer, CpuParallelism, Device};
+use fsdp_comm::Communicator;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Whether a forward pass trains (saves for the backward, records FP8 amaxes, draws dropout masks) or
+/// evaluates (none of that; e.g. validation, sampling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A training forward, followed by [`FsdpModel::backward`].
+    Train,
+    /// A forward without gradients.
+    Eval,
+}
+
+/// The pass a [`Ctx`] belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// A forward pass in the given mode.
+    Forward(Mode),
+    /// A backward pass.
+    Backward,
+}
+
+/// Which units are where in the current pass, and the order units were first used in the last training
+/// forward (the prefetch order).
+#[derive(Debug, Default)]
+struct Schedule {
+    root: Option<usize>,
+    /// Non-root units in the order of their first use in the last training forward.
+    forward_order: Vec<usize>,
+    /// The order being recorded by the current training forward.
+    recording: Vec<usize>,
+    seen: Vec<bool>,
+    /// The non-root unit in use.
+    current: Option<usize>,
+    /// Units already reduced in the current backward.
+    reduced: Vec<bool>,
+}
+
+impl Schedule {
+    fn new(units: usize, root: Option<usize>) -> Self {
+        Schedule {
+            root,
+            forward_order: Vec::new(),
+            recording: Vec::new(),
+            seen: vec![false; units],
+            current: None,
+            reduced: vec![false; units],
+        }
+    }
+
+    fn start_pass(&mut self) {
+        self.recording.clear();
+        self.seen.iter_mut().for_each(|s| *s = false);
+        self.reduced.iter_mut().for_each(|r| *r = false);
+        self.current = None;
+    }
+
+    /// The unit to prefetch after `u`: the next (forward) or previous (backward) in the recorded order.
+    fn neighbour(&self, u: usize, backward: bool) -> Option<usize> {
+        let i = self.forward_order.iter().position(|&x| x == u)?;
+        if backward {
+            i.checked_sub(1).map(|j| self.forward_order[j])
+        } else {
+            self.forward_order.get(i + 1).copied()
+        }
+    }
+}
+
+/// The context of one forward or backward pass: hands out gathered parameters by id, takes gradients,
+/// gives the FP8 scaling metas and tells the layers whether they train.
+pub struct Ctx<'a> {
+    sharded: &'a mut ShardedModel,
+    scaling: &'a mut ScalingRegistry,
+    schedule: &'a mut Schedule,
+    phase: Phase,
+    parallelism: CpuParallelism,
+}
+
+impl std::fmt::Debug for Ctx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx").field("phase", &self.phase).finish()
+    }
+}
+
+impl Ctx<'_> {
+    /// The pass.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// Whether the layers should save what a backward needs, record FP8 amaxes and draw dropout masks:
+    /// a training forward, or a forward recomputed inside the backward.
+    pub fn is_training(&self) -> bool {
+        !matches!(self.phase, Phase::Forward(Mode::Eval))
+    }
+
+    /// The device of the model.
+    pub fn device(&self) -> &Device {
+        self.sharded.device()
+    }
+
+    /// Threading of the CPU kernels (GEMMs) of this rank.
+    pub fn cpu_parallelism(&self) -> CpuParallelism {
+        self.parallelism
+    }
+
+    /// Storage type of the model's gradient shards: a layer may write a weight gradient in BF16 when
+    /// the shard rounds it to BF16 anyway.
+    pub fn grad_dtype(&self) -> GradDtype {
+        self.sharded.config().grad_dtype
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.sharded.comm().rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.sharded.comm().world_size()
+    }
+
+    fn unit_of(&self, id: ParamId) -> Result<usize, ShardError> {
+        id.index()
+            .and_then(|p| self.sharded.layout().location(p))
+            .map(|l| l.unit)
+            .ok_or_else(|| {
+                ShardError::InvalidArgument(format!(
+                    "parameter id {id:?} is not one of this model's parameters (a module that was not \
+                     part of the model when it was wrapped?)"
+                ))
+            })
+    }
+
+    /// Acts on the use of unit `u` (see the module docs); gathers it when `gather`.
+    fn touch(&mut self, u: usize, gather: bool) -> Result<(), ShardError> {
+        let s = &mut *self.schedule;
+        let backward = self.phase == Phase::Backward;
+        if backward && s.reduced[u] {
+            return Err(ShardError::State(format!(
+                "unit {} used again after its gradients were reduced in this backward: a parameter \
+                 shared by modules of different units must be in the root unit",
+                self.sharded.layout().units[u].name
+            )));
+        }
+        if Some(u) != s.root && s.current != Some(u) {
+            if let Some(c) = s.current {
+                if backward {
+                    self.sharded.reduce_grads(c)?;
+                    self.sharded.release(c)?;
+                    s.reduced[c] = true;
+                } else if self.phase == Phase::Forward(Mode::Eval)
+                    || self.sharded.config().reshard_after_forward
+                {
+                    self.sharded.release(c)?;
+                }
+            }
+            s.current = Some(u);
+            if !backward && !s.seen[u] {
+                s.seen[u] = true;
+                if self.phase == Phase::Forward(Mode::Train) {
+                    s.recording.push(u);
+                }
+            }
+            if gather {
+                self.sharded.wait_gather(u)?;
+            }
+            // Prefetch the neighbour in the recorded order after this unit's gather is queued, so it
+            // overlaps this unit's compute (see `ShardedModel::gather_async`).
+            if let Some(n) = s.neighbour(u, backward) {
+                if !(backward && s.reduced[n]) && Some(n) != s.root {
+                    self.sharded.gather_async(n)?;
+                }
+            }
+            return Ok(());
+        }
+        if gather {
+            self.sharded.wait_gather(u)?;
+        }
+        Ok(())
+    }
+
+    /// The gathered parameters `ids` (each unit gathered on its first use in the pass).
+    pub fn params<const N: usize>(
+        &mut self,
+        ids: [ParamId; N],
+    ) -> Result<[&GatheredParam; N], ShardError> {
+        for id in ids {
+            let u = self.unit_of(id)?;
+            self.touch(u, true)?;
+        }
+        let sharded = &*self.sharded;
+        let mut out = Vec::with_capacity(N);
+        for id in ids {
+            let p = id
+                .index()
+                .ok_or_else(|| ShardError::InvalidArgument("unset parameter id".into()))?;
+            out.push(sharded.param(p)?);
+        }
+        out.try_into()
+            .map_err(|_| ShardError::State("parameter count".into()))
+    }
+
+    /// A gathered plain (F32) parameter.
+    pub fn plain(&mut self, id: ParamId) -> Result<&Buffer<f32>, ShardError> {
+        let [p] = self.params([id])?;
+        match p {
+            GatheredParam::Plain(b) => Ok(b),
+            GatheredParam::Fp8 { .. } => Err(ShardError::InvalidArgument(format!(
+                "parameter {id:?} is an FP8 weight, not a plain parameter"
+            ))),
+        }
+    }
+
+    /// A gathered FP8 weight: E4M3 codes and `[scale, scale_inv]`.
+    pub fn fp8_weight(&mut self, id: ParamId) -> Result<(&Buffer<u8>, &Buffer<f32>), ShardError> {
+        let [p] = self.params([id])?;
+        match p {
+            GatheredParam::Fp8 { codes, scales } => Ok((codes, scales)),
+            GatheredParam::Plain(_) => Err(ShardError::InvalidArgument(format!(
+                "parameter {id:?} is a plain parameter, not an FP8 weight"
+            ))),
+        }
+    }
+
+    fn grad_target(&mut self, id: ParamId) -> Result<usize, ShardError> {
+        if self.phase != Phase::Backward {
+            return Err(ShardError::State(
+                "gradients are accepted only in a backward pass".into(),
+            ));
+        }
+        let u = self.unit_of(id)?;
+        self.touch(u, false)?;
+        id.index()
+            .ok_or_else(|| ShardError::InvalidArgument("unset parameter id".into()))
+    }
+
+    /// Adds this rank's full gradient of parameter `id` (summed over its uses: a tied parameter gets
+    /// one gradient).
+    pub fn add_grad(&mut self, id: ParamId, grad: &Buffer<f32>) -> Result<(), ShardError> {
+        let p = self.grad_target(id)?;
+        self.sharded.add_grad_at(p, grad)
+    }
+
+    /// [`Ctx::add_grad`] for a BF16 gradient.
+    pub fn add_grad_bf16(
+        &mut self,
+        id: ParamId,
+        grad: &Buffer<half::bf16>,
+    ) -> Result<(), ShardError> {
+        let p = self.grad_target(id)?;
+        self.sharded.add_grad_bf16_at(p, grad)
+    }
+
+    /// The scaling meta `id` for a cast: its state and, when training, the slot its amax accumulates in.
+    pub fn scaling(&mut self, id: ScalingId) -> Result<ScalingUse<'_>, ShardError> {
+        let record = self.is_training();
+        self.scaling.use_meta(id, record)
+    }
+
+    /// A gathered FP8 weight (codes, `[scale, scale_inv]`) together with the state of scaling meta
+    /// `meta` (e.g. the output gradient's, whose inverse scale a backward GEMM reads beside the weight).
+    #[allow(clippy::type_complexity)]
+    pub fn fp8_weight_and_scaling(
+        &mut self,
+        weight: ParamId,
+        meta: ScalingId,
+    ) -> Result<((&Buffer<u8>, &Buffer<f32>), &ScalingState), ShardError> {
+        let u = self.unit_of(weight)?;
+        self.touch(u, true)?;
+        let index = weight
+            .index()
+            .ok_or_else(|| ShardError::InvalidArgument("unset parameter id".into()))?;
+        let p = self.sharded.param(index)?;
+        let state = self.scaling.get(meta)?;
+        match p {
+            GatheredParam::Fp8 { codes, scales } => Ok(((codes, scales), state)),
+            GatheredParam::Plain(_) => Err(ShardError::InvalidArgument(format!(
+                "parameter {weight:?} is a plain parameter, not an FP8 weight"
+            ))),
+        }
+    }
+}
+
+/// A model wrapped for fully sharded data parallelism: the model (a value, owned), this rank's shards of
+/// its parameters, its FP8 scaling metas and the pass schedule.
+pub struct FsdpModel<M> {
+    module: M,
+    sharded: ShardedModel,
+    scaling: ScalingRegistry,
+    schedule: Schedule,
+    initial_masters: Option<Vec<Vec<f32>>>,
+    parallelism: CpuParallelism,
+}
+
+impl<M> std::fmt::Debug for FsdpModel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpModel")
+            .field("sharded", &self.sharded)
+            .field("scaling_metas", &self.scaling.len())
+            .finish()
+    }
+}
+
+/// Registers scaling metas and checks that every parameter id is set.
+struct StateRegistrar<'a> {
+    path: ModulePath,
+    device: &'a Device,
+    scaling: &'a mut ScalingRegistry,
+}
+
+impl Visitor for StateRegistrar<'_> {
+    fn path(&mut self) -> &mut ModulePath {
+        &mut self.path
+    }
+    fn param(&mut self, _: &str, _: &ParamDecl<'_>, _: &mut ParamId) -> Result<(), ShardError> {
+        Ok(())
+    }
+    fn scaling(
+        &mut self,
+        local: &str,
+        decl: ScalingDecl,
+        id: &mut ScalingId,
+    ) -> Result<(), ShardError> {
+        *id = self
+            .scaling
+            .register(self.device, self.path.member(local), decl)?;
+        Ok(())
+    }
+}
+
+/// Reads or writes the counters of every module (`counter.<path>`), for checkpoints.
+struct Counters<'a> {
+    path: ModulePath,
+    out: &'a mut BTreeMap<String, String>,
+    load: bool,
+}
+
+impl Visitor for Counters<'_> {
+    fn path(&mut self) -> &mut ModulePath {
+        &mut self.path
+    }
+    fn param(&mut self, _: &str, _: &ParamDecl<'_>, _: &mut ParamId) -> Result<(), ShardError> {
+        Ok(())
+    }
+    fn counter(&mut self, local: &str, value: &mut u64) -> Result<(), ShardError> {
+        let key = format!("counter.{}", self.path.member(local));
+        if self.load {
+            let text = self.out.get(&key).ok_or_else(|| {
+                ShardError::Checkpoint(format!("the checkpoint has no {key} (a different model?)"))
+            })?;
+            *value = text
+                .parse()
+                .map_err(|e| ShardError::Checkpoint(format!("{key} = {text:?}: {e}")))?;
+        } else {
+            self.out.insert(key, value.to_string());
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> FsdpModel<M> {
+    /// Wraps `module`: visits it to declare its parameters (ids assigned in visit order) and scaling
+    /// metas, groups the parameters into units by `policy`, and shards them over `comm`'s ranks from their
+    /// initial values (made one unit at a time). FP8 weights are cast with current scaling.
+    pub fn new(
+        mut module: M,
+        comm: Arc<dyn Communicator>,
+        policy: WrapPolicy,
+        config: FsdpConfig,
+    ) -> Result<Self, ShardError> {
+        let specs = param_specs(&mut module)?;
+        if specs.is_empty() {
+            return Err(ShardError::InvalidModel(
+                "the model declares no parameter".into(),
+            ));
+        }
+        let layout = Arc::new(ModelLayout::new(specs, &policy)?);
+        let device = comm.device().clone();
+        let mut scaling = ScalingRegistry::new(&device)?;
+        module.visit(&mut StateRegistrar {
+            path: ModulePath::root(),
+            device: &device,
+            scaling: &mut scaling,
+        })?;
+        let (sharded, masters) =
+            ShardedModel::with_unit_init(layout.clone(), comm, config, &mut |wanted| {
+                initial_values(&mut module, wanted)
+            })?;
+        let schedule = Schedule::new(layout.units.len(), layout.root_unit());
+        Ok(FsdpModel {
+            module,
+            sharded,
+            scaling,
+            schedule,
+            initial_masters: Some(masters),
+            parallelism: CpuParallelism::default(),
+        })
+    }
+
+    /// The model.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// The model, mutable (e.g. to change a layer's option between passes).
+    pub fn module_mut(&mut self) -> &mut M {
+        &mut self.module
+    }
+
+    /// This rank's shards and the collectives (for optimizers and checkpoints).
+    pub fn sharded(&self) -> &ShardedModel {
+        &self.sharded
+    }
+
+    /// This rank's shards, mutable (for optimizers).
+    pub fn sharded_mut(&mut self) -> &mut ShardedModel {
+        &mut self.sharded
+    }
+
+    /// The shards and the scaling metas, mutable together (an optimizer step agrees both).
+    pub fn parts_mut(&mut self) -> (&mut ShardedModel, &mut ScalingRegistry) {
+        (&mut self.sharded, &mut self.scaling)
+    }
+
+    /// The FP8 scaling metas of the model's activations and output gradients.
+    pub fn scaling(&self) -> &ScalingRegistry {
+        &self.scaling
+    }
+
+    /// The F32 master shards of the FP8 weights made at construction (one per unit, for the optimizer
+    /// that will own them); `None` once taken.
+    pub fn take_initial_masters(&mut self) -> Option<Vec<Vec<f32>>> {
+        self.initial_masters.take()
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Arc<ModelLayout> {
+        self.sharded.layout()
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        self.sharded.device()
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        self.sharded.comm()
+    }
+
+    /// Sets the threading of this rank's CPU kernels (one thread per rank when ranks are threads of one
+    /// process; the default lets the kernels use rayon's pool).
+    pub fn set_cpu_parallelism(&mut self, parallelism: CpuParallelism) {
+        self.parallelism = parallelism;
+    }
+
+    fn ctx(&mut self, phase: Phase) -> (&mut M, Ctx<'_>) {
+        (
+            &mut self.module,
+            Ctx {
+                sharded: &mut self.sharded,
+                scaling: &mut self.scaling,
+                schedule: &mut self.schedule,
+                phase,
+                parallelism: self.parallelism,
+            },
+        )
+    }
+
+    /// Runs a forward pass: `f` calls the model's forward with the pass's context. Afterwards the non-root
+    /// units are released (in training, unless [`FsdpConfig::reshard_after_forward`] is off) and the
+    /// order of first use is kept for prefetching.
+    pub fn forward<R, E: From<ShardError>>(
+        &mut self,
+        mode: Mode,
+        f: impl FnOnce(&mut M, &mut Ctx<'_>) -> Result<R, E>,
+    ) -> Result<R, E> {
+        self.schedule.start_pass();
+        let (module, mut ctx) = self.ctx(Phase::Forward(mode));
+        let r = f(module, &mut ctx);
+        let end = self.end_forward(mode);
+        let r = r?;
+        end?;
+        Ok(r)
+    }
+
+    fn end_forward(&mut self, mode: Mode) -> Result<(), ShardError> {
+        let release = mode == Mode::Eval || self.sharded.config().reshard_after_forward;
+        for u in 0..self.sharded.num_units() {
+            if Some(u) != self.schedule.root && release {
+                self.sharded.release(u)?;
+            }
+        }
+        self.schedule.current = None;
+        if mode == Mode::Train && !self.schedule.recording.is_empty() {
+            self.schedule.forward_order = std::mem::take(&mut self.schedule.recording);
+            // The backward starts with the last unit of the forward: prefetch it now, so it arrives
+            // while the loss and the root's layers run.
+            if let Some(&last) = self.schedule.forward_order.last() {
+                self.sharded.gather_async(last)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a backward pass after a training forward: `f` calls the model's backward with the pass's
+    /// context. Units are reduce-scattered as soon as their gradients are complete; at the end every
+    /// unit is reduced (or kept for accumulation in no-sync mode, see
+    /// [`ShardedModel::set_grad_sync`]) and released.
+    pub fn backward<R, E: From<ShardError>>(
+        &mut self,
+        f: impl FnOnce(&mut M, &mut Ctx<'_>) -> Result<R, E>,
+    ) -> Result<R, E> {
+        self.schedule.start_pass();
+        let (module, mut ctx) = self.ctx(Phase::Backward);
+        let r = f(module, &mut ctx);
+        let end = self.end_backward();
+        let r = r?;
+        end?;
+        Ok(r)
+    }
+
+    fn end_backward(&mut self) -> Result<(), ShardError> {
+        let s = &mut self.schedule;
+        if let Some(c) = s.current.take() {
+            self.sharded.reduce_grads(c)?;
+            s.reduced[c] = true;
+        }
+        if let Some(r) = s.root {
+            self.sharded.reduce_grads(r)?;
+            s.reduced[r] = true;
+        }
+        // Units whose gradients came without a use of their parameters in this backward.
+        for u in 0..self.sharded.num_units() {
+            if !s.reduced[u] {
+                self.sharded.reduce_grads(u)?;
+            }
+        }
+        self.release_all()
+    }
+
+    /// Frees every gathered unit (e.g. after an evaluation loop, before an optimizer step).
+    pub fn release_all(&mut self) -> Result<(), ShardError> {
+        for u in 0..self.sharded.num_units() {
+            self.sharded.release(u)?;
+        }
+        self.schedule.current = None;
+        Ok(())
+    }
+
+    /// The module state for checkpoints: every scaling meta (`scaling.<name>`) and every counter
+    /// (`counter.<name>`), as exact text.
+    pub fn export_module_state(&mut self) -> Result<BTreeMap<String, String>, ShardError> {
+        let mut out = self.scaling.export()?;
+        self.module.visit(&mut Counters {
+            path: ModulePath::root(),
+            out: &mut out,
+            load: false,
+        })?;
+        Ok(out)
+    }
+
+    /// Restores what [`FsdpModel::export_module_state`] wrote.
+    pub fn import_module_state(
+        &mut self,
+        values: &BTreeMap<String, String>,
+    ) -> Result<(), ShardError> {
+        self.scaling.import(values)?;
+        let mut copy = values.clone();
+        self.module.visit(&mut Counters {
+            path: ModulePath::root(),
+            out: &mut copy,
+            load: true,
+        })
+    }
+
+    /// Every parameter gathered as F32 (FP8 weights decoded with their scale), by name in visit order.
+    /// Collective: every rank calls it.
+    pub fn gathered_params(&mut self) -> Result<Vec<(String, Vec<f32>)>, ShardError> {
+        self.release_all()?;
+        let names = crate::module::param_names(&mut self.module)?;
+        let n = self.sharded.num_units();
+        for u in 0..n {
+            self.sharded.gather(u)?;
+        }
+        let mut out = Vec::with_capacity(names.len());
+        for (name, id) in names {
+            let p = id
+                .index()
+                .ok_or_else(|| ShardError::State(format!("{name}: unset id")))?;
+            let values = match self.sharded.param(p)? {
+                GatheredParam::Plain(b) => b.to_vec()?,
+                GatheredParam::Fp8 { codes, scales } => {
+                    let c = codes.to_vec()?;
+                    let s = scales.to_vec()?;
+                    let mut v = vec![0f32; c.len()];
+                    fp8_core::Fp8Format::E4M3.decode_scaled(&c, s[1], &mut v)?;
+                    v
+                }
+            };
+            out.push((name, values));
+        }
+        self.release_all()?;
+        Ok(out)
+    }
+
+    /// Number of parameters (each tied parameter once).
+    pub fn num_params(&self) -> usize {
+        self.sharded.layout().numel()
+    }
+
+    /// Whether unit `u` is the root unit.
+    pub fn is_root_unit(&self, u: usize) -> bool {
+        self.schedule.root == Some(u)
+    }
+
+    /// The group a parameter is stored in.
+    pub fn param_group(&self, id: ParamId) -> Option<ParamGroup> {
+        id.index()
+            .and_then(|p| self.sharded.layout().location(p))
+            .map(|l| l.group)
+    }
+}
