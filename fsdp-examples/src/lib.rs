@@ -50,6 +50,5 @@ pub mod data;
 pub mod metrics;
 pub mod mlp;
 pub mod mnist;
-pub mod nn;
 pub mod progress;
 pub mod sampler;

@@ -3,7 +3,7 @@
 
 use fsdp_examples::data::committed_subset_dir;
 use fsdp_examples::mnist::{train, DeviceChoice, MnistError, TrainConfig, TrainReport};
-use fsdp_examples::nn::LinearPrecision;
+use fsdp_nn::LinearPrecision;
 use fsdp_examples::progress::ProgressMode;
 
 fn subset_config(world_size: usize, precision: LinearPrecision) -> TrainConfig {

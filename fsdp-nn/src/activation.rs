@@ -49,6 +49,10 @@ impl<T: Activation> Layer<T> for Relu<T> {
         ops::relu_backward(x.data(), dy.data(), dx.data_mut())?;
         Ok(Some(dx))
     }
+
+    fn forget_saved(&mut self) {
+        self.x = None;
+    }
 }
 
 /// GELU (`nn.GELU()`: the exact erf form by default, or the tanh approximation); keeps its input.
@@ -106,5 +110,9 @@ impl<T: Activation> Layer<T> for Gelu<T> {
         let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
         ops::gelu_backward(x.data(), dy.data(), dx.data_mut(), self.approx)?;
         Ok(Some(dx))
+    }
+
+    fn forget_saved(&mut self) {
+        self.x = None;
     }
 }

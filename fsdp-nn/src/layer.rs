@@ -57,6 +57,71 @@ pub trait Layer<T: Activation = f32>: Module {
         dy: Tensor<T>,
         need_dx: bool,
     ) -> Result<Option<Tensor<T>>, NnError>;
+    /// Frees what the last forward kept for the backward (see [`Recompute`]). Layers that keep nothing
+    /// need not implement it.
+    fn forget_saved(&mut self) {}
+}
+
+/// Recomputes a layer's forward inside the backward instead of keeping its activations between the
+/// passes: only the layer's input is kept (activation checkpointing per module). The recomputed forward
+/// sees the same parameters and, for FP8 layers, the same scales (they change only at the step end), so
+/// training is bit-identical to keeping the activations; it costs one more forward of the layer.
+pub struct Recompute<L> {
+    inner: L,
+    input: Option<Box<dyn std::any::Any>>,
+}
+
+impl<L> Recompute<L> {
+    /// `inner`, recomputed in the backward.
+    pub fn new(inner: L) -> Self {
+        Recompute { inner, input: None }
+    }
+
+    /// The wrapped layer.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+}
+
+impl<L: Module> Module for Recompute<L> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        // Transparent: the inner layer's names are the wrapper's.
+        self.inner.visit(v)
+    }
+}
+
+impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        if !ctx.is_training() {
+            return self.inner.forward(ctx, x);
+        }
+        let keep = Tensor::new(x.data().to_device(ctx.device())?, x.shape())?;
+        let y = self.inner.forward(ctx, x)?;
+        self.inner.forget_saved();
+        self.input = Some(Box::new(keep));
+        Ok(y)
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let x = self
+            .input
+            .take()
+            .and_then(|b| b.downcast::<Tensor<T>>().ok())
+            .ok_or_else(|| NnError::usage("Recompute", "backward without a training forward"))?;
+        // The forward again, inside the backward pass (the context still trains), then its backward.
+        drop(self.inner.forward(ctx, *x)?);
+        self.inner.backward(ctx, dy, need_dx)
+    }
+
+    fn forget_saved(&mut self) {
+        self.input = None;
+        self.inner.forget_saved();
+    }
 }
 
 /// Layers applied in order, each a named child (`Sequential::new().push("fc1", Linear::new(...))`

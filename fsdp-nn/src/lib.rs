@@ -1,5 +1,6 @@
 //! Neural-network layers over fully sharded parameters: [`Linear`] (FP8, BF16 or F32), [`Conv2d`],
-//! [`MaxPool2d`], [`Dropout`], [`Relu`], [`Gelu`], [`Flatten`], [`LogSoftmaxNll`], and the containers
+//! [`MaxPool2d`], [`Dropout`], [`Relu`], [`Gelu`], [`Flatten`], [`LogSoftmaxNll`], the transformer MLP
+//! ([`Mlp`], [`MlpBlock`]), and the containers
 //! that compose them ([`Sequential`]; any struct of modules).
 //!
 //! A layer is a [`fsdp_shard::Module`]: it declares its parameters (initialised as PyTorch does), its
@@ -48,6 +49,7 @@ pub mod init;
 mod layer;
 mod linear;
 mod loss;
+mod mlp;
 mod pool;
 mod tensor;
 
@@ -56,8 +58,9 @@ pub use conv::Conv2d;
 pub use dropout::Dropout;
 pub use error::NnError;
 pub use flatten::Flatten;
-pub use layer::{Activation, Layer, Sequential};
+pub use layer::{Activation, Layer, Recompute, Sequential};
 pub use linear::{Fp8Saved, Linear, LinearPrecision, WeightInit};
 pub use loss::LogSoftmaxNll;
+pub use mlp::{Mlp, MlpBlock};
 pub use pool::MaxPool2d;
 pub use tensor::{Shape, Tensor, MAX_RANK};

@@ -438,7 +438,54 @@ impl<T: Activation> Linear<T> {
         Ok(dx)
     }
 
-    fn forward_fp8(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+    /// The forward from a borrowed input (the caller keeps `x`, e.g. for a residual add). An FP8 layer
+    /// keeps only the FP8 `x^T` for its backward; a float layer keeps a copy of `x`.
+    pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        self.in_shape = Some(x.shape());
+        match self.precision {
+            LinearPrecision::Fp8 => self.forward_fp8(ctx, x),
+            LinearPrecision::Bf16 | LinearPrecision::F32 => {
+                let copy = Tensor::new(x.data().to_device(ctx.device())?, x.shape())?;
+                self.forward_float(ctx, copy)
+            }
+        }
+    }
+
+    /// The backward from a borrowed output gradient (see [`Layer::backward`]).
+    pub fn backward_ref(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: &Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let in_shape = self.checked_in_shape(dy)?;
+        match self.precision {
+            LinearPrecision::Fp8 => self.backward_fp8(ctx, dy, in_shape, need_dx),
+            LinearPrecision::Bf16 | LinearPrecision::F32 => {
+                let copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
+                self.backward_float(ctx, copy, in_shape, need_dx)
+            }
+        }
+    }
+
+    fn checked_in_shape(&self, dy: &Tensor<T>) -> Result<Shape, NnError> {
+        let in_shape = self
+            .in_shape
+            .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
+        let tokens = in_shape.rows();
+        if dy.shape().numel() != tokens * self.out_features {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "output gradient of shape {:?} for a forward of {tokens} rows",
+                    dy.shape()
+                ),
+            ));
+        }
+        Ok(in_shape)
+    }
+
+    fn forward_fp8(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
         let shape = x.shape();
         let tokens = self.tokens_of(shape)?;
         let inf = self.in_features;
@@ -459,14 +506,13 @@ impl<T: Activation> Linear<T> {
             )?;
             saved.x_scale_inv.copy_from(s.state.scale_inv())?;
         }
-        drop(x);
         self.forward_fp8_codes(ctx, &x_q, shape.with_last(self.out_features)?)
     }
 
     fn backward_fp8(
         &mut self,
         ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
+        dy: &Tensor<T>,
         in_shape: Shape,
         need_dx: bool,
     ) -> Result<Option<Tensor<T>>, NnError> {
@@ -489,8 +535,7 @@ impl<T: Activation> Linear<T> {
                 s.amax,
             )?;
         }
-        let db = self.bias_grad(&dev, &dy, tokens)?;
-        drop(dy);
+        let db = self.bias_grad(&dev, dy, tokens)?;
         let dx = self.backward_fp8_codes(ctx, &dy_q, &dy_t, in_shape, need_dx)?;
         if let Some(db) = db {
             ctx.add_grad(self.bias, &db)?;
@@ -760,7 +805,7 @@ impl<T: Activation> Layer<T> for Linear<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         self.in_shape = Some(x.shape());
         match self.precision {
-            LinearPrecision::Fp8 => self.forward_fp8(ctx, x),
+            LinearPrecision::Fp8 => self.forward_fp8(ctx, &x),
             LinearPrecision::Bf16 | LinearPrecision::F32 => self.forward_float(ctx, x),
         }
     }
@@ -771,24 +816,16 @@ impl<T: Activation> Layer<T> for Linear<T> {
         dy: Tensor<T>,
         need_dx: bool,
     ) -> Result<Option<Tensor<T>>, NnError> {
-        let in_shape = self
-            .in_shape
-            .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
-        let tokens = in_shape.rows();
-        if dy.shape().numel() != tokens * self.out_features {
-            return Err(NnError::usage(
-                &self.name,
-                format!(
-                    "output gradient of shape {:?} for a forward of {tokens} rows",
-                    dy.shape()
-                ),
-            ));
-        }
+        let in_shape = self.checked_in_shape(&dy)?;
         match self.precision {
-            LinearPrecision::Fp8 => self.backward_fp8(ctx, dy, in_shape, need_dx),
+            LinearPrecision::Fp8 => self.backward_fp8(ctx, &dy, in_shape, need_dx),
             LinearPrecision::Bf16 | LinearPrecision::F32 => {
                 self.backward_float(ctx, dy, in_shape, need_dx)
             }
         }
+    }
+
+    fn forget_saved(&mut self) {
+        self.drop_saved();
     }
 }

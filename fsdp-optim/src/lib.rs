@@ -57,6 +57,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod adam;
 mod config;
 mod error;
 mod optimizer;
@@ -65,7 +66,8 @@ pub mod state_scaling;
 
 pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
-pub use optimizer::{
+pub use adam::{
     BytesPerParam, FsdpAdam, FsdpAdamW, PendingStepReport, ShardedAdam, StateMeta, StepReport,
 };
+pub use optimizer::{step_model, Optimizer};
 pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};

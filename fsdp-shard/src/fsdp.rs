@@ -98,6 +98,8 @@ struct Schedule {
     current: Option<usize>,
     /// Units already reduced in the current backward.
     reduced: Vec<bool>,
+    /// Every unit gathered and kept ([`FsdpModel::gather_all`]) until [`FsdpModel::release_all`].
+    pinned: bool,
 }
 
 impl Schedule {
@@ -109,6 +111,7 @@ impl Schedule {
             seen: vec![false; units],
             current: None,
             reduced: vec![false; units],
+            pinned: false,
         }
     }
 
@@ -207,7 +210,7 @@ impl Ctx<'_> {
                 self.sharded.layout().units[u].name
             )));
         }
-        if Some(u) != s.root && s.current != Some(u) {
+        if Some(u) != s.root && s.current != Some(u) && !s.pinned {
             if let Some(c) = s.current {
                 if backward {
                     self.sharded.reduce_grads(c)?;
@@ -550,7 +553,8 @@ impl<M: Module> FsdpModel<M> {
     }
 
     fn end_forward(&mut self, mode: Mode) -> Result<(), ShardError> {
-        let release = mode == Mode::Eval || self.sharded.config().reshard_after_forward;
+        let release = !self.schedule.pinned
+            && (mode == Mode::Eval || self.sharded.config().reshard_after_forward);
         for u in 0..self.sharded.num_units() {
             if Some(u) != self.schedule.root && release {
                 self.sharded.release(u)?;
@@ -604,12 +608,25 @@ impl<M: Module> FsdpModel<M> {
         self.release_all()
     }
 
-    /// Frees every gathered unit (e.g. after an evaluation loop, before an optimizer step).
+    /// Frees every gathered unit (e.g. after an evaluation loop, before an optimizer step) and ends
+    /// [`FsdpModel::gather_all`].
     pub fn release_all(&mut self) -> Result<(), ShardError> {
         for u in 0..self.sharded.num_units() {
             self.sharded.release(u)?;
         }
         self.schedule.current = None;
+        self.schedule.pinned = false;
+        Ok(())
+    }
+
+    /// Gathers every unit and keeps them until [`FsdpModel::release_all`]: for a loop of evaluation
+    /// forwards (no collective per pass, so ranks with fewer batches than others cannot deadlock the
+    /// group, and no gather is repeated). Collective.
+    pub fn gather_all(&mut self) -> Result<(), ShardError> {
+        for u in 0..self.sharded.num_units() {
+            self.sharded.gather(u)?;
+        }
+        self.schedule.pinned = true;
         Ok(())
     }
 
@@ -644,10 +661,7 @@ impl<M: Module> FsdpModel<M> {
     pub fn gathered_params(&mut self) -> Result<Vec<(String, Vec<f32>)>, ShardError> {
         self.release_all()?;
         let names = crate::module::param_names(&mut self.module)?;
-        let n = self.sharded.num_units();
-        for u in 0..n {
-            self.sharded.gather(u)?;
-        }
+        self.gather_all()?;
         let mut out = Vec::with_capacity(names.len());
         for (name, id) in names {
             let p = id

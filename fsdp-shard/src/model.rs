@@ -749,13 +749,22 @@ impl ShardedModel {
         &self,
         u: usize,
     ) -> Result<Vec<(usize, std::ops::Range<usize>)>, ShardError> {
+        self.segments(u, ParamGroup::Fp8)
+    }
+
+    /// The `(slot index, local range)` pieces of this rank's shard of group `g` of unit `u`.
+    pub fn segments(
+        &self,
+        u: usize,
+        g: ParamGroup,
+    ) -> Result<Vec<(usize, std::ops::Range<usize>)>, ShardError> {
         let unit = self
             .layout
             .units
             .get(u)
             .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
         Ok(shard_segments(
-            unit.group(ParamGroup::Fp8),
+            unit.group(g),
             self.comm.rank(),
             self.comm.world_size(),
         ))

@@ -196,6 +196,17 @@ impl ScalingRegistry {
         &self.names
     }
 
+    /// The id of the `i`-th meta (registration order).
+    pub fn id(&self, i: usize) -> Result<ScalingId, ShardError> {
+        if i >= self.metas.len() {
+            return Err(ShardError::InvalidArgument(format!(
+                "no scaling meta {i} of {}",
+                self.metas.len()
+            )));
+        }
+        ScalingId::from_index(i)
+    }
+
     fn index(&self, id: ScalingId) -> Result<usize, ShardError> {
         id.index()
             .filter(|&i| i < self.metas.len())

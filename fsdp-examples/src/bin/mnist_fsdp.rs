@@ -13,7 +13,7 @@ use fsdp_examples::data::{
 };
 use fsdp_examples::metrics::{render_svg, PlotOptions, PlotSeries};
 use fsdp_examples::mnist::{train, DeviceChoice, TrainConfig, TrainReport};
-use fsdp_examples::nn::LinearPrecision;
+use fsdp_nn::LinearPrecision;
 use fsdp_examples::progress::ProgressMode;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

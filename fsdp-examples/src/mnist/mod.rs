@@ -1,5 +1,5 @@
-//! The reference MNIST example trained with FSDP: the network ([`MnistNet`]), an optimizer over the
-//! shards ([`ShardAdamF32`]) and the training loop ([`train`]) that the `mnist_fsdp` binary runs.
+//! The reference MNIST example trained with FSDP: the network ([`MnistNet`], its layers and their order)
+//! and the training loop ([`train`]) that the `mnist_fsdp` binary runs.
 //!
 //! The net is the one of PyTorch's FSDP MNIST tutorial: Conv2d(1, 32, 3) - ReLU - Conv2d(32, 64, 3) -
 //! ReLU - MaxPool(2) - Dropout(0.25) - Flatten - Linear(9216, 128) - ReLU - Dropout(0.5) -
@@ -10,11 +10,9 @@
 //! See `docs/mnist.md` for usage, hyperparameters and measured results.
 
 mod net;
-mod optimizer;
 mod train;
 
-pub use net::{MnistNet, NetConfig, MIN_UNIT_PARAMS};
-pub use optimizer::{ShardAdamF32, ShardOptimizer};
+pub use net::{wrap_policy, MnistNet, NetConfig, MIN_UNIT_PARAMS};
 pub use train::{
     train, DeviceChoice, Phase, PhaseTiming, StepProfile, TrainConfig, TrainReport,
     PROFILE_WARMUP_STEPS,
@@ -22,7 +20,7 @@ pub use train::{
 
 use crate::data::DataError;
 use crate::metrics::MetricsError;
-use crate::nn::NnError;
+use fsdp_nn::NnError;
 use crate::sampler::SamplerError;
 
 /// Everything that can stop a training run.

@@ -1,9 +1,8 @@
 //! The training loop: data-parallel steps over sharded parameters, evaluation, metrics, checkpoints.
 
-use super::{MnistError, MnistNet, NetConfig, ShardOptimizer};
+use super::{wrap_policy, MnistError, MnistNet, NetConfig};
 use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
 use crate::metrics::{EpochMetrics, MetricsWriter};
-use crate::nn::LinearPrecision;
 use crate::progress::{EpochProgress, ProgressMode};
 use crate::sampler::{DistributedSampler, Remainder};
 use fp8_core::Fp8Format;
@@ -11,9 +10,10 @@ use fp8_kernels::gather_rows::{gather_rows, RowIndex};
 use fp8_kernels::ops::{self, nll_stat};
 use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
 use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
-use fsdp_optim::{AdamOptions, FsdpAdam, StatePrecision, StepLr};
+use fsdp_nn::LinearPrecision;
+use fsdp_optim::{step_model, AdamOptions, FsdpAdam, Optimizer, StatePrecision, StepLr};
 use fsdp_shard::checkpoint::{load_sharded, save_sharded};
-use fsdp_shard::{FsdpConfig, GatheredParam, GradReduction, MemoryReport, ShardedModel};
+use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -130,8 +130,8 @@ pub struct TrainReport {
     pub epochs: Vec<EpochMetrics>,
     /// Memory held per rank at the end, by category (optimizer states included).
     pub memory: Vec<MemoryReport>,
-    /// Every parameter at the end, gathered and as F32 (FP8 weights decoded), in
-    /// [`MnistNet::param_specs`] order, with its name.
+    /// Every parameter at the end, gathered and as F32 (FP8 weights decoded), in declaration order, with
+    /// its name (PyTorch's names for the reference net).
     pub params: Vec<(String, Vec<f32>)>,
     /// Optimizer steps taken in total (including those before a resume).
     pub steps: u64,
@@ -516,54 +516,23 @@ fn reuse<'a, T: Element>(
 
 fn save(
     dir: &Path,
-    model: &ShardedModel,
-    opt: &dyn ShardOptimizer,
-    net: &MnistNet,
+    model: &mut FsdpModel<MnistNet>,
+    opt: &dyn Optimizer,
     pos: Position,
     config: &TrainConfig,
 ) -> Result<(), MnistError> {
     std::fs::create_dir_all(dir)
         .map_err(|e| MnistError::Checkpoint(format!("cannot create {}: {e}", dir.display())))?;
     let mut extra = pos.to_extra(config);
-    extra.extend(net.export_state()?);
-    save_sharded(dir, model, Some(opt.as_state()), &extra)?;
+    extra.extend(model.export_module_state()?);
+    save_sharded(dir, model.sharded(), Some(opt.as_state()), &extra)?;
     Ok(())
-}
-
-/// Every parameter gathered as F32 (FP8 weights decoded with their scale).
-fn gathered_params(
-    model: &mut ShardedModel,
-    net: &MnistNet,
-) -> Result<Vec<(String, Vec<f32>)>, MnistError> {
-    for u in 0..model.num_units() {
-        model.gather(u)?;
-    }
-    let mut out = Vec::new();
-    for spec in net.param_specs() {
-        let values = match model.param(model.index(&spec.name)?)? {
-            GatheredParam::Plain(b) => b.to_vec()?,
-            GatheredParam::Fp8 { codes, scales } => {
-                let c = codes.to_vec()?;
-                let s = scales.to_vec()?;
-                let mut v = vec![0f32; c.len()];
-                Fp8Format::E4M3.decode_scaled(&c, s[1], &mut v)?;
-                v
-            }
-        };
-        out.push((spec.name.clone(), values));
-    }
-    for u in 0..model.num_units() {
-        model.release(u)?;
-    }
-    Ok(out)
 }
 
 /// Test loss sum, correct predictions and digits over all ranks (each rank evaluates its shard of the
 /// test set, padding excluded, so every digit counts once).
-#[allow(clippy::too_many_arguments)]
 fn evaluate(
-    net: &mut MnistNet,
-    model: &mut ShardedModel,
+    model: &mut FsdpModel<MnistNet>,
     comm: &dyn Communicator,
     data: &MnistDataset,
     batch: usize,
@@ -571,16 +540,17 @@ fn evaluate(
     indices: &[usize],
 ) -> Result<(f64, u64, u64), MnistError> {
     let device = model.device().clone();
-    // Gather on every rank first (a collective), so ranks with fewer test batches do not skip it.
-    for u in 0..model.num_units() {
-        model.gather(u)?;
-    }
+    // Gathered once for the whole pass on every rank (a collective), so ranks with fewer test batches
+    // than others take part in the same collectives.
+    model.gather_all()?;
     let mut sums = [0f32; 3];
     for (ci, chunk) in indices.chunks(batch).enumerate() {
         let start = ci * batch;
         let range = start..start + chunk.len();
         let (images, labels) = buffers.load(data, indices, range, &device)?;
-        let stats = net.forward(model, images, labels, false)?.to_vec()?;
+        let images = images.to_device(&device)?;
+        model.forward(Mode::Eval, |net, ctx| net.forward(ctx, images, labels))?;
+        let stats = model.module().loss_stats()?.to_vec()?;
         sums[0] += stats[nll_stat::MEAN_LOSS] * chunk.len() as f32;
         sums[1] += stats[nll_stat::CORRECT];
         sums[2] += chunk.len() as f32;
@@ -588,7 +558,7 @@ fn evaluate(
             return Err(MnistError::Config("test labels outside 0..10".into()));
         }
     }
-    net.release_all(model)?;
+    model.release_all()?;
     comm.all_reduce_host_f32(&mut sums, ReduceOp::Sum)?;
     Ok((sums[0] as f64, sums[1] as u64, sums[2] as u64))
 }
@@ -596,18 +566,30 @@ fn evaluate(
 /// `fsdp_optim::FsdpAdam` with a StepLR schedule (step one epoch), on the CPU and on CUDA (where its step
 /// is queued on the device without host reads).
 fn new_optimizer(
-    model: &ShardedModel,
-    masters: Vec<Vec<f32>>,
+    model: &mut FsdpModel<MnistNet>,
     config: &TrainConfig,
-) -> Result<Box<dyn ShardOptimizer>, MnistError> {
+) -> Result<Box<dyn Optimizer>, MnistError> {
     let options = AdamOptions {
         lr: config.lr,
         state_precision: config.optimizer_states,
         ..AdamOptions::adam()
     };
-    let mut opt = FsdpAdam::new(model, masters, options)?;
+    let mut opt = FsdpAdam::for_model(model, options)?;
     opt.set_schedule(Box::new(StepLr::new(1, config.gamma)?));
     Ok(Box::new(opt))
+}
+
+/// Moves the StepLR schedule (one step per epoch) to `epoch` (1-based).
+fn start_epoch(opt: &mut dyn Optimizer, epoch: u32) -> Result<(), MnistError> {
+    let want = u64::from(epoch.saturating_sub(1));
+    if opt.schedule_position() > want {
+        return Err(MnistError::Config(format!(
+            "the schedule is at epoch {}, past epoch {epoch}",
+            opt.schedule_position() + 1
+        )));
+    }
+    opt.set_schedule_position(want);
+    Ok(())
 }
 
 fn run_rank(
@@ -623,17 +605,11 @@ fn run_rank(
     }
     let (rank, ws) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
-    let mut net = MnistNet::new(
-        &device,
-        NetConfig {
-            precision: config.precision,
-            seed: config.seed,
-            rank,
-            parallelism,
-        },
-    )?;
-    let layout = Arc::new(net.layout()?);
-    let init = net.initial_values();
+    let net = MnistNet::new(NetConfig {
+        precision: config.precision,
+        seed: config.seed,
+        rank,
+    })?;
     let fsdp = FsdpConfig {
         grad_reduction: if config.fp8_grad_comm {
             GradReduction::Fp8(Fp8Format::E5M2)
@@ -642,11 +618,9 @@ fn run_rank(
         },
         ..FsdpConfig::default()
     };
-    let (mut model, masters) =
-        ShardedModel::new(layout, comm.clone(), fsdp, &|p: usize| init[p].clone())?;
-    drop(init);
-    net.bind(&model)?;
-    let mut opt = new_optimizer(&model, masters, config)?;
+    let mut model = FsdpModel::new(net, comm.clone(), wrap_policy(), fsdp)?;
+    model.set_cpu_parallelism(parallelism);
+    let mut opt = new_optimizer(&mut model, config)?;
     let mut pos = Position {
         epoch: 1,
         batch: 0,
@@ -655,7 +629,7 @@ fn run_rank(
         samples: 0,
     };
     if let Some(dir) = &config.resume {
-        let loaded = load_sharded(dir, &mut model, Some(opt.as_state_mut()))?;
+        let loaded = load_sharded(dir, model.sharded_mut(), Some(opt.as_state_mut()))?;
         if loaded.saved_world_size != ws {
             return Err(MnistError::Checkpoint(format!(
                 "saved by {} rank(s); resuming needs the same world size (got {ws}) to continue the \
@@ -663,8 +637,8 @@ fn run_rank(
                 loaded.saved_world_size
             )));
         }
-        net.import_state(&loaded.extra)?;
         pos = Position::from_extra(&loaded.extra, config)?;
+        model.import_module_state(&loaded.extra)?;
     }
     let train_sampler =
         DistributedSampler::new(train_data.len(), ws, rank, config.seed, Remainder::Pad)?;
@@ -692,8 +666,8 @@ fn run_rank(
     let mut step_losses = Vec::new();
     while pos.epoch <= config.epochs {
         let epoch = pos.epoch;
-        opt.start_epoch(epoch)?;
-        let lr = opt.lr();
+        start_epoch(opt.as_mut(), epoch)?;
+        let lr = opt.current_lr();
         let started = Instant::now();
         let mut batches = train_sampler.batches(u64::from(epoch), config.batch_size)?;
         if let Some(l) = config.limit_batches {
@@ -732,8 +706,10 @@ fn run_rank(
             let step_start = bi - micro;
             let micro_count = config.grad_accum.min(nb - step_start);
             let last_micro = micro + 1 == micro_count;
-            model.set_grad_sync(last_micro);
-            let stats = net.forward(&mut model, images, labels, true)?;
+            model.sharded_mut().set_grad_sync(last_micro);
+            let images = images.to_device(&device)?;
+            model.forward(Mode::Train, |net, ctx| net.forward(ctx, images, labels))?;
+            let stats = model.module().loss_stats()?;
             ops::axpy(rows as f32, stats, &mut loss_acc)?;
             if !device.is_cuda() {
                 step_losses.push(stats.to_vec()?[nll_stat::MEAN_LOSS]);
@@ -742,7 +718,8 @@ fn run_rank(
                 shown_loss = f64::from(stats.to_vec()?[nll_stat::MEAN_LOSS]);
             }
             mark(&mut prof, Phase::Forward)?;
-            net.backward(&mut model, labels, 1.0 / (ws * micro_count) as f32)?;
+            let grad_scale = 1.0 / (ws * micro_count) as f32;
+            model.backward(|net, ctx| net.backward(ctx, labels, grad_scale))?;
             mark(&mut prof, Phase::Backward)?;
             pos.samples += (rows * ws) as u64;
             progress.advance((rows * ws) as u64, shown_loss);
@@ -751,9 +728,7 @@ fn run_rank(
                 steps_run += 1;
                 continue;
             }
-            net.update_fp8_scales(comm.as_ref())?;
-            mark(&mut prof, Phase::Fp8Scales)?;
-            opt.step(&mut model)?;
+            step_model(opt.as_mut(), &mut model)?;
             mark(&mut prof, Phase::Optimizer)?;
             finish_profiled_step(&mut profiler, prof, &mut profile, lead && config.print)?;
             steps_run += 1;
@@ -765,13 +740,12 @@ fn run_rank(
                 .is_some_and(|k| k > 0 && pos.step % k == 0);
             if let (Some(dir), true) = (&config.save, stop || periodic) {
                 pos.loss_sum = loss_acc.to_vec()?[0];
-                save(dir, &model, opt.as_ref(), &net, pos, config)?;
+                save(dir, &mut model, opt.as_ref(), pos, config)?;
             }
             if stop {
                 progress.finish();
-                let params = gathered_params(&mut model, &net)?;
-                let mut memory = model.memory()?;
-                memory.optimizer_states = opt.as_state().state_bytes();
+                let params = model.gathered_params()?;
+                let memory = opt.memory(model.sharded())?;
                 return Ok(RankOutcome {
                     records,
                     memory,
@@ -799,7 +773,6 @@ fn run_rank(
             .sum();
         let train_secs = started.elapsed().as_secs_f64();
         let (test_loss_sum, correct, count) = evaluate(
-            &mut net,
             &mut model,
             comm.as_ref(),
             test_data,
@@ -850,12 +823,11 @@ fn run_rank(
         };
         loss_acc.fill_zero()?;
         if let Some(dir) = &config.save {
-            save(dir, &model, opt.as_ref(), &net, pos, config)?;
+            save(dir, &mut model, opt.as_ref(), pos, config)?;
         }
     }
-    let params = gathered_params(&mut model, &net)?;
-    let mut memory = model.memory()?;
-    memory.optimizer_states = opt.as_state().state_bytes();
+    let params = model.gathered_params()?;
+    let memory = opt.memory(model.sharded())?;
     Ok(RankOutcome {
         records,
         memory,
@@ -877,19 +849,16 @@ pub enum Phase {
     Forward,
     /// Backward pass with the gradient reductions.
     Backward,
-    /// The step-end update of the FP8 activation and output-gradient scales (one all-reduce).
-    Fp8Scales,
     /// The optimizer step (FP8 weight re-cast and zeroed gradients included).
     Optimizer,
 }
 
 impl Phase {
     /// Every phase, in step order.
-    pub const ALL: [Phase; 5] = [
+    pub const ALL: [Phase; 4] = [
         Phase::Data,
         Phase::Forward,
         Phase::Backward,
-        Phase::Fp8Scales,
         Phase::Optimizer,
     ];
 
@@ -899,7 +868,6 @@ impl Phase {
             Phase::Data => "data",
             Phase::Forward => "forward",
             Phase::Backward => "backward",
-            Phase::Fp8Scales => "fp8 scales",
             Phase::Optimizer => "optimizer",
         }
     }

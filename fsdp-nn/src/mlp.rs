@@ -1,0 +1,288 @@
+//! The transformer MLP `Linear(d -> 4d) -> GELU -> Linear(4d -> d)` without biases ([`Mlp`]), and the
+//! residual block `x + Mlp(x)` ([`MlpBlock`]).
+//!
+//! In FP8 the GELU is fused with the FP8 casts around it (`fp8_kernels::fused`): the forward writes the
+//! down linear's E4M3 input codes (and their transpose) straight from the pre-activation `u`, and the
+//! backward writes the up linear's E5M2 output-gradient codes straight from `u` and the down linear's
+//! input gradient; the GELU output and its gradient never exist. Bit-identical to the unfused path.
+//! With [`Mlp::recompute_gelu`] (the default) the down linear's E4M3 input is not kept between the
+//! passes: the backward recasts it from the kept `u` with the same scale (the metas change only at the
+//! step end), so the codes and the training are identical, for one GELU + cast pass instead of
+//! `tokens * 4d` bytes per block.
+
+use crate::activation::Gelu;
+use crate::layer::{Activation, Layer};
+use crate::linear::{Linear, LinearPrecision, WeightInit};
+use crate::{NnError, Tensor};
+use fp8_kernels::fused::{gelu_backward_cast_fp8, gelu_cast_fp8};
+use fp8_kernels::ops::{self, GeluApprox};
+use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+
+/// `down(gelu(up(x)))`, `up: d -> hidden`, `down: hidden -> d`, no biases; parameters `c_fc.weight` and
+/// `c_proj.weight` under the module's path (names chosen by [`Mlp::with_names`]).
+#[derive(Debug)]
+pub struct Mlp<T: Activation = f32> {
+    up: Linear<T>,
+    down: Linear<T>,
+    names: [String; 2],
+    gelu: Gelu<T>,
+    fused: bool,
+    recompute_gelu: bool,
+    /// The pre-activation `up(x)`, kept for the backward.
+    u: Option<Tensor<T>>,
+}
+
+impl<T: Activation> Mlp<T> {
+    /// An MLP `d -> hidden -> d` in `precision`, weights initialised from `seed` (PyTorch's default
+    /// unless [`Mlp::with_init`]); FP8 fused with GELU and recomputing the GELU cast by default.
+    pub fn new(
+        d: usize,
+        hidden: usize,
+        precision: LinearPrecision,
+        seed: u64,
+    ) -> Result<Self, NnError> {
+        Ok(Mlp {
+            up: Linear::new(d, hidden, precision, seed)?.without_bias(),
+            down: Linear::new(hidden, d, precision, seed ^ 0xD0)?.without_bias(),
+            names: ["c_fc".into(), "c_proj".into()],
+            gelu: Gelu::with_approx(GeluApprox::Erf),
+            fused: precision == LinearPrecision::Fp8,
+            recompute_gelu: precision == LinearPrecision::Fp8,
+            u: None,
+        })
+    }
+
+    /// The two linears' names (default `c_fc`, `c_proj`).
+    pub fn with_names(mut self, up: &str, down: &str) -> Self {
+        self.names = [up.to_string(), down.to_string()];
+        self
+    }
+
+    /// Initialisations of the up and down weights.
+    pub fn with_init(mut self, up: WeightInit, down: WeightInit) -> Self {
+        self.up = self.up.with_init(up);
+        self.down = self.down.with_init(down);
+        self
+    }
+
+    /// FP8 only: GELU fused with the casts (default on). Off: GELU, then the linears' own casts.
+    pub fn fused(mut self, on: bool) -> Self {
+        self.fused = on && self.up.precision() == LinearPrecision::Fp8;
+        self
+    }
+
+    /// FP8 only: recast the down linear's input in the backward instead of keeping it (default on).
+    pub fn recompute_gelu(mut self, on: bool) -> Self {
+        self.recompute_gelu = on && self.up.precision() == LinearPrecision::Fp8;
+        self
+    }
+
+    /// The up linear.
+    pub fn up(&self) -> &Linear<T> {
+        &self.up
+    }
+
+    /// The down linear.
+    pub fn down(&self) -> &Linear<T> {
+        &self.down
+    }
+
+    /// Bytes kept for the backward.
+    pub fn saved_bytes(&self) -> usize {
+        self.up.saved_bytes()
+            + self.down.saved_bytes()
+            + self.u.as_ref().map_or(0, |u| u.data().num_bytes())
+    }
+
+    /// Writes the down linear's E4M3 input, `gelu(u)` cast with its input meta, into its saved `x^T` and
+    /// returns the row-major codes.
+    fn cast_down_input(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        u: &Tensor<T>,
+    ) -> Result<fp8_kernels::Buffer<u8>, NnError> {
+        let dev = ctx.device().clone();
+        let tokens = u.shape().rows();
+        let hidden = self.down.in_features();
+        let mut x_q = dev.uninit::<u8>(tokens * hidden)?;
+        let meta = self.down.input_meta();
+        let saved = self.down.fp8_input(&dev, tokens)?;
+        let s = ctx.scaling(meta)?;
+        gelu_cast_fp8(
+            u.data(),
+            [tokens, hidden],
+            GeluApprox::Erf,
+            s.state.format()?,
+            s.state.scale(),
+            &mut x_q,
+            &mut saved.x_t,
+            s.amax,
+        )?;
+        saved.x_scale_inv.copy_from(s.state.scale_inv())?;
+        Ok(x_q)
+    }
+
+    /// The branch `down(gelu(up(x)))` from a borrowed `x`.
+    pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let u = self.up.forward_ref(ctx, x)?;
+        let y = if self.fused {
+            let x_q = self.cast_down_input(ctx, &u)?;
+            let out = x.shape().with_last(self.down.out_features())?;
+            let y = self.down.forward_fp8_codes(ctx, &x_q, out)?;
+            if self.recompute_gelu {
+                self.down.drop_saved();
+            }
+            y
+        } else {
+            let u_copy = Tensor::new(u.data().to_device(ctx.device())?, u.shape())?;
+            let a = self.gelu.forward(ctx, u_copy)?;
+            self.down.forward(ctx, a)?
+        };
+        self.u = (ctx.is_training() && self.fused).then_some(u);
+        Ok(y)
+    }
+
+    /// The branch's input gradient from a borrowed output gradient; adds the weights' gradients.
+    pub fn backward_ref(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: &Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        if !self.fused {
+            let dy_copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
+            let da = self
+                .down
+                .backward(ctx, dy_copy, true)?
+                .ok_or_else(|| NnError::usage("Mlp", "no gradient from the down linear"))?;
+            let du = self
+                .gelu
+                .backward(ctx, da, true)?
+                .ok_or_else(|| NnError::usage("Mlp", "no gradient from the GELU"))?;
+            return self.up.backward(ctx, du, need_dx);
+        }
+        let u = self
+            .u
+            .take()
+            .ok_or_else(|| NnError::usage("Mlp", "backward without a training forward"))?;
+        if self.recompute_gelu {
+            // The same scale as in the forward (metas change at the step end): the same codes.
+            self.cast_down_input(ctx, &u)?;
+        }
+        let da = self
+            .down
+            .backward_ref(ctx, dy, true)?
+            .ok_or_else(|| NnError::usage("Mlp", "no gradient from the down linear"))?;
+        let dev = ctx.device().clone();
+        let tokens = u.shape().rows();
+        let hidden = self.up.out_features();
+        let (mut dq, mut dt) = (
+            dev.uninit::<u8>(tokens * hidden)?,
+            dev.uninit::<u8>(tokens * hidden)?,
+        );
+        {
+            let s = ctx.scaling(self.up.grad_meta())?;
+            gelu_backward_cast_fp8(
+                u.data(),
+                da.data(),
+                [tokens, hidden],
+                GeluApprox::Erf,
+                s.state.format()?,
+                s.state.scale(),
+                &mut dq,
+                &mut dt,
+                s.amax,
+            )?;
+        }
+        drop(da);
+        let in_shape = u.shape().with_last(self.up.in_features())?;
+        drop(u);
+        if self.recompute_gelu {
+            self.down.drop_saved();
+        }
+        self.up.backward_fp8_codes(ctx, &dq, &dt, in_shape, need_dx)
+    }
+}
+
+impl<T: Activation> Module for Mlp<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        v.child(&self.names[0], &mut self.up)?;
+        v.child(&self.names[1], &mut self.down)
+    }
+}
+
+impl<T: Activation> Layer<T> for Mlp<T> {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        self.forward_ref(ctx, &x)
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        self.backward_ref(ctx, &dy, need_dx)
+    }
+
+    fn forget_saved(&mut self) {
+        self.u = None;
+        self.up.drop_saved();
+        self.down.drop_saved();
+        self.gelu.forget_saved();
+    }
+}
+
+/// The residual MLP block `x + Mlp(x)`; its parameters are the MLP's under `mlp`.
+#[derive(Debug)]
+pub struct MlpBlock<T: Activation = f32> {
+    mlp: Mlp<T>,
+}
+
+impl<T: Activation> MlpBlock<T> {
+    /// A block around `mlp`.
+    pub fn new(mlp: Mlp<T>) -> Self {
+        MlpBlock { mlp }
+    }
+
+    /// The MLP.
+    pub fn mlp(&self) -> &Mlp<T> {
+        &self.mlp
+    }
+}
+
+impl<T: Activation> Module for MlpBlock<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        v.child("mlp", &mut self.mlp)
+    }
+}
+
+impl<T: Activation> Layer<T> for MlpBlock<T> {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let mut y = self.mlp.forward_ref(ctx, &x)?;
+        // y = branch + x, in place (one rounding, as x + branch).
+        ops::axpy(1.0, x.data(), y.data_mut())?;
+        Ok(y)
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        mut dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let branch = self.mlp.backward_ref(ctx, &dy, need_dx)?;
+        if !need_dx {
+            return Ok(None);
+        }
+        let branch =
+            branch.ok_or_else(|| NnError::usage("MlpBlock", "no gradient from the MLP"))?;
+        // dx = dy + d(branch)/dx, in place.
+        ops::axpy(1.0, branch.data(), dy.data_mut())?;
+        Ok(Some(dy))
+    }
+
+    fn forget_saved(&mut self) {
+        self.mlp.forget_saved();
+    }
+}

@@ -1,0 +1,1215 @@
+//! [`ShardedAdam`]: Adam / AdamW over one rank's shards of a [`ShardedModel`], and its two faces
+//! [`FsdpAdam`] (L2 penalty) and [`FsdpAdamW`] (decoupled weight decay). Weight decay applies to the
+//! parameters declared to decay ([`fsdp_shard::ParamSpec::decay`]: matrices by default); the others
+//! step with the same coefficients without it.
+
+use crate::config::{AdamOptions, StatePrecision};
+use crate::schedule::LrSchedule;
+use crate::state_scaling::{self, StateAmaxes, StateScales};
+use crate::OptimError;
+use fp8_core::{Fp8Format, QType};
+use fp8_kernels::adam::{f16_saturating, lp_slot, AmaxSlots, LowPrecisionAdamState};
+use fp8_kernels::optim_step::{
+    self as ctlk, adam_step_f32_ctl, adam_step_low_precision_ctl, cast_from_source, ctl,
+    grad_stats, grad_stats_finish, step_control, step_finish, MasterSource, SlotScales,
+    StepControlParams,
+};
+use fp8_kernels::{Buffer, Device, WeightDecay};
+use fsdp_comm::ReduceOp;
+use fsdp_shard::{
+    GradDtype, GradShard, MemoryReport, ParamGroup, ScalingRegistry, ShardError, ShardedModel,
+    ShardedState, StateShard,
+};
+use half::f16;
+use std::ops::Range;
+
+const FP8: usize = ParamGroup::Fp8 as usize;
+/// Word of the coefficient buffer holding the L2 flag (the decoupled flag follows): see
+/// `fp8_kernels::adam::AdamCoefficients`.
+const COEF_L2_WORD: usize = 11;
+const _: () = assert!(
+    std::mem::offset_of!(fp8_kernels::adam::AdamCoefficients, l2) == COEF_L2_WORD * 4
+        && std::mem::offset_of!(fp8_kernels::adam::AdamCoefficients, decoupled)
+            == (COEF_L2_WORD + 1) * 4
+);
+const PLAIN: usize = ParamGroup::Plain as usize;
+
+/// What one call of [`ShardedAdam::step`] did (identical on every rank).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Adam's step count after this call (skipped steps do not count).
+    pub step: u64,
+    /// Whether this step was skipped because a gradient was not finite.
+    pub skipped: bool,
+    /// Steps skipped so far.
+    pub skipped_total: u64,
+    /// Non-finite gradient values found on all ranks (before any FP8 cast and in the shards).
+    pub nonfinite: u64,
+    /// Global L2 norm of the gradients before clipping (not finite when skipped).
+    pub grad_norm: f64,
+    /// Factor the gradients were multiplied with by clipping (1 without clipping or below the limit).
+    pub clip_coef: f64,
+    /// Learning rate used.
+    pub lr: f64,
+}
+
+/// The report of a queued step: a copy of the step counters and statistics on the device, read on demand.
+#[derive(Debug)]
+pub struct PendingStepReport {
+    report: Buffer<f32>,
+    lr: f64,
+    max_grad_norm: Option<f64>,
+}
+
+impl PendingStepReport {
+    /// Reads the report (on CUDA this waits for the step to finish).
+    pub fn read(&self) -> Result<StepReport, OptimError> {
+        let r = self.report.to_vec()?;
+        if r.len() != ctl::LEN {
+            return Err(mismatch(format!("step report of {} words", r.len())));
+        }
+        let skipped = r[ctl::LAST_SKIPPED] != 0.0;
+        let grad_norm = (r[ctl::LAST_SUMSQ] as f64).sqrt();
+        let clip_coef = match (skipped, self.max_grad_norm) {
+            (false, Some(max)) => (max / (grad_norm + 1e-6)).min(1.0),
+            _ => 1.0,
+        };
+        Ok(StepReport {
+            step: u64::from(r[ctl::STEP].to_bits()),
+            skipped,
+            skipped_total: u64::from(r[ctl::SKIPPED].to_bits()),
+            nonfinite: if skipped {
+                r[ctl::LAST_NONFINITE] as u64
+            } else {
+                0
+            },
+            grad_norm,
+            clip_coef,
+            lr: self.lr,
+        })
+    }
+}
+
+/// The per-parameter metas of one FP8 weight's optimizer states: identical on every rank after a step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StateMeta {
+    /// Model parameter index.
+    pub param: usize,
+    /// Scales the stored master, first and second moment belong to (1 for F32 states).
+    pub scales: StateScales,
+    /// Agreed amaxes of master, first and second moment after the last step (master only for F32 states).
+    pub amaxes: StateAmaxes,
+}
+
+/// States of a unit's FP8 group.
+#[derive(Debug)]
+enum Fp8States {
+    F32 {
+        master: Buffer<f32>,
+        m: Buffer<f32>,
+        v: Buffer<f32>,
+    },
+    Low {
+        master: Buffer<f16>,
+        m: Buffer<u8>,
+        v: Buffer<f16>,
+    },
+}
+
+#[derive(Debug)]
+struct UnitStates {
+    fp8: Fp8States,
+    plain_m: Buffer<f32>,
+    plain_v: Buffer<f32>,
+    /// `(slot, local range)` pieces of this rank's FP8 shard.
+    segments: Vec<(usize, Range<usize>)>,
+    /// Model parameter index of every FP8 slot.
+    params: Vec<usize>,
+    /// Index of this unit's first slot in the model-wide slot numbering.
+    slot_base: usize,
+    fp8_len: usize,
+    plain_len: usize,
+    /// Whether weight decay applies to each FP8 slot (the parameter's group).
+    fp8_decay: Vec<bool>,
+    /// The plain shard cut into runs of parameters that do or do not decay (one run when all agree or
+    /// there is no weight decay).
+    plain_runs: Vec<(bool, Range<usize>)>,
+}
+
+/// Adam / AdamW over this rank's shards (see the crate docs for the algorithm). Use it through
+/// [`FsdpAdam`] or [`FsdpAdamW`], which fix where weight decay enters.
+pub struct ShardedAdam {
+    options: AdamOptions,
+    decay_mode: WeightDecay,
+    schedule: Option<Box<dyn LrSchedule>>,
+    schedule_position: u64,
+    units: Vec<UnitStates>,
+    /// Step counters and the last step's statistics ([`ctl`] layout), on the model's device.
+    control: Buffer<f32>,
+    /// Adam's coefficients of the current step and the skip flag, written on the device.
+    coef: Buffer<f32>,
+    /// Gradient-statistics accumulator.
+    stats_acc: Buffer<f32>,
+    /// Agreed state amaxes, 3 per FP8 slot (model-wide numbering): master, first, second moment.
+    amaxes: Buffer<f32>,
+    /// Scales the stored states belong to, 3 per FP8 slot (1 for F32 states).
+    scales: Buffer<f32>,
+    /// This step's write scales, 3 per slot (low precision).
+    write: Buffer<f32>,
+    /// The fused kernel's read/write scales, `lp_slot::SCALES` per slot (low precision).
+    kernel_scales: Buffer<f32>,
+    total_slots: usize,
+    /// `coef` without weight decay, for parameters outside the decay group (when any).
+    coef_no_decay: Buffer<f32>,
+    /// Two zero words (the L2 and decoupled flags of the coefficients).
+    zero_flags: Buffer<f32>,
+    rank: usize,
+    world_size: usize,
+    device: Device,
+}
+
+impl std::fmt::Debug for ShardedAdam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedAdam")
+            .field("options", &self.options)
+            .field("decay_mode", &self.decay_mode)
+            .field("schedule", &self.schedule)
+            .field("schedule_position", &self.schedule_position)
+            .finish()
+    }
+}
+
+fn mismatch(m: String) -> OptimError {
+    OptimError::Mismatch(m)
+}
+
+impl ShardedAdam {
+    /// Builds the states of this rank from the model and the F32 master shards of its FP8 groups (as
+    /// returned by [`ShardedModel::new`], one per unit). Moments start at zero.
+    pub fn new(
+        model: &ShardedModel,
+        fp8_masters: Vec<Vec<f32>>,
+        options: AdamOptions,
+        decay_mode: WeightDecay,
+    ) -> Result<Self, OptimError> {
+        options.validate()?;
+        let device = model.device().clone();
+        let (rank, world_size) = (model.comm().rank(), model.comm().world_size());
+        if fp8_masters.len() != model.num_units() {
+            return Err(mismatch(format!(
+                "{} master shards for {} units",
+                fp8_masters.len(),
+                model.num_units()
+            )));
+        }
+        // The model's agreed weight scales bound the initial amaxes: amax <= 448 / scale (for margin >= 0).
+        let weight_scales = model.weight_scales()?;
+        let margin_factor = 2f32.powi((-model.config().weight_margin).max(0));
+        let mut units = Vec::with_capacity(model.num_units());
+        let mut amaxes = Vec::new();
+        let mut scales = Vec::new();
+        let mut slot_base = 0;
+        for (u, master) in fp8_masters.into_iter().enumerate() {
+            let shards = model.unit(u)?;
+            let (fp8_len, plain_len) = (shards.fp8.len(), shards.plain.len());
+            if master.len() != fp8_len {
+                return Err(mismatch(format!(
+                    "unit {u}: master shard has {} elements, the FP8 shard {fp8_len}",
+                    master.len()
+                )));
+            }
+            let slots = &model.layout().units[u].group(ParamGroup::Fp8).slots;
+            let params: Vec<usize> = slots.iter().map(|s| s.param).collect();
+            let segments = model.fp8_segments(u)?;
+            let decays = |p: &usize| model.layout().params.get(*p).is_none_or(|s| s.decay);
+            let fp8_decay: Vec<bool> = params.iter().map(decays).collect();
+            let plain_slots = &model.layout().units[u].group(ParamGroup::Plain).slots;
+            let mut plain_runs: Vec<(bool, Range<usize>)> = Vec::new();
+            if options.weight_decay == 0.0 || plain_slots.iter().all(|sl| decays(&sl.param)) {
+                if plain_len > 0 {
+                    plain_runs.push((true, 0..plain_len));
+                }
+            } else {
+                for (i, r) in model.segments(u, ParamGroup::Plain)? {
+                    let d = decays(&plain_slots[i].param);
+                    match plain_runs.last_mut() {
+                        Some((ld, lr)) if *ld == d && lr.end == r.start => lr.end = r.end,
+                        _ => plain_runs.push((d, r)),
+                    }
+                }
+            }
+            let unit_amaxes: Vec<StateAmaxes> = params
+                .iter()
+                .map(|p| {
+                    let s = weight_scales
+                        .iter()
+                        .find(|(q, _, _)| q == p)
+                        .map_or(1.0, |x| x.1);
+                    [Fp8Format::E4M3.max() / s * margin_factor, 0.0, 0.0]
+                })
+                .collect();
+            let fp8 = match options.state_precision {
+                StatePrecision::F32 => Fp8States::F32 {
+                    master: device.upload(&master)?,
+                    m: device.zeros(fp8_len)?,
+                    v: device.zeros(fp8_len)?,
+                },
+                StatePrecision::LowPrecision => {
+                    let unit_scales: Vec<StateScales> = unit_amaxes
+                        .iter()
+                        .map(|a| [state_scaling::initial_master_scale(a[0]), 1.0, 1.0])
+                        .collect();
+                    let mut stored = vec![f16::ZERO; fp8_len];
+                    for (i, r) in &segments {
+                        for k in r.clone() {
+                            stored[k] = f16_saturating(master[k] * unit_scales[*i][0]);
+                        }
+                    }
+                    scales.extend(unit_scales);
+                    Fp8States::Low {
+                        master: device.upload(&stored)?,
+                        m: device.zeros(fp8_len)?,
+                        v: device.zeros(fp8_len)?,
+                    }
+                }
+            };
+            if options.state_precision == StatePrecision::F32 {
+                scales.extend(std::iter::repeat_n([1.0; 3], params.len()));
+            }
+            amaxes.extend(unit_amaxes);
+            units.push(UnitStates {
+                fp8,
+                plain_m: device.zeros(plain_len)?,
+                plain_v: device.zeros(plain_len)?,
+                segments,
+                slot_base,
+                fp8_len,
+                plain_len,
+                params,
+                fp8_decay,
+                plain_runs,
+            });
+            slot_base += slots.len();
+        }
+        let low = options.state_precision == StatePrecision::LowPrecision;
+        let lp_len = |k: usize| if low { k * slot_base } else { 0 };
+        let flat = |v: Vec<[f32; 3]>| v.into_iter().flatten().collect::<Vec<f32>>();
+        Ok(ShardedAdam {
+            options,
+            decay_mode,
+            schedule: None,
+            schedule_position: 0,
+            units,
+            control: device.zeros(ctl::LEN)?,
+            coef: device.zeros(ctlk::COEF_LEN)?,
+            stats_acc: device.zeros(ctlk::STATS_ACC_LEN)?,
+            amaxes: device.upload(&flat(amaxes))?,
+            scales: device.upload(&flat(scales))?,
+            write: device.zeros(lp_len(3))?,
+            kernel_scales: device.zeros(lp_len(lp_slot::SCALES))?,
+            total_slots: slot_base,
+            coef_no_decay: device.zeros(ctlk::COEF_LEN)?,
+            zero_flags: device.zeros(2)?,
+            rank,
+            world_size,
+            device,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn options(&self) -> &AdamOptions {
+        &self.options
+    }
+
+    /// Where weight decay enters.
+    pub fn decay_mode(&self) -> WeightDecay {
+        self.decay_mode
+    }
+
+    fn counter(&self, k: usize) -> Result<u64, OptimError> {
+        let c = self.control.to_vec()?;
+        Ok(u64::from(c[k].to_bits()))
+    }
+
+    /// Adam's step count (successful steps). Reads the device (it waits for queued work).
+    pub fn step_count(&self) -> Result<u64, OptimError> {
+        self.counter(ctl::STEP)
+    }
+
+    /// Steps skipped for non-finite gradients. Reads the device (it waits for queued work).
+    pub fn skipped_steps(&self) -> Result<u64, OptimError> {
+        self.counter(ctl::SKIPPED)
+    }
+
+    /// Sets the base learning rate (what a schedule multiplies).
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), OptimError> {
+        AdamOptions { lr, ..self.options }.validate()?;
+        self.options.lr = lr;
+        Ok(())
+    }
+
+    /// Attaches a learning-rate schedule, starting at position 0.
+    pub fn set_schedule(&mut self, schedule: Box<dyn LrSchedule>) {
+        self.schedule = Some(schedule);
+        self.schedule_position = 0;
+    }
+
+    /// Advances the schedule by one position (call it per epoch or per step, as the schedule means).
+    pub fn advance_schedule(&mut self) {
+        self.schedule_position += 1;
+    }
+
+    /// The schedule's position.
+    pub fn schedule_position(&self) -> u64 {
+        self.schedule_position
+    }
+
+    /// Sets the schedule's position (e.g. the epoch a run starts or resumes in).
+    pub fn set_schedule_position(&mut self, position: u64) {
+        self.schedule_position = position;
+    }
+
+    /// The optimizer in words: kind, state precision and hyperparameters.
+    pub fn describe(&self) -> String {
+        let o = &self.options;
+        let kind = match self.decay_mode {
+            WeightDecay::L2 => "Adam",
+            WeightDecay::Decoupled => "AdamW",
+        };
+        let schedule = self
+            .schedule
+            .as_ref()
+            .map_or_else(|| "constant lr".to_string(), |s| format!("{s:?}"));
+        format!(
+            "fsdp-optim {kind} ({} states) lr {} betas {:?} eps {} weight decay {}, {schedule}",
+            o.state_precision.name(),
+            o.lr,
+            o.betas,
+            o.eps,
+            o.weight_decay
+        )
+    }
+
+    /// The learning rate the next step uses.
+    pub fn current_lr(&self) -> f64 {
+        match &self.schedule {
+            Some(s) => s.lr_at(self.options.lr, self.schedule_position),
+            None => self.options.lr,
+        }
+    }
+
+    fn host_triples(b: &Buffer<f32>) -> Result<Vec<[f32; 3]>, OptimError> {
+        Ok(b.to_vec()?
+            .chunks_exact(3)
+            .map(|c| [c[0], c[1], c[2]])
+            .collect())
+    }
+
+    /// Metas of every FP8 weight's states, in model-wide slot order (reads the device).
+    pub fn state_metas(&self) -> Result<Vec<StateMeta>, OptimError> {
+        let params = self.units.iter().flat_map(|u| u.params.iter().copied());
+        let amaxes = Self::host_triples(&self.amaxes)?;
+        let scales = Self::host_triples(&self.scales)?;
+        Ok(params
+            .zip(amaxes.iter().zip(&scales))
+            .map(|(param, (a, s))| StateMeta {
+                param,
+                scales: *s,
+                amaxes: *a,
+            })
+            .collect())
+    }
+
+    /// This rank's master values of unit `u`'s FP8 group as F32 (decoded from F16 for low-precision
+    /// states; zeros outside the weights), in the shard layout.
+    pub fn fp8_master_shard(&self, u: usize) -> Result<Vec<f32>, OptimError> {
+        let unit = self
+            .units
+            .get(u)
+            .ok_or_else(|| mismatch(format!("no unit {u}")))?;
+        match &unit.fp8 {
+            Fp8States::F32 { master, .. } => Ok(master.to_vec()?),
+            Fp8States::Low { master, .. } => {
+                let stored = master.to_vec()?;
+                let scales = Self::host_triples(&self.scales)?;
+                let mut out = vec![0f32; stored.len()];
+                for (i, r) in &unit.segments {
+                    let inv = 1.0 / scales[unit.slot_base + i][0];
+                    for k in r.clone() {
+                        out[k] = stored[k].to_f32() * inv;
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn check_model(&self, model: &ShardedModel) -> Result<(), OptimError> {
+        let (rank, ws) = (model.comm().rank(), model.comm().world_size());
+        if (rank, ws) != (self.rank, self.world_size) || model.num_units() != self.units.len() {
+            return Err(mismatch(format!(
+                "optimizer built for rank {} of {} with {} units, model is rank {rank} of {ws} with {} units",
+                self.rank,
+                self.world_size,
+                self.units.len(),
+                model.num_units()
+            )));
+        }
+        for (u, st) in self.units.iter().enumerate() {
+            let s = model.unit(u)?;
+            if s.fp8.len() != st.fp8_len || s.plain.len() != st.plain_len {
+                return Err(mismatch(format!("unit {u}: shard sizes changed")));
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step on this rank's shards (collective: every rank calls it), queued on the model's
+    /// device without waiting for it: the skip decision, clipping, Adam's coefficients and the states'
+    /// scales are computed on the device, so a CUDA step never reads device memory back. The returned
+    /// [`PendingStepReport`] reads the step's report when asked ([`ShardedAdam::step_with_report`] does
+    /// so at once). The gradients are consumed: the model's gradient shards are zeroed afterwards, also
+    /// when the step is skipped.
+    ///
+    /// With FP8 gradient reduction the model counts non-finite values before its casts; that count is
+    /// read from the device here (the one host read left in a CUDA step, only in that mode).
+    pub fn step(&mut self, model: &mut ShardedModel) -> Result<PendingStepReport, OptimError> {
+        self.step_agreeing(model, None)
+    }
+
+    /// [`ShardedAdam::step`] that also agrees the model's FP8 activation and output-gradient scales:
+    /// their pending amaxes travel in the step's one all-reduce(MAX) with the weights' and states'
+    /// amaxes, and every meta is updated from the agreed values (identical scales on every rank).
+    pub fn step_agreeing(
+        &mut self,
+        model: &mut ShardedModel,
+        mut scaling: Option<&mut ScalingRegistry>,
+    ) -> Result<PendingStepReport, OptimError> {
+        self.check_model(model)?;
+        let lr = self.current_lr();
+        let low = self.options.state_precision == StatePrecision::LowPrecision;
+        let (rank, ws, n) = (self.rank, self.world_size, self.total_slots);
+        let dev = self.device.clone();
+
+        // 1. Local statistics and ONE all-reduce SUM: [non-finite count, sum of squares, per-rank rows of
+        //    gradient amaxes (low precision only; zeros elsewhere, so the sum is the exact maximum)].
+        let mut sums = dev.zeros::<f32>(2 + if low { ws * n } else { 0 })?;
+        let before_cast = model.take_nonfinite_before_cast();
+        for (u, st) in self.units.iter().enumerate() {
+            let s = model.unit(u)?;
+            for (i, r) in &st.segments {
+                let amax = low.then_some((&mut sums, 2 + rank * n + st.slot_base + i));
+                match s.grad(ParamGroup::Fp8) {
+                    GradShard::F32(g) => grad_stats(g, r.clone(), &mut self.stats_acc, amax)?,
+                    GradShard::Bf16(g) => grad_stats(g, r.clone(), &mut self.stats_acc, amax)?,
+                }
+            }
+            if st.plain_len > 0 {
+                let acc = &mut self.stats_acc;
+                match s.grad(ParamGroup::Plain) {
+                    GradShard::F32(g) => grad_stats(g, 0..st.plain_len, acc, None)?,
+                    GradShard::Bf16(g) => grad_stats(g, 0..st.plain_len, acc, None)?,
+                }
+            }
+        }
+        let extra = u32::try_from(before_cast).unwrap_or(u32::MAX);
+        grad_stats_finish(&mut self.stats_acc, extra, &mut sums)?;
+        model
+            .comm()
+            .all_reduce_in_place((&mut sums).into(), ReduceOp::Sum)?;
+
+        // 2. On the device: skip or go, clipping (torch.nn.utils.clip_grad_norm_'s formula) folded into
+        //    the gradient factor, the coefficients of step t + 1 and the states' write scales.
+        let params = StepControlParams {
+            lr,
+            beta1: self.options.betas.0,
+            beta2: self.options.betas.1,
+            eps: self.options.eps,
+            weight_decay: self.options.weight_decay,
+            max_grad_norm: self.options.max_grad_norm.unwrap_or(0.0),
+            maximize: i32::from(self.options.maximize),
+            decay_mode: StepControlParams::decay_code(self.decay_mode),
+            low: i32::from(low),
+            pad: 0,
+            slots: n as u64,
+            world_size: ws as u64,
+        };
+        let mut report = dev.zeros::<f32>(ctl::LEN)?;
+        let slot_scales = low.then_some(SlotScales {
+            amaxes: &self.amaxes,
+            scales: &self.scales,
+            write: &mut self.write,
+            kernel_scales: &mut self.kernel_scales,
+        });
+        step_control(
+            &params,
+            &sums,
+            &mut self.control,
+            &mut self.coef,
+            slot_scales,
+            &mut report,
+        )?;
+
+        // Parameters outside the decay group (biases, norm weights) step with the same coefficients
+        // minus weight decay: the L2 and decoupled flags zeroed on the device.
+        let no_decay_used = self.options.weight_decay != 0.0
+            && self.units.iter().any(|st| {
+                st.fp8_decay.iter().any(|d| !d) || st.plain_runs.iter().any(|(d, _)| !d)
+            });
+        if no_decay_used {
+            self.coef_no_decay.copy_from(&self.coef)?;
+            self.coef_no_decay
+                .copy_range_from(COEF_L2_WORD, &self.zero_flags, 0, 2)?;
+        }
+
+        // 3. The fused update, per FP8 weight segment (each with its own scales), writing amaxes; every
+        //    kernel returns at once on a skipped step. The amax vector has room after the states' amaxes
+        //    for the model's activation metas, so one all-reduce agrees them all.
+        let per_slot = if low { lp_slot::AMAXES } else { 1 };
+        let metas = scaling.as_ref().map_or(0, |r| r.len());
+        let mut amax = dev.zeros::<f32>(per_slot * n + metas)?;
+        let bf16_grads = model.config().grad_dtype == GradDtype::Bf16;
+        for (u, st) in self.units.iter_mut().enumerate() {
+            let s = model.unit_mut(u)?;
+            for (decay, r) in &st.plain_runs {
+                let (w, m, v) = (&mut s.plain, &mut st.plain_m, &mut st.plain_v);
+                let c = if *decay {
+                    &self.coef
+                } else {
+                    &self.coef_no_decay
+                };
+                let r = r.clone();
+                if bf16_grads {
+                    adam_step_f32_ctl(c, r, w, m, v, &s.grads_bf16[PLAIN], None)?;
+                } else {
+                    adam_step_f32_ctl(c, r, w, m, v, &s.grads[PLAIN], None)?;
+                }
+            }
+            match &mut st.fp8 {
+                Fp8States::F32 { master, m, v } => {
+                    for (i, r) in &st.segments {
+                        let slots = Some(AmaxSlots {
+                            buffer: &mut amax,
+                            base: st.slot_base + i,
+                        });
+                        let c = if st.fp8_decay[*i] {
+                            &self.coef
+                        } else {
+                            &self.coef_no_decay
+                        };
+                        let r = r.clone();
+                        if bf16_grads {
+                            adam_step_f32_ctl(c, r, master, m, v, &s.grads_bf16[FP8], slots)?;
+                        } else {
+                            adam_step_f32_ctl(c, r, master, m, v, &s.grads[FP8], slots)?;
+                        }
+                    }
+                }
+                Fp8States::Low { master, m, v } => {
+                    for (i, r) in &st.segments {
+                        let state = LowPrecisionAdamState { master, m, v };
+                        let base = lp_slot::SCALES * (st.slot_base + i);
+                        let slots = AmaxSlots {
+                            buffer: &mut amax,
+                            base: lp_slot::AMAXES * (st.slot_base + i),
+                        };
+                        let c = if st.fp8_decay[*i] {
+                            &self.coef
+                        } else {
+                            &self.coef_no_decay
+                        };
+                        let (r, ks) = (r.clone(), &self.kernel_scales);
+                        if bf16_grads {
+                            let g = &s.grads_bf16[FP8];
+                            adam_step_low_precision_ctl(c, r, state, g, ks, base, slots)?;
+                        } else {
+                            let g = &s.grads[FP8];
+                            adam_step_low_precision_ctl(c, r, state, g, ks, base, slots)?;
+                        }
+                    }
+                }
+            }
+        }
+
+        // 4. ONE all-reduce(MAX) of every amax: new weights' (for the FP8 casts) and, for low-precision
+        //    states, the moments' (for the next step's write scales). Then agreed metas and new weights.
+        if let Some(reg) = scaling.as_deref() {
+            if metas > 0 {
+                amax.copy_range_from(per_slot * n, reg.pending(), 0, metas)?;
+            }
+        }
+        if n + metas > 0 {
+            model
+                .comm()
+                .all_reduce_in_place((&mut amax).into(), ReduceOp::Max)?;
+        }
+        if let Some(reg) = scaling.as_deref_mut() {
+            reg.update_from(&amax, per_slot * n)?;
+        }
+        let agreed = if metas > 0 {
+            let mut head = dev.zeros::<f32>(per_slot * n)?;
+            head.copy_range_from(0, &amax, 0, per_slot * n)?;
+            head
+        } else {
+            amax
+        };
+        let mut weight_amax = dev.zeros::<f32>(n)?;
+        step_finish(
+            &self.coef,
+            &agreed,
+            per_slot,
+            &mut self.amaxes,
+            &mut self.scales,
+            low.then_some(&self.write),
+            &mut weight_amax,
+        )?;
+        // New weight scales, then each segment cast in place from its master (or, on a skipped step,
+        // from its current codes): no F32 copy of the shards (that copy was 4 bytes per parameter of the
+        // whole model at the step's end, the largest transient of a step).
+        model.set_fp8_weight_scales(&weight_amax)?;
+        for (u, st) in self.units.iter().enumerate() {
+            let s = model.unit_mut(u)?;
+            for (i, r) in &st.segments {
+                let source = match &st.fp8 {
+                    Fp8States::F32 { master, .. } => MasterSource::F32(master),
+                    Fp8States::Low { master, .. } => MasterSource::F16 {
+                        master,
+                        scales: &self.scales,
+                        slot: st.slot_base + i,
+                    },
+                };
+                cast_from_source(
+                    &self.coef,
+                    &mut s.fp8,
+                    r.clone(),
+                    &s.weight_scales,
+                    *i,
+                    source,
+                )?;
+            }
+        }
+        model.zero_grads()?;
+        Ok(PendingStepReport {
+            report,
+            lr,
+            max_grad_norm: self.options.max_grad_norm,
+        })
+    }
+
+    /// [`ShardedAdam::step`], then reads its report (on CUDA this waits for the step).
+    pub fn step_with_report(&mut self, model: &mut ShardedModel) -> Result<StepReport, OptimError> {
+        self.step(model)?.read()
+    }
+
+    /// The model's memory report with this optimizer's states added.
+    pub fn memory(&self, model: &ShardedModel) -> Result<MemoryReport, OptimError> {
+        let mut r = model.memory()?;
+        r.optimizer_states = self.state_bytes();
+        Ok(r)
+    }
+
+    /// Measured model-state bytes (parameter shards, gradient shards, optimizer states) per parameter of
+    /// this rank's share (`numel / world_size`), padding included.
+    pub fn bytes_per_param(&self, model: &ShardedModel) -> Result<f64, OptimError> {
+        let r = self.memory(model)?;
+        let share = model.layout().numel() as f64 / self.world_size as f64;
+        Ok(r.model_state() as f64 / share.max(1.0))
+    }
+}
+
+fn le_bytes<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(|x| f(*x)).collect()
+}
+
+fn from_le<T, const N: usize>(
+    bytes: &[u8],
+    len: usize,
+    what: &str,
+    f: impl Fn([u8; N]) -> T,
+) -> Result<Vec<T>, ShardError> {
+    if bytes.len() != len * N {
+        return Err(ShardError::Checkpoint(format!(
+            "{what}: {} bytes for {len} elements of {N} bytes",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(N)
+        .map(|c| {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            f(a)
+        })
+        .collect())
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    le_bytes(v, f32::to_le_bytes)
+}
+
+fn state_shard(
+    name: &str,
+    unit: usize,
+    group: ParamGroup,
+    qtype: QType,
+    bytes: Vec<u8>,
+    slot_scales: Vec<f32>,
+) -> StateShard {
+    StateShard {
+        name: name.into(),
+        unit,
+        group,
+        qtype,
+        bytes,
+        slot_scales,
+    }
+}
+
+fn encode_f32_list(v: impl Iterator<Item = f32>) -> String {
+    v.map(|x| format!("{:08x}", x.to_bits()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn decode_f32_list(s: &str) -> Result<Vec<f32>, ShardError> {
+    s.split_whitespace()
+        .map(|w| {
+            u32::from_str_radix(w, 16)
+                .map(f32::from_bits)
+                .map_err(|e| ShardError::Checkpoint(format!("optimizer amaxes: {e}")))
+        })
+        .collect()
+}
+
+impl ShardedState for ShardedAdam {
+    fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
+        let mut out = Vec::new();
+        let all_scales = Self::host_triples(&self.scales)?;
+        for (u, st) in self.units.iter().enumerate() {
+            if !st.params.is_empty() {
+                let scales = &all_scales[st.slot_base..st.slot_base + st.params.len()];
+                let col = |k: usize| scales.iter().map(|s| s[k]).collect::<Vec<f32>>();
+                let g = ParamGroup::Fp8;
+                match &st.fp8 {
+                    Fp8States::F32 { master, m, v } => {
+                        for (name, b) in [("master", master), ("exp_avg", m), ("exp_avg_sq", v)] {
+                            out.push(state_shard(
+                                name,
+                                u,
+                                g,
+                                QType::F32,
+                                f32s(&b.to_vec()?),
+                                vec![],
+                            ));
+                        }
+                    }
+                    Fp8States::Low { master, m, v, .. } => {
+                        out.push(state_shard(
+                            "master",
+                            u,
+                            g,
+                            QType::F16,
+                            le_bytes(&master.to_vec()?, f16::to_le_bytes),
+                            col(0),
+                        ));
+                        out.push(state_shard(
+                            "exp_avg",
+                            u,
+                            g,
+                            QType::E4M3,
+                            m.to_vec()?,
+                            col(1),
+                        ));
+                        out.push(state_shard(
+                            "exp_avg_sq",
+                            u,
+                            g,
+                            QType::F16,
+                            le_bytes(&v.to_vec()?, f16::to_le_bytes),
+                            col(2),
+                        ));
+                    }
+                }
+            }
+            if st.plain_len > 0 {
+                for (name, b) in [("exp_avg", &st.plain_m), ("exp_avg_sq", &st.plain_v)] {
+                    out.push(state_shard(
+                        name,
+                        u,
+                        ParamGroup::Plain,
+                        QType::F32,
+                        f32s(&b.to_vec()?),
+                        vec![],
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_state(&mut self, shards: Vec<StateShard>) -> Result<(), ShardError> {
+        let expected = self.export_state()?;
+        if expected.len() != shards.len() {
+            return Err(ShardError::Checkpoint(format!(
+                "optimizer: {} state shards given, {} expected",
+                shards.len(),
+                expected.len()
+            )));
+        }
+        let mut new_scales = Self::host_triples(&self.scales)?;
+        for sh in shards {
+            let key = |s: &StateShard| (s.name.clone(), s.unit, s.group);
+            let want = expected
+                .iter()
+                .find(|e| key(e) == key(&sh))
+                .ok_or_else(|| {
+                    ShardError::Checkpoint(format!(
+                        "optimizer: unexpected state {} of unit {} ({:?})",
+                        sh.name, sh.unit, sh.group
+                    ))
+                })?;
+            if want.qtype != sh.qtype || want.slot_scales.len() != sh.slot_scales.len() {
+                return Err(ShardError::Checkpoint(format!(
+                    "optimizer: state {} of unit {} is {:?} with {} scales, this optimizer keeps {:?} with {}",
+                    sh.name,
+                    sh.unit,
+                    sh.qtype,
+                    sh.slot_scales.len(),
+                    want.qtype,
+                    want.slot_scales.len()
+                )));
+            }
+            if sh.slot_scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+                return Err(ShardError::Checkpoint(format!(
+                    "optimizer: state {} of unit {} has a non-positive scale",
+                    sh.name, sh.unit
+                )));
+            }
+            let st = &mut self.units[sh.unit];
+            let what = "optimizer state";
+            let f32v = |b: &[u8], n: usize| from_le(b, n, what, f32::from_le_bytes);
+            let f16v = |b: &[u8], n: usize| from_le(b, n, what, f16::from_le_bytes);
+            match (sh.group, &mut st.fp8, sh.name.as_str()) {
+                (ParamGroup::Plain, _, "exp_avg") => {
+                    st.plain_m.copy_from_host(&f32v(&sh.bytes, st.plain_len)?)?
+                }
+                (ParamGroup::Plain, _, "exp_avg_sq") => {
+                    st.plain_v.copy_from_host(&f32v(&sh.bytes, st.plain_len)?)?
+                }
+                (ParamGroup::Fp8, Fp8States::F32 { master, m, v }, name) => {
+                    let dst = match name {
+                        "master" => master,
+                        "exp_avg" => m,
+                        _ => v,
+                    };
+                    dst.copy_from_host(&f32v(&sh.bytes, st.fp8_len)?)?;
+                }
+                (ParamGroup::Fp8, Fp8States::Low { master, m, v, .. }, name) => {
+                    let k = match name {
+                        "master" => {
+                            master.copy_from_host(&f16v(&sh.bytes, st.fp8_len)?)?;
+                            0
+                        }
+                        "exp_avg" => {
+                            if sh.bytes.len() != st.fp8_len {
+                                return Err(ShardError::Checkpoint(format!(
+                                    "optimizer: exp_avg of unit {} has {} bytes, expected {}",
+                                    sh.unit,
+                                    sh.bytes.len(),
+                                    st.fp8_len
+                                )));
+                            }
+                            m.copy_from_host(&sh.bytes)?;
+                            1
+                        }
+                        _ => {
+                            v.copy_from_host(&f16v(&sh.bytes, st.fp8_len)?)?;
+                            2
+                        }
+                    };
+                    for (i, s) in sh.slot_scales.iter().enumerate() {
+                        new_scales[st.slot_base + i][k] = *s;
+                    }
+                }
+                _ => {
+                    return Err(ShardError::Checkpoint(format!(
+                        "optimizer: unexpected state {}",
+                        sh.name
+                    )))
+                }
+            }
+        }
+        self.scales
+            .copy_from_host(&new_scales.into_iter().flatten().collect::<Vec<f32>>())?;
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .map(|st| {
+                let fp8 = match &st.fp8 {
+                    Fp8States::F32 { master, m, v } => {
+                        master.num_bytes() + m.num_bytes() + v.num_bytes()
+                    }
+                    Fp8States::Low { master, m, v } => {
+                        master.num_bytes() + m.num_bytes() + v.num_bytes()
+                    }
+                };
+                fp8 + st.plain_m.num_bytes() + st.plain_v.num_bytes()
+            })
+            .sum::<usize>()
+            + [
+                &self.control,
+                &self.coef,
+                &self.stats_acc,
+                &self.amaxes,
+                &self.scales,
+                &self.write,
+                &self.kernel_scales,
+            ]
+            .iter()
+            .map(|b| b.num_bytes())
+            .sum::<usize>()
+    }
+
+    fn scalar_state(&self) -> Vec<(String, String)> {
+        // Reads the device; a failed read leaves the values out, so loading such a checkpoint fails with
+        // a clear "no step" / "amaxes" error instead of resuming from wrong counters.
+        let control = self.control.to_vec().unwrap_or_default();
+        let counter = |k: usize| control.get(k).map(|c| c.to_bits().to_string());
+        let amaxes = self.amaxes.to_vec().unwrap_or_default();
+        let mut v: Vec<(String, String)> = [
+            ("step", counter(ctl::STEP)),
+            ("skipped", counter(ctl::SKIPPED)),
+        ]
+        .into_iter()
+        .filter_map(|(k, c)| c.map(|c| (k.to_string(), c)))
+        .collect();
+        v.extend([
+            ("base_lr".to_string(), format!("{:e}", self.options.lr)),
+            (
+                "schedule_position".to_string(),
+                self.schedule_position.to_string(),
+            ),
+            (
+                "schedule".to_string(),
+                self.schedule
+                    .as_ref()
+                    .map_or("none".into(), |s| s.describe()),
+            ),
+            (
+                "state_precision".to_string(),
+                self.options.state_precision.name().to_string(),
+            ),
+            (
+                "amaxes".to_string(),
+                encode_f32_list(amaxes.iter().copied()),
+            ),
+        ]);
+        v.sort();
+        v
+    }
+
+    fn load_scalar_state(&mut self, values: &[(String, String)]) -> Result<(), ShardError> {
+        let get = |k: &str| {
+            values
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+                .ok_or_else(|| ShardError::Checkpoint(format!("optimizer: no {k} in checkpoint")))
+        };
+        let parse_u64 = |k: &str| -> Result<u64, ShardError> {
+            get(k)?
+                .parse()
+                .map_err(|e| ShardError::Checkpoint(format!("optimizer {k}: {e}")))
+        };
+        let precision = get("state_precision")?;
+        if precision != self.options.state_precision.name() {
+            return Err(ShardError::Checkpoint(format!(
+                "optimizer states were saved as {precision}, this optimizer keeps {}",
+                self.options.state_precision.name()
+            )));
+        }
+        let schedule = get("schedule")?;
+        let mine = self
+            .schedule
+            .as_ref()
+            .map_or("none".into(), |s| s.describe());
+        if schedule != mine {
+            return Err(ShardError::Checkpoint(format!(
+                "the checkpoint's learning-rate schedule is {schedule}, this optimizer's {mine}"
+            )));
+        }
+        let amaxes = decode_f32_list(get("amaxes")?)?;
+        if amaxes.len() != 3 * self.total_slots {
+            return Err(ShardError::Checkpoint(format!(
+                "optimizer: {} amaxes for {} FP8 weights",
+                amaxes.len(),
+                self.total_slots
+            )));
+        }
+        let lr: f64 = get("base_lr")?
+            .parse()
+            .map_err(|e| ShardError::Checkpoint(format!("optimizer base_lr: {e}")))?;
+        self.set_lr(lr).map_err(ShardError::from)?;
+        let as_u32 = |k: &str| -> Result<u32, ShardError> {
+            u32::try_from(parse_u64(k)?)
+                .map_err(|e| ShardError::Checkpoint(format!("optimizer {k}: {e}")))
+        };
+        let mut control = vec![0f32; ctl::LEN];
+        control[ctl::STEP] = f32::from_bits(as_u32("step")?);
+        control[ctl::SKIPPED] = f32::from_bits(as_u32("skipped")?);
+        self.control.copy_from_host(&control)?;
+        self.schedule_position = parse_u64("schedule_position")?;
+        self.amaxes.copy_from_host(&amaxes)?;
+        // The stored states belong to the imported scales: the next step's control kernel reads them
+        // (they arrive through import_state).
+        Ok(())
+    }
+}
+
+macro_rules! adam_face {
+    ($name:ident, $mode:expr, $defaults:expr, $doc:literal) => {
+        #[doc = $doc]
+        #[derive(Debug)]
+        pub struct $name(ShardedAdam);
+
+        impl $name {
+            /// Builds the optimizer for this rank from the model and the F32 master shards of its FP8
+            /// groups (as returned by [`ShardedModel::new`]).
+            pub fn new(
+                model: &ShardedModel,
+                fp8_masters: Vec<Vec<f32>>,
+                options: AdamOptions,
+            ) -> Result<Self, OptimError> {
+                Ok($name(ShardedAdam::new(model, fp8_masters, options, $mode)?))
+            }
+
+            /// The optimizer with PyTorch's default hyperparameters and low-precision states.
+            pub fn with_defaults(
+                model: &ShardedModel,
+                fp8_masters: Vec<Vec<f32>>,
+            ) -> Result<Self, OptimError> {
+                Self::new(model, fp8_masters, $defaults)
+            }
+        }
+
+        impl std::ops::Deref for $name {
+            type Target = ShardedAdam;
+            fn deref(&self) -> &ShardedAdam {
+                &self.0
+            }
+        }
+
+        impl std::ops::DerefMut for $name {
+            fn deref_mut(&mut self) -> &mut ShardedAdam {
+                &mut self.0
+            }
+        }
+
+        impl ShardedState for $name {
+            fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
+                self.0.export_state()
+            }
+            fn import_state(&mut self, shards: Vec<StateShard>) -> Result<(), ShardError> {
+                self.0.import_state(shards)
+            }
+            fn state_bytes(&self) -> usize {
+                self.0.state_bytes()
+            }
+            fn scalar_state(&self) -> Vec<(String, String)> {
+                self.0.scalar_state()
+            }
+            fn load_scalar_state(&mut self, values: &[(String, String)]) -> Result<(), ShardError> {
+                self.0.load_scalar_state(values)
+            }
+        }
+    };
+}
+
+adam_face!(
+    FsdpAdam,
+    WeightDecay::L2,
+    AdamOptions::adam(),
+    "`torch.optim.Adam` over FSDP shards: weight decay is an L2 penalty added to the gradient."
+);
+adam_face!(
+    FsdpAdamW,
+    WeightDecay::Decoupled,
+    AdamOptions::adamw(),
+    "`torch.optim.AdamW` over FSDP shards: decoupled weight decay (`w *= 1 - lr * weight_decay`)."
+);
+
+/// Model-state bytes per parameter per rank-share, by part (analytic, padding excluded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BytesPerParam {
+    /// The parameter shard the model keeps (E4M3 code, or F32 for plain parameters).
+    pub weight: usize,
+    /// The reduced gradient shard (F32 by default in `fsdp-shard`, 2 bytes with BF16 shards: see
+    /// [`BytesPerParam::with_grad`]).
+    pub grad: usize,
+    /// Optimizer master copy (0 for plain parameters: their shard is the master).
+    pub master: usize,
+    /// First moment.
+    pub exp_avg: usize,
+    /// Second moment.
+    pub exp_avg_sq: usize,
+}
+
+impl BytesPerParam {
+    /// An FP8 weight's bytes with the given state precision.
+    pub fn fp8_weight(precision: StatePrecision) -> Self {
+        match precision {
+            StatePrecision::F32 => BytesPerParam {
+                weight: 1,
+                grad: 4,
+                master: 4,
+                exp_avg: 4,
+                exp_avg_sq: 4,
+            },
+            StatePrecision::LowPrecision => BytesPerParam {
+                weight: 1,
+                grad: 4,
+                master: 2,
+                exp_avg: 1,
+                exp_avg_sq: 2,
+            },
+        }
+    }
+
+    /// A plain parameter's bytes (F32 parameter = master, F32 gradient, F32 moments).
+    pub fn plain() -> Self {
+        BytesPerParam {
+            weight: 4,
+            grad: 4,
+            master: 0,
+            exp_avg: 4,
+            exp_avg_sq: 4,
+        }
+    }
+
+    /// The peer: BF16 mixed precision with F32 Adam (BF16 weight and gradient, F32 master and moments).
+    pub fn bf16_mixed_precision() -> Self {
+        BytesPerParam {
+            weight: 2,
+            grad: 2,
+            master: 4,
+            exp_avg: 4,
+            exp_avg_sq: 4,
+        }
+    }
+
+    /// The same with gradient shards stored as `dtype`.
+    pub fn with_grad(self, dtype: GradDtype) -> Self {
+        BytesPerParam {
+            grad: dtype.size_bytes(),
+            ..self
+        }
+    }
+
+    /// Total.
+    pub fn total(&self) -> usize {
+        self.weight + self.grad + self.master + self.exp_avg + self.exp_avg_sq
+    }
+}
