@@ -20,9 +20,7 @@ use crate::device::{cuda_slice, cuda_slice_mut};
 use crate::kernel_source::{cast_transpose_launch, function, grid_1d, sm_count, CAST_MODULE};
 use crate::{Buffer, CudaDevice, Device, Element, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use fp8_core::{
-    compute_scale, AmaxCompute, Fp8Format, QType, ScaleRounding, ScalingRecipe,
-};
+use fp8_core::{compute_scale, AmaxCompute, Fp8Format, QType, ScaleRounding, ScalingRecipe};
 use rayon::prelude::*;
 
 /// Floating-point element types kernels read and write: `f32`, `bf16`, `f16`.

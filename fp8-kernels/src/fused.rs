@@ -296,5 +296,3 @@ pub fn gelu_backward_cast_fp8<T: FloatElement>(
         amax,
     )
 }
-
-

@@ -5,7 +5,8 @@ use fp8_core::{
 };
 use fp8_kernels::{
     amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert, dequantize_fp8,
-    AmaxSlot, Buffer, CurrentScaling, Device, DeviceScalingMeta, FloatElement, KernelError,
+    update_scaling_meta, AmaxInput, AmaxSlot, Buffer, CurrentScaling, Device, FloatElement,
+    KernelError, ScalingMetaBuffers,
 };
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -179,35 +180,38 @@ proptest! {
         let q = if e5m2 { QType::E5M2 } else { QType::E4M3 };
         let mut host = ScalingMeta::new(q, recipe).unwrap();
         let dev = Device::cpu();
-        let mut d = DeviceScalingMeta::new(&dev, &host).unwrap();
+        let mut scale = dev.upload(&[host.scale()]).unwrap();
+        let mut scale_inv = dev.upload(&[host.scale_inv()]).unwrap();
+        let mut history = dev.upload(&host.history()).unwrap();
+        let mut state = dev.upload(&[0u32, 0, 0]).unwrap();
         let shared = dev.upload(&amaxes).unwrap();
         for (i, &a) in amaxes.iter().enumerate() {
             host.update_from_amax(a);
+            let bufs = ScalingMetaBuffers {
+                scale: &mut scale,
+                scale_inv: &mut scale_inv,
+                history: &mut history,
+                state: &mut state,
+            };
             if i % 2 == 0 {
-                // through the pending slot, which the update resets
-                d.pending_amax_mut().copy_from_host(&[a]).unwrap();
-                d.update_from_pending().unwrap();
-                prop_assert_eq!(d.pending_amax().to_vec().unwrap()[0], 0.0);
+                // through a pending slot, which the update resets
+                let mut own = dev.upload(&[a]).unwrap();
+                update_scaling_meta(bufs, q, &recipe, AmaxInput::Take(&mut own, 0)).unwrap();
+                prop_assert_eq!(own.to_vec().unwrap()[0], 0.0);
             } else {
-                d.update_from_amax(&shared, i).unwrap();
+                update_scaling_meta(bufs, q, &recipe, AmaxInput::Read(&shared, i)).unwrap();
             }
-            prop_assert_eq!(d.scale().to_vec().unwrap()[0].to_bits(), host.scale().to_bits());
-            prop_assert_eq!(d.scale_inv().to_vec().unwrap()[0].to_bits(), host.scale_inv().to_bits());
+            prop_assert_eq!(scale.to_vec().unwrap()[0].to_bits(), host.scale().to_bits());
+            prop_assert_eq!(scale_inv.to_vec().unwrap()[0].to_bits(), host.scale_inv().to_bits());
         }
-        let back = d.to_meta().unwrap();
-        let hb: Vec<u32> = back.history().iter().map(|v| v.to_bits()).collect();
+        // The ring, read oldest first from its position, is the host history (NaN kept as NaN).
+        let ring = history.to_vec().unwrap();
+        let st = state.to_vec().unwrap();
+        let pos = st[0] as usize;
+        let oldest: Vec<u32> = ring[pos..].iter().chain(&ring[..pos]).map(|v| v.to_bits()).collect();
         let hh: Vec<u32> = host.history().iter().map(|v| v.to_bits()).collect();
-        prop_assert_eq!(hb, hh);
-        prop_assert_eq!(back.recorded(), host.recorded());
-        prop_assert_eq!(back.scale().to_bits(), host.scale().to_bits());
-        // A round trip through the device meta keeps everything.
-        // (compared by bits: a NaN amax in the history is kept, and NaN != NaN)
-        let again = DeviceScalingMeta::new(&dev, &back).unwrap().to_meta().unwrap();
-        let bits = |m: &ScalingMeta| -> Vec<u32> { m.history().iter().map(|v| v.to_bits()).collect() };
-        prop_assert_eq!(bits(&again), bits(&back));
-        prop_assert_eq!(again.scale().to_bits(), back.scale().to_bits());
-        prop_assert_eq!(again.recorded(), back.recorded());
-        prop_assert_eq!(again.recipe(), back.recipe());
+        prop_assert_eq!(oldest, hh);
+        prop_assert_eq!(((st[2] as u64) << 32) | st[1] as u64, host.recorded());
     }
 
     #[test]
@@ -367,31 +371,59 @@ fn bad_arguments_are_errors() {
         ..CurrentScaling::new(Fp8Format::E4M3)
     };
     assert!(cast_to_fp8_current(&x, spec, &mut sc, &mut si, &mut am, &mut y5).is_err());
-    let mut m =
-        DeviceScalingMeta::fresh(&dev, QType::BF16, ScalingRecipe::current_default()).unwrap();
-    assert!(
-        m.cast(&x, &mut y5).is_err(),
-        "a bf16 meta cannot cast to FP8"
-    );
-    assert!(m.update_from_amax(&s, 3).is_err());
+    // A slot outside the amax vector is an error, not a wild read.
+    let bufs = ScalingMetaBuffers {
+        scale: &mut sc,
+        scale_inv: &mut si,
+        history: &mut dev.zeros::<f32>(4).unwrap(),
+        state: &mut dev.zeros::<u32>(3).unwrap(),
+    };
+    let recipe = ScalingRecipe::delayed_default();
+    assert!(update_scaling_meta(bufs, QType::E4M3, &recipe, AmaxInput::Read(&s, 3)).is_err());
 }
 
 #[test]
-fn device_meta_casts_record_and_update() {
-    // Delayed scaling through the meta: casts accumulate the pending amax, the update consumes it.
+fn delayed_casts_record_into_a_slot_and_the_update_consumes_it() {
+    // Delayed scaling: casts accumulate the pending amax, the update consumes it.
     let dev = Device::cpu();
-    let mut m =
-        DeviceScalingMeta::fresh(&dev, QType::E4M3, ScalingRecipe::delayed_default()).unwrap();
+    let recipe = ScalingRecipe::delayed_default();
+    let host = ScalingMeta::new(QType::E4M3, recipe).unwrap();
+    let mut scale = dev.upload(&[host.scale()]).unwrap();
+    let mut scale_inv = dev.upload(&[host.scale_inv()]).unwrap();
+    let mut history = dev.upload(&host.history()).unwrap();
+    let mut state = dev.upload(&[0u32, 0, 0]).unwrap();
+    let mut pending = dev.zeros::<f32>(2).unwrap();
     let x1 = dev.upload(&[1.0f32, -3.0]).unwrap();
     let x2 = dev.upload(&[2.0f32, 0.5]).unwrap();
     let mut y = dev.zeros::<u8>(2).unwrap();
-    m.cast(&x1, &mut y).unwrap();
-    m.cast(&x2, &mut y).unwrap();
-    assert_eq!(m.pending_amax().to_vec().unwrap()[0], 3.0);
-    m.update_from_pending().unwrap();
-    assert_eq!(m.scale().to_vec().unwrap()[0], 128.0); // 448 / 3 -> 2^7
+    cast_to_fp8(
+        &x1,
+        Fp8Format::E4M3,
+        &scale,
+        &mut y,
+        Some(AmaxSlot::new(&mut pending, 1)),
+    )
+    .unwrap();
+    cast_to_fp8(
+        &x2,
+        Fp8Format::E4M3,
+        &scale,
+        &mut y,
+        Some(AmaxSlot::new(&mut pending, 1)),
+    )
+    .unwrap();
+    assert_eq!(pending.to_vec().unwrap(), vec![0.0, 3.0]);
+    let bufs = ScalingMetaBuffers {
+        scale: &mut scale,
+        scale_inv: &mut scale_inv,
+        history: &mut history,
+        state: &mut state,
+    };
+    update_scaling_meta(bufs, QType::E4M3, &recipe, AmaxInput::Take(&mut pending, 1)).unwrap();
+    assert_eq!(pending.to_vec().unwrap(), vec![0.0, 0.0]);
+    assert_eq!(scale.to_vec().unwrap()[0], 128.0); // 448 / 3 -> 2^7
     let mut yt = dev.zeros::<u8>(2).unwrap();
-    m.cast_transpose(&x1, [1, 2], &mut yt, None).unwrap();
+    cast_transpose_to_fp8(&x1, [1, 2], Fp8Format::E4M3, &scale, &mut yt, None, None).unwrap();
     assert_eq!(
         yt.to_vec().unwrap(),
         vec![
@@ -399,15 +431,4 @@ fn device_meta_casts_record_and_update() {
             Fp8Format::E4M3.encode(-384.0)
         ]
     );
-    // Current scaling through the meta: the new scale applies to this very cast.
-    let mut c =
-        DeviceScalingMeta::fresh(&dev, QType::E5M2, ScalingRecipe::current_default()).unwrap();
-    c.cast_current(&x1, &mut y).unwrap();
-    let s = compute_scale(3.0, 57344.0, 0, ScaleRounding::PowerOfTwo, 1.0);
-    assert_eq!(c.scale().to_vec().unwrap()[0], s);
-    assert_eq!(
-        y.to_vec().unwrap(),
-        vec![Fp8Format::E5M2.encode(s), Fp8Format::E5M2.encode(-3.0 * s)]
-    );
-    assert_eq!(c.to_meta().unwrap().latest_amax(), 3.0);
 }

@@ -7,10 +7,7 @@ use fp8_core::Fp8Format;
 use fp8_kernels::fused::{gelu_backward_cast_fp8, gelu_cast_fp8, FUSED_MODULE};
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status};
 use fp8_kernels::ops::{gelu_backward, gelu_forward, gelu_grad_scalar, gelu_scalar, GeluApprox};
-use fp8_kernels::{
-    cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement, Fp8Linear, Fp8LinearConfig,
-    Fp8LinearSaved,
-};
+use fp8_kernels::{cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement};
 use half::{bf16, f16};
 use proptest::prelude::*;
 
@@ -233,110 +230,6 @@ proptest! {
     }
 }
 
-/// The `Fp8Linear` wrappers leave the same codes, saved `x^T`, saved scale and metas as the unfused
-/// `gelu_* -> quantize_*` sequence, over several steps (so the delayed scale moves off 1).
-#[test]
-fn linear_wrappers_equal_unfused_sequence() {
-    let dev = Device::cpu();
-    let (tokens, inf, outf) = (48usize, 40usize, 24usize);
-    let cfg = Fp8LinearConfig::default();
-    let mut a = Fp8Linear::new(&dev, inf, outf, cfg).unwrap();
-    let mut b = Fp8Linear::new(&dev, inf, outf, cfg).unwrap();
-    // For the backward, the GELU sits before the linear whose output gradient is cast: [tokens, out].
-    let mut rng = fp8_kernels::rng::SplitMix64::new(7);
-    for step in 0..4 {
-        let spread = 1.0 + 3.0 * step as f32;
-        let u_in: Vec<bf16> = (0..tokens * inf)
-            .map(|_| bf16::from_f32(rng.uniform_f32() * spread))
-            .collect();
-        let u_out: Vec<bf16> = (0..tokens * outf)
-            .map(|_| bf16::from_f32(rng.uniform_f32() * spread))
-            .collect();
-        let dh: Vec<bf16> = (0..tokens * outf)
-            .map(|_| bf16::from_f32(rng.uniform_f32() * 1e-3 * spread))
-            .collect();
-        let u_in = dev.upload(&u_in).unwrap();
-        let u_out = dev.upload(&u_out).unwrap();
-        let dh = dev.upload(&dh).unwrap();
-
-        // Unfused.
-        let mut h = dev.zeros::<bf16>(tokens * inf).unwrap();
-        gelu_forward(&u_in, &mut h, GeluApprox::Erf).unwrap();
-        let mut xq_a = dev.zeros::<u8>(tokens * inf).unwrap();
-        let mut saved_a = Fp8LinearSaved::zeros(&dev, tokens, inf).unwrap();
-        a.quantize_input(&h, &mut xq_a, &mut saved_a).unwrap();
-        let mut du = dev.zeros::<bf16>(tokens * outf).unwrap();
-        gelu_backward(&u_out, &dh, &mut du, GeluApprox::Erf).unwrap();
-        let (mut gq_a, mut gt_a) = (
-            dev.zeros::<u8>(tokens * outf).unwrap(),
-            dev.zeros::<u8>(tokens * outf).unwrap(),
-        );
-        a.quantize_grad_output(&du, &mut gq_a, &mut gt_a).unwrap();
-
-        // Fused.
-        let mut xq_b = dev.zeros::<u8>(tokens * inf).unwrap();
-        let mut saved_b = Fp8LinearSaved::zeros(&dev, tokens, inf).unwrap();
-        b.quantize_input_gelu(&u_in, GeluApprox::Erf, &mut xq_b, &mut saved_b)
-            .unwrap();
-        let (mut gq_b, mut gt_b) = (
-            dev.zeros::<u8>(tokens * outf).unwrap(),
-            dev.zeros::<u8>(tokens * outf).unwrap(),
-        );
-        b.quantize_grad_output_gelu(&u_out, &dh, GeluApprox::Erf, &mut gq_b, &mut gt_b)
-            .unwrap();
-
-        assert_eq!(
-            xq_a.to_vec().unwrap(),
-            xq_b.to_vec().unwrap(),
-            "x_q, step {step}"
-        );
-        assert_eq!(saved_a.tokens(), saved_b.tokens());
-        assert_eq!(
-            saved_a.x_t().to_vec().unwrap(),
-            saved_b.x_t().to_vec().unwrap(),
-            "saved x^T, step {step}"
-        );
-        assert_eq!(
-            bits(saved_a.x_scale_inv().to_vec().unwrap()),
-            bits(saved_b.x_scale_inv().to_vec().unwrap())
-        );
-        assert_eq!(
-            gq_a.to_vec().unwrap(),
-            gq_b.to_vec().unwrap(),
-            "dy_q, step {step}"
-        );
-        assert_eq!(
-            gt_a.to_vec().unwrap(),
-            gt_b.to_vec().unwrap(),
-            "dy^T, step {step}"
-        );
-        let pending = |l: &Fp8Linear| {
-            (
-                bits(l.input_meta().pending_amax().to_vec().unwrap()),
-                bits(l.grad_output_meta().pending_amax().to_vec().unwrap()),
-            )
-        };
-        let pa = pending(&a);
-        assert_eq!(pa, pending(&b), "pending amaxes, step {step}");
-        assert!(f32::from_bits(pa.0[0]) > 0.0, "the input amax was recorded");
-        a.update_scales().unwrap();
-        b.update_scales().unwrap();
-        assert_eq!(
-            a.input_meta().to_meta().unwrap(),
-            b.input_meta().to_meta().unwrap()
-        );
-        assert_eq!(
-            a.grad_output_meta().to_meta().unwrap(),
-            b.grad_output_meta().to_meta().unwrap()
-        );
-    }
-    assert_ne!(
-        a.input_meta().to_meta().unwrap().scale(),
-        1.0,
-        "the delayed scale moved, so later steps used a non-trivial scale"
-    );
-}
-
 #[test]
 fn bad_arguments_are_errors() {
     let dev = Device::cpu();
@@ -365,10 +258,6 @@ fn bad_arguments_are_errors() {
     let dh = dev.upload(&[bf16::from_f32(0.5); 10]).unwrap();
     assert!(gelu_backward_cast_fp8(&u, &dh, [3, 4], a, f, &scale, &mut y, &mut yt, None).is_err());
     assert!(gelu_cast_fp8(&u, [usize::MAX, 2], a, f, &scale, &mut y, &mut yt, None).is_err());
-    // The linear wrapper rejects a u that is not whole rows.
-    let mut lin = Fp8Linear::new(&dev, 5, 4, Fp8LinearConfig::default()).unwrap();
-    let mut saved = Fp8LinearSaved::zeros(&dev, 2, 5).unwrap();
-    assert!(lin.quantize_input_gelu(&u, a, &mut y, &mut saved).is_err());
 }
 
 #[test]

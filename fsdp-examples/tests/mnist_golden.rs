@@ -6,8 +6,8 @@
 
 use fsdp_examples::data::committed_subset_dir;
 use fsdp_examples::mnist::{train, DeviceChoice, TrainConfig};
-use fsdp_nn::LinearPrecision;
 use fsdp_examples::progress::ProgressMode;
+use fsdp_nn::LinearPrecision;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 

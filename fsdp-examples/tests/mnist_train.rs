@@ -3,8 +3,8 @@
 
 use fsdp_examples::data::committed_subset_dir;
 use fsdp_examples::mnist::{train, DeviceChoice, MnistError, TrainConfig, TrainReport};
-use fsdp_nn::LinearPrecision;
 use fsdp_examples::progress::ProgressMode;
+use fsdp_nn::LinearPrecision;
 
 fn subset_config(world_size: usize, precision: LinearPrecision) -> TrainConfig {
     TrainConfig {

@@ -86,7 +86,10 @@ impl Conv2d {
         if self.kernel > h + 2 * self.padding || self.kernel > w + 2 * self.padding {
             return Err(NnError::usage(
                 &self.name,
-                format!("kernel {} larger than the padded {h}x{w} input", self.kernel),
+                format!(
+                    "kernel {} larger than the padded {h}x{w} input",
+                    self.kernel
+                ),
             ));
         }
         Ok(Conv2dGeometry {
@@ -205,10 +208,8 @@ impl Layer for Conv2d {
             // dcols [patches, pl] = dY [patches, oc] x W [oc, pl].
             let spec = GemmSpec::new(patches, pl, oc).parallelism(par);
             gemm_f32(&spec, &dy_pix, w, &mut dcols)?;
-            let mut dx = Tensor::uninit(
-                &dev,
-                Shape::new(&[g.batch, g.channels, g.height, g.width])?,
-            )?;
+            let mut dx =
+                Tensor::uninit(&dev, Shape::new(&[g.batch, g.channels, g.height, g.width])?)?;
             ops::col2im(&dcols, &g, dx.data_mut())?;
             Some(dx)
         } else {

@@ -34,9 +34,9 @@ impl Activation for bf16 {
         if !fits {
             *scratch = Some(src.device().uninit(src.len())?);
         }
-        let out = scratch.as_mut().ok_or(KernelError::Internal(
-            "conversion buffer missing".into(),
-        ))?;
+        let out = scratch
+            .as_mut()
+            .ok_or(KernelError::Internal("conversion buffer missing".into()))?;
         convert(src, out)?;
         Ok(out)
     }

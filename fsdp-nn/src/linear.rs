@@ -248,7 +248,10 @@ impl<T: Activation> Linear<T> {
         } else {
             Err(NnError::usage(
                 &self.name,
-                format!("{what} needs an FP8 layer, this one is {}", self.precision.name()),
+                format!(
+                    "{what} needs an FP8 layer, this one is {}",
+                    self.precision.name()
+                ),
             ))
         }
     }
@@ -374,7 +377,8 @@ impl<T: Activation> Linear<T> {
         let par = ctx.cpu_parallelism();
         let bf16_grad = ctx.grad_dtype() == GradDtype::Bf16;
         let (dx, dw32, dw16) = {
-            let ((codes, scales), gmeta) = ctx.fp8_weight_and_scaling(self.weight, self.grad_meta)?;
+            let ((codes, scales), gmeta) =
+                ctx.fp8_weight_and_scaling(self.weight, self.grad_meta)?;
             let g_scale = DeviceScalar {
                 buffer: gmeta.scale_inv(),
                 index: 0,

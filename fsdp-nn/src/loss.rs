@@ -79,14 +79,17 @@ impl LogSoftmaxNll {
         labels: &Buffer<i32>,
         grad_scale: f32,
     ) -> Result<Tensor, NnError> {
-        let lp = self
-            .log_probs
-            .take()
-            .ok_or_else(|| NnError::usage("LogSoftmaxNll", "backward without a training forward"))?;
+        let lp = self.log_probs.take().ok_or_else(|| {
+            NnError::usage("LogSoftmaxNll", "backward without a training forward")
+        })?;
         if labels.len() != self.rows {
             return Err(NnError::usage(
                 "LogSoftmaxNll",
-                format!("{} labels for a forward of {} rows", labels.len(), self.rows),
+                format!(
+                    "{} labels for a forward of {} rows",
+                    labels.len(),
+                    self.rows
+                ),
             ));
         }
         let mut d = Tensor::uninit(ctx.device(), Shape::matrix(self.rows, self.classes)?)?;

@@ -483,7 +483,7 @@ impl ShardedAdam {
     pub fn step_agreeing(
         &mut self,
         model: &mut ShardedModel,
-        mut scaling: Option<&mut ScalingRegistry>,
+        scaling: Option<&mut ScalingRegistry>,
     ) -> Result<PendingStepReport, OptimError> {
         self.check_model(model)?;
         let lr = self.current_lr();
@@ -553,9 +553,10 @@ impl ShardedAdam {
         // Parameters outside the decay group (biases, norm weights) step with the same coefficients
         // minus weight decay: the L2 and decoupled flags zeroed on the device.
         let no_decay_used = self.options.weight_decay != 0.0
-            && self.units.iter().any(|st| {
-                st.fp8_decay.iter().any(|d| !d) || st.plain_runs.iter().any(|(d, _)| !d)
-            });
+            && self
+                .units
+                .iter()
+                .any(|st| st.fp8_decay.iter().any(|d| !d) || st.plain_runs.iter().any(|(d, _)| !d));
         if no_decay_used {
             self.coef_no_decay.copy_from(&self.coef)?;
             self.coef_no_decay
@@ -643,7 +644,7 @@ impl ShardedAdam {
                 .comm()
                 .all_reduce_in_place((&mut amax).into(), ReduceOp::Max)?;
         }
-        if let Some(reg) = scaling.as_deref_mut() {
+        if let Some(reg) = scaling {
             reg.update_from(&amax, per_slot * n)?;
         }
         let agreed = if metas > 0 {

@@ -64,10 +64,10 @@ mod optimizer;
 pub mod schedule;
 pub mod state_scaling;
 
-pub use config::{AdamOptions, StatePrecision};
-pub use error::OptimError;
 pub use adam::{
     BytesPerParam, FsdpAdam, FsdpAdamW, PendingStepReport, ShardedAdam, StateMeta, StepReport,
 };
+pub use config::{AdamOptions, StatePrecision};
+pub use error::OptimError;
 pub use optimizer::{step_model, Optimizer};
 pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};

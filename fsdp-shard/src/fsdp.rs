@@ -53,11 +53,12 @@
 //! ```
 
 use crate::layout::{ModelLayout, ParamGroup, WrapPolicy};
+use crate::model::GradDtype;
 use crate::model::{FsdpConfig, GatheredParam, ShardedModel};
 use crate::module::{
-    initial_values, param_specs, ModulePath, Module, ParamDecl, ParamId, ScalingDecl, ScalingId, Visitor,
+    initial_values, param_specs, Module, ModulePath, ParamDecl, ParamId, ScalingDecl, ScalingId,
+    Visitor,
 };
-use crate::model::GradDtype;
 use crate::scaling::{ScalingRegistry, ScalingState, ScalingUse};
 use crate::ShardError;
 use fp8_kernels::{Buffer, CpuParallelism, Device};

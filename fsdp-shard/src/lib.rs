@@ -35,16 +35,14 @@ pub mod scaling;
 pub mod state;
 
 pub use error::ShardError;
-pub use grad::{GradReducer, GradReduction};
 pub use fsdp::{Ctx, FsdpModel, Mode, Phase};
+pub use grad::{GradReducer, GradReduction};
 pub use layout::{
     GroupLayout, ModelLayout, ParamGroup, ParamKind, ParamLocation, ParamSlot, ParamSpec,
     UnitLayout, WrapPolicy, ALIGN,
 };
-pub use module::{
-    Module, ModulePath, ParamDecl, ParamId, ScalingDecl, ScalingId, Visitor,
-};
-pub use scaling::{ScalingRegistry, ScalingState, ScalingUse};
 pub use memory::MemoryReport;
 pub use model::{FsdpConfig, GatheredParam, GradDtype, GradShard, ShardedModel, UnitShards};
+pub use module::{Module, ModulePath, ParamDecl, ParamId, ScalingDecl, ScalingId, Visitor};
+pub use scaling::{ScalingRegistry, ScalingState, ScalingUse};
 pub use state::{ShardedState, StateShard};

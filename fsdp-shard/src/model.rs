@@ -18,13 +18,14 @@ use crate::layout::{ModelLayout, ParamGroup, ParamKind};
 use crate::memory::MemoryReport;
 use crate::ShardError;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
-use fp8_kernels::segmented::{
-    segmented_amax, segmented_cast, segmented_scales, Segment, SegmentTable,
-};
+use fp8_kernels::segmented::segmented_scales;
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::{CommWork, Communicator, RecvBuf, SendBuf};
 use half::bf16;
 use std::sync::Arc;
+
+/// Makes the initial values of the given parameters (by index), in that order.
+pub type UnitInit<'a> = dyn FnMut(&[usize]) -> Result<Vec<Vec<f32>>, ShardError> + 'a;
 
 /// Options of a sharded model.
 #[derive(Debug, Clone, PartialEq)]
@@ -153,9 +154,6 @@ pub struct UnitShards {
     gathered: Option<[Vec<GatheredParam>; 2]>,
     /// An all-gather issued by [`ShardedModel::gather_async`] and not yet waited for.
     pending: Option<PendingGather>,
-    /// Which part of this rank's FP8 shard holds which FP8 weight (slot = index in the unit's FP8 group),
-    /// on the model's device, for the one-launch-per-unit amax and cast.
-    fp8_table: SegmentTable,
 }
 
 impl UnitShards {
@@ -253,7 +251,7 @@ impl ShardedModel {
         layout: Arc<ModelLayout>,
         comm: Arc<dyn Communicator>,
         config: FsdpConfig,
-        init_unit: &mut dyn FnMut(&[usize]) -> Result<Vec<Vec<f32>>, ShardError>,
+        init_unit: &mut UnitInit<'_>,
     ) -> Result<(Self, Vec<Vec<f32>>), ShardError> {
         let device = comm.device().clone();
         let (rank, ws) = (comm.rank(), comm.world_size());
@@ -327,14 +325,6 @@ impl ShardedModel {
             };
             let grads = [device.zeros::<f32>(n32[0])?, device.zeros::<f32>(n32[1])?];
             let grads_bf16 = [device.zeros::<bf16>(n16[0])?, device.zeros::<bf16>(n16[1])?];
-            let segments: Vec<Segment> = shard_segments(fp8_group, rank, ws)
-                .into_iter()
-                .map(|(slot, r)| Segment {
-                    start: r.start,
-                    end: r.end,
-                    slot,
-                })
-                .collect();
             units.push(UnitShards {
                 fp8: device.upload(&codes_full[r8])?,
                 plain: device.upload(&full[1][rp])?,
@@ -344,7 +334,6 @@ impl ShardedModel {
                 full_grads: [None, None],
                 gathered: None,
                 pending: None,
-                fp8_table: SegmentTable::new(&device, &segments)?,
             });
         }
         let reducer = GradReducer::new(config.grad_reduction, &device);
@@ -770,8 +759,8 @@ impl ShardedModel {
         ))
     }
 
-    /// Number of FP8 weights of every unit, in order (the length of the amax vector of
-    /// [`ShardedModel::update_fp8_weights`]).
+    /// Number of FP8 weights of every unit, in order (the amax vector of
+    /// [`ShardedModel::set_fp8_weight_scales`] is their concatenation).
     pub fn fp8_counts(&self) -> Vec<usize> {
         self.layout
             .units
@@ -780,68 +769,10 @@ impl ShardedModel {
             .collect()
     }
 
-    fn check_masters(&self, masters: &[&Buffer<f32>]) -> Result<(), ShardError> {
-        if masters.len() != self.units.len() {
-            return Err(ShardError::InvalidArgument(format!(
-                "{} master shards given for {} units",
-                masters.len(),
-                self.units.len()
-            )));
-        }
-        for (u, m) in masters.iter().enumerate() {
-            if m.len() != self.units[u].fp8.len() {
-                return Err(ShardError::InvalidArgument(format!(
-                    "unit {u}: master shard has {} elements, the FP8 shard {}",
-                    m.len(),
-                    self.units[u].fp8.len()
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// This rank's amax of every FP8 weight's master values (flattened over units in slot order; 0 for
-    /// weights outside this rank's shard), as a buffer on the model's device. `masters` holds one F32
-    /// master shard per unit, in the FP8 group's shard layout.
-    pub fn fp8_local_amaxes(&self, masters: &[&Buffer<f32>]) -> Result<Buffer<f32>, ShardError> {
-        self.check_masters(masters)?;
-        let counts = self.fp8_counts();
-        let mut amaxes = self.device.zeros::<f32>(counts.iter().sum())?;
-        let mut base = 0;
-        for (u, m) in masters.iter().enumerate() {
-            // One launch per unit over this rank's shard, one amax slot per FP8 weight.
-            segmented_amax(m, &self.units[u].fp8_table, &mut amaxes, base)?;
-            base += counts[u];
-        }
-        Ok(amaxes)
-    }
-
-    /// Sets every FP8 weight's scale from its global amax (already all-reduced with MAX across ranks, so
-    /// identical everywhere; flattened over units in slot order) and casts this rank's master shards into
-    /// the FP8 weight shards. A zero or non-finite amax keeps the previous scale.
-    pub fn apply_fp8_weights(
-        &mut self,
-        masters: &[&Buffer<f32>],
-        global_amaxes: &Buffer<f32>,
-    ) -> Result<(), ShardError> {
-        self.check_masters(masters)?;
-        self.set_fp8_weight_scales(global_amaxes)?;
-        for (shards, m) in self.units.iter_mut().zip(masters) {
-            segmented_cast(
-                m,
-                &shards.fp8_table,
-                Fp8Format::E4M3,
-                &shards.weight_scales,
-                &mut shards.fp8,
-            )?;
-        }
-        Ok(())
-    }
-
     /// Sets every FP8 weight's scale pair from its global amax (all-reduced with MAX, flattened over units
-    /// in slot order), as [`ShardedModel::apply_fp8_weights`] does, without casting: for an optimizer that
-    /// casts its masters into [`UnitShards::fp8`] itself (in place, with no F32 copy of the shard). A zero or
-    /// non-finite amax keeps the previous scale.
+    /// in slot order). The optimizer then casts its masters into [`UnitShards::fp8`] with these scales (in
+    /// place, with no F32 copy of the shard): the one path by which FP8 weights change after
+    /// construction. A zero or non-finite amax keeps the previous scale.
     pub fn set_fp8_weight_scales(&mut self, global_amaxes: &Buffer<f32>) -> Result<(), ShardError> {
         let counts = self.fp8_counts();
         let total: usize = counts.iter().sum();
@@ -863,20 +794,6 @@ impl ShardedModel {
             base += counts[u];
         }
         Ok(())
-    }
-
-    /// Re-quantizes every FP8 weight shard from the optimizer's new F32 master shards with current scaling:
-    /// local amaxes, ONE all-reduce(MAX) of the vector of all weights' amaxes, new scales (identical on
-    /// every rank), cast. An optimizer that also reduces other amaxes calls
-    /// [`ShardedModel::fp8_local_amaxes`] and [`ShardedModel::apply_fp8_weights`] around its own single
-    /// all-reduce instead.
-    pub fn update_fp8_weights(&mut self, masters: &[&Buffer<f32>]) -> Result<(), ShardError> {
-        let mut amaxes = self.fp8_local_amaxes(masters)?;
-        if !amaxes.is_empty() {
-            self.comm
-                .all_reduce_in_place((&mut amaxes).into(), fsdp_comm::ReduceOp::Max)?;
-        }
-        self.apply_fp8_weights(masters, &amaxes)
     }
 
     /// Non-finite gradient values seen by FP8 gradient casts since the last call (they cannot be seen in

@@ -89,7 +89,9 @@ impl ScalingId {
             .ok()
             .filter(|&i| i != u32::MAX)
             .map(ScalingId)
-            .ok_or_else(|| ShardError::InvalidModel(format!("scaling meta index {index} too large")))
+            .ok_or_else(|| {
+                ShardError::InvalidModel(format!("scaling meta index {index} too large"))
+            })
     }
 
     /// The index, or `None` when unset.
@@ -191,8 +193,12 @@ pub trait Visitor {
 
     /// A parameter named `local` within the current module. A registering visitor assigns `id`; others
     /// read it.
-    fn param(&mut self, local: &str, decl: &ParamDecl<'_>, id: &mut ParamId)
-        -> Result<(), ShardError>;
+    fn param(
+        &mut self,
+        local: &str,
+        decl: &ParamDecl<'_>,
+        id: &mut ParamId,
+    ) -> Result<(), ShardError>;
 
     /// An FP8 scaling meta named `local`. A registering visitor creates the meta and assigns `id`.
     fn scaling(
@@ -403,7 +409,11 @@ mod tests {
         fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
             let n = self.n;
             let init = move || (0..n).map(|i| i as f32).collect();
-            v.param("w", &ParamDecl::new(&[n], ParamKind::Plain, &init), &mut self.w)?;
+            v.param(
+                "w",
+                &ParamDecl::new(&[n], ParamKind::Plain, &init),
+                &mut self.w,
+            )?;
             v.counter("count", &mut self.count)
         }
     }

@@ -53,7 +53,9 @@ impl ScalingState {
         let ring = self.history.to_vec()?;
         let state = self.state.to_vec()?;
         let (Some(&s), [pos, lo, hi]) = (scale.first(), state.as_slice()) else {
-            return Err(ShardError::State("scaling meta buffers are malformed".into()));
+            return Err(ShardError::State(
+                "scaling meta buffers are malformed".into(),
+            ));
         };
         let pos = *pos as usize;
         if pos >= ring.len() {
@@ -247,7 +249,10 @@ impl ScalingRegistry {
     /// The step-end update of every meta from `agreed[offset + i]` (the pending amaxes after an
     /// all-reduce MAX across ranks, so every rank computes the same scales); clears the pending amaxes.
     pub fn update_from(&mut self, agreed: &Buffer<f32>, offset: usize) -> Result<(), ShardError> {
-        if offset.checked_add(self.metas.len()).is_none_or(|e| e > agreed.len()) {
+        if offset
+            .checked_add(self.metas.len())
+            .is_none_or(|e| e > agreed.len())
+        {
             return Err(ShardError::InvalidArgument(format!(
                 "{} scaling metas from slot {offset} of an amax vector of {}",
                 self.metas.len(),
@@ -271,7 +276,11 @@ impl ScalingRegistry {
 
     /// Device bytes held.
     pub fn num_bytes(&self) -> usize {
-        self.metas.iter().map(ScalingState::num_bytes).sum::<usize>() + self.pending.num_bytes()
+        self.metas
+            .iter()
+            .map(ScalingState::num_bytes)
+            .sum::<usize>()
+            + self.pending.num_bytes()
     }
 
     /// Every meta as exact text (`scaling.<name>` -> `scale;recorded;history` with floats as bit
@@ -413,7 +422,9 @@ mod tests {
             qtype: q,
             recipe: ScalingRecipe::delayed_default(),
         };
-        let a = r.register(&dev, "fc.input".into(), decl(QType::E4M3)).unwrap();
+        let a = r
+            .register(&dev, "fc.input".into(), decl(QType::E4M3))
+            .unwrap();
         let b = r
             .register(&dev, "fc.grad_output".into(), decl(QType::E5M2))
             .unwrap();
@@ -438,14 +449,18 @@ mod tests {
         assert_eq!(sb, 32.0, "57344 / 1000 -> 2^5");
         let saved = r.export().unwrap();
         let mut fresh = ScalingRegistry::new(&dev).unwrap();
-        fresh.register(&dev, "fc.input".into(), decl(QType::E4M3)).unwrap();
+        fresh
+            .register(&dev, "fc.input".into(), decl(QType::E4M3))
+            .unwrap();
         fresh
             .register(&dev, "fc.grad_output".into(), decl(QType::E5M2))
             .unwrap();
         fresh.import(&saved).unwrap();
         assert_eq!(fresh.export().unwrap(), saved);
         let mut other = ScalingRegistry::new(&dev).unwrap();
-        other.register(&dev, "fc2.input".into(), decl(QType::E4M3)).unwrap();
+        other
+            .register(&dev, "fc2.input".into(), decl(QType::E4M3))
+            .unwrap();
         let e = other.import(&saved).unwrap_err().to_string();
         assert!(e.contains("scaling.fc2.input"), "{e}");
     }

@@ -13,8 +13,8 @@ use fp8_kernels::adam::{adam_step_f32, adam_step_low_precision, AmaxSlots};
 use fp8_kernels::gemm::{gemm, gemm_f32, gemm_f32_host, gemm_fp8};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
-    AdamConfig, Buffer, Device, DeviceScalar, Element, FloatLinear, Fp8Linear, Fp8LinearConfig,
-    Fp8Matrix, GemmOutput, GemmSpec, LowPrecisionAdamState, Transpose, WeightDecay,
+    AdamConfig, Buffer, Device, DeviceScalar, Element, Fp8Matrix, GemmOutput, GemmSpec,
+    LowPrecisionAdamState, Transpose, WeightDecay,
 };
 use half::{bf16, f16};
 use std::process::ExitCode;
@@ -390,195 +390,6 @@ fn check_adam(gpu: &Device, rng: &mut Rng, r: &mut Report) -> Result<(), String>
     Ok(())
 }
 
-fn check_linear(gpu: &Device, rng: &mut Rng, r: &mut Report) -> Result<(), String> {
-    let e = |e: fp8_kernels::KernelError| e.to_string();
-    for (tokens, inf, outf) in [(256, 512, 128), (77, 100, 45)] {
-        let cfg = Fp8LinearConfig::default();
-        let mut lc = Fp8Linear::new(&Device::cpu(), inf, outf, cfg).map_err(e)?;
-        let mut lg = Fp8Linear::new(gpu, inf, outf, cfg).map_err(e)?;
-        let w = rng.vec(outf * inf, 0.2);
-        let (wc, wg) = both(gpu, &w)?;
-        let (mut wqc, mut wqg) = both(gpu, &vec![0u8; outf * inf])?;
-        lc.cast_weight(&wc, &mut wqc).map_err(e)?;
-        lg.cast_weight(&wg, &mut wqg).map_err(e)?;
-        let (ok, d) = bits_equal(&wqc.to_vec().map_err(e)?, &wqg.to_vec().map_err(e)?);
-        r.line(
-            ok,
-            &format!("fp8 linear {tokens}x{inf}->{outf}: weight cast"),
-            format!("bit-identical; {d} differ"),
-        );
-        let (mut dwc, mut dwg) = both(gpu, &vec![0.0f32; outf * inf])?;
-        for step in 0..3 {
-            let x: Vec<bf16> = rng
-                .vec(tokens * inf, 3.0)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let dy: Vec<bf16> = rng
-                .vec(tokens * outf, 1e-3)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let bias = rng.vec(outf, 1.0);
-            let (xc, xg) = both(gpu, &x)?;
-            let (dyc, dyg) = both(gpu, &dy)?;
-            let (bc, bg) = both(gpu, &bias)?;
-            let (mut yc, mut yg) = both(gpu, &vec![0.0f32; tokens * outf])?;
-            let sc = lc.forward(&xc, &wqc, None, Some(&bc), &mut yc).map_err(e)?;
-            let sg = lg.forward(&xg, &wqg, None, Some(&bg), &mut yg).map_err(e)?;
-            let (ok, d) = bits_equal(
-                &sc.x_t().to_vec().map_err(e)?,
-                &sg.x_t().to_vec().map_err(e)?,
-            );
-            r.line(
-                ok,
-                &format!("fp8 linear {tokens}x{inf}->{outf} step {step}: saved x^T (E4M3 cast)"),
-                format!("bit-identical; {d} differ"),
-            );
-            let ws = lc.weight_meta().scale_inv().to_vec().map_err(e)?[0];
-            let xs = sc.x_scale_inv().to_vec().map_err(e)?[0];
-            let xd: Vec<f32> = sc
-                .x_t()
-                .to_vec()
-                .map_err(e)?
-                .iter()
-                .map(|&q| Fp8Format::E4M3.decode(q) * xs)
-                .collect();
-            let wd: Vec<f32> = wqc
-                .to_vec()
-                .map_err(e)?
-                .iter()
-                .map(|&q| Fp8Format::E4M3.decode(q) * ws)
-                .collect();
-            let spec = GemmSpec::new(tokens, outf, inf)
-                .transposes(Transpose::Yes, Transpose::Yes)
-                .scalars(1.0, 1.0);
-            let mag = magnitude(
-                &spec,
-                &xd,
-                &wd,
-                &bias
-                    .iter()
-                    .cycle()
-                    .take(tokens * outf)
-                    .copied()
-                    .collect::<Vec<_>>(),
-            );
-            let w_ = worst(
-                &yg.to_vec().map_err(e)?,
-                &yc.to_vec().map_err(e)?,
-                &mag,
-                FP8_REL,
-                false,
-            );
-            r.line(
-                w_ <= 1.0,
-                &format!("fp8 linear {tokens}x{inf}->{outf} step {step}: y"),
-                format!("worst error / bound = {w_:.3}"),
-            );
-            let (mut dxc, mut dxg) = both(gpu, &vec![0.0f32; tokens * inf])?;
-            let (mut dbc, mut dbg) = both(gpu, &vec![0.0f32; outf])?;
-            lc.backward(
-                &sc,
-                &dyc,
-                &wqc,
-                None,
-                None,
-                Some(&mut dxc),
-                &mut dwc,
-                step > 0,
-                Some(&mut dbc),
-            )
-            .map_err(e)?;
-            lg.backward(
-                &sg,
-                &dyg,
-                &wqg,
-                None,
-                None,
-                Some(&mut dxg),
-                &mut dwg,
-                step > 0,
-                Some(&mut dbg),
-            )
-            .map_err(e)?;
-            for (name, c, g) in [
-                ("dx", &dxc, &dxg),
-                ("dW (accumulated)", &dwc, &dwg),
-                ("db", &dbc, &dbg),
-            ] {
-                let (hc, hg) = (c.to_vec().map_err(e)?, g.to_vec().map_err(e)?);
-                // relative to the largest magnitude of the tensor (sums of products of mixed signs)
-                let scale = hc.iter().fold(0.0f32, |a, v| a.max(v.abs())).max(1e-30);
-                let err = hc
-                    .iter()
-                    .zip(&hg)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max)
-                    / scale;
-                r.line(
-                    err <= 1e-3,
-                    &format!("fp8 linear {tokens}x{inf}->{outf} step {step}: {name}"),
-                    format!("max |gpu - cpu| / max |cpu| = {err:.2e} (bound 1e-3)"),
-                );
-            }
-            lc.update_scales().map_err(e)?;
-            lg.update_scales().map_err(e)?;
-            let (mc, mg) = (
-                lc.grad_output_meta().to_meta().map_err(e)?,
-                lg.grad_output_meta().to_meta().map_err(e)?,
-            );
-            let (ic, ig) = (
-                lc.input_meta().to_meta().map_err(e)?,
-                lg.input_meta().to_meta().map_err(e)?,
-            );
-            let ok = mc.history() == mg.history()
-                && mc.scale() == mg.scale()
-                && ic.history() == ig.history()
-                && ic.scale() == ig.scale();
-            r.line(
-                ok,
-                &format!("fp8 linear {tokens}x{inf}->{outf} step {step}: metas after update"),
-                format!(
-                    "identical amax histories and scales (input scale {}, grad scale {})",
-                    ig.scale(),
-                    mg.scale()
-                ),
-            );
-        }
-        // the float linear op on bf16
-        let fl = FloatLinear::new(inf, outf, Default::default()).map_err(e)?;
-        let x: Vec<bf16> = rng
-            .vec(tokens * inf, 1.0)
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect();
-        let w16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        let (xc, xg) = both(gpu, &x)?;
-        let (wc, wg) = both(gpu, &w16)?;
-        let (mut yc, mut yg) = both(gpu, &vec![bf16::ZERO; tokens * outf])?;
-        fl.forward::<bf16, bf16>(&xc, &wc, None, &mut yc)
-            .map_err(e)?;
-        fl.forward::<bf16, bf16>(&xg, &wg, None, &mut yg)
-            .map_err(e)?;
-        let spec = GemmSpec::new(tokens, outf, inf).transposes(Transpose::No, Transpose::Yes);
-        let mag = magnitude(&spec, &to_f32(&x), &to_f32(&w16), &vec![0.0; tokens * outf]);
-        let w_ = worst(
-            &to_f32(&yg.to_vec().map_err(e)?),
-            &to_f32(&yc.to_vec().map_err(e)?),
-            &mag,
-            1e-5,
-            true,
-        );
-        r.line(
-            w_ <= 1.0,
-            &format!("bf16 linear {tokens}x{inf}->{outf}: y"),
-            format!("worst error / bound = {w_:.3}"),
-        );
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     let gpu = match Device::cuda(0) {
         Ok(d) => d,
@@ -601,7 +412,6 @@ fn main() -> ExitCode {
         ),
         ("FP8 GEMMs", check_fp8_gemms),
         ("Adam", check_adam),
-        ("linear", check_linear),
     ] {
         if let Err(e) = f(&gpu, &mut rng, &mut report) {
             report.error(name, e);

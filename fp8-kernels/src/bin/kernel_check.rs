@@ -11,8 +11,8 @@ use fp8_kernels::cast::fp8_encode_bit_patterns;
 use fp8_kernels::ops::{self, nll_stat, Conv2dGeometry, Dropout, GeluApprox, Pool2dGeometry};
 use fp8_kernels::{
     amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert, dequantize_fp8,
-    AmaxSlot, Buffer, CurrentScaling, Device, DeviceScalingMeta, Element, FloatElement,
-    KernelError,
+    update_scaling_meta, AmaxInput, AmaxSlot, Buffer, CurrentScaling, Device, Element,
+    FloatElement, KernelError, ScalingMetaBuffers,
 };
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -354,7 +354,11 @@ fn meta_updates(rep: &mut Report, rng: &mut Rng, gpu: &Device) -> Result<(), Ker
             rounding,
         };
         let mut host = ScalingMeta::new(q, recipe)?;
-        let mut dev = DeviceScalingMeta::new(gpu, &host)?;
+        // The meta's buffers on the GPU, as a model's scaling state holds them.
+        let mut scale = gpu.upload(&[host.scale()])?;
+        let mut scale_inv = gpu.upload(&[host.scale_inv()])?;
+        let mut history = gpu.upload(&host.history())?;
+        let mut state = gpu.upload(&[0u32, 0, 0])?;
         let (mut cpu_s, mut gpu_s) = (Vec::new(), Vec::new());
         for step in 0..60 {
             let a = match rng.below(12) {
@@ -364,16 +368,28 @@ fn meta_updates(rep: &mut Report, rng: &mut Rng, gpu: &Device) -> Result<(), Ker
                 _ => rng.unit() * 2f32.powi(rng.below(40) as i32 - 20),
             };
             host.update_from_amax(a);
+            let bufs = ScalingMetaBuffers {
+                scale: &mut scale,
+                scale_inv: &mut scale_inv,
+                history: &mut history,
+                state: &mut state,
+            };
             if step % 2 == 0 {
-                dev.pending_amax_mut().copy_from_host(&[a])?;
-                dev.update_from_pending()?;
+                let mut own = gpu.upload(&[a])?;
+                update_scaling_meta(bufs, q, &recipe, AmaxInput::Take(&mut own, 0))?;
             } else {
-                dev.update_from_amax(&gpu.upload(&[0.0, a])?, 1)?;
+                let shared = gpu.upload(&[0.0, a])?;
+                update_scaling_meta(bufs, q, &recipe, AmaxInput::Read(&shared, 1))?;
             }
             cpu_s.extend([host.scale(), host.scale_inv()]);
-            gpu_s.extend([dev.scale().to_vec()?[0], dev.scale_inv().to_vec()?[0]]);
+            gpu_s.extend([scale.to_vec()?[0], scale_inv.to_vec()?[0]]);
         }
-        let back = dev.to_meta()?;
+        let ring = history.to_vec()?;
+        let st = state.to_vec()?;
+        let pos = st[0] as usize % ring.len().max(1);
+        let oldest_first: Vec<f32> = ring[pos..].iter().chain(&ring[..pos]).copied().collect();
+        let recorded = ((st[2] as u64) << 32) | st[1] as u64;
+        let back = ScalingMeta::from_parts(q, recipe, scale.to_vec()?[0], &oldest_first, recorded)?;
         let same_state = back
             .history()
             .iter()

@@ -13,8 +13,8 @@ use fsdp_examples::data::{
 };
 use fsdp_examples::metrics::{render_svg, PlotOptions, PlotSeries};
 use fsdp_examples::mnist::{train, DeviceChoice, TrainConfig, TrainReport};
-use fsdp_nn::LinearPrecision;
 use fsdp_examples::progress::ProgressMode;
+use fsdp_nn::LinearPrecision;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum PrecisionArg {

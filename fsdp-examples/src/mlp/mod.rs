@@ -186,7 +186,11 @@ impl MlpStack {
         Ok(MlpStack { h })
     }
 
-    fn forward(&mut self, ctx: &mut Ctx<'_>, mut x: Tensor<bf16>) -> Result<Tensor<bf16>, MlpError> {
+    fn forward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        mut x: Tensor<bf16>,
+    ) -> Result<Tensor<bf16>, MlpError> {
         for b in &mut self.h {
             x = b.forward(ctx, x)?;
         }
@@ -320,8 +324,7 @@ impl MlpBench {
         let mut dh = Tensor::new(h.data().to_device(&dev)?, shape)?;
         scale(dh.data_mut(), 2.0 / (t * d) as f32)?;
         self.output = Some(h.into_data());
-        self.model
-            .backward(|stack, ctx| stack.backward(ctx, dh))?;
+        self.model.backward(|stack, ctx| stack.backward(ctx, dh))?;
         profile::stop(&mut self.profiler, Phase::Backward, m)?;
         let m = profile::start(&self.profiler)?;
         step_model(&mut self.optimizer, &mut self.model)?;

@@ -20,8 +20,8 @@ pub use train::{
 
 use crate::data::DataError;
 use crate::metrics::MetricsError;
-use fsdp_nn::NnError;
 use crate::sampler::SamplerError;
+use fsdp_nn::NnError;
 
 /// Everything that can stop a training run.
 #[derive(Debug, thiserror::Error)]

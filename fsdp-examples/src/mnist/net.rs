@@ -43,7 +43,8 @@ impl MnistNet {
     /// The layers, initialised from `config.seed` (each layer its own stream).
     pub fn new(config: NetConfig) -> Result<Self, MnistError> {
         let s = |i: u64| stream_seed(config.seed, i);
-        let drop_seed = |layer: u64| stream_seed(config.seed, 1000 + layer * 64 + config.rank as u64);
+        let drop_seed =
+            |layer: u64| stream_seed(config.seed, 1000 + layer * 64 + config.rank as u64);
         let p = config.precision;
         let body = Sequential::new()
             .push("conv1", Conv2d::new(1, 32, 3, s(1))?)

@@ -116,7 +116,7 @@ impl Sgd {
         }
         let bufs = master_buffers(&self.masters);
         let refs: Vec<&fp8_kernels::Buffer<f32>> = bufs.iter().collect();
-        model.update_fp8_weights(&refs)?;
+        requantize(model, &refs)?;
         model.zero_grads()
     }
 }
@@ -289,4 +289,45 @@ pub fn rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
         }
     }
     (num / den).sqrt()
+}
+
+/// Re-quantizes every FP8 weight shard from F32 master shards with current scaling, as an optimizer
+/// does after its update (test support: the library's one re-quantization path is the optimizer's):
+/// local amaxes per weight, one all-reduce(MAX), agreed scales, cast.
+pub fn requantize(
+    model: &mut ShardedModel,
+    masters: &[&fp8_kernels::Buffer<f32>],
+) -> Result<(), ShardError> {
+    use fp8_kernels::segmented::{segmented_amax, segmented_cast, Segment, SegmentTable};
+    let dev = model.device().clone();
+    let counts = model.fp8_counts();
+    let mut amaxes = dev.zeros::<f32>(counts.iter().sum())?;
+    let mut tables = Vec::new();
+    let mut base = 0;
+    for (u, m) in masters.iter().enumerate() {
+        let segments: Vec<Segment> = model
+            .fp8_segments(u)?
+            .into_iter()
+            .map(|(slot, r)| Segment {
+                start: r.start,
+                end: r.end,
+                slot,
+            })
+            .collect();
+        let table = SegmentTable::new(&dev, &segments)?;
+        segmented_amax(m, &table, &mut amaxes, base)?;
+        base += counts[u];
+        tables.push(table);
+    }
+    if !amaxes.is_empty() {
+        model
+            .comm()
+            .all_reduce_in_place((&mut amaxes).into(), fsdp_comm::ReduceOp::Max)?;
+    }
+    model.set_fp8_weight_scales(&amaxes)?;
+    for (u, (m, table)) in masters.iter().zip(&tables).enumerate() {
+        let s = model.unit_mut(u)?;
+        segmented_cast(m, table, Fp8Format::E4M3, &s.weight_scales, &mut s.fp8)?;
+    }
+    Ok(())
 }
