@@ -541,6 +541,10 @@ impl Communicator for ThreadComm {
         self.run(call)?;
         Ok(CommWork::completed())
     }
+
+    fn note_failure_caused_by_peer(&self) {
+        self.shared.mark_peer_failure(self.rank);
+    }
 }
 
 fn panic_message(p: &(dyn Any + Send)) -> String {
@@ -678,7 +682,9 @@ where
 ///
 /// The cause is the first rank that panicked if any; else, among the ranks whose error did not come
 /// from a collective failing because of another rank (a peer that left, panicked, rejected its
-/// arguments or did not arrive), the one that returned first; else the rank that returned first.
+/// arguments or did not arrive) and that did not say their failure was another rank's
+/// ([`Communicator::note_failure_caused_by_peer`]), the one that returned first; else the rank that
+/// returned first.
 /// So when rank 0 fails alone (a bad path, say) and rank 1 then finds it gone, rank 0's error is the
 /// one reported, whichever thread returns first.
 pub fn run_ranks_failures<R, E, F>(

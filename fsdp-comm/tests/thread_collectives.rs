@@ -743,6 +743,25 @@ fn the_rank_that_failed_first_is_reported_not_the_peers_that_saw_it_leave() {
 }
 
 #[test]
+fn a_failure_learned_from_a_collective_result_is_a_consequence() {
+    // Every rank takes part in an all-reduce of error flags; rank 0's flag is set, so rank 1 fails
+    // too, first, and says its failure is rank 0's.
+    let err = run_ranks_timeout(2, LONG, |comm| -> Result<(), AppError> {
+        let mut flags = [0f32; 2];
+        flags[0] = 1.0;
+        comm.all_reduce_host_f32(&mut flags, ReduceOp::Max)?;
+        if comm.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(300));
+            return Err(AppError::Own("rank 0: disk full".into()));
+        }
+        comm.note_failure_caused_by_peer();
+        Err(AppError::Own("not saved: rank 0 failed".into()))
+    })
+    .unwrap_err();
+    assert_eq!(err.to_string(), "rank 0: disk full");
+}
+
+#[test]
 fn independent_failures_report_the_first_one() {
     // Rank 1 fails on its own at once, rank 0 on its own later: both are causes; the first is reported.
     let err = run_ranks_timeout(2, LONG, |comm| -> Result<(), AppError> {
