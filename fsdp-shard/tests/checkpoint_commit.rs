@@ -150,6 +150,7 @@ fn a_save_stopped_after_any_file_operation_loads_as_the_old_or_the_new_step() {
             if !stop.stopped() {
                 // k operations were all the save needed: every stopping point has been tried.
                 assert!(k >= 5, "{name}: only {k} file operations");
+                eprintln!("{name}: stopped after each of {k} file operations");
                 break;
             }
             k += 1;
