@@ -6,10 +6,10 @@
 mod common;
 
 use common::*;
-use fsdp_comm::{run_ranks, Communicator, ThreadComm};
+use fsdp_comm::{run_ranks, run_ranks_failures, Communicator, ThreadComm};
 use fsdp_shard::checkpoint::{
-    check_writable_dir, check_writable_file, load_sharded, read_commit, save_sharded,
-    save_sharded_with, CheckpointLock, SaveOptions, StopAfter, LOCK_FILE,
+    check_writable_dir, check_writable_file, load_sharded, read_commit, save_full, save_sharded,
+    save_sharded_with, CheckpointLock, FullWeights, SaveOptions, StopAfter, LOCK_FILE,
 };
 use fsdp_shard::{FsdpConfig, ShardError, ShardedModel, WrapPolicy};
 use std::collections::BTreeMap;
@@ -400,5 +400,52 @@ fn output_paths_are_probed_before_a_run() {
     assert!(check_writable_file(dir.join("old.jsonl/x")).is_err());
     check_writable_dir(dir.join("ckpt")).unwrap();
     assert!(listing(&dir.join("ckpt")).is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failed_save_reports_the_failing_rank_as_the_cause() {
+    let dir = temp_dir("cause");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("plain-file"), b"").unwrap();
+    // A full checkpoint under a regular file: rank 0 cannot write it; rank 1 learns so and fails too.
+    let path = dir.join("plain-file/full.safetensors");
+    let failures = run_ranks_failures(WS, Duration::from_secs(60), |comm: ThreadComm| {
+        let (mut model, _) = new_model(comm)?;
+        save_full(&path, &mut model, FullWeights::F32, &BTreeMap::new())
+    })
+    .unwrap_err();
+    assert_eq!(failures.rank, 0, "{failures}");
+    assert!(
+        failures.error.to_string().contains("plain-file"),
+        "{failures}"
+    );
+    assert_eq!(failures.others.len(), 1);
+    assert!(
+        failures.others[0].1.to_string().contains("not saved"),
+        "{failures}"
+    );
+    // A sharded save whose rank 1 fails: rank 1's error is the cause, rank 0's "not saved" follows.
+    let ckpt = dir.join("ckpt");
+    let failures = run_ranks_failures(WS, Duration::from_secs(60), |comm: ThreadComm| {
+        let (model, sgd) = new_model(comm)?;
+        let options = SaveOptions {
+            stop_after: Some(Arc::new(StopAfter::rank(1, 0))),
+        };
+        save_sharded_with(&ckpt, &model, Some(&sgd), &step_extra(1), &options)
+    })
+    .unwrap_err();
+    assert_eq!(failures.rank, 1, "{failures}");
+    assert!(
+        failures.error.to_string().contains("test hook"),
+        "{failures}"
+    );
+    assert!(
+        failures.others[0]
+            .1
+            .to_string()
+            .contains("rank(s) [1] failed"),
+        "{failures}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

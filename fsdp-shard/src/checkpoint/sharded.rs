@@ -517,10 +517,28 @@ pub fn save_full(
             model.release(u)?;
         }
     }
+    // Rank 0 writes; an all-reduce of its outcome (instead of a bare barrier) lets every rank return
+    // promptly with an error if the write failed.
+    let mut failed = [0f32];
+    let mut own_error = None;
     if rank == 0 {
-        file.write_atomic(path)?;
+        if let Err(e) = file.write_atomic(path) {
+            own_error = Some(e);
+            failed[0] = 1.0;
+        }
     }
-    model.comm().barrier()?;
+    let agreed = model.comm().all_reduce_host_f32(&mut failed, ReduceOp::Max);
+    if let Some(e) = own_error {
+        return Err(e);
+    }
+    agreed?;
+    if failed[0] != 0.0 {
+        model.comm().note_failure_caused_by_peer();
+        return Err(ShardError::Checkpoint(format!(
+            "{}: not saved: rank 0 could not write it (its error says why)",
+            path.display()
+        )));
+    }
     Ok(())
 }
 
