@@ -574,6 +574,12 @@ pub trait Communicator: Send + Sync {
     /// Issues a collective and returns its handle.
     fn start(&self, call: Collective<'_>) -> Result<CommWork, CommError>;
 
+    /// Records that this rank is about to fail because another rank failed, as learned from a
+    /// collective's result (an all-reduce of error flags, say), so that a runner of thread ranks reports
+    /// the other rank's error as the cause ([`crate::run_ranks`]). The default does nothing: with one
+    /// process per rank, each rank prints its own error and the launcher names the first to exit.
+    fn note_failure_caused_by_peer(&self) {}
+
     /// All-gather: `recv` = concatenation of every rank's `send`, in rank order.
     fn all_gather(&self, send: SendBuf<'_>, recv: RecvBuf<'_>) -> Result<(), CommError> {
         self.start(Collective::AllGather { send, recv })?.wait()

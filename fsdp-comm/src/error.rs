@@ -52,11 +52,15 @@ pub enum CommError {
         missing: Vec<usize>,
         timeout: Duration,
     },
-    /// A rank left the group (its communicator was dropped) while others waited for it.
-    #[error("{op}: rank(s) {ranks:?} left the group before joining this collective")]
+    /// A rank left the group (its communicator was dropped) while others waited for it. This is a
+    /// consequence: the rank that left usually failed, and its own error is the cause.
+    #[error(
+        "{op}: rank(s) {ranks:?} left the group before joining this collective (a consequence: \
+         see the error of rank(s) {ranks:?} for the cause)"
+    )]
     RankExited { op: String, ranks: Vec<usize> },
     /// The group is unusable since an earlier failure (panic, timeout, abort).
-    #[error("communicator group is poisoned: {0}")]
+    #[error("communicator group is poisoned by an earlier failure: {0}")]
     Poisoned(String),
     /// A rank's closure panicked.
     #[error("rank {rank} panicked: {message}")]

@@ -5,6 +5,10 @@
 //! everything it started, and a terminal's Ctrl-C is delivered once, through the launcher. When a child
 //! exits unsuccessfully, the others get SIGTERM, then SIGKILL after a grace period, and the failure is
 //! reported with the rank and its exit status.
+//!
+//! Each child also asks the kernel for SIGKILL when the launcher's spawning thread ends
+//! (`PR_SET_PDEATHSIG`, Linux), so a launcher killed by SIGKILL, which runs no cleanup, takes its ranks
+//! with it instead of leaving them running (still holding GPUs, ports and checkpoint locks).
 
 use crate::error::CommError;
 use std::ffi::OsString;
@@ -199,6 +203,45 @@ fn copy_lines(src: impl Read, rank: usize, to_stderr: bool) {
     }
 }
 
+/// Makes the child of `cmd` receive SIGKILL when the launcher goes away.
+///
+/// `PR_SET_PDEATHSIG` fires when the thread that forked the child exits; [`launch`] forks from the
+/// thread that then waits for every child, so that thread outlives the children unless the launcher
+/// dies. A launcher that died between the fork and the `prctl` is caught by comparing the parent pid.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(cmd: &mut Command, launcher_pid: u32) {
+    let parent = libc::pid_t::try_from(launcher_pid).unwrap_or(0);
+    let arm = move || -> std::io::Result<()> {
+        // SAFETY: runs in the forked child before exec; prctl(2) and getppid(2) are plain system calls
+        // (async-signal-safe), and the error values are built without allocating.
+        unsafe {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+        }
+        Ok(())
+    };
+    // SAFETY: the closure only makes async-signal-safe system calls and touches no shared state, as
+    // pre_exec requires of code that runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(arm);
+    }
+}
+
+/// Other systems have no parent-death signal; the launcher's own cleanup is all there is.
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_cmd: &mut Command, _launcher_pid: u32) {}
+
 /// Runs the job to completion (or first failure) and reports how it ended. Errors are for jobs that
 /// could not be started at all.
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, CommError> {
@@ -215,6 +258,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, CommError> {
     } else {
         cfg.master_port
     };
+    let launcher_pid = std::process::id();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut readers = 0usize;
     let mut children: Vec<Child> = Vec::with_capacity(cfg.nproc);
@@ -229,6 +273,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, CommError> {
             .env("MASTER_PORT", port.to_string())
             .stdin(Stdio::null())
             .process_group(0);
+        die_with_launcher(&mut cmd, launcher_pid);
         match cfg.output {
             OutputMode::Prefix => {
                 cmd.stdout(Stdio::piped()).stderr(Stdio::piped());

@@ -52,5 +52,6 @@ pub use error::CommError;
 pub use nccl::{NcclComm, NcclConfig};
 pub use rendezvous::DistEnv;
 pub use thread_group::{
-    run_ranks, run_ranks_each, run_ranks_timeout, ThreadComm, ThreadGroup, DEFAULT_THREAD_TIMEOUT,
+    run_ranks, run_ranks_each, run_ranks_failures, run_ranks_timeout, RankFailures, ThreadComm,
+    ThreadGroup, DEFAULT_THREAD_TIMEOUT,
 };

@@ -106,6 +106,9 @@ struct State {
     outcome: Option<Outcome>,
     poisoned: Option<CommError>,
     departed: Vec<bool>,
+    /// Ranks whose collective failed because of another rank (it left, panicked, rejected its
+    /// arguments or did not arrive): their errors are consequences, not causes.
+    saw_peer_failure: Vec<bool>,
 }
 
 struct Shared {
@@ -121,6 +124,22 @@ impl Shared {
         self.state
             .lock()
             .map_err(|_| CommError::Poisoned("thread group state lock poisoned".into()))
+    }
+
+    fn mark_peer_failure(&self, rank: usize) {
+        if let Ok(mut st) = self.state.lock() {
+            if let Some(flag) = st.saw_peer_failure.get_mut(rank) {
+                *flag = true;
+            }
+        }
+    }
+
+    /// Which ranks saw a collective fail because of another rank.
+    fn peer_failures(&self) -> Vec<bool> {
+        self.state
+            .lock()
+            .map(|st| st.saw_peer_failure.clone())
+            .unwrap_or_else(|_| vec![false; self.world_size])
     }
 
     fn poison(&self, err: CommError) {
@@ -273,6 +292,7 @@ impl ThreadGroup {
                 outcome: None,
                 poisoned: None,
                 departed: vec![false; world_size],
+                saw_peer_failure: vec![false; world_size],
             }),
             cv: Condvar::new(),
         });
@@ -351,7 +371,8 @@ impl ThreadComm {
         if let Some(e) = own_error {
             return Err(e);
         }
-        self.write_output(call, &data?)
+        let data = data.inspect_err(|_| self.shared.mark_peer_failure(self.rank))?;
+        self.write_output(call, &data)
     }
 
     /// The copy of this rank's input that the other ranks need.
@@ -513,11 +534,16 @@ impl Communicator for ThreadComm {
         self.shared
             .exchange(self.rank, desc, Ok(HostData::None))
             .map(|_| ())
+            .inspect_err(|_| self.shared.mark_peer_failure(self.rank))
     }
 
     fn start(&self, call: Collective<'_>) -> Result<CommWork, CommError> {
         self.run(call)?;
         Ok(CommWork::completed())
+    }
+
+    fn note_failure_caused_by_peer(&self) {
+        self.shared.mark_peer_failure(self.rank);
     }
 }
 
@@ -546,9 +572,30 @@ where
     R: Send,
     E: From<CommError> + Send,
 {
+    run_ranks_flagged(world_size, timeout, f).map(|(results, _)| results)
+}
+
+/// Every rank's result, and whether each rank saw a collective fail because of another rank.
+type FlaggedResults<R, E> = (Vec<Result<R, E>>, Vec<bool>);
+
+/// [`run_ranks_each`], with which ranks saw a collective fail because of another rank.
+fn run_ranks_flagged<R, E, F>(
+    world_size: usize,
+    timeout: Duration,
+    f: F,
+) -> Result<FlaggedResults<R, E>, CommError>
+where
+    F: Fn(ThreadComm) -> Result<R, E> + Sync,
+    R: Send,
+    E: From<CommError> + Send,
+{
     let comms = ThreadGroup::new(world_size, timeout)?;
+    let group = comms
+        .first()
+        .map(|c| c.shared.clone())
+        .ok_or_else(|| CommError::Poisoned("empty thread group".into()))?;
     let f = &f;
-    std::thread::scope(|scope| {
+    let results = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world_size);
         for comm in comms {
             let rank = comm.rank;
@@ -592,22 +639,68 @@ where
                 })
             })
             .collect())
-    })
+    })?;
+    Ok((results, group.peer_failures()))
 }
 
+/// Every failed rank's error, the cause first: what [`run_ranks_failures`] returns.
+#[derive(Debug)]
+pub struct RankFailures<E> {
+    /// The rank whose error is the cause.
+    pub rank: usize,
+    /// Its error.
+    pub error: E,
+    /// The other failed ranks' errors, in rank order: consequences of the cause (a peer left, the group
+    /// was poisoned, a peer rejected its arguments or did not arrive), or independent failures.
+    pub others: Vec<(usize, E)>,
+}
+
+impl<E: fmt::Display> fmt::Display for RankFailures<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {}: {}", self.rank, self.error)?;
+        for (r, e) in &self.others {
+            write!(f, "; then rank {r}: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for RankFailures<E> {}
+
 /// Like [`run_ranks_each`] with an explicit timeout, but returns all results or one error: the error
-/// of the first rank that panicked if any (the cause), else the first error a rank returned.
+/// of the cause (see [`run_ranks_failures`]).
 pub fn run_ranks_timeout<R, E, F>(world_size: usize, timeout: Duration, f: F) -> Result<Vec<R>, E>
 where
     F: Fn(ThreadComm) -> Result<R, E> + Sync,
     R: Send,
     E: From<CommError> + Send,
 {
-    // Completion order of failing ranks, so the first failure (the cause) is reported, not the
-    // follow-up errors of ranks that saw the poisoned group.
+    run_ranks_failures(world_size, timeout, f).map_err(|failures| failures.error)
+}
+
+/// Like [`run_ranks_timeout`], but a failure keeps every failed rank's error, the cause first.
+///
+/// The cause is the first rank that panicked if any; else, among the ranks whose error did not come
+/// from a collective failing because of another rank (a peer that left, panicked, rejected its
+/// arguments or did not arrive) and that did not say their failure was another rank's
+/// ([`Communicator::note_failure_caused_by_peer`]), the one that returned first; else the rank that
+/// returned first.
+/// So when rank 0 fails alone (a bad path, say) and rank 1 then finds it gone, rank 0's error is the
+/// one reported, whichever thread returns first.
+pub fn run_ranks_failures<R, E, F>(
+    world_size: usize,
+    timeout: Duration,
+    f: F,
+) -> Result<Vec<R>, RankFailures<E>>
+where
+    F: Fn(ThreadComm) -> Result<R, E> + Sync,
+    R: Send,
+    E: From<CommError> + Send,
+{
+    // Completion order of failing ranks, to pick the first of several independent failures.
     let seq = AtomicUsize::new(0);
     let panicked = Mutex::new(Vec::new());
-    let results = run_ranks_each(world_size, timeout, |comm| {
+    let run = run_ranks_flagged(world_size, timeout, |comm| {
         let rank = comm.rank;
         let r = catch_unwind(AssertUnwindSafe(|| f(comm)));
         let r = match r {
@@ -621,31 +714,64 @@ where
         };
         let order = seq.fetch_add(1, Ordering::SeqCst);
         r.map_err(|err| Ordered { order, err })
-    })
-    .map_err(E::from)?;
+    });
+    let (results, saw_peer_failure) = match run {
+        Ok(v) => v,
+        Err(e) => {
+            return Err(RankFailures {
+                rank: 0,
+                error: E::from(e),
+                others: Vec::new(),
+            })
+        }
+    };
     let first_panic = panicked.lock().ok().and_then(|v| v.iter().min().copied());
-    let mut first_err: Option<(usize, E)> = None;
-    let mut panic_err: Option<E> = None;
     let mut values = Vec::with_capacity(world_size);
+    let mut failed: Vec<(usize, usize, E)> = Vec::new();
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(v) => values.push(v),
-            Err(Ordered { order, err }) => {
-                if Some(rank) == first_panic {
-                    panic_err = Some(err);
-                } else if first_err.as_ref().is_none_or(|(o, _)| order < *o) {
-                    first_err = Some((order, err));
-                }
-            }
+            Err(Ordered { order, err }) => failed.push((rank, order, err)),
         }
     }
-    if let Some(e) = panic_err {
-        return Err(e);
+    // Rank of the cause: a panic, else the first own failure, else the first failure.
+    let cause = first_panic
+        .filter(|p| failed.iter().any(|(r, _, _)| r == p))
+        .or_else(|| {
+            failed
+                .iter()
+                .filter(|(r, _, _)| !saw_peer_failure.get(*r).copied().unwrap_or(false))
+                .min_by_key(|(_, o, _)| *o)
+                .map(|(r, _, _)| *r)
+        })
+        .or_else(|| failed.iter().min_by_key(|(_, o, _)| *o).map(|(r, _, _)| *r));
+    let Some(cause) = cause else {
+        return Ok(values);
+    };
+    let mut error = None;
+    let mut others = Vec::new();
+    for (rank, _, err) in failed {
+        if rank == cause {
+            error = Some(err);
+        } else {
+            others.push((rank, err));
+        }
     }
-    if let Some((_, e)) = first_err {
-        return Err(e);
+    match error {
+        Some(error) => Err(RankFailures {
+            rank: cause,
+            error,
+            others,
+        }),
+        // The cause is one of the failed ranks by construction; keep an error if that ever breaks.
+        None => Err(RankFailures {
+            rank: cause,
+            error: E::from(CommError::Poisoned(format!(
+                "rank {cause} failed without an error"
+            ))),
+            others,
+        }),
     }
-    Ok(values)
 }
 
 /// Runs `f` on `world_size` rank threads with [`DEFAULT_THREAD_TIMEOUT`]; see [`run_ranks_timeout`].
@@ -666,7 +792,7 @@ struct Ordered<E> {
 
 impl<E: From<CommError>> From<CommError> for Ordered<E> {
     fn from(e: CommError) -> Self {
-        // Errors made by run_ranks_each itself (a panicking rank) sort last; panics are picked apart.
+        // Errors made by run_ranks_flagged itself (a panicking rank) sort last; panics are picked apart.
         Ordered {
             order: usize::MAX,
             err: E::from(e),

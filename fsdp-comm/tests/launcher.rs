@@ -149,3 +149,67 @@ fn the_binary_forwards_sigterm_to_its_ranks() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Whether process `pid` still runs (a zombie, killed but not yet reaped by its new parent, does not).
+fn is_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name: "PID (comm) S ...".
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn ranks_die_when_the_launcher_is_killed() {
+    let dir = temp_dir("pdeath");
+    // Each rank records its pid, then becomes a long sleep (exec keeps the pid).
+    let script = format!("echo $$ > {}/pid_$RANK; exec sleep 60", dir.display());
+    let mut launcher = fsdp_run()
+        .args(["--nproc", "2", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let pids: Vec<i32> = loop {
+        let read: Vec<Option<i32>> = (0..2)
+            .map(|r| {
+                std::fs::read_to_string(dir.join(format!("pid_{r}")))
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok())
+            })
+            .collect();
+        if read.iter().all(Option::is_some) {
+            break read.into_iter().flatten().collect();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Give `exec sleep` time to replace the shell, then kill the launcher without letting it clean up.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        pids.iter().all(|&p| is_running(p)),
+        "ranks {pids:?} not running"
+    );
+    launcher.kill().unwrap(); // SIGKILL
+    launcher.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+    for &p in &alive {
+        // SAFETY: plain kill(2) of a process this test started (through the launcher); cleanup only.
+        unsafe {
+            libc::kill(p, libc::SIGKILL);
+        }
+    }
+    assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
+    let _ = std::fs::remove_dir_all(&dir);
+}

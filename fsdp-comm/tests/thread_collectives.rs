@@ -10,8 +10,8 @@ use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::ring::{chunk_range, fp8_unit_roundoff, ring_order};
 use fsdp_comm::{
-    run_ranks, run_ranks_each, run_ranks_timeout, CommDType, CommError, Communicator, RecvBuf,
-    ReduceOp, SendBuf,
+    run_ranks, run_ranks_each, run_ranks_failures, run_ranks_timeout, CommDType, CommError,
+    Communicator, RecvBuf, ReduceOp, SendBuf,
 };
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -680,6 +680,98 @@ fn a_rank_that_leaves_early_fails_the_others_at_once() {
         let e = results[r].as_ref().unwrap_err();
         assert!(e.to_string().contains("[0]"), "{e}");
     }
+}
+
+/// An application error: a rank's own failure, or a collective's.
+#[derive(Debug)]
+enum AppError {
+    Own(String),
+    Comm(CommError),
+}
+
+impl From<CommError> for AppError {
+    fn from(e: CommError) -> Self {
+        AppError::Comm(e)
+    }
+}
+
+impl std::fmt::Display for AppError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AppError::Own(m) => write!(f, "{m}"),
+            AppError::Comm(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+#[test]
+fn the_rank_that_failed_first_is_reported_not_the_peers_that_saw_it_leave() {
+    // Rank 0 fails alone before its first collective (say, its metrics path is a directory); rank 1
+    // waits in a barrier, sees rank 0 leave and returns first. The report is rank 0's cause.
+    let run = |comm: fsdp_comm::ThreadComm| -> Result<(), AppError> {
+        if comm.rank() == 0 {
+            drop(comm);
+            std::thread::sleep(Duration::from_millis(300));
+            return Err(AppError::Own("metrics: /tmp is a directory".into()));
+        }
+        comm.barrier()?;
+        Ok(())
+    };
+    let err = run_ranks_timeout(2, LONG, run).unwrap_err();
+    assert!(
+        matches!(&err, AppError::Own(m) if m.contains("is a directory")),
+        "{err}"
+    );
+    // The consequences stay available, and say they are consequences.
+    let failures = run_ranks_failures(3, LONG, run).unwrap_err();
+    assert_eq!(failures.rank, 0);
+    assert_eq!(failures.others.len(), 2);
+    for (r, e) in &failures.others {
+        assert!(matches!(e, AppError::Comm(_)), "rank {r}: {e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("consequence") || msg.contains("earlier failure"),
+            "rank {r}: {msg}"
+        );
+    }
+    let text = failures.to_string();
+    assert!(text.starts_with("rank 0: metrics"), "{text}");
+    assert!(
+        text.contains("then rank 1") && text.contains("then rank 2"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_failure_learned_from_a_collective_result_is_a_consequence() {
+    // Every rank takes part in an all-reduce of error flags; rank 0's flag is set, so rank 1 fails
+    // too, first, and says its failure is rank 0's.
+    let err = run_ranks_timeout(2, LONG, |comm| -> Result<(), AppError> {
+        let mut flags = [0f32; 2];
+        flags[0] = 1.0;
+        comm.all_reduce_host_f32(&mut flags, ReduceOp::Max)?;
+        if comm.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(300));
+            return Err(AppError::Own("rank 0: disk full".into()));
+        }
+        comm.note_failure_caused_by_peer();
+        Err(AppError::Own("not saved: rank 0 failed".into()))
+    })
+    .unwrap_err();
+    assert_eq!(err.to_string(), "rank 0: disk full");
+}
+
+#[test]
+fn independent_failures_report_the_first_one() {
+    // Rank 1 fails on its own at once, rank 0 on its own later: both are causes; the first is reported.
+    let err = run_ranks_timeout(2, LONG, |comm| -> Result<(), AppError> {
+        if comm.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        Err(AppError::Own(format!("rank {} failed", comm.rank())))
+    })
+    .unwrap_err();
+    assert_eq!(err.to_string(), "rank 1 failed");
 }
 
 #[test]

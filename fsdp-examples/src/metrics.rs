@@ -8,8 +8,10 @@
 //! ```
 //!
 //! Non-finite numbers (a diverged run) are written as `null` and read back as NaN; unknown fields are
-//! kept in [`EpochMetrics::extra`], so newer files still load. [`render_svg`] draws train loss and test
-//! accuracy per epoch of several runs side by side, with a legend.
+//! kept in [`EpochMetrics::extra`], so newer files still load. A resumed run opens the file with
+//! [`MetricsWriter::resume`], which first cuts it back to the epochs its checkpoint holds, so lines
+//! written after that checkpoint are not repeated. [`render_svg`] draws train loss and test accuracy
+//! per epoch of several runs side by side, with a legend.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -165,6 +167,7 @@ pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<EpochMetrics>, Metrics
 pub struct MetricsWriter {
     path: PathBuf,
     out: BufWriter<File>,
+    dropped: usize,
 }
 
 impl MetricsWriter {
@@ -176,6 +179,78 @@ impl MetricsWriter {
     /// Opens a metrics file for appending (a resumed run), creating it if absent.
     pub fn append(path: impl AsRef<Path>) -> Result<Self, MetricsError> {
         Self::open(path.as_ref(), true)
+    }
+
+    /// Opens the metrics file of a resumed run: records of epochs after `through_epoch` (written after
+    /// the checkpoint being resumed, before a crash) are removed first, so they are not repeated.
+    pub fn resume(path: impl AsRef<Path>, through_epoch: u32) -> Result<Self, MetricsError> {
+        Self::resume_keeping(path, |m| m.epoch <= through_epoch)
+    }
+
+    /// [`MetricsWriter::resume`] keeping the records `keep` selects (by a step in
+    /// [`EpochMetrics::extra`], say). The file is rewritten atomically (a synced temporary file renamed
+    /// over it) only when something is removed; a last line cut short by a crash is removed, any other
+    /// unreadable line is an error naming it. A missing file is created.
+    pub fn resume_keeping(
+        path: impl AsRef<Path>,
+        keep: impl Fn(&EpochMetrics) -> bool,
+    ) -> Result<Self, MetricsError> {
+        let path = path.as_ref();
+        let io = |source| MetricsError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io(e)),
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        let (mut kept, mut dropped) = (String::new(), 0usize);
+        for (i, line) in lines.iter().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<EpochMetrics>(line) {
+                Ok(m) if keep(&m) => {
+                    kept.push_str(line);
+                    kept.push('\n');
+                }
+                Ok(_) => dropped += 1,
+                // A crash in the middle of writing the last line.
+                Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => dropped += 1,
+                Err(source) => {
+                    return Err(MetricsError::Parse {
+                        path: path.to_path_buf(),
+                        line: i + 1,
+                        source,
+                    })
+                }
+            }
+        }
+        if dropped > 0 {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy())
+                .unwrap_or_default();
+            let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+            let tmp_io = |source| MetricsError::Io {
+                path: tmp.clone(),
+                source,
+            };
+            let mut f = File::create(&tmp).map_err(tmp_io)?;
+            f.write_all(kept.as_bytes()).map_err(tmp_io)?;
+            f.sync_all().map_err(tmp_io)?;
+            std::fs::rename(&tmp, path).map_err(io)?;
+        }
+        let mut writer = Self::open(path, true)?;
+        writer.dropped = dropped;
+        Ok(writer)
+    }
+
+    /// How many records [`MetricsWriter::resume`] removed (0 for a new file).
+    pub fn dropped_on_resume(&self) -> usize {
+        self.dropped
     }
 
     fn open(path: &Path, append: bool) -> Result<Self, MetricsError> {
@@ -196,6 +271,7 @@ impl MetricsWriter {
         Ok(MetricsWriter {
             path: path.to_path_buf(),
             out: BufWriter::new(file),
+            dropped: 0,
         })
     }
 

@@ -88,5 +88,25 @@ fn converts_checks_counts_and_takes_subsets() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("30 digits, expected 10000"));
+
+    // A gzip archive given as the CSV: an error naming the file, without echoing its bytes.
+    let gz = dir.join("gz/t10k-images-idx3-ubyte.gz");
+    let out = Command::new(bin)
+        .args(["--test-csv", gz.to_str().unwrap()])
+        .args(["--out", dir.join("bad").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).expect("stderr is text");
+    assert!(
+        stderr.contains("t10k-images-idx3-ubyte.gz:1:") && stderr.contains("not a CSV text file"),
+        "{stderr}"
+    );
+    assert!(
+        stderr
+            .chars()
+            .all(|c| c == '\n' || (c.is_ascii() && !c.is_ascii_control())),
+        "{stderr:?}"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }

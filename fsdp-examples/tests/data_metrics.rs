@@ -146,6 +146,66 @@ fn writer_creates_appends_and_reads_back() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+#[test]
+fn resume_cuts_the_file_back_to_the_checkpoint() {
+    let dir = scratch_dir("metrics-resume");
+    let path = dir.join("m.jsonl");
+    let run = fake_run(4, 99.1, 0.3);
+    // Epochs 1-3 written; the run crashed after epoch 3's line but before epoch 3's checkpoint, so
+    // the resumed run (from epoch 2's checkpoint) writes epoch 3 again.
+    {
+        let mut w = MetricsWriter::create(&path).unwrap();
+        for m in &run[..3] {
+            w.write(m).unwrap();
+        }
+    }
+    {
+        let mut w = MetricsWriter::resume(&path, 2).unwrap();
+        assert_eq!(w.dropped_on_resume(), 1);
+        for m in &run[2..] {
+            w.write(m).unwrap();
+        }
+    }
+    assert_eq!(read_metrics(&path).unwrap(), run, "no epoch twice");
+    // Nothing past the checkpoint: the file is left as it is.
+    let before = std::fs::read(&path).unwrap();
+    let w = MetricsWriter::resume(&path, 4).unwrap();
+    assert_eq!(w.dropped_on_resume(), 0);
+    drop(w);
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    // A last line cut short by a crash is removed; a bad line before it is an error naming it.
+    let mut torn = before.clone();
+    torn.extend_from_slice(b"{\"epoch\":5,\"train_lo");
+    std::fs::write(&path, &torn).unwrap();
+    drop(MetricsWriter::resume(&path, 9).unwrap());
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    let mut bad = b"{\"epoch\":1}\n".to_vec();
+    bad.extend_from_slice(&before);
+    std::fs::write(&path, &bad).unwrap();
+    let err = MetricsWriter::resume(&path, 9).unwrap_err();
+    assert!(err.to_string().contains("m.jsonl:1:"), "{err}");
+    // A missing file is created; by a step kept in the records' extra fields.
+    let fresh = dir.join("new/steps.jsonl");
+    MetricsWriter::resume(&fresh, 3).unwrap();
+    assert!(read_metrics(&fresh).unwrap().is_empty());
+    std::fs::create_dir_all(dir.join("new")).unwrap();
+    let mut w = MetricsWriter::create(&fresh).unwrap();
+    for (i, m) in run.iter().enumerate() {
+        let mut m = m.clone();
+        m.extra
+            .insert("step".into(), serde_json::json!(100 * (i + 1)));
+        w.write(&m).unwrap();
+    }
+    drop(w);
+    let w = MetricsWriter::resume_keeping(&fresh, |m| {
+        m.extra.get("step").and_then(|s| s.as_u64()) <= Some(200)
+    })
+    .unwrap();
+    assert_eq!(w.dropped_on_resume(), 2);
+    assert_eq!(read_metrics(&fresh).unwrap().len(), 2);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// The `points` attribute of every polyline of `class` inside the series group labelled `label`.
 fn polylines(svg: &str, label: &str, class: &str) -> Vec<Vec<(f64, f64)>> {
     let mut out = Vec::new();

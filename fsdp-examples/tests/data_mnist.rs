@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_examples::data::{
-    committed_subset_dir, normalize_pixel, parse_mnist_csv, DataError, MnistDataset, MnistSplit,
-    MNIST_MEAN, MNIST_STD,
+    check_mnist_files, committed_subset_dir, normalize_pixel, parse_mnist_csv, DataError,
+    MnistDataset, MnistSplit, MNIST_MEAN, MNIST_STD,
 };
 use proptest::prelude::*;
 
@@ -248,4 +248,105 @@ fn csv_errors_name_file_and_line() {
     // A non-numeric label after the first line is an error, not a second header.
     let err = parse_mnist_csv(b"1,0,0,0,0\nx,0,0,0,0\n", "d.csv", 2, 2).unwrap_err();
     assert!(err.to_string().contains("d.csv:2"), "{err}");
+}
+
+#[test]
+fn missing_files_are_each_named() {
+    let dir = scratch_dir("mnist-some-missing");
+    let data = MnistDataset::load(committed_subset_dir(), MnistSplit::Test)
+        .unwrap()
+        .first(5)
+        .unwrap();
+    data.write_idx(&dir, MnistSplit::Train, true).unwrap();
+    let err = check_mnist_files(&dir).unwrap_err();
+    assert!(err.is_missing(), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("t10k-images-idx3-ubyte")
+            && msg.contains("t10k-labels-idx1-ubyte")
+            && !msg.contains("train-")
+            && msg.contains("scripts/fetch-mnist.sh"),
+        "{msg}"
+    );
+    data.write_idx(&dir, MnistSplit::Test, false).unwrap();
+    check_mnist_files(&dir).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_directory_in_place_of_a_file_is_not_called_missing() {
+    let dir = scratch_dir("mnist-dir-as-file");
+    let data = MnistDataset::load(committed_subset_dir(), MnistSplit::Test)
+        .unwrap()
+        .first(5)
+        .unwrap();
+    data.write_idx(&dir, MnistSplit::Test, false).unwrap();
+    let images = dir.join("t10k-images-idx3-ubyte");
+    std::fs::remove_file(&images).unwrap();
+    std::fs::create_dir(&images).unwrap();
+    for err in [
+        MnistDataset::load(&dir, MnistSplit::Test).unwrap_err(),
+        check_mnist_files(&dir).unwrap_err(),
+    ] {
+        assert!(matches!(err, DataError::NotAFile { .. }), "{err}");
+        assert!(!err.is_missing());
+        let msg = err.to_string();
+        assert!(
+            msg.contains("t10k-images-idx3-ubyte") && msg.contains("is a directory"),
+            "{msg}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn images_of_another_size_are_refused_naming_the_file() {
+    let dir = scratch_dir("mnist-27");
+    let data = MnistDataset::from_raw(vec![7; 3 * 27 * 27], vec![1, 2, 3], 27, 27).unwrap();
+    data.write_idx(&dir, MnistSplit::Train, false).unwrap();
+    let err = MnistDataset::load(&dir, MnistSplit::Train).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("train-images-idx3-ubyte") && msg.contains("27x27") && msg.contains("28x28"),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn binary_input_is_not_echoed_in_csv_errors() {
+    // A gzip archive given as CSV, and binary bytes inside a pixel field.
+    let mut gz = vec![0x1f, 0x8b, 0x08, 0x00, 0xff, 0xfe, b'\n', 0x80, 0x81];
+    gz.extend_from_slice(b",1,2\n");
+    let msg = parse_mnist_csv(&gz, "train.csv.gz", 2, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("train.csv.gz:1:") && msg.contains("not a CSV text file"),
+        "{msg}"
+    );
+    assert!(msg.contains("gzip"), "{msg}");
+    assert!(
+        msg.chars().all(|c| c.is_ascii() && !c.is_ascii_control()),
+        "{msg:?}"
+    );
+    let msg = parse_mnist_csv(b"1,0,0,0,0\n1,0,\x00\xff,0,0\n", "d.csv", 2, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("d.csv:2:") && msg.contains("byte 0x00"),
+        "{msg}"
+    );
+    assert!(!msg.contains('\u{fffd}') && !msg.contains('\0'), "{msg:?}");
+    // A long bad field is cut short; a byte-order mark is fine.
+    let long = format!("1,0,0,0,0\n1,0,{},0,0\n", "9".repeat(500));
+    let msg = parse_mnist_csv(long.as_bytes(), "d.csv", 2, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("(500 characters)") && msg.len() < 200, "{msg}");
+    let bom = b"\xef\xbb\xbflabel,a,b,c,d\n3,0,1,2,255\n";
+    assert_eq!(
+        parse_mnist_csv(bom, "bom.csv", 2, 2).unwrap().labels(),
+        &[3]
+    );
 }

@@ -22,11 +22,50 @@ fn parse_byte(field: &[u8]) -> Option<u8> {
     u8::try_from(value).ok()
 }
 
+/// A field for an error message: itself when it is short, else its first characters. The input is
+/// known to be printable ASCII (see [`check_text`]), so nothing binary is ever echoed.
+fn describe_field(field: &[u8]) -> String {
+    const SHOWN: usize = 16;
+    let text = String::from_utf8_lossy(&field[..field.len().min(SHOWN)]);
+    if field.len() > SHOWN {
+        format!("\"{text}...\" ({} characters)", field.len())
+    } else {
+        format!("{text:?}")
+    }
+}
+
+/// Rejects input that is not CSV text (a gzip archive, an IDX file, ...) at the first byte that is
+/// neither printable ASCII nor a tab, carriage return or line feed, naming its line and value.
+fn check_text(text: &[u8], path: &Path) -> Result<(), DataError> {
+    let Some(at) = text
+        .iter()
+        .position(|&b| !(b == b'\t' || b == b'\r' || b == b'\n' || (0x20..0x7f).contains(&b)))
+    else {
+        return Ok(());
+    };
+    let line = 1 + text[..at].iter().filter(|&&b| b == b'\n').count();
+    let hint = if super::idx::is_gzip(text) {
+        " (it is gzip-compressed: decompress it first)"
+    } else {
+        ""
+    };
+    Err(DataError::Csv {
+        path: path.to_path_buf(),
+        line,
+        reason: format!(
+            "not a CSV text file: byte 0x{:02x} at offset {at}{hint}",
+            text[at]
+        ),
+    })
+}
+
 /// Reads an MNIST CSV file of `rows x cols` images.
 ///
 /// A first line whose first field is not a number is taken as a header and skipped; blank lines are
 /// ignored. Every other line must hold exactly `1 + rows * cols` comma-separated integers, a label in
-/// 0..=9 and pixels in 0..=255; any other line is an error naming the file and line number.
+/// 0..=9 and pixels in 0..=255; any other line is an error naming the file and line number. Input
+/// that is not text (a UTF-8 byte-order mark aside) is an error at its first binary byte, whose
+/// content is never echoed.
 pub fn read_mnist_csv(
     path: impl AsRef<Path>,
     rows: usize,
@@ -48,6 +87,8 @@ pub fn parse_mnist_csv(
     let pixels = rows.checked_mul(cols).filter(|&p| p > 0).ok_or_else(|| {
         DataError::invalid("parse_mnist_csv", format!("bad image shape {rows}x{cols}"))
     })?;
+    let text = text.strip_prefix(b"\xef\xbb\xbf").unwrap_or(text);
+    check_text(text, path)?;
     let csv_err = |line: usize, reason: String| DataError::Csv {
         path: path.to_path_buf(),
         line,
@@ -70,7 +111,7 @@ pub fn parse_mnist_csv(
             None => {
                 return Err(csv_err(
                     line_no,
-                    format!("label {:?} is not a number", String::from_utf8_lossy(first)),
+                    format!("label {} is not a number", describe_field(first)),
                 ))
             }
         };
@@ -89,9 +130,9 @@ pub fn parse_mnist_csv(
                 csv_err(
                     line_no,
                     format!(
-                        "pixel {} is {:?}, not an integer in 0..=255",
+                        "pixel {} is {}, not an integer in 0..=255",
                         column + 1,
-                        String::from_utf8_lossy(field)
+                        describe_field(field)
                     ),
                 )
             })?;
@@ -118,7 +159,16 @@ pub fn parse_mnist_csv(
 
 #[cfg(test)]
 mod tests {
-    use super::parse_byte;
+    use super::{describe_field, parse_byte};
+
+    #[test]
+    fn long_fields_are_cut_in_messages() {
+        assert_eq!(describe_field(b"12x"), "\"12x\"");
+        assert_eq!(
+            describe_field(b"abcdefghijklmnopqrstuvwxyz"),
+            "\"abcdefghijklmnop...\" (26 characters)"
+        );
+    }
 
     #[test]
     fn parse_byte_accepts_only_bytes() {

@@ -18,6 +18,18 @@ pub enum DataError {
         dir.display()
     )]
     Missing { path: PathBuf, dir: PathBuf },
+    /// Files of a data directory do not exist (neither plain nor with `.gz`); all of them are named.
+    #[error(
+        "MNIST files missing in {}: {} (neither plain nor .gz); run `{FETCH_COMMAND} {}` to \
+         download MNIST and write the IDX files",
+        dir.display(),
+        names.join(", "),
+        dir.display()
+    )]
+    MissingFiles { dir: PathBuf, names: Vec<String> },
+    /// Something other than a regular file (a directory, say) is where a data file should be.
+    #[error("{}: is a {kind}, not a data file; move it away or point to another directory", path.display())]
+    NotAFile { path: PathBuf, kind: &'static str },
     /// The operating system refused a read or write.
     #[error("{}: {source}", path.display())]
     Io {
@@ -85,6 +97,14 @@ impl DataError {
         } else {
             DataError::Io { path, source }
         }
+    }
+
+    /// Whether this says data files are missing (so fetching them may help).
+    pub fn is_missing(&self) -> bool {
+        matches!(
+            self,
+            DataError::Missing { .. } | DataError::MissingFiles { .. }
+        )
     }
 
     pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> Self {

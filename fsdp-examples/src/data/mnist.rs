@@ -83,21 +83,57 @@ fn normalization_table() -> [f32; 256] {
     table
 }
 
-/// Finds `dir/name`, or `dir/name.gz` when only the compressed file exists.
+/// Finds `dir/name`, or `dir/name.gz` when only the compressed file exists. Something that is not a
+/// file in either place (a directory, say) is [`DataError::NotAFile`] naming it, not "missing".
 pub fn resolve_data_file(dir: impl AsRef<Path>, name: &str) -> Result<PathBuf, DataError> {
     let dir = dir.as_ref();
     let plain = dir.join(name);
-    if plain.is_file() {
-        return Ok(plain);
-    }
     let gz = dir.join(format!("{name}.gz"));
-    if gz.is_file() {
-        return Ok(gz);
+    for path in [&plain, &gz] {
+        // Follows symbolic links, as opening the file will.
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_file() => return Ok(path.clone()),
+            Ok(m) => {
+                return Err(DataError::NotAFile {
+                    path: path.clone(),
+                    kind: if m.is_dir() {
+                        "directory"
+                    } else {
+                        "special file"
+                    },
+                })
+            }
+            Err(_) => {}
+        }
     }
     Err(DataError::Missing {
         path: plain,
         dir: dir.to_path_buf(),
     })
+}
+
+/// Checks that `dir` holds the four MNIST files (each plain or `.gz`): [`DataError::MissingFiles`]
+/// names every missing one, [`DataError::NotAFile`] a directory in a file's place.
+pub fn check_mnist_files(dir: impl AsRef<Path>) -> Result<(), DataError> {
+    let dir = dir.as_ref();
+    let mut names = Vec::new();
+    for split in [MnistSplit::Train, MnistSplit::Test] {
+        for name in [split.images_file_name(), split.labels_file_name()] {
+            match resolve_data_file(dir, name) {
+                Ok(_) => {}
+                Err(DataError::Missing { .. }) => names.push(name.to_string()),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    if names.is_empty() {
+        Ok(())
+    } else {
+        Err(DataError::MissingFiles {
+            dir: dir.to_path_buf(),
+            names,
+        })
+    }
 }
 
 /// Pixel statistics of a dataset, for checking a download.
@@ -178,12 +214,23 @@ impl MnistDataset {
 
     /// Loads a split from `dir`, which holds the standard IDX file names, each plain or with `.gz`.
     ///
-    /// A missing file is [`DataError::Missing`], whose message names `scripts/fetch-mnist.sh`.
+    /// A missing file is [`DataError::Missing`], whose message names `scripts/fetch-mnist.sh`; images
+    /// that are not 28x28 are [`DataError::NotMnist`] naming the file.
     pub fn load(dir: impl AsRef<Path>, split: MnistSplit) -> Result<Self, DataError> {
         let dir = dir.as_ref();
         let images = resolve_data_file(dir, split.images_file_name())?;
         let labels = resolve_data_file(dir, split.labels_file_name())?;
-        Self::from_idx_files(&images, &labels)
+        let data = Self::from_idx_files(&images, &labels)?;
+        if (data.rows, data.cols) != (MNIST_ROWS, MNIST_COLS) {
+            return Err(DataError::NotMnist {
+                path: images,
+                reason: format!(
+                    "the images are {}x{} pixels; MNIST digits are {MNIST_ROWS}x{MNIST_COLS}",
+                    data.rows, data.cols
+                ),
+            });
+        }
+        Ok(data)
     }
 
     /// Loads images (`[n, rows, cols]`) and labels (`[n]`) from two IDX files and checks they agree.

@@ -13,6 +13,7 @@ pub use csv::{parse_mnist_csv, read_mnist_csv};
 pub use error::{DataError, FETCH_COMMAND};
 pub use idx::{encode_idx_u8, is_gzip, parse_idx_u8, read_idx_u8, write_idx_u8, IdxArray};
 pub use mnist::{
-    committed_subset_dir, normalize_pixel, resolve_data_file, MnistDataset, MnistSplit,
-    MnistSummary, DEFAULT_MNIST_DIR, MNIST_CLASSES, MNIST_COLS, MNIST_MEAN, MNIST_ROWS, MNIST_STD,
+    check_mnist_files, committed_subset_dir, normalize_pixel, resolve_data_file, MnistDataset,
+    MnistSplit, MnistSummary, DEFAULT_MNIST_DIR, MNIST_CLASSES, MNIST_COLS, MNIST_MEAN, MNIST_ROWS,
+    MNIST_STD,
 };

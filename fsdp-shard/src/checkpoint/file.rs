@@ -1,18 +1,38 @@
 //! A checkpoint file: named tensors and string metadata in safetensors format, with a CRC-32 per tensor so
-//! a flipped bit in the data (which safetensors cannot see) is an error, and atomic writes.
+//! a flipped bit in the data (which safetensors cannot see) is an error, a CRC-32 of the header (every
+//! metadata entry and every tensor's name, type and shape) so an edited step or data position is an
+//! error too, and atomic, durable writes.
 
+use super::file_ops::{parse_temporary, process_exists, FileOps};
 use crate::ShardError;
 use fp8_core::QType;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Metadata key holding the format tag, so a foreign safetensors file is recognised as such.
 pub const FORMAT_KEY: &str = "fp8_fsdp.format";
-/// Current format tag.
-pub const FORMAT_VERSION: &str = "fp8-fsdp-checkpoint/1";
+/// Current format tag. Version 2 added the header checksum and sharded checkpoints' generations.
+pub const FORMAT_VERSION: &str = "fp8-fsdp-checkpoint/2";
 const CRC_PREFIX: &str = "fp8_fsdp.crc32.";
+/// Metadata key of the header checksum.
+const HEADER_CRC_KEY: &str = "fp8_fsdp.header_crc32";
+
+/// CRC-32 of a header: every metadata entry but the header checksum itself, and every tensor's name,
+/// storage type and shape, in a canonical form (sorted; JSON-escaped, so no two headers share it).
+fn header_crc<'a>(
+    metadata: impl Iterator<Item = (&'a String, &'a String)>,
+    tensors: impl Iterator<Item = (String, Dtype, Vec<usize>)>,
+) -> String {
+    let meta: BTreeMap<&String, &String> = metadata.filter(|(k, _)| *k != HEADER_CRC_KEY).collect();
+    let mut tensors: Vec<(String, String, Vec<usize>)> = tensors
+        .map(|(name, dtype, shape)| (name, format!("{dtype:?}"), shape))
+        .collect();
+    tensors.sort();
+    // Serialising maps of strings and vectors of strings and integers cannot fail.
+    let text = serde_json::to_string(&(meta, tensors)).unwrap_or_default();
+    format!("{:08x}", crc32fast::hash(text.as_bytes()))
+}
 
 /// One tensor of a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,6 +147,13 @@ impl CheckpointFile {
                 .map_err(|e| ShardError::Checkpoint(format!("tensor {name}: {e}")))?;
             views.push((name.clone(), view));
         }
+        let crc = header_crc(
+            meta.iter(),
+            self.tensors
+                .iter()
+                .map(|(n, t)| (n.clone(), dtype_of(t.qtype), t.shape.clone())),
+        );
+        meta.insert(HEADER_CRC_KEY.into(), crc);
         safetensors::serialize(views, Some(meta))
             .map_err(|e| ShardError::Checkpoint(format!("serialising: {e}")))
     }
@@ -144,11 +171,30 @@ impl CheckpointFile {
             .unwrap_or_default()
             .into_iter()
             .collect();
-        match metadata.remove(FORMAT_KEY) {
+        match metadata.get(FORMAT_KEY) {
             Some(v) if v == FORMAT_VERSION => {}
-            Some(v) => return Err(bad(format!("unsupported checkpoint format {v:?}"))),
+            Some(v) => {
+                return Err(bad(format!(
+                    "unsupported checkpoint format {v:?} (this version reads {FORMAT_VERSION:?})"
+                )))
+            }
             None => return Err(bad("not an fp8-fsdp checkpoint (no format tag)".into())),
         }
+        let want = metadata
+            .remove(HEADER_CRC_KEY)
+            .ok_or_else(|| bad("the header has no checksum".into()))?;
+        let got = header_crc(
+            metadata.iter(),
+            st.iter()
+                .map(|(n, v)| (n.to_string(), v.dtype(), v.shape().to_vec())),
+        );
+        if want != got {
+            return Err(bad(format!(
+                "the header (metadata or tensor shapes) is corrupt or was edited (checksum {got}, \
+                 expected {want})"
+            )));
+        }
+        metadata.remove(FORMAT_KEY);
         let mut tensors = BTreeMap::new();
         for (name, view) in st.iter() {
             let qtype = qtype_of(view.dtype()).ok_or_else(|| {
@@ -183,7 +229,7 @@ impl CheckpointFile {
     }
 
     /// Writes atomically: a temporary file in the same directory, flushed and synced, then renamed over
-    /// `path`, so a crash mid-save leaves the previous file intact.
+    /// `path`, so a crash mid-save leaves the previous file intact; see [`write_atomic`].
     pub fn write_atomic(&self, path: &Path) -> Result<(), ShardError> {
         let bytes = self.to_bytes()?;
         write_atomic(path, &bytes)
@@ -199,30 +245,48 @@ impl CheckpointFile {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename.
+/// Writes `bytes` to `path` durably through a temporary file (`.NAME.tmp-PID`, synced), a rename and a
+/// sync of the directory (created if missing). Temporaries of earlier writes of `path` whose process is
+/// gone (or is this one) are removed first: an interrupted write leaves nothing behind for long.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ShardError> {
-    let io = |p: &Path, e: std::io::Error| ShardError::Io {
-        path: p.to_path_buf(),
-        source: e,
-    };
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-    if let Some(d) = dir {
-        std::fs::create_dir_all(d).map_err(|e| io(d, e))?;
-    }
-    let file_name = path
+    let ops = FileOps::unhooked();
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    ops.create_dir(dir)?;
+    let name = path
         .file_name()
-        .ok_or_else(|| ShardError::Checkpoint(format!("{} is not a file path", path.display())))?;
-    let tmp: PathBuf = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
-    {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| io(&tmp, e))?;
-        f.sync_all().map_err(|e| io(&tmp, e))?;
+        .ok_or_else(|| ShardError::Checkpoint(format!("{} is not a file path", path.display())))?
+        .to_string_lossy()
+        .into_owned();
+    remove_stale_temporaries(&ops, dir, |n, pid| {
+        n == name && (pid == std::process::id() || !process_exists(pid))
+    })?;
+    ops.write_durable(path, bytes)
+}
+
+/// Removes the temporaries (`.NAME.tmp-PID`) in `dir` that `stale(NAME, PID)` selects.
+pub(crate) fn remove_stale_temporaries(
+    ops: &FileOps<'_>,
+    dir: &Path,
+    stale: impl Fn(&str, u32) -> bool,
+) -> Result<(), ShardError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| ShardError::Io {
+        path: dir.to_path_buf(),
+        source: e,
+    })?;
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(file_name) = file_name.to_str() else {
+            continue;
+        };
+        if parse_temporary(file_name).is_some_and(|(n, pid)| stale(n, pid))
+            && entry.file_type().is_ok_and(|t| t.is_file())
+        {
+            ops.remove_file(&entry.path())?;
+        }
     }
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))?;
     Ok(())
 }
 
@@ -274,6 +338,51 @@ mod tests {
         );
     }
 
+    /// Replaces the first occurrence of `from` by `to` (same length) in the header.
+    fn edit_header(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
+        assert_eq!(from.len(), to.len());
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&bytes[8..8 + header_len]).unwrap();
+        let at = header.find(from).expect("text in the header") + 8;
+        let mut out = bytes.to_vec();
+        out[at..at + from.len()].copy_from_slice(to.as_bytes());
+        out
+    }
+
+    #[test]
+    fn edited_metadata_or_shapes_are_refused() {
+        let bytes = sample().to_bytes().unwrap();
+        // The step, edited by hand: still valid JSON and valid safetensors, caught by the checksum.
+        let edited = edit_header(&bytes, "\"step\":\"7\"", "\"step\":\"9\"");
+        let err = CheckpointFile::from_bytes(&edited, "x.safetensors").unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("x.safetensors") && msg.contains("header"),
+            "{msg}"
+        );
+        // A shape with the same number of elements.
+        let edited = edit_header(&bytes, "[2,2]", "[1,4]");
+        assert!(CheckpointFile::from_bytes(&edited, "mem").is_err());
+        // No header checksum at all.
+        let edited = edit_header(&bytes, "fp8_fsdp.header_crc32", "fp8_fsdp.header_crc33");
+        let msg = CheckpointFile::from_bytes(&edited, "mem")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("checksum"), "{msg}");
+        // Every single bit flipped anywhere in the header is an error.
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        for pos in 0..8 + header_len {
+            for bit in 0..8 {
+                let mut b = bytes.clone();
+                b[pos] ^= 1 << bit;
+                assert!(
+                    CheckpointFile::from_bytes(&b, "mem").is_err(),
+                    "flip of bit {bit} at byte {pos} accepted"
+                );
+            }
+        }
+    }
+
     #[test]
     fn atomic_write_replaces_and_reads_back() {
         let dir = std::env::temp_dir().join(format!("fsdp-ckpt-file-{}", std::process::id()));
@@ -288,6 +397,11 @@ mod tests {
         );
         let leftovers = std::fs::read_dir(&dir).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file left behind");
+        // An interrupted write's temporary (of this process, so not in use) goes at the next write.
+        let tmp = super::super::file_ops::temporary_path(&path).unwrap();
+        std::fs::write(&tmp, b"half a file").unwrap();
+        g.write_atomic(&path).unwrap();
+        assert!(!tmp.exists());
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(CheckpointFile::read(&path).is_err());
     }

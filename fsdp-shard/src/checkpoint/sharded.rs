@@ -1,31 +1,36 @@
 //! Sharded checkpoints (one file per rank, reshardable from N to M ranks) and full checkpoints
 //! (consolidated on rank 0).
 //!
-//! A sharded checkpoint is a directory:
-//! - `rank-RRRRR-of-NNNNN.safetensors`, one per rank: the rank's FP8 weight shard of every unit (`F8_E4M3`),
-//!   its plain parameter shard (`F32`), the weights' scales, and the optimizer's state shards with their
-//!   per-parameter scales; metadata: the model layout (JSON), world size, rank, the caller's key/values
-//!   (step, schedule, data position, random-generator state of that rank) and the optimizer's scalars;
-//! - `index.json`, written by rank 0 after every rank has written its file: world size and the
-//!   caller's key/values. A directory without it is an incomplete save.
+//! A sharded checkpoint is a directory whose `index.json` commits one generation directory (see
+//! `generation.rs`), which holds `rank-RRRRR-of-NNNNN.safetensors`, one per rank: the rank's FP8 weight
+//! shard of every unit (`F8_E4M3`), its plain parameter shard (`F32`), the weights' scales, and the
+//! optimizer's state shards with their per-parameter scales; metadata: the model layout (JSON), world
+//! size, rank, generation and save id, the caller's key/values (step, schedule, data position,
+//! random-generator state of that rank) and the optimizer's scalars.
 //!
 //! Offsets within a unit's flat buffers do not depend on the world size, so loading at another world size
 //! concatenates the saved shards, drops the old tail padding and cuts the new shard.
 
 use super::file::{CheckpointFile, TensorRecord};
+use super::file_ops::{FileOps, StopAfter};
+use super::generation::{self, read_commit, save_id_text, Commit, Plan};
 use crate::layout::{ModelLayout, ParamGroup};
 use crate::model::ShardedModel;
 use crate::state::{ShardedState, StateShard};
 use crate::ShardError;
 use fp8_core::QType;
+use fsdp_comm::{CommError, Communicator, ReduceOp};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-const INDEX: &str = "index.json";
 const USER_PREFIX: &str = "user.";
 const OPT_PREFIX: &str = "optim.";
+const GENERATION_KEY: &str = "generation";
+const SAVE_ID_KEY: &str = "save_id";
 
-/// The file of `rank` in a checkpoint of `world_size` ranks.
+/// The file of `rank` in a generation directory of a checkpoint of `world_size` ranks (the committed
+/// one is [`Commit::shard_file`]).
 pub fn shard_file(dir: &Path, rank: usize, world_size: usize) -> PathBuf {
     dir.join(format!("rank-{rank:05}-of-{world_size:05}.safetensors"))
 }
@@ -40,11 +45,11 @@ pub struct LoadedCheckpoint {
     pub extra: BTreeMap<String, String>,
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Index {
-    format: String,
-    world_size: usize,
-    extra: BTreeMap<String, String>,
+/// Options of [`save_sharded_with`].
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// Test hook: stop the save after a number of file operations, as a crash would.
+    pub stop_after: Option<Arc<StopAfter>>,
 }
 
 fn unit_key(u: usize, what: &str) -> String {
@@ -59,15 +64,13 @@ fn bytes_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Saves this rank's part of a sharded checkpoint (call on every rank; collective).
-pub fn save_sharded(
-    dir: &Path,
+/// This rank's file of a sharded checkpoint, without the generation (known once rank 0 has planned).
+fn rank_file(
     model: &ShardedModel,
     state: Option<&dyn ShardedState>,
     extra: &BTreeMap<String, String>,
-) -> Result<(), ShardError> {
-    let comm = model.comm().clone();
-    let (rank, ws) = (comm.rank(), comm.world_size());
+) -> Result<CheckpointFile, ShardError> {
+    let (rank, ws) = (model.comm().rank(), model.comm().world_size());
     let layout = model.layout();
     let mut file = CheckpointFile::default();
     file.metadata.insert("world_size".into(), ws.to_string());
@@ -123,54 +126,148 @@ pub fn save_sharded(
             file.metadata.insert(format!("{OPT_PREFIX}{k}"), v);
         }
     }
-    file.write_atomic(&shard_file(dir, rank, ws))?;
-    comm.barrier()?;
-    if rank == 0 {
-        let index = Index {
-            format: super::FORMAT_VERSION.into(),
-            world_size: ws,
-            extra: extra.clone(),
-        };
-        let text = serde_json::to_string_pretty(&index)
-            .map_err(|e| ShardError::Checkpoint(format!("index: {e}")))?;
-        super::write_atomic(&dir.join(INDEX), text.as_bytes())?;
+    Ok(file)
+}
+
+/// Saves a sharded checkpoint into `dir` (call on every rank; collective). The save is committed as a
+/// whole or not at all: see [`save_sharded_with`].
+pub fn save_sharded(
+    dir: &Path,
+    model: &ShardedModel,
+    state: Option<&dyn ShardedState>,
+    extra: &BTreeMap<String, String>,
+) -> Result<(), ShardError> {
+    save_sharded_with(dir, model, state, extra, &SaveOptions::default())
+}
+
+/// [`save_sharded`] with options (a test hook).
+///
+/// 1. Rank 0 locks `dir` for the save unless this process holds its [`super::CheckpointLock`] (another
+///    holder is an error naming its process), removes what interrupted saves left, creates the next
+///    generation's directory and broadcasts its number with a fresh save id.
+/// 2. Every rank writes its file into that directory durably (temporary file, fsync, rename, directory
+///    fsync).
+/// 3. An all-reduce of every rank's outcome, the barrier before the commit: if any rank failed, no rank
+///    commits and every rank returns an error (the failing rank its own), leaving the previous checkpoint
+///    as it was.
+/// 4. Rank 0 commits with one atomic rename of `index.json` and removes the previous generation; a
+///    final all-reduce tells every rank whether the commit happened.
+///
+/// A crash at any point leaves `dir` loading as the previous checkpoint (before the rename) or the new
+/// one (after it), never a mix.
+pub fn save_sharded_with(
+    dir: &Path,
+    model: &ShardedModel,
+    state: Option<&dyn ShardedState>,
+    extra: &BTreeMap<String, String>,
+    options: &SaveOptions,
+) -> Result<(), ShardError> {
+    let comm = model.comm().clone();
+    let (rank, ws) = (comm.rank(), comm.world_size());
+    let ops = FileOps::new(rank, options.stop_after.as_deref());
+    let mut own_error: Option<ShardError> = None;
+    let mut file = rank_file(model, state, extra)
+        .map_err(|e| own_error = Some(e))
+        .ok();
+    // 1. Rank 0 plans; generation 0 in the broadcast says it could not.
+    let mut save_lock = None;
+    let mut rank0_plan = None;
+    if rank == 0 && own_error.is_none() {
+        match generation::prepare(dir, &ops) {
+            Ok((plan, lock)) => {
+                rank0_plan = Some(plan);
+                save_lock = lock;
+            }
+            Err(e) => own_error = Some(e),
+        }
     }
-    comm.barrier()?;
+    let plan_bytes = rank0_plan.map(Plan::to_bytes).unwrap_or([0u8; 16]);
+    let plan = match broadcast_plan(comm.as_ref(), plan_bytes) {
+        Ok(p) => rank0_plan.or(p),
+        Err(e) => return Err(own_error.unwrap_or(e.into())),
+    };
+    // 2. Every rank writes its file.
+    if let (Some(plan), Some(file), None) = (plan, file.as_mut(), own_error.as_ref()) {
+        let gen_dir = generation::generation_dir(dir, plan.generation);
+        file.metadata
+            .insert(GENERATION_KEY.into(), plan.generation.to_string());
+        file.metadata
+            .insert(SAVE_ID_KEY.into(), save_id_text(plan.save_id));
+        if let Err(e) = file
+            .to_bytes()
+            .and_then(|bytes| ops.write_durable(&shard_file(&gen_dir, rank, ws), &bytes))
+        {
+            own_error = Some(e);
+        }
+    }
+    // 3. Who failed? (The barrier before the commit.)
+    let mut failed = vec![0f32; ws];
+    failed[rank] = if own_error.is_some() { 1.0 } else { 0.0 };
+    if let Err(e) = comm.all_reduce_host_f32(&mut failed, ReduceOp::Max) {
+        return Err(own_error.unwrap_or(e.into()));
+    }
+    if let Some(e) = own_error {
+        return Err(e);
+    }
+    let failed: Vec<usize> = (0..ws).filter(|&r| failed[r] != 0.0).collect();
+    let plan = match plan {
+        Some(p) if failed.is_empty() => p,
+        _ => {
+            comm.note_failure_caused_by_peer();
+            return Err(ShardError::Checkpoint(format!(
+                "{}: not saved: rank(s) {failed:?} failed to write their part (their own errors \
+                 say why); the previous checkpoint is unchanged",
+                dir.display()
+            )));
+        }
+    };
+    // 4. Rank 0 commits; everyone learns whether it did.
+    let mut commit_failed = [0f32];
+    if rank == 0 {
+        if let Err(e) = generation::commit(dir, &plan, ws, extra, &ops) {
+            own_error = Some(e);
+            commit_failed[0] = 1.0;
+        }
+    }
+    let agreed = comm.all_reduce_host_f32(&mut commit_failed, ReduceOp::Max);
+    drop(save_lock);
+    if let Some(e) = own_error {
+        return Err(e);
+    }
+    agreed?;
+    if commit_failed[0] != 0.0 {
+        comm.note_failure_caused_by_peer();
+        return Err(ShardError::Checkpoint(format!(
+            "{}: not saved: rank 0 could not commit (its error says why); the previous checkpoint \
+             is unchanged",
+            dir.display()
+        )));
+    }
     Ok(())
 }
 
-/// Reads `dir`'s index: the saved world size and the caller's key/values.
-pub fn read_index(dir: &Path) -> Result<(usize, BTreeMap<String, String>), ShardError> {
-    let path = dir.join(INDEX);
-    let text = std::fs::read_to_string(&path).map_err(|e| ShardError::Io {
-        path: path.clone(),
-        source: e,
-    })?;
-    let index: Index = serde_json::from_str(&text).map_err(|e| {
-        ShardError::Checkpoint(format!("{}: malformed index ({e})", path.display()))
-    })?;
-    if index.format != super::FORMAT_VERSION {
-        return Err(ShardError::Checkpoint(format!(
-            "{}: unsupported format {:?}",
-            path.display(),
-            index.format
-        )));
-    }
-    if index.world_size == 0 {
-        return Err(ShardError::Checkpoint(format!(
-            "{}: world size 0",
-            path.display()
-        )));
-    }
-    Ok((index.world_size, index.extra))
+/// Broadcasts rank 0's plan; `None` when rank 0 could not plan.
+fn broadcast_plan(comm: &dyn Communicator, bytes: [u8; 16]) -> Result<Option<Plan>, CommError> {
+    let mut buf = comm.device().upload(&bytes)?;
+    comm.broadcast_in_place((&mut buf).into(), 0)?;
+    Ok(Plan::from_bytes(&buf.to_vec()?))
 }
 
-/// Reads and checks all files of a sharded checkpoint against `layout`.
-fn read_all(dir: &Path, layout: &ModelLayout) -> Result<(usize, Vec<CheckpointFile>), ShardError> {
-    let (n, _) = read_index(dir)?;
+/// Reads `dir`'s index: the saved world size and the caller's key/values (see [`read_commit`] for the
+/// whole commit record).
+pub fn read_index(dir: &Path) -> Result<(usize, BTreeMap<String, String>), ShardError> {
+    let c = read_commit(dir)?;
+    Ok((c.world_size, c.extra))
+}
+
+/// Reads and checks all files of the committed generation against `layout`: each must say it is its
+/// rank of the committed world size, of the committed generation and save.
+fn read_all(dir: &Path, layout: &ModelLayout) -> Result<(Commit, Vec<CheckpointFile>), ShardError> {
+    let commit = read_commit(dir)?;
+    let n = commit.world_size;
     let mut files = Vec::with_capacity(n);
     for r in 0..n {
-        let path = shard_file(dir, r, n);
+        let path = commit.shard_file(r);
         let f = CheckpointFile::read(&path)?;
         let origin = path.display().to_string();
         let ws: usize = f.meta_parse("world_size")?;
@@ -178,6 +275,17 @@ fn read_all(dir: &Path, layout: &ModelLayout) -> Result<(usize, Vec<CheckpointFi
         if ws != n || rank != r {
             return Err(ShardError::Checkpoint(format!(
                 "{origin}: says rank {rank} of {ws}, expected rank {r} of {n}"
+            )));
+        }
+        let generation: u64 = f.meta_parse(GENERATION_KEY)?;
+        let save_id = f.meta(SAVE_ID_KEY)?;
+        if generation != commit.generation || save_id != commit.save_id {
+            return Err(ShardError::Checkpoint(format!(
+                "{origin}: written by save {save_id} (generation {generation}), but {} commits save \
+                 {} (generation {}): the files mix two saves; refusing the checkpoint",
+                dir.join(generation::INDEX).display(),
+                commit.save_id,
+                commit.generation
             )));
         }
         let saved: ModelLayout = serde_json::from_str(f.meta("layout")?)
@@ -189,7 +297,7 @@ fn read_all(dir: &Path, layout: &ModelLayout) -> Result<(usize, Vec<CheckpointFi
         }
         files.push(f);
     }
-    Ok((n, files))
+    Ok((commit, files))
 }
 
 /// Concatenates the saved shards of tensor `key`, checks each has `saved_shard` elements of `qtype`, and
@@ -250,7 +358,8 @@ pub fn load_sharded(
 ) -> Result<LoadedCheckpoint, ShardError> {
     let layout = model.layout().clone();
     let (rank, ws) = (model.comm().rank(), model.comm().world_size());
-    let (n, files) = read_all(dir, &layout)?;
+    let (commit, files) = read_all(dir, &layout)?;
+    let n = commit.world_size;
     for (u, unit) in layout.units.iter().enumerate() {
         let g8 = unit.group(ParamGroup::Fp8);
         let gp = unit.group(ParamGroup::Plain);
@@ -408,10 +517,28 @@ pub fn save_full(
             model.release(u)?;
         }
     }
+    // Rank 0 writes; an all-reduce of its outcome (instead of a bare barrier) lets every rank return
+    // promptly with an error if the write failed.
+    let mut failed = [0f32];
+    let mut own_error = None;
     if rank == 0 {
-        file.write_atomic(path)?;
+        if let Err(e) = file.write_atomic(path) {
+            own_error = Some(e);
+            failed[0] = 1.0;
+        }
     }
-    model.comm().barrier()?;
+    let agreed = model.comm().all_reduce_host_f32(&mut failed, ReduceOp::Max);
+    if let Some(e) = own_error {
+        return Err(e);
+    }
+    agreed?;
+    if failed[0] != 0.0 {
+        model.comm().note_failure_caused_by_peer();
+        return Err(ShardError::Checkpoint(format!(
+            "{}: not saved: rank 0 could not write it (its error says why)",
+            path.display()
+        )));
+    }
     Ok(())
 }
 
