@@ -1,7 +1,7 @@
 //! Token data for language models: llm.c's token files, training and validation windows, GPT-2's
 //! tokenizer, and the Shakespeare corpus of the GPT example.
 //!
-//! - [`file`]: [`TokenFile::open`] maps a token file and validates its header and every id;
+//! - [`file`](mod@file): [`TokenFile::open`] maps a token file and validates its header and every id;
 //!   [`write_token_file`] writes one.
 //! - [`windows`]: [`TrainWindowSampler`] (seeded random windows per step and rank, resumable from a
 //!   `u64`), [`ValidationWindows`] (every non-overlapping window, in batches), [`unigram_entropy_nats`].
