@@ -12,9 +12,7 @@
 //! this crate's `testdata/shakespeare/` ([`committed_shakespeare_slice_dir`]). See `docs/gpt-data.md`.
 //!
 //! ```
-//! use fsdp_examples::data::tokens::{
-//!     encode_token_file, TrainWindowSampler, ValidationWindows, GPT2_VOCAB_SIZE,
-//! };
+//! use fsdp_examples::data::tokens::{encode_token_file, TrainWindowSampler, ValidationWindows};
 //!
 //! let tokens: Vec<u16> = (0..100).collect();
 //! let bytes = encode_token_file(&tokens)?;
@@ -35,7 +33,6 @@
 //! let val = ValidationWindows::new(tokens.len(), 8, 5)?;
 //! assert_eq!((val.window_count(), val.batch_count()), (12, 3));
 //! assert_eq!(val.batch_starts(2), [80, 88]);
-//! # let _ = GPT2_VOCAB_SIZE;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
