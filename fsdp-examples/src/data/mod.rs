@@ -8,6 +8,7 @@ pub mod csv;
 pub mod error;
 pub mod idx;
 pub mod mnist;
+pub mod tokens;
 
 pub use csv::{parse_mnist_csv, read_mnist_csv};
 pub use error::{DataError, FETCH_COMMAND};
