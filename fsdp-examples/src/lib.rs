@@ -51,4 +51,5 @@ pub mod metrics;
 pub mod mlp;
 pub mod mnist;
 pub mod progress;
+pub mod run_setup;
 pub mod sampler;

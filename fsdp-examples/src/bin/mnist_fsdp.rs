@@ -9,7 +9,7 @@ use std::process::{Command, ExitCode};
 
 use clap::{Parser, ValueEnum};
 use fsdp_examples::data::{
-    committed_subset_dir, resolve_data_file, MnistSplit, DEFAULT_MNIST_DIR, FETCH_COMMAND,
+    check_mnist_files, committed_subset_dir, DEFAULT_MNIST_DIR, FETCH_COMMAND,
 };
 use fsdp_examples::metrics::{render_svg, PlotOptions, PlotSeries};
 use fsdp_examples::mnist::{train, DeviceChoice, TrainConfig, TrainReport};
@@ -126,14 +126,6 @@ struct Args {
     profile_sync: bool,
 }
 
-/// Whether all four files are in `dir`.
-fn data_present(dir: &Path) -> bool {
-    [MnistSplit::Train, MnistSplit::Test].iter().all(|s| {
-        resolve_data_file(dir, s.images_file_name()).is_ok()
-            && resolve_data_file(dir, s.labels_file_name()).is_ok()
-    })
-}
-
 /// Runs the fetch script for the default data directory.
 fn fetch(dir: &Path) -> Result<(), String> {
     let local = PathBuf::from(FETCH_COMMAND);
@@ -166,6 +158,10 @@ fn fetch(dir: &Path) -> Result<(), String> {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    // Every output is checked before training (the library checks --metrics and --save).
+    if let Some(plot) = &args.plot {
+        fsdp_examples::run_setup::RunOutputs::prepare(None, &[("--plot", plot.as_path())])?;
+    }
     let device = match args.device {
         DeviceArg::Cpu => DeviceChoice::Cpu,
         DeviceArg::Cuda => DeviceChoice::Cuda,
@@ -187,16 +183,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         args.data_dir.clone()
     };
-    if !args.subset && !data_present(&data_dir) {
-        if data_dir == Path::new(DEFAULT_MNIST_DIR) {
-            fetch(&data_dir)?;
-        } else {
-            return Err(format!(
-                "MNIST files missing in {}: run `{FETCH_COMMAND} {}`",
-                data_dir.display(),
-                data_dir.display()
-            )
-            .into());
+    if !args.subset {
+        if let Err(e) = check_mnist_files(&data_dir) {
+            if e.is_missing() && data_dir == Path::new(DEFAULT_MNIST_DIR) {
+                fetch(&data_dir)?;
+            } else {
+                return Err(format!(
+                    "{e} (fetch MNIST with `{FETCH_COMMAND} {}`)",
+                    data_dir.display()
+                )
+                .into());
+            }
         }
     }
     let config = TrainConfig {
@@ -238,6 +235,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let report = train(&config)?;
     print_summary(&report, &config);
+    if let (Some(n), None) = (config.profile_steps, &report.profile) {
+        eprintln!(
+            "mnist_fsdp: no profile: --profile times {n} batches after {} warm-up batches, and this run \
+             trained fewer (lower --profile-steps or train more batches)",
+            fsdp_examples::mnist::PROFILE_WARMUP_STEPS
+        );
+    }
     if let (Some(svg), Some(metrics)) = (&args.plot, &args.metrics) {
         let mut series = vec![PlotSeries::from_file(metrics)?];
         for f in &args.compare {

@@ -14,8 +14,8 @@ mod train;
 
 pub use net::{wrap_policy, MnistNet, NetConfig, MIN_UNIT_PARAMS};
 pub use train::{
-    train, DeviceChoice, Phase, PhaseTiming, StepProfile, TrainConfig, TrainReport,
-    PROFILE_WARMUP_STEPS,
+    data_fingerprint, train, DeviceChoice, Phase, PhaseTiming, StepProfile, TrainConfig,
+    TrainReport, PROFILE_WARMUP_STEPS,
 };
 
 use crate::data::DataError;
@@ -59,4 +59,7 @@ pub enum MnistError {
     /// A configuration that cannot run.
     #[error("{0}")]
     Config(String),
+    /// An output path or the launcher setup refused before training.
+    #[error(transparent)]
+    Setup(#[from] crate::run_setup::SetupError),
 }

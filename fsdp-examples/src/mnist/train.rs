@@ -2,8 +2,9 @@
 
 use super::{wrap_policy, MnistError, MnistNet, NetConfig};
 use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
-use crate::metrics::{EpochMetrics, MetricsWriter};
+use crate::metrics::{parse_metrics, EpochMetrics, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
+use crate::run_setup::{refuse_launcher_on_cpu, RunOutputs};
 use crate::sampler::{DistributedSampler, Remainder};
 use fp8_core::Fp8Format;
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
@@ -12,7 +13,7 @@ use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
 use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
 use fsdp_nn::LinearPrecision;
 use fsdp_optim::{step_model, AdamOptions, FsdpAdam, Optimizer, StatePrecision, StepLr};
-use fsdp_shard::checkpoint::{load_sharded, save_sharded};
+use fsdp_shard::checkpoint::{load_sharded, read_index, save_sharded};
 use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -88,6 +89,9 @@ pub struct TrainConfig {
     /// the wall time is their sum, not the overlapped step).
     pub profile_sync: bool,
 }
+
+/// The checkpoint key of the metrics line of the epoch an epoch-end checkpoint closes.
+const LAST_EPOCH_KEY: &str = "metrics.last_epoch";
 
 /// Steps run before a `profile_steps` window opens (NVRTC compilation, cuBLASLt plans, pool growth).
 pub const PROFILE_WARMUP_STEPS: usize = 20;
@@ -191,8 +195,24 @@ impl TrainConfig {
                 self.lr, self.gamma
             ));
         }
-        if self.limit_batches == Some(0) {
-            return bad("--limit-batches must be at least 1".into());
+        for (flag, value) in [
+            ("--limit-batches", self.limit_batches.map(|v| v as u64)),
+            (
+                "--threads-per-rank",
+                self.threads_per_rank.map(|v| v as u64),
+            ),
+            ("--stop-after-steps", self.stop_after_steps),
+            ("--save-every", self.save_every_steps),
+            ("--profile-steps", self.profile_steps.map(|v| v as u64)),
+        ] {
+            if value == Some(0) {
+                return bad(format!(
+                    "{flag} must be at least 1 (0 would silently do nothing)"
+                ));
+            }
+        }
+        if self.save_every_steps.is_some() && self.save.is_none() {
+            return bad("--save-every needs --save".into());
         }
         Ok(())
     }
@@ -206,9 +226,17 @@ impl TrainConfig {
 /// Trains and tests as `config` says; prints the reference lines on rank 0 when `config.print`.
 pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
     config.validate()?;
+    // Outputs are checked (and the checkpoint directory locked) before any work.
+    let files: Vec<(&str, &Path)> = config
+        .metrics
+        .iter()
+        .map(|m| ("--metrics", m.as_path()))
+        .collect();
+    let _outputs = RunOutputs::prepare(config.save.as_deref().map(|d| ("--save", d)), &files)?;
     let train_data = MnistDataset::load(&config.data_dir, MnistSplit::Train)?;
     let test_data = MnistDataset::load(&config.data_dir, MnistSplit::Test)?;
-    let data = (&train_data, &test_data);
+    let data_id = data_fingerprint(&train_data, &test_data);
+    let data = (&train_data, &test_data, data_id.as_str());
     let use_cuda = match config.device {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,
@@ -234,6 +262,7 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
             device,
         )]
     } else {
+        refuse_launcher_on_cpu("mnist_fsdp")?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let per_rank = config
             .threads_per_rank
@@ -313,7 +342,7 @@ const POSITION_KEYS: [&str; 5] = [
 ];
 
 impl Position {
-    fn to_extra(self, config: &TrainConfig) -> BTreeMap<String, String> {
+    fn to_extra(self) -> BTreeMap<String, String> {
         let mut m = BTreeMap::new();
         let vals = [
             self.epoch.to_string(),
@@ -325,29 +354,15 @@ impl Position {
         for (k, v) in POSITION_KEYS.iter().zip(vals) {
             m.insert((*k).to_string(), v);
         }
-        for (k, v) in run_identity(config) {
-            m.insert(k, v);
-        }
         m
     }
 
-    fn from_extra(
-        extra: &BTreeMap<String, String>,
-        config: &TrainConfig,
-    ) -> Result<Self, MnistError> {
+    fn from_extra(extra: &BTreeMap<String, String>) -> Result<Self, MnistError> {
         let get = |k: &str| {
             extra
                 .get(k)
                 .ok_or_else(|| MnistError::Checkpoint(format!("no {k} in the checkpoint")))
         };
-        for (k, want) in run_identity(config) {
-            let have = get(&k)?;
-            if *have != want {
-                return Err(MnistError::Checkpoint(format!(
-                    "saved with {k} = {have}, this run has {want}; resume with the same settings"
-                )));
-            }
-        }
         let num = |k: &str| -> Result<u64, MnistError> {
             get(k)?
                 .parse()
@@ -366,19 +381,80 @@ impl Position {
     }
 }
 
-/// Settings a resumed run must share with the saved one (the data order and numerics depend on them).
-fn run_identity(config: &TrainConfig) -> Vec<(String, String)> {
+/// Settings a resumed run must share with the saved one (the data order and numerics depend on them):
+/// `(checkpoint key, flag, value)`.
+fn run_identity(config: &TrainConfig, data: &str) -> Vec<(&'static str, &'static str, String)> {
     vec![
-        ("seed".into(), config.seed.to_string()),
-        ("precision".into(), format!("{:?}", config.precision)),
-        ("batch_size".into(), config.batch_size.to_string()),
-        ("grad_accum".into(), config.grad_accum.to_string()),
-        ("fp8_grad_comm".into(), config.fp8_grad_comm.to_string()),
+        ("seed", "--seed", config.seed.to_string()),
         (
-            "optimizer_states".into(),
+            "precision",
+            "--precision",
+            format!("{:?}", config.precision),
+        ),
+        ("batch_size", "--batch-size", config.batch_size.to_string()),
+        ("grad_accum", "--grad-accum", config.grad_accum.to_string()),
+        (
+            "fp8_grad_comm",
+            "--fp8-grad-comm",
+            config.fp8_grad_comm.to_string(),
+        ),
+        (
+            "optimizer_states",
+            "--optimizer-states",
             config.optimizer_states.name().to_string(),
         ),
+        ("data", "--data-dir", data.to_string()),
     ]
+}
+
+/// Settings a resumed run may change (printed and recorded in the metrics when they do).
+fn run_hyperparameters(config: &TrainConfig) -> Vec<(&'static str, &'static str, String)> {
+    vec![
+        ("hyper.lr", "--lr", format!("{}", config.lr)),
+        ("hyper.gamma", "--gamma", format!("{}", config.gamma)),
+        ("hyper.epochs", "--epochs", config.epochs.to_string()),
+    ]
+}
+
+/// A fingerprint of the training and test data: sizes and a CRC of the labels (changing the dataset under
+/// a resumed run changes the data order and the numbers).
+pub fn data_fingerprint(train: &MnistDataset, test: &MnistDataset) -> String {
+    let mut h = crc32fast::Hasher::new();
+    h.update(train.labels());
+    h.update(test.labels());
+    format!("{}+{}:{:08x}", train.len(), test.len(), h.finalize())
+}
+
+/// Checks a checkpoint's settings against this run before anything is loaded: a setting the data order
+/// or the numerics depend on must match (the error names the flag and both values); a changed
+/// hyperparameter is accepted and returned as `flag: saved -> now` lines.
+fn check_resume(
+    extra: &BTreeMap<String, String>,
+    config: &TrainConfig,
+    data: &str,
+) -> Result<Vec<String>, MnistError> {
+    for (key, flag, want) in run_identity(config, data) {
+        let have = extra.get(key).ok_or_else(|| {
+            MnistError::Checkpoint(format!(
+                "the checkpoint does not record {flag} (not saved by mnist_fsdp?)"
+            ))
+        })?;
+        if *have != want {
+            return Err(MnistError::Checkpoint(format!(
+                "the checkpoint was saved with {flag} {have}, this run has {flag} {want}; resume with \
+                 the same {flag} (it decides the data order and the numerics)"
+            )));
+        }
+    }
+    let mut changed = Vec::new();
+    for (key, flag, now) in run_hyperparameters(config) {
+        if let Some(saved) = extra.get(key) {
+            if *saved != now {
+                changed.push(format!("{flag}: {saved} -> {now}"));
+            }
+        }
+    }
+    Ok(changed)
 }
 
 /// Makes `slot` a device buffer holding `data` (reallocated only when the length changes).
@@ -520,10 +596,21 @@ fn save(
     opt: &dyn Optimizer,
     pos: Position,
     config: &TrainConfig,
+    data_id: &str,
+    epoch_record: Option<&EpochMetrics>,
 ) -> Result<(), MnistError> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| MnistError::Checkpoint(format!("cannot create {}: {e}", dir.display())))?;
-    let mut extra = pos.to_extra(config);
+    let mut extra = pos.to_extra();
+    if let Some(r) = epoch_record {
+        // The epoch's metrics line travels with its checkpoint, so a resume can write it if a crash came
+        // between the save and the line.
+        extra.insert(LAST_EPOCH_KEY.into(), r.to_json_line()?);
+    }
+    for (k, _, v) in run_identity(config, data_id)
+        .into_iter()
+        .chain(run_hyperparameters(config))
+    {
+        extra.insert(k.to_string(), v);
+    }
     extra.extend(model.export_module_state()?);
     save_sharded(dir, model.sharded(), Some(opt.as_state()), &extra)?;
     Ok(())
@@ -595,7 +682,7 @@ fn start_epoch(opt: &mut dyn Optimizer, epoch: u32) -> Result<(), MnistError> {
 fn run_rank(
     comm: Arc<dyn Communicator>,
     config: &TrainConfig,
-    (train_data, test_data): (&MnistDataset, &MnistDataset),
+    (train_data, test_data, data_id): (&MnistDataset, &MnistDataset, &str),
     parallelism: CpuParallelism,
 ) -> Result<RankOutcome, MnistError> {
     let device = comm.device().clone();
@@ -628,7 +715,17 @@ fn run_rank(
         loss_sum: 0.0,
         samples: 0,
     };
+    let mut resumed_changes = Vec::new();
+    let mut resumed_extra = BTreeMap::new();
     if let Some(dir) = &config.resume {
+        // The settings first, so a mismatch names its flag instead of failing inside the load.
+        let (_, saved) = read_index(dir)?;
+        resumed_changes = check_resume(&saved, config, data_id)?;
+        if lead && config.print {
+            for c in &resumed_changes {
+                println!("resuming with a changed setting: {c}");
+            }
+        }
         let loaded = load_sharded(dir, model.sharded_mut(), Some(opt.as_state_mut()))?;
         if loaded.saved_world_size != ws {
             return Err(MnistError::Checkpoint(format!(
@@ -637,7 +734,8 @@ fn run_rank(
                 loaded.saved_world_size
             )));
         }
-        pos = Position::from_extra(&loaded.extra, config)?;
+        pos = Position::from_extra(&loaded.extra)?;
+        resumed_extra = loaded.extra.clone();
         model.import_module_state(&loaded.extra)?;
     }
     let train_sampler =
@@ -646,7 +744,24 @@ fn run_rank(
         DistributedSampler::new(test_data.len(), ws, rank, config.seed, Remainder::Pad)?
             .with_shuffle(false);
     let mut writer = match (&config.metrics, lead) {
-        (Some(path), true) if config.resume.is_some() => Some(MetricsWriter::append(path)?),
+        // A resume cuts the file back to the checkpoint's epochs: after an epoch-end checkpoint, to the
+        // epoch before it, then writes the epoch's line the checkpoint carries (a crash between the save
+        // and the line leaves neither a gap nor a duplicate); after a mid-epoch checkpoint, to the epochs
+        // completed before it.
+        (Some(path), true) if config.resume.is_some() => {
+            let last = resumed_extra
+                .get(LAST_EPOCH_KEY)
+                .filter(|_| pos.batch == 0)
+                .map(|line| parse_metrics(line, "the checkpoint's last metrics line"))
+                .transpose()?
+                .and_then(|mut v| v.pop());
+            let through = pos.epoch.saturating_sub(if last.is_some() { 2 } else { 1 });
+            let mut w = MetricsWriter::resume(path, through)?;
+            if let Some(r) = &last {
+                w.write(r)?;
+            }
+            Some(w)
+        }
         (Some(path), true) => Some(MetricsWriter::create(path)?),
         _ => None,
     };
@@ -740,7 +855,7 @@ fn run_rank(
                 .is_some_and(|k| k > 0 && pos.step % k == 0);
             if let (Some(dir), true) = (&config.save, stop || periodic) {
                 pos.loss_sum = loss_acc.to_vec()?[0];
-                save(dir, &mut model, opt.as_ref(), pos, config)?;
+                save(dir, &mut model, opt.as_ref(), pos, config, data_id, None)?;
             }
             if stop {
                 progress.finish();
@@ -810,10 +925,12 @@ fn run_rank(
                 record.test_accuracy
             );
         }
-        if let Some(w) = writer.as_mut() {
-            w.write(&record)?;
+        if !resumed_changes.is_empty() {
+            record
+                .extra
+                .insert("resumed_changes".into(), resumed_changes.join("; ").into());
+            resumed_changes.clear();
         }
-        records.push(record);
         pos = Position {
             epoch: epoch + 1,
             batch: 0,
@@ -822,9 +939,23 @@ fn run_rank(
             samples: 0,
         };
         loss_acc.fill_zero()?;
+        // The checkpoint of the epoch first, then its metrics line: a crash between the two leaves a
+        // checkpoint whose resume writes the line again (after cutting the file back), never twice.
         if let Some(dir) = &config.save {
-            save(dir, &mut model, opt.as_ref(), pos, config)?;
+            save(
+                dir,
+                &mut model,
+                opt.as_ref(),
+                pos,
+                config,
+                data_id,
+                Some(&record),
+            )?;
         }
+        if let Some(w) = writer.as_mut() {
+            w.write(&record)?;
+        }
+        records.push(record);
     }
     let params = model.gathered_params()?;
     let memory = opt.memory(model.sharded())?;
