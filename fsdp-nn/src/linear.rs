@@ -307,6 +307,7 @@ impl<T: Activation> Linear<T> {
                 ),
             ));
         }
+        self.in_shape = Some(out_shape.with_last(inf)?);
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
         let mut y = Tensor::<T>::uninit(&dev, out_shape)?;

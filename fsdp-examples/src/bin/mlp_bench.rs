@@ -102,6 +102,62 @@ struct Outcome {
     loss: f64,
 }
 
+/// Refuses arguments that would do nothing or report nonsense.
+fn validate(args: &Args) -> Result<(), MlpError> {
+    for (flag, v) in [
+        ("--threads", args.threads),
+        ("--steps", args.steps),
+        ("--d", args.d),
+        ("--blocks", args.blocks),
+        ("--tokens", args.tokens),
+    ] {
+        if v == 0 {
+            return Err(MlpError::Config(format!("{flag} must be at least 1")));
+        }
+    }
+    Ok(())
+}
+
+/// Bytes one rank needs at least (model state, one gathered block, activations kept for the backward,
+/// one block's temporaries), for a refusal before anything is allocated; checked arithmetic throughout.
+fn estimate_bytes(config: &MlpConfig, world_size: usize) -> Result<u64, MlpError> {
+    let over = || MlpError::Config("the sizes overflow a 64-bit byte count".into());
+    let params = config.params()? as u64;
+    let (d, t, blocks) = (config.d as u64, config.tokens as u64, config.blocks as u64);
+    let per_param_state: u64 = match config.mode {
+        BenchMode::Fp8 => 11, // E4M3 shard 1, BF16 gradient 2, F16 master + E4M3 m + F16 v 5, slack 3
+        BenchMode::Bf16 => 16, // F32 shard 4, F32 gradient 4, F32 m and v 8
+    };
+    let state = params
+        .checked_mul(per_param_state)
+        .ok_or_else(over)?
+        .div_ceil(world_size.max(1) as u64);
+    let block = 8u64.checked_mul(d).and_then(|v| v.checked_mul(d)).ok_or_else(over)?;
+    let kept_per_block = t.checked_mul(d).and_then(|v| v.checked_mul(2 * 4 + 1)).ok_or_else(over)?;
+    let kept = kept_per_block.checked_mul(blocks).ok_or_else(over)?;
+    let temporaries = t.checked_mul(d).and_then(|v| v.checked_mul(4 * 6)).ok_or_else(over)?;
+    [state, block.checked_mul(6).ok_or_else(over)?, kept, temporaries]
+        .into_iter()
+        .try_fold(0u64, |a, b| a.checked_add(b))
+        .ok_or_else(over)
+}
+
+/// Bytes the device can still give: the GPU's free memory, or the host's `MemAvailable`.
+fn available_bytes(device: &Device) -> Result<Option<u64>, MlpError> {
+    if let Device::Cuda(c) = device {
+        let (free, _) = c.context().mem_get_info().map_err(fp8_kernels::KernelError::from)?;
+        return Ok(Some(free as u64));
+    }
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+        return Ok(None);
+    };
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024))
+}
+
 fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     let device = comm.device().clone();
     let config = MlpConfig {
@@ -128,6 +184,26 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
         lr: args.lr,
         seed: 0,
     };
+    // CPU ranks are threads of this process: they share its memory.
+    let sharing = if device.is_cuda() { 1 } else { comm.world_size() as u64 };
+    let need = estimate_bytes(&config, comm.world_size())?
+        .checked_mul(sharing)
+        .ok_or_else(|| MlpError::Config("the sizes overflow a 64-bit byte count".into()))?;
+    if let Some(have) = available_bytes(&device)? {
+        if need > have {
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            return Err(MlpError::Config(format!(
+                "d={} blocks={} tokens={} needs about {:.1} GiB but the {} has {:.1} GiB available; \
+                 choose smaller sizes",
+                config.d,
+                config.blocks,
+                config.tokens,
+                gib(need),
+                if device.is_cuda() { "GPU" } else { "host" },
+                gib(have)
+            )));
+        }
+    }
     let mut bench = MlpBench::new(config, comm.clone())?;
     for _ in 0..args.warmup {
         bench.step()?;
@@ -292,6 +368,10 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Err(e) = validate(&args) {
+        eprintln!("mlp_bench: {e}");
+        return ExitCode::FAILURE;
+    }
     let result: Result<(), MlpError> = match args.device {
         Dev::Cuda => (|| {
             let comm = NcclComm::from_env(&NcclConfig::default())?;
