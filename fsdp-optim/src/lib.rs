@@ -60,6 +60,7 @@
 mod adam;
 mod config;
 mod error;
+mod export;
 mod optimizer;
 pub mod schedule;
 pub mod state_scaling;
@@ -69,5 +70,6 @@ pub use adam::{
 };
 pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
+pub use export::{export_full, ExportDtype};
 pub use optimizer::{step_model, Optimizer};
 pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};

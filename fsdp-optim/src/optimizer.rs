@@ -34,6 +34,9 @@ pub trait Optimizer: ShardedState {
     fn memory(&self, model: &ShardedModel) -> Result<MemoryReport, OptimError>;
     /// A short description for logs.
     fn describe(&self) -> String;
+    /// This rank's F32 master shard of unit `u`'s FP8 weights (in the FP8 group's shard layout; a
+    /// low-precision master is decoded with its scale): the weights an export writes.
+    fn fp8_master_shard(&self, u: usize) -> Result<Vec<f32>, OptimError>;
     /// The optimizer as its checkpointable state.
     fn as_state(&self) -> &dyn ShardedState;
     /// The optimizer as its checkpointable state, mutable.
@@ -82,6 +85,9 @@ impl Optimizer for ShardedAdam {
     fn describe(&self) -> String {
         ShardedAdam::describe(self)
     }
+    fn fp8_master_shard(&self, u: usize) -> Result<Vec<f32>, OptimError> {
+        ShardedAdam::fp8_master_shard(self, u)
+    }
     fn as_state(&self) -> &dyn ShardedState {
         self
     }
@@ -123,6 +129,9 @@ macro_rules! delegate_optimizer {
             }
             fn describe(&self) -> String {
                 Optimizer::describe(&**self)
+            }
+            fn fp8_master_shard(&self, u: usize) -> Result<Vec<f32>, OptimError> {
+                Optimizer::fp8_master_shard(&**self, u)
             }
             fn as_state(&self) -> &dyn ShardedState {
                 self

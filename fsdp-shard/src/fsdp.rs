@@ -684,6 +684,85 @@ impl<M: Module> FsdpModel<M> {
         Ok(out)
     }
 
+    /// Loads a consolidated file of full weights by parameter name (safetensors, F32 or BF16 tensors, e.g.
+    /// one written by `fsdp_optim::export_full` at any world size, or by PyTorch) into this rank's shards:
+    /// plain parameters directly, FP8 weights into the master shards the optimizer will take and into
+    /// their E4M3 shards, cast with current scaling from the full tensor's amax (the same on every rank,
+    /// with no collective). Call it before the optimizer is created. Every parameter must be in the file
+    /// with its shape; with `strict`, the file may hold nothing else. Returns the names loaded.
+    pub fn import_full(
+        &mut self,
+        path: &std::path::Path,
+        strict: bool,
+    ) -> Result<Vec<String>, ShardError> {
+        let masters = self.initial_masters.as_mut().ok_or_else(|| {
+            ShardError::State(
+                "import full weights before the optimizer is created (it owns the FP8 master \
+                 weights once it takes them)"
+                    .into(),
+            )
+        })?;
+        let bytes = std::fs::read(path).map_err(|source| ShardError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+            ShardError::Checkpoint(format!("{}: not a safetensors file ({e})", path.display()))
+        })?;
+        let names = crate::module::param_names(&mut self.module)?;
+        let mut loaded = Vec::with_capacity(names.len());
+        for (name, id) in &names {
+            let p = id
+                .index()
+                .ok_or_else(|| ShardError::State(format!("{name}: unset id")))?;
+            let view = file.tensor(name).map_err(|_| {
+                ShardError::Checkpoint(format!(
+                    "{} has no tensor {name} (the model's parameter names are PyTorch-style, e.g. \
+                     {})",
+                    path.display(),
+                    names.first().map_or("", |(n, _)| n.as_str())
+                ))
+            })?;
+            let spec = &self.sharded.layout().params[p];
+            if view.shape() != spec.shape.as_slice() {
+                return Err(ShardError::Checkpoint(format!(
+                    "{}: {name} has shape {:?}, the model's is {:?}",
+                    path.display(),
+                    view.shape(),
+                    spec.shape
+                )));
+            }
+            let values = tensor_f32(&view)
+                .map_err(|e| ShardError::Checkpoint(format!("{}: {name}: {e}", path.display())))?;
+            self.sharded.set_param_full(p, &values, masters)?;
+            loaded.push(name.clone());
+        }
+        if strict {
+            let known: std::collections::HashSet<&str> =
+                names.iter().map(|(n, _)| n.as_str()).collect();
+            let mut extra: Vec<&str> = file
+                .names()
+                .into_iter()
+                .filter(|n| !known.contains(n))
+                .collect();
+            extra.sort_unstable();
+            if !extra.is_empty() {
+                return Err(ShardError::Checkpoint(format!(
+                    "{} holds tensors the model does not have: {}",
+                    path.display(),
+                    extra.join(", ")
+                )));
+            }
+        }
+        Ok(loaded)
+    }
+
+    /// Every parameter's name with its id, in declaration order (the names of
+    /// [`FsdpModel::import_full`] and of exported files).
+    pub fn param_names(&mut self) -> Result<Vec<(String, ParamId)>, ShardError> {
+        crate::module::param_names(&mut self.module)
+    }
+
     /// Number of parameters (each tied parameter once).
     pub fn num_params(&self) -> usize {
         self.sharded.layout().numel()
@@ -700,4 +779,25 @@ impl<M: Module> FsdpModel<M> {
             .and_then(|p| self.sharded.layout().location(p))
             .map(|l| l.group)
     }
+}
+
+/// The values of an F32, BF16 or F16 safetensors tensor as f32.
+fn tensor_f32(view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String> {
+    use safetensors::Dtype;
+    let data = view.data();
+    Ok(match view.dtype() {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => return Err(format!("type {other:?}; F32, BF16 or F16 expected")),
+    })
 }

@@ -796,6 +796,84 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// Sets parameter `param` from its full values (the same on every rank): this rank's piece of a plain
+    /// parameter is written to its shard; an FP8 weight's piece to `masters` (this rank's F32 master
+    /// shards, one per unit, in the FP8 group's layout) and, cast with current scaling from the full
+    /// tensor's amax, to the E4M3 shard and the weight's scale pair. No collective.
+    pub fn set_param_full(
+        &mut self,
+        param: usize,
+        values: &[f32],
+        masters: &mut [Vec<f32>],
+    ) -> Result<(), ShardError> {
+        let (rank, ws) = (self.comm.rank(), self.comm.world_size());
+        let layout = self.layout.clone();
+        let loc = layout.location(param).ok_or_else(|| {
+            ShardError::InvalidArgument(format!("no parameter with index {param}"))
+        })?;
+        let group = layout.units[loc.unit].group(loc.group);
+        let slot = &group.slots[loc.slot];
+        if values.len() != slot.numel {
+            return Err(ShardError::InvalidArgument(format!(
+                "{} values for {} of {} elements",
+                values.len(),
+                layout.params[param].name,
+                slot.numel
+            )));
+        }
+        let shard = group.shard_range(rank, ws);
+        let (start, end) = (
+            slot.offset.max(shard.start),
+            (slot.offset + slot.numel).min(shard.end),
+        );
+        let unit = &mut self.units[loc.unit];
+        match loc.group {
+            ParamGroup::Plain => {
+                if start < end {
+                    let piece = self
+                        .device
+                        .upload(&values[start - slot.offset..end - slot.offset])?;
+                    unit.plain
+                        .copy_range_from(start - shard.start, &piece, 0, end - start)?;
+                }
+            }
+            ParamGroup::Fp8 => {
+                let amax = fp8_core::amax_f32(values);
+                let s = compute_scale(
+                    amax,
+                    Fp8Format::E4M3.max(),
+                    self.config.weight_margin,
+                    ScaleRounding::PowerOfTwo,
+                    1.0,
+                );
+                let scales = self.device.upload(&[s, 1.0 / s])?;
+                unit.weight_scales
+                    .copy_range_from(2 * loc.slot, &scales, 0, 2)?;
+                if start < end {
+                    let piece = &values[start - slot.offset..end - slot.offset];
+                    let master = masters.get_mut(loc.unit).ok_or_else(|| {
+                        ShardError::InvalidArgument(format!(
+                            "no master shard for unit {}",
+                            loc.unit
+                        ))
+                    })?;
+                    master
+                        .get_mut(start - shard.start..end - shard.start)
+                        .ok_or_else(|| {
+                            ShardError::InvalidArgument("master shard too short".into())
+                        })?
+                        .copy_from_slice(piece);
+                    let mut codes = vec![0u8; piece.len()];
+                    Fp8Format::E4M3.encode_scaled(piece, s, &mut codes)?;
+                    let codes = self.device.upload(&codes)?;
+                    unit.fp8
+                        .copy_range_from(start - shard.start, &codes, 0, end - start)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Non-finite gradient values seen by FP8 gradient casts since the last call (they cannot be seen in
     /// the reduced shards, because the cast saturates infinities).
     pub fn take_nonfinite_before_cast(&mut self) -> u64 {

@@ -132,20 +132,37 @@ fn estimate_bytes(config: &MlpConfig, world_size: usize) -> Result<u64, MlpError
         .checked_mul(per_param_state)
         .ok_or_else(over)?
         .div_ceil(world_size.max(1) as u64);
-    let block = 8u64.checked_mul(d).and_then(|v| v.checked_mul(d)).ok_or_else(over)?;
-    let kept_per_block = t.checked_mul(d).and_then(|v| v.checked_mul(2 * 4 + 1)).ok_or_else(over)?;
+    let block = 8u64
+        .checked_mul(d)
+        .and_then(|v| v.checked_mul(d))
+        .ok_or_else(over)?;
+    let kept_per_block = t
+        .checked_mul(d)
+        .and_then(|v| v.checked_mul(2 * 4 + 1))
+        .ok_or_else(over)?;
     let kept = kept_per_block.checked_mul(blocks).ok_or_else(over)?;
-    let temporaries = t.checked_mul(d).and_then(|v| v.checked_mul(4 * 6)).ok_or_else(over)?;
-    [state, block.checked_mul(6).ok_or_else(over)?, kept, temporaries]
-        .into_iter()
-        .try_fold(0u64, |a, b| a.checked_add(b))
-        .ok_or_else(over)
+    let temporaries = t
+        .checked_mul(d)
+        .and_then(|v| v.checked_mul(4 * 6))
+        .ok_or_else(over)?;
+    [
+        state,
+        block.checked_mul(6).ok_or_else(over)?,
+        kept,
+        temporaries,
+    ]
+    .into_iter()
+    .try_fold(0u64, |a, b| a.checked_add(b))
+    .ok_or_else(over)
 }
 
 /// Bytes the device can still give: the GPU's free memory, or the host's `MemAvailable`.
 fn available_bytes(device: &Device) -> Result<Option<u64>, MlpError> {
     if let Device::Cuda(c) = device {
-        let (free, _) = c.context().mem_get_info().map_err(fp8_kernels::KernelError::from)?;
+        let (free, _) = c
+            .context()
+            .mem_get_info()
+            .map_err(fp8_kernels::KernelError::from)?;
         return Ok(Some(free as u64));
     }
     let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
@@ -185,7 +202,11 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
         seed: 0,
     };
     // CPU ranks are threads of this process: they share its memory.
-    let sharing = if device.is_cuda() { 1 } else { comm.world_size() as u64 };
+    let sharing = if device.is_cuda() {
+        1
+    } else {
+        comm.world_size() as u64
+    };
     let need = estimate_bytes(&config, comm.world_size())?
         .checked_mul(sharing)
         .ok_or_else(|| MlpError::Config("the sizes overflow a 64-bit byte count".into()))?;

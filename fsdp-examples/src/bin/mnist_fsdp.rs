@@ -32,6 +32,12 @@ enum StatesArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ExportArg {
+    F32,
+    Bf16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum DeviceArg {
     Auto,
     Cpu,
@@ -95,6 +101,13 @@ struct Args {
     /// Write one JSON line of metrics per epoch to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// After training, write the master weights to this safetensors file, named as PyTorch names the
+    /// reference net's parameters (load it with scripts/mnist_torch_eval.py).
+    #[arg(long)]
+    export: Option<PathBuf>,
+    /// Element type of --export.
+    #[arg(long, value_enum, default_value_t = ExportArg::F32, requires = "export")]
+    export_dtype: ExportArg,
     /// Write an SVG of train loss and test accuracy per epoch (needs --metrics; overlays --compare).
     #[arg(long, requires = "metrics")]
     plot: Option<PathBuf>,
@@ -221,6 +234,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         save_every_steps: args.save_every,
         resume: args.resume.clone(),
         metrics: args.metrics.clone(),
+        export: args.export.clone(),
+        export_dtype: match args.export_dtype {
+            ExportArg::F32 => fsdp_optim::ExportDtype::F32,
+            ExportArg::Bf16 => fsdp_optim::ExportDtype::Bf16,
+        },
         limit_batches: args.limit_batches,
         stop_after_steps: args.stop_after_steps,
         progress: if args.no_progress {
@@ -235,6 +253,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let report = train(&config)?;
     print_summary(&report, &config);
+    if let Some(path) = &config.export {
+        println!("master weights written to {}", path.display());
+    }
     if let (Some(n), None) = (config.profile_steps, &report.profile) {
         eprintln!(
             "mnist_fsdp: no profile: --profile times {n} batches after {} warm-up batches, and this run \

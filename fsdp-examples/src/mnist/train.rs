@@ -12,7 +12,9 @@ use fp8_kernels::ops::{self, nll_stat};
 use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
 use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
 use fsdp_nn::LinearPrecision;
-use fsdp_optim::{step_model, AdamOptions, FsdpAdam, Optimizer, StatePrecision, StepLr};
+use fsdp_optim::{
+    export_full, step_model, AdamOptions, ExportDtype, FsdpAdam, Optimizer, StatePrecision, StepLr,
+};
 use fsdp_shard::checkpoint::{load_sharded, read_index, save_sharded};
 use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode};
 use std::collections::BTreeMap;
@@ -70,6 +72,11 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     /// Append one JSON line per epoch here (rank 0).
     pub metrics: Option<PathBuf>,
+    /// At the end, write the master weights here as one safetensors file named as PyTorch names the
+    /// reference net's parameters (`conv1.weight`, ..., `fc2.bias`).
+    pub export: Option<PathBuf>,
+    /// Element type of the exported file.
+    pub export_dtype: ExportDtype,
     /// Train at most this many batches per epoch and rank (smoke runs).
     pub limit_batches: Option<usize>,
     /// Stop after this many optimizer steps in total (after saving, when `save` is set): an
@@ -116,6 +123,8 @@ impl Default for TrainConfig {
             save_every_steps: None,
             resume: None,
             metrics: None,
+            export: None,
+            export_dtype: ExportDtype::F32,
             limit_batches: None,
             stop_after_steps: None,
             progress: ProgressMode::Auto,
@@ -231,6 +240,7 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
         .metrics
         .iter()
         .map(|m| ("--metrics", m.as_path()))
+        .chain(config.export.iter().map(|e| ("--export", e.as_path())))
         .collect();
     let _outputs = RunOutputs::prepare(config.save.as_deref().map(|d| ("--save", d)), &files)?;
     let train_data = MnistDataset::load(&config.data_dir, MnistSplit::Train)?;
@@ -956,6 +966,9 @@ fn run_rank(
             w.write(&record)?;
         }
         records.push(record);
+    }
+    if let Some(path) = &config.export {
+        export_full(&mut model, opt.as_ref(), path, config.export_dtype)?;
     }
     let params = model.gathered_params()?;
     let memory = opt.memory(model.sharded())?;
