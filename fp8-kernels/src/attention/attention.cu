@@ -23,12 +23,16 @@
 #define ATT_LN2 0.69314718055994531f
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))
 
-// The dynamic shared memory of the mma kernels and probes (sized by the launch).
-extern __shared__ __align__(16) unsigned char att_smem[];
-
 // =====================================================================================================
 // PTX wrappers
 // =====================================================================================================
+// ATT_HOST_EMULATION is defined only by the host emulator of the tests (tests/attention_common/
+// emulator.cpp), which compiles this file with a C++ compiler and supplies these functions (and the
+// shared-memory buffer) as emulations of the PTX instructions' specified semantics.
+#ifndef ATT_HOST_EMULATION
+
+// The dynamic shared memory of the mma kernels and probes (sized by the launch).
+extern __shared__ __align__(16) unsigned char att_smem[];
 
 __device__ __forceinline__ u32 att_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -103,6 +107,8 @@ __device__ __forceinline__ void att_red_add2(float* p, float a, float b) {
     atomicAdd(p + 1, b);
 #endif
 }
+
+#endif  // ATT_HOST_EMULATION
 
 // =====================================================================================================
 // Shared-memory tiles
@@ -497,6 +503,8 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 #pragma unroll
                     for (int hr = 0; hr < 2; ++hr) {
                         float p = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
+                        // query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
+                        // their contributions vanish anyway.
                         if (need_mask && (key_a + 8 * hr > query || query >= T)) p = 0.0f;
                         pt[nt][2 * hr + e] = p;
                     }

@@ -154,44 +154,94 @@ pub(super) fn forward(
     Ok(())
 }
 
+/// How the tensor-core backward is launched for a call.
+pub(super) struct BackwardPlan {
+    /// Blocks per (batch, head) pair (grid.y).
+    pub splits: usize,
+    /// dQ accumulator buffers of `B*T*H*hd` F32 each.
+    pub buffers: usize,
+    f: CudaFunction,
+    smem: usize,
+}
+
+/// Most dQ accumulator bytes the deterministic backward's automatic split choice may use.
+const MAX_AUTO_DQ_BYTES: usize = 256 << 20;
+/// Most blocks per (batch, head) pair the automatic split choice considers.
+const MAX_AUTO_SPLITS: usize = 8;
+
+/// The split count for the deterministic backward: the smallest that fills the GPU's block slots to at
+/// least 90 % in its last wave (blocks of one launch are about equal under the snake order, so a partial
+/// last wave idles the rest of the GPU), else the best fill, within the buffer and split caps.
+fn auto_splits(pairs: usize, slots: usize, key_blocks: usize, dq_bytes: usize) -> usize {
+    let cap = (MAX_AUTO_DQ_BYTES / dq_bytes.max(1))
+        .clamp(1, MAX_AUTO_SPLITS)
+        .min(key_blocks.max(1));
+    let fill = |s: usize| {
+        let waves = (pairs * s) as f64 / slots.max(1) as f64;
+        waves / waves.ceil().max(1.0)
+    };
+    (1..=cap)
+        .find(|&s| fill(s) >= 0.9)
+        .unwrap_or_else(|| (1..=cap).fold(1, |best, s| if fill(s) > fill(best) { s } else { best }))
+}
+
+pub(super) fn backward_plan(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+) -> Result<BackwardPlan, KernelError> {
+    const WHAT: &str = "attention_backward";
+    require_tensor_cores(dev, WHAT)?;
+    let hd = shape.head_dim;
+    let rows = cfg.backward_rows;
+    let f = function(
+        dev,
+        &ATTENTION_MODULE,
+        &format!("attn_bwd_mma_m{rows}_hd{hd}"),
+    )?;
+    let smem = backward_smem_bytes(hd, rows);
+    allow_dynamic_smem(dev, &f, smem, WHAT)?;
+    let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
+    let (splits, buffers) = match cfg.dq_accumulation {
+        DqAccumulation::Atomic => (key_blocks, 1),
+        DqAccumulation::Deterministic => {
+            let s = match cfg.backward_splits {
+                Some(s) => s.clamp(1, key_blocks),
+                None => {
+                    let per_sm = f
+                        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
+                        .max(1) as usize;
+                    let slots = per_sm * sm_count(dev)? as usize;
+                    auto_splits(
+                        shape.batch * shape.heads,
+                        slots,
+                        key_blocks,
+                        4 * shape.out_len(),
+                    )
+                }
+            };
+            (s, s)
+        }
+    };
+    Ok(BackwardPlan {
+        splits,
+        buffers,
+        f,
+        smem,
+    })
+}
+
 /// The backward's workspace needs: `(D elements, dQ accumulator elements)`.
 pub(super) fn workspace_lens(
     dev: &CudaDevice,
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
 ) -> Result<(usize, usize), KernelError> {
-    let d_len = shape.lse_len();
     let dq = match cfg.kernel {
         AttentionKernel::Simple => 0,
-        AttentionKernel::Mma => dq_buffers(dev, shape, cfg)?.1 * shape.out_len(),
+        AttentionKernel::Mma => backward_plan(dev, shape, cfg)?.buffers * shape.out_len(),
     };
-    Ok((d_len, dq))
-}
-
-/// `(blocks per (batch, head) pair, dQ buffers)` of the backward mma kernel.
-pub(super) fn dq_buffers(
-    dev: &CudaDevice,
-    shape: &AttentionShape,
-    cfg: &ResolvedConfig,
-) -> Result<(usize, usize), KernelError> {
-    let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
-    Ok(match cfg.dq_accumulation {
-        DqAccumulation::Atomic => (key_blocks, 1),
-        DqAccumulation::Deterministic => {
-            let splits = match cfg.backward_splits {
-                Some(s) => s,
-                None => {
-                    // Two blocks per SM in all, but at most 256 MiB of dQ buffers.
-                    let pairs = (shape.batch * shape.heads).max(1);
-                    let want = (2 * sm_count(dev)? as usize).div_ceil(pairs);
-                    let cap = ((256usize << 20) / (4 * shape.out_len().max(1))).max(1);
-                    want.min(cap)
-                }
-            };
-            let s = splits.clamp(1, key_blocks);
-            (s, s)
-        }
-    })
+    Ok((shape.lse_len(), dq))
 }
 
 /// Backward on the GPU: `D`, then dQ/dK/dV. `d_ws` holds at least `B*H*T` and `dq_ws` at least the
@@ -209,7 +259,6 @@ pub(super) fn backward(
     d_ws: &mut CudaSlice<f32>,
     dq_ws: Option<&mut CudaSlice<f32>>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "attention_backward";
     let (b, t, h) = dims(shape);
     let hd = shape.head_dim;
     let hd_i = hd as i32;
@@ -260,11 +309,11 @@ pub(super) fn backward(
             }
         }
         AttentionKernel::Mma => {
-            require_tensor_cores(dev, WHAT)?;
             let dq_ws = dq_ws.ok_or_else(|| {
                 KernelError::Internal("attention backward without a dQ workspace".into())
             })?;
-            let (splits, nbuf) = dq_buffers(dev, shape, cfg)?;
+            let plan = backward_plan(dev, shape, cfg)?;
+            let nbuf = plan.buffers;
             let n = shape.out_len();
             let acc_len = nbuf * n;
             if dq_ws.len() < acc_len {
@@ -278,22 +327,15 @@ pub(super) fn backward(
                 dev.stream().memset_zeros(&mut view)?;
             }
             let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
-            let rows = cfg.backward_rows;
-            let f = function(
-                dev,
-                &ATTENTION_MODULE,
-                &format!("attn_bwd_mma_m{rows}_hd{hd}"),
-            )?;
-            let smem = backward_smem_bytes(hd, rows);
-            allow_dynamic_smem(dev, &f, smem, WHAT)?;
             let launch = LaunchConfig {
-                grid_dim: ((shape.batch * shape.heads) as u32, splits as u32, 1),
+                grid_dim: ((shape.batch * shape.heads) as u32, plan.splits as u32, 1),
                 block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: smem as u32,
+                shared_mem_bytes: plan.smem as u32,
             };
+            let f = &plan.f;
             let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
             {
-                let mut l = dev.stream().launch_builder(&f);
+                let mut l = dev.stream().launch_builder(f);
                 l.arg(qkv)
                     .arg(d_out)
                     .arg(lse)
@@ -384,4 +426,22 @@ pub(super) fn layout_probe(
         }
     }
     Ok(stream.clone_dtoh(&out)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_splits;
+
+    #[test]
+    fn auto_splits_fill_the_last_wave() {
+        // The peer shapes on 132 SMs with 2 blocks each (264 slots).
+        assert_eq!(auto_splits(192, 264, 16, 16 * 1024 * 768 * 4), 4); // 768 blocks: 2.9 waves
+        assert_eq!(auto_splits(80, 264, 32, 4 * 2048 * 2560 * 4), 3); // 240 blocks: 0.91 of a wave
+        assert_eq!(auto_splits(32, 264, 16, 8 * 1024 * 128 * 4), 8); // 256 blocks
+                                                                     // Capped by the key blocks and by the buffer bytes.
+        assert_eq!(auto_splits(1, 264, 3, 1024), 3);
+        assert_eq!(auto_splits(100, 264, 64, 200 << 20), 1);
+        // Many pairs: one split already fills the waves.
+        assert_eq!(auto_splits(5000, 264, 16, 1 << 20), 1);
+    }
 }

@@ -175,7 +175,8 @@ pub struct AttentionTiles {
     /// Query rows per backward iteration, 32 or 64. Default 64.
     pub backward_rows: Option<usize>,
     /// Deterministic backward: blocks per `(batch, head)` pair, each with its own dQ buffer (capped by
-    /// the number of 64-key blocks). Default: enough for two blocks per SM, at most 256 MiB of buffers.
+    /// the number of 64-key blocks). Default: the fewest (at most 8) whose last wave of blocks fills at
+    /// least 90 % of the GPU's block slots, within 256 MiB of buffers.
     pub backward_splits: Option<usize>,
 }
 
@@ -449,7 +450,10 @@ pub fn backward_splits(
     shape.validate(WHAT)?;
     let cfg = config.resolve(shape, WHAT)?;
     match (device, cfg.kernel) {
-        (Device::Cuda(dev), AttentionKernel::Mma) => cuda::dq_buffers(dev, shape, &cfg),
+        (Device::Cuda(dev), AttentionKernel::Mma) => {
+            let plan = cuda::backward_plan(dev, shape, &cfg)?;
+            Ok((plan.splits, plan.buffers))
+        }
         _ => Ok((0, 0)),
     }
 }
