@@ -4,8 +4,8 @@
 //! without NVRTC). The GPU comparisons are in `attention_cuda.rs`.
 
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, cpu, AttentionConfig, AttentionShape, AttentionTiles,
-    AttentionWorkspace, ATTENTION_MODULE, HEAD_DIMS,
+    attention_backward, attention_forward, attention_module, cpu, AttentionConfig, AttentionShape,
+    AttentionTiles, AttentionWorkspace, ATTENTION_MODULE, HEAD_DIMS,
 };
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, PRECISE_OPTIONS};
 use fp8_kernels::{Device, KernelError};
@@ -330,6 +330,29 @@ fn attention_module_compiles_for_sm90() {
     ] {
         assert!(ptx.contains(insn), "attention PTX lacks {insn}");
     }
+}
+
+#[test]
+fn per_head_dim_module_holds_only_its_kernels() {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let m = attention_module(64);
+    assert_eq!(m.name, "fp8_kernels_attention_hd64");
+    let ptx = compile_ptx(m, "sm_90").unwrap().to_src();
+    for entry in [
+        "attn_fwd_mma4_hd64(",
+        "attn_bwd_mma_m64_hd64(",
+        "attn_fwd_simple_hd64(",
+        "attn_bwd_dot_rows(",
+        "attn_bwd_dq_convert(",
+        "attn_probe_abt(",
+    ] {
+        assert!(ptx.contains(&format!(".entry {entry}")), "missing {entry}");
+    }
+    assert!(!ptx.contains("_hd32("), "hd32 kernels in the hd64 module");
+    assert!(!ptx.contains("_hd128("), "hd128 kernels in the hd64 module");
 }
 
 /// ptxas' report for every kernel (compiled to SASS for sm_90 by NVRTC, as the GPU would): printed, and

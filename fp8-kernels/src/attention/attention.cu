@@ -914,6 +914,13 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
         attn_bwd_simple_dkdv<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, scale);                                  \
     }
 
+// ATT_HD, when defined (by the per-head-dim modules of mod.rs), builds the entry points of that head dim
+// only: a model uses one head dim, and each instantiation costs compile time at start-up.
+#ifdef ATT_HD
+#define ATT_ENTRIES_OF(HD) ATT_ENTRIES(HD)
+ATT_ENTRIES_OF(ATT_HD)
+#else
 ATT_ENTRIES(32)
 ATT_ENTRIES(64)
 ATT_ENTRIES(128)
+#endif

@@ -4,7 +4,7 @@
 //! file turns a validated call into grids, shared-memory sizes and kernel arguments.
 
 use super::{
-    AttentionKernel, AttentionShape, DqAccumulation, LayoutProbe, ResolvedConfig, ATTENTION_MODULE,
+    attention_module, AttentionKernel, AttentionShape, DqAccumulation, LayoutProbe, ResolvedConfig,
 };
 use crate::kernel_source::{function, sm_count};
 use crate::{CudaDevice, KernelError};
@@ -103,7 +103,11 @@ pub(super) fn forward(
     let hd = shape.head_dim;
     match cfg.kernel {
         AttentionKernel::Simple => {
-            let f = function(dev, &ATTENTION_MODULE, &format!("attn_fwd_simple_hd{hd}"))?;
+            let f = function(
+                dev,
+                attention_module(hd),
+                &format!("attn_fwd_simple_hd{hd}"),
+            )?;
             let mut l = dev.stream().launch_builder(&f);
             l.arg(qkv)
                 .arg(out)
@@ -122,7 +126,7 @@ pub(super) fn forward(
             let rows = cfg.forward_rows;
             let f = function(
                 dev,
-                &ATTENTION_MODULE,
+                attention_module(hd),
                 &format!("attn_fwd_mma{}_hd{hd}", rows / 16),
             )?;
             let smem = forward_smem_bytes(hd, rows);
@@ -196,7 +200,7 @@ pub(super) fn backward_plan(
     let rows = cfg.backward_rows;
     let f = function(
         dev,
-        &ATTENTION_MODULE,
+        attention_module(hd),
         &format!("attn_bwd_mma_m{rows}_hd{hd}"),
     )?;
     let smem = backward_smem_bytes(hd, rows);
@@ -265,7 +269,7 @@ pub(super) fn backward(
 
     // D = rowsum(dO * O), one warp per row.
     {
-        let f = function(dev, &ATTENTION_MODULE, "attn_bwd_dot_rows")?;
+        let f = function(dev, attention_module(hd), "attn_bwd_dot_rows")?;
         let rows = shape.batch * shape.seq_len * shape.heads;
         let cap = sm_count(dev)? as usize * 32;
         let launch = LaunchConfig {
@@ -290,7 +294,7 @@ pub(super) fn backward(
     match cfg.kernel {
         AttentionKernel::Simple => {
             for name in ["attn_bwd_simple_dq", "attn_bwd_simple_dkdv"] {
-                let f = function(dev, &ATTENTION_MODULE, &format!("{name}_hd{hd}"))?;
+                let f = function(dev, attention_module(hd), &format!("{name}_hd{hd}"))?;
                 let mut l = dev.stream().launch_builder(&f);
                 l.arg(qkv)
                     .arg(d_out)
@@ -355,7 +359,7 @@ pub(super) fn backward(
                 // the caller); every global access is bounded by T.
                 unsafe { l.launch(launch) }?;
             }
-            let f = function(dev, &ATTENTION_MODULE, "attn_bwd_dq_convert")?;
+            let f = function(dev, attention_module(hd), "attn_bwd_dq_convert")?;
             let cap = sm_count(dev)? as u64 * 16;
             let launch = LaunchConfig {
                 grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
@@ -395,7 +399,7 @@ pub(super) fn layout_probe(
         LayoutProbe::PB => "attn_probe_pb",
         LayoutProbe::AtB => "attn_probe_atb",
     };
-    let f = function(dev, &ATTENTION_MODULE, name)?;
+    let f = function(dev, attention_module(64), name)?;
     let smem = 4 * 64 * 72 * 2;
     allow_dynamic_smem(dev, &f, smem, WHAT)?;
     let stream = dev.stream();

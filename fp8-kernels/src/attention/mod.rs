@@ -28,7 +28,8 @@ use crate::{check_len, Buffer, Device, KernelError};
 use half::bf16;
 use rayon::prelude::*;
 
-/// The CUDA module of the attention kernels: `common.cuh` followed by `attention.cu`.
+/// The CUDA module of the attention kernels for every head dim: `common.cuh` followed by `attention.cu`
+/// (compile checks; the launches use [`attention_module`]).
 pub const ATTENTION_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_attention",
     files: &["common.cuh", "attention.cu"],
@@ -37,6 +38,38 @@ pub const ATTENTION_MODULE: KernelModule = KernelModule {
         include_str!("attention.cu")
     ),
 };
+
+macro_rules! attention_module_hd {
+    ($hd:literal) => {
+        KernelModule {
+            name: concat!("fp8_kernels_attention_hd", $hd),
+            files: &["common.cuh", "attention.cu"],
+            source: concat!(
+                "#define ATT_HD ",
+                $hd,
+                "\n",
+                include_str!("../../cuda/common.cuh"),
+                include_str!("attention.cu")
+            ),
+        }
+    };
+}
+
+/// One module per head dim, each with that head dim's kernels only (and the shared `D`, dQ-convert and
+/// probe kernels): a model compiles the one it uses, in a third of the time of [`ATTENTION_MODULE`].
+pub const ATTENTION_MODULES_BY_HEAD_DIM: [KernelModule; 3] = [
+    attention_module_hd!(32),
+    attention_module_hd!(64),
+    attention_module_hd!(128),
+];
+
+/// The module holding the kernels of `head_dim` (one of [`HEAD_DIMS`]; others get the full module).
+pub fn attention_module(head_dim: usize) -> &'static KernelModule {
+    match HEAD_DIMS.iter().position(|&h| h == head_dim) {
+        Some(i) => &ATTENTION_MODULES_BY_HEAD_DIM[i],
+        None => &ATTENTION_MODULE,
+    }
+}
 
 /// The head dims the kernels are built for.
 pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
