@@ -18,6 +18,9 @@
 //               kernels from a problem elsewhere (launch, layout of the buffers, the host code).
 // And the probe kernels at the end, which run one building block of the mma kernels on one tile so a test
 // can check each fragment mapping in isolation.
+//
+// One file (over the usual length) because NVRTC builds each module from one string, and the forward,
+// backward, simple kernels and probes share the PTX wrappers and fragment helpers at the top.
 
 #define ATT_LOG2E 1.4426950408889634f
 #define ATT_LN2 0.69314718055994531f

@@ -97,12 +97,18 @@ struct alignas(16) uint4 {
 };
 
 // ---- the block being run ----
-struct Warp {
-    std::unique_ptr<std::barrier<>> bar;
+// Exchange slots of one warp's collectives, two sets used alternately: a lane writes its slot, waits at
+// the warp barrier, reads others' slots. A lane can reuse a set only after every lane passed the barrier of
+// the next collective, so no lane still reads it, and one barrier per collective suffices.
+struct Slots {
     const void* addr[32];
     u32 a[32][4];
     u32 b[32][2];
     float v[32];
+};
+struct Warp {
+    std::unique_ptr<std::barrier<>> bar;
+    Slots set[2];
 };
 static std::unique_ptr<std::barrier<>> g_block_bar;
 static std::deque<Warp> g_warps;
@@ -110,17 +116,18 @@ static size_t g_smem_bytes = 0;
 static thread_local int t_lane = 0, t_warp = 0;
 static bool g_late_copies = false;
 
+static thread_local int t_phase = 0;
 static inline Warp& W() { return g_warps[t_warp]; }
+// The slot set of this lane's next collective.
+static inline Slots& next_slots() { return W().set[t_phase++ & 1]; }
 static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 static inline void __syncwarp() { W().bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(unsigned mask, float v, int m) {
     if (mask != 0xffffffffu) die("partial shuffle mask");
-    Warp& w = W();
+    Slots& w = next_slots();
     w.v[t_lane] = v;
     __syncwarp();
-    const float r = w.v[t_lane ^ m];
-    __syncwarp();
-    return r;
+    return w.v[t_lane ^ m];
 }
 static inline u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 static inline u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }
@@ -186,18 +193,17 @@ static inline void att_cp_wait() {
 static inline u32 pack2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 static inline void att_ldsm_x4(const void* p, u32 (&r)[4]) {
     check_shared(p, 16, 16, "ldmatrix row address misaligned or out of bounds");
-    Warp& w = W();
+    Slots& w = next_slots();
     w.addr[t_lane] = p;
     __syncwarp();
     for (int m = 0; m < 4; ++m) {
         const u16* row = (const u16*)w.addr[m * 8 + t_lane / 4];
         r[m] = pack2(row[2 * (t_lane % 4)], row[2 * (t_lane % 4) + 1]);
     }
-    __syncwarp();
 }
 static inline void att_ldsm_x4_trans(const void* p, u32 (&r)[4]) {
     check_shared(p, 16, 16, "ldmatrix.trans row address misaligned or out of bounds");
-    Warp& w = W();
+    Slots& w = next_slots();
     w.addr[t_lane] = p;
     __syncwarp();
     for (int m = 0; m < 4; ++m) {
@@ -205,13 +211,12 @@ static inline void att_ldsm_x4_trans(const void* p, u32 (&r)[4]) {
         const u16* r1 = (const u16*)w.addr[m * 8 + 2 * (t_lane % 4) + 1];
         r[m] = pack2(r0[t_lane / 4], r1[t_lane / 4]);
     }
-    __syncwarp();
 }
 
 // ---- mma.m16n8k16 bf16 -> f32 ----
 static inline float half_bf16(u32 reg, int half) { return bf16_to_f32((u16)(reg >> (16 * half))); }
 static inline void att_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    Warp& w = W();
+    Slots& w = next_slots();
     for (int i = 0; i < 4; ++i) w.a[t_lane][i] = a[i];
     w.b[t_lane][0] = b0;
     w.b[t_lane][1] = b1;
@@ -227,7 +232,6 @@ static inline void att_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         }
         c[e] = (float)((double)c[e] + s);
     }
-    __syncwarp();
 }
 
 static inline u32 att_pack_bf16(float lo, float hi) { return pack2(f32_to_bf16(lo), f32_to_bf16(hi)); }
@@ -282,6 +286,7 @@ static void launch(const Launch& L, const std::function<void()>& body) {
                     g_block_bar->arrive_and_wait();
                     t_groups.clear();
                     t_open.clear();
+                    t_phase = 0;
                     body();
                     if (!t_open.empty() || !t_groups.empty()) die("cp.async groups left in flight at exit");
                     g_block_bar->arrive_and_wait();  // the block is done before the next one starts
