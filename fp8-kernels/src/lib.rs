@@ -18,6 +18,7 @@
 #![warn(missing_docs)]
 
 pub mod adam;
+pub mod attention;
 pub mod blaslt;
 pub mod cast;
 pub mod device;
@@ -32,6 +33,10 @@ pub mod rng;
 pub mod segmented;
 
 pub use adam::{AdamConfig, AdamGrad, LowPrecisionAdamState, WeightDecay};
+pub use attention::{
+    attention_backward, attention_forward, AttentionConfig, AttentionKernel, AttentionShape,
+    AttentionWorkspace, DqAccumulation,
+};
 pub use cast::{
     amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert, dequantize_fp8,
     update_scaling_meta, AmaxInput, AmaxSlot, CurrentScaling, FloatElement, ScalingMetaBuffers,

@@ -1,0 +1,451 @@
+//! Launches of the attention kernels (`attention.cu`) on a buffer's GPU, on its compute stream.
+//!
+//! The public functions in `mod.rs` validate shapes, lengths and devices before anything here runs; this
+//! file turns a validated call into grids, shared-memory sizes and kernel arguments.
+
+use super::{
+    attention_module, AttentionKernel, AttentionShape, DqAccumulation, LayoutProbe, ResolvedConfig,
+};
+use crate::kernel_source::{function, sm_count};
+use crate::{CudaDevice, KernelError};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+/// Key rows per block of the backward (and per key tile of the forward).
+pub(super) const KEY_BLOCK: usize = 64;
+/// Threads of the simple kernels and of the backward's mma kernel.
+const THREADS: u32 = 128;
+/// Most blocks of a grid-stride launch of the simple kernels.
+const MAX_ROW_BLOCKS: usize = 1 << 20;
+
+fn bad(what: &'static str, detail: String) -> KernelError {
+    KernelError::InvalidArgument { what, detail }
+}
+
+/// Bytes of dynamic shared memory of the forward mma kernel with `rows` query rows per block.
+pub(super) fn forward_smem_bytes(head_dim: usize, rows: usize) -> usize {
+    (rows + 4 * KEY_BLOCK) * (head_dim + 8) * 2
+}
+
+/// Bytes of dynamic shared memory of the backward mma kernel with `rows` query rows per iteration.
+pub(super) fn backward_smem_bytes(head_dim: usize, rows: usize) -> usize {
+    (2 * KEY_BLOCK + 4 * rows) * (head_dim + 8) * 2 + KEY_BLOCK * (rows + 8) * 2 + 4 * rows * 4
+}
+
+/// Raises the function's dynamic shared-memory limit to `bytes` (needed above 48 KiB), after checking
+/// that the GPU allows that much per block.
+fn allow_dynamic_smem(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    bytes: usize,
+    what: &'static str,
+) -> Result<(), KernelError> {
+    let limit = dev
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    if bytes > limit.max(0) as usize {
+        return Err(bad(
+            what,
+            format!(
+                "the tiles need {bytes} bytes of shared memory per block; this GPU allows {limit} \
+                 (use smaller tiles or AttentionKernel::Simple)"
+            ),
+        ));
+    }
+    dev.context().bind_to_thread()?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )?;
+    Ok(())
+}
+
+fn require_tensor_cores(dev: &CudaDevice, what: &'static str) -> Result<(), KernelError> {
+    let (major, minor) = dev.compute_capability();
+    if major < 8 {
+        return Err(bad(
+            what,
+            format!(
+                "the tensor-core kernels need compute capability 8.0 or newer (this GPU is \
+                 {major}.{minor}); use AttentionKernel::Simple"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Launch parameters shared by every kernel: `(T, H)` as the kernels' `int`s (validated to fit).
+fn dims(shape: &AttentionShape) -> (i32, i32, i32) {
+    (shape.batch as i32, shape.seq_len as i32, shape.heads as i32)
+}
+
+fn row_grid(shape: &AttentionShape) -> LaunchConfig {
+    let rows = shape.batch * shape.heads * shape.seq_len;
+    LaunchConfig {
+        grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Forward on the GPU. Buffers were checked to have the shape's lengths and to live on `dev`.
+pub(super) fn forward(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+    qkv: &CudaSlice<bf16>,
+    out: &mut CudaSlice<bf16>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "attention_forward";
+    let (b, t, h) = dims(shape);
+    let hd = shape.head_dim;
+    match cfg.kernel {
+        AttentionKernel::Simple => {
+            let f = function(
+                dev,
+                attention_module(hd),
+                &format!("attn_fwd_simple_hd{hd}"),
+            )?;
+            let mut l = dev.stream().launch_builder(&f);
+            l.arg(qkv)
+                .arg(out)
+                .arg(lse)
+                .arg(&b)
+                .arg(&t)
+                .arg(&h)
+                .arg(&cfg.scale);
+            // SAFETY: attn_fwd_simple_hd<HD>(const u16* qkv, u16* out, float* lse, int B, int T, int H,
+            // float scale) with qkv of B*T*3*H*HD, out of B*T*H*HD and lse of B*H*T elements (checked by
+            // the caller); bf16 is a 16-bit word on both sides; grid-stride over the B*H*T rows.
+            unsafe { l.launch(row_grid(shape)) }?;
+        }
+        AttentionKernel::Mma => {
+            require_tensor_cores(dev, WHAT)?;
+            let rows = cfg.forward_rows;
+            let f = function(
+                dev,
+                attention_module(hd),
+                &format!("attn_fwd_mma{}_hd{hd}", rows / 16),
+            )?;
+            let smem = forward_smem_bytes(hd, rows);
+            allow_dynamic_smem(dev, &f, smem, WHAT)?;
+            let launch = LaunchConfig {
+                grid_dim: (
+                    (shape.batch * shape.heads) as u32,
+                    shape.seq_len.div_ceil(rows) as u32,
+                    1,
+                ),
+                block_dim: (2 * rows as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+            let mut l = dev.stream().launch_builder(&f);
+            l.arg(qkv)
+                .arg(out)
+                .arg(lse)
+                .arg(&t)
+                .arg(&h)
+                .arg(&scale_log2);
+            // SAFETY: attn_fwd_mma<NW>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, float
+            // scale_log2): grid (B*H, ceil(T / rows)) with rows = 16 * NW query rows per block of 32 * NW
+            // threads, the dynamic shared memory the kernel's tiles need (limit raised above); lengths
+            // as in the simple kernel (checked by the caller); every global access is bounded by T.
+            unsafe { l.launch(launch) }?;
+        }
+    }
+    Ok(())
+}
+
+/// How the tensor-core backward is launched for a call.
+pub(super) struct BackwardPlan {
+    /// Blocks per (batch, head) pair (grid.y).
+    pub splits: usize,
+    /// dQ accumulator buffers of `B*T*H*hd` F32 each.
+    pub buffers: usize,
+    f: CudaFunction,
+    smem: usize,
+}
+
+/// Most dQ accumulator bytes the deterministic backward's automatic split choice may use.
+const MAX_AUTO_DQ_BYTES: usize = 256 << 20;
+/// Most blocks per (batch, head) pair the automatic split choice considers.
+const MAX_AUTO_SPLITS: usize = 8;
+
+/// The split count for the deterministic backward: the smallest that fills the GPU's block slots to at
+/// least 90 % in its last wave (blocks of one launch are about equal under the snake order, so a partial
+/// last wave idles the rest of the GPU), else the best fill, within the buffer and split caps.
+fn auto_splits(pairs: usize, slots: usize, key_blocks: usize, dq_bytes: usize) -> usize {
+    let cap = (MAX_AUTO_DQ_BYTES / dq_bytes.max(1))
+        .clamp(1, MAX_AUTO_SPLITS)
+        .min(key_blocks.max(1));
+    let fill = |s: usize| {
+        let waves = (pairs * s) as f64 / slots.max(1) as f64;
+        waves / waves.ceil().max(1.0)
+    };
+    (1..=cap)
+        .find(|&s| fill(s) >= 0.9)
+        .unwrap_or_else(|| (1..=cap).fold(1, |best, s| if fill(s) > fill(best) { s } else { best }))
+}
+
+pub(super) fn backward_plan(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+) -> Result<BackwardPlan, KernelError> {
+    const WHAT: &str = "attention_backward";
+    require_tensor_cores(dev, WHAT)?;
+    let hd = shape.head_dim;
+    let rows = cfg.backward_rows;
+    let f = function(
+        dev,
+        attention_module(hd),
+        &format!("attn_bwd_mma_m{rows}_hd{hd}"),
+    )?;
+    let smem = backward_smem_bytes(hd, rows);
+    allow_dynamic_smem(dev, &f, smem, WHAT)?;
+    let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
+    let (splits, buffers) = match cfg.dq_accumulation {
+        DqAccumulation::Atomic => (key_blocks, 1),
+        DqAccumulation::Deterministic => {
+            let s = match cfg.backward_splits {
+                Some(s) => s.clamp(1, key_blocks),
+                None => {
+                    let per_sm = f
+                        .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
+                        .max(1) as usize;
+                    let slots = per_sm * sm_count(dev)? as usize;
+                    auto_splits(
+                        shape.batch * shape.heads,
+                        slots,
+                        key_blocks,
+                        4 * shape.out_len(),
+                    )
+                }
+            };
+            (s, s)
+        }
+    };
+    Ok(BackwardPlan {
+        splits,
+        buffers,
+        f,
+        smem,
+    })
+}
+
+/// The backward's workspace needs: `(D elements, dQ accumulator elements)`.
+pub(super) fn workspace_lens(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+) -> Result<(usize, usize), KernelError> {
+    let dq = match cfg.kernel {
+        AttentionKernel::Simple => 0,
+        AttentionKernel::Mma => backward_plan(dev, shape, cfg)?.buffers * shape.out_len(),
+    };
+    Ok((shape.lse_len(), dq))
+}
+
+/// Backward on the GPU: `D`, then dQ/dK/dV. `d_ws` holds at least `B*H*T` and `dq_ws` at least the
+/// accumulator elements of [`workspace_lens`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+    qkv: &CudaSlice<bf16>,
+    out: &CudaSlice<bf16>,
+    d_out: &CudaSlice<bf16>,
+    lse: &CudaSlice<f32>,
+    d_qkv: &mut CudaSlice<bf16>,
+    d_ws: &mut CudaSlice<f32>,
+    dq_ws: Option<&mut CudaSlice<f32>>,
+) -> Result<(), KernelError> {
+    let (b, t, h) = dims(shape);
+    let hd = shape.head_dim;
+    let hd_i = hd as i32;
+
+    // D = rowsum(dO * O), one warp per row.
+    {
+        let f = function(dev, attention_module(hd), "attn_bwd_dot_rows")?;
+        let rows = shape.batch * shape.seq_len * shape.heads;
+        let cap = sm_count(dev)? as usize * 32;
+        let launch = LaunchConfig {
+            grid_dim: (rows.div_ceil(8).clamp(1, cap) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = dev.stream().launch_builder(&f);
+        l.arg(out)
+            .arg(d_out)
+            .arg(&mut *d_ws)
+            .arg(&b)
+            .arg(&t)
+            .arg(&h)
+            .arg(&hd_i);
+        // SAFETY: attn_bwd_dot_rows(const u16* out, const u16* dout, float* D, int B, int T, int H, int
+        // HD): out and dout hold B*T*H*HD elements, D at least B*H*T (checked by the caller); rows are
+        // visited by a grid-stride loop bounded by B*T*H.
+        unsafe { l.launch(launch) }?;
+    }
+
+    match cfg.kernel {
+        AttentionKernel::Simple => {
+            for name in ["attn_bwd_simple_dq", "attn_bwd_simple_dkdv"] {
+                let f = function(dev, attention_module(hd), &format!("{name}_hd{hd}"))?;
+                let mut l = dev.stream().launch_builder(&f);
+                l.arg(qkv)
+                    .arg(d_out)
+                    .arg(lse)
+                    .arg(&*d_ws)
+                    .arg(&mut *d_qkv)
+                    .arg(&b)
+                    .arg(&t)
+                    .arg(&h)
+                    .arg(&cfg.scale);
+                // SAFETY: attn_bwd_simple_{dq,dkdv}_hd<HD>(const u16* qkv, const u16* dout, const float*
+                // lse, const float* D, u16* dqkv, int B, int T, int H, float scale): qkv and dqkv hold
+                // B*T*3*H*HD elements, dout B*T*H*HD, lse and D at least B*H*T (checked by the caller);
+                // grid-stride over the B*H*T rows. The two kernels write disjoint slots of dqkv.
+                unsafe { l.launch(row_grid(shape)) }?;
+            }
+        }
+        AttentionKernel::Mma => {
+            let dq_ws = dq_ws.ok_or_else(|| {
+                KernelError::Internal("attention backward without a dQ workspace".into())
+            })?;
+            let plan = backward_plan(dev, shape, cfg)?;
+            let nbuf = plan.buffers;
+            let n = shape.out_len();
+            let acc_len = nbuf * n;
+            if dq_ws.len() < acc_len {
+                return Err(KernelError::Internal(format!(
+                    "dQ workspace of {} elements, {acc_len} needed",
+                    dq_ws.len()
+                )));
+            }
+            {
+                let mut view = dq_ws.slice_mut(0..acc_len);
+                dev.stream().memset_zeros(&mut view)?;
+            }
+            let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
+            let launch = LaunchConfig {
+                grid_dim: ((shape.batch * shape.heads) as u32, plan.splits as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: plan.smem as u32,
+            };
+            let f = &plan.f;
+            let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+            {
+                let mut l = dev.stream().launch_builder(f);
+                l.arg(qkv)
+                    .arg(d_out)
+                    .arg(lse)
+                    .arg(&*d_ws)
+                    .arg(&mut *dq_ws)
+                    .arg(&stride)
+                    .arg(&mut *d_qkv)
+                    .arg(&t)
+                    .arg(&h)
+                    .arg(&cfg.scale)
+                    .arg(&scale_log2);
+                // SAFETY: attn_bwd_mma_m<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse,
+                // const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, float
+                // scale, float scale_log2): grid (B*H, splits) of 128 threads with the shared memory its
+                // tiles need (limit raised above); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0
+                // else 1) buffers (checked above), the other lengths as in the simple path (checked by
+                // the caller); every global access is bounded by T.
+                unsafe { l.launch(launch) }?;
+            }
+            let f = function(dev, attention_module(hd), "attn_bwd_dq_convert")?;
+            let cap = sm_count(dev)? as u64 * 16;
+            let launch = LaunchConfig {
+                grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
+            let mut l = dev.stream().launch_builder(&f);
+            l.arg(&*dq_ws)
+                .arg(&nbuf_i)
+                .arg(&nbuf_stride)
+                .arg(&mut *d_qkv)
+                .arg(&n_u)
+                .arg(&h)
+                .arg(&hd_i)
+                .arg(&cfg.scale);
+            // SAFETY: attn_bwd_dq_convert(const float* acc, int nbuf, u64 stride, u16* dqkv, u64 n, int H,
+            // int HD, float scale): acc holds nbuf buffers of n = B*T*H*HD elements (checked above),
+            // dqkv B*T*3*H*HD; grid-stride over n.
+            unsafe { l.launch(launch) }?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs one layout probe on 64 x 64 tiles (see `LayoutProbe`).
+pub(super) fn layout_probe(
+    dev: &CudaDevice,
+    probe: LayoutProbe,
+    a: &[f32],
+    b: &[bf16],
+) -> Result<Vec<f32>, KernelError> {
+    const WHAT: &str = "attention layout probe";
+    require_tensor_cores(dev, WHAT)?;
+    let name = match probe {
+        LayoutProbe::ABt => "attn_probe_abt",
+        LayoutProbe::PB => "attn_probe_pb",
+        LayoutProbe::AtB => "attn_probe_atb",
+    };
+    let f = function(dev, attention_module(64), name)?;
+    let smem = 4 * 64 * 72 * 2;
+    allow_dynamic_smem(dev, &f, smem, WHAT)?;
+    let stream = dev.stream();
+    let b_dev = stream.clone_htod(b)?;
+    let mut out = stream.alloc_zeros::<f32>(64 * 64)?;
+    let launch = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    match probe {
+        LayoutProbe::PB => {
+            let a_dev = stream.clone_htod(a)?;
+            let mut l = stream.launch_builder(&f);
+            l.arg(&a_dev).arg(&b_dev).arg(&mut out);
+            // SAFETY: attn_probe_pb(const float* p, const u16* b, float* out), each 64 x 64 (the caller
+            // checked the host lengths), one block of 128 threads with the shared memory above.
+            unsafe { l.launch(launch) }?;
+        }
+        LayoutProbe::ABt | LayoutProbe::AtB => {
+            let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+            let a_dev = stream.clone_htod(&a16)?;
+            let mut l = stream.launch_builder(&f);
+            l.arg(&a_dev).arg(&b_dev).arg(&mut out);
+            // SAFETY: attn_probe_{abt,atb}(const u16* a, const u16* b, float* out), each 64 x 64 (checked
+            // by the caller), one block of 128 threads with the shared memory above.
+            unsafe { l.launch(launch) }?;
+        }
+    }
+    Ok(stream.clone_dtoh(&out)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_splits;
+
+    #[test]
+    fn auto_splits_fill_the_last_wave() {
+        // The peer shapes on 132 SMs with 2 blocks each (264 slots).
+        assert_eq!(auto_splits(192, 264, 16, 16 * 1024 * 768 * 4), 4); // 768 blocks: 2.9 waves
+        assert_eq!(auto_splits(80, 264, 32, 4 * 2048 * 2560 * 4), 3); // 240 blocks: 0.91 of a wave
+        assert_eq!(auto_splits(32, 264, 16, 8 * 1024 * 128 * 4), 8); // 256 blocks
+                                                                     // Capped by the key blocks and by the buffer bytes.
+        assert_eq!(auto_splits(1, 264, 3, 1024), 3);
+        assert_eq!(auto_splits(100, 264, 64, 200 << 20), 1);
+        // Many pairs: one split already fills the waves.
+        assert_eq!(auto_splits(5000, 264, 16, 1 << 20), 1);
+    }
+}

@@ -1,0 +1,419 @@
+// Host emulator of the attention kernels, for machines without a GPU (the `attention_emulated` test).
+//
+// Compiles src/attention/attention.cu itself with a C++ compiler. Every CUDA thread of a block is a
+// std::thread; __syncthreads, __syncwarp and the warp-collective instructions are barriers over those
+// threads; the PTX wrappers the kernel file hides under ATT_HOST_EMULATION are emulated here from the PTX
+// ISA's specification of each instruction, element by element:
+//   ldmatrix .x4 (.trans): lane l supplies the address of row l % 8 of matrix l / 8; lane l receives, in
+//     register i, elements (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or with .trans (rows 2(l%4),
+//     2(l%4)+1, col l/4); the lower-index element in the low 16 bits.
+//   mma.m16n8k16 bf16: A element (r, k) is held by lane (r%8)*4 + (k%8)/2 in register (r>=8) + 2*(k>=8),
+//     half k%2; B element (k, n) by lane n*4 + (k%8)/2 in register (k>=8), half k%2; C/D element (r, n)
+//     by lane (r%8)*4 + n/2 in register 2*(r>=8) + n%2.
+//   cp.async: copies (or zero-fills with src-size 0) either at issue ("early") or only when a
+//     cp.async.wait_group retires its group ("late"), the two extremes the hardware may choose between.
+// So the kernels' own index arithmetic, tile bookkeeping, masks and synchronisation run as written, and
+// only the instruction semantics come from here. The emulator also checks every shared-memory address of
+// ldmatrix / cp.async (alignment and bounds), every global address of cp.async and red (inside a
+// buffer), and fills shared memory with NaN bit patterns before each block, so a read of memory no one
+// wrote shows up as NaN in the outputs. Build with -fsanitize=address to catch other out-of-bounds
+// accesses.
+//
+// Usage:
+//   emulator run IN OUT B H T HD simple|mma FWD_ROWS BWD_ROWS det|atomic SPLITS early|late SCALE
+//     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
+//     OUT/dqkv.bin (bf16). SPLITS 0 = the library's default for a 132-SM GPU.
+//   emulator probe abt|pb|atb IN OUT
+//     IN/a.bin (bf16; f32 for pb), IN/b.bin (bf16), 64 x 64 each -> OUT/out.bin (f32 64 x 64).
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+typedef uint8_t u8;
+typedef uint16_t u16;
+typedef uint32_t u32;
+typedef uint64_t u64;
+typedef int64_t i64;
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+using std::max;
+using std::min;
+
+struct Dim3 {
+    unsigned x = 0, y = 0, z = 0;
+};
+static Dim3 gridDim, blockDim;
+static thread_local Dim3 threadIdx, blockIdx;
+static thread_local unsigned char* att_smem = nullptr;
+
+[[noreturn]] static void die(const char* what) {
+    std::fprintf(stderr, "EMULATOR ERROR: %s (block %u,%u thread %u)\n", what, blockIdx.x, blockIdx.y,
+                 threadIdx.x);
+    std::fflush(stderr);
+    std::abort();
+}
+
+// ---- bit casts and conversions (common.cuh's, on the host) ----
+static inline float __uint_as_float(u32 u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+static inline float __int_as_float(int i) { return __uint_as_float((u32)i); }
+static inline u32 __float_as_uint(float f) {
+    u32 u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+static inline float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+static inline u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                      // round to nearest even
+    return (u16)(u >> 16);
+}
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+struct alignas(16) uint4 {
+    u32 x, y, z, w;
+};
+
+// ---- the block being run ----
+// Exchange slots of one warp's collectives, two sets used alternately: a lane writes its slot, waits at
+// the warp barrier, reads others' slots. A lane can reuse a set only after every lane passed the barrier of
+// the next collective, so no lane still reads it, and one barrier per collective suffices.
+struct Slots {
+    const void* addr[32];
+    u32 a[32][4];
+    u32 b[32][2];
+    float v[32];
+};
+struct Warp {
+    std::unique_ptr<std::barrier<>> bar;
+    Slots set[2];
+};
+static std::unique_ptr<std::barrier<>> g_block_bar;
+static std::deque<Warp> g_warps;
+static size_t g_smem_bytes = 0;
+static thread_local int t_lane = 0, t_warp = 0;
+static bool g_late_copies = false;
+
+static thread_local int t_phase = 0;
+static inline Warp& W() { return g_warps[t_warp]; }
+// The slot set of this lane's next collective.
+static inline Slots& next_slots() { return W().set[t_phase++ & 1]; }
+static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+static inline void __syncwarp() { W().bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(unsigned mask, float v, int m) {
+    if (mask != 0xffffffffu) die("partial shuffle mask");
+    Slots& w = next_slots();
+    w.v[t_lane] = v;
+    __syncwarp();
+    return w.v[t_lane ^ m];
+}
+static inline u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+static inline u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }
+
+// ---- global buffers (for address checks) ----
+struct Region {
+    const unsigned char* begin;
+    size_t bytes;
+};
+static std::vector<Region> g_regions;
+static void check_global(const void* p, size_t bytes, const char* what) {
+    const unsigned char* c = (const unsigned char*)p;
+    for (const Region& r : g_regions)
+        if (c >= r.begin && c + bytes <= r.begin + r.bytes) return;
+    die(what);
+}
+static void check_shared(const void* p, size_t bytes, size_t align, const char* what) {
+    const unsigned char* c = (const unsigned char*)p;
+    if (((uintptr_t)c % align) != 0) die(what);
+    if (c < att_smem || c + bytes > att_smem + g_smem_bytes) die(what);
+}
+
+// ---- cp.async ----
+struct Copy {
+    void* dst;
+    const void* src;
+    int bytes;
+    bool valid;
+};
+static thread_local std::vector<std::vector<Copy>> t_groups;  // committed groups, oldest first
+static thread_local std::vector<Copy> t_open;                 // issued, not yet committed
+static void do_copy(const Copy& c) {
+    if (c.valid)
+        std::memcpy(c.dst, c.src, c.bytes);
+    else
+        std::memset(c.dst, 0, c.bytes);
+}
+static void cp_async(void* dst, const void* src, int bytes, bool valid) {
+    check_shared(dst, bytes, bytes, "cp.async shared destination misaligned or out of bounds");
+    if (((uintptr_t)src % bytes) != 0) die("cp.async global source misaligned");
+    if (valid) check_global(src, bytes, "cp.async reads outside every global buffer");
+    const Copy c{dst, src, bytes, valid};
+    if (g_late_copies)
+        t_open.push_back(c);
+    else
+        do_copy(c);
+}
+static inline void att_cp_async16(void* dst, const void* src, bool valid) { cp_async(dst, src, 16, valid); }
+static inline void att_cp_async4(void* dst, const void* src, bool valid) { cp_async(dst, src, 4, valid); }
+static inline void att_cp_commit() {
+    t_groups.push_back(std::move(t_open));
+    t_open.clear();
+}
+template <int N>
+static inline void att_cp_wait() {
+    while (t_groups.size() > (size_t)N) {
+        for (const Copy& c : t_groups.front()) do_copy(c);
+        t_groups.erase(t_groups.begin());
+    }
+}
+
+// ---- ldmatrix ----
+static inline u32 pack2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+static inline void att_ldsm_x4(const void* p, u32 (&r)[4]) {
+    check_shared(p, 16, 16, "ldmatrix row address misaligned or out of bounds");
+    Slots& w = next_slots();
+    w.addr[t_lane] = p;
+    __syncwarp();
+    for (int m = 0; m < 4; ++m) {
+        const u16* row = (const u16*)w.addr[m * 8 + t_lane / 4];
+        r[m] = pack2(row[2 * (t_lane % 4)], row[2 * (t_lane % 4) + 1]);
+    }
+}
+static inline void att_ldsm_x4_trans(const void* p, u32 (&r)[4]) {
+    check_shared(p, 16, 16, "ldmatrix.trans row address misaligned or out of bounds");
+    Slots& w = next_slots();
+    w.addr[t_lane] = p;
+    __syncwarp();
+    for (int m = 0; m < 4; ++m) {
+        const u16* r0 = (const u16*)w.addr[m * 8 + 2 * (t_lane % 4)];
+        const u16* r1 = (const u16*)w.addr[m * 8 + 2 * (t_lane % 4) + 1];
+        r[m] = pack2(r0[t_lane / 4], r1[t_lane / 4]);
+    }
+}
+
+// ---- mma.m16n8k16 bf16 -> f32 ----
+static inline float half_bf16(u32 reg, int half) { return bf16_to_f32((u16)(reg >> (16 * half))); }
+static inline void att_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    Slots& w = next_slots();
+    for (int i = 0; i < 4; ++i) w.a[t_lane][i] = a[i];
+    w.b[t_lane][0] = b0;
+    w.b[t_lane][1] = b1;
+    __syncwarp();
+    const int g = t_lane / 4, q = t_lane % 4;
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
+        double s = 0.0;
+        for (int k = 0; k < 16; ++k) {
+            const float av = half_bf16(w.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2);
+            const float bv = half_bf16(w.b[col * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k % 2);
+            s += (double)av * (double)bv;
+        }
+        c[e] = (float)((double)c[e] + s);
+    }
+}
+
+static inline u32 att_pack_bf16(float lo, float hi) { return pack2(f32_to_bf16(lo), f32_to_bf16(hi)); }
+static inline float att_ex2(float x) { return std::exp2(x); }
+static std::mutex g_red_mutex;
+static inline void att_red_add2(float* p, float a, float b) {
+    if (((uintptr_t)p % 8) != 0) die("red.v2 address misaligned");
+    check_global(p, 8, "red writes outside every global buffer");
+    std::lock_guard<std::mutex> lock(g_red_mutex);
+    p[0] += a;
+    p[1] += b;
+}
+
+#define ATT_HOST_EMULATION 1
+#include "../../src/attention/attention.cu"
+
+// =====================================================================================================
+// Launching
+// =====================================================================================================
+
+struct Launch {
+    unsigned gx, gy, threads;
+    size_t smem;
+};
+
+static void launch(const Launch& L, const std::function<void()>& body) {
+    gridDim = Dim3{L.gx, L.gy, 1};
+    blockDim = Dim3{L.threads, 1, 1};
+    std::vector<unsigned char> smem(L.smem + 16);
+    unsigned char* base = smem.data();
+    while (((uintptr_t)base % 16) != 0) ++base;
+    g_smem_bytes = L.smem;
+    g_block_bar = std::make_unique<std::barrier<>>(L.threads);
+    g_warps.clear();
+    for (unsigned w = 0; w < L.threads / 32; ++w) {
+        g_warps.emplace_back();
+        g_warps.back().bar = std::make_unique<std::barrier<>>(32);
+    }
+    // One OS thread per CUDA thread of a block, reused for every block in launch order (x fastest).
+    std::vector<std::thread> ts;
+    ts.reserve(L.threads);
+    for (unsigned t = 0; t < L.threads; ++t)
+        ts.emplace_back([&, t] {
+            threadIdx = Dim3{t, 0, 0};
+            t_lane = (int)(t & 31);
+            t_warp = (int)(t >> 5);
+            att_smem = base;
+            for (unsigned by = 0; by < L.gy; ++by)
+                for (unsigned bx = 0; bx < L.gx; ++bx) {
+                    blockIdx = Dim3{bx, by, 0};
+                    if (t == 0) std::memset(smem.data(), 0xFF, smem.size());  // NaN in bf16 and f32
+                    g_block_bar->arrive_and_wait();
+                    t_groups.clear();
+                    t_open.clear();
+                    t_phase = 0;
+                    body();
+                    if (!t_open.empty() || !t_groups.empty()) die("cp.async groups left in flight at exit");
+                    g_block_bar->arrive_and_wait();  // the block is done before the next one starts
+                }
+        });
+    for (auto& th : ts) th.join();
+}
+
+template <class T>
+static std::vector<T> read_file(const std::string& path, size_t n) {
+    std::vector<T> v(n);
+    std::ifstream f(path, std::ios::binary);
+    if (!f.read(reinterpret_cast<char*>(v.data()), n * sizeof(T))) die(("cannot read " + path).c_str());
+    return v;
+}
+template <class T>
+static void write_file(const std::string& path, const std::vector<T>& v) {
+    std::ofstream f(path, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+    if (!f) die(("cannot write " + path).c_str());
+}
+template <class T>
+static void reg(std::vector<T>& v) {
+    g_regions.push_back(Region{reinterpret_cast<const unsigned char*>(v.data()), v.size() * sizeof(T)});
+}
+
+typedef void (*FwdMma)(const u16*, u16*, float*, int, int, float);
+typedef void (*FwdSimple)(const u16*, u16*, float*, int, int, int, float);
+typedef void (*BwdMma)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, float,
+                       float);
+typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, float);
+
+#define PICK(NAME, HD) (HD == 32 ? NAME##_hd32 : HD == 64 ? NAME##_hd64 : NAME##_hd128)
+
+static int run(int argc, char** argv) {
+    if (argc != 15) die("usage: emulator run IN OUT B H T HD simple|mma FWD_ROWS BWD_ROWS det|atomic SPLITS early|late SCALE");
+    const std::string in = argv[2], out_dir = argv[3];
+    const int B = std::atoi(argv[4]), H = std::atoi(argv[5]), T = std::atoi(argv[6]), HD = std::atoi(argv[7]);
+    const bool simple = std::string(argv[8]) == "simple";
+    const int fwd_rows = std::atoi(argv[9]), bwd_rows = std::atoi(argv[10]);
+    const bool atomic = std::string(argv[11]) == "atomic";
+    const int splits_arg = std::atoi(argv[12]);
+    g_late_copies = std::string(argv[13]) == "late";
+    const float scale = std::strtof(argv[14], nullptr);
+    if (HD != 32 && HD != 64 && HD != 128) die("head dim");
+    const size_t n = (size_t)B * T * H * HD, nl = (size_t)B * H * T;
+    std::vector<u16> qkv = read_file<u16>(in + "/qkv.bin", 3 * n);
+    std::vector<u16> dout = read_file<u16>(in + "/dout.bin", n);
+    std::vector<u16> out(n, 0xFFFF), dqkv(3 * n, 0xFFFF);
+    std::vector<float> lse(nl, NAN), dvec(nl, NAN);
+    reg(qkv), reg(dout), reg(out), reg(dqkv), reg(lse), reg(dvec);
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const size_t rows = (size_t)B * H * T;
+
+    // Forward.
+    if (simple) {
+        FwdSimple f = PICK(attn_fwd_simple, HD);
+        launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0}, [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, scale); });
+    } else {
+        FwdMma f = fwd_rows == 64 ? PICK(attn_fwd_mma4, HD) : PICK(attn_fwd_mma8, HD);
+        const size_t smem = (size_t)(fwd_rows + 4 * 64) * (HD + 8) * 2;
+        launch({(unsigned)(B * H), (unsigned)((T + fwd_rows - 1) / fwd_rows), (unsigned)(2 * fwd_rows), smem},
+               [&] { f(qkv.data(), out.data(), lse.data(), T, H, scale_log2); });
+    }
+    // Backward: D, then the kernels.
+    launch({(unsigned)std::min<size_t>((rows + 7) / 8, 4), 1, 256, 0},
+           [&] { attn_bwd_dot_rows(out.data(), dout.data(), dvec.data(), B, T, H, HD); });
+    if (simple) {
+        BwdSimple a = PICK(attn_bwd_simple_dq, HD), b = PICK(attn_bwd_simple_dkdv, HD);
+        const unsigned g = (unsigned)std::min<size_t>(rows, 8);
+        launch({g, 1, 128, 0}, [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
+        launch({g, 1, 128, 0}, [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
+    } else {
+        const int nkb = (T + 63) / 64;
+        int splits, nbuf;
+        if (atomic) {
+            splits = nkb;
+            nbuf = 1;
+        } else {
+            const int pairs = std::max(1, B * H);
+            splits = splits_arg > 0 ? splits_arg : (2 * 132 + pairs - 1) / pairs;
+            splits = std::max(1, std::min(splits, nkb));
+            nbuf = splits;
+        }
+        std::vector<float> acc((size_t)nbuf * n, 0.0f);
+        reg(acc);
+        const u64 stride = nbuf > 1 ? (u64)n : 0;
+        BwdMma f = bwd_rows == 64 ? PICK(attn_bwd_mma_m64, HD) : PICK(attn_bwd_mma_m32, HD);
+        const size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
+        launch({(unsigned)(B * H), (unsigned)splits, 128, smem}, [&] {
+            f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, scale, scale_log2);
+        });
+        launch({(unsigned)std::min<size_t>((n + 255) / 256, 4), 1, 256, 0},
+               [&] { attn_bwd_dq_convert(acc.data(), nbuf, (u64)n, dqkv.data(), (u64)n, H, HD, scale); });
+        g_regions.pop_back();
+    }
+    write_file(out_dir + "/out.bin", out);
+    write_file(out_dir + "/lse.bin", lse);
+    write_file(out_dir + "/dqkv.bin", dqkv);
+    return 0;
+}
+
+static int probe(int argc, char** argv) {
+    if (argc != 5) die("usage: emulator probe abt|pb|atb IN OUT");
+    const std::string which = argv[2], in = argv[3], out_dir = argv[4];
+    std::vector<u16> b = read_file<u16>(in + "/b.bin", 4096);
+    std::vector<float> out(4096, NAN);
+    reg(b), reg(out);
+    const size_t smem = 4 * 64 * 72 * 2;
+    if (which == "pb") {
+        std::vector<float> a = read_file<float>(in + "/a.bin", 4096);
+        reg(a);
+        launch({1, 1, 128, smem}, [&] { attn_probe_pb(a.data(), b.data(), out.data()); });
+    } else {
+        std::vector<u16> a = read_file<u16>(in + "/a.bin", 4096);
+        reg(a);
+        if (which == "abt")
+            launch({1, 1, 128, smem}, [&] { attn_probe_abt(a.data(), b.data(), out.data()); });
+        else
+            launch({1, 1, 128, smem}, [&] { attn_probe_atb(a.data(), b.data(), out.data()); });
+    }
+    write_file(out_dir + "/out.bin", out);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc >= 2 && std::string(argv[1]) == "run") return run(argc, argv);
+    if (argc >= 2 && std::string(argv[1]) == "probe") return probe(argc, argv);
+    die("usage: emulator run ... | emulator probe ...");
+}

@@ -1,0 +1,290 @@
+//! Shared by the attention tests: random inputs, the CPU reference, and the per-tensor comparison with
+//! its stated tolerances and diagnostics (worst element, range of query rows out of tolerance). Also home
+//! of the host emulator of the kernels (`emulator.cpp`, see `attention_emulated.rs`).
+#![allow(dead_code)] // each test binary uses a different part
+
+use fp8_kernels::attention::{cpu, AttentionShape, LayoutProbe};
+use fp8_kernels::rng::SplitMix64;
+use half::bf16;
+
+pub struct Inputs {
+    pub shape: AttentionShape,
+    pub x: Vec<bf16>,
+    pub dy: Vec<bf16>,
+}
+
+/// qkv with unit variance (so scores have about unit variance at the default scale), d_out in [-1, 1].
+pub fn inputs(shape: AttentionShape, seed: u64) -> Inputs {
+    let mut r = SplitMix64::new(seed);
+    let x = (0..shape.qkv_len())
+        .map(|_| bf16::from_f32(r.uniform_f32() * 1.732))
+        .collect();
+    let dy = (0..shape.out_len())
+        .map(|_| bf16::from_f32(r.uniform_f32()))
+        .collect();
+    Inputs { shape, x, dy }
+}
+
+/// out, lse and d_qkv as F32.
+pub struct Outputs {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub dqkv: Vec<f32>,
+}
+
+pub fn reference(inp: &Inputs, scale: f32) -> Outputs {
+    let s = &inp.shape;
+    let x: Vec<f32> = inp.x.iter().map(|v| v.to_f32()).collect();
+    let dy: Vec<f32> = inp.dy.iter().map(|v| v.to_f32()).collect();
+    let mut out = vec![0.0f32; s.out_len()];
+    let mut lse = vec![0.0f32; s.lse_len()];
+    cpu::forward(s, scale, &x, &mut out, &mut lse);
+    let mut dqkv = vec![0.0f32; s.qkv_len()];
+    cpu::backward(s, scale, &x, &dy, &mut dqkv);
+    Outputs { out, lse, dqkv }
+}
+
+/// Slot `w` (0 = q, 1 = k, 2 = v) of a `[B, T, 3, H, hd]` array as `[B, T, H, hd]`.
+pub fn slot(s: &AttentionShape, v: &[f32], w: usize) -> Vec<f32> {
+    let hd = s.model_dim();
+    v.chunks(3 * hd)
+        .flat_map(|row| row[w * hd..(w + 1) * hd].iter().copied())
+        .collect()
+}
+
+/// Which layout a flat index is in, to name `(b, t, h, d)` and the query row `t`.
+#[derive(Clone, Copy)]
+pub enum Layout {
+    /// `[B, T, H, hd]`
+    Rows,
+    /// `[B, H, T]`
+    Lse,
+}
+
+pub fn coords(s: &AttentionShape, layout: Layout, i: usize) -> (usize, usize, usize, usize) {
+    match layout {
+        Layout::Rows => {
+            let d = i % s.head_dim;
+            let h = (i / s.head_dim) % s.heads;
+            let t = (i / s.model_dim()) % s.seq_len;
+            (i / (s.model_dim() * s.seq_len), t, h, d)
+        }
+        Layout::Lse => {
+            let t = i % s.seq_len;
+            let h = (i / s.seq_len) % s.heads;
+            (i / (s.seq_len * s.heads), t, h, 0)
+        }
+    }
+}
+
+pub struct Tol {
+    pub max_rel: f64,
+    pub abs: f64,
+    pub l2: f64,
+}
+
+pub const OUT_TOL: Tol = Tol {
+    max_rel: 2e-2,
+    abs: 1e-4,
+    l2: 1e-2,
+};
+pub const GRAD_TOL: Tol = Tol {
+    max_rel: 2e-2,
+    abs: 1e-4,
+    l2: 2e-2,
+};
+
+/// Compares one tensor; prints a line; returns a failure description.
+pub fn check(
+    label: &str,
+    name: &str,
+    s: &AttentionShape,
+    layout: Layout,
+    got: &[f32],
+    want: &[f32],
+    tol: &Tol,
+) -> Option<String> {
+    let max_ref = want.iter().fold(0.0f64, |a, &b| a.max(b.abs() as f64));
+    let (mut worst, mut worst_i, mut e2, mut r2, mut nonfinite) = (0.0f64, 0usize, 0.0f64, 0.0, 0);
+    let limit = match layout {
+        Layout::Lse => 1e-3 * max_ref.max(1.0),
+        Layout::Rows => tol.max_rel * max_ref + tol.abs,
+    };
+    let (mut bad_rows, mut first_bad, mut last_bad) = (0usize, usize::MAX, 0usize);
+    let mut row_bad = vec![false; s.seq_len];
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if !g.is_finite() {
+            nonfinite += 1;
+        }
+        let e = (g as f64 - w as f64).abs();
+        let e = if e.is_nan() { f64::INFINITY } else { e };
+        if e > worst {
+            worst = e;
+            worst_i = i;
+        }
+        e2 += e.min(1e30).powi(2);
+        r2 += (w as f64).powi(2);
+        if e > limit {
+            row_bad[coords(s, layout, i).1] = true;
+        }
+    }
+    for (t, &b) in row_bad.iter().enumerate() {
+        if b {
+            bad_rows += 1;
+            first_bad = first_bad.min(t);
+            last_bad = t;
+        }
+    }
+    let rel_l2 = if r2 > 0.0 {
+        (e2 / r2).sqrt()
+    } else {
+        e2.sqrt()
+    };
+    let (b, t, h, d) = coords(s, layout, worst_i);
+    let l2_ok = max_ref <= 1e-3 || layout_is_lse(layout) || rel_l2 <= tol.l2;
+    let ok = worst <= limit && l2_ok && nonfinite == 0;
+    let rows = if bad_rows > 0 {
+        format!(" rows t out of tolerance: {bad_rows} in {first_bad}..={last_bad}")
+    } else {
+        String::new()
+    };
+    let line = format!(
+        "{} {label} {name:>4}: max|err| {worst:.3e} (limit {limit:.3e}, max|ref| {max_ref:.3e}) rel_l2 \
+         {rel_l2:.2e} worst at (b {b}, t {t}, h {h}, d {d}) got {} want {}{}{rows}",
+        if ok { "ok  " } else { "FAIL" },
+        got.get(worst_i).copied().unwrap_or(f32::NAN),
+        want.get(worst_i).copied().unwrap_or(f32::NAN),
+        if nonfinite > 0 {
+            format!(" NON-FINITE: {nonfinite}")
+        } else {
+            String::new()
+        },
+    );
+    println!("{line}");
+    (!ok).then_some(line)
+}
+
+fn layout_is_lse(l: Layout) -> bool {
+    matches!(l, Layout::Lse)
+}
+
+/// Compares every output of `got` with `want`; returns the failures.
+pub fn check_all(label: &str, s: &AttentionShape, got: &Outputs, want: &Outputs) -> Vec<String> {
+    let mut fails = Vec::new();
+    fails.extend(check(
+        label,
+        "out",
+        s,
+        Layout::Rows,
+        &got.out,
+        &want.out,
+        &OUT_TOL,
+    ));
+    fails.extend(check(
+        label,
+        "lse",
+        s,
+        Layout::Lse,
+        &got.lse,
+        &want.lse,
+        &OUT_TOL,
+    ));
+    for (w, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        fails.extend(check(
+            label,
+            name,
+            s,
+            Layout::Rows,
+            &slot(s, &got.dqkv, w),
+            &slot(s, &want.dqkv, w),
+            &GRAD_TOL,
+        ));
+    }
+    fails
+}
+
+/// The layout probes, in the order to run them.
+pub const PROBES: [LayoutProbe; 3] = [LayoutProbe::ABt, LayoutProbe::PB, LayoutProbe::AtB];
+
+/// What a probe exercises.
+pub fn probe_name(p: LayoutProbe) -> &'static str {
+    match p {
+        LayoutProbe::ABt => "a b^T (Q K^T: ldmatrix A, ldmatrix B non-trans, mma, C layout)",
+        LayoutProbe::PB => "p b (P V: C->A registers, ldmatrix.trans B)",
+        LayoutProbe::AtB => "a^T b (dS K: C->shared bf16, ldmatrix.trans A, ldmatrix.trans B)",
+    }
+}
+
+/// Inputs of the probes: small integers over 8, exact in BF16, with exact F32 products and sums.
+pub struct ProbeCase {
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+    pub b16: Vec<bf16>,
+}
+
+impl ProbeCase {
+    pub fn new(seed: u64) -> Self {
+        let mut r = SplitMix64::new(seed);
+        let mut tile = || -> Vec<f32> {
+            (0..64 * 64)
+                .map(|_| (r.below(17) as f32 - 8.0) / 8.0)
+                .collect()
+        };
+        let a = tile();
+        let b = tile();
+        let b16 = b.iter().map(|&v| bf16::from_f32(v)).collect();
+        ProbeCase { a, b, b16 }
+    }
+
+    /// The exact result of `probe` (row-major 64 x 64).
+    pub fn want(&self, probe: LayoutProbe) -> Vec<f64> {
+        let at = |m: &[f32], r: usize, c: usize| m[r * 64 + c] as f64;
+        let (a, b) = (&self.a, &self.b);
+        (0..64 * 64)
+            .map(|i| {
+                let (r, c) = (i / 64, i % 64);
+                (0..64)
+                    .map(|k| match probe {
+                        LayoutProbe::ABt => at(a, r, k) * at(b, c, k),
+                        LayoutProbe::PB => at(a, r, k) * at(b, k, c),
+                        LayoutProbe::AtB => at(a, k, r) * at(b, k, c),
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+}
+
+/// Prints a 64 x 64 probe result's mismatch pattern and returns whether it is right.
+pub fn probe_ok(name: &str, got: &[f32], want: &[f64]) -> bool {
+    let scale = want.iter().fold(0.0f64, |a, &b| a.max(b.abs())).max(1e-6);
+    let close = |g: f32, w: f64| (g as f64 - w).abs() <= 1e-3 * scale;
+    let bad: Vec<usize> = (0..64 * 64).filter(|&i| !close(got[i], want[i])).collect();
+    if bad.is_empty() {
+        println!("ok   probe {name}");
+        return true;
+    }
+    let transposed = (0..64 * 64).all(|i| close(got[i], want[(i % 64) * 64 + i / 64]));
+    let rows: std::collections::BTreeSet<usize> = bad.iter().map(|i| i / 64).collect();
+    let cols: std::collections::BTreeSet<usize> = bad.iter().map(|i| i % 64).collect();
+    println!(
+        "FAIL probe {name}: {} of 4096 wrong; transposed result: {transposed}; wrong rows {:?}; wrong \
+         cols {:?}",
+        bad.len(),
+        rows,
+        cols
+    );
+    for &i in bad.iter().take(6) {
+        // Where the value that landed here belongs, if it matches any expected element.
+        let from = (0..64 * 64).find(|&j| close(got[i], want[j]));
+        println!(
+            "     [{}, {}] got {} want {:.5} (matches want[{:?}])",
+            i / 64,
+            i % 64,
+            got[i],
+            want[i],
+            from.map(|j| (j / 64, j % 64))
+        );
+    }
+    false
+}

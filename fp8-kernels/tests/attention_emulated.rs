@@ -1,0 +1,307 @@
+//! The attention kernels of `attention.cu`, run on the CPU by a host emulator, against the CPU reference:
+//! the GPU test's comparisons for machines without a GPU.
+//!
+//! `attention_common/emulator.cpp` compiles `attention.cu` itself with a C++ compiler (one std::thread
+//! per CUDA thread; ldmatrix, mma, cp.async and shuffles emulated from the PTX ISA's element mappings;
+//! shared and global addresses checked; AddressSanitizer where the compiler has it). The kernels' own
+//! index arithmetic, tile loops, masks, double buffering, dQ splits and synchronisation run as written, so
+//! a bug there fails here. What this cannot catch: a misreading of the PTX specification shared by the
+//! kernels and the emulator, timing-dependent races beyond the two cp.async extremes run here, and
+//! performance. The GPU tests (`attention_cuda.rs`) settle those.
+//!
+//! Skips (printing `SKIPPED: ...`) where no C++20 compiler is found (`CXX`, else `g++`, else `c++`).
+//! Small shapes only: every CUDA thread is an OS thread.
+
+mod attention_common;
+
+use attention_common::{
+    check_all, inputs, probe_name, probe_ok, reference, Inputs, Outputs, ProbeCase, PROBES,
+};
+use fp8_kernels::attention::{AttentionConfig, AttentionShape, LayoutProbe};
+use half::bf16;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The emulator binary, built once per test binary.
+fn emulator() -> Option<PathBuf> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(build).clone()
+}
+
+fn build() -> Option<PathBuf> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/attention_common/emulator.cpp");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("attention_emulator");
+    let compilers: Vec<String> = std::env::var("CXX")
+        .ok()
+        .into_iter()
+        .chain(["g++".to_string(), "c++".to_string()])
+        .collect();
+    let Some(cxx) = compilers.into_iter().find(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }) else {
+        println!("SKIPPED: no C++ compiler (CXX, g++, c++) to build the kernel emulator");
+        return None;
+    };
+    let base = [
+        "-std=c++20",
+        "-O1",
+        "-pthread",
+        "-Wall",
+        "-Wno-unknown-pragmas",
+        "-Wno-unused-function",
+    ];
+    let mut logs = String::new();
+    for sanitize in [true, false] {
+        let mut cmd = Command::new(&cxx);
+        cmd.args(base);
+        if sanitize {
+            cmd.arg("-fsanitize=address");
+        }
+        cmd.arg("-o").arg(&out).arg(&src);
+        let o = cmd.output().expect("running the C++ compiler");
+        if o.status.success() {
+            if !sanitize {
+                println!("note: emulator built without AddressSanitizer (not available)");
+            }
+            return Some(out);
+        }
+        logs.push_str(&String::from_utf8_lossy(&o.stderr));
+        if !sanitize {
+            break;
+        }
+    }
+    let check = Command::new(&cxx)
+        .args(["-std=c++20", "-x", "c++", "-", "-fsyntax-only"])
+        .stdin(std::process::Stdio::null())
+        .output();
+    if check.is_ok_and(|o| !o.status.success()) {
+        println!("SKIPPED: {cxx} does not accept -std=c++20");
+        return None;
+    }
+    panic!("the emulator does not compile with {cxx}:\n{logs}");
+}
+
+fn write<T: bytemuck::Pod>(path: &Path, v: &[T]) {
+    std::fs::write(path, bytemuck::cast_slice(v)).unwrap();
+}
+
+fn read<T: bytemuck::Pod>(path: &Path, n: usize) -> Vec<T> {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(bytes.len(), n * std::mem::size_of::<T>(), "{path:?}");
+    let mut v = vec![T::zeroed(); n];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&bytes);
+    v
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Emulator arguments of one kernel variant (after the shape).
+#[derive(Clone, Copy)]
+struct Variant {
+    name: &'static str,
+    kernel: &'static str,
+    fwd_rows: usize,
+    bwd_rows: usize,
+    acc: &'static str,
+    splits: usize,
+    copies: &'static str,
+}
+
+const VARIANTS: [Variant; 6] = [
+    Variant {
+        name: "simple",
+        kernel: "simple",
+        fwd_rows: 64,
+        bwd_rows: 64,
+        acc: "det",
+        splits: 0,
+        copies: "early",
+    },
+    Variant {
+        name: "mma",
+        kernel: "mma",
+        fwd_rows: 64,
+        bwd_rows: 64,
+        acc: "det",
+        splits: 0,
+        copies: "early",
+    },
+    Variant {
+        name: "mma late copies",
+        kernel: "mma",
+        fwd_rows: 64,
+        bwd_rows: 64,
+        acc: "det",
+        splits: 0,
+        copies: "late",
+    },
+    Variant {
+        name: "mma fwd128 bwd32",
+        kernel: "mma",
+        fwd_rows: 128,
+        bwd_rows: 32,
+        acc: "det",
+        splits: 0,
+        copies: "late",
+    },
+    Variant {
+        name: "mma atomic",
+        kernel: "mma",
+        fwd_rows: 64,
+        bwd_rows: 64,
+        acc: "atomic",
+        splits: 0,
+        copies: "early",
+    },
+    Variant {
+        name: "mma splits 2",
+        kernel: "mma",
+        fwd_rows: 64,
+        bwd_rows: 32,
+        acc: "det",
+        splits: 2,
+        copies: "early",
+    },
+];
+
+fn run(bin: &Path, inp: &Inputs, v: &Variant, scale: f32, dir: &Path) -> Result<Outputs, String> {
+    let s = &inp.shape;
+    write(&dir.join("qkv.bin"), &inp.x);
+    write(&dir.join("dout.bin"), &inp.dy);
+    let o = Command::new(bin)
+        .arg("run")
+        .arg(dir)
+        .arg(dir)
+        .args([s.batch, s.heads, s.seq_len, s.head_dim].map(|x| x.to_string()))
+        .arg(v.kernel)
+        .arg(v.fwd_rows.to_string())
+        .arg(v.bwd_rows.to_string())
+        .arg(v.acc)
+        .arg(v.splits.to_string())
+        .arg(v.copies)
+        .arg(format!("{scale:e}"))
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !o.status.success() {
+        return Err(format!(
+            "emulator failed ({}): {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        ));
+    }
+    let f = |v: Vec<bf16>| v.iter().map(|b| b.to_f32()).collect::<Vec<_>>();
+    Ok(Outputs {
+        out: f(read(&dir.join("out.bin"), s.out_len())),
+        lse: read(&dir.join("lse.bin"), s.lse_len()),
+        dqkv: f(read(&dir.join("dqkv.bin"), s.qkv_len())),
+    })
+}
+
+#[test]
+fn emulated_layout_probes_match_cpu() {
+    let Some(bin) = emulator() else { return };
+    let dir = scratch("attention_emulated_probes");
+    let case = ProbeCase::new(11);
+    let a16: Vec<bf16> = case.a.iter().map(|&v| bf16::from_f32(v)).collect();
+    write(&dir.join("b.bin"), &case.b16);
+    let mut ok = true;
+    for probe in PROBES {
+        let which = match probe {
+            LayoutProbe::ABt => "abt",
+            LayoutProbe::PB => "pb",
+            LayoutProbe::AtB => "atb",
+        };
+        if probe == LayoutProbe::PB {
+            write(&dir.join("a.bin"), &case.a);
+        } else {
+            write(&dir.join("a.bin"), &a16);
+        }
+        let o = Command::new(&bin)
+            .args(["probe", which])
+            .arg(&dir)
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "probe {which}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let got: Vec<f32> = read(&dir.join("out.bin"), 64 * 64);
+        ok &= probe_ok(probe_name(probe), &got, &case.want(probe));
+    }
+    assert!(ok, "a layout probe failed (see the lines above)");
+}
+
+/// Shapes: every head dim, `T` below, at and across the 64-row tiles, a partial last tile.
+fn cases() -> Vec<(AttentionShape, Option<f32>)> {
+    let mut v = Vec::new();
+    for hd in [32, 64, 128] {
+        for (b, h, t) in [(1, 1, 1), (1, 2, 17), (2, 1, 64), (1, 1, 130)] {
+            v.push((AttentionShape::new(b, h, t, hd), None));
+        }
+    }
+    v.push((AttentionShape::new(1, 1, 200, 64), Some(0.3)));
+    v
+}
+
+#[test]
+fn emulated_kernels_match_cpu() {
+    let Some(bin) = emulator() else { return };
+    let dir = scratch("attention_emulated_kernels");
+    let mut fails = Vec::new();
+    for (i, (shape, scale)) in cases().into_iter().enumerate() {
+        let inp = inputs(shape, 500 + i as u64);
+        let scale = AttentionConfig {
+            softmax_scale: scale,
+            ..Default::default()
+        }
+        .scale_for(shape.head_dim);
+        let want = reference(&inp, scale);
+        for v in &VARIANTS {
+            // The 128-row forward and 32-row backward tiles on the smaller head dims only: the emulator
+            // is slow, and the tile code is the same template for every head dim.
+            if v.fwd_rows == 128 && shape.head_dim == 128 {
+                continue;
+            }
+            let label = format!(
+                "B{} H{} T{} hd{} scale {scale:.3} [emulated {}]",
+                shape.batch, shape.heads, shape.seq_len, shape.head_dim, v.name
+            );
+            match run(&bin, &inp, v, scale, &dir) {
+                Ok(got) => fails.extend(check_all(&label, &shape, &got, &want)),
+                Err(e) => {
+                    println!("FAIL {label}: {e}");
+                    fails.push(format!("{label}: {e}"));
+                }
+            }
+        }
+    }
+    assert!(
+        fails.is_empty(),
+        "{} comparisons failed:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
+
+#[test]
+fn emulated_deterministic_backward_repeats_bits() {
+    let Some(bin) = emulator() else { return };
+    let dir = scratch("attention_emulated_determinism");
+    let inp = inputs(AttentionShape::new(1, 2, 150, 32), 9);
+    let v = VARIANTS[5]; // two splits per head: several blocks add into their own buffers
+    let a = run(&bin, &inp, &v, 0.2, &dir).unwrap();
+    let b = run(&bin, &inp, &v, 0.2, &dir).unwrap();
+    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a.dqkv), bits(&b.dqkv));
+    assert_eq!(bits(&a.out), bits(&b.out));
+}

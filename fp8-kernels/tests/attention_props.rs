@@ -1,0 +1,407 @@
+//! The CPU attention reference against a naive F64 attention (full `T x T` matrices, explicit mask),
+//! its backward against finite differences of that F64 forward, causality properties, the public API's
+//! validation, and the NVRTC build of the CUDA module for sm_90 with ptxas' register report (skips
+//! without NVRTC). The GPU comparisons are in `attention_cuda.rs`.
+
+use fp8_kernels::attention::{
+    attention_backward, attention_forward, attention_module, cpu, AttentionConfig, AttentionShape,
+    AttentionTiles, AttentionWorkspace, ATTENTION_MODULE, HEAD_DIMS,
+};
+use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, PRECISE_OPTIONS};
+use fp8_kernels::{Device, KernelError};
+use half::bf16;
+use proptest::prelude::*;
+
+/// Naive F64 causal attention: `(out [B,T,H,hd], lse [B,H,T])`.
+fn naive_forward(s: &AttentionShape, scale: f64, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let (bn, hn, tn, d) = (s.batch, s.heads, s.seq_len, s.head_dim);
+    let at = |b: usize, t: usize, w: usize, h: usize| ((b * tn + t) * 3 + w) * hn * d + h * d;
+    let mut out = vec![0.0; s.out_len()];
+    let mut lse = vec![0.0; s.lse_len()];
+    for b in 0..bn {
+        for h in 0..hn {
+            for t in 0..tn {
+                // Full row of scores, masked with -inf past t.
+                let scores: Vec<f64> = (0..tn)
+                    .map(|k| {
+                        if k > t {
+                            f64::NEG_INFINITY
+                        } else {
+                            (0..d)
+                                .map(|i| x[at(b, t, 0, h) + i] * x[at(b, k, 1, h) + i])
+                                .sum::<f64>()
+                                * scale
+                        }
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|&v| (v - m).exp()).collect();
+                let l: f64 = e.iter().sum();
+                lse[(b * hn + h) * tn + t] = m + l.ln();
+                for i in 0..d {
+                    out[((b * tn + t) * hn + h) * d + i] =
+                        (0..tn).map(|k| e[k] / l * x[at(b, k, 2, h) + i]).sum();
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// `sum(out * dy)` of the naive forward: the scalar whose gradient the backward computes.
+fn naive_loss(s: &AttentionShape, scale: f64, x: &[f64], dy: &[f64]) -> f64 {
+    naive_forward(s, scale, x)
+        .0
+        .iter()
+        .zip(dy)
+        .map(|(a, b)| a * b)
+        .sum()
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |a, &b| a.max(b.abs()))
+}
+
+/// Shapes small enough for the naive reference, with every head dim.
+fn small_shape() -> impl Strategy<Value = AttentionShape> {
+    (1usize..3, 1usize..3, 1usize..24, 0usize..3)
+        .prop_map(|(b, h, t, i)| AttentionShape::new(b, h, t, HEAD_DIMS[i]))
+}
+
+fn values(n: usize, amp: f32) -> impl Strategy<Value = Vec<f32>> {
+    prop::collection::vec(-amp..amp, n)
+}
+
+fn case() -> impl Strategy<Value = (AttentionShape, f32, Vec<f32>, Vec<f32>)> {
+    (small_shape(), 0.05f32..0.6).prop_flat_map(|(s, scale)| {
+        (
+            Just(s),
+            Just(scale),
+            values(s.qkv_len(), 2.0),
+            values(s.out_len(), 1.0),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn cpu_forward_matches_naive_f64((s, scale, x, _dy) in case()) {
+        let mut out = vec![0.0f32; s.out_len()];
+        let mut lse = vec![0.0f32; s.lse_len()];
+        cpu::forward(&s, scale, &x, &mut out, &mut lse);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let (want, want_lse) = naive_forward(&s, scale as f64, &x64);
+        for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+            prop_assert!((g as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()), "out[{i}] {g} vs {w}");
+        }
+        for (i, (&g, &w)) in lse.iter().zip(&want_lse).enumerate() {
+            prop_assert!((g as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()), "lse[{i}] {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn cpu_backward_matches_finite_differences((s, scale, x, dy) in case(), picks in prop::collection::vec(any::<prop::sample::Index>(), 12)) {
+        let mut dx = vec![0.0f32; s.qkv_len()];
+        cpu::backward(&s, scale, &x, &dy, &mut dx);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let dy64: Vec<f64> = dy.iter().map(|&v| v as f64).collect();
+        let g_max = max_abs(&dx) as f64;
+        let eps = 1e-4;
+        for p in picks {
+            let i = p.index(x.len());
+            let mut xp = x64.clone();
+            xp[i] += eps;
+            let mut xm = x64.clone();
+            xm[i] -= eps;
+            let fd = (naive_loss(&s, scale as f64, &xp, &dy64) - naive_loss(&s, scale as f64, &xm, &dy64)) / (2.0 * eps);
+            prop_assert!(
+                (dx[i] as f64 - fd).abs() <= 1e-4 * (1.0 + g_max),
+                "d_qkv[{i}] = {} but the finite difference is {fd} (shape {s:?})", dx[i]
+            );
+        }
+    }
+
+    #[test]
+    fn output_at_t_does_not_see_keys_after_t((s, scale, x, _dy) in case(), cut in 0usize..24, noise in values(64, 3.0)) {
+        // Change k and v of every row after `cut`: rows <= cut of out and lse keep their bits.
+        let cut = cut % s.seq_len;
+        let mut y = x.clone();
+        let (hd, h) = (s.head_dim, s.heads);
+        for b in 0..s.batch {
+            for t in cut + 1..s.seq_len {
+                for w in 1..3 {
+                    let base = ((b * s.seq_len + t) * 3 + w) * h * hd;
+                    for (j, v) in y[base..base + h * hd].iter_mut().enumerate() {
+                        *v += noise[j % noise.len()];
+                    }
+                }
+            }
+        }
+        let run = |x: &[f32]| {
+            let mut out = vec![0.0f32; s.out_len()];
+            let mut lse = vec![0.0f32; s.lse_len()];
+            cpu::forward(&s, scale, x, &mut out, &mut lse);
+            (out, lse)
+        };
+        let (o1, l1) = run(&x);
+        let (o2, l2) = run(&y);
+        for b in 0..s.batch {
+            for t in 0..=cut {
+                for hh in 0..h {
+                    let at = ((b * s.seq_len + t) * h + hh) * hd;
+                    prop_assert_eq!(&o1[at..at + hd], &o2[at..at + hd]);
+                    let li = (b * h + hh) * s.seq_len + t;
+                    prop_assert_eq!(l1[li].to_bits(), l2[li].to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gradient_of_row_t_reaches_only_keys_up_to_t((s, scale, x, dy) in case(), row in 0usize..24, noise in values(32, 1.0)) {
+        // Change d_out at one row t0: dq changes only at t0, dk and dv only at keys <= t0.
+        let t0 = row % s.seq_len;
+        let mut dz = dy.clone();
+        let (hd, h) = (s.head_dim, s.heads);
+        for b in 0..s.batch {
+            let at = (b * s.seq_len + t0) * h * hd;
+            for (j, v) in dz[at..at + h * hd].iter_mut().enumerate() {
+                *v += noise[j % noise.len()];
+            }
+        }
+        let mut g1 = vec![0.0f32; s.qkv_len()];
+        let mut g2 = vec![0.0f32; s.qkv_len()];
+        cpu::backward(&s, scale, &x, &dy, &mut g1);
+        cpu::backward(&s, scale, &x, &dz, &mut g2);
+        for b in 0..s.batch {
+            for t in 0..s.seq_len {
+                let base = (b * s.seq_len + t) * 3 * h * hd;
+                if t != t0 {
+                    prop_assert_eq!(&g1[base..base + h * hd], &g2[base..base + h * hd], "dq row {}", t);
+                }
+                if t > t0 {
+                    prop_assert_eq!(&g1[base + h * hd..base + 3 * h * hd], &g2[base + h * hd..base + 3 * h * hd], "dk/dv row {}", t);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn constant_values_pass_through((s, scale, mut x, _dy) in case(), c in values(128, 2.0)) {
+        // v_k[d] = c[d] for every key: every output row is c, whatever the weights.
+        let (hd, h) = (s.head_dim, s.heads);
+        for b in 0..s.batch {
+            for t in 0..s.seq_len {
+                for hh in 0..h {
+                    let at = ((b * s.seq_len + t) * 3 + 2) * h * hd + hh * hd;
+                    x[at..at + hd].copy_from_slice(&c[..hd]);
+                }
+            }
+        }
+        let mut out = vec![0.0f32; s.out_len()];
+        let mut lse = vec![0.0f32; s.lse_len()];
+        cpu::forward(&s, scale, &x, &mut out, &mut lse);
+        for (i, &o) in out.iter().enumerate() {
+            let want = c[i % hd];
+            prop_assert!((o - want).abs() <= 1e-5 * (1.0 + want.abs()), "out[{}] = {} not {}", i, o, want);
+        }
+    }
+}
+
+#[test]
+fn public_api_on_the_cpu_rounds_the_reference_to_bf16() {
+    let s = AttentionShape::new(2, 3, 19, 32);
+    let mut rng = fp8_kernels::rng::SplitMix64::new(7);
+    let x: Vec<bf16> = (0..s.qkv_len())
+        .map(|_| bf16::from_f32(rng.uniform_f32() * 2.0))
+        .collect();
+    let dy: Vec<bf16> = (0..s.out_len())
+        .map(|_| bf16::from_f32(rng.uniform_f32()))
+        .collect();
+    let cfg = AttentionConfig::default();
+    let dev = Device::cpu();
+    let qkv = dev.upload(&x).unwrap();
+    let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
+    let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
+    attention_forward(&s, &cfg, &qkv, &mut out, &mut lse).unwrap();
+    let d_out = dev.upload(&dy).unwrap();
+    let mut dqkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
+    let mut ws = AttentionWorkspace::new();
+    attention_backward(&s, &cfg, &qkv, &out, &d_out, &lse, &mut dqkv, &mut ws).unwrap();
+
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let dyf: Vec<f32> = dy.iter().map(|v| v.to_f32()).collect();
+    let scale = 1.0 / (32f32).sqrt();
+    let mut o = vec![0.0f32; s.out_len()];
+    let mut l = vec![0.0f32; s.lse_len()];
+    cpu::forward(&s, scale, &xf, &mut o, &mut l);
+    let mut g = vec![0.0f32; s.qkv_len()];
+    cpu::backward(&s, scale, &xf, &dyf, &mut g);
+    let bits = |v: &[f32]| {
+        v.iter()
+            .map(|&f| bf16::from_f32(f).to_bits())
+            .collect::<Vec<_>>()
+    };
+    let got = |v: Vec<bf16>| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+    assert_eq!(got(out.to_vec().unwrap()), bits(&o));
+    assert_eq!(lse.to_vec().unwrap(), l);
+    assert_eq!(got(dqkv.to_vec().unwrap()), bits(&g));
+}
+
+#[test]
+fn bad_calls_are_errors() {
+    let dev = Device::cpu();
+    let s = AttentionShape::new(1, 2, 8, 64);
+    let qkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
+    let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
+    let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
+    let cfg = AttentionConfig::default();
+    attention_forward(&s, &cfg, &qkv, &mut out, &mut lse).unwrap();
+
+    let bad_hd = AttentionShape::new(1, 2, 8, 48);
+    assert!(matches!(
+        attention_forward(&bad_hd, &cfg, &qkv, &mut out, &mut lse),
+        Err(KernelError::InvalidArgument { .. })
+    ));
+    let short = dev.zeros::<bf16>(s.qkv_len() - 1).unwrap();
+    assert!(matches!(
+        attention_forward(&s, &cfg, &short, &mut out, &mut lse),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+    for scale in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let c = AttentionConfig {
+            softmax_scale: Some(scale),
+            ..cfg
+        };
+        assert!(attention_forward(&s, &c, &qkv, &mut out, &mut lse).is_err());
+    }
+    let tiles = AttentionConfig {
+        tiles: AttentionTiles {
+            forward_rows: Some(96),
+            ..Default::default()
+        },
+        ..cfg
+    };
+    assert!(attention_forward(&s, &tiles, &qkv, &mut out, &mut lse).is_err());
+    let mut dqkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
+    let short_lse = dev.zeros::<f32>(s.lse_len() - 1).unwrap();
+    let mut ws = AttentionWorkspace::new();
+    assert!(matches!(
+        attention_backward(&s, &cfg, &qkv, &out, &out, &short_lse, &mut dqkv, &mut ws),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+    // An empty batch is a no-op, not an error.
+    let empty = AttentionShape::new(0, 2, 8, 64);
+    let none = dev.zeros::<bf16>(0).unwrap();
+    let mut none_out = dev.zeros::<bf16>(0).unwrap();
+    let mut none_lse = dev.zeros::<f32>(0).unwrap();
+    attention_forward(&empty, &cfg, &none, &mut none_out, &mut none_lse).unwrap();
+}
+
+#[test]
+fn attention_module_compiles_for_sm90() {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let ptx = compile_ptx(&ATTENTION_MODULE, "sm_90").unwrap().to_src();
+    for hd in HEAD_DIMS {
+        for k in [
+            "attn_fwd_mma4",
+            "attn_fwd_mma8",
+            "attn_bwd_mma_m64",
+            "attn_bwd_mma_m32",
+            "attn_fwd_simple",
+            "attn_bwd_simple_dq",
+            "attn_bwd_simple_dkdv",
+        ] {
+            let entry = format!(".entry {k}_hd{hd}(");
+            assert!(ptx.contains(&entry), "missing {entry}");
+        }
+    }
+    for insn in [
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+        "cp.async.cg.shared.global",
+        "red.global.add.v2.f32",
+        "ex2.approx.ftz.f32",
+    ] {
+        assert!(ptx.contains(insn), "attention PTX lacks {insn}");
+    }
+}
+
+#[test]
+fn per_head_dim_module_holds_only_its_kernels() {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let m = attention_module(64);
+    assert_eq!(m.name, "fp8_kernels_attention_hd64");
+    let ptx = compile_ptx(m, "sm_90").unwrap().to_src();
+    for entry in [
+        "attn_fwd_mma4_hd64(",
+        "attn_bwd_mma_m64_hd64(",
+        "attn_fwd_simple_hd64(",
+        "attn_bwd_dot_rows(",
+        "attn_bwd_dq_convert(",
+        "attn_probe_abt(",
+    ] {
+        assert!(ptx.contains(&format!(".entry {entry}")), "missing {entry}");
+    }
+    assert!(!ptx.contains("_hd32("), "hd32 kernels in the hd64 module");
+    assert!(!ptx.contains("_hd128("), "hd128 kernels in the hd64 module");
+}
+
+/// ptxas' report for every kernel (compiled to SASS for sm_90 by NVRTC, as the GPU would): printed, and
+/// the default tensor-core kernels must not spill registers to local memory.
+#[test]
+fn attention_kernels_do_not_spill() {
+    use cudarc::nvrtc::result;
+    use std::ffi::CString;
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let src = CString::new(ATTENTION_MODULE.source).unwrap();
+    let mut opts: Vec<String> = PRECISE_OPTIONS.iter().map(|s| s.to_string()).collect();
+    opts.push("--gpu-architecture=sm_90".into());
+    opts.push("--ptxas-options=-v".into());
+    // SAFETY: NVRTC was found above; the program handle is created, compiled, read and destroyed here,
+    // and the options outlive the compile call.
+    let log = unsafe {
+        let prog = result::create_program(&src, None).unwrap();
+        let compiled = result::compile_program(prog, &opts);
+        let log = result::get_program_log(prog).unwrap();
+        result::destroy_program(prog).unwrap();
+        let text: Vec<u8> = log.iter().map(|&c| c as u8).collect();
+        let text = String::from_utf8_lossy(&text)
+            .trim_end_matches('\0')
+            .to_string();
+        compiled.unwrap_or_else(|e| panic!("compile failed: {e:?}\n{text}"));
+        text
+    };
+    let mut current = String::new();
+    let mut spills = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            current = rest.split('\'').next().unwrap_or("").to_string();
+        }
+        if line.contains("registers") || line.contains("spill") {
+            println!("{current}: {}", line.trim());
+        }
+        let default_kernel = current.starts_with("attn_fwd_mma4_")
+            || current.starts_with("attn_bwd_mma_m64_")
+            || current.starts_with("attn_probe");
+        if default_kernel
+            && line.contains("spill stores")
+            && !line.contains(" 0 bytes spill stores")
+        {
+            spills.push(format!("{current}: {}", line.trim()));
+        }
+    }
+    assert!(log.contains("Used"), "no ptxas report in the log:\n{log}");
+    assert!(spills.is_empty(), "register spills: {spills:#?}");
+}
