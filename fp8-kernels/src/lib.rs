@@ -20,12 +20,15 @@
 pub mod adam;
 pub mod blaslt;
 pub mod cast;
+pub mod cross_entropy;
 pub mod device;
+pub mod embedding;
 mod error;
 pub mod fused;
 pub mod gather_rows;
 pub mod gemm;
 pub mod kernel_source;
+pub mod layer_norm;
 pub mod linear;
 pub mod ops;
 pub mod optim_step;
