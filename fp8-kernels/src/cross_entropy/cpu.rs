@@ -18,6 +18,7 @@ const LN2_HI: f32 = f32::from_bits(0x3F31_8000); // 0.693359375
 const LN2_LO: f32 = f32::from_bits(0xB95E_8083); // -2.12194440e-4
 const SQRTH: f32 = f32::from_bits(0x3F35_04F3); // 0.70710678
 const TWO_M64: f32 = f32::from_bits(0x1F80_0000); // 2^-64
+const TWO_P64: f32 = f32::from_bits(0x5F80_0000); // 2^64
 /// 1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1.
 const EXP_P: [f32; 6] = [
     f32::from_bits(0x3950_6967),
@@ -42,14 +43,13 @@ const LOG_P: [f32; 9] = [
 ];
 
 /// `exp(x)` as the kernels compute it: Cody-Waite reduction by ln 2 with `k = rint(x log2 e)`, Cephes'
-/// degree-5 polynomial on `[-ln2/2, ln2/2]` evaluated with fused multiply-adds, then scaling by `2^k` in
-/// at most two exact steps. About 1 ulp from the true value; `exp(0) = 1` exactly; NaN stays NaN;
-/// arguments are clamped to `[-104, 89]` (results 0 and +inf at the ends).
+/// degree-5 polynomial on `[-ln2/2, ln2/2]` evaluated with fused multiply-adds, then `y * 2^k` rounded
+/// once (two exact power-of-two steps, no branch). About 1 ulp from the true value; `exp(0) = 1` exactly;
+/// arguments are clamped to `[-104, 89]` (results 0 and +inf at the ends); NaN propagates (the clamp is
+/// two selects that keep NaN, and `NaN as i32` is 0 as the kernel's `__float2int_rz`).
 pub fn exp_fixed(x: f32) -> f32 {
-    if x.is_nan() {
-        return x;
-    }
-    let x = x.clamp(-104.0, 89.0);
+    let x = if x < -104.0 { -104.0 } else { x };
+    let x = if x > 89.0 { 89.0 } else { x };
     let kf = (x * LOG2E).round_ties_even();
     let r = (-kf).mul_add(LN2_HI, x);
     let r = (-kf).mul_add(LN2_LO, r);
@@ -57,17 +57,15 @@ pub fn exp_fixed(x: f32) -> f32 {
     for &c in &EXP_P[1..] {
         p = p.mul_add(r, c);
     }
-    let mut y = p.mul_add(r * r, r) + 1.0;
-    let mut k = kf as i32;
-    if k > 127 {
-        y *= 2.0;
-        k -= 1;
-    }
-    if k < -126 {
-        y *= TWO_M64;
-        k += 64;
-    }
-    y * f32::from_bits(((k + 127) as u32) << 23)
+    let y = p.mul_add(r * r, r) + 1.0;
+    // k is in -150..=128: y * 2^(k -+ 64) is exact, the multiplication by 2^(+-64) rounds once.
+    let k = kf as i32;
+    let (k2, f) = if k > 63 {
+        (k - 64, TWO_P64)
+    } else {
+        (k + 64, TWO_M64)
+    };
+    (y * f32::from_bits(((k2 + 127) as u32) << 23)) * f
 }
 
 /// `ln(x)` as the kernels compute it: `x = m 2^e` with `m` in `[sqrt(1/2), sqrt(2))`, Cephes' logf

@@ -25,10 +25,12 @@
 #define CE_SQRTH CE_F(0x3F3504F3)   // 0.70710678
 
 // exp(x): Cody-Waite reduction by ln 2 (k = rint(x log2 e)), Cephes' degree-5 polynomial on [-ln2/2, ln2/2]
-// (about 1 ulp), scaling by 2^k in at most two exact steps. Only fma/mul/add with round-to-nearest.
+// (about 1 ulp), then y * 2^k rounded once: y * 2^(k -+ 64) is exact and the multiplication by 2^(+-64)
+// rounds (k is in -150..128 after the clamp). Only fma/mul/add with round-to-nearest. The clamp is two
+// selects that keep NaN, and __float2int_rz(NaN) is 0, so NaN propagates without a test.
 __device__ __forceinline__ float ce_exp(float x) {
-    if (x != x) return x;
-    x = fminf(fmaxf(x, -104.0f), 89.0f);
+    x = x < -104.0f ? -104.0f : x;
+    x = x > 89.0f ? 89.0f : x;
     const float kf = rintf(__fmul_rn(x, CE_LOG2E));
     float r = __fmaf_rn(-kf, CE_LN2_HI, x);
     r = __fmaf_rn(-kf, CE_LN2_LO, r);
@@ -38,17 +40,11 @@ __device__ __forceinline__ float ce_exp(float x) {
     p = __fmaf_rn(p, r, CE_F(0x3D2AA9C1));  // 4.1665795894e-2
     p = __fmaf_rn(p, r, CE_F(0x3E2AAAAA));  // 1.6666665459e-1
     p = __fmaf_rn(p, r, CE_F(0x3F000000));  // 5.0000001201e-1
-    float y = __fadd_rn(__fmaf_rn(p, __fmul_rn(r, r), r), 1.0f);
-    int k = (int)kf;
-    if (k > 127) {
-        y = __fmul_rn(y, 2.0f);
-        k -= 1;
-    }
-    if (k < -126) {
-        y = __fmul_rn(y, CE_F(0x1F800000));  // 2^-64
-        k += 64;
-    }
-    return __fmul_rn(y, __int_as_float((k + 127) << 23));
+    const float y = __fadd_rn(__fmaf_rn(p, __fmul_rn(r, r), r), 1.0f);
+    const int k = __float2int_rz(kf);
+    const bool high = k > 63;
+    const int k2 = high ? k - 64 : k + 64;
+    return __fmul_rn(__fmul_rn(y, __int_as_float((k2 + 127) << 23)), high ? CE_F(0x5F800000) : CE_F(0x1F800000));
 }
 
 // log(x): x = m 2^e with m in [sqrt(1/2), sqrt(2)), Cephes' logf polynomial in m - 1.
@@ -130,10 +126,7 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
         // Read before the barrier below, so before any thread overwrites the row.
         const float xt = (tid == 0 && valid) ? E::load(row, (u64)t) : 0.0f;
         float m = CE_LOWEST, s = 0.0f;
-        for (int j = tid; j < nvec; j += CE_THREADS) {
-            float v[8];
-            ce_load<E>(row, j, vocab, vec, v);
-            const int n = min(8, vocab - 8 * j);
+        auto consume = [&](const float (&v)[8], int n) {
             float vm = CE_LOWEST;
 #pragma unroll
             for (int q = 0; q < 8; ++q)
@@ -145,6 +138,22 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
 #pragma unroll
             for (int q = 0; q < 8; ++q)
                 if (q < n) s = __fadd_rn(s, ce_exp(__fadd_rn(v[q], -m)));
+        };
+        int j = tid;
+        if (vec) {
+            // Four 16-byte loads in flight per thread; the vectors are then consumed in order.
+            for (; j + 3 * CE_THREADS < nvec; j += 4 * CE_THREADS) {
+                float v[4][8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) E::load8(row, (u64)8 * (j + u * CE_THREADS), v[u]);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) consume(v[u], 8);
+            }
+        }
+        for (; j < nvec; j += CE_THREADS) {
+            float v[8];
+            ce_load<E>(row, j, vocab, vec, v);
+            consume(v, min(8, vocab - 8 * j));
         }
         ce_butterfly(m, s);
         if (lane == 0) {
@@ -162,23 +171,37 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
             if (!ignored && !valid) atomicAdd(invalid, 1u);
         }
         if (write_grad) {
-            for (int j = tid; j < nvec; j += CE_THREADS) {
-                float v[8], g[8];
-                ce_load<E>(row, j, vocab, vec, v);
+            auto gradient = [&](int jj, const float (&v)[8]) {
+                float g[8];
 #pragma unroll
                 for (int q = 0; q < 8; ++q) {
                     float p = ce_exp(__fadd_rn(v[q], -lse));
-                    if (8 * j + q == t) p = __fadd_rn(p, -1.0f);
+                    if (8 * jj + q == t) p = __fadd_rn(p, -1.0f);
                     g[q] = valid ? __fmul_rn(p, grad_scale) : 0.0f;
                 }
                 if (vec) {
-                    E::store8(row, (u64)8 * j, g);
+                    E::store8(row, (u64)8 * jj, g);
                 } else {
-                    const int n = min(8, vocab - 8 * j);
+                    const int n = min(8, vocab - 8 * jj);
 #pragma unroll
                     for (int q = 0; q < 8; ++q)
-                        if (q < n) E::store(row, (u64)8 * j + q, g[q]);
+                        if (q < n) E::store(row, (u64)8 * jj + q, g[q]);
                 }
+            };
+            int jj = tid;
+            if (vec) {
+                for (; jj + 3 * CE_THREADS < nvec; jj += 4 * CE_THREADS) {
+                    float v[4][8];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) E::load8(row, (u64)8 * (jj + u * CE_THREADS), v[u]);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) gradient(jj + u * CE_THREADS, v[u]);
+                }
+            }
+            for (; jj < nvec; jj += CE_THREADS) {
+                float v[8];
+                ce_load<E>(row, jj, vocab, vec, v);
+                gradient(jj, v);
             }
         }
         __syncthreads();  // warp_m / warp_s are reused by the next row

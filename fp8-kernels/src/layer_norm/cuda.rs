@@ -231,7 +231,7 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
         &LAYER_NORM_BACKWARD_MODULE,
         &format!("ln_bwd_params_{}_{}", T::NAME, G::NAME),
     )?;
-    let items = (chunks * spec.d.div_ceil(8)) as u64;
+    let items = (chunks * spec.d.div_ceil(2)) as u64;
     let cfg = grid_1d(sms, items, 8);
     let ch = chunk as i32;
     let has_bias = grads.dbias.is_some();

@@ -384,41 +384,58 @@ __device__ void ln_bwd_dx_impl(const typename E::T* x, const typename E::T* w, c
 }
 
 // ---- backward: dweight = sum_r dy * xhat, dbias = sum_r dy, in two fixed levels ----
-// Thread item (chunk k, vector j) sums rows [k chunk, (k+1) chunk) in row order from zero. With one chunk
-// it writes (or adds to) the result; otherwise it writes partial[k d + c], and ln_param_sum adds the
-// partials in chunk order starting from chunk 0's.
+// Thread item (chunk k, column pair c0 = 2 j) sums rows [k chunk, (k+1) chunk) in row order from zero (two
+// columns per thread keep the loads coalesced while giving many threads; the order per column is the
+// same whatever a thread covers). With one chunk it writes (or adds to) the result; otherwise it writes
+// partial[k d + c], and ln_param_sum adds the partials in chunk order starting from chunk 0's.
+template <class E>
+__device__ __forceinline__ void ln_load2(const typename E::T* p, u64 i, int n, bool pair, float (&v)[2]) {
+    if constexpr (sizeof(typename E::T) == 4) {
+        if (pair && n == 2) {
+            const float2 f = *reinterpret_cast<const float2*>(p + i);
+            v[0] = f.x;
+            v[1] = f.y;
+            return;
+        }
+    } else {
+        if (pair && n == 2) {
+            const u32 w = *reinterpret_cast<const u32*>(p + i);
+            v[0] = bf16_to_f32((u16)(w & 0xFFFFu));
+            v[1] = bf16_to_f32((u16)(w >> 16));
+            return;
+        }
+    }
+    v[0] = E::load(p, i);
+    v[1] = n > 1 ? E::load(p, i + 1) : 0.0f;
+}
+
 template <class E, class G>
 __device__ void ln_bwd_params_impl(const typename E::T* x, const typename G::T* dy, const float* mean_in,
                                    const float* rstd_in, float* dw, float* db, int rows, int d, int chunk,
                                    int accumulate) {
-    const int nvec = (d + 7) >> 3;
+    const int npair = (d + 1) >> 1;
     const int chunks = rows == 0 ? 1 : (rows + chunk - 1) / chunk;
-    const bool vec = (d & 7) == 0 && ln_aligned16(x) && ln_aligned16(dy);
-    const u64 items = (u64)chunks * nvec;
+    // Rows of even length start at even elements: 4- (bf16) or 8-byte (f32) aligned pairs.
+    const bool pair = (d & 1) == 0 && (((unsigned long long)x | (unsigned long long)dy) & 7) == 0;
+    const u64 items = (u64)chunks * npair;
     for (u64 it = global_thread(); it < items; it += grid_threads()) {
-        const int k = (int)(it / nvec), j = (int)(it % nvec);
-        const int n = min(8, d - 8 * j);
-        float aw[8], ab[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) aw[e] = ab[e] = 0.0f;
+        const int k = (int)(it / npair), c0 = 2 * (int)(it % npair);
+        const int n = min(2, d - c0);
+        float aw[2] = {0.0f, 0.0f}, ab[2] = {0.0f, 0.0f};
         const int r1 = min(rows, (k + 1) * chunk);
         for (int r = k * chunk; r < r1; ++r) {
-            Raw8<E> rx;
-            Raw8<G> rg;
-            ln_load<E>(rx, x + (u64)r * d, j, d, vec);
-            ln_load<G>(rg, dy + (u64)r * d, j, d, vec);
-            float xv[8], gv[8];
-            rx.get(xv);
-            rg.get(gv);
+            float xv[2], gv[2];
+            ln_load2<E>(x, (u64)r * d + c0, n, pair, xv);
+            ln_load2<G>(dy, (u64)r * d + c0, n, pair, gv);
             const float mean = mean_in[r], rstd = rstd_in[r];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
+            for (int e = 0; e < 2; ++e) {
                 const float xh = mul_rn(add_rn(xv[e], -mean), rstd);
                 aw[e] = add_rn(aw[e], mul_rn(gv[e], xh));
                 ab[e] = add_rn(ab[e], gv[e]);
             }
         }
-        const u64 base = chunks == 1 ? (u64)8 * j : (u64)k * d + 8 * j;
+        const u64 base = chunks == 1 ? (u64)c0 : (u64)k * d + c0;
         const bool add = chunks == 1 && accumulate;
         for (int e = 0; e < n; ++e) {
             dw[base + e] = add ? add_rn(dw[base + e], aw[e]) : aw[e];
