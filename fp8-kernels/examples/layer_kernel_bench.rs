@@ -16,7 +16,8 @@
 //! little-endian files plus `manifest.json` into DIR (on the GPU when there is one, else on the CPU), for
 //! `scripts/check_layers_vs_torch.py DIR`, which compares them with PyTorch.
 //!
-//! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096]` or `layer_kernel_bench --export DIR`.
+//! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096,8192]` (chunk sizes in tokens; each
+//! must divide the token count) or `layer_kernel_bench --export DIR`.
 
 use fp8_core::Fp8Format;
 use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
@@ -295,6 +296,22 @@ fn lm_head_rows(
             let extra = high.saturating_sub(before) as f64 / (1u64 << 30) as f64;
             let mean = ws.sum.to_vec()?[0] / tokens as f32;
             let ms = time_ms(dev, iters, || head.step(&mut ws))?;
+            // The cross-entropy kernel alone on one chunk (rerun on its own output: timing only).
+            let ce = CrossEntropySpec::new(chunk, vocab, 1.0 / tokens as f32);
+            let ce_ms = time_ms(dev, iters, || {
+                cross_entropy(
+                    &ce,
+                    &mut ws.logits,
+                    &head.targets,
+                    CrossEntropyOutputs {
+                        lse: &mut ws.lse,
+                        loss: &mut ws.loss,
+                        loss_sum: &mut ws.sum,
+                        invalid_targets: &mut ws.invalid,
+                    },
+                )
+            })?;
+            let ce_bytes = 4.0 * (chunk * vocab) as f64;
             let flops = 6.0 * tokens as f64 * d as f64 * vocab as f64;
             out.push(Row {
                 what: format!("LM head + CE fwd+bwd {tokens}x{d}x{vocab}, chunk {chunk}"),
@@ -303,9 +320,13 @@ fn lm_head_rows(
                 peer: peer_ms,
                 target: 1.0,
                 note: format!(
-                    "{:.0} TFLOP/s; extra peak {extra:.2} GiB (peer {peer_gib:.2}: {:.2}x, target <= 0.5x); mean loss {mean:.4}",
+                    "{:.0} TFLOP/s; extra peak {extra:.2} GiB (peer {peer_gib:.2}: {:.2}x, target <= 0.5x); \
+                     mean loss {mean:.4}; CE kernel {:.3} ms per chunk ({:.2} TB/s of 2+2 B/logit), {:.2} ms in all",
                     flops / (ms * 1e-3) / 1e12,
-                    extra / peer_gib
+                    extra / peer_gib,
+                    ce_ms,
+                    ce_bytes / (ce_ms * 1e-3) / 1e12,
+                    ce_ms * (tokens / chunk) as f64
                 ),
             });
         }
@@ -534,7 +555,7 @@ fn usage() -> ExitCode {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut iters = 20usize;
-    let mut chunks = vec![1024usize, 2048, 4096];
+    let mut chunks = vec![1024usize, 2048, 4096, 8192];
     let mut export_dir = None;
     let mut i = 0;
     while i < args.len() {
