@@ -8,7 +8,10 @@ use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
     NormSpec, NormStats,
 };
-use fp8_kernels::{cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement};
+use fp8_kernels::{
+    cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement, Fp8Linear, Fp8LinearConfig,
+    Fp8LinearSaved,
+};
 use half::{bf16, f16};
 use proptest::prelude::*;
 
@@ -623,4 +626,89 @@ fn invalid_arguments_are_errors() {
         param_mode: GradMode::Overwrite,
     };
     assert!(norm_backward(&ok, &x, &w, &stats, &x, grads).is_err());
+}
+
+/// `Fp8Linear::quantize_input_norm` leaves the same codes, saved `x^T`, saved scale and metas as
+/// `norm_forward` followed by `quantize_input`, over several steps (so the delayed scale moves off 1).
+#[test]
+fn linear_wrapper_equals_unfused_sequence() {
+    let dev = Device::cpu();
+    let (tokens, inf, outf) = (48usize, 40usize, 24usize);
+    let cfg = Fp8LinearConfig::default();
+    let mut a = Fp8Linear::new(&dev, inf, outf, cfg).unwrap();
+    let mut b = Fp8Linear::new(&dev, inf, outf, cfg).unwrap();
+    let mut rng = fp8_kernels::rng::SplitMix64::new(11);
+    let w: Vec<bf16> = (0..inf)
+        .map(|_| bf16::from_f32(rng.uniform_f32() * 4.0))
+        .collect();
+    let w = dev.upload(&w).unwrap();
+    let spec = NormSpec::rms_norm(tokens, inf);
+    for step in 0..4 {
+        let u: Vec<bf16> = (0..tokens * inf)
+            .map(|_| bf16::from_f32(rng.uniform_f32() * (1.0 + step as f32)))
+            .collect();
+        let u = dev.upload(&u).unwrap();
+        let mut stats_a = NormStats::new(&dev, tokens).unwrap();
+        let mut x = dev.zeros::<bf16>(tokens * inf).unwrap();
+        norm_forward(&spec, &u, &w, None, &mut stats_a, &mut x).unwrap();
+        let mut xq_a = dev.zeros::<u8>(tokens * inf).unwrap();
+        let mut saved_a = Fp8LinearSaved::zeros(&dev, tokens, inf).unwrap();
+        a.quantize_input(&x, &mut xq_a, &mut saved_a).unwrap();
+
+        let mut stats_b = NormStats::new(&dev, tokens).unwrap();
+        let mut xq_b = dev.zeros::<u8>(tokens * inf).unwrap();
+        let mut saved_b = Fp8LinearSaved::zeros(&dev, tokens, inf).unwrap();
+        b.quantize_input_norm(&spec, &u, &w, None, &mut stats_b, &mut xq_b, &mut saved_b)
+            .unwrap();
+
+        assert_eq!(
+            xq_a.to_vec().unwrap(),
+            xq_b.to_vec().unwrap(),
+            "x_q, step {step}"
+        );
+        assert_eq!(saved_a.tokens(), saved_b.tokens());
+        assert_eq!(
+            saved_a.x_t().to_vec().unwrap(),
+            saved_b.x_t().to_vec().unwrap(),
+            "saved x^T, step {step}"
+        );
+        assert_eq!(
+            saved_a.x_scale_inv().to_vec().unwrap()[0].to_bits(),
+            saved_b.x_scale_inv().to_vec().unwrap()[0].to_bits()
+        );
+        assert_eq!(
+            stats_a.rstd.to_vec().unwrap(),
+            stats_b.rstd.to_vec().unwrap()
+        );
+        let (pa, pb) = (
+            a.input_meta().pending_amax().to_vec().unwrap(),
+            b.input_meta().pending_amax().to_vec().unwrap(),
+        );
+        assert_eq!(
+            pa[0].to_bits(),
+            pb[0].to_bits(),
+            "pending amax, step {step}"
+        );
+        assert!(pa[0] > 0.0);
+        a.update_scales().unwrap();
+        b.update_scales().unwrap();
+        assert_eq!(
+            a.input_meta().scale().to_vec().unwrap(),
+            b.input_meta().scale().to_vec().unwrap()
+        );
+    }
+    assert_ne!(
+        a.input_meta().scale().to_vec().unwrap()[0],
+        1.0,
+        "the scale moved"
+    );
+    let mut xq = dev.zeros::<u8>(tokens * inf).unwrap();
+    let mut saved = Fp8LinearSaved::zeros(&dev, tokens, inf).unwrap();
+    let mut stats = NormStats::new(&dev, tokens).unwrap();
+    let u = dev.zeros::<bf16>(tokens * (inf + 1)).unwrap();
+    let w1 = dev.zeros::<bf16>(inf + 1).unwrap();
+    let wrong = NormSpec::rms_norm(tokens, inf + 1);
+    assert!(b
+        .quantize_input_norm(&wrong, &u, &w1, None, &mut stats, &mut xq, &mut saved)
+        .is_err());
 }

@@ -28,7 +28,7 @@ mod cuda;
 
 use crate::cast::{cuda_of, same_device, AmaxSlot, FloatElement};
 use crate::kernel_source::KernelModule;
-use crate::{check_len, Buffer, DType, Device, KernelError};
+use crate::{check_len, Buffer, DType, Device, Fp8Linear, Fp8LinearSaved, KernelError};
 use fp8_core::Fp8Format;
 
 /// The forward kernels: `cuda/common.cuh`, then `src/layer_norm/layer_norm.cu` built with
@@ -437,6 +437,54 @@ pub fn norm_backward<T: FloatElement, G: FloatElement>(
             Ok(())
         }
         Some(dev) => cuda::backward(&dev, spec, x, weight, stats, dy, grads),
+    }
+}
+
+impl Fp8Linear {
+    /// [`Fp8Linear::quantize_input`] of `x = norm(u)` without materialising `x` (Transformer Engine's
+    /// LayerNormLinear): one pass over `u [rows, in_features]` writes the row statistics, the E4M3 codes of
+    /// `x` into `x_q` and of `x^T` into `saved` with the input meta's scale, records the amax of `x` in the
+    /// meta's pending slot and keeps the scale in `saved`. Bit-identical to [`norm_forward`] into a `T`
+    /// buffer, then [`Fp8Linear::quantize_input`] of it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn quantize_input_norm<T: FloatElement>(
+        &mut self,
+        spec: &NormSpec,
+        u: &Buffer<T>,
+        weight: &Buffer<T>,
+        bias: Option<&Buffer<T>>,
+        stats: &mut NormStats,
+        x_q: &mut Buffer<u8>,
+        saved: &mut Fp8LinearSaved,
+    ) -> Result<(), KernelError> {
+        const WHAT: &str = "Fp8Linear::quantize_input_norm";
+        check_len(WHAT, self.in_features(), spec.d)?;
+        let (x_t, x_scale_inv, saved_tokens) = saved.parts_mut();
+        check_len(WHAT, 1, x_scale_inv.len())?;
+        let meta = self.input_meta_mut();
+        let format = meta.format()?;
+        // The pending amax is moved out for the call (the kernel reads the scale and accumulates into the
+        // amax of the same meta) and always put back.
+        let mut pending = std::mem::replace(meta.pending_amax_mut(), Buffer::from_vec(Vec::new()));
+        let r = norm_forward_fp8(
+            spec,
+            u,
+            weight,
+            bias,
+            stats,
+            Fp8NormOutput {
+                format,
+                scale: meta.scale(),
+                codes: x_q,
+                codes_t: x_t,
+                amax: Some(AmaxSlot::first(&mut pending)),
+            },
+        );
+        *meta.pending_amax_mut() = pending;
+        r?;
+        x_scale_inv.copy_from(meta.scale_inv())?;
+        *saved_tokens = spec.rows;
+        Ok(())
     }
 }
 
