@@ -75,6 +75,7 @@ __device__ void emb_bwd_chunks_impl(const typename G::T* dy, const u32* order, c
 #pragma unroll
         for (int q = 0; q < 8; ++q) s[q] = 0.0f;
         const u32 q1 = chunk_start[c + 1];
+#pragma unroll 4
         for (u32 k = chunk_start[c]; k < q1; ++k) {
             float v[8];
             emb_load<G>(dy + (u64)order[k] * d, j, d, vec, v);
@@ -138,6 +139,7 @@ __device__ void emb_bwd_pos_impl(const typename G::T* dy, int batch, int seq, in
         float s[8];
 #pragma unroll
         for (int q = 0; q < 8; ++q) s[q] = 0.0f;
+#pragma unroll 4
         for (int b = 0; b < batch; ++b) {
             float v[8];
             emb_load<G>(dy + ((u64)b * seq + t) * d, j, d, vec, v);

@@ -423,6 +423,8 @@ __device__ void ln_bwd_params_impl(const typename E::T* x, const typename G::T* 
         const int n = min(2, d - c0);
         float aw[2] = {0.0f, 0.0f}, ab[2] = {0.0f, 0.0f};
         const int r1 = min(rows, (k + 1) * chunk);
+        // Unrolled so the loads of several rows are in flight; the sums still run in row order.
+#pragma unroll 4
         for (int r = k * chunk; r < r1; ++r) {
             float xv[2], gv[2];
             ln_load2<E>(x, (u64)r * d + c0, n, pair, xv);
@@ -448,14 +450,16 @@ __device__ void ln_bwd_params_impl(const typename E::T* x, const typename G::T* 
 extern "C" __global__ void ln_param_sum(const float* pw, const float* pb, float* dw, float* db, int chunks, int d,
                                         int accumulate) {
     for (u64 c = global_thread(); c < (u64)d; c += grid_threads()) {
-        float sw = pw[c];
-        for (int k = 1; k < chunks; ++k) sw = add_rn(sw, pw[(u64)k * d + c]);
-        dw[c] = accumulate ? add_rn(dw[c], sw) : sw;
-        if (db != nullptr) {
-            float sb = pb[c];
-            for (int k = 1; k < chunks; ++k) sb = add_rn(sb, pb[(u64)k * d + c]);
-            db[c] = accumulate ? add_rn(db[c], sb) : sb;
+        // Both chains in one unrolled loop so their loads overlap (few threads, long chains).
+        const bool bias = db != nullptr;
+        float sw = pw[c], sb = bias ? pb[c] : 0.0f;
+#pragma unroll 8
+        for (int k = 1; k < chunks; ++k) {
+            sw = add_rn(sw, pw[(u64)k * d + c]);
+            if (bias) sb = add_rn(sb, pb[(u64)k * d + c]);
         }
+        dw[c] = accumulate ? add_rn(dw[c], sw) : sw;
+        if (bias) db[c] = accumulate ? add_rn(db[c], sb) : sb;
     }
 }
 #endif
