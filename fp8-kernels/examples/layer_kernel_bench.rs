@@ -1,0 +1,597 @@
+//! GPU bench of the transformer layer kernels beside the peer figures (PyTorch compiled, H200, from
+//! `peer_layers.py`), timed with CUDA events (5 warm-up runs, then the median of `--iters`, default 20):
+//!
+//! - LayerNorm (weight, no bias, eps 1e-5) + E4M3 cast (scale 64) + amax, bf16 input, at [16384, 768] and
+//!   [8192, 2560] (we also write the transposed codes the weight-gradient GEMM needs; the peer does not);
+//! - LayerNorm backward (dx bf16, dweight f32) from a bf16 dy, same shapes;
+//! - LM head + cross-entropy forward and backward, chunked over tokens: per chunk `logits = x W^T` (BF16
+//!   GEMM, bf16 logits), the cross-entropy kernel (loss, gradient in place), `dx = dlogits W`,
+//!   `dW += dlogits^T x` (bf16 dW accumulated by the GEMM's beta = 1), at 8192 x 2560 x 50304 and
+//!   16384 x 768 x 50304, for several chunk sizes. The extra peak is the CUDA pool's high-water mark
+//!   minus what was allocated before the step (x, W, targets, dx, dW: the peer's baseline).
+//!
+//! Without a GPU it prints why and exits 0.
+//!
+//! `--export DIR` instead writes inputs and our outputs of LayerNorm, RMSNorm and cross-entropy as raw
+//! little-endian files plus `manifest.json` into DIR (on the GPU when there is one, else on the CPU), for
+//! `scripts/check_layers_vs_torch.py DIR`, which compares them with PyTorch.
+//!
+//! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096,8192]` (chunk sizes in tokens; each
+//! must divide the token count) or `layer_kernel_bench --export DIR`.
+
+use fp8_core::Fp8Format;
+use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+use fp8_kernels::gemm::{gemm_bf16, GemmSpec, Transpose};
+use fp8_kernels::layer_norm::{
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormSpec,
+    NormStats,
+};
+use fp8_kernels::rng::SplitMix64;
+use fp8_kernels::{AmaxSlot, Buffer, CudaDevice, Device, Element, KernelError};
+use half::bf16;
+use std::path::Path;
+use std::process::ExitCode;
+
+/// Median milliseconds of `iters` runs of `f` after 5 warm-up runs, timed with CUDA events.
+fn time_ms(
+    dev: &CudaDevice,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), KernelError>,
+) -> Result<f64, KernelError> {
+    for _ in 0..5 {
+        f()?;
+    }
+    dev.stream().synchronize()?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let start = dev.record_compute_timed()?;
+        f()?;
+        let end = dev.record_compute_timed()?;
+        times.push(start.elapsed_ms(&end)? as f64);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<bf16> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n)
+        .map(|_| bf16::from_f32(rng.uniform_f32() * scale))
+        .collect()
+}
+
+/// One row of the printed table.
+struct Row {
+    what: String,
+    ours: f64,
+    unit: &'static str,
+    peer: f64,
+    target: f64,
+    note: String,
+}
+
+fn layer_norm_rows(
+    gpu: &Device,
+    dev: &CudaDevice,
+    iters: usize,
+    copy_tbs: f64,
+    out: &mut Vec<Row>,
+) -> Result<(), KernelError> {
+    // (rows, d, peer forward µs, peer backward µs)
+    for (rows, d, peer_fwd, peer_bwd) in [(16384, 768, 95.0, 309.0), (8192, 2560, 203.0, 306.0)] {
+        let n = rows * d;
+        let spec = NormSpec::layer_norm(rows, d);
+        let x = gpu.upload(&random_bf16(n, 2.0, 1))?;
+        let w = gpu.upload(&random_bf16(d, 1.0, 2))?;
+        let dy = gpu.upload(&random_bf16(n, 1.0, 3))?;
+        let scale = gpu.upload(&[64.0f32])?;
+        let mut stats = NormStats::new(gpu, rows)?;
+        let (mut q, mut qt) = (gpu.zeros::<u8>(n)?, gpu.zeros::<u8>(n)?);
+        let mut amax = gpu.zeros::<f32>(1)?;
+        let mut y = gpu.zeros::<bf16>(n)?;
+        let mut dx = gpu.zeros::<bf16>(n)?;
+        let mut dw = gpu.zeros::<f32>(d)?;
+        let ceiling_us = |bytes: f64| bytes / (copy_tbs * 1e12) * 1e6;
+
+        let ms = time_ms(dev, iters, || {
+            norm_forward_fp8(
+                &spec,
+                &x,
+                &w,
+                None,
+                &mut stats,
+                Fp8NormOutput {
+                    format: Fp8Format::E4M3,
+                    scale: &scale,
+                    codes: &mut q,
+                    codes_t: &mut qt,
+                    amax: Some(AmaxSlot::first(&mut amax)),
+                },
+            )
+        })?;
+        out.push(Row {
+            what: format!("LayerNorm + E4M3 + amax fwd [{rows}, {d}]"),
+            ours: ms * 1e3,
+            unit: "µs",
+            peer: peer_fwd,
+            target: 0.5,
+            note: format!(
+                "{:.2} TB/s; copy ceiling of 2+1+1 B/elem {:.0} µs",
+                4.0 * n as f64 / (ms * 1e-3) / 1e12,
+                ceiling_us(4.0 * n as f64)
+            ),
+        });
+        let ms = time_ms(dev, iters, || {
+            norm_forward(&spec, &x, &w, None, &mut stats, &mut y)
+        })?;
+        out.push(Row {
+            what: format!("LayerNorm fwd, bf16 out [{rows}, {d}]"),
+            ours: ms * 1e3,
+            unit: "µs",
+            peer: f64::NAN,
+            target: f64::NAN,
+            note: format!(
+                "copy ceiling of 2+2 B/elem {:.0} µs",
+                ceiling_us(4.0 * n as f64)
+            ),
+        });
+        let ms = time_ms(dev, iters, || {
+            norm_backward(
+                &spec,
+                &x,
+                &w,
+                &stats,
+                &dy,
+                NormGrads {
+                    dx: &mut dx,
+                    dx_mode: GradMode::Overwrite,
+                    dweight: &mut dw,
+                    dbias: None,
+                    param_mode: GradMode::Overwrite,
+                },
+            )
+        })?;
+        out.push(Row {
+            what: format!("LayerNorm bwd (dx, dw) [{rows}, {d}]"),
+            ours: ms * 1e3,
+            unit: "µs",
+            peer: peer_bwd,
+            target: 0.5,
+            note: format!(
+                "{:.2} TB/s of 6 B/elem; copy ceiling {:.0} µs",
+                6.0 * n as f64 / (ms * 1e-3) / 1e12,
+                ceiling_us(6.0 * n as f64)
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The LM head's tensors: the peer's baseline (inputs and the two gradients).
+struct LmHead {
+    x: Buffer<bf16>,
+    w: Buffer<bf16>,
+    targets: Buffer<i32>,
+    dx: Buffer<bf16>,
+    dw: Buffer<bf16>,
+    tokens: usize,
+    d: usize,
+    vocab: usize,
+}
+
+/// What one step allocates beyond the baseline: one chunk's x copy, logits and dx, and the per-row outputs.
+struct Workspace {
+    xc: Buffer<bf16>,
+    logits: Buffer<bf16>,
+    dxc: Buffer<bf16>,
+    lse: Buffer<f32>,
+    loss: Buffer<f32>,
+    sum: Buffer<f32>,
+    invalid: Buffer<u32>,
+    chunk: usize,
+}
+
+impl LmHead {
+    fn workspace(&self, gpu: &Device, chunk: usize) -> Result<Workspace, KernelError> {
+        let (n, d, v) = (self.tokens, self.d, self.vocab);
+        Ok(Workspace {
+            xc: gpu.zeros(chunk * d)?,
+            logits: gpu.zeros(chunk * v)?,
+            dxc: gpu.zeros(chunk * d)?,
+            lse: gpu.zeros(n)?,
+            loss: gpu.zeros(n)?,
+            sum: gpu.zeros(1)?,
+            invalid: gpu.zeros(1)?,
+            chunk,
+        })
+    }
+
+    /// Forward and backward over all tokens, chunk by chunk; the loss sum accumulates in `ws.sum`.
+    fn step(&mut self, ws: &mut Workspace) -> Result<(), KernelError> {
+        let (n, d, v, chunk) = (self.tokens, self.d, self.vocab, ws.chunk);
+        for (k, a) in (0..n).step_by(chunk).enumerate() {
+            ws.xc.copy_range_from(0, &self.x, a * d, chunk * d)?;
+            let fwd = GemmSpec::new(chunk, v, d).transposes(Transpose::No, Transpose::Yes);
+            gemm_bf16(&fwd, &ws.xc, &self.w, &mut ws.logits)?;
+            let ce = CrossEntropySpec {
+                row_offset: a,
+                ..CrossEntropySpec::new(chunk, v, 1.0 / n as f32)
+            };
+            cross_entropy(
+                &ce,
+                &mut ws.logits,
+                &self.targets,
+                CrossEntropyOutputs {
+                    lse: &mut ws.lse,
+                    loss: &mut ws.loss,
+                    loss_sum: &mut ws.sum,
+                    invalid_targets: &mut ws.invalid,
+                },
+            )?;
+            gemm_bf16(
+                &GemmSpec::new(chunk, d, v),
+                &ws.logits,
+                &self.w,
+                &mut ws.dxc,
+            )?;
+            self.dx.copy_range_from(a * d, &ws.dxc, 0, chunk * d)?;
+            let beta = if k == 0 { 0.0 } else { 1.0 };
+            let dw = GemmSpec::new(v, d, chunk)
+                .transposes(Transpose::Yes, Transpose::No)
+                .scalars(1.0, beta);
+            gemm_bf16(&dw, &ws.logits, &ws.xc, &mut self.dw)?;
+        }
+        Ok(())
+    }
+}
+
+fn lm_head_rows(
+    gpu: &Device,
+    dev: &CudaDevice,
+    iters: usize,
+    chunks: &[usize],
+    out: &mut Vec<Row>,
+) -> Result<(), KernelError> {
+    // (tokens, d, vocab, peer ms, peer extra GiB)
+    for (tokens, d, vocab, peer_ms, peer_gib) in [
+        (8192, 2560, 50304, 10.06, 1.26),
+        (16384, 768, 50304, 7.67, 2.98),
+    ] {
+        let mut rng = SplitMix64::new(7);
+        let tg: Vec<i32> = (0..tokens).map(|_| rng.below(50257) as i32).collect();
+        // Uniform values with the peer's standard deviations (0.5 for x, 0.02 for W).
+        let mut head = LmHead {
+            x: gpu.upload(&random_bf16(tokens * d, 0.5 * 3f32.sqrt(), 4))?,
+            w: gpu.upload(&random_bf16(vocab * d, 0.02 * 3f32.sqrt(), 5))?,
+            targets: gpu.upload(&tg)?,
+            dx: gpu.zeros(tokens * d)?,
+            dw: gpu.zeros(vocab * d)?,
+            tokens,
+            d,
+            vocab,
+        };
+        // Compile the kernels and create the cuBLASLt state (its workspace stays allocated) first.
+        {
+            let mut ws = head.workspace(
+                gpu,
+                chunks
+                    .iter()
+                    .copied()
+                    .find(|c| *c > 0 && tokens % c == 0)
+                    .unwrap_or(tokens),
+            )?;
+            head.step(&mut ws)?;
+        }
+        for &chunk in chunks {
+            if chunk == 0 || tokens % chunk != 0 {
+                continue;
+            }
+            gpu.synchronize()?;
+            let (before, _) = dev.pool_memory()?;
+            dev.reset_pool_high_water()?;
+            let mut ws = head.workspace(gpu, chunk)?;
+            head.step(&mut ws)?;
+            gpu.synchronize()?;
+            let (_, high) = dev.pool_memory()?;
+            let extra = high.saturating_sub(before) as f64 / (1u64 << 30) as f64;
+            let mean = ws.sum.to_vec()?[0] / tokens as f32;
+            let ms = time_ms(dev, iters, || head.step(&mut ws))?;
+            // The cross-entropy kernel alone on one chunk (rerun on its own output: timing only).
+            let ce = CrossEntropySpec::new(chunk, vocab, 1.0 / tokens as f32);
+            let ce_ms = time_ms(dev, iters, || {
+                cross_entropy(
+                    &ce,
+                    &mut ws.logits,
+                    &head.targets,
+                    CrossEntropyOutputs {
+                        lse: &mut ws.lse,
+                        loss: &mut ws.loss,
+                        loss_sum: &mut ws.sum,
+                        invalid_targets: &mut ws.invalid,
+                    },
+                )
+            })?;
+            let ce_bytes = 4.0 * (chunk * vocab) as f64;
+            let flops = 6.0 * tokens as f64 * d as f64 * vocab as f64;
+            out.push(Row {
+                what: format!("LM head + CE fwd+bwd {tokens}x{d}x{vocab}, chunk {chunk}"),
+                ours: ms,
+                unit: "ms",
+                peer: peer_ms,
+                target: 1.0,
+                note: format!(
+                    "{:.0} TFLOP/s; extra peak {extra:.2} GiB (peer {peer_gib:.2}: {:.2}x, target <= 0.5x); \
+                     mean loss {mean:.4}; CE kernel {:.3} ms per chunk ({:.2} TB/s of 2+2 B/logit), {:.2} ms in all",
+                    flops / (ms * 1e-3) / 1e12,
+                    extra / peer_gib,
+                    ce_ms,
+                    ce_bytes / (ce_ms * 1e-3) / 1e12,
+                    ce_ms * (tokens / chunk) as f64
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn bench(iters: usize, chunks: &[usize]) -> Result<(), KernelError> {
+    let gpu = Device::cuda(0)?;
+    let dev = gpu.as_cuda("layer_kernel_bench")?.clone();
+    dev.require_fp8()?;
+    // Keep freed memory in the pool between steps (as PyTorch's caching allocator does).
+    dev.set_pool_release_threshold(u64::MAX)?;
+    println!(
+        "layer_kernel_bench: CUDA {} (cc {:?}), median of {iters} after 5 warm-up runs",
+        dev.ordinal(),
+        dev.compute_capability()
+    );
+    // The copy ceiling: a bf16 device-to-device copy of 2^27 elements (read + write).
+    let big = gpu.upload(&random_bf16(1 << 27, 1.0, 9))?;
+    let mut big2 = gpu.zeros::<bf16>(1 << 27)?;
+    let ms = time_ms(&dev, iters, || big2.copy_from(&big))?;
+    let copy_tbs = 4.0 * (1u64 << 27) as f64 / (ms * 1e-3) / 1e12;
+    drop((big, big2));
+    println!("device copy: {copy_tbs:.2} TB/s (read + write)");
+    let mut rows = Vec::new();
+    layer_norm_rows(&gpu, &dev, iters, copy_tbs, &mut rows)?;
+    lm_head_rows(&gpu, &dev, iters, chunks, &mut rows)?;
+    println!(
+        "\n{:<52} {:>10} {:>10} {:>7} {:>7}  notes",
+        "kernel", "ours", "peer", "ratio", "target"
+    );
+    for r in &rows {
+        let ratio = r.ours / r.peer;
+        let (peer, ratio, target) = if r.peer.is_nan() {
+            ("-".to_string(), "-".to_string(), "-".to_string())
+        } else {
+            (
+                format!("{:.2} {}", r.peer, r.unit),
+                format!("{ratio:.2}x"),
+                format!("<={:.1}x", r.target),
+            )
+        };
+        println!(
+            "{:<52} {:>10} {:>10} {:>7} {:>7}  {}",
+            r.what,
+            format!("{:.2} {}", r.ours, r.unit),
+            peer,
+            ratio,
+            target,
+            r.note
+        );
+    }
+    Ok(())
+}
+
+// ---- export for scripts/check_layers_vs_torch.py ----
+
+fn write_raw<T: Element>(dir: &Path, name: &str, b: &Buffer<T>) -> Result<String, String> {
+    let v = b.to_vec().map_err(|e| e.to_string())?;
+    let bytes: &[u8] = bytemuck::cast_slice(&v);
+    std::fs::write(dir.join(name), bytes).map_err(|e| format!("{name}: {e}"))?;
+    Ok(format!("\"{name}\""))
+}
+
+fn export(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let (gpu, why) = Device::auto();
+    match &why {
+        None => println!("export: on CUDA device 0"),
+        Some(e) => println!("export: on the CPU ({e})"),
+    }
+    let ke = |e: KernelError| e.to_string();
+    let mut manifest = vec![format!(
+        "\"device\": \"{}\"",
+        if why.is_none() { "cuda" } else { "cpu" }
+    )];
+
+    // LayerNorm (weight and bias) and RMSNorm (weight), bf16 activations and gradients.
+    let (rows, d) = (4096, 768);
+    let n = rows * d;
+    let x = gpu.upload(&random_bf16(n, 2.0, 11)).map_err(ke)?;
+    let w = gpu.upload(&random_bf16(d, 1.0, 12)).map_err(ke)?;
+    let b = gpu.upload(&random_bf16(d, 0.5, 13)).map_err(ke)?;
+    let dy = gpu.upload(&random_bf16(n, 1.0, 14)).map_err(ke)?;
+    let mut files = vec![
+        format!("\"x\": {}", write_raw(dir, "ln_x.bf16", &x)?),
+        format!("\"w\": {}", write_raw(dir, "ln_w.bf16", &w)?),
+        format!("\"b\": {}", write_raw(dir, "ln_b.bf16", &b)?),
+        format!("\"dy\": {}", write_raw(dir, "ln_dy.bf16", &dy)?),
+    ];
+    let scale = 64.0f32;
+    for (tag, spec, bias) in [
+        ("ln", NormSpec::layer_norm(rows, d), Some(&b)),
+        ("rms", NormSpec::rms_norm(rows, d), None),
+    ] {
+        let mut stats = NormStats::new(&gpu, rows).map_err(ke)?;
+        let mut y = gpu.zeros::<bf16>(n).map_err(ke)?;
+        norm_forward(&spec, &x, &w, bias, &mut stats, &mut y).map_err(ke)?;
+        let sc = gpu.upload(&[scale]).map_err(ke)?;
+        let (mut q, mut qt) = (
+            gpu.zeros::<u8>(n).map_err(ke)?,
+            gpu.zeros::<u8>(n).map_err(ke)?,
+        );
+        let mut st2 = NormStats::new(&gpu, rows).map_err(ke)?;
+        norm_forward_fp8(
+            &spec,
+            &x,
+            &w,
+            bias,
+            &mut st2,
+            Fp8NormOutput {
+                format: Fp8Format::E4M3,
+                scale: &sc,
+                codes: &mut q,
+                codes_t: &mut qt,
+                amax: None,
+            },
+        )
+        .map_err(ke)?;
+        let mut dx = gpu.zeros::<bf16>(n).map_err(ke)?;
+        let mut dw = gpu.zeros::<f32>(d).map_err(ke)?;
+        let mut db = gpu.zeros::<f32>(d).map_err(ke)?;
+        norm_backward(
+            &spec,
+            &x,
+            &w,
+            &stats,
+            &dy,
+            NormGrads {
+                dx: &mut dx,
+                dx_mode: GradMode::Overwrite,
+                dweight: &mut dw,
+                dbias: bias.is_some().then_some(&mut db),
+                param_mode: GradMode::Overwrite,
+            },
+        )
+        .map_err(ke)?;
+        files.push(format!(
+            "\"{tag}_y\": {}",
+            write_raw(dir, &format!("{tag}_y.bf16"), &y)?
+        ));
+        files.push(format!(
+            "\"{tag}_codes\": {}",
+            write_raw(dir, &format!("{tag}_codes.u8"), &q)?
+        ));
+        files.push(format!(
+            "\"{tag}_mean\": {}",
+            write_raw(dir, &format!("{tag}_mean.f32"), &stats.mean)?
+        ));
+        files.push(format!(
+            "\"{tag}_rstd\": {}",
+            write_raw(dir, &format!("{tag}_rstd.f32"), &stats.rstd)?
+        ));
+        files.push(format!(
+            "\"{tag}_dx\": {}",
+            write_raw(dir, &format!("{tag}_dx.bf16"), &dx)?
+        ));
+        files.push(format!(
+            "\"{tag}_dw\": {}",
+            write_raw(dir, &format!("{tag}_dw.f32"), &dw)?
+        ));
+        if bias.is_some() {
+            files.push(format!(
+                "\"{tag}_db\": {}",
+                write_raw(dir, &format!("{tag}_db.f32"), &db)?
+            ));
+        }
+    }
+    manifest.push(format!(
+        "\"norm\": {{\"rows\": {rows}, \"d\": {d}, \"eps\": {:e}, \"scale\": {scale}, \"files\": {{{}}}}}",
+        fp8_kernels::layer_norm::DEFAULT_EPS,
+        files.join(", ")
+    ));
+
+    // Cross-entropy of bf16 logits, gradient scaled by 1 / rows (the mean loss), in place.
+    let (rows, vocab) = (256, 50304);
+    let host = random_bf16(rows * vocab, 6.0, 15);
+    let mut logits = gpu.upload(&host).map_err(ke)?;
+    let input = write_raw(dir, "ce_logits.bf16", &logits)?;
+    let mut rng = SplitMix64::new(16);
+    let tg: Vec<i32> = (0..rows).map(|_| rng.below(vocab as u64) as i32).collect();
+    let targets = gpu.upload(&tg).map_err(ke)?;
+    let mut lse = gpu.zeros::<f32>(rows).map_err(ke)?;
+    let mut loss = gpu.zeros::<f32>(rows).map_err(ke)?;
+    let mut sum = gpu.zeros::<f32>(1).map_err(ke)?;
+    let mut invalid = gpu.zeros::<u32>(1).map_err(ke)?;
+    cross_entropy(
+        &CrossEntropySpec::new(rows, vocab, 1.0 / rows as f32),
+        &mut logits,
+        &targets,
+        CrossEntropyOutputs {
+            lse: &mut lse,
+            loss: &mut loss,
+            loss_sum: &mut sum,
+            invalid_targets: &mut invalid,
+        },
+    )
+    .map_err(ke)?;
+    let files = [
+        format!("\"logits\": {input}"),
+        format!(
+            "\"targets\": {}",
+            write_raw(dir, "ce_targets.i32", &targets)?
+        ),
+        format!("\"lse\": {}", write_raw(dir, "ce_lse.f32", &lse)?),
+        format!("\"loss\": {}", write_raw(dir, "ce_loss.f32", &loss)?),
+        format!("\"loss_sum\": {}", write_raw(dir, "ce_loss_sum.f32", &sum)?),
+        format!("\"grad\": {}", write_raw(dir, "ce_grad.bf16", &logits)?),
+    ];
+    manifest.push(format!(
+        "\"cross_entropy\": {{\"rows\": {rows}, \"vocab\": {vocab}, \"files\": {{{}}}}}",
+        files.join(", ")
+    ));
+    let text = format!("{{\n  {}\n}}\n", manifest.join(",\n  "));
+    std::fs::write(dir.join("manifest.json"), text).map_err(|e| e.to_string())?;
+    println!("export: wrote {}", dir.join("manifest.json").display());
+    Ok(())
+}
+
+fn usage() -> ExitCode {
+    eprintln!("usage: layer_kernel_bench [--iters N] [--chunks N,N,...] | --export DIR");
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut iters = 20usize;
+    let mut chunks = vec![1024usize, 2048, 4096, 8192];
+    let mut export_dir = None;
+    let mut i = 0;
+    while i < args.len() {
+        let value = args.get(i + 1);
+        match (args[i].as_str(), value) {
+            ("--iters", Some(v)) => match v.parse::<usize>() {
+                Ok(n) if n > 0 => iters = n,
+                _ => return usage(),
+            },
+            ("--chunks", Some(v)) => match v.split(',').map(|s| s.parse::<usize>()).collect() {
+                Ok(c) => chunks = c,
+                Err(_) => return usage(),
+            },
+            ("--export", Some(v)) => export_dir = Some(v.clone()),
+            _ => return usage(),
+        }
+        i += 2;
+    }
+    if let Some(dir) = export_dir {
+        return match export(Path::new(&dir)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                println!("export failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match bench(iters, &chunks) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(KernelError::CudaUnavailable(why)) => {
+            println!("no GPU bench run: CUDA is not available ({why})");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,244 @@
+// Cross-entropy over the rows of a chunk of logits [rows, vocab], with the gradient written over the logits
+// in place. Prepended with common.cuh. src/cross_entropy/mod.rs states the definitions; cpu.rs performs
+// the same operations in the same order (exp and log included: they are fixed polynomial evaluations of
+// IEEE operations here and there), so results agree bit for bit.
+//
+// One block of CE_THREADS threads per row. Element e belongs to vector e / 8; vector j to thread j % CE_THREADS,
+// which walks its vectors in increasing order. A thread keeps an online (max, sum) pair: per vector, the
+// vector's max vm (first the comparisons x > vm from the lowest finite float), if vm > m the sum is rescaled
+// s = s * exp(m - vm) and m = vm, then s = s + exp(x - m) for each element in order. Pairs are combined by
+// (m, s) + (m2, s2) = (M, s exp(m - M) + s2 exp(m2 - M)), M = m2 > m ? m2 : m: a butterfly (xor 16 .. 1)
+// within each warp, then every warp combines the 16 warp results (lanes 16..31 holding the identity
+// (lowest, 0)) with the same butterfly. lse = M + log(S). The second pass rereads the row (mostly from L2)
+// and writes (exp(x - lse) - [e == target]) * grad_scale.
+
+#define CE_THREADS 512
+#define CE_WARPS (CE_THREADS / 32)
+#define CE_LOWEST (-3.40282347e+38f)
+
+// The constants of ce_exp / ce_log as f32 bit patterns (Cephes' expf and logf coefficients; the CPU uses the
+// same patterns).
+#define CE_F(bits) __uint_as_float(bits##u)
+#define CE_LOG2E CE_F(0x3FB8AA3B)   // 1.44269504
+#define CE_LN2_HI CE_F(0x3F318000)  // 0.693359375
+#define CE_LN2_LO CE_F(0xB95E8083)  // -2.12194440e-4
+#define CE_SQRTH CE_F(0x3F3504F3)   // 0.70710678
+
+// exp(x): Cody-Waite reduction by ln 2 (k = rint(x log2 e)), Cephes' degree-5 polynomial on [-ln2/2, ln2/2]
+// (about 1 ulp), then y * 2^k rounded once: y * 2^(k -+ 64) is exact and the multiplication by 2^(+-64)
+// rounds (k is in -150..128 after the clamp). Only fma/mul/add with round-to-nearest. The clamp is two
+// selects that keep NaN, and __float2int_rz(NaN) is 0, so NaN propagates without a test.
+__device__ __forceinline__ float ce_exp(float x) {
+    x = x < -104.0f ? -104.0f : x;
+    x = x > 89.0f ? 89.0f : x;
+    const float kf = rintf(__fmul_rn(x, CE_LOG2E));
+    float r = __fmaf_rn(-kf, CE_LN2_HI, x);
+    r = __fmaf_rn(-kf, CE_LN2_LO, r);
+    float p = CE_F(0x39506967);          // 1.9875691500e-4
+    p = __fmaf_rn(p, r, CE_F(0x3AB743CE));  // 1.3981999507e-3
+    p = __fmaf_rn(p, r, CE_F(0x3C088908));  // 8.3334519073e-3
+    p = __fmaf_rn(p, r, CE_F(0x3D2AA9C1));  // 4.1665795894e-2
+    p = __fmaf_rn(p, r, CE_F(0x3E2AAAAA));  // 1.6666665459e-1
+    p = __fmaf_rn(p, r, CE_F(0x3F000000));  // 5.0000001201e-1
+    const float y = __fadd_rn(__fmaf_rn(p, __fmul_rn(r, r), r), 1.0f);
+    const int k = __float2int_rz(kf);
+    const bool high = k > 63;
+    const int k2 = high ? k - 64 : k + 64;
+    return __fmul_rn(__fmul_rn(y, __int_as_float((k2 + 127) << 23)), high ? CE_F(0x5F800000) : CE_F(0x1F800000));
+}
+
+// log(x): x = m 2^e with m in [sqrt(1/2), sqrt(2)), Cephes' logf polynomial in m - 1.
+__device__ __forceinline__ float ce_log(float x) {
+    if (x != x || x < 0.0f) return __int_as_float(0x7FC00000);
+    if (x == 0.0f) return __int_as_float(0xFF800000);
+    if (x == __int_as_float(0x7F800000)) return x;
+    u32 bits = __float_as_uint(x);
+    int e = 0;
+    if (bits < 0x00800000u) {
+        bits = __float_as_uint(__fmul_rn(x, 8388608.0f));  // 2^23
+        e = -23;
+    }
+    e += (int)(bits >> 23) - 126;
+    float m = __uint_as_float((bits & 0x007FFFFFu) | 0x3F000000u);
+    if (m < CE_SQRTH) {
+        e -= 1;
+        m = __fadd_rn(__fadd_rn(m, m), -1.0f);
+    } else {
+        m = __fadd_rn(m, -1.0f);
+    }
+    const float z = __fmul_rn(m, m);
+    float y = CE_F(0x3D9021BB);             // 7.0376836292e-2
+    y = __fmaf_rn(y, m, CE_F(0xBDEBD1B8));  // -1.1514610310e-1
+    y = __fmaf_rn(y, m, CE_F(0x3DEF251A));  // 1.1676998740e-1
+    y = __fmaf_rn(y, m, CE_F(0xBDFE5D4F));  // -1.2420140846e-1
+    y = __fmaf_rn(y, m, CE_F(0x3E11E9BF));  // 1.4249322787e-1
+    y = __fmaf_rn(y, m, CE_F(0xBE2AAE50));  // -1.6668057665e-1
+    y = __fmaf_rn(y, m, CE_F(0x3E4CCEAC));  // 2.0000714765e-1
+    y = __fmaf_rn(y, m, CE_F(0xBE7FFFFC));  // -2.4999993993e-1
+    y = __fmaf_rn(y, m, CE_F(0x3EAAAAAA));  // 3.3333331174e-1
+    y = __fmul_rn(__fmul_rn(y, m), z);
+    const float fe = (float)e;
+    y = __fmaf_rn(fe, CE_LN2_LO, y);
+    y = __fmaf_rn(-0.5f, z, y);
+    return __fmaf_rn(fe, CE_LN2_HI, __fadd_rn(m, y));
+}
+
+__device__ __forceinline__ void ce_combine(float& m, float& s, float m2, float s2) {
+    const float big = m2 > m ? m2 : m;
+    s = __fadd_rn(__fmul_rn(s, ce_exp(__fadd_rn(m, -big))), __fmul_rn(s2, ce_exp(__fadd_rn(m2, -big))));
+    m = big;
+}
+
+__device__ __forceinline__ void ce_butterfly(float& m, float& s) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float m2 = __shfl_xor_sync(0xFFFFFFFFu, m, off);
+        const float s2 = __shfl_xor_sync(0xFFFFFFFFu, s, off);
+        ce_combine(m, s, m2, s2);
+    }
+}
+
+// The elements of vector j of a row: 16-byte loads when `vec`, else element loads of the n valid ones.
+template <class E>
+__device__ __forceinline__ void ce_load(const typename E::T* row, int j, int vocab, bool vec, float (&v)[8]) {
+    if (vec) {
+        E::load8(row, (u64)8 * j, v);
+    } else {
+        const int n = min(8, vocab - 8 * j);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) v[q] = q < n ? E::load(row, (u64)8 * j + q) : 0.0f;
+    }
+}
+
+template <class E>
+__device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_out, float* loss_out, u32* invalid,
+                        int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
+                        int write_grad) {
+    __shared__ float warp_m[CE_WARPS], warp_s[CE_WARPS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nvec = (vocab + 7) >> 3;
+    const bool vec = (vocab & 7) == 0 && (((unsigned long long)logits & 15) == 0);
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        typename E::T* row = logits + (u64)r * vocab;
+        const int t = targets[offset + r];
+        const bool ignored = has_ignore && t == ignore_index;
+        const bool valid = !ignored && t >= 0 && t < vocab;
+        // Read before the barrier below, so before any thread overwrites the row.
+        const float xt = (tid == 0 && valid) ? E::load(row, (u64)t) : 0.0f;
+        float m = CE_LOWEST, s = 0.0f;
+        auto consume = [&](const float (&v)[8], int n) {
+            float vm = CE_LOWEST;
+#pragma unroll
+            for (int q = 0; q < 8; ++q)
+                if (q < n && v[q] > vm) vm = v[q];
+            if (vm > m) {
+                s = __fmul_rn(s, ce_exp(__fadd_rn(m, -vm)));
+                m = vm;
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q)
+                if (q < n) s = __fadd_rn(s, ce_exp(__fadd_rn(v[q], -m)));
+        };
+        int j = tid;
+        if (vec) {
+            // Four 16-byte loads in flight per thread; the vectors are then consumed in order.
+            for (; j + 3 * CE_THREADS < nvec; j += 4 * CE_THREADS) {
+                float v[4][8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) E::load8(row, (u64)8 * (j + u * CE_THREADS), v[u]);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) consume(v[u], 8);
+            }
+        }
+        for (; j < nvec; j += CE_THREADS) {
+            float v[8];
+            ce_load<E>(row, j, vocab, vec, v);
+            consume(v, min(8, vocab - 8 * j));
+        }
+        ce_butterfly(m, s);
+        if (lane == 0) {
+            warp_m[warp] = m;
+            warp_s[warp] = s;
+        }
+        __syncthreads();
+        m = lane < CE_WARPS ? warp_m[lane] : CE_LOWEST;
+        s = lane < CE_WARPS ? warp_s[lane] : 0.0f;
+        ce_butterfly(m, s);
+        const float lse = __fadd_rn(m, ce_log(s));
+        if (tid == 0) {
+            lse_out[offset + r] = lse;
+            loss_out[offset + r] = ignored ? 0.0f : (valid ? __fadd_rn(lse, -xt) : __int_as_float(0x7FC00000));
+            if (!ignored && !valid) atomicAdd(invalid, 1u);
+        }
+        if (write_grad) {
+            auto gradient = [&](int jj, const float (&v)[8]) {
+                float g[8];
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    float p = ce_exp(__fadd_rn(v[q], -lse));
+                    if (8 * jj + q == t) p = __fadd_rn(p, -1.0f);
+                    g[q] = valid ? __fmul_rn(p, grad_scale) : 0.0f;
+                }
+                if (vec) {
+                    E::store8(row, (u64)8 * jj, g);
+                } else {
+                    const int n = min(8, vocab - 8 * jj);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q)
+                        if (q < n) E::store(row, (u64)8 * jj + q, g[q]);
+                }
+            };
+            int jj = tid;
+            if (vec) {
+                for (; jj + 3 * CE_THREADS < nvec; jj += 4 * CE_THREADS) {
+                    float v[4][8];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) E::load8(row, (u64)8 * (jj + u * CE_THREADS), v[u]);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) gradient(jj + u * CE_THREADS, v[u]);
+                }
+            }
+            for (; jj < nvec; jj += CE_THREADS) {
+                float v[8];
+                ce_load<E>(row, jj, vocab, vec, v);
+                gradient(jj, v);
+            }
+        }
+        __syncthreads();  // warp_m / warp_s are reused by the next row
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    cross_entropy_f32(float* logits, const int* targets, float* lse, float* loss, u32* invalid, int offset, int rows,
+                      int vocab, float grad_scale, int ignore_index, int has_ignore, int write_grad) {
+    ce_impl<TF32>(logits, targets, lse, loss, invalid, offset, rows, vocab, grad_scale, ignore_index, has_ignore,
+                  write_grad);
+}
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    cross_entropy_bf16(u16* logits, const int* targets, float* lse, float* loss, u32* invalid, int offset, int rows,
+                       int vocab, float grad_scale, int ignore_index, int has_ignore, int write_grad) {
+    ce_impl<TBF16>(logits, targets, lse, loss, invalid, offset, rows, vocab, grad_scale, ignore_index, has_ignore,
+                   write_grad);
+}
+
+// acc[0] += the sum of loss[offset .. offset + n]: thread t adds loss[t], loss[t + 256], ... from zero, warps combine by a
+// butterfly, then warp 0 combines the 8 warp sums (lanes 8..31 holding 0) by a butterfly. One block of
+// CE_SUM_THREADS threads; successive calls on one stream add in call order.
+#define CE_SUM_THREADS 256
+extern "C" __global__ void __launch_bounds__(CE_SUM_THREADS)
+    cross_entropy_loss_sum(const float* loss, int offset, int n, float* acc) {
+    __shared__ float part[CE_SUM_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float s = 0.0f;
+    for (int i = tid; i < n; i += CE_SUM_THREADS) s = __fadd_rn(s, loss[offset + i]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, off));
+    if (lane == 0) part[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < CE_SUM_THREADS / 32 ? part[lane] : 0.0f;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, off));
+        if (lane == 0) acc[0] = __fadd_rn(acc[0], s);
+    }
+}

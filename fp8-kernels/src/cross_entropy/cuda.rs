@@ -1,0 +1,81 @@
+//! Launches of the cross-entropy kernels (`cross_entropy.cu`). Arguments were validated by `mod.rs`.
+
+use super::{CrossEntropyOutputs, CrossEntropySpec, CROSS_ENTROPY_MODULE};
+use crate::cast::FloatElement;
+use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
+use crate::kernel_source::{function, sm_count};
+use crate::{Buffer, CudaDevice, KernelError};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Threads per row (`CE_THREADS`).
+const THREADS: u32 = 512;
+/// Threads of the loss-sum kernel (`CE_SUM_THREADS`).
+const SUM_THREADS: u32 = 256;
+/// Row blocks resident per SM (2048 threads).
+const BLOCKS_PER_SM: u64 = 4;
+
+pub(super) fn cross_entropy<T: FloatElement>(
+    dev: &CudaDevice,
+    spec: &CrossEntropySpec,
+    logits: &mut Buffer<T>,
+    targets: &Buffer<i32>,
+    out: CrossEntropyOutputs<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "cross_entropy";
+    if spec.rows == 0 {
+        return Ok(());
+    }
+    let f = function(
+        dev,
+        &CROSS_ENTROPY_MODULE,
+        &format!("cross_entropy_{}", T::NAME),
+    )?;
+    let blocks = (spec.rows as u64).min(sm_count(dev)? as u64 * BLOCKS_PER_SM);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (offset, rows, vocab) = (spec.row_offset as i32, spec.rows as i32, spec.vocab as i32);
+    let grad_scale = spec.grad_scale.unwrap_or(0.0);
+    let write_grad = spec.grad_scale.is_some() as i32;
+    let ignore = spec.ignore_index.unwrap_or(0);
+    let has_ignore = spec.ignore_index.is_some() as i32;
+    let stream = dev.stream();
+    {
+        let mut b = stream.launch_builder(&f);
+        b.arg(cs_mut(logits, WHAT)?)
+            .arg(cs(targets, WHAT)?)
+            .arg(cs_mut(out.lse, WHAT)?)
+            .arg(cs_mut(out.loss, WHAT)?)
+            .arg(cs_mut(out.invalid_targets, WHAT)?)
+            .arg(&offset)
+            .arg(&rows)
+            .arg(&vocab)
+            .arg(&grad_scale)
+            .arg(&ignore)
+            .arg(&has_ignore)
+            .arg(&write_grad);
+        // SAFETY: `cross_entropy_<T>(T* logits, const int* targets, float* lse, float* loss, u32* invalid,
+        // int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
+        // int write_grad)` with 512 threads; logits hold rows*vocab elements, targets, lse and loss at least
+        // offset + rows, invalid at least one (checked by the caller). Targets outside 0..vocab are never
+        // used as indices.
+        unsafe { b.launch(cfg) }?;
+    }
+    let g = function(dev, &CROSS_ENTROPY_MODULE, "cross_entropy_loss_sum")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (SUM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&g);
+    b.arg(cs(out.loss, WHAT)?)
+        .arg(&offset)
+        .arg(&rows)
+        .arg(cs_mut(out.loss_sum, WHAT)?);
+    // SAFETY: `cross_entropy_loss_sum(const float* loss, int offset, int n, float* acc)` with one block of
+    // 256 threads; loss holds at least offset + rows elements, acc at least one.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! Cross-entropy over one chunk of logits `[rows, vocab]` (f32 or bf16, row-major) with integer targets,
+//! computing per-row log-sum-exp and loss, adding the chunk's loss sum into a device accumulator, and
+//! overwriting the logits in place with their gradient `(softmax - onehot) * grad_scale`.
+//!
+//! It is made for a language-model head run in chunks of tokens: `logits = x W^T` for a chunk (BF16
+//! GEMM), this kernel, then `dx = dlogits W` and `dW += dlogits^T x`, so the `[tokens, vocab]` logits
+//! never exist at once (see `examples/layer_kernel_bench.rs`).
+//!
+//! # Definitions (both devices; f32 arithmetic, one rounding per operation)
+//! - The row's log-sum-exp is computed online in one pass, in the order of the CUDA kernel (512 threads
+//!   per row; see `cross_entropy.cu`): `lse = M + ln(S)` with `M` the row max and `S = sum exp(x - M)`,
+//!   using [`exp_fixed`] and [`ln_fixed`], fixed polynomial evaluations that both devices compute
+//!   identically (about 1 ulp from the true functions).
+//! - `loss = lse - x[target]`; a row whose target equals `ignore_index` has loss 0 and a zero gradient
+//!   (PyTorch's `ignore_index`); a row whose target is outside `0..vocab` (and not ignored) is counted in
+//!   the invalid-target counter, gets loss NaN and a zero gradient, and its logits are never indexed by
+//!   that target (no wild read). Check targets when a batch is built ([`check_targets`]).
+//! - Gradient (when `grad_scale` is given): `g = exp(x - lse)`, minus 1 at the target, times
+//!   `grad_scale`, rounded to the logits' type, written over the logits. The second pass rereads the row.
+//! - `loss_sum[0] += sum of the chunk's losses` in a fixed order (256 strided partial sums, butterflies),
+//!   so accumulating chunk after chunk on one stream is deterministic.
+//!
+//! CPU and CUDA agree bit for bit (lse, loss, gradient, sum, counter).
+
+mod cpu;
+mod cuda;
+
+use crate::cast::{cuda_of, same_device, FloatElement};
+use crate::kernel_source::KernelModule;
+use crate::{check_len, Buffer, DType, KernelError};
+
+pub use cpu::{exp_fixed, ln_fixed};
+
+/// The CUDA module: `cuda/common.cuh`, then `src/cross_entropy/cross_entropy.cu` (paths relative to the
+/// crate).
+pub const CROSS_ENTROPY_MODULE: KernelModule = KernelModule {
+    name: "fp8_kernels_cross_entropy",
+    files: &["cuda/common.cuh", "src/cross_entropy/cross_entropy.cu"],
+    source: concat!(
+        include_str!("../../cuda/common.cuh"),
+        include_str!("cross_entropy.cu")
+    ),
+};
+
+/// One chunk: `rows` rows of `vocab` logits, for batch rows `row_offset .. row_offset + rows` of the
+/// target, lse and loss buffers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CrossEntropySpec {
+    /// Rows of this chunk.
+    pub rows: usize,
+    /// Classes per row.
+    pub vocab: usize,
+    /// Index of the chunk's first row in `targets`, `lse` and `loss`.
+    pub row_offset: usize,
+    /// Targets equal to this are ignored (loss 0, gradient 0), as PyTorch's `ignore_index`.
+    pub ignore_index: Option<i32>,
+    /// Write the gradient times this factor over the logits (e.g. `1 / counted tokens` for a mean loss);
+    /// `None` leaves the logits unchanged (evaluation).
+    pub grad_scale: Option<f32>,
+}
+
+impl CrossEntropySpec {
+    /// `rows x vocab` at offset 0, no ignored target, gradient scaled by `grad_scale`.
+    pub fn new(rows: usize, vocab: usize, grad_scale: f32) -> Self {
+        CrossEntropySpec {
+            rows,
+            vocab,
+            row_offset: 0,
+            ignore_index: None,
+            grad_scale: Some(grad_scale),
+        }
+    }
+}
+
+/// The outputs of [`cross_entropy`] besides the gradient.
+#[derive(Debug)]
+pub struct CrossEntropyOutputs<'a> {
+    /// Per-row log-sum-exp (f32), written at the chunk's rows.
+    pub lse: &'a mut Buffer<f32>,
+    /// Per-row loss (f32), written at the chunk's rows.
+    pub loss: &'a mut Buffer<f32>,
+    /// `loss_sum[0] += ` the chunk's loss sum.
+    pub loss_sum: &'a mut Buffer<f32>,
+    /// `invalid_targets[0] += ` the number of targets outside `0..vocab` (not ignored).
+    pub invalid_targets: &'a mut Buffer<u32>,
+}
+
+fn bad(what: &'static str, detail: String) -> KernelError {
+    KernelError::InvalidArgument { what, detail }
+}
+
+/// Checks targets on the host when a batch is built: every target must be in `0..vocab` or equal to
+/// `ignore_index`. The error names the first bad target and its position.
+pub fn check_targets(
+    targets: &[i32],
+    vocab: usize,
+    ignore_index: Option<i32>,
+) -> Result<(), KernelError> {
+    match targets
+        .iter()
+        .position(|&t| Some(t) != ignore_index && (t < 0 || t as usize >= vocab))
+    {
+        Some(p) => Err(bad(
+            "check_targets",
+            format!(
+                "target {} at position {p} is outside 0..{vocab}",
+                targets[p]
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Loss, log-sum-exp and (with `spec.grad_scale`) the in-place gradient of one chunk of logits; adds the
+/// chunk's loss sum and invalid-target count into the accumulators (see the module docs).
+pub fn cross_entropy<T: FloatElement>(
+    spec: &CrossEntropySpec,
+    logits: &mut Buffer<T>,
+    targets: &Buffer<i32>,
+    out: CrossEntropyOutputs<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "cross_entropy";
+    match T::DTYPE {
+        DType::F32 | DType::BF16 => {}
+        other => return Err(bad(WHAT, format!("logits of {other} (f32 or bf16 only)"))),
+    }
+    if spec.vocab == 0 {
+        return Err(bad(WHAT, "vocab must be positive".into()));
+    }
+    let end = spec
+        .row_offset
+        .checked_add(spec.rows)
+        .ok_or_else(|| bad(WHAT, "row range overflows".into()))?;
+    if spec.vocab > i32::MAX as usize || end > i32::MAX as usize {
+        return Err(bad(
+            WHAT,
+            format!(
+                "{} rows at offset {} of {} classes exceed the 32-bit index range",
+                spec.rows, spec.row_offset, spec.vocab
+            ),
+        ));
+    }
+    if let Some(g) = spec.grad_scale {
+        if !g.is_finite() {
+            return Err(bad(WHAT, format!("grad_scale {g} is not finite")));
+        }
+    }
+    let n = spec
+        .rows
+        .checked_mul(spec.vocab)
+        .ok_or_else(|| bad(WHAT, "rows x vocab overflows".into()))?;
+    check_len(WHAT, n, logits.len())?;
+    for (name, len) in [
+        ("targets", targets.len()),
+        ("lse", out.lse.len()),
+        ("loss", out.loss.len()),
+    ] {
+        if len < end {
+            return Err(bad(
+                WHAT,
+                format!("{name} holds {len} rows, the chunk needs rows up to {end}"),
+            ));
+        }
+    }
+    if out.loss_sum.is_empty() || out.invalid_targets.is_empty() {
+        return Err(bad(WHAT, "the accumulators must hold one element".into()));
+    }
+    let dev = cuda_of(logits);
+    same_device(WHAT, &dev, targets)?;
+    same_device(WHAT, &dev, out.lse)?;
+    same_device(WHAT, &dev, out.loss)?;
+    same_device(WHAT, &dev, out.loss_sum)?;
+    same_device(WHAT, &dev, out.invalid_targets)?;
+    if spec.rows == 0 {
+        return Ok(());
+    }
+    match dev {
+        None => {
+            let range = spec.row_offset..end;
+            let lse = &mut out.lse.host_mut(WHAT)?[range.clone()];
+            let loss = &mut out.loss.host_mut(WHAT)?[range.clone()];
+            let invalid = cpu::rows(
+                logits.host_mut(WHAT)?,
+                spec.vocab,
+                &targets.host(WHAT)?[range],
+                spec.ignore_index,
+                spec.grad_scale,
+                lse,
+                loss,
+            );
+            let sum = cpu::loss_sum(loss);
+            let acc = &mut out.loss_sum.host_mut(WHAT)?[0];
+            *acc += sum;
+            let cnt = &mut out.invalid_targets.host_mut(WHAT)?[0];
+            *cnt = cnt.wrapping_add(invalid);
+            Ok(())
+        }
+        Some(dev) => cuda::cross_entropy(&dev, spec, logits, targets, out),
+    }
+}
+
+/// The log-sum-exp of one row as the kernels compute it, for references and tests.
+pub fn row_lse<T: FloatElement>(row: &[T]) -> f32 {
+    cpu::row_lse(row)
+}
+
+/// The chunk loss sum in the kernel's order, for references and tests.
+pub fn loss_sum(loss: &[f32]) -> f32 {
+    cpu::loss_sum(loss)
+}

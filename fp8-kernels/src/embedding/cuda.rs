@@ -1,0 +1,160 @@
+//! Launches of the embedding kernels (`embedding.cu`). Arguments were validated by `mod.rs`.
+
+use super::{PositionGrad, PositionTable, RowGroups, EMBEDDING_MODULE};
+use crate::cast::FloatElement;
+use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
+use crate::kernel_source::{function, grid_1d, sm_count};
+use crate::{Buffer, CudaDevice, KernelError};
+use cudarc::driver::PushKernelArg;
+
+/// Blocks per SM of the grid-stride kernels.
+const BLOCKS_PER_SM: u32 = 8;
+/// A null device pointer (no position table).
+const NULL_PTR: u64 = 0;
+
+fn index_of<'a>(
+    groups: &'a RowGroups,
+    what: &'static str,
+) -> Result<(&'a Buffer<i32>, &'a Buffer<u32>), KernelError> {
+    groups
+        .device
+        .as_ref()
+        .map(|d| (&d.ids, &d.index))
+        .ok_or(KernelError::WrongDevice(what))
+}
+
+pub(super) fn forward<T: FloatElement, O: FloatElement>(
+    dev: &CudaDevice,
+    table: &Buffer<T>,
+    d: usize,
+    positions: Option<PositionTable<'_, T>>,
+    groups: &RowGroups,
+    out: &mut Buffer<O>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "embedding_forward";
+    if groups.is_empty() {
+        return Ok(());
+    }
+    let (ids, _) = index_of(groups, WHAT)?;
+    let f = function(
+        dev,
+        &EMBEDDING_MODULE,
+        &format!("embedding_fwd_{}_{}", T::NAME, O::NAME),
+    )?;
+    let items = (groups.len() * d.div_ceil(8)) as u64;
+    let cfg = grid_1d(sm_count(dev)?, items, BLOCKS_PER_SM);
+    let (n, dd, vocab) = (groups.len() as i32, d as i32, groups.vocab as i32);
+    let seq = positions.as_ref().map_or(1, |p| p.seq) as i32;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(cs(table, WHAT)?);
+    match &positions {
+        Some(p) => b.arg(cs(p.table, WHAT)?),
+        None => b.arg(&NULL_PTR),
+    };
+    b.arg(cs(ids, WHAT)?)
+        .arg(cs_mut(out, WHAT)?)
+        .arg(&n)
+        .arg(&dd)
+        .arg(&vocab)
+        .arg(&seq);
+    // SAFETY: `embedding_fwd_<T>_<O>(const T* table, const T* pos or null, const int* ids, O* out, int n,
+    // int d, int vocab, int seq)`; table holds vocab*d elements, pos at least seq*d, ids n, out n*d
+    // (checked by the caller); ids outside 0..vocab are not read through.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+pub(super) fn backward<G: FloatElement, D: FloatElement>(
+    dev: &CudaDevice,
+    dy: &Buffer<G>,
+    d: usize,
+    groups: &RowGroups,
+    d_table: &mut Buffer<D>,
+    d_positions: Option<PositionGrad<'_, D>>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "embedding_backward";
+    if groups.is_empty() {
+        return Ok(());
+    }
+    let (_, index) = index_of(groups, WHAT)?;
+    let idx = cs(index, WHAT)?;
+    let [o, cs0, cd, mr, mf, end] = groups.layout();
+    if end != idx.len() {
+        return Err(KernelError::Internal(format!(
+            "RowGroups index holds {} words, its layout {end}",
+            idx.len()
+        )));
+    }
+    let sms = sm_count(dev)?;
+    let nvec = d.div_ceil(8);
+    let dd = d as i32;
+    let stream = dev.stream();
+    // SAFETY: every partial slot (partial_slots rows of d) is written by `embedding_bwd_chunks_*` (one chunk
+    // per slot) before `embedding_bwd_multi_*` reads it, in stream order. At least one element so the
+    // pointer is valid when there is no slot.
+    let mut partial = unsafe { stream.alloc::<f32>((groups.partial_slots * d).max(1)) }?;
+    {
+        let f = function(
+            dev,
+            &EMBEDDING_MODULE,
+            &format!("embedding_bwd_chunks_{}_{}", G::NAME, D::NAME),
+        )?;
+        let cfg = grid_1d(sms, (groups.chunks * nvec) as u64, BLOCKS_PER_SM);
+        let chunks = groups.chunks as i32;
+        let (order, starts, dests) = (idx.slice(o..cs0), idx.slice(cs0..cd), idx.slice(cd..mr));
+        let mut b = stream.launch_builder(&f);
+        b.arg(cs(dy, WHAT)?)
+            .arg(&order)
+            .arg(&starts)
+            .arg(&dests)
+            .arg(&chunks)
+            .arg(&dd)
+            .arg(cs_mut(d_table, WHAT)?)
+            .arg(&mut partial);
+        // SAFETY: `embedding_bwd_chunks_<G>_<D>(const G* dy, const u32* order, const u32* chunk_start,
+        // const u32* chunk_dest, int chunks, int d, D* d_table, float* partial)`; the index views hold n,
+        // chunks + 1 and chunks words built by RowGroups (positions < n, table rows < vocab, slots <
+        // partial_slots); dy holds n*d elements, d_table vocab*d (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+    }
+    if groups.multi_groups > 0 {
+        let f = function(
+            dev,
+            &EMBEDDING_MODULE,
+            &format!("embedding_bwd_multi_{}", D::NAME),
+        )?;
+        let cfg = grid_1d(sms, (groups.multi_groups * nvec) as u64, BLOCKS_PER_SM);
+        let m = groups.multi_groups as i32;
+        let (rows, first) = (idx.slice(mr..mf), idx.slice(mf..end));
+        let mut b = stream.launch_builder(&f);
+        b.arg(&partial)
+            .arg(&rows)
+            .arg(&first)
+            .arg(&m)
+            .arg(&dd)
+            .arg(cs_mut(d_table, WHAT)?);
+        // SAFETY: `embedding_bwd_multi_<D>(const float* partial, const u32* multi_row, const u32*
+        // multi_first, int groups, int d, D* d_table)`; multi_row holds `groups` table rows < vocab,
+        // multi_first groups + 1 increasing slot offsets <= partial_slots; partial holds partial_slots*d.
+        unsafe { b.launch(cfg) }?;
+    }
+    if let Some(p) = d_positions {
+        let f = function(
+            dev,
+            &EMBEDDING_MODULE,
+            &format!("embedding_bwd_pos_{}_{}", G::NAME, D::NAME),
+        )?;
+        let cfg = grid_1d(sms, (p.seq * nvec) as u64, BLOCKS_PER_SM);
+        let (batch, seq) = ((groups.len() / p.seq) as i32, p.seq as i32);
+        let mut b = stream.launch_builder(&f);
+        b.arg(cs(dy, WHAT)?)
+            .arg(&batch)
+            .arg(&seq)
+            .arg(&dd)
+            .arg(cs_mut(p.grad, WHAT)?);
+        // SAFETY: `embedding_bwd_pos_<G>_<D>(const G* dy, int batch, int seq, int d, D* d_pos)`; dy holds
+        // batch*seq*d elements, d_pos at least seq*d (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+    }
+    Ok(())
+}

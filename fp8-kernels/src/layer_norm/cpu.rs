@@ -1,0 +1,268 @@
+//! The CPU implementation of LayerNorm / RMSNorm (rayon over rows or column bands): the reference the
+//! CUDA kernels are tested against. Every value is computed with the operations, and every sum in the
+//! order, of `layer_norm.cu`, so the two agree bit for bit.
+
+use super::{param_chunk, NormKind, NormSpec};
+use crate::FloatElement;
+use fp8_core::Fp8Format;
+use rayon::prelude::*;
+
+/// Rows per rayon task (small rows are grouped so a task has some work).
+fn rows_per_task(d: usize) -> usize {
+    (16_384 / d.max(1)).max(1)
+}
+
+/// A row sum in the warp order of the kernels: element `e` goes to lane `(e / 8) % 32`, each lane adds its
+/// elements in increasing order from zero, then the lanes are combined by a butterfly (xor 16, 8, 4, 2, 1).
+pub(crate) fn warp_vector_sum(d: usize, mut term: impl FnMut(usize) -> f32) -> f32 {
+    let mut p = [0.0f32; 32];
+    for j in 0..d.div_ceil(8) {
+        let lane = &mut p[j % 32];
+        for e in 8 * j..(8 * j + 8).min(d) {
+            *lane += term(e);
+        }
+    }
+    butterfly(p)
+}
+
+/// The butterfly of `__shfl_xor_sync` sums: lane `l` adds lane `l ^ off` for off = 16, 8, 4, 2, 1.
+pub(crate) fn butterfly(mut p: [f32; 32]) -> f32 {
+    let mut off = 16;
+    while off > 0 {
+        let prev = p;
+        for (l, v) in p.iter_mut().enumerate() {
+            *v = prev[l] + prev[l ^ off];
+        }
+        off >>= 1;
+    }
+    p[0]
+}
+
+/// `(mean, rstd)` of one row (mean 0 for RMSNorm).
+pub(crate) fn row_stats<T: FloatElement>(row: &[T], kind: NormKind, eps: f32) -> (f32, f32) {
+    let d = row.len();
+    let mean = match kind {
+        NormKind::LayerNorm => warp_vector_sum(d, |e| row[e].to_f32()) / d as f32,
+        NormKind::RmsNorm => 0.0,
+    };
+    let var = warp_vector_sum(d, |e| {
+        let u = row[e].to_f32() - mean;
+        u * u
+    }) / d as f32;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// `(x - mean) * rstd * w (+ b)` in f32.
+#[inline]
+fn affine(x: f32, w: f32, b: Option<f32>, mean: f32, rstd: f32) -> f32 {
+    let y = (x - mean) * rstd * w;
+    match b {
+        Some(b) => y + b,
+        None => y,
+    }
+}
+
+/// Normalises every row of `x` into `f(row index, element index, value)` (value rounded to `T`) and
+/// writes the statistics.
+#[allow(clippy::too_many_arguments)]
+fn for_each_row<T: FloatElement, O: Send>(
+    spec: &NormSpec,
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    out: &mut [O],
+    f: impl Fn(&mut O, f32) + Sync,
+) {
+    let d = spec.d;
+    let per = rows_per_task(d);
+    out.par_chunks_mut(per * d)
+        .zip(mean.par_chunks_mut(per))
+        .zip(rstd.par_chunks_mut(per))
+        .enumerate()
+        .for_each(|(t, ((o, m), s))| {
+            for (i, ((orow, mo), so)) in o.chunks_mut(d).zip(m).zip(s).enumerate() {
+                let r = t * per + i;
+                let row = &x[r * d..(r + 1) * d];
+                let (mu, rs) = row_stats(row, spec.kind, spec.eps);
+                *mo = mu;
+                *so = rs;
+                for (e, slot) in orow.iter_mut().enumerate() {
+                    let y = affine(
+                        row[e].to_f32(),
+                        w[e].to_f32(),
+                        b.map(|b| b[e].to_f32()),
+                        mu,
+                        rs,
+                    );
+                    f(slot, y);
+                }
+            }
+        });
+}
+
+/// Forward into `y` (rounded to `T`).
+pub(crate) fn forward<T: FloatElement>(
+    spec: &NormSpec,
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    y: &mut [T],
+) {
+    for_each_row(spec, x, w, b, mean, rstd, y, |o, v| *o = T::from_f32(v));
+}
+
+/// Forward fused with the FP8 cast: `q` row-major codes of `h = T(y)`, `qt` their transpose; returns the
+/// amax of `h` (NaN never raises it).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_fp8<T: FloatElement>(
+    spec: &NormSpec,
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    format: Fp8Format,
+    scale: f32,
+    q: &mut [u8],
+    qt: &mut [u8],
+) -> f32 {
+    let mut h = vec![0.0f32; q.len()];
+    for_each_row(spec, x, w, b, mean, rstd, &mut h, |o, v| {
+        *o = T::from_f32(v).to_f32()
+    });
+    let amax = h
+        .par_chunks(1 << 14)
+        .map(|c| c.iter().fold(0.0f32, |a, v| a.max(v.abs())))
+        .reduce(|| 0.0, f32::max);
+    q.par_chunks_mut(1 << 14)
+        .zip(h.par_chunks(1 << 14))
+        .for_each(|(o, v)| {
+            for (c, &hv) in o.iter_mut().zip(v) {
+                *c = format.encode(hv * scale);
+            }
+        });
+    transpose_codes(q, spec.rows, spec.d, qt);
+    amax
+}
+
+/// `qt [d, rows] = q^T` for row-major `q [rows, d]`, in bands of 32 output rows.
+fn transpose_codes(q: &[u8], rows: usize, d: usize, qt: &mut [u8]) {
+    const BAND: usize = 32;
+    if rows == 0 || d == 0 {
+        return;
+    }
+    qt.par_chunks_mut(BAND * rows)
+        .enumerate()
+        .for_each(|(band, out)| {
+            let c0 = band * BAND;
+            let cw = out.len() / rows;
+            for r in 0..rows {
+                for (dc, &v) in q[r * d + c0..r * d + c0 + cw].iter().enumerate() {
+                    out[dc * rows + r] = v;
+                }
+            }
+        });
+}
+
+/// Backward, dx: `dx = (g - c2 - xhat * c1) * rstd` (optionally added to `dx`), with `g = dy * w`,
+/// `xhat = (x - mean) * rstd`, `c1 = sum(g xhat) / d`, `c2 = sum(g) / d` (0 for RMSNorm).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_dx<T: FloatElement, G: FloatElement>(
+    spec: &NormSpec,
+    x: &[T],
+    w: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[G],
+    dx: &mut [G],
+    accumulate: bool,
+) {
+    let d = spec.d;
+    let per = rows_per_task(d);
+    dx.par_chunks_mut(per * d).enumerate().for_each(|(t, o)| {
+        for (i, drow) in o.chunks_mut(d).enumerate() {
+            let r = t * per + i;
+            let (xr, gr) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d]);
+            let (mu, rs) = (mean[r], rstd[r]);
+            let g = |e: usize| gr[e].to_f32() * w[e].to_f32();
+            let xh = |e: usize| (xr[e].to_f32() - mu) * rs;
+            let c1 = warp_vector_sum(d, |e| g(e) * xh(e)) / d as f32;
+            let c2 = match spec.kind {
+                NormKind::LayerNorm => warp_vector_sum(d, g) / d as f32,
+                NormKind::RmsNorm => 0.0,
+            };
+            for (e, o) in drow.iter_mut().enumerate() {
+                let v = (g(e) - c2 - xh(e) * c1) * rs;
+                *o = G::from_f32(if accumulate { o.to_f32() + v } else { v });
+            }
+        }
+    });
+}
+
+/// Backward, parameters: `dw[c] = sum_r dy xhat`, `db[c] = sum_r dy`, rows in chunks of
+/// [`param_chunk`]`(rows)` summed in row order from zero, chunk sums added in chunk order starting from
+/// the first; the totals overwrite or are added to `dw` / `db`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_params<T: FloatElement, G: FloatElement>(
+    spec: &NormSpec,
+    x: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[G],
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    accumulate: bool,
+) {
+    let (rows, d) = (spec.rows, spec.d);
+    let chunk = param_chunk(rows);
+    let chunks = rows.div_ceil(chunk).max(1);
+    const BAND: usize = 64;
+    let band_sums = |c0: usize, width: usize| -> (Vec<f32>, Vec<f32>) {
+        let (mut tw, mut tb) = (vec![0.0f32; width], vec![0.0f32; width]);
+        let (mut pw, mut pb) = (vec![0.0f32; width], vec![0.0f32; width]);
+        for k in 0..chunks {
+            pw.fill(0.0);
+            pb.fill(0.0);
+            for r in k * chunk..((k + 1) * chunk).min(rows) {
+                let (mu, rs) = (mean[r], rstd[r]);
+                for i in 0..width {
+                    let at = r * d + c0 + i;
+                    let g = dy[at].to_f32();
+                    let xh = (x[at].to_f32() - mu) * rs;
+                    pw[i] += g * xh;
+                    pb[i] += g;
+                }
+            }
+            if k == 0 {
+                tw.copy_from_slice(&pw);
+                tb.copy_from_slice(&pb);
+            } else {
+                for i in 0..width {
+                    tw[i] += pw[i];
+                    tb[i] += pb[i];
+                }
+            }
+        }
+        (tw, tb)
+    };
+    let bands: Vec<(Vec<f32>, Vec<f32>)> = (0..d.div_ceil(BAND))
+        .into_par_iter()
+        .map(|bi| band_sums(bi * BAND, BAND.min(d - bi * BAND)))
+        .collect();
+    let apply = |out: &mut [f32], second: bool| {
+        for (bi, (w, b)) in bands.iter().enumerate() {
+            for (i, &v) in (if second { b } else { w }).iter().enumerate() {
+                let o = &mut out[bi * BAND + i];
+                *o = if accumulate { *o + v } else { v };
+            }
+        }
+    };
+    apply(dw, false);
+    if let Some(db) = db {
+        apply(db, true);
+    }
+}

@@ -1,0 +1,301 @@
+//! Launches of the LayerNorm / RMSNorm kernels (`layer_norm.cu`). Arguments were validated by `mod.rs`.
+
+use super::{
+    param_chunk, Fp8NormOutput, NormGrads, NormKind, NormSpec, NormStats,
+    LAYER_NORM_BACKWARD_MODULE, LAYER_NORM_FORWARD_MODULE,
+};
+use crate::cast::{format_name, FloatElement};
+use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
+use crate::kernel_source::{function, grid_1d, sm_count};
+use crate::{Buffer, CudaDevice, DType, KernelError};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Threads per block of every norm kernel (the kernels assume it: 8 warps).
+const THREADS: u32 = 256;
+/// Shared memory the FP8 kernel may use for its code tile (an opt-in above 48 KiB on sm_90).
+const TILE_BYTES_MAX: usize = 96 * 1024;
+/// Bytes of padding per tile row (`LN_TILE_PAD` in the kernel).
+const TILE_PAD: usize = 16;
+/// A null device pointer (no bias, no amax).
+const NULL_PTR: u64 = 0;
+
+/// The register bound of the row kernels: vectors of 8 elements per lane kept in registers (4 or 16), or 0
+/// to re-read rows from memory. Register-held variants exist for bf16 rows whose length is a multiple of
+/// 8 (`all_bf16`); everything else uses 0. Results do not depend on it.
+fn vectors_per_lane(d: usize, all_bf16: bool) -> u32 {
+    if !all_bf16 || d % 8 != 0 {
+        return 0;
+    }
+    match d.div_ceil(8).div_ceil(32) {
+        0..=4 => 4,
+        5..=16 => 16,
+        _ => 0,
+    }
+}
+
+/// One warp per row, grid-stride over rows.
+fn row_launch(dev: &CudaDevice, rows: usize) -> Result<LaunchConfig, KernelError> {
+    let warps_per_block = (THREADS / 32) as usize;
+    let blocks = rows.div_ceil(warps_per_block).max(1) as u64;
+    let cap = sm_count(dev)? as u64 * 8;
+    Ok(LaunchConfig {
+        grid_dim: (blocks.min(cap) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn rms_flag(spec: &NormSpec) -> i32 {
+    (spec.kind == NormKind::RmsNorm) as i32
+}
+
+pub(super) fn forward<T: FloatElement>(
+    dev: &CudaDevice,
+    spec: &NormSpec,
+    x: &Buffer<T>,
+    weight: &Buffer<T>,
+    bias: Option<&Buffer<T>>,
+    stats: &mut NormStats,
+    y: &mut Buffer<T>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "norm_forward";
+    if spec.rows == 0 {
+        return Ok(());
+    }
+    let nv = vectors_per_lane(spec.d, T::DTYPE == DType::BF16);
+    let f = function(
+        dev,
+        &LAYER_NORM_FORWARD_MODULE,
+        &format!("ln_fwd_{}_nv{nv}", T::NAME),
+    )?;
+    let cfg = row_launch(dev, spec.rows)?;
+    let (rows, d, eps, rms) = (spec.rows as i32, spec.d as i32, spec.eps, rms_flag(spec));
+    let NormStats { mean, rstd } = stats;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(cs(x, WHAT)?).arg(cs(weight, WHAT)?);
+    match bias {
+        Some(bb) => b.arg(cs(bb, WHAT)?),
+        None => b.arg(&NULL_PTR),
+    };
+    b.arg(cs_mut(mean, WHAT)?)
+        .arg(cs_mut(rstd, WHAT)?)
+        .arg(cs_mut(y, WHAT)?)
+        .arg(&rows)
+        .arg(&d)
+        .arg(&eps)
+        .arg(&rms);
+    // SAFETY: `ln_fwd_<T>_nv<NV>(const T* x, const T* w, const T* b or null, float* mean, float* rstd, T* y,
+    // int rows, int d, float eps, int rms)` launched with 256 threads; x and y hold rows*d elements, w and
+    // b d, mean and rstd rows (checked by the caller).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Rows per tile of the FP8 kernel: the largest power of two up to 32 whose code tile fits the budget.
+fn tile_rows(d: usize) -> usize {
+    let mut tr = 32;
+    while tr > 1 && tr * (d + TILE_PAD) > TILE_BYTES_MAX {
+        tr /= 2;
+    }
+    tr
+}
+
+pub(super) fn forward_fp8<T: FloatElement>(
+    dev: &CudaDevice,
+    spec: &NormSpec,
+    x: &Buffer<T>,
+    weight: &Buffer<T>,
+    bias: Option<&Buffer<T>>,
+    stats: &mut NormStats,
+    out: Fp8NormOutput<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "norm_forward_fp8";
+    if spec.rows == 0 {
+        return Ok(());
+    }
+    let nv = vectors_per_lane(spec.d, T::DTYPE == DType::BF16);
+    let name = format!("ln_fwd_fp8_{}_{}_nv{nv}", T::NAME, format_name(out.format));
+    let f = function(dev, &LAYER_NORM_FORWARD_MODULE, &name)?;
+    let tr = tile_rows(spec.d);
+    let smem = tr * (spec.d + TILE_PAD);
+    if smem > TILE_BYTES_MAX {
+        return Err(KernelError::InvalidArgument {
+            what: WHAT,
+            detail: format!("a row of {} codes exceeds the shared-memory tile", spec.d),
+        });
+    }
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+    }
+    let tiles = spec.rows.div_ceil(tr) as u64;
+    // Blocks resident per SM are bounded by the tile's shared memory (about 220 KiB usable per SM).
+    let per_sm = ((220 * 1024) / (smem + 1024)).clamp(1, 8) as u64;
+    let cfg = LaunchConfig {
+        grid_dim: (tiles.min(sm_count(dev)? as u64 * per_sm) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (rows, d, eps, rms, tile) = (
+        spec.rows as i32,
+        spec.d as i32,
+        spec.eps,
+        rms_flag(spec),
+        tr as i32,
+    );
+    let NormStats { mean, rstd } = stats;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(cs(x, WHAT)?).arg(cs(weight, WHAT)?);
+    match bias {
+        Some(bb) => b.arg(cs(bb, WHAT)?),
+        None => b.arg(&NULL_PTR),
+    };
+    b.arg(cs_mut(mean, WHAT)?)
+        .arg(cs_mut(rstd, WHAT)?)
+        .arg(cs_mut(out.codes, WHAT)?)
+        .arg(cs_mut(out.codes_t, WHAT)?)
+        .arg(cs(out.scale, WHAT)?);
+    let slot: i32;
+    match out.amax {
+        Some(a) => {
+            slot = a.slot as i32;
+            b.arg(cs_mut(a.buffer, WHAT)?);
+        }
+        None => {
+            slot = 0;
+            b.arg(&NULL_PTR);
+        }
+    }
+    b.arg(&slot)
+        .arg(&rows)
+        .arg(&d)
+        .arg(&eps)
+        .arg(&rms)
+        .arg(&tile);
+    // SAFETY: `ln_fwd_fp8_<T>_<fmt>_nv<NV>(const T* x, const T* w, const T* b or null, float* mean,
+    // float* rstd, u8* q, u8* qt, const float* scale, float* amax or null, int slot, int rows, int d,
+    // float eps, int rms, int tile_rows)` with 256 threads and tile_rows * (d + 16) bytes of dynamic shared
+    // memory (allowed above); x, q and qt hold rows*d elements, w and b d, mean and rstd rows, scale at
+    // least one, the amax slot is in bounds (checked by the caller).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+pub(super) fn backward<T: FloatElement, G: FloatElement>(
+    dev: &CudaDevice,
+    spec: &NormSpec,
+    x: &Buffer<T>,
+    weight: &Buffer<T>,
+    stats: &NormStats,
+    dy: &Buffer<G>,
+    grads: NormGrads<'_, G>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "norm_backward";
+    let (rows, d, rms) = (spec.rows as i32, spec.d as i32, rms_flag(spec));
+    if spec.rows > 0 {
+        let all_bf16 = T::DTYPE == DType::BF16 && G::DTYPE == DType::BF16;
+        let nv = vectors_per_lane(spec.d, all_bf16);
+        let f = function(
+            dev,
+            &LAYER_NORM_BACKWARD_MODULE,
+            &format!("ln_bwd_dx_{}_{}_nv{nv}", T::NAME, G::NAME),
+        )?;
+        let cfg = row_launch(dev, spec.rows)?;
+        let acc = grads.dx_mode.flag() as i32;
+        let mut b = dev.stream().launch_builder(&f);
+        b.arg(cs(x, WHAT)?)
+            .arg(cs(weight, WHAT)?)
+            .arg(cs(dy, WHAT)?)
+            .arg(cs(&stats.mean, WHAT)?)
+            .arg(cs(&stats.rstd, WHAT)?)
+            .arg(cs_mut(grads.dx, WHAT)?)
+            .arg(&rows)
+            .arg(&d)
+            .arg(&rms)
+            .arg(&acc);
+        // SAFETY: `ln_bwd_dx_<T>_<G>_nv<NV>(const T* x, const T* w, const G* dy, const float* mean,
+        // const float* rstd, G* dx, int rows, int d, int rms, int accumulate)` with 256 threads; x, dy and
+        // dx hold rows*d elements, w d, mean and rstd rows (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+    }
+
+    let sms = sm_count(dev)?;
+    let chunk = param_chunk(spec.rows);
+    let chunks = spec.rows.div_ceil(chunk).max(1);
+    let acc = grads.param_mode.flag() as i32;
+    let f = function(
+        dev,
+        &LAYER_NORM_BACKWARD_MODULE,
+        &format!("ln_bwd_params_{}_{}", T::NAME, G::NAME),
+    )?;
+    let items = (chunks * spec.d.div_ceil(2)) as u64;
+    let cfg = grid_1d(sms, items, 8);
+    let ch = chunk as i32;
+    let has_bias = grads.dbias.is_some();
+    let stream = dev.stream();
+    if chunks == 1 {
+        let mut b = stream.launch_builder(&f);
+        b.arg(cs(x, WHAT)?)
+            .arg(cs(dy, WHAT)?)
+            .arg(cs(&stats.mean, WHAT)?)
+            .arg(cs(&stats.rstd, WHAT)?)
+            .arg(cs_mut(grads.dweight, WHAT)?);
+        match grads.dbias {
+            Some(db) => b.arg(cs_mut(db, WHAT)?),
+            None => b.arg(&NULL_PTR),
+        };
+        b.arg(&rows).arg(&d).arg(&ch).arg(&acc);
+        // SAFETY: `ln_bwd_params_<T>_<G>(const T* x, const G* dy, const float* mean, const float* rstd,
+        // float* dw, float* db or null, int rows, int d, int chunk, int accumulate)`; with one chunk it
+        // writes dw and db (d elements each); x and dy hold rows*d elements, mean and rstd rows.
+        unsafe { b.launch(cfg) }?;
+        return Ok(());
+    }
+    // SAFETY: every element of the partial buffers is written by `ln_bwd_params_*` below (one value per
+    // chunk and column) before `ln_param_sum` reads it, in stream order.
+    let mut pw = unsafe { stream.alloc::<f32>(chunks * spec.d) }?;
+    // SAFETY: as above (allocated only when there is a bias gradient).
+    let mut pb = if has_bias {
+        Some(unsafe { stream.alloc::<f32>(chunks * spec.d) }?)
+    } else {
+        None
+    };
+    {
+        let mut b = stream.launch_builder(&f);
+        b.arg(cs(x, WHAT)?)
+            .arg(cs(dy, WHAT)?)
+            .arg(cs(&stats.mean, WHAT)?)
+            .arg(cs(&stats.rstd, WHAT)?)
+            .arg(&mut pw);
+        match pb.as_mut() {
+            Some(p) => b.arg(p),
+            None => b.arg(&NULL_PTR),
+        };
+        b.arg(&rows).arg(&d).arg(&ch).arg(&acc);
+        // SAFETY: as above, with more than one chunk the kernel writes the partial buffers
+        // (chunks * d elements each).
+        unsafe { b.launch(cfg) }?;
+    }
+    let g = function(dev, &LAYER_NORM_BACKWARD_MODULE, "ln_param_sum")?;
+    let cfg = grid_1d(sms, spec.d as u64, 8);
+    let k = chunks as i32;
+    let mut b = stream.launch_builder(&g);
+    b.arg(&pw);
+    match pb.as_ref() {
+        Some(p) => b.arg(p),
+        None => b.arg(&NULL_PTR),
+    };
+    b.arg(cs_mut(grads.dweight, WHAT)?);
+    match grads.dbias {
+        Some(db) => b.arg(cs_mut(db, WHAT)?),
+        None => b.arg(&NULL_PTR),
+    };
+    b.arg(&k).arg(&d).arg(&acc);
+    // SAFETY: `ln_param_sum(const float* pw, const float* pb or null, float* dw, float* db or null,
+    // int chunks, int d, int accumulate)`; the partials hold chunks * d elements, dw and db d.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

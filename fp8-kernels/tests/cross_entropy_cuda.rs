@@ -1,0 +1,183 @@
+//! Cross-entropy on CUDA against the CPU reference, bit for bit (log-sum-exp, loss, in-place gradient,
+//! loss sum, invalid-target count), on random logits of GPT-2 vocabulary rows and awkward shapes (vocab
+//! not a multiple of 8, tiny vocab, chunks at a row offset, ignored and out-of-range targets, a NaN logit),
+//! f32 and bf16; and CUDA run twice gives the same bits. Prints `SKIPPED: <reason>` and passes where no GPU
+//! can be opened.
+
+use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+use fp8_kernels::rng::SplitMix64;
+use fp8_kernels::{Buffer, Device, FloatElement};
+use half::bf16;
+
+fn canon(v: f32) -> u32 {
+    if v.is_nan() {
+        0x7FC0_0000
+    } else {
+        v.to_bits()
+    }
+}
+
+#[derive(PartialEq, Debug)]
+struct Outputs {
+    grad: Vec<u32>,
+    lse: Vec<u32>,
+    loss: Vec<u32>,
+    sum: u32,
+    invalid: u32,
+}
+
+struct Case {
+    rows: usize,
+    vocab: usize,
+    logits: Vec<f32>,
+    targets: Vec<i32>,
+    ignore_index: Option<i32>,
+    /// Rows per call (the chunks share the lse / loss / accumulator buffers).
+    chunk: usize,
+    grad: bool,
+}
+
+fn case(rows: usize, vocab: usize, spread: f32, seed: u64) -> Case {
+    let mut rng = SplitMix64::new(seed);
+    Case {
+        rows,
+        vocab,
+        logits: (0..rows * vocab)
+            .map(|_| rng.uniform_f32() * spread)
+            .collect(),
+        targets: (0..rows).map(|_| rng.below(vocab as u64) as i32).collect(),
+        ignore_index: None,
+        chunk: rows,
+        grad: true,
+    }
+}
+
+fn run<T: FloatElement>(dev: &Device, c: &Case) -> Outputs {
+    let tg = dev.upload(&c.targets).unwrap();
+    let mut lse = dev.zeros::<f32>(c.rows).unwrap();
+    let mut loss = dev.zeros::<f32>(c.rows).unwrap();
+    let mut sum = dev.upload(&[0.5f32]).unwrap();
+    let mut invalid = dev.zeros::<u32>(1).unwrap();
+    let mut grad = Vec::new();
+    let mut a = 0;
+    while a < c.rows {
+        let b = (a + c.chunk).min(c.rows);
+        let host: Vec<T> = c.logits[a * c.vocab..b * c.vocab]
+            .iter()
+            .map(|&v| T::from_f32(v))
+            .collect();
+        let mut lg: Buffer<T> = dev.upload(&host).unwrap();
+        let spec = CrossEntropySpec {
+            rows: b - a,
+            vocab: c.vocab,
+            row_offset: a,
+            ignore_index: c.ignore_index,
+            grad_scale: c.grad.then_some(1.0 / c.rows as f32),
+        };
+        cross_entropy(
+            &spec,
+            &mut lg,
+            &tg,
+            CrossEntropyOutputs {
+                lse: &mut lse,
+                loss: &mut loss,
+                loss_sum: &mut sum,
+                invalid_targets: &mut invalid,
+            },
+        )
+        .unwrap();
+        grad.extend(lg.to_vec().unwrap().iter().map(|v| canon(v.to_f32())));
+        a = b;
+    }
+    let bits = |b: &Buffer<f32>| b.to_vec().unwrap().into_iter().map(canon).collect();
+    Outputs {
+        grad,
+        lse: bits(&lse),
+        loss: bits(&loss),
+        sum: canon(sum.to_vec().unwrap()[0]),
+        invalid: invalid.to_vec().unwrap()[0],
+    }
+}
+
+fn differences(a: &Outputs, b: &Outputs) -> String {
+    fn diff(name: &str, a: &[u32], b: &[u32]) -> Option<String> {
+        let i = a.iter().zip(b).position(|(x, y)| x != y)?;
+        Some(format!(
+            "{name}[{i}]: {:#010x} vs {:#010x} ({} of {} differ)",
+            a[i],
+            b[i],
+            a.iter().zip(b).filter(|(x, y)| x != y).count(),
+            a.len()
+        ))
+    }
+    [
+        diff("grad", &a.grad, &b.grad),
+        diff("lse", &a.lse, &b.lse),
+        diff("loss", &a.loss, &b.loss),
+        diff("loss_sum", &[a.sum], &[b.sum]),
+        diff("invalid", &[a.invalid], &[b.invalid]),
+    ]
+    .into_iter()
+    .flatten()
+    .collect::<Vec<_>>()
+    .join("; ")
+}
+
+fn compare<T: FloatElement>(gpu: &Device, c: &Case, what: &str) -> bool {
+    let cpu = run::<T>(&Device::cpu(), c);
+    let g1 = run::<T>(gpu, c);
+    let g2 = run::<T>(gpu, c);
+    let mut ok = true;
+    if cpu != g1 {
+        println!("MISMATCH {what}: CUDA vs CPU: {}", differences(&g1, &cpu));
+        ok = false;
+    }
+    if g1 != g2 {
+        println!("NONDETERMINISTIC {what}: {}", differences(&g1, &g2));
+        ok = false;
+    }
+    if ok {
+        println!("ok {what}");
+    }
+    ok
+}
+
+#[test]
+fn cuda_matches_cpu_bitwise_and_is_deterministic() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED: {e}");
+            return;
+        }
+    };
+    let mut cases = vec![
+        ("GPT-2 vocabulary, 3 chunks", {
+            let mut c = case(96, 50304, 8.0, 1);
+            c.chunk = 40;
+            c
+        }),
+        ("vocab 50257 (odd)", case(9, 50257, 8.0, 2)),
+        ("vocab 1000", case(33, 1000, 30.0, 3)),
+        ("vocab 5", case(7, 5, 2.0, 4)),
+        ("wide logits", case(5, 4096, 200.0, 5)),
+        ("loss only", {
+            let mut c = case(6, 2048, 8.0, 6);
+            c.grad = false;
+            c
+        }),
+    ];
+    let mut special = case(6, 640, 8.0, 7);
+    special.ignore_index = Some(-100);
+    special.targets[1] = -100; // ignored
+    special.targets[2] = 640; // out of range
+    special.targets[3] = -7; // negative
+    special.logits[4 * 640 + 3] = f32::NAN; // a NaN logit: that row's outputs are NaN
+    cases.push(("ignored, invalid targets and a NaN", special));
+    let mut ok = true;
+    for (what, c) in &cases {
+        ok &= compare::<bf16>(&gpu, c, &format!("{what} [{}, {}] bf16", c.rows, c.vocab));
+        ok &= compare::<f32>(&gpu, c, &format!("{what} [{}, {}] f32", c.rows, c.vocab));
+    }
+    assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}

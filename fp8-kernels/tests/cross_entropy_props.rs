@@ -1,0 +1,313 @@
+//! The CPU cross-entropy (the reference of the CUDA kernel) against a plain f64 implementation on random
+//! shapes and logits; its exp and log against f64; the gradient against central finite differences of the
+//! f64 mean loss; chunking with row offsets; ignored and invalid targets; argument errors.
+
+use fp8_kernels::cross_entropy::{
+    check_targets, cross_entropy, exp_fixed, ln_fixed, loss_sum, CrossEntropyOutputs,
+    CrossEntropySpec,
+};
+use fp8_kernels::{Buffer, DType, Device, FloatElement};
+use half::bf16;
+use proptest::prelude::*;
+
+fn to_t<T: FloatElement>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f32(x)).collect()
+}
+
+/// f64 (lse, softmax) of one row.
+fn ref_row(x: &[f64]) -> (f64, Vec<f64>) {
+    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let s: f64 = x.iter().map(|v| (v - m).exp()).sum();
+    let lse = m + s.ln();
+    (lse, x.iter().map(|v| (v - lse).exp()).collect())
+}
+
+struct Run<T> {
+    grad: Vec<T>,
+    lse: Vec<f32>,
+    loss: Vec<f32>,
+    sum: f32,
+    invalid: u32,
+}
+
+fn run<T: FloatElement>(spec: &CrossEntropySpec, logits: &[T], targets: &[i32]) -> Run<T> {
+    let dev = Device::cpu();
+    let mut lg = dev.upload(logits).unwrap();
+    let tg = dev.upload(targets).unwrap();
+    let mut lse = dev.zeros::<f32>(targets.len()).unwrap();
+    let mut loss = dev.zeros::<f32>(targets.len()).unwrap();
+    let mut sum = dev.upload(&[0.25f32]).unwrap();
+    let mut invalid = dev.upload(&[3u32]).unwrap();
+    cross_entropy(
+        spec,
+        &mut lg,
+        &tg,
+        CrossEntropyOutputs {
+            lse: &mut lse,
+            loss: &mut loss,
+            loss_sum: &mut sum,
+            invalid_targets: &mut invalid,
+        },
+    )
+    .unwrap();
+    Run {
+        grad: lg.to_vec().unwrap(),
+        lse: lse.to_vec().unwrap(),
+        loss: loss.to_vec().unwrap(),
+        sum: sum.to_vec().unwrap()[0] - 0.25,
+        invalid: invalid.to_vec().unwrap()[0] - 3,
+    }
+}
+
+fn check_against_f64<T: FloatElement>(
+    rows: usize,
+    vocab: usize,
+    logits: &[f32],
+    targets: &[i32],
+) -> Result<(), TestCaseError> {
+    let lt = to_t::<T>(logits);
+    let gs = 1.0 / rows as f32;
+    let r = run(&CrossEntropySpec::new(rows, vocab, gs), &lt, targets);
+    let ulp = if T::DTYPE == DType::BF16 {
+        2f64.powi(-7)
+    } else {
+        2f64.powi(-23)
+    };
+    let mut total = 0.0f64;
+    for row in 0..rows {
+        let x: Vec<f64> = lt[row * vocab..(row + 1) * vocab]
+            .iter()
+            .map(|v| v.to_f32() as f64)
+            .collect();
+        let (lse, p) = ref_row(&x);
+        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let tol = 1e-5 * (1.0 + m.abs());
+        prop_assert!(
+            (r.lse[row] as f64 - lse).abs() <= tol,
+            "lse {} vs {lse}",
+            r.lse[row]
+        );
+        let t = targets[row] as usize;
+        let loss = lse - x[t];
+        prop_assert!(
+            (r.loss[row] as f64 - loss).abs() <= tol + 1e-6 * x[t].abs(),
+            "loss {} vs {loss}",
+            r.loss[row]
+        );
+        total += r.loss[row] as f64;
+        for (c, &pc) in p.iter().enumerate() {
+            let want = (pc - if c == t { 1.0 } else { 0.0 }) * gs as f64;
+            let got = r.grad[row * vocab + c].to_f32() as f64;
+            let tol = gs as f64 * (2e-5 * pc + 1.2e-7) + ulp * want.abs() + 1e-38;
+            prop_assert!(
+                (got - want).abs() <= tol,
+                "grad [{row}, {c}] {got} vs {want}"
+            );
+        }
+    }
+    prop_assert!((r.sum as f64 - total).abs() <= 1e-5 * total.abs() + 1e-6);
+    prop_assert_eq!(r.invalid, 0);
+    Ok(())
+}
+
+fn case() -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<i32>)> {
+    (1usize..6, 1usize..3000, 0.1f32..30.0).prop_flat_map(|(rows, vocab, spread)| {
+        (
+            Just(rows),
+            Just(vocab),
+            proptest::collection::vec(-1.0f32..1.0, rows * vocab)
+                .prop_map(move |v| v.into_iter().map(|x| x * spread).collect::<Vec<_>>()),
+            proptest::collection::vec(0..vocab as i32, rows),
+        )
+    })
+}
+
+proptest! {
+    #[test]
+    fn matches_f64((rows, vocab, logits, targets) in case()) {
+        check_against_f64::<f32>(rows, vocab, &logits, &targets)?;
+        check_against_f64::<bf16>(rows, vocab, &logits, &targets)?;
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp(x in -87.3f32..88.7) {
+        let got = exp_fixed(x) as f64;
+        let want = (x as f64).exp();
+        prop_assert!((got - want).abs() <= 2.5e-7 * want, "exp({x}) = {got}, want {want}");
+    }
+
+    #[test]
+    fn exp_of_tiny_results_is_within_a_subnormal_step(x in -104.0f32..-87.3) {
+        let got = exp_fixed(x) as f64;
+        let want = (x as f64).exp();
+        prop_assert!((got - want).abs() <= 2.5e-7 * want + 2f64.powi(-149), "exp({x}) = {got}, want {want}");
+    }
+
+    #[test]
+    fn ln_is_within_two_ulp(bits in 1u32..0x7F80_0000) {
+        let x = f32::from_bits(bits);
+        let got = ln_fixed(x) as f64;
+        let want = (x as f64).ln();
+        // Relative to the result, or to 1e-7 absolute near x = 1 where the result is tiny.
+        prop_assert!((got - want).abs() <= 2.5e-7 * want.abs().max(0.5), "ln({x}) = {got}, want {want}");
+    }
+
+    #[test]
+    fn chunks_with_offsets_equal_one_call((rows, vocab, logits, targets) in case()) {
+        let lt = to_t::<bf16>(&logits);
+        let gs = 0.5f32;
+        let whole = run(&CrossEntropySpec::new(rows, vocab, gs), &lt, &targets);
+        // Rows 0..k, then k..rows into the same buffers.
+        let k = rows / 2;
+        let dev = Device::cpu();
+        let tg = dev.upload(&targets).unwrap();
+        let mut lse = dev.zeros::<f32>(rows).unwrap();
+        let mut loss = dev.zeros::<f32>(rows).unwrap();
+        let mut sum = dev.zeros::<f32>(1).unwrap();
+        let mut invalid = dev.zeros::<u32>(1).unwrap();
+        let mut grads = Vec::new();
+        for (a, b) in [(0, k), (k, rows)] {
+            let mut chunk: Buffer<bf16> = dev.upload(&lt[a * vocab..b * vocab]).unwrap();
+            let spec = CrossEntropySpec { row_offset: a, ..CrossEntropySpec::new(b - a, vocab, gs) };
+            cross_entropy(&spec, &mut chunk, &tg, CrossEntropyOutputs {
+                lse: &mut lse, loss: &mut loss, loss_sum: &mut sum, invalid_targets: &mut invalid,
+            }).unwrap();
+            grads.extend(chunk.to_vec().unwrap());
+        }
+        prop_assert_eq!(&grads, &whole.grad);
+        prop_assert_eq!(&lse.to_vec().unwrap(), &whole.lse);
+        let loss = loss.to_vec().unwrap();
+        prop_assert_eq!(&loss, &whole.loss);
+        let want = (0.0 + loss_sum(&loss[..k])) + loss_sum(&loss[k..]);
+        prop_assert_eq!(sum.to_vec().unwrap()[0].to_bits(), want.to_bits());
+        prop_assert_eq!(whole.sum.to_bits(), ((0.25 + loss_sum(&loss)) - 0.25).to_bits());
+    }
+}
+
+#[test]
+fn exp_and_ln_special_values() {
+    assert_eq!(exp_fixed(0.0), 1.0);
+    assert_eq!(exp_fixed(-0.0), 1.0);
+    assert_eq!(exp_fixed(f32::NEG_INFINITY), 0.0);
+    assert_eq!(exp_fixed(-200.0), 0.0);
+    assert_eq!(exp_fixed(f32::INFINITY), f32::INFINITY);
+    assert_eq!(exp_fixed(89.0), f32::INFINITY);
+    assert!(exp_fixed(88.7).is_finite());
+    assert!(exp_fixed(f32::NAN).is_nan());
+    assert_eq!(ln_fixed(1.0), 0.0);
+    assert_eq!(ln_fixed(0.0), f32::NEG_INFINITY);
+    assert_eq!(ln_fixed(f32::INFINITY), f32::INFINITY);
+    assert!(ln_fixed(-1.0).is_nan());
+    assert!(ln_fixed(f32::NAN).is_nan());
+    let tiny = f32::from_bits(1);
+    assert!((ln_fixed(tiny) as f64 - (tiny as f64).ln()).abs() < 1e-5);
+}
+
+#[test]
+fn gradient_matches_finite_differences() {
+    let (rows, vocab) = (3, 37);
+    let mut rng = fp8_kernels::rng::SplitMix64::new(5);
+    let logits: Vec<f32> = (0..rows * vocab).map(|_| rng.uniform_f32() * 4.0).collect();
+    let targets = [3i32, 0, 36];
+    let mean_loss = |x: &[f64]| -> f64 {
+        (0..rows)
+            .map(|r| {
+                let (lse, _) = ref_row(&x[r * vocab..(r + 1) * vocab]);
+                lse - x[r * vocab + targets[r] as usize]
+            })
+            .sum::<f64>()
+            / rows as f64
+    };
+    let r = run(
+        &CrossEntropySpec::new(rows, vocab, 1.0 / rows as f32),
+        &logits,
+        &targets,
+    );
+    let x64: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
+    let h = 1e-6;
+    for i in 0..rows * vocab {
+        let (mut xp, mut xm) = (x64.clone(), x64.clone());
+        xp[i] += h;
+        xm[i] -= h;
+        let fd = (mean_loss(&xp) - mean_loss(&xm)) / (2.0 * h);
+        let got = r.grad[i] as f64;
+        assert!(
+            (got - fd).abs() <= 1e-4 * fd.abs().max(1e-3),
+            "logit {i}: gradient {got} vs finite difference {fd}"
+        );
+    }
+    let want = mean_loss(&x64) * rows as f64;
+    assert!((r.sum as f64 - want).abs() < 1e-5 * want);
+}
+
+#[test]
+fn ignored_and_invalid_targets() {
+    let (rows, vocab) = (4, 10);
+    let logits: Vec<f32> = (0..rows * vocab).map(|i| (i % 7) as f32 * 0.3).collect();
+    // Row 1 ignored (-100), row 2 out of range (10), row 3 negative (-1, not the ignore index).
+    let targets = [2i32, -100, 10, -1];
+    let spec = CrossEntropySpec {
+        ignore_index: Some(-100),
+        ..CrossEntropySpec::new(rows, vocab, 1.0)
+    };
+    let r = run(&spec, &logits, &targets);
+    assert_eq!(r.invalid, 2);
+    assert_eq!(r.loss[1], 0.0);
+    assert!(r.loss[2].is_nan() && r.loss[3].is_nan());
+    assert!(r.loss[0].is_finite() && r.loss[0] > 0.0);
+    assert!(r.sum.is_nan(), "an invalid target makes the loss sum NaN");
+    for row in 1..4 {
+        assert!(r.grad[row * vocab..(row + 1) * vocab]
+            .iter()
+            .all(|&g| g == 0.0));
+    }
+    let g0: f32 = r.grad[..vocab].iter().sum();
+    assert!(g0.abs() < 1e-6, "a valid row's gradient sums to 0: {g0}");
+    assert!(r.lse.iter().all(|v| v.is_finite()));
+
+    // Without a gradient the logits are unchanged.
+    let spec = CrossEntropySpec {
+        grad_scale: None,
+        ..spec
+    };
+    let r = run(&spec, &logits, &targets);
+    assert_eq!(r.grad, logits);
+
+    assert!(check_targets(&[0, 9, -100], 10, Some(-100)).is_ok());
+    let e = check_targets(&[0, 9, 10], 10, Some(-100)).unwrap_err();
+    assert!(e.to_string().contains("target 10 at position 2"), "{e}");
+    assert!(check_targets(&[-100], 10, None).is_err());
+}
+
+#[test]
+fn invalid_arguments_are_errors() {
+    let dev = Device::cpu();
+    let mut logits = dev.zeros::<f32>(20).unwrap();
+    let targets = dev.upload(&[0i32, 1]).unwrap();
+    let mut lse = dev.zeros::<f32>(2).unwrap();
+    let mut loss = dev.zeros::<f32>(2).unwrap();
+    let mut sum = dev.zeros::<f32>(1).unwrap();
+    let mut invalid = dev.zeros::<u32>(1).unwrap();
+    let mut call = |spec: CrossEntropySpec, logits: &mut Buffer<f32>| {
+        cross_entropy(
+            &spec,
+            logits,
+            &targets,
+            CrossEntropyOutputs {
+                lse: &mut lse,
+                loss: &mut loss,
+                loss_sum: &mut sum,
+                invalid_targets: &mut invalid,
+            },
+        )
+    };
+    assert!(call(CrossEntropySpec::new(2, 10, 0.5), &mut logits).is_ok());
+    assert!(call(CrossEntropySpec::new(2, 9, 0.5), &mut logits).is_err());
+    assert!(call(CrossEntropySpec::new(2, 0, 0.5), &mut logits).is_err());
+    assert!(call(CrossEntropySpec::new(2, 10, f32::NAN), &mut logits).is_err());
+    let off = CrossEntropySpec {
+        row_offset: 1,
+        ..CrossEntropySpec::new(2, 10, 0.5)
+    };
+    assert!(call(off, &mut logits).is_err(), "rows 1..3 of 2 targets");
+}

@@ -1,0 +1,177 @@
+//! Compiles the CUDA modules of the transformer kernel families (layer_norm forward and backward,
+//! cross_entropy, embedding) for sm_90 with NVRTC, as the crate builds them (no GPU needed), and checks
+//! properties of the code: every entry point the launchers name exists, no kernel spills registers
+//! (ptxas's report), the FP8 cast uses the hardware conversion, the register-held row kernels keep their
+//! rows in registers (no local-memory arrays), and the cross-entropy kernel uses its own exp (fused
+//! multiply-adds), not the hardware approximation. Skips, saying why, when NVRTC cannot be loaded.
+
+use cudarc::nvrtc::result as nvrtc;
+use fp8_kernels::cross_entropy::CROSS_ENTROPY_MODULE;
+use fp8_kernels::embedding::EMBEDDING_MODULE;
+use fp8_kernels::kernel_source::{nvrtc_status, KernelModule, PRECISE_OPTIONS};
+use fp8_kernels::layer_norm::{LAYER_NORM_BACKWARD_MODULE, LAYER_NORM_FORWARD_MODULE};
+use std::ffi::{c_char, CString};
+use std::time::Instant;
+
+fn text(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&c| c != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Compiles `m` as the crate does (`kernel_source::compile_ptx`: sm_90, the precise options) and also
+/// asks ptxas for its resource report; returns the PTX, or None (after printing why) without NVRTC.
+/// Asserts that no kernel spills registers to local memory.
+fn compile(m: &KernelModule) -> Option<String> {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return None;
+    }
+    let t = Instant::now();
+    let src = CString::new(m.source).expect("source without NUL");
+    let prog = nvrtc::create_program(&src, None).expect("nvrtc program");
+    let mut opts = vec![
+        "--gpu-architecture=sm_90".to_string(),
+        "--ptxas-options=-v".to_string(),
+    ];
+    opts.extend(PRECISE_OPTIONS.iter().map(|s| s.to_string()));
+    // SAFETY: `prog` is a live program created above; the options are plain strings that cudarc turns
+    // into C strings for the call; the log and PTX are read from the same live program, which is destroyed
+    // last and not used after.
+    let (compiled, log, ptx) = unsafe {
+        let compiled = nvrtc::compile_program(prog, &opts);
+        let log = nvrtc::get_program_log(prog).map(|l| text(&l));
+        let ptx = nvrtc::get_ptx(prog).map(|p| text(&p));
+        nvrtc::destroy_program(prog).expect("destroy nvrtc program");
+        (compiled, log, ptx)
+    };
+    let log = log.expect("nvrtc log");
+    if let Err(e) = compiled {
+        panic!("{}: {e:?}\n{log}", m.name);
+    }
+    println!(
+        "{} compiled for sm_90 in {:.1} s",
+        m.name,
+        t.elapsed().as_secs_f64()
+    );
+    // ptxas reports, per entry: "Compiling entry function 'NAME'", "... N bytes spill stores, M bytes
+    // spill loads", "Used R registers, ...".
+    let mut entry = String::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            entry = rest.split('\'').next().unwrap_or("").to_string();
+        } else if line.contains("spill stores") {
+            assert!(
+                line.contains(" 0 bytes spill stores, 0 bytes spill loads"),
+                "{entry} spills: {line}"
+            );
+        } else if let Some(used) = line.split("Used ").nth(1) {
+            println!("  {entry}: {used}");
+        }
+    }
+    let ptx = ptx.expect("nvrtc PTX");
+    assert!(ptx.contains(".target sm_90"), "{}: PTX target", m.name);
+    Some(ptx)
+}
+
+/// The PTX text of one entry point (from its `.entry` line to the next entry).
+fn entry<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no entry {name}"));
+    let rest = &ptx[start + 1..];
+    let end = rest.find(".entry ").map_or(ptx.len(), |e| start + 1 + e);
+    &ptx[start..end]
+}
+
+#[test]
+fn layer_norm_forward_module_compiles_for_sm90() {
+    let Some(ptx) = compile(&LAYER_NORM_FORWARD_MODULE) else {
+        return;
+    };
+    for nv in ["nv0", "nv4", "nv16"] {
+        entry(&ptx, &format!("ln_fwd_bf16_{nv}"));
+        let fused = entry(&ptx, &format!("ln_fwd_fp8_bf16_e4m3_{nv}"));
+        assert!(fused.contains("cvt.rn.satfinite.e4m3x2.f32"));
+    }
+    entry(&ptx, "ln_fwd_f32_nv0");
+    entry(&ptx, "ln_fwd_fp8_f32_e4m3_nv0");
+    assert!(
+        !ptx.contains(".entry ln_bwd_"),
+        "backward entries in the forward module"
+    );
+    // A dynamically indexed register cache would show up as a local-memory array.
+    for name in [
+        "ln_fwd_bf16_nv4",
+        "ln_fwd_bf16_nv16",
+        "ln_fwd_fp8_bf16_e4m3_nv4",
+        "ln_fwd_fp8_bf16_e4m3_nv16",
+    ] {
+        assert!(
+            !entry(&ptx, name).contains(".local"),
+            "{name} uses local memory"
+        );
+    }
+}
+
+#[test]
+fn layer_norm_backward_module_compiles_for_sm90() {
+    let Some(ptx) = compile(&LAYER_NORM_BACKWARD_MODULE) else {
+        return;
+    };
+    for (x, g) in [
+        ("f32", "f32"),
+        ("f32", "bf16"),
+        ("bf16", "f32"),
+        ("bf16", "bf16"),
+    ] {
+        entry(&ptx, &format!("ln_bwd_dx_{x}_{g}_nv0"));
+        entry(&ptx, &format!("ln_bwd_params_{x}_{g}"));
+    }
+    entry(&ptx, "ln_param_sum");
+    assert!(
+        !ptx.contains(".entry ln_fwd_"),
+        "forward entries in the backward module"
+    );
+    for name in ["ln_bwd_dx_bf16_bf16_nv4", "ln_bwd_dx_bf16_bf16_nv16"] {
+        assert!(
+            !entry(&ptx, name).contains(".local"),
+            "{name} uses local memory"
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_module_compiles_for_sm90() {
+    let Some(ptx) = compile(&CROSS_ENTROPY_MODULE) else {
+        return;
+    };
+    for name in ["cross_entropy_f32", "cross_entropy_bf16"] {
+        let body = entry(&ptx, name);
+        assert!(body.contains("fma.rn.f32"), "{name}: polynomial exp");
+        assert!(
+            !body.contains("ex2.approx") && !body.contains("lg2.approx"),
+            "{name}: hardware approximations would not match the CPU"
+        );
+        assert!(!body.contains(".local"), "{name} uses local memory");
+    }
+    entry(&ptx, "cross_entropy_loss_sum");
+}
+
+#[test]
+fn embedding_module_compiles_for_sm90() {
+    let Some(ptx) = compile(&EMBEDDING_MODULE) else {
+        return;
+    };
+    for a in ["f32", "bf16"] {
+        for b in ["f32", "bf16"] {
+            entry(&ptx, &format!("embedding_fwd_{a}_{b}"));
+            entry(&ptx, &format!("embedding_bwd_chunks_{a}_{b}"));
+            entry(&ptx, &format!("embedding_bwd_pos_{a}_{b}"));
+        }
+        entry(&ptx, &format!("embedding_bwd_multi_{a}"));
+    }
+}
