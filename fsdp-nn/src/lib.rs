@@ -64,3 +64,8 @@ pub use loss::LogSoftmaxNll;
 pub use mlp::{Mlp, MlpBlock};
 pub use pool::MaxPool2d;
 pub use tensor::{Shape, Tensor, MAX_RANK};
+
+// The guide `docs/your-model.md` is compiled and run as a doctest of this crate.
+#[doc = include_str!("../../docs/your-model.md")]
+#[cfg(doctest)]
+pub struct YourModelGuide;
