@@ -6,8 +6,10 @@
 
 use crate::KernelError;
 use cudarc::driver::{CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream};
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -190,10 +192,16 @@ impl Device {
         match self {
             Device::Cpu => Ok(Buffer::from_vec(vec![T::default(); len])),
             Device::Cuda(d) => {
-                let slice = d.stream().alloc_zeros::<T>(len)?;
+                let slice = match d.cache_take::<T>(len) {
+                    Some(mut s) => {
+                        d.stream().memset_zeros(&mut s)?;
+                        s
+                    }
+                    None => d.stream().alloc_zeros::<T>(len)?,
+                };
                 Ok(Buffer {
                     store: Store::Cuda {
-                        slice,
+                        slice: ManuallyDrop::new(slice),
                         device: d.clone(),
                     },
                 })
@@ -208,12 +216,16 @@ impl Device {
         match self {
             Device::Cpu => Ok(Buffer::from_vec(vec![T::default(); len])),
             Device::Cuda(d) => {
-                // SAFETY: the slice is device memory of `len` elements of a plain-old-data type; every
-                // byte pattern is a valid `T`, and callers overwrite it before reading (documented above).
-                let slice = unsafe { d.stream().alloc::<T>(len) }?;
+                let slice = match d.cache_take::<T>(len) {
+                    Some(s) => s,
+                    // SAFETY: the slice is device memory of `len` elements of a plain-old-data type; every
+                    // byte pattern is a valid `T`, and callers overwrite it before reading (documented
+                    // above).
+                    None => unsafe { d.stream().alloc::<T>(len) }?,
+                };
                 Ok(Buffer {
                     store: Store::Cuda {
-                        slice,
+                        slice: ManuallyDrop::new(slice),
                         device: d.clone(),
                     },
                 })
@@ -229,7 +241,7 @@ impl Device {
                 let slice = d.stream().clone_htod(data)?;
                 Ok(Buffer {
                     store: Store::Cuda {
-                        slice,
+                        slice: ManuallyDrop::new(slice),
                         device: d.clone(),
                     },
                 })
@@ -300,6 +312,27 @@ struct CudaInner {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     /// cuBLASLt handle and workspace of this device, created on first GEMM.
     blaslt: std::sync::OnceLock<Arc<crate::blaslt::BlasLt>>,
+    /// Freed buffers kept for reuse (see [`BufferCache`]).
+    cache: Mutex<BufferCache>,
+}
+
+/// Largest buffer the cache keeps: small and mid-size temporaries are where allocation cost shows.
+const CACHE_MAX_BYTES: usize = 64 << 20;
+/// Most bytes the cache holds idle (they count as memory in use while cached).
+const CACHE_CAP_BYTES: usize = 256 << 20;
+
+/// Freed device buffers by element type and length, reused by the next allocation of the same shape.
+///
+/// Each fresh allocation of a cudarc slice creates two CUDA events (cudarc orders buffers across the
+/// compute and communication streams with them) and each free destroys them: tens of microseconds per
+/// temporary, which dominates a small model's step. Reusing the slice keeps its events, so the ordering
+/// cudarc maintains stays intact; reuse happens on the same stream, after the work queued before it.
+/// Only buffers up to [`CACHE_MAX_BYTES`] are kept, at most [`CACHE_CAP_BYTES`] in all, so a large
+/// model's peak memory is not inflated by idle buffers.
+#[derive(Default)]
+struct BufferCache {
+    free: HashMap<(TypeId, usize), Vec<Box<dyn Any + Send>>>,
+    idle_bytes: usize,
 }
 
 impl CudaDevice {
@@ -325,8 +358,45 @@ impl CudaDevice {
                 compute_capability,
                 modules: Mutex::new(HashMap::new()),
                 blaslt: std::sync::OnceLock::new(),
+                cache: Mutex::new(BufferCache::default()),
             }),
         })
+    }
+
+    /// A cached freed buffer of `len` elements of `T`, if there is one.
+    fn cache_take<T: Element>(&self, len: usize) -> Option<CudaSlice<T>> {
+        let mut c = self.inner.cache.lock().ok()?;
+        let boxed = c.free.get_mut(&(TypeId::of::<T>(), len))?.pop()?;
+        let slice = boxed.downcast::<CudaSlice<T>>().ok()?;
+        c.idle_bytes = c.idle_bytes.saturating_sub(len * std::mem::size_of::<T>());
+        Some(*slice)
+    }
+
+    /// Keeps a freed buffer for reuse when it is small enough and the cache has room; frees it otherwise.
+    fn cache_put<T: Element>(&self, slice: CudaSlice<T>) {
+        let bytes = slice.len() * std::mem::size_of::<T>();
+        if bytes == 0 || bytes > CACHE_MAX_BYTES {
+            return;
+        }
+        let Ok(mut c) = self.inner.cache.lock() else {
+            return;
+        };
+        if c.idle_bytes + bytes > CACHE_CAP_BYTES {
+            return;
+        }
+        c.idle_bytes += bytes;
+        c.free
+            .entry((TypeId::of::<T>(), slice.len()))
+            .or_default()
+            .push(Box::new(slice));
+    }
+
+    /// Frees every cached buffer (e.g. before measuring memory).
+    pub fn clear_buffer_cache(&self) {
+        if let Ok(mut c) = self.inner.cache.lock() {
+            c.free.clear();
+            c.idle_bytes = 0;
+        }
     }
 
     /// Device ordinal.
@@ -568,7 +638,8 @@ pub struct Buffer<T: Element> {
 enum Store<T: Element> {
     Host(Vec<T>),
     Cuda {
-        slice: CudaSlice<T>,
+        /// Taken out only in `Drop`, to return the memory to the device's buffer cache.
+        slice: ManuallyDrop<CudaSlice<T>>,
         device: CudaDevice,
     },
 }
@@ -649,7 +720,7 @@ impl<T: Element> Buffer<T> {
     /// The CUDA slice and its device, for CUDA buffers.
     pub fn as_cuda(&self) -> Option<(&CudaSlice<T>, &CudaDevice)> {
         match &self.store {
-            Store::Cuda { slice, device } => Some((slice, device)),
+            Store::Cuda { slice, device } => Some((&**slice, device)),
             Store::Host(_) => None,
         }
     }
@@ -657,7 +728,7 @@ impl<T: Element> Buffer<T> {
     /// The CUDA slice (mutable) and its device, for CUDA buffers.
     pub fn as_cuda_mut(&mut self) -> Option<(&mut CudaSlice<T>, &CudaDevice)> {
         match &mut self.store {
-            Store::Cuda { slice, device } => Some((slice, &*device)),
+            Store::Cuda { slice, device } => Some((&mut **slice, &*device)),
             Store::Host(_) => None,
         }
     }
@@ -666,7 +737,7 @@ impl<T: Element> Buffer<T> {
     pub fn to_vec(&self) -> Result<Vec<T>, KernelError> {
         match &self.store {
             Store::Host(v) => Ok(v.clone()),
-            Store::Cuda { slice, device } => Ok(device.stream().clone_dtoh(slice)?),
+            Store::Cuda { slice, device } => Ok(device.stream().clone_dtoh(&**slice)?),
         }
     }
 
@@ -681,7 +752,7 @@ impl<T: Element> Buffer<T> {
         }
         match &mut self.store {
             Store::Host(v) => v.copy_from_slice(data),
-            Store::Cuda { slice, device } => device.stream().memcpy_htod(data, slice)?,
+            Store::Cuda { slice, device } => device.stream().memcpy_htod(data, &mut **slice)?,
         }
         Ok(())
     }
@@ -698,7 +769,7 @@ impl<T: Element> Buffer<T> {
         match (&mut self.store, &src.store) {
             (Store::Host(d), Store::Host(s)) => d.copy_from_slice(s),
             (Store::Cuda { slice: d, device }, Store::Cuda { slice: s, .. }) => {
-                device.stream().memcpy_dtod(s, d)?
+                device.stream().memcpy_dtod(&**s, &mut **d)?
             }
             _ => return Err(KernelError::WrongDevice("copy_from across devices")),
         }
@@ -712,10 +783,15 @@ impl<T: Element> Buffer<T> {
             (Store::Cuda { .. }, Device::Cpu) => Ok(Buffer::from_vec(self.to_vec()?)),
             (Store::Cuda { slice, device: src }, Device::Cuda(dst)) => {
                 if Arc::ptr_eq(&src.inner, &dst.inner) {
-                    let copy = src.stream().clone_dtod(slice)?;
+                    let mut copy = match dst.cache_take::<T>(slice.len()) {
+                        Some(c) => c,
+                        // SAFETY: plain-old-data elements, overwritten by the copy just below.
+                        None => unsafe { dst.stream().alloc::<T>(slice.len()) }?,
+                    };
+                    dst.stream().memcpy_dtod(&**slice, &mut copy)?;
                     Ok(Buffer {
                         store: Store::Cuda {
-                            slice: copy,
+                            slice: ManuallyDrop::new(copy),
                             device: dst.clone(),
                         },
                     })
@@ -730,7 +806,7 @@ impl<T: Element> Buffer<T> {
     pub fn fill_zero(&mut self) -> Result<(), KernelError> {
         match &mut self.store {
             Store::Host(v) => v.fill(T::default()),
-            Store::Cuda { slice, device } => device.stream().memset_zeros(slice)?,
+            Store::Cuda { slice, device } => device.stream().memset_zeros(&mut **slice)?,
         }
         Ok(())
     }
@@ -777,9 +853,14 @@ impl<T: Element> Buffer<T> {
 
 impl<T: Element> Drop for Buffer<T> {
     fn drop(&mut self) {
-        // CUDA buffers are counted by the device's pool; only host bytes are tracked here.
-        if let Store::Host(v) = &self.store {
-            host_free(std::mem::size_of_val(v.as_slice()));
+        match &mut self.store {
+            // CUDA buffers are counted by the device's pool; only host bytes are tracked here.
+            Store::Host(v) => host_free(std::mem::size_of_val(v.as_slice())),
+            Store::Cuda { slice, device } => {
+                // SAFETY: `slice` is taken exactly once, here, and the store is not used afterwards.
+                let slice = unsafe { ManuallyDrop::take(slice) };
+                device.cache_put(slice);
+            }
         }
     }
 }
