@@ -72,4 +72,6 @@ pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
 pub use export::{export_full, ExportDtype};
 pub use optimizer::{step_model, Optimizer};
-pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};
+pub use schedule::{
+    ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr, WarmupCosine,
+};
