@@ -298,7 +298,10 @@ impl<T: Activation> Linear<T> {
             .as_ref()
             .ok_or_else(|| NnError::usage(&self.name, "no FP8 input was prepared"))?;
         let (inf, outf, tokens) = (self.in_features, self.out_features, saved.tokens);
-        if x_q.len() != tokens * inf || out_shape.numel() != tokens * outf {
+        if x_q.len() != tokens * inf
+            || out_shape.numel() != tokens * outf
+            || out_shape.last() != outf
+        {
             return Err(NnError::usage(
                 &self.name,
                 format!(
@@ -307,6 +310,8 @@ impl<T: Activation> Linear<T> {
                 ),
             ));
         }
+        // The backward checks its output gradient against the input shape (a fused producer's
+        // forward does not pass through `forward`).
         self.in_shape = Some(out_shape.with_last(inf)?);
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();

@@ -267,6 +267,25 @@ impl MlpBench {
         })
     }
 
+    /// The input, `[tokens, d]` row-major (a host copy).
+    pub fn input(&self) -> Result<Vec<bf16>, MlpError> {
+        Ok(self.input.to_vec()?)
+    }
+
+    /// Replaces the input (`[tokens, d]` row-major): e.g. a different input per rank, as data
+    /// parallelism feeds them (the default input is the same on every rank).
+    pub fn set_input(&mut self, x: &[bf16]) -> Result<(), MlpError> {
+        let n = self.config.tokens * self.config.d;
+        if x.len() != n {
+            return Err(MlpError::Config(format!(
+                "an input of {} values; the bench takes tokens x d = {n}",
+                x.len()
+            )));
+        }
+        self.input = self.device().upload(x)?;
+        Ok(())
+    }
+
     /// Turns per-phase timing (forward, backward, optimizer) on; totals accumulate over later steps.
     pub fn enable_profile(&mut self) {
         self.profiler = Some(Profiler::new(self.device().clone()));
