@@ -445,6 +445,8 @@ impl<T: Activation> Linear<T> {
         if let Some(dw) = dw32 {
             ctx.add_grad(self.weight, &dw)?;
         }
+        // The saved input is spent: free it now rather than hold it through the optimizer step.
+        self.fp8_saved = None;
         Ok(dx)
     }
 
