@@ -6,8 +6,9 @@ use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
 use crate::sampler::{DistributedSampler, Remainder};
 use fp8_core::Fp8Format;
+use fp8_kernels::elementwise;
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
-use fp8_kernels::ops::{self, nll_stat};
+use fp8_kernels::softmax::nll_stat;
 use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
 use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
 use fsdp_nn::LinearPrecision;
@@ -710,7 +711,7 @@ fn run_rank(
             let images = images.to_device(&device)?;
             model.forward(Mode::Train, |net, ctx| net.forward(ctx, images, labels))?;
             let stats = model.module().loss_stats()?;
-            ops::axpy(rows as f32, stats, &mut loss_acc)?;
+            elementwise::axpy(rows as f32, stats, &mut loss_acc)?;
             if !device.is_cuda() {
                 step_losses.push(stats.to_vec()?[nll_stat::MEAN_LOSS]);
             }
