@@ -1,7 +1,9 @@
 //! The NCCL backend: one process per GPU.
 //!
-//! The communicator is owned over `cudarc::nccl::{result, sys}` rather than cudarc's safe `Comm`
-//! (which blocks in init, is not `Send`, hides its handle and panics when abort fails):
+//! The communicator is owned over cudarc's NCCL wrappers `cudarc::nccl::result` rather than its safe
+//! `Comm` (which blocks in init, is not `Send`, hides its handle and panics when abort fails); the raw
+//! bindings (`cudarc::nccl::sys`) are used only where `result` has no wrapper: the non-blocking init
+//! configuration (`ncclConfig_t`), `ncclCommGetAsyncError`, and the error strings.
 //!
 //! - init is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`), polled with
 //!   `ncclCommGetAsyncError` until ready or until the init deadline, then aborted;
@@ -14,136 +16,40 @@
 //!
 //! FP8 sums use NCCL's native FP8 types (`ncclFloat8e4m3`, `ncclFloat8e5m2`: NCCL >= 2.24, sm_90);
 //! gathers and broadcasts of FP8 payloads move bytes. NCCL's `Avg` is never used.
+//!
+//! Files: this one holds [`NcclComm`] (init, issue, the [`Communicator`] implementation); `library.rs`
+//! the calls into the NCCL library (types, status, errors, the init configuration); `watchdog.rs` the
+//! shared state of a communicator and the thread that aborts it.
+
+mod library;
+mod watchdog;
+
+pub use library::{
+    nccl_dtype, nccl_library_status, nccl_op, nccl_version, unique_id, Fp8E4M3Byte, Fp8E5M2Byte,
+    NCCL_FP8_MIN_VERSION,
+};
 
 use crate::collective::{
-    Collective, CommDType, CommWork, Communicator, FailureFlag, RecvBuf, ReduceOp, SendBuf,
+    Collective, CommDType, CommWork, Communicator, RecvBuf, ReduceOp, SendBuf,
 };
 use crate::error::CommError;
 use crate::rendezvous::{self, DistEnv};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
-use fp8_core::Fp8Format;
-use fp8_kernels::{Buffer, CudaDevice, Device, Element, GpuEvent};
-use std::ffi::{c_void, CStr};
+use fp8_kernels::{Buffer, CudaDevice, Device, Element};
+use library::{async_state, nccl_config, nccl_error, progress, Progress};
+use std::ffi::c_void;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use watchdog::{watchdog, Handle, Pending, Shared};
 
 /// Default bound on one collective (and on init).
 pub const DEFAULT_NCCL_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The first NCCL release with FP8 types: `NCCL_VERSION(2, 24, 0)`.
-pub const NCCL_FP8_MIN_VERSION: i32 = 22400;
-
-/// An E4M3 byte as NCCL sees it (`ncclFloat8e4m3`), for cudarc's typed NCCL API.
-#[repr(transparent)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Fp8E4M3Byte(pub u8);
-
-/// An E5M2 byte as NCCL sees it (`ncclFloat8e5m2`).
-#[repr(transparent)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Fp8E5M2Byte(pub u8);
-
-impl cudarc::nccl::NcclType for Fp8E4M3Byte {
-    fn as_nccl_type() -> sys::ncclDataType_t {
-        sys::ncclDataType_t::ncclFloat8e4m3
-    }
-}
-
-impl cudarc::nccl::NcclType for Fp8E5M2Byte {
-    fn as_nccl_type() -> sys::ncclDataType_t {
-        sys::ncclDataType_t::ncclFloat8e5m2
-    }
-}
-
-/// NCCL's element type for `dtype`; reductions of FP8 use NCCL's FP8 types, moves use bytes.
-pub fn nccl_dtype(dtype: CommDType, reduction: bool) -> sys::ncclDataType_t {
-    use sys::ncclDataType_t as T;
-    match dtype {
-        CommDType::F32 => T::ncclFloat32,
-        CommDType::BF16 => T::ncclBfloat16,
-        CommDType::F16 => T::ncclFloat16,
-        CommDType::Bytes => T::ncclUint8,
-        CommDType::Fp8(_) if !reduction => T::ncclUint8,
-        CommDType::Fp8(Fp8Format::E4M3) => T::ncclFloat8e4m3,
-        CommDType::Fp8(Fp8Format::E5M2) => T::ncclFloat8e5m2,
-    }
-}
-
-/// NCCL's reduction for `op` (never `ncclAvg`).
-pub fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    match op {
-        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
-    }
-}
-
-/// Whether NCCL (and the CUDA driver) can be loaded. cudarc panics on first use of a missing library,
-/// so this runs before any NCCL call.
-pub fn nccl_library_status() -> Result<(), CommError> {
-    fp8_kernels::device::cuda_library_status()
-        .map_err(|e| CommError::NcclUnavailable(e.to_string()))?;
-    // SAFETY: only tries to dlopen the library; nothing is called.
-    let present = unsafe { sys::is_culib_present() };
-    if present {
-        Ok(())
-    } else {
-        Err(CommError::NcclUnavailable(
-            "libnccl could not be loaded (is libnccl.so on LD_LIBRARY_PATH?)".into(),
-        ))
-    }
-}
-
-/// The NCCL library version, e.g. 22809 for 2.28.9.
-pub fn nccl_version() -> Result<i32, CommError> {
-    nccl_library_status()?;
-    cudarc::nccl::result::get_nccl_version().map_err(|e| nccl_error("ncclGetVersion", e.0, None))
-}
-
-/// A fresh NCCL unique id (rank 0 makes it and hands it out through the rendezvous).
-pub fn unique_id() -> Result<[u8; 128], CommError> {
-    nccl_library_status()?;
-    let id = cudarc::nccl::result::get_uniqueid()
-        .map_err(|e| nccl_error("ncclGetUniqueId", e.0, None))?;
-    Ok(id.internal.map(|c| c as u8))
-}
-
-fn nccl_error(
-    call: &'static str,
-    code: sys::ncclResult_t,
-    comm: Option<sys::ncclComm_t>,
-) -> CommError {
-    // SAFETY: ncclGetErrorString returns a static C string for any code (or null).
-    let mut message = unsafe { c_string(sys::ncclGetErrorString(code)) };
-    if let Some(c) = comm.filter(|c| !c.is_null()) {
-        // SAFETY: `c` is a live communicator (callers hold its lock and checked it is not aborted).
-        let last = unsafe { c_string(sys::ncclGetLastError(c)) };
-        if !last.is_empty() {
-            message = format!("{message}; {last}");
-        }
-    }
-    CommError::Nccl {
-        call,
-        code: format!("{code:?}"),
-        message,
-    }
-}
-
-/// # Safety
-/// `p` is null or a NUL-terminated string valid for the duration of the call.
-unsafe fn c_string(p: *const std::ffi::c_char) -> String {
-    if p.is_null() {
-        String::new()
-    } else {
-        // SAFETY: guaranteed by the caller.
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-    }
-}
 
 /// Timeouts of the NCCL backend.
 #[derive(Debug, Clone)]
@@ -178,184 +84,6 @@ impl NcclConfig {
             rendezvous_timeout: t,
             ..Default::default()
         }
-    }
-}
-
-struct Handle {
-    comm: sys::ncclComm_t,
-    aborted: bool,
-}
-
-// SAFETY: an NCCL communicator may be used from any thread as long as calls are not concurrent; every
-// use goes through the Mutex that owns this handle.
-unsafe impl Send for Handle {}
-
-struct Pending {
-    op: &'static str,
-    event: GpuEvent,
-    deadline: Instant,
-}
-
-struct Shared {
-    rank: usize,
-    handle: Mutex<Handle>,
-    failure: FailureFlag,
-    pending: Mutex<Vec<Pending>>,
-    stop: AtomicBool,
-    timeout: Duration,
-    poll: Duration,
-}
-
-impl Shared {
-    fn lock(&self) -> Result<MutexGuard<'_, Handle>, CommError> {
-        self.handle
-            .lock()
-            .map_err(|_| CommError::Poisoned("NCCL handle lock poisoned".into()))
-    }
-
-    fn failure(&self) -> Option<CommError> {
-        self.failure.lock().ok().and_then(|g| g.clone())
-    }
-
-    fn set_failure(&self, e: CommError) {
-        if let Ok(mut g) = self.failure.lock() {
-            if g.is_none() {
-                *g = Some(e);
-            }
-        }
-    }
-
-    /// Records `e` and aborts the communicator (once). The lock must be held by the caller.
-    fn abort_locked(&self, h: &mut Handle, e: CommError) {
-        self.set_failure(e);
-        if !h.aborted && !h.comm.is_null() {
-            // SAFETY: the communicator is live (not aborted) and we hold its lock. Its result is not
-            // used: after abort the handle is never touched again.
-            unsafe {
-                sys::ncclCommAbort(h.comm);
-            }
-        }
-        h.aborted = true;
-        if let Ok(mut p) = self.pending.lock() {
-            p.clear();
-        }
-    }
-
-    /// Polls `ncclCommGetAsyncError` until the communicator is idle (`ncclSuccess`).
-    fn wait_ready(&self, what: &'static str, deadline: Instant) -> Result<(), CommError> {
-        loop {
-            {
-                let mut h = self.lock()?;
-                if h.aborted {
-                    return Err(self
-                        .failure()
-                        .unwrap_or_else(|| CommError::Aborted("communicator aborted".into())));
-                }
-                let mut st = sys::ncclResult_t::ncclSuccess;
-                // SAFETY: live communicator under its lock; `st` is a valid out pointer.
-                let r = unsafe { sys::ncclCommGetAsyncError(h.comm, &mut st) };
-                if r != sys::ncclResult_t::ncclSuccess {
-                    let e = nccl_error("ncclCommGetAsyncError", r, Some(h.comm));
-                    self.abort_locked(&mut h, e.clone());
-                    return Err(e);
-                }
-                match st {
-                    sys::ncclResult_t::ncclSuccess => return Ok(()),
-                    sys::ncclResult_t::ncclInProgress => {
-                        if Instant::now() >= deadline {
-                            let e = CommError::Aborted(format!(
-                                "{what} was still in progress on rank {} after its deadline (a peer \
-                                 did not join or is stuck)",
-                                self.rank
-                            ));
-                            self.abort_locked(&mut h, e.clone());
-                            return Err(e);
-                        }
-                    }
-                    other => {
-                        let e = nccl_error(what, other, Some(h.comm));
-                        self.abort_locked(&mut h, e.clone());
-                        return Err(e);
-                    }
-                }
-            }
-            std::thread::sleep(self.poll);
-        }
-    }
-}
-
-fn watchdog(shared: Arc<Shared>, ctx: Arc<cudarc::driver::CudaContext>) {
-    // Event queries need the context current on this thread.
-    let _ = ctx.bind_to_thread();
-    // Coarser than host waits: deadlines are seconds to minutes, the lock is shared with issuing.
-    let interval = (shared.poll * 10).min(Duration::from_millis(100));
-    while !shared.stop.load(Ordering::Acquire) {
-        std::thread::sleep(interval);
-        let now = Instant::now();
-        let expired = match shared.pending.lock() {
-            Ok(mut p) => {
-                p.retain(|w| !w.event.is_complete());
-                p.iter().find(|w| now >= w.deadline).map(|w| w.op)
-            }
-            Err(_) => None,
-        };
-        let Ok(mut h) = shared.handle.lock() else {
-            return;
-        };
-        if h.aborted {
-            continue;
-        }
-        let mut st = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: live communicator under its lock; `st` is a valid out pointer.
-        let r = unsafe { sys::ncclCommGetAsyncError(h.comm, &mut st) };
-        let err = if r != sys::ncclResult_t::ncclSuccess {
-            Some(nccl_error("ncclCommGetAsyncError", r, Some(h.comm)))
-        } else if !matches!(
-            st,
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-        ) {
-            Some(nccl_error("asynchronous operation", st, Some(h.comm)))
-        } else {
-            expired.map(|op| {
-                CommError::Aborted(format!(
-                    "NCCL {op} did not finish within {:?} on rank {} (a peer is missing, stuck or \
-                     dead); the watchdog aborted the communicator",
-                    shared.timeout, shared.rank
-                ))
-            })
-        };
-        if let Some(e) = err {
-            shared.abort_locked(&mut h, e);
-        }
-    }
-}
-
-fn nccl_config(version: i32) -> sys::ncclConfig_t {
-    // NCCL_CONFIG_INITIALIZER: undefined fields are INT_MIN / NULL so NCCL applies its defaults. NCCL
-    // reads at most its own struct size and only the fields its `version` knows, so the newer layout
-    // in cudarc's bindings is accepted by older 2.2x libraries.
-    const UNDEF: std::ffi::c_int = i32::MIN;
-    sys::ncclConfig_t {
-        size: std::mem::size_of::<sys::ncclConfig_t>(),
-        magic: 0xcafe_beef,
-        version: version as std::ffi::c_uint,
-        blocking: 0,
-        cgaClusterSize: UNDEF,
-        minCTAs: UNDEF,
-        maxCTAs: UNDEF,
-        netName: std::ptr::null(),
-        splitShare: UNDEF,
-        trafficClass: UNDEF,
-        commName: std::ptr::null(),
-        collnetEnable: UNDEF,
-        CTAPolicy: UNDEF,
-        shrinkShare: UNDEF,
-        nvlsCTAs: UNDEF,
-        nChannelsPerNetPeer: UNDEF,
-        nvlinkCentricSched: UNDEF,
-        graphUsageMode: UNDEF,
-        numRmaCtx: UNDEF,
-        maxP2pPeers: UNDEF,
     }
 }
 
@@ -448,20 +176,26 @@ impl NcclComm {
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` and `config` are valid for writes/reads for the call; the context of the
         // target GPU is current on this thread (NCCL uses the current device).
-        let r = unsafe {
-            sys::ncclCommInitRankConfig(&mut comm, world_size as i32, uid, rank as i32, &mut config)
+        let r = progress(unsafe {
+            result::comm_init_rank_config(
+                &mut comm,
+                world_size as i32,
+                uid,
+                rank as i32,
+                &mut config,
+            )
+        });
+        // A null communicator with a success code is an error too (NCCL's own failure reporting aside).
+        let failed = match r {
+            Err(code) => Some(code),
+            Ok(_) if comm.is_null() => Some(sys::ncclResult_t::ncclSuccess),
+            Ok(_) => None,
         };
-        if !matches!(
-            r,
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-        ) || comm.is_null()
-        {
-            let e = nccl_error("ncclCommInitRankConfig", r, None);
+        if let Some(code) = failed {
+            let e = nccl_error("ncclCommInitRankConfig", code, None);
             if !comm.is_null() {
                 // SAFETY: a communicator NCCL handed back; aborted once and never used again.
-                unsafe {
-                    sys::ncclCommAbort(comm);
-                }
+                let _ = unsafe { result::comm_abort(comm) };
             }
             return Err(e);
         }
@@ -618,7 +352,7 @@ impl NcclComm {
     fn issue(
         &self,
         op: &'static str,
-        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<NcclStatus, NcclError>,
     ) -> Result<CommWork, CommError> {
         if let Some(e) = self.shared.failure() {
             return Err(e);
@@ -635,18 +369,16 @@ impl NcclComm {
                     .failure()
                     .unwrap_or_else(|| CommError::Aborted("communicator aborted".into())));
             }
-            let r = call(h.comm, stream.cu_stream() as sys::cudaStream_t);
-            if !matches!(
-                r,
-                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-            ) {
-                let e = nccl_error(op, r, Some(h.comm));
-                self.shared.abort_locked(&mut h, e.clone());
-                return Err(e);
+            match progress(call(h.comm, stream.cu_stream() as sys::cudaStream_t)) {
+                Ok(p) => p,
+                Err(code) => {
+                    let e = nccl_error(op, code, Some(h.comm));
+                    self.shared.abort_locked(&mut h, e.clone());
+                    return Err(e);
+                }
             }
-            r
         };
-        if r == sys::ncclResult_t::ncclInProgress {
+        if r == Progress::InProgress {
             // Non-blocking communicators may still be enqueueing (e.g. connecting on first use).
             self.shared.wait_ready(op, deadline)?;
         }
@@ -684,32 +416,26 @@ impl Drop for NcclComm {
         // Finalize flushes outstanding work (non-blocking: poll it), then destroy; abort if that fails or
         // does not finish in time.
         // SAFETY: live communicator under its lock.
-        let r = unsafe { sys::ncclCommFinalize(h.comm) };
-        let mut finalized = matches!(
-            r,
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-        );
+        let mut finalized = progress(unsafe { result::comm_finalize(h.comm) }).is_ok();
         let deadline = Instant::now() + self.shared.timeout;
         while finalized {
-            let mut st = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: live communicator under its lock; valid out pointer.
-            let r = unsafe { sys::ncclCommGetAsyncError(h.comm, &mut st) };
-            if r != sys::ncclResult_t::ncclSuccess {
-                finalized = false;
-            } else if st == sys::ncclResult_t::ncclSuccess {
-                break;
-            } else if st != sys::ncclResult_t::ncclInProgress || Instant::now() >= deadline {
-                finalized = false;
-            } else {
-                std::thread::sleep(self.shared.poll);
+            // SAFETY: live communicator (finalizing, not destroyed) under its lock.
+            match unsafe { async_state(h.comm) } {
+                Err(_) => finalized = false,
+                Ok(sys::ncclResult_t::ncclSuccess) => break,
+                Ok(sys::ncclResult_t::ncclInProgress) if Instant::now() < deadline => {
+                    std::thread::sleep(self.shared.poll)
+                }
+                Ok(_) => finalized = false,
             }
         }
-        // SAFETY: live communicator; it is released here and never used again.
+        // SAFETY: live communicator; it is released here and never used again. The results are not
+        // used: nothing is left to report to from a drop.
         unsafe {
             if finalized {
-                sys::ncclCommDestroy(h.comm);
+                let _ = result::comm_destroy(h.comm);
             } else {
-                sys::ncclCommAbort(h.comm);
+                let _ = result::comm_abort(h.comm);
             }
         }
         h.aborted = true;
@@ -769,7 +495,7 @@ impl Communicator for NcclComm {
                     // SAFETY: device pointers of live buffers with the validated lengths
                     // (recv = world_size * send elements) on this communicator's GPU.
                     unsafe {
-                        sys::ncclAllGather(
+                        result::all_gather(
                             s as usize as *const c_void,
                             r as usize as *mut c_void,
                             send_len,
@@ -786,7 +512,7 @@ impl Communicator for NcclComm {
                 self.issue(name, |comm, st| {
                     // SAFETY: validated lengths (send = world_size * recv elements), live buffers.
                     unsafe {
-                        sys::ncclReduceScatter(
+                        result::reduce_scatter(
                             s as usize as *const c_void,
                             r as usize as *mut c_void,
                             recv_len,
@@ -804,7 +530,7 @@ impl Communicator for NcclComm {
                 self.issue(name, |comm, st| {
                     // SAFETY: equal validated lengths, live buffers.
                     unsafe {
-                        sys::ncclAllReduce(
+                        result::all_reduce(
                             s as usize as *const c_void,
                             r as usize as *mut c_void,
                             recv_len,
@@ -821,7 +547,7 @@ impl Communicator for NcclComm {
                 self.issue(name, |comm, st| {
                     // SAFETY: in place (send == recv) is allowed by NCCL; live buffer.
                     unsafe {
-                        sys::ncclAllReduce(
+                        result::all_reduce(
                             p as usize as *const c_void,
                             p as usize as *mut c_void,
                             recv_len,
@@ -839,7 +565,7 @@ impl Communicator for NcclComm {
                 self.issue(name, |comm, st| {
                     // SAFETY: equal validated lengths, root checked below world_size, live buffers.
                     unsafe {
-                        sys::ncclBroadcast(
+                        result::broadcast(
                             s as usize as *const c_void,
                             r as usize as *mut c_void,
                             recv_len,
@@ -856,7 +582,7 @@ impl Communicator for NcclComm {
                 self.issue(name, |comm, st| {
                     // SAFETY: in place is allowed by NCCL; root checked; live buffer.
                     unsafe {
-                        sys::ncclBroadcast(
+                        result::broadcast(
                             p as usize as *const c_void,
                             p as usize as *mut c_void,
                             recv_len,
@@ -875,46 +601,6 @@ impl Communicator for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn types_and_ops_map_to_nccl_without_avg() {
-        use sys::ncclDataType_t as T;
-        assert_eq!(
-            nccl_dtype(CommDType::Fp8(Fp8Format::E4M3), true),
-            T::ncclFloat8e4m3
-        );
-        assert_eq!(
-            nccl_dtype(CommDType::Fp8(Fp8Format::E5M2), true),
-            T::ncclFloat8e5m2
-        );
-        assert_eq!(
-            nccl_dtype(CommDType::Fp8(Fp8Format::E5M2), false),
-            T::ncclUint8
-        );
-        assert_eq!(nccl_dtype(CommDType::BF16, true), T::ncclBfloat16);
-        assert_eq!(nccl_dtype(CommDType::F16, true), T::ncclFloat16);
-        assert_eq!(nccl_dtype(CommDType::F32, false), T::ncclFloat32);
-        assert_eq!(nccl_dtype(CommDType::Bytes, false), T::ncclUint8);
-        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
-            assert_ne!(nccl_op(op), sys::ncclRedOp_t::ncclAvg);
-        }
-        assert_eq!(
-            <Fp8E4M3Byte as cudarc::nccl::NcclType>::as_nccl_type(),
-            T::ncclFloat8e4m3
-        );
-        assert_eq!(std::mem::size_of::<Fp8E5M2Byte>(), 1);
-    }
-
-    #[test]
-    fn config_is_non_blocking_with_nccl_defaults() {
-        let c = nccl_config(22809);
-        assert_eq!(c.magic, 0xcafe_beef);
-        assert_eq!(c.version, 22809);
-        assert_eq!(c.blocking, 0);
-        assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
-        assert_eq!(c.minCTAs, i32::MIN);
-        assert!(c.netName.is_null());
-    }
 
     #[test]
     fn missing_nccl_is_an_error_not_a_panic() {
