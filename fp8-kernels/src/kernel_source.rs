@@ -40,7 +40,7 @@ macro_rules! kernel_module {
     };
 }
 
-/// FP8 casts, amax, dequantization (also accumulated into a shard), cast + transpose, float conversions.
+/// FP8 casts, amax, dequantization (also accumulated into a destination), cast + transpose, conversions.
 pub const CAST_MODULE: KernelModule =
     kernel_module!("fp8_kernels_cast", ["cuda/common.cuh", "src/cast/cast.cu"]);
 

@@ -276,7 +276,7 @@ impl AdamGrad for bf16 {
     }
 }
 
-/// Low-precision optimizer states of one shard: f16 master, FP8 E4M3 first moment, f16 second moment.
+/// Low-precision Adam states: f16 master, FP8 E4M3 first moment, f16 second moment.
 #[derive(Debug)]
 pub struct LowPrecisionAdamState<'a> {
     /// Master weights (`decode * master scale_inv`).

@@ -13,8 +13,9 @@
 //!
 //! Amax rules (both devices): the amax is the largest `|x|`; NaN inputs never raise it (they are
 //! encoded as NaN); an infinite input makes it infinite. Amax outputs *accumulate*:
-//! `slot = max(slot, amax(x))`, so several casts (micro-batches, or shards) can share a slot; zero the
-//! slot to start afresh (the scaling-meta update of [`crate::scaling`] does that for its own slot).
+//! `slot = max(slot, amax(x))`, so several casts (micro-batches, or pieces of one tensor) can share a
+//! slot; zero the slot to start afresh (the scaling-meta update of [`crate::scaling`] does that for its
+//! own slot).
 
 mod cpu;
 mod cuda;
@@ -242,7 +243,7 @@ pub fn dequantize_fp8<T: FloatElement>(
 
 /// Dequantizes and accumulates: `dst[i] += decode(q[i]) * scale_inv[0]` (the product rounded to f32,
 /// then the f32 sum, rounded to the destination type: exact for f32, nearest even for bf16). `dst` is
-/// f32 or bf16 (e.g. a reduced FP8 chunk added into a gradient shard).
+/// f32 or bf16 (e.g. a reduced FP8 chunk added into a wider accumulator).
 pub fn add_decoded_fp8<D: FloatElement>(
     dst: &mut Buffer<D>,
     q: &Buffer<u8>,

@@ -226,7 +226,7 @@ impl<T: Element> Buffer<T> {
     }
 
     /// Copies `len` elements of `src` starting at `src_offset` into this buffer at `dst_offset` (same
-    /// device; a device-to-device copy on CUDA). FSDP uses it to cut parameters out of flat buffers.
+    /// device; a device-to-device copy on CUDA), e.g. to cut a tensor out of a flat buffer.
     pub fn copy_range_from(
         &mut self,
         dst_offset: usize,

@@ -6,7 +6,7 @@
 //! ordered by [`GpuEvent`]s.
 //!
 //! This module depends on no kernel family: state a family keeps per GPU (cuBLASLt handles, for one)
-//! lives in a typed slot of the device ([`CudaDevice::state`]) that the family creates on first use.
+//! lives in a typed slot of the device (`CudaDevice::state`) that the family creates on first use.
 
 mod buffer;
 mod element;
