@@ -10,7 +10,7 @@
 //!
 //! | family | kernels |
 //! | --- | --- |
-//! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, float conversions |
+//! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, conversions |
 //! | [`scaling`] | scales from amaxes: the delayed-scaling meta update, the scale of one amax |
 //! | [`gemm`] | F32, BF16 and FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
 //! | [`elementwise`] | bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset |
