@@ -13,7 +13,7 @@
 //!   amaxes are agreed across ranks in the optimizer's single all-reduce and the scales recomputed.
 //!
 //! Bias: `y` is set to the broadcast bias, then the GEMM accumulates into it (`beta = 1`); the bias
-//! gradient is the column sum of `dy` in a fixed order (`ops::sum_over_rows`).
+//! gradient is the column sum of `dy` in a fixed order (`reduce::sum_over_rows`).
 //!
 //! A fused producer (LayerNorm or GELU fused with the E4M3 cast) can write the layer's FP8 input itself:
 //! [`Linear::fp8_input`] hands out the buffers and [`Linear::forward_fp8_codes`] runs the GEMM.
@@ -23,11 +23,11 @@ use crate::layer::{Activation, Layer};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, QType, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
-use fp8_kernels::ops;
 use fp8_kernels::{
     cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
     GemmSpec, Transpose,
 };
+use fp8_kernels::{elementwise, reduce};
 use fsdp_shard::{
     Ctx, GatheredParam, GradDtype, Module, ParamDecl, ParamId, ParamKind, ScalingDecl, ScalingId,
     ShardError, Visitor,
@@ -565,7 +565,7 @@ impl<T: Activation> Linear<T> {
             return Ok(None);
         }
         let mut db = dev.uninit::<f32>(self.out_features)?;
-        ops::sum_over_rows(dy.data(), tokens, self.out_features, &mut db)?;
+        reduce::sum_over_rows(dy.data(), tokens, self.out_features, &mut db)?;
         Ok(Some(db))
     }
 
@@ -673,7 +673,7 @@ impl<T: Activation> Linear<T> {
                 gemm(&dw_spec, &dy16, &x16, &mut dw)?;
                 let db = if self.has_bias {
                     let mut db = dev.uninit::<f32>(outf)?;
-                    ops::sum_over_rows(&dy16, tokens, outf, &mut db)?;
+                    reduce::sum_over_rows(&dy16, tokens, outf, &mut db)?;
                     Some(db)
                 } else {
                     None
@@ -730,7 +730,7 @@ fn broadcast_bias<O: GemmOutput>(
     y: &mut Buffer<O>,
 ) -> Result<(), NnError> {
     y.fill_zero()?;
-    ops::bias_add(y, bias, tokens, bias.len())?;
+    elementwise::bias_add(y, bias, tokens, bias.len())?;
     Ok(())
 }
 

@@ -14,8 +14,8 @@ use crate::activation::Gelu;
 use crate::layer::{Activation, Layer};
 use crate::linear::{Linear, LinearPrecision, WeightInit};
 use crate::{NnError, Tensor};
-use fp8_kernels::fused::{gelu_backward_cast_fp8, gelu_cast_fp8};
-use fp8_kernels::ops::{self, GeluApprox};
+use fp8_kernels::elementwise::{self, GeluApprox};
+use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
 /// `down(gelu(up(x)))`, `up: d -> hidden`, `down: hidden -> d`, no biases; parameters `c_fc.weight` and
@@ -261,7 +261,7 @@ impl<T: Activation> Layer<T> for MlpBlock<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         let mut y = self.mlp.forward_ref(ctx, &x)?;
         // y = branch + x, in place (one rounding, as x + branch).
-        ops::axpy(1.0, x.data(), y.data_mut())?;
+        elementwise::axpy(1.0, x.data(), y.data_mut())?;
         Ok(y)
     }
 
@@ -278,7 +278,7 @@ impl<T: Activation> Layer<T> for MlpBlock<T> {
         let branch =
             branch.ok_or_else(|| NnError::usage("MlpBlock", "no gradient from the MLP"))?;
         // dx = dy + d(branch)/dx, in place.
-        ops::axpy(1.0, branch.data(), dy.data_mut())?;
+        elementwise::axpy(1.0, branch.data(), dy.data_mut())?;
         Ok(Some(dy))
     }
 

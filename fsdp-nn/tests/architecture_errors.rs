@@ -67,7 +67,7 @@ impl Cross {
         let spec = fp8_kernels::GemmSpec::new(rows, D, D)
             .transposes(fp8_kernels::Transpose::No, fp8_kernels::Transpose::Yes);
         let [w, b] = ctx.params([self.head.w, self.head.bias])?;
-        fp8_kernels::ops::bias_add(y.data_mut(), plain(b)?, rows, D)?;
+        fp8_kernels::elementwise::bias_add(y.data_mut(), plain(b)?, rows, D)?;
         let spec = spec.scalars(1.0, 1.0);
         fp8_kernels::gemm::gemm_f32(&spec, x.data(), plain(w)?, y.data_mut())?;
         self.head.x = Some(x);

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{full_grad, grad_shards, on_ranks, values, TestResult};
-use fp8_kernels::ops::{gelu_grad_scalar, gelu_scalar, GeluApprox};
+use fp8_kernels::elementwise::{gelu_grad_scalar, gelu_scalar, GeluApprox};
 use fp8_kernels::CpuParallelism;
 use fsdp_nn::{
     Conv2d, Dropout, Flatten, Gelu, Layer, Linear, LinearPrecision, LogSoftmaxNll, MaxPool2d,

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{bits, on_ranks, values, TestResult};
-use fp8_kernels::ops::scale;
+use fp8_kernels::elementwise::scale;
 use fsdp_nn::{Layer, LinearPrecision, Mlp, MlpBlock, Recompute, Shape, Tensor};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdamW};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};

@@ -6,7 +6,7 @@
 use super::{
     attention_module, AttentionKernel, AttentionShape, DqAccumulation, LayoutProbe, ResolvedConfig,
 };
-use crate::kernel_source::{function, sm_count};
+use crate::launch::{function, sm_count};
 use crate::{CudaDevice, KernelError};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};

@@ -12,7 +12,7 @@
 pub mod profile;
 
 use crate::mlp::profile::{Phase, Profiler};
-use fp8_kernels::ops::scale;
+use fp8_kernels::elementwise::scale;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
 use fsdp_comm::Communicator;

@@ -8,8 +8,9 @@ pub use crate::run_setup::DeviceChoice;
 use crate::run_setup::{launch_ranks, RankLaunch, RunOutputs};
 use crate::sampler::{DistributedSampler, Remainder};
 use fp8_core::Fp8Format;
+use fp8_kernels::elementwise;
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
-use fp8_kernels::ops::{self, nll_stat};
+use fp8_kernels::softmax::nll_stat;
 use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::LinearPrecision;
@@ -777,7 +778,7 @@ fn run_rank(
             let images = images.to_device(&device)?;
             model.forward(Mode::Train, |net, ctx| net.forward(ctx, images, labels))?;
             let stats = model.module().loss_stats()?;
-            ops::axpy(rows as f32, stats, &mut loss_acc)?;
+            elementwise::axpy(rows as f32, stats, &mut loss_acc)?;
             if !device.is_cuda() {
                 step_losses.push(stats.to_vec()?[nll_stat::MEAN_LOSS]);
             }

@@ -7,7 +7,7 @@
 
 use super::{values, TestResult};
 use fp8_kernels::gemm::gemm_f32;
-use fp8_kernels::{ops, Buffer, GemmSpec, Transpose};
+use fp8_kernels::{elementwise, reduce, Buffer, GemmSpec, Transpose};
 use fsdp_comm::Communicator;
 use fsdp_nn::init::{normal, stream_seed};
 use fsdp_nn::{
@@ -147,7 +147,7 @@ impl Head {
             .scalars(1.0, 1.0)
             .parallelism(ctx.cpu_parallelism());
         let [e, b] = ctx.params([self.weight_id(), self.bias])?;
-        ops::bias_add(y.data_mut(), plain(b)?, rows, self.vocab)?;
+        elementwise::bias_add(y.data_mut(), plain(b)?, rows, self.vocab)?;
         gemm_f32(&spec, h.data(), plain(e)?, y.data_mut())?;
         self.h = ctx.is_training().then_some(h);
         Ok(y)
@@ -166,7 +166,7 @@ impl Head {
             .parallelism(ctx.cpu_parallelism());
         gemm_f32(&spec, dy.data(), h.data(), &mut de)?;
         let mut db = dev.uninit::<f32>(self.vocab)?;
-        ops::sum_over_rows(dy.data(), rows, self.vocab, &mut db)?;
+        reduce::sum_over_rows(dy.data(), rows, self.vocab, &mut db)?;
         let mut dh = Tensor::uninit(&dev, Shape::matrix(rows, self.d)?)?;
         let spec = GemmSpec::new(rows, self.d, self.vocab).parallelism(ctx.cpu_parallelism());
         {
