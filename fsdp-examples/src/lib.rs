@@ -47,6 +47,7 @@
 #![warn(missing_docs)]
 
 pub mod data;
+pub mod gpt;
 pub mod metrics;
 pub mod mlp;
 pub mod mnist;
