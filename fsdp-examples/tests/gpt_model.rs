@@ -5,7 +5,7 @@
 mod gpt_common;
 
 use fp8_kernels::rng::SplitMix64;
-use fsdp_examples::gpt::{Fp8Layers, Gpt, GptConfig, GPT2_PADDED_VOCAB, PRESETS};
+use fsdp_examples::gpt::{Fp8Layers, Gpt, GptConfig, Sampling, GPT2_PADDED_VOCAB, PRESETS};
 use fsdp_nn::LinearPrecision;
 use fsdp_shard::{FsdpModel, Mode, ParamKind};
 use gpt_common::*;
@@ -368,5 +368,100 @@ fn batches_are_checked_when_made() {
     let mut m = one_rank::<f32>(small(true));
     assert!(m
         .forward(Mode::Eval, |g, ctx| g.forward(ctx, &other))
+        .is_err());
+}
+
+/// A small F32 model with weights far from their initial scale, so the logits have clear maxima.
+fn spread_weights(model: &mut FsdpModel<Gpt<f32>>) {
+    let names = model.param_names().unwrap();
+    for (k, (name, id)) in names.iter().enumerate() {
+        let n = values(model, *id).len();
+        let v = if name.contains("ln_") {
+            uniform(n, 0.5, 1.5, 2000 + k as u64)
+        } else {
+            uniform(n, -0.4, 0.4, 2000 + k as u64)
+        };
+        set_values(model, *id, &v);
+    }
+}
+
+#[test]
+fn generation_with_the_cache_equals_full_forwards() {
+    let config = GptConfig {
+        seq_len: 12,
+        ..small(true)
+    };
+    let mut model = one_rank::<f32>(config);
+    spread_weights(&mut model);
+    let prompt = [5, 17, 3];
+    let new = model
+        .forward(Mode::Eval, |m, ctx| {
+            m.generate(ctx, &prompt, &Sampling::greedy(9))
+        })
+        .unwrap();
+    assert_eq!(new.len(), 9);
+    // The reference: a full forward of the whole sequence for every new token.
+    let mut seq = prompt.to_vec();
+    for (step, &got) in new.iter().enumerate() {
+        let logits = model
+            .forward(Mode::Eval, |m, ctx| m.last_logits(ctx, &seq))
+            .unwrap();
+        let best = (0..64)
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap() as i32;
+        let mut sorted = logits.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        assert!(sorted[0] - sorted[1] > 1e-3, "step {step}: a near tie");
+        assert_eq!(got, best, "step {step}");
+        seq.push(best);
+    }
+    // Sampling: reproducible per seed, top-1 is greedy, ids in range.
+    let s = |seed, top_k| Sampling {
+        max_new_tokens: 9,
+        temperature: 0.8,
+        top_k,
+        seed,
+    };
+    let a = model
+        .forward(Mode::Eval, |m, ctx| m.generate(ctx, &prompt, &s(1, None)))
+        .unwrap();
+    let b = model
+        .forward(Mode::Eval, |m, ctx| m.generate(ctx, &prompt, &s(1, None)))
+        .unwrap();
+    assert_eq!(a, b);
+    assert!(a.iter().all(|&t| (0..64).contains(&t)));
+    let top1 = model
+        .forward(Mode::Eval, |m, ctx| {
+            m.generate(ctx, &prompt, &s(2, Some(1)))
+        })
+        .unwrap();
+    assert_eq!(top1, new);
+    let draws: Vec<Vec<i32>> = (0..4)
+        .map(|seed| {
+            model
+                .forward(Mode::Eval, |m, ctx| {
+                    m.generate(ctx, &prompt, &s(seed, None))
+                })
+                .unwrap()
+        })
+        .collect();
+    assert!(
+        draws.iter().any(|d| d != &draws[0]),
+        "different seeds, different samples"
+    );
+    // Too long for the position table, or in a training pass: refused.
+    assert!(model
+        .forward(Mode::Eval, |m, ctx| m.generate(
+            ctx,
+            &prompt,
+            &Sampling::greedy(10)
+        ))
+        .is_err());
+    assert!(model
+        .forward(Mode::Train, |m, ctx| m.generate(
+            ctx,
+            &prompt,
+            &Sampling::greedy(2)
+        ))
         .is_err());
 }

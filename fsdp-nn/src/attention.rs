@@ -11,6 +11,12 @@
 //!
 //! When `c_attn` is FP8 and a norm precedes it, [`CausalSelfAttention::forward_normed`] lets the norm
 //! write `c_attn`'s E4M3 input directly ([`Norm::forward_linear`]).
+//!
+//! Incremental decoding ([`CausalSelfAttention::decode_normed`], one token of one sequence per call)
+//! keeps the past keys and values in a [`KvCache`] in host memory and computes the new token's attention
+//! on the host in F32 (the flash-attention kernels have no decode mode): per token only `qkv` (`3d`
+//! values) comes back from the device and the output (`d` values) goes up; the linears run where the
+//! model lives.
 
 use crate::layer::{Activation, Layer};
 use crate::norm::Norm;
@@ -22,6 +28,78 @@ use fp8_kernels::attention::{
 use fp8_kernels::{convert, Buffer, DType, Device};
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 use half::bf16;
+
+/// The keys and values of the positions decoded so far, for one sequence: `[len, heads, head_dim]` each,
+/// f32 in host memory (values as the layer's `qkv` held them, so BF16 activations are BF16-exact).
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    heads: usize,
+    head_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// An empty cache for `heads` heads of `head_dim`.
+    pub fn new(heads: usize, head_dim: usize) -> Self {
+        KvCache {
+            heads,
+            head_dim,
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.k.len() / (self.heads * self.head_dim).max(1)
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.k.is_empty()
+    }
+
+    /// Forgets every position.
+    pub fn clear(&mut self) {
+        self.k.clear();
+        self.v.clear();
+    }
+
+    /// Appends the keys and values of `qkv` (one position, `[3, heads, head_dim]`) and returns the
+    /// attention output of its query over every position held (`[heads, head_dim]`), softmax scale
+    /// `scale`, in f32 (each row's softmax from its max, as the CPU reference computes it).
+    fn step(&mut self, qkv: &[f32], scale: f32) -> Vec<f32> {
+        let (h, hd) = (self.heads, self.head_dim);
+        let d = h * hd;
+        self.k.extend_from_slice(&qkv[d..2 * d]);
+        self.v.extend_from_slice(&qkv[2 * d..3 * d]);
+        let len = self.len();
+        let mut out = vec![0f32; d];
+        let mut p = vec![0f32; len];
+        for head in 0..h {
+            let q = &qkv[head * hd..(head + 1) * hd];
+            for (j, pj) in p.iter_mut().enumerate() {
+                let k = &self.k[(j * h + head) * hd..(j * h + head + 1) * hd];
+                *pj = q.iter().zip(k).fold(0f32, |s, (a, b)| s + a * b) * scale;
+            }
+            let m = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut l = 0f32;
+            for x in p.iter_mut() {
+                *x = (*x - m).exp();
+                l += *x;
+            }
+            let o = &mut out[head * hd..(head + 1) * hd];
+            for (j, &pj) in p.iter().enumerate() {
+                let v = &self.v[(j * h + head) * hd..(j * h + head + 1) * hd];
+                for (oc, &vc) in o.iter_mut().zip(v) {
+                    *oc += pj / l * vc;
+                }
+            }
+        }
+        out
+    }
+}
 
 /// What the forward keeps for the backward.
 #[derive(Debug)]
@@ -141,6 +219,46 @@ impl<T: Activation> CausalSelfAttention<T> {
         let shape = self.shape_of(x.shape())?;
         let qkv = norm.forward_linear(ctx, x, &mut self.c_attn)?;
         self.forward_qkv(ctx, shape, qkv)
+    }
+
+    /// One decoding step (evaluation only): `x` is the next token of one sequence (`[1, 1, d]`); its key
+    /// and value join `cache`, and the output is the layer's output for that token given every position
+    /// in the cache (the result the full forward gives at that position).
+    pub fn decode_normed(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        norm: &mut Norm<T>,
+        x: &Tensor<T>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<T>, NnError> {
+        const WHAT: &str = "CausalSelfAttention::decode_normed";
+        if ctx.is_training() {
+            return Err(NnError::usage(WHAT, "decoding is for evaluation passes"));
+        }
+        if x.shape().dims() != [1, 1, self.d] {
+            return Err(NnError::usage(
+                WHAT,
+                format!("expects one token [1, 1, {}], got {:?}", self.d, x.shape()),
+            ));
+        }
+        let hd = self.d / self.heads;
+        if cache.heads != self.heads || cache.head_dim != hd {
+            return Err(NnError::usage(
+                WHAT,
+                format!(
+                    "a cache of {} heads of {}, the layer has {} of {hd}",
+                    cache.heads, cache.head_dim, self.heads
+                ),
+            ));
+        }
+        let qkv = norm.forward_linear(ctx, x, &mut self.c_attn)?;
+        let host: Vec<f32> = qkv.data().to_vec()?.iter().map(|v| v.to_f32()).collect();
+        let out = cache.step(&host, self.config.scale_for(hd));
+        let out: Vec<T> = out.into_iter().map(T::from_f32).collect();
+        let out = Tensor::new(ctx.device().upload(&out)?, x.shape())?;
+        let y = self.attn_proj.forward_ref(ctx, &out)?;
+        self.end_forward(false);
+        Ok(y)
     }
 
     /// The attention and the output projection from `qkv = c_attn(x)`.

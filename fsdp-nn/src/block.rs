@@ -10,7 +10,7 @@
 //! backward adds each norm's input gradient into the residual gradient in place (one rounding per add),
 //! so the block's `dx` is the output gradient plus both branches' contributions without extra buffers.
 
-use crate::attention::CausalSelfAttention;
+use crate::attention::{CausalSelfAttention, KvCache};
 use crate::layer::{Activation, Layer};
 use crate::norm::Norm;
 use crate::{LinearPrecision, Mlp, NnError, Tensor, WeightInit};
@@ -142,6 +142,22 @@ impl<T: Activation> TransformerBlock<T> {
     /// The MLP.
     pub fn mlp(&self) -> &Mlp<T> {
         &self.mlp
+    }
+
+    /// One decoding step of one sequence (evaluation only): `x` is the next token (`[1, 1, d]`), `cache`
+    /// this block's keys and values of the positions before it (see [`KvCache`]).
+    pub fn decode(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: Tensor<T>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<T>, NnError> {
+        let mut x1 = self.attn.decode_normed(ctx, &mut self.ln_1, &x, cache)?;
+        ops::axpy(1.0, x.data(), x1.data_mut())?;
+        let u = self.ln_2.forward_linear(ctx, &x1, self.mlp.up_mut())?;
+        let mut y = self.mlp.forward_after_up(ctx, u)?;
+        ops::axpy(1.0, x1.data(), y.data_mut())?;
+        Ok(y)
     }
 
     /// Bytes kept for the backward.

@@ -11,7 +11,10 @@
 use crate::init::normal;
 use crate::layer::Activation;
 use crate::{NnError, Shape, Tensor, TokenBatch};
-use fp8_kernels::embedding::{embedding_backward, embedding_forward, PositionGrad, PositionTable};
+use fp8_kernels::embedding::{
+    embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
+};
+use fp8_kernels::{convert, ops};
 use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
 /// A `[rows, dim]` table, initialised `N(0, std^2)` (GPT-2: 0.02) from its seed.
@@ -123,6 +126,47 @@ impl Embedding {
             }
         }
         Ok(out)
+    }
+
+    /// One token (incremental decoding): `table[id] + positions[position]` as a `[1, 1, dim]` tensor (the
+    /// f32 sum rounded once, as [`Embedding::forward`] computes it). The id is checked here.
+    pub fn forward_at<T: Activation>(
+        &self,
+        ctx: &mut Ctx<'_>,
+        id: i32,
+        position: usize,
+        positions: &Embedding,
+    ) -> Result<Tensor<T>, NnError> {
+        if position >= positions.rows || positions.dim != self.dim {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "position {position} of a {} x {} position table",
+                    positions.rows, positions.dim
+                ),
+            ));
+        }
+        let dev = ctx.device().clone();
+        let d = self.dim;
+        let groups = RowGroups::from_ids(&dev, &[id], self.rows)?;
+        let [t, pt] = ctx.params([self.weight, positions.weight])?;
+        let (t, pt) = (plain(t, &self.name)?, plain(pt, &positions.name)?);
+        let mut row = dev.uninit::<f32>(d)?;
+        embedding_forward(t, d, None, &groups, &mut row)?;
+        let mut pos = dev.uninit::<f32>(d)?;
+        pos.copy_range_from(0, pt, position * d, d)?;
+        let mut sum = dev.uninit::<f32>(d)?;
+        ops::add(&row, &pos, &mut sum)?;
+        let shape = Shape::new(&[1, 1, d])?;
+        if T::DTYPE == fp8_kernels::DType::F32 {
+            return Tensor::new(
+                crate::retype::buffer_into::<f32, T>(sum, &self.name)?,
+                shape,
+            );
+        }
+        let mut out = dev.uninit::<T>(d)?;
+        convert(&sum, &mut out)?;
+        Tensor::new(out, shape)
     }
 
     /// Adds the gradients of the table (and of the position table) from `dy` (`[batch, seq, dim]`), the

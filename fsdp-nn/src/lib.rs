@@ -63,7 +63,7 @@ mod tensor;
 mod tokens;
 
 pub use activation::{Gelu, Relu};
-pub use attention::CausalSelfAttention;
+pub use attention::{CausalSelfAttention, KvCache};
 pub use block::{BlockConfig, BlockPrecisions, TransformerBlock};
 pub use conv::Conv2d;
 pub use dropout::Dropout;

@@ -340,6 +340,32 @@ impl<T: Activation> LmHead<T> {
         Ok(grads)
     }
 
+    /// The logits `x W^T` (`[rows, vocab]`, in the activation type) of a few rows, e.g. the last position
+    /// when sampling; no loss, nothing kept.
+    pub fn logits(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let (d, vocab) = (self.d, self.vocab);
+        if x.shape().last() != d {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "input of shape {:?}; the last dimension must be {d}",
+                    x.shape()
+                ),
+            ));
+        }
+        let rows = x.shape().rows();
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let mut out = Tensor::<T>::uninit(&dev, crate::Shape::matrix(rows, vocab)?)?;
+        let mut scratch = None;
+        let w = T::from_f32_buffer(ctx.plain(self.weight)?, &mut scratch)?;
+        let spec = GemmSpec::new(rows, vocab, d)
+            .transposes(Transpose::No, Transpose::Yes)
+            .parallelism(par);
+        gemm(&spec, x.data(), w, out.data_mut())?;
+        Ok(out)
+    }
+
     /// Frees what the last forward kept.
     pub fn drop_saved(&mut self) {
         self.x = None;

@@ -13,7 +13,7 @@
 
 mod model;
 
-pub use model::Gpt;
+pub use model::{Gpt, Sampling};
 
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::layer_norm::NormKind;
