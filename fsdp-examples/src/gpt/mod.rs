@@ -10,6 +10,40 @@
 //! `f32` for checks), the linears FP8 (delayed scaling of activations and gradients), BF16 or F32 per
 //! layer ([`Fp8Layers`]). Wrap it with [`wrap_policy`] (one FSDP unit per block, the embeddings, `ln_f`
 //! and the tied head in the root unit). See `docs/transformer-layers.md`.
+//!
+//! A training step and an evaluation of a small model on one rank (on a GPU the same code runs with
+//! `fsdp_comm::NcclComm`):
+//!
+//! ```
+//! use fsdp_comm::{Communicator, ThreadGroup};
+//! use fsdp_examples::gpt::{wrap_policy, Gpt, GptConfig, Sampling};
+//! use fsdp_optim::{step_model, AdamOptions, FsdpAdamW};
+//! use fsdp_shard::{FsdpConfig, FsdpModel, Mode};
+//! use half::bf16;
+//! use std::sync::Arc;
+//!
+//! let comm: Arc<dyn Communicator> =
+//!     Arc::new(ThreadGroup::new(1, std::time::Duration::from_secs(60))?.remove(0));
+//! // d 64 in 2 heads of 32, 1 block, a vocabulary of 256, sequences of up to 16 (FP8 linears).
+//! let config = GptConfig { vocab: 256, ..GptConfig::new(64, 1, 2, 16) };
+//! let flops_per_token = config.flops_per_token();
+//! let mut model = FsdpModel::new(Gpt::<bf16>::new(config)?, comm, wrap_policy(), FsdpConfig::default())?;
+//! let mut opt = FsdpAdamW::for_model(&mut model, AdamOptions::adamw())?;
+//! let dev = model.device().clone();
+//! let ids: Vec<i32> = (0..33).map(|i| (i * 7) % 256).collect();
+//! // Two sequences of 16 tokens, each target the next id; checked and grouped when the batch is made.
+//! let batch = model.module().batch(&dev, &ids[..32], &ids[1..], 2, 16)?;
+//! model.forward(Mode::Train, |m, ctx| m.forward(ctx, &batch))?;
+//! let loss = model.module().loss()?.mean()?; // the only read from the device
+//! model.backward(|m, ctx| m.backward(ctx, &batch, 1.0))?;
+//! step_model(&mut opt, &mut model)?;
+//! model.forward(Mode::Eval, |m, ctx| m.forward(ctx, &batch))?;
+//! assert!(model.module().loss()?.mean()? < loss);
+//! let new = model.forward(Mode::Eval, |m, ctx| m.generate(ctx, &ids[..4], &Sampling::greedy(4)))?;
+//! assert_eq!(new.len(), 4);
+//! assert!(flops_per_token > 0.0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod model;
 
