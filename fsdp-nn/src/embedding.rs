@@ -7,6 +7,9 @@
 //! ([`crate::TokenBatch`]), and every table row's gradient is summed in position order by one thread
 //! (see `docs/kernels-transformer.md`). A tied use of the table (a language-model head) is a second
 //! module holding the table's [`ParamId`]; both gradients go into the same parameter of the root unit.
+//!
+//! A token table and its position table are read together (one kernel), so they must be in one FSDP unit
+//! (`WrapPolicy::ChildrenOf("h")` puts both in the root unit, as a tied head needs anyway).
 
 use crate::init::normal;
 use crate::layer::Activation;
