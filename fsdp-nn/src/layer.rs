@@ -134,6 +134,11 @@ impl<L> Recompute<L> {
     pub fn inner(&self) -> &L {
         &self.inner
     }
+
+    /// The wrapped layer, mutable (e.g. for an evaluation-only path of its own).
+    pub fn inner_mut(&mut self) -> &mut L {
+        &mut self.inner
+    }
 }
 
 impl<L: Module> Module for Recompute<L> {
