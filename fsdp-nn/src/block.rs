@@ -15,8 +15,8 @@ use crate::layer::{Activation, Layer};
 use crate::norm::Norm;
 use crate::{LinearPrecision, Mlp, NnError, Tensor, WeightInit};
 use fp8_kernels::attention::AttentionConfig;
+use fp8_kernels::elementwise as ops;
 use fp8_kernels::layer_norm::NormKind;
-use fp8_kernels::ops;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
 /// The precision of each of a block's four linears.

@@ -17,7 +17,7 @@ use crate::{NnError, Shape, Tensor, TokenBatch};
 use fp8_kernels::embedding::{
     embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
 };
-use fp8_kernels::{convert, ops};
+use fp8_kernels::{convert, elementwise as ops};
 use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
 /// A `[rows, dim]` table, initialised `N(0, std^2)` (GPT-2: 0.02) from its seed.
