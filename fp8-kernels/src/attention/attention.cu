@@ -26,6 +26,20 @@
 #define ATT_LN2 0.69314718055994531f
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))
 
+// Kernel families. A module built with ATT_FAMILY defined (mod.rs builds one per head dim and family)
+// holds that family's entry points only, plus the two small kernels every backward launches (D and the
+// dQ conversion); without it, every family.
+#define ATT_FAM_FORWARD 1
+#define ATT_FAM_FUSED 2
+#define ATT_FAM_SEPARATE 3
+#define ATT_FAM_SIMPLE 4
+#define ATT_FAM_PROBES 5
+#ifdef ATT_FAMILY
+#define ATT_WANT(f) (ATT_FAMILY == (f))
+#else
+#define ATT_WANT(f) 1
+#endif
+
 // =====================================================================================================
 // PTX wrappers
 // =====================================================================================================
@@ -124,16 +138,27 @@ __device__ __forceinline__ void att_red_add2(float* p, float a, float b) {
 
 // Loads rows t0 .. t0+ROWS-1 (tile row r = global row t0 + r) of a [*, W] slice whose row t starts at
 // g + t * gstride (elements) into s (row stride W + 8). Rows t >= T are zero-filled: padding rows of K and
-// V must be finite zeros, since P (zero there) multiplies them.
+// V must be finite zeros, since P (zero there) multiplies them. Thread tid copies chunk tid % CH of rows
+// tid / CH + i * (NT / CH): compile-time trip counts and a running source pointer, so the loop unrolls
+// into a few integer instructions per 16-byte copy (a grid-stride form over chunk indices compiled to a
+// generic loop with signed divisions, several times the integer work, in every iteration of the
+// kernels' main loops).
 template <int W, int ROWS, int NT>
 __device__ __forceinline__ void att_load_tile(u16* s, const u16* g, u64 gstride, int t0, int T, int tid) {
-    constexpr int CH = W / 8;  // 16-byte chunks per row
+    constexpr int CH = W / 8;         // 16-byte chunks per row
+    constexpr int RSTEP = NT / CH;    // rows per pass of the block
+    static_assert(NT % CH == 0, "a pass of the block must cover whole rows");
+    const int r0 = (int)((unsigned)tid / CH), k = (int)((unsigned)tid % CH);
+    const u16* src = g + (u64)(t0 + r0) * gstride + k * 8;
+    const u64 step = (u64)RSTEP * gstride;
 #pragma unroll
-    for (int c = tid; c < ROWS * CH; c += NT) {
-        const int r = c / CH, k = c - (c / CH) * CH;
-        const int t = t0 + r;
-        const bool ok = t < T;
-        att_cp_async16(s + r * (W + 8) + k * 8, g + (u64)(ok ? t : 0) * gstride + k * 8, ok);
+    for (int i = 0; i < (ROWS + RSTEP - 1) / RSTEP; ++i) {
+        const int r = r0 + i * RSTEP;
+        if (ROWS % RSTEP == 0 || r < ROWS) {
+            const bool ok = t0 + r < T;
+            att_cp_async16(s + r * (W + 8) + k * 8, ok ? src : g, ok);
+        }
+        src += step;
     }
 }
 
@@ -141,10 +166,12 @@ __device__ __forceinline__ void att_load_tile(u16* s, const u16* g, u64 gstride,
 template <int ROWS, int NT>
 __device__ __forceinline__ void att_load_vec(float* s, const float* v, int t0, int T, int tid) {
 #pragma unroll
-    for (int r = tid; r < ROWS; r += NT) {
-        const int t = t0 + r;
-        const bool ok = t < T;
-        att_cp_async4(s + r, v + (ok ? t : 0), ok);
+    for (int i = 0; i < (ROWS + NT - 1) / NT; ++i) {
+        const int r = tid + i * NT;
+        if (ROWS % NT == 0 || r < ROWS) {
+            const bool ok = t0 + r < T;
+            att_cp_async4(s + r, v + (ok ? t0 + r : 0), ok);
+        }
     }
 }
 
@@ -269,20 +296,121 @@ __device__ __forceinline__ void att_warp_store_rows(u16* g, u64 gstride, const u
     }
 }
 
+// ---- Several 16-row tiles per warp ------------------------------------------------------------------
+// The same products for MT row tiles of 16 (a warp owning 16 * MT rows): each B fragment loaded from
+// shared memory feeds MT mma instead of one, which halves (MT = 2) the shared-memory reads per mma of the
+// one-tile helpers above, whose ldmatrix traffic (one x4 per two mma) is the limit of a 16-row warp.
+
+// C[m] += A[16 x K] (rows a_row0 + 16 m .. of sA) * B[N x K]^T (rows 0..N-1 of sB), m < MT.
+template <int K, int N, int MT>
+__device__ __forceinline__ void att_warp_abt_mt(float (&c)[MT][N / 8][4], const u16* sA, int a_row0,
+                                                const u16* sB, int lane) {
+    constexpr int S = K + 8;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+            att_ldsm_x4(sA + (a_row0 + 16 * m + (lane & 15)) * S + kk * 16 + (lane >> 4) * 8, a[m]);
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            u32 b[4];
+            att_ldsm_x4(sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * S + kk * 16 + ((lane >> 3) & 1) * 8, b);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                att_mma(c[m][2 * np], a[m], b[0], b[1]);
+                att_mma(c[m][2 * np + 1], a[m], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// The A fragments of rows a_row0 + 16 m .. (m < MT), all K columns, of sA (row stride K + 8): for
+// operands that stay in registers across a loop.
+template <int K, int MT>
+__device__ __forceinline__ void att_load_a_mt(u32 (&a)[MT][K / 16][4], const u16* sA, int a_row0, int lane) {
+    constexpr int S = K + 8;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            att_ldsm_x4(sA + (a_row0 + 16 * m + (lane & 15)) * S + kk * 16 + (lane >> 4) * 8, a[m][kk]);
+}
+
+// As att_warp_abt_mt with the A fragments already in registers (att_load_a_mt).
+template <int K, int N, int MT>
+__device__ __forceinline__ void att_warp_abt_mt_ra(float (&c)[MT][N / 8][4], const u32 (&a)[MT][K / 16][4],
+                                                   const u16* sB, int lane) {
+    constexpr int S = K + 8;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            u32 b[4];
+            att_ldsm_x4(sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * S + kk * 16 + ((lane >> 3) & 1) * 8, b);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                att_mma(c[m][2 * np], a[m][kk], b[0], b[1]);
+                att_mma(c[m][2 * np + 1], a[m][kk], b[2], b[3]);
+            }
+        }
+}
+
+// C[m] += P[m] (16 x K, C-fragment registers, rounded to bf16 here) * B[K x N] (rows 0..K-1 of sB, row
+// stride SB, columns col0..), m < MT. (P V in the forward; P^T dO, dS^T Q and dS K in the backward.)
+template <int K, int N, int SB, int MT>
+__device__ __forceinline__ void att_warp_pb_mt(float (&c)[MT][N / 8][4], const float (&p)[MT][K / 8][4],
+                                               const u16* sB, int col0, int lane) {
+#pragma unroll
+    for (int kc = 0; kc < K / 16; ++kc) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            a[m][0] = att_pack_bf16(p[m][2 * kc][0], p[m][2 * kc][1]);
+            a[m][1] = att_pack_bf16(p[m][2 * kc][2], p[m][2 * kc][3]);
+            a[m][2] = att_pack_bf16(p[m][2 * kc + 1][0], p[m][2 * kc + 1][1]);
+            a[m][3] = att_pack_bf16(p[m][2 * kc + 1][2], p[m][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            u32 b[4];
+            att_ldsm_x4_trans(sB + (kc * 16 + (lane & 15)) * SB + col0 + np * 16 + (lane >> 4) * 8, b);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                att_mma(c[m][2 * np], a[m], b[0], b[1]);
+                att_mma(c[m][2 * np + 1], a[m], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <int MT, int N>
+__device__ __forceinline__ void att_zero_mt(float (&c)[MT][N][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < N; ++n) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.0f;
+}
+
 // =====================================================================================================
 // Forward (tensor cores)
 // =====================================================================================================
-// Grid (B*H, ceil(T / BM)); block NW warps; BM = 16 * NW query rows per block, the last query block
-// first (blockIdx.y = 0 is the most work under the causal mask, so it is scheduled first). Each warp owns
-// 16 query rows; key blocks of BN = 64 rows are double-buffered through shared memory with cp.async.
-// Thread (lane, g = lane/4, q = lane%4) holds rows g and g+8 of its warp: S[nt][0,1] / O[dt][0,1] for
-// row g, [2,3] for row g+8; the row max and sum are reduced over the 4 lanes of a quad (xor 1, 2).
-// Scores are kept in the log2 domain: x = s * scale * log2(e), p = 2^(x - m).
-// Shared memory: Q [BM][HD+8], K [2][BN][HD+8], V [2][BN][HD+8] bf16.
-template <int HD, int NW>
+// Grid (B*H, ceil(T / BM)); block NW warps; each warp owns WR = 16 * MT query rows, BM = WR * NW per
+// block; the last query block first (blockIdx.y = 0 is the most work under the causal mask, so it is
+// scheduled first). Key and value blocks of BN rows are double-buffered through shared memory with
+// cp.async: iteration j waits for block j, passes one barrier (after which every warp is done with
+// block j-1, so its buffers can take block j+1) and issues the copy of block j+1, which then overlaps
+// the products of block j.
+// Thread (lane, g = lane/4, q = lane%4) holds rows g and g+8 of each of its warp's row tiles m:
+// S[m][nt][0,1] / O[m][dt][0,1] for row g, [2,3] for row g+8; the row max and sum are reduced over the
+// 4 lanes of a quad (xor 1, 2). Scores are kept in the log2 domain: x = s * scale * log2(e),
+// p = 2^(x - m). A warp skips key blocks that lie entirely after its last row (all masked).
+// Shared memory: Q [BM][HD+8], K [2][BN][HD+8], V [2][BN][HD+8] bf16. Rows of sQ are read only by the
+// warp that owns them, which also stages its output there at the end.
+template <int HD, int NW, int MT, int BN>
 __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* __restrict__ out,
                                              float* __restrict__ lse, int T, int H, float scale_log2) {
-    constexpr int BM = 16 * NW, BN = 64, S = HD + 8, NT = 32 * NW;
+    constexpr int WR = 16 * MT, BM = WR * NW, S = HD + 8, NT = 32 * NW;
     u16* sQ = reinterpret_cast<u16*>(att_smem);
     u16* sK = sQ + BM * S;
     u16* sV = sK + 2 * BN * S;
@@ -298,104 +426,113 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
     // Keys 0 .. q_end-1 are all any valid row of this block can see.
     const int q_end = min(q0 + BM, T);
     const int nkb = (q_end - 1) / BN + 1;
+    const int w0 = q0 + warp * WR;  // the warp's first query row; rows w0 + 16 m + g (+ 8)
+    const bool active = w0 < T;     // a warp of the last block may hold no valid row
 
     att_load_tile<HD, BM, NT>(sQ, gQ, rs, q0, T, tid);
     att_load_tile<HD, BN, NT>(sK, gK, rs, 0, T, tid);
     att_load_tile<HD, BN, NT>(sV, gV, rs, 0, T, tid);
     att_cp_commit();
 
-    float o[HD / 8][4];
+    float o[MT][HD / 8][4];
+    att_zero_mt<MT, HD / 8>(o);
+    float m[MT][2], l[MT][2];
 #pragma unroll
-    for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f};
-    const int row_a = q0 + warp * 16 + g;  // global query row of [.][0,1]; row_a + 8 for [.][2,3]
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = ATT_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
 
     for (int j = 0; j < nkb; ++j) {
         const int buf = j & 1;
+        att_cp_wait<0>();
+        __syncthreads();  // block j is in buffer `buf` for every thread; every warp is done with block j-1
         if (j + 1 < nkb) {
             att_load_tile<HD, BN, NT>(sK + (buf ^ 1) * BN * S, gK, rs, (j + 1) * BN, T, tid);
             att_load_tile<HD, BN, NT>(sV + (buf ^ 1) * BN * S, gV, rs, (j + 1) * BN, T, tid);
             att_cp_commit();
-            att_cp_wait<1>();
-        } else {
-            att_cp_wait<0>();
         }
-        __syncthreads();
+        const int k0 = j * BN;
+        if (!active || k0 > w0 + WR - 1) continue;  // no barrier below: warps may skip
         const u16* cK = sK + buf * BN * S;
         const u16* cV = sV + buf * BN * S;
 
-        float s[BN / 8][4];
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-        att_warp_abt<HD, BN>(s, sQ, warp * 16, cK, lane);
+        float s[MT][BN / 8][4];
+        att_zero_mt<MT, BN / 8>(s);
+        att_warp_abt_mt<HD, BN, MT>(s, sQ, warp * WR, cK, lane);
 
-        const int k0 = j * BN;
-        if (k0 + BN - 1 > q0) {  // the block reaches past some row of this query block: causal mask
+        if (k0 + BN - 1 > w0) {  // the block reaches past some row of this warp: causal mask
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = k0 + nt * 8 + 2 * q + e;
-                    if (key > row_a) s[nt][e] = ATT_NEG_INF;
-                    if (key > row_a + 8) s[nt][2 + e] = ATT_NEG_INF;
-                }
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = k0 + nt * 8 + 2 * q + e, row = w0 + 16 * mt + g;
+                        if (key > row) s[mt][nt][e] = ATT_NEG_INF;
+                        if (key > row + 8) s[mt][nt][2 + e] = ATT_NEG_INF;
+                    }
         }
 
         // Online softmax. Every row sees key 0 in block 0, so m is finite from the first block on; the
         // guard only keeps a fully masked row (impossible here) from producing inf - inf.
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            float mx = ATT_NEG_INF;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[hr], mx * scale_log2);
-            const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
-            const float alpha = att_ex2(m[hr] - mb);
-            m[hr] = m_new;
-            float rsum = 0.0f;
+            for (int hr = 0; hr < 2; ++hr) {
+                float mx = ATT_NEG_INF;
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
+                for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[mt][hr], mx * scale_log2);
+                const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
+                const float alpha = att_ex2(m[mt][hr] - mb);
+                m[mt][hr] = m_new;
+                float rsum = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = att_ex2(__fmaf_rn(s[nt][2 * hr + e], scale_log2, -mb));
-                    s[nt][2 * hr + e] = p;
-                    rsum += p;
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = att_ex2(__fmaf_rn(s[mt][nt][2 * hr + e], scale_log2, -mb));
+                        s[mt][nt][2 * hr + e] = p;
+                        rsum += p;
+                    }
+                l[mt][hr] = __fmaf_rn(l[mt][hr], alpha, rsum);
+#pragma unroll
+                for (int dt = 0; dt < HD / 8; ++dt) {
+                    o[mt][dt][2 * hr] *= alpha;
+                    o[mt][dt][2 * hr + 1] *= alpha;
                 }
-            l[hr] = __fmaf_rn(l[hr], alpha, rsum);
+            }
+
+        att_warp_pb_mt<BN, HD, S, MT>(o, s, cV, 0, lane);
+    }
+
+    // Normalise; lse in natural log: (m + log2 l) * ln 2. (A warp without valid rows computes garbage
+    // here and stores none of it.)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float lt = l[mt][hr];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            const float inv = 1.0f / lt;
 #pragma unroll
             for (int dt = 0; dt < HD / 8; ++dt) {
-                o[dt][2 * hr] *= alpha;
-                o[dt][2 * hr + 1] *= alpha;
+                o[mt][dt][2 * hr] *= inv;
+                o[mt][dt][2 * hr + 1] *= inv;
             }
+            const int row = w0 + 16 * mt + g + 8 * hr;
+            if (q == 0 && row < T) lse[(u64)bh * T + row] = (m[mt][hr] + log2f(lt)) * ATT_LN2;
         }
-
-        att_warp_pb<BN, HD, S>(o, s, cV, 0, lane);
-        __syncthreads();  // every warp is done with buffer `buf` before it is refilled
+        // Stage the tile's 16 rows of O in the warp's own rows of sQ (only this warp ever read them),
+        // then write them out with 16-byte stores.
+        att_store_c_bf16<HD, S>(sQ, warp * WR + 16 * mt, o[mt], 1.0f, lane);
     }
-
-    // Normalise; lse in natural log: (m + log2 l) * ln 2.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        float lt = l[hr];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = 1.0f / lt;
-#pragma unroll
-        for (int dt = 0; dt < HD / 8; ++dt) {
-            o[dt][2 * hr] *= inv;
-            o[dt][2 * hr + 1] *= inv;
-        }
-        const int row = row_a + 8 * hr;
-        if (q == 0 && row < T) lse[(u64)bh * T + row] = (m[hr] + log2f(lt)) * ATT_LN2;
-    }
-    // Stage the warp's 16 rows of O in its own rows of sQ (only this warp ever read them), then write
-    // them out with 16-byte stores.
-    att_store_c_bf16<HD, S>(sQ, warp * 16, o, 1.0f, lane);
     __syncwarp();
-    att_warp_store_rows<HD>(out + (u64)b * T * H * HD + (u64)h * HD, (u64)H * HD, sQ, warp * 16,
-                            q0 + warp * 16, T, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        att_warp_store_rows<HD>(out + (u64)b * T * H * HD + (u64)h * HD, (u64)H * HD, sQ, warp * WR + 16 * mt,
+                                w0 + 16 * mt, T, lane);
 }
 
 // =====================================================================================================
@@ -776,6 +913,7 @@ __device__ __forceinline__ void attn_bwd_simple_dkdv(const u16* __restrict__ qkv
     }
 }
 
+#if ATT_WANT(ATT_FAM_PROBES)
 // =====================================================================================================
 // Probes: one building block of the mma kernels on one 64 x 64 tile (HD = 64), for the layout tests.
 // Inputs are dense row-major [64][64] in global memory; one block of 4 warps, warp w computes rows
@@ -880,28 +1018,38 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
     }
 }
 
+#endif  // ATT_WANT(ATT_FAM_PROBES)
+
 // =====================================================================================================
 // Entry points
 // =====================================================================================================
-#define ATT_ENTRIES(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma4_hd##HD(                                   \
+// Names: attn_fwd_w<NW>m<MT>n<BN>_hd<HD> (forward: NW warps of 16 * MT query rows, key blocks of BN);
+// attn_bwd_fused_q<BM>_hd<HD> (fused backward, query blocks of BM); attn_bwd_simple_{dq,dkdv}_hd<HD>,
+// attn_fwd_simple_hd<HD>. The variant lists are X-macros so that the host emulator instantiates the same
+// set; mod.rs mirrors them (FORWARD_VARIANTS, ...), and a test checks the two agree.
+#define ATT_FWD_VARIANTS_32(X) X(32, 4, 1, 64) X(32, 8, 1, 64) X(32, 4, 2, 64) X(32, 4, 2, 128)
+#define ATT_FWD_VARIANTS_64(X) X(64, 4, 1, 64) X(64, 8, 1, 64) X(64, 4, 2, 64) X(64, 4, 2, 128)
+#define ATT_FWD_VARIANTS_128(X) X(128, 4, 1, 64) X(128, 8, 1, 64) X(128, 4, 2, 64) X(128, 4, 2, 32)
+
+#define ATT_FWD_ENTRY(HD, NW, MT, BN)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_w##NW##m##MT##n##BN##_hd##HD(             \
         const u16* qkv, u16* out, float* lse, int T, int H, float scale_log2) {                                \
-        attn_fwd_mma<HD, 4>(qkv, out, lse, T, H, scale_log2);                                                  \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) attn_fwd_mma8_hd##HD(                                   \
-        const u16* qkv, u16* out, float* lse, int T, int H, float scale_log2) {                                \
-        attn_fwd_mma<HD, 8>(qkv, out, lse, T, H, scale_log2);                                                  \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_mma_m64_hd##HD(                                \
+        attn_fwd_mma<HD, NW, MT, BN>(qkv, out, lse, T, H, scale_log2);                                         \
+    }
+
+#define ATT_FUSED_ENTRIES(HD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q64_hd##HD(                              \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
         u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
         attn_bwd_mma<HD, 64>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_mma_m32_hd##HD(                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q32_hd##HD(                              \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
         u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
         attn_bwd_mma<HD, 32>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
-    }                                                                                                          \
+    }
+
+#define ATT_SIMPLE_ENTRIES(HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_simple_hd##HD(                                 \
         const u16* qkv, u16* out, float* lse, int B, int T, int H, float scale) {                              \
         attn_fwd_simple<HD>(qkv, out, lse, B, T, H, scale);                                                    \
@@ -917,13 +1065,25 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
         attn_bwd_simple_dkdv<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, scale);                                  \
     }
 
-// ATT_HD, when defined (by the per-head-dim modules of mod.rs), builds the entry points of that head dim
-// only: a model uses one head dim, and each instantiation costs compile time at start-up.
+// ATT_HD, when defined (by the modules of mod.rs), builds the entry points of that head dim only: a
+// model uses one head dim, and each instantiation costs compile time at start-up.
+#define ATT_CAT(a, b) a##b
+#define ATT_XCAT(a, b) ATT_CAT(a, b)
+#define ATT_APPLY(M, x) M(x)  // expands x (ATT_HD) before M pastes it
 #ifdef ATT_HD
-#define ATT_ENTRIES_OF(HD) ATT_ENTRIES(HD)
-ATT_ENTRIES_OF(ATT_HD)
+#define ATT_FOR_HDS(M) ATT_APPLY(M, ATT_HD)
+#define ATT_FOR_VARIANTS(LIST, X) ATT_XCAT(LIST, ATT_HD)(X)
 #else
-ATT_ENTRIES(32)
-ATT_ENTRIES(64)
-ATT_ENTRIES(128)
+#define ATT_FOR_HDS(M) M(32) M(64) M(128)
+#define ATT_FOR_VARIANTS(LIST, X) LIST##32(X) LIST##64(X) LIST##128(X)
+#endif
+
+#if ATT_WANT(ATT_FAM_FORWARD)
+ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, ATT_FWD_ENTRY)
+#endif
+#if ATT_WANT(ATT_FAM_FUSED)
+ATT_FOR_HDS(ATT_FUSED_ENTRIES)
+#endif
+#if ATT_WANT(ATT_FAM_SIMPLE)
+ATT_FOR_HDS(ATT_SIMPLE_ENTRIES)
 #endif

@@ -20,9 +20,11 @@
 // accesses.
 //
 // Usage:
-//   emulator run IN OUT B H T HD simple|mma FWD_ROWS BWD_ROWS det|atomic SPLITS early|late SCALE
+//   emulator run IN OUT B H T HD SCALE early|late FWD BWD
+//     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
+//     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:w<NW>m<MT>q<BM>:w<NW>m<MT>n<BN>
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
-//     OUT/dqkv.bin (bf16). SPLITS 0 = the library's default for a 132-SM GPU.
+//     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs, capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
 //     IN/a.bin (bf16; f32 for pb), IN/b.bin (bf16), 64 x 64 each -> OUT/out.bin (f32 64 x 64).
 
@@ -35,6 +37,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -247,6 +250,7 @@ static inline void att_red_add2(float* p, float a, float b) {
 
 #define ATT_HOST_EMULATION 1
 #include "../../src/attention/attention.cu"
+#include "../../src/attention/attention_separate.cu"
 
 // =====================================================================================================
 // Launching
@@ -315,23 +319,42 @@ static void reg(std::vector<T>& v) {
 
 typedef void (*FwdMma)(const u16*, u16*, float*, int, int, float);
 typedef void (*FwdSimple)(const u16*, u16*, float*, int, int, int, float);
-typedef void (*BwdMma)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, float,
-                       float);
+typedef void (*BwdFused)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, float,
+                         float);
+typedef void (*BwdSep)(const u16*, const u16*, const float*, const float*, u16*, int, int, float, float);
 typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, float);
+
+// Every tensor-core variant by its kernel name, from the kernel files' own variant lists.
+static std::map<std::string, FwdMma> g_fwd;
+static std::map<std::string, BwdSep> g_sep;
+#define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
+#define REG_DKDV(HD, NW, MT, BM) \
+    g_sep["attn_bwd_dkdv_w" #NW "m" #MT "q" #BM "_hd" #HD] = attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD;
+#define REG_DQ(HD, NW, MT, BN) g_sep["attn_bwd_dq_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_bwd_dq_w##NW##m##MT##n##BN##_hd##HD;
+static void register_variants() {
+    ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, REG_FWD)
+    ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, REG_DKDV)
+    ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, REG_DQ)
+}
+template <class F>
+static F lookup(const std::map<std::string, F>& m, const std::string& name) {
+    auto it = m.find(name);
+    if (it == m.end()) die(("no kernel " + name).c_str());
+    return it->second;
+}
 
 #define PICK(NAME, HD) (HD == 32 ? NAME##_hd32 : HD == 64 ? NAME##_hd64 : NAME##_hd128)
 
 static int run(int argc, char** argv) {
-    if (argc != 15) die("usage: emulator run IN OUT B H T HD simple|mma FWD_ROWS BWD_ROWS det|atomic SPLITS early|late SCALE");
+    if (argc != 12) die("usage: emulator run IN OUT B H T HD SCALE early|late FWD BWD");
+    register_variants();
     const std::string in = argv[2], out_dir = argv[3];
     const int B = std::atoi(argv[4]), H = std::atoi(argv[5]), T = std::atoi(argv[6]), HD = std::atoi(argv[7]);
-    const bool simple = std::string(argv[8]) == "simple";
-    const int fwd_rows = std::atoi(argv[9]), bwd_rows = std::atoi(argv[10]);
-    const bool atomic = std::string(argv[11]) == "atomic";
-    const int splits_arg = std::atoi(argv[12]);
-    g_late_copies = std::string(argv[13]) == "late";
-    const float scale = std::strtof(argv[14], nullptr);
+    const float scale = std::strtof(argv[8], nullptr);
+    g_late_copies = std::string(argv[9]) == "late";
+    const std::string fwd = argv[10], bwd = argv[11];
     if (HD != 32 && HD != 64 && HD != 128) die("head dim");
+    const std::string hd_tag = "_hd" + std::to_string(HD);
     const size_t n = (size_t)B * T * H * HD, nl = (size_t)B * H * T;
     std::vector<u16> qkv = read_file<u16>(in + "/qkv.bin", 3 * n);
     std::vector<u16> dout = read_file<u16>(in + "/dout.bin", n);
@@ -340,43 +363,67 @@ static int run(int argc, char** argv) {
     reg(qkv), reg(dout), reg(out), reg(dqkv), reg(lse), reg(dvec);
     const float scale_log2 = scale * 1.4426950408889634f;
     const size_t rows = (size_t)B * H * T;
+    const unsigned pairs = (unsigned)(B * H);
+    const auto blocks = [&](int per_block) { return (unsigned)((T + per_block - 1) / per_block); };
 
     // Forward.
-    if (simple) {
+    if (fwd == "simple") {
         FwdSimple f = PICK(attn_fwd_simple, HD);
         launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0}, [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, scale); });
     } else {
-        FwdMma f = fwd_rows == 64 ? PICK(attn_fwd_mma4, HD) : PICK(attn_fwd_mma8, HD);
-        const size_t smem = (size_t)(fwd_rows + 4 * 64) * (HD + 8) * 2;
-        launch({(unsigned)(B * H), (unsigned)((T + fwd_rows - 1) / fwd_rows), (unsigned)(2 * fwd_rows), smem},
+        int nw, mt, bn;
+        if (std::sscanf(fwd.c_str(), "w%dm%dn%d", &nw, &mt, &bn) != 3) die("forward variant");
+        FwdMma f = lookup(g_fwd, "attn_fwd_" + fwd + hd_tag);
+        const int bm = 16 * mt * nw;
+        const size_t smem = (size_t)(bm + 4 * bn) * (HD + 8) * 2;
+        launch({pairs, blocks(bm), (unsigned)(32 * nw), smem},
                [&] { f(qkv.data(), out.data(), lse.data(), T, H, scale_log2); });
     }
     // Backward: D, then the kernels.
     launch({(unsigned)std::min<size_t>((rows + 7) / 8, 4), 1, 256, 0},
            [&] { attn_bwd_dot_rows(out.data(), dout.data(), dvec.data(), B, T, H, HD); });
-    if (simple) {
+    if (bwd == "simple") {
         BwdSimple a = PICK(attn_bwd_simple_dq, HD), b = PICK(attn_bwd_simple_dkdv, HD);
         const unsigned g = (unsigned)std::min<size_t>(rows, 8);
         launch({g, 1, 128, 0}, [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
         launch({g, 1, 128, 0}, [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
+    } else if (bwd.rfind("sep:", 0) == 0) {
+        int kw, km, kq, qw, qm, qn;
+        if (std::sscanf(bwd.c_str(), "sep:w%dm%dq%d:w%dm%dn%d", &kw, &km, &kq, &qw, &qm, &qn) != 6)
+            die("separate backward variant");
+        const std::string kv_tag = bwd.substr(4, bwd.find(':', 4) - 4), dq_tag = bwd.substr(bwd.find(':', 4) + 1);
+        BwdSep a = lookup(g_sep, "attn_bwd_dkdv_" + kv_tag + hd_tag), b = lookup(g_sep, "attn_bwd_dq_" + dq_tag + hd_tag);
+        const int bn = 16 * km * kw, bm = 16 * qm * qw;
+        const size_t smem_a = (size_t)(2 * bn + 4 * kq) * (HD + 8) * 2 + 4 * kq * 4;
+        const size_t smem_b = (size_t)(2 * bm + 4 * qn) * (HD + 8) * 2;
+        launch({pairs, blocks(bn), (unsigned)(32 * kw), smem_a}, [&] {
+            a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
+        });
+        launch({pairs, blocks(bm), (unsigned)(32 * qw), smem_b}, [&] {
+            b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
+        });
     } else {
+        int bwd_rows = 0, splits_arg = 0;
+        char mode[16] = {0};
+        if (std::sscanf(bwd.c_str(), "fused:q%d:%15[a-z]:%d", &bwd_rows, mode, &splits_arg) < 2) die("backward variant");
+        const bool atomic = std::string(mode) == "atomic";
         const int nkb = (T + 63) / 64;
         int splits, nbuf;
         if (atomic) {
             splits = nkb;
             nbuf = 1;
         } else {
-            const int pairs = std::max(1, B * H);
-            splits = splits_arg > 0 ? splits_arg : (2 * 132 + pairs - 1) / pairs;
+            const int np = std::max(1, B * H);
+            splits = splits_arg > 0 ? splits_arg : (2 * 132 + np - 1) / np;
             splits = std::max(1, std::min(splits, nkb));
             nbuf = splits;
         }
         std::vector<float> acc((size_t)nbuf * n, 0.0f);
         reg(acc);
         const u64 stride = nbuf > 1 ? (u64)n : 0;
-        BwdMma f = bwd_rows == 64 ? PICK(attn_bwd_mma_m64, HD) : PICK(attn_bwd_mma_m32, HD);
+        BwdFused f = bwd_rows == 64 ? PICK(attn_bwd_fused_q64, HD) : PICK(attn_bwd_fused_q32, HD);
         const size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
-        launch({(unsigned)(B * H), (unsigned)splits, 128, smem}, [&] {
+        launch({pairs, (unsigned)splits, 128, smem}, [&] {
             f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, scale, scale_log2);
         });
         launch({(unsigned)std::min<size_t>((n + 255) / 256, 4), 1, 256, 0},
