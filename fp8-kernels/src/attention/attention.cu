@@ -411,6 +411,9 @@ template <int HD, int NW, int MT, int BN>
 __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* __restrict__ out,
                                              float* __restrict__ lse, int T, int H, float scale_log2) {
     constexpr int WR = 16 * MT, BM = WR * NW, S = HD + 8, NT = 32 * NW;
+    // The warp's Q fragments stay in registers (MT * HD / 4 of them: an eighth less shared-memory traffic
+    // per key block) when O, S and they take at most 160 registers per thread; more spills (ptxas, sm_90).
+    constexpr bool Q_REGS = MT * (HD / 2 + BN / 2 + HD / 4) <= 160;
     u16* sQ = reinterpret_cast<u16*>(att_smem);
     u16* sK = sQ + BM * S;
     u16* sV = sK + 2 * BN * S;
@@ -439,6 +442,7 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
     float m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = ATT_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
+    u32 qf[Q_REGS ? MT : 1][Q_REGS ? HD / 16 : 1][4];
 
     for (int j = 0; j < nkb; ++j) {
         const int buf = j & 1;
@@ -449,6 +453,9 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
             att_load_tile<HD, BN, NT>(sV + (buf ^ 1) * BN * S, gV, rs, (j + 1) * BN, T, tid);
             att_cp_commit();
         }
+        if constexpr (Q_REGS) {
+            if (j == 0) att_load_a_mt<HD, MT>(qf, sQ, warp * WR, lane);
+        }
         const int k0 = j * BN;
         if (!active || k0 > w0 + WR - 1) continue;  // no barrier below: warps may skip
         const u16* cK = sK + buf * BN * S;
@@ -456,7 +463,10 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
 
         float s[MT][BN / 8][4];
         att_zero_mt<MT, BN / 8>(s);
-        att_warp_abt_mt<HD, BN, MT>(s, sQ, warp * WR, cK, lane);
+        if constexpr (Q_REGS)
+            att_warp_abt_mt_ra<HD, BN, MT>(s, qf, cK, lane);
+        else
+            att_warp_abt_mt<HD, BN, MT>(s, sQ, warp * WR, cK, lane);
 
         if (k0 + BN - 1 > w0) {  // the block reaches past some row of this warp: causal mask
 #pragma unroll
@@ -632,23 +642,29 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 #pragma unroll
             for (int n = 0; n < BM / 8; ++n) pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
             att_warp_abt<HD, BM>(pt, sK, warp * 16, cQ, lane);
-            const bool need_mask = (q0 < k0 + BN - 1) || (q0 + BM > T);
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int lq = nt * 8 + 2 * q + e;
-                    const float ml = cL[lq] * ATT_LOG2E;
-                    const int query = q0 + lq;
+                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
 #pragma unroll
-                    for (int hr = 0; hr < 2; ++hr) {
-                        float p = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
-                        // query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
-                        // their contributions vanish anyway.
-                        if (need_mask && (key_a + 8 * hr > query || query >= T)) p = 0.0f;
-                        pt[nt][2 * hr + e] = p;
-                    }
+                    for (int hr = 0; hr < 2; ++hr)
+                        pt[nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
                 }
+            // The causal mask, in a warp-uniform branch (inline, the compiler evaluates the conditions on
+            // every tile). query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
+            // their contributions vanish anyway.
+            if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int query = q0 + nt * 8 + 2 * q + e;
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            if (key_a + 8 * hr > query || query >= T) pt[nt][2 * hr + e] = 0.0f;
+                    }
+            }
 
             // dV += P^T dO
             att_warp_pb<BM, HD, S>(dv, pt, cdO, 0, lane);

@@ -182,7 +182,10 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
                                             u16* __restrict__ dqkv, int T, int H, float scale,
                                             float scale_log2) {
     constexpr int WR = 16 * MT, BM = WR * NW, S = HD + 8, NT = 32 * NW;
-    constexpr bool QD_REGS = MT * HD <= 64;
+    // The warp's Q and dO fragments stay in registers (MT * HD / 2 of them: a seventh less shared-memory
+    // traffic per key block) when dQ, P, dS and they take at most 192 registers per thread (at HD = 128,
+    // MT = 1, BN = 64 the kernel then uses all 255 without spilling); more spills (ptxas, sm_90).
+    constexpr bool QD_REGS = MT * (HD + BN) <= 192;
     u16* sQ = reinterpret_cast<u16*>(att_smem);
     u16* sdO = sQ + BM * S;
     u16* sK = sdO + BM * S;      // [2][BN][S]
