@@ -514,10 +514,18 @@ fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             ),
             BackwardKernels::Separate { dkdv, dq } => {
                 println!("        deterministic: BackwardKernels::Separate {{");
-                println!(
-                    "            dkdv: k({}, {}, {}),",
-                    dkdv.warps, dkdv.key_tiles, dkdv.query_rows
-                );
+                if dkdv.paired {
+                    println!(
+                        "            dkdv: KeyTiles::pairs({}, {}),",
+                        dkdv.warps / 2,
+                        dkdv.query_rows
+                    );
+                } else {
+                    println!(
+                        "            dkdv: k({}, {}, {}),",
+                        dkdv.warps, dkdv.key_tiles, dkdv.query_rows
+                    );
+                }
                 println!("            dq: {},", rust_query(&dq));
                 println!("        }},");
             }

@@ -125,6 +125,16 @@ __device__ __forceinline__ void att_red_add2(float* p, float a, float b) {
 #endif
 }
 
+// Named barrier `id` (1..15; 0 is the one of __syncthreads) over `n` threads (a multiple of 32):
+// att_bar_sync waits until n threads arrived; att_bar_arrive only signals (a producer that need not wait
+// for its consumer). Shared-memory writes before either are visible to the threads past the barrier.
+__device__ __forceinline__ void att_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void att_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 #endif  // ATT_HOST_EMULATION
 
 // =====================================================================================================

@@ -167,6 +167,171 @@ __device__ __forceinline__ void attn_bwd_dkdv(const u16* __restrict__ qkv, const
 }
 
 // =====================================================================================================
+// dK, dV with warp pairs: grid (B*H, ceil(T / BN)), NW = 2 * NP warps; pair p owns the 32 keys
+// kp = k0 + 32 p .. kp + 31 (two 16-key tiles per warp), BN = 32 * NP keys per block; key block 0 first.
+// The pair splits the four products: warp 0 of the pair computes P^T = exp(K Q^T ...) (masked), hands
+// it to its partner through shared memory (F32, in the C-fragment layout both warps share, so lane l
+// reads what lane l wrote) and accumulates dV += P^T dO; warp 1 computes dP^T = V dO^T, takes P^T, forms
+// dS^T = P^T (dP^T - D) and accumulates dK += dS^T Q. A warp so holds one 32-key accumulator (what two
+// 16-key tiles of dK and dV take in the one-warp kernel) and each B fragment it loads feeds four mma
+// instead of two: about 80 ldmatrix.x4 per 256 mma against 144 (the limit of the one-warp kernel at
+// HD = 128, where its four 16-key products read 74 KB of shared memory per 64 x 64 tile pair and warp).
+// Per query block: one block barrier (buffers, as above) and one pair barrier (bar.arrive by warp 0
+// after its P^T store, bar.sync by warp 1 before its load; the next block barrier keeps warp 0 from
+// overwriting P^T before warp 1 has read it).
+// Shared memory: K, V [BN][HD+8]; Q, dO [2][BM][HD+8] bf16; lse, D [2][BM] f32; P^T [NP][16 BM] f32.
+// The named barrier 1 + pair over the pair's 64 threads: bar.sync (`wait`) or bar.arrive. The ids are
+// literals (a switch), so ptxas reserves NP + 1 barriers instead of all 16.
+template <int NP, bool wait>
+__device__ __forceinline__ void att_pair_barrier(int pair) {
+    static_assert(NP >= 1 && NP <= 4, "pair barriers 1..4");
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+        if (pair == p) {
+            if (wait)
+                att_bar_sync(1 + p, 64);
+            else
+                att_bar_arrive(1 + p, 64);
+        }
+}
+
+template <int HD, int NP, int BM>
+__device__ __forceinline__ void attn_bwd_dkdv_pairs(const u16* __restrict__ qkv, const u16* __restrict__ dout,
+                                                    const float* __restrict__ lse,
+                                                    const float* __restrict__ dvec, u16* __restrict__ dqkv,
+                                                    int T, int H, float scale, float scale_log2) {
+    constexpr int MT = 2, WK = 16 * MT, BN = WK * NP, NW = 2 * NP, S = HD + 8, NT = 32 * NW;
+    constexpr int XC = MT * BM / 8;  // float4 chunks of P^T per lane
+    u16* sK = reinterpret_cast<u16*>(att_smem);
+    u16* sV = sK + BN * S;
+    u16* sQ = sV + BN * S;       // [2][BM][S]
+    u16* sdO = sQ + 2 * BM * S;  // [2][BM][S]
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * S);  // [2][BM]
+    float* sD = sL + 2 * BM;                                 // [2][BM]
+    float4* sX = reinterpret_cast<float4*>(sD + 2 * BM);     // [NP][XC][32]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int pair = warp >> 1, role = warp & 1;
+    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
+    const u64 rs = (u64)3 * H * HD, ors = (u64)H * HD;
+    const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
+    const u16* gK = gQ + (u64)H * HD;
+    const u16* gV = gQ + (u64)2 * H * HD;
+    const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
+    const float* gL = lse + (u64)bh * T;
+    const float* gD = dvec + (u64)bh * T;
+    u16* gdK = dqkv + (u64)b * T * rs + (u64)H * HD + (u64)h * HD;
+    u16* gdV = gdK + (u64)H * HD;
+    const int nqb = (T + BM - 1) / BM;
+    const int k0 = blockIdx.y * BN;
+    const int i0 = k0 / BM;
+    const int kp = k0 + pair * WK;  // the pair's first key; keys kp + 16 m + g (+ 8)
+    const bool active = kp < T;
+    float4* xp = sX + pair * XC * 32 + lane;
+
+    att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);
+    att_load_tile<HD, BN, NT>(sV, gV, rs, k0, T, tid);
+    att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
+    att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
+    att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
+    att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
+    att_cp_commit();
+
+    float acc[MT][HD / 8][4];  // dV (warp 0 of the pair) or dK / scale (warp 1)
+    att_zero_mt<MT, HD / 8>(acc);
+
+    for (int i = i0; i < nqb; ++i) {
+        const int buf = (i - i0) & 1;
+        att_cp_wait<0>();
+        __syncthreads();  // block i is in buffer `buf` for every thread; every warp is done with block i-1
+        if (i + 1 < nqb) {
+            const int nb = buf ^ 1;
+            att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
+            att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
+            att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
+            att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
+            att_cp_commit();
+        }
+        const int q0 = i * BM;
+        // Both warps of a pair take the same branch, so the pair barrier below always has its 64 threads.
+        if (!active || kp > q0 + BM - 1) continue;
+        const u16* cQ = sQ + buf * BM * S;
+        const u16* cdO = sdO + buf * BM * S;
+        const float* cL = sL + buf * BM;
+        const float* cD = sD + buf * BM;
+
+        float x[MT][BM / 8][4];
+        att_zero_mt<MT, BM / 8>(x);
+        if (role == 0) {
+            // P^T
+            att_warp_abt_mt<HD, BM, MT>(x, sK, pair * WK, cQ, lane);
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            x[mt][nt][2 * hr + e] = att_ex2(__fmaf_rn(x[mt][nt][2 * hr + e], scale_log2, -ml));
+                }
+            if ((q0 < kp + WK - 1) || (q0 + BM > T)) {  // causal mask and rows past T (see above)
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int query = q0 + nt * 8 + 2 * q + e;
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int hr = 0; hr < 2; ++hr)
+                                if (kp + 16 * mt + g + 8 * hr > query || query >= T) x[mt][nt][2 * hr + e] = 0.0f;
+                    }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt)
+                    xp[(mt * (BM / 8) + nt) * 32] = make_float4(x[mt][nt][0], x[mt][nt][1], x[mt][nt][2], x[mt][nt][3]);
+            att_pair_barrier<NP, false>(pair);
+            // dV += P^T dO
+            att_warp_pb_mt<BM, HD, S, MT>(acc, x, cdO, 0, lane);
+        } else {
+            // dP^T, then dS^T = P^T * (dP^T - D) with P^T from the partner
+            att_warp_abt_mt<HD, BM, MT>(x, sV, pair * WK, cdO, lane);
+            att_pair_barrier<NP, true>(pair);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt) {
+                    const float4 p = xp[(mt * (BM / 8) + nt) * 32];
+                    const float d0 = cD[nt * 8 + 2 * q], d1 = cD[nt * 8 + 2 * q + 1];
+                    x[mt][nt][0] = p.x * (x[mt][nt][0] - d0);
+                    x[mt][nt][1] = p.y * (x[mt][nt][1] - d1);
+                    x[mt][nt][2] = p.z * (x[mt][nt][2] - d0);
+                    x[mt][nt][3] = p.w * (x[mt][nt][3] - d1);
+                }
+            // dK += dS^T Q
+            att_warp_pb_mt<BM, HD, S, MT>(acc, x, cQ, 0, lane);
+        }
+    }
+
+    // dV (warp 0) and dK times scale (warp 1) to dqkv, staged through the pair's rows of sV / sK once
+    // every warp is done reading them (warp 1 read the pair's V rows, warp 0 its K rows).
+    __syncthreads();
+    u16* stage = role == 0 ? sV : sK;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        att_store_c_bf16<HD, S>(stage, pair * WK + 16 * mt, acc[mt], role == 0 ? 1.0f : scale, lane);
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        att_warp_store_rows<HD>(role == 0 ? gdV : gdK, rs, stage, pair * WK + 16 * mt, kp + 16 * mt, T, lane);
+}
+
+// =====================================================================================================
 // dQ: grid (B*H, ceil(T / BM)), NW warps, each warp owning WR = 16 * MT query rows, BM = WR * NW per
 // block; the last query block first. The block keeps Q and dO (or, for small head dims, the warps' Q
 // and dO fragments in registers) and each thread its rows' lse and D in registers, and streams the key
@@ -318,6 +483,17 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
 #define ATT_DQ_VARIANTS_64(X) X(64, 4, 1, 64) X(64, 8, 1, 64) X(64, 4, 2, 64) X(64, 4, 1, 128)
 #define ATT_DQ_VARIANTS_128(X) X(128, 4, 1, 64) X(128, 8, 1, 64) X(128, 4, 1, 128) X(128, 8, 1, 128)
 
+// Warp-pair dK/dV variants (HD, NP pairs, BM): attn_bwd_dkdv_p<NP>q<BM>_hd<HD>, 2 * NP warps.
+#define ATT_DKDV_PAIR_VARIANTS_32(X) X(32, 4, 64)
+#define ATT_DKDV_PAIR_VARIANTS_64(X) X(64, 4, 64)
+#define ATT_DKDV_PAIR_VARIANTS_128(X) X(128, 4, 64)
+#define ATT_DKDV_PAIR_ENTRY(HD, NP, BM)                                                                        \
+    extern "C" __global__ void __launch_bounds__(64 * NP) attn_bwd_dkdv_p##NP##q##BM##_hd##HD(                 \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H,         \
+        float scale, float scale_log2) {                                                                       \
+        attn_bwd_dkdv_pairs<HD, NP, BM>(qkv, dout, lse, dvec, dqkv, T, H, scale, scale_log2);                 \
+    }
+
 #define ATT_DKDV_ENTRY(HD, NW, MT, BM)                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD(         \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H,         \
@@ -333,5 +509,6 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
 
 #if ATT_WANT(ATT_FAM_SEPARATE)
 ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, ATT_DKDV_ENTRY)
+ATT_FOR_VARIANTS(ATT_DKDV_PAIR_VARIANTS_, ATT_DKDV_PAIR_ENTRY)
 ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, ATT_DQ_ENTRY)
 #endif

@@ -35,9 +35,14 @@ pub(super) fn fused_smem_bytes(head_dim: usize, rows: usize) -> usize {
 }
 
 /// Bytes of dynamic shared memory of the dK/dV kernel: K, V [BN][hd+8]; Q, dO [2][BM][hd+8] bf16; lse,
-/// D [2][BM] f32.
+/// D [2][BM] f32; with warp pairs, P^T [pairs][32 keys][BM] f32.
 pub(super) fn dkdv_smem_bytes(head_dim: usize, t: &KeyTiles) -> usize {
-    (2 * t.block_keys() + 4 * t.query_rows) * (head_dim + 8) * 2 + 4 * t.query_rows * 4
+    let exchange = if t.paired {
+        t.block_keys() * t.query_rows * 4
+    } else {
+        0
+    };
+    (2 * t.block_keys() + 4 * t.query_rows) * (head_dim + 8) * 2 + 4 * t.query_rows * 4 + exchange
 }
 
 /// Bytes of dynamic shared memory of the dQ kernel: Q, dO [BM][hd+8]; K, V [2][BN][hd+8] bf16 (as the

@@ -45,16 +45,19 @@ impl fmt::Display for QueryTiles {
 }
 
 /// Tiles of a kernel that walks key blocks (the separate backward's dK/dV kernel): `warps` warps of
-/// `16 * key_tiles` keys each, so `16 * key_tiles * warps` keys per block, and query blocks of
-/// `query_rows` rows streamed through shared memory.
+/// `16 * key_tiles` keys each, and query blocks of `query_rows` rows streamed through shared memory.
+/// With `paired`, warps work in pairs on `16 * key_tiles` keys (`key_tiles` = 2): one computes P^T and
+/// dV, the other dP^T, dS^T and dK, each holding one accumulator where an unpaired warp holds two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KeyTiles {
     /// Warps per block (4 or 8).
     pub warps: usize,
-    /// 16-key tiles per warp (1 or 2).
+    /// 16-key tiles per warp, or per pair of warps with `paired` (1 or 2).
     pub key_tiles: usize,
     /// Queries per streamed block.
     pub query_rows: usize,
+    /// Whether warps work in pairs (see above).
+    pub paired: bool,
 }
 
 impl KeyTiles {
@@ -64,19 +67,40 @@ impl KeyTiles {
             warps,
             key_tiles,
             query_rows,
+            paired: false,
+        }
+    }
+
+    /// `pairs` pairs of warps on 32 keys each, query blocks of `query_rows`.
+    pub const fn pairs(pairs: usize, query_rows: usize) -> Self {
+        KeyTiles {
+            warps: 2 * pairs,
+            key_tiles: 2,
+            query_rows,
+            paired: true,
         }
     }
 
     /// Keys per block.
     pub fn block_keys(&self) -> usize {
-        16 * self.key_tiles * self.warps
+        let keys = 16 * self.key_tiles * self.warps;
+        if self.paired {
+            keys / 2
+        } else {
+            keys
+        }
     }
 }
 
-/// `w<warps>m<key_tiles>q<query_rows>`, as in the kernel names (`attn_bwd_dkdv_w4m1q64_hd64`).
+/// `w<warps>m<key_tiles>q<query_rows>`, or `p<pairs>q<query_rows>` with `paired`, as in the kernel names
+/// (`attn_bwd_dkdv_w4m1q64_hd64`, `attn_bwd_dkdv_p4q64_hd128`).
 impl fmt::Display for KeyTiles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "w{}m{}q{}", self.warps, self.key_tiles, self.query_rows)
+        if self.paired {
+            write!(f, "p{}q{}", self.warps / 2, self.query_rows)
+        } else {
+            write!(f, "w{}m{}q{}", self.warps, self.key_tiles, self.query_rows)
+        }
     }
 }
 
@@ -128,11 +152,30 @@ const FORWARD_VARIANTS: [[QueryTiles; 4]; 3] = [
     [q(4, 1, 64), q(8, 1, 64), q(4, 2, 64), q(4, 2, 32)],
 ];
 
-/// dK/dV kernel variants per head dim (`ATT_DKDV_VARIANTS_<hd>` in attention_separate.cu).
-const DKDV_VARIANTS: [[KeyTiles; 4]; 3] = [
-    [k(4, 1, 64), k(8, 1, 64), k(4, 2, 64), k(4, 2, 32)],
-    [k(4, 1, 64), k(8, 1, 64), k(4, 1, 32), k(4, 2, 32)],
-    [k(4, 1, 64), k(8, 1, 64), k(4, 1, 32), k(8, 1, 32)],
+/// dK/dV kernel variants per head dim (`ATT_DKDV_VARIANTS_<hd>`, then `ATT_DKDV_PAIR_VARIANTS_<hd>`, in
+/// attention_separate.cu).
+const DKDV_VARIANTS: [[KeyTiles; 5]; 3] = [
+    [
+        k(4, 1, 64),
+        k(8, 1, 64),
+        k(4, 2, 64),
+        k(4, 2, 32),
+        KeyTiles::pairs(4, 64),
+    ],
+    [
+        k(4, 1, 64),
+        k(8, 1, 64),
+        k(4, 1, 32),
+        k(4, 2, 32),
+        KeyTiles::pairs(4, 64),
+    ],
+    [
+        k(4, 1, 64),
+        k(8, 1, 64),
+        k(4, 1, 32),
+        k(8, 1, 32),
+        KeyTiles::pairs(4, 64),
+    ],
 ];
 
 /// dQ kernel variants per head dim (`ATT_DQ_VARIANTS_<hd>` in attention_separate.cu).
@@ -197,9 +240,12 @@ pub struct TileDefaults {
 /// ([`forward_variants`], [`backward_variants`]); a unit test checks that.
 ///
 /// Current values: not yet measured for the variants added with the separate backward (the forward
-/// with two row tiles per warp, the dK/dV and dQ kernels); chosen by their shared-memory traffic per
-/// tensor-core operation and register counts (ptxas for sm_90, no spills), the fused kernel's query rows
-/// from the H200 sweep of 2026-12-03 (`docs/results/transformer-h200-1/attention_bench.log`).
+/// with two row tiles per warp, the dK/dV kernels with and without warp pairs, the dQ kernel); chosen by
+/// their shared-memory reads per tensor-core operation (`ldmatrix.x4` per `mma` in the main loops' SASS:
+/// forward 0.25 / 0.25 / 0.31 for hd 32 / 64 / 128 against 0.5 / 0.5 / 0.56 for one row tile per warp;
+/// dK/dV 0.5 / 0.5 / 0.31 with warp pairs at hd 128 against 0.56 without; dQ 0.5) and register counts
+/// (ptxas for sm_90, no spills), the fused kernel's query rows from the H200 sweep of 2026-12-03
+/// (`docs/results/transformer-h200-1/attention_bench.log`).
 pub const DEFAULT_TILES: [TileDefaults; 3] = [
     TileDefaults {
         head_dim: 32,
@@ -223,7 +269,7 @@ pub const DEFAULT_TILES: [TileDefaults; 3] = [
         head_dim: 128,
         forward: q(4, 2, 32),
         deterministic: BackwardKernels::Separate {
-            dkdv: k(4, 1, 64),
+            dkdv: KeyTiles::pairs(4, 64),
             dq: q(4, 1, 64),
         },
         atomic_query_rows: 64,
@@ -266,6 +312,8 @@ mod tests {
         assert_eq!(k(8, 1, 32).to_string(), "w8m1q32");
         assert_eq!(q(4, 2, 64).block_rows(), 128);
         assert_eq!(k(8, 1, 32).block_keys(), 128);
+        assert_eq!(KeyTiles::pairs(4, 64).to_string(), "p4q64");
+        assert_eq!(KeyTiles::pairs(4, 64).block_keys(), 128);
         assert_eq!(
             BackwardKernels::Separate {
                 dkdv: k(4, 1, 64),

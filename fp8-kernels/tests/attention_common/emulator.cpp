@@ -22,7 +22,8 @@
 // Usage:
 //   emulator run IN OUT B H T HD SCALE early|late FWD BWD
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
-//     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:w<NW>m<MT>q<BM>:w<NW>m<MT>n<BN>
+//     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
+//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs, capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
@@ -98,6 +99,10 @@ static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b
 struct alignas(16) uint4 {
     u32 x, y, z, w;
 };
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 // ---- the block being run ----
 // Exchange slots of one warp's collectives, two sets used alternately: a lane writes its slot, waits at
@@ -124,6 +129,22 @@ static inline Warp& W() { return g_warps[t_warp]; }
 // The slot set of this lane's next collective.
 static inline Slots& next_slots() { return W().set[t_phase++ & 1]; }
 static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+// Named barriers 1..15 (bar.sync / bar.arrive id, n), created at the first use in a launch with its count.
+static std::unique_ptr<std::barrier<>> g_named[16];
+static int g_named_count[16];
+static std::mutex g_named_mutex;
+static std::barrier<>& named_barrier(int id, int n) {
+    if (id < 1 || id > 15 || n <= 0 || n % 32 != 0) die("named barrier id or count");
+    std::lock_guard<std::mutex> lock(g_named_mutex);
+    if (!g_named[id]) {
+        g_named[id] = std::make_unique<std::barrier<>>(n);
+        g_named_count[id] = n;
+    }
+    if (g_named_count[id] != n) die("named barrier used with two thread counts");
+    return *g_named[id];
+}
+static inline void att_bar_sync(int id, int n) { named_barrier(id, n).arrive_and_wait(); }
+static inline void att_bar_arrive(int id, int n) { (void)named_barrier(id, n).arrive(); }
 static inline void __syncwarp() { W().bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(unsigned mask, float v, int m) {
     if (mask != 0xffffffffu) die("partial shuffle mask");
@@ -269,6 +290,7 @@ static void launch(const Launch& L, const std::function<void()>& body) {
     while (((uintptr_t)base % 16) != 0) ++base;
     g_smem_bytes = L.smem;
     g_block_bar = std::make_unique<std::barrier<>>(L.threads);
+    for (auto& b : g_named) b.reset();
     g_warps.clear();
     for (unsigned w = 0; w < L.threads / 32; ++w) {
         g_warps.emplace_back();
@@ -330,10 +352,12 @@ static std::map<std::string, BwdSep> g_sep;
 #define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
 #define REG_DKDV(HD, NW, MT, BM) \
     g_sep["attn_bwd_dkdv_w" #NW "m" #MT "q" #BM "_hd" #HD] = attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD;
+#define REG_DKDV_PAIR(HD, NP, BM) g_sep["attn_bwd_dkdv_p" #NP "q" #BM "_hd" #HD] = attn_bwd_dkdv_p##NP##q##BM##_hd##HD;
 #define REG_DQ(HD, NW, MT, BN) g_sep["attn_bwd_dq_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_bwd_dq_w##NW##m##MT##n##BN##_hd##HD;
 static void register_variants() {
     ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, REG_FWD)
     ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, REG_DKDV)
+    ATT_FOR_VARIANTS(ATT_DKDV_PAIR_VARIANTS_, REG_DKDV_PAIR)
     ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, REG_DQ)
 }
 template <class F>
@@ -388,13 +412,18 @@ static int run(int argc, char** argv) {
         launch({g, 1, 128, 0}, [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
         launch({g, 1, 128, 0}, [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
     } else if (bwd.rfind("sep:", 0) == 0) {
-        int kw, km, kq, qw, qm, qn;
-        if (std::sscanf(bwd.c_str(), "sep:w%dm%dq%d:w%dm%dn%d", &kw, &km, &kq, &qw, &qm, &qn) != 6)
+        int kw, km, kq, qw, qm, qn, np = 0;
+        const bool paired = std::sscanf(bwd.c_str(), "sep:p%dq%d:w%dm%dn%d", &np, &kq, &qw, &qm, &qn) == 5;
+        if (paired) {
+            kw = 2 * np;
+            km = 2;
+        } else if (std::sscanf(bwd.c_str(), "sep:w%dm%dq%d:w%dm%dn%d", &kw, &km, &kq, &qw, &qm, &qn) != 6) {
             die("separate backward variant");
+        }
         const std::string kv_tag = bwd.substr(4, bwd.find(':', 4) - 4), dq_tag = bwd.substr(bwd.find(':', 4) + 1);
         BwdSep a = lookup(g_sep, "attn_bwd_dkdv_" + kv_tag + hd_tag), b = lookup(g_sep, "attn_bwd_dq_" + dq_tag + hd_tag);
-        const int bn = 16 * km * kw, bm = 16 * qm * qw;
-        const size_t smem_a = (size_t)(2 * bn + 4 * kq) * (HD + 8) * 2 + 4 * kq * 4;
+        const int bn = paired ? 32 * np : 16 * km * kw, bm = 16 * qm * qw;
+        const size_t smem_a = (size_t)(2 * bn + 4 * kq) * (HD + 8) * 2 + 4 * kq * 4 + (paired ? (size_t)bn * kq * 4 : 0);
         const size_t smem_b = (size_t)(2 * bm + 4 * qn) * (HD + 8) * 2;
         launch({pairs, blocks(bn), (unsigned)(32 * kw), smem_a}, [&] {
             a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
