@@ -335,7 +335,14 @@ fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let s = p.shape;
         let mut b = buffers(dev, &s)?;
         for (name, cfg) in modes() {
-            let (f, bw) = time(dev, &s, &cfg, &mut b, args.iters)?;
+            b.ws = AttentionWorkspace::new(); // each mode's own workspace size
+            let (f, bw) = match time(dev, &s, &cfg, &mut b, args.iters) {
+                Ok(t) => t,
+                Err(e) => {
+                    println!("{:<20} {name:<13} error: {e}", label(&s));
+                    continue;
+                }
+            };
             let tf = tflops(&s, f + bw);
             let (splits, _) = backward_splits(dev, &s, &cfg)?;
             let (fwd_tiles, bwd_kernels) = cfg.kernels_for(s.head_dim)?;
@@ -357,7 +364,9 @@ fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             );
         }
         if let Some(dir) = &args.dump {
-            dump(dir, dev, &p, &mut b)?;
+            if let Err(e) = dump(dir, dev, &p, &mut b) {
+                println!("dump of {} failed: {e}", label(&s));
+            }
         }
     }
     if args.sweep {

@@ -242,8 +242,8 @@ pub struct TileDefaults {
 /// Current values: not yet measured for the variants added with the separate backward (the forward
 /// with two row tiles per warp, the dK/dV kernels with and without warp pairs, the dQ kernel); chosen by
 /// their shared-memory reads per tensor-core operation (`ldmatrix.x4` per `mma` in the main loops' SASS:
-/// forward 0.25 / 0.25 / 0.31 for hd 32 / 64 / 128 against 0.5 / 0.5 / 0.56 for one row tile per warp;
-/// dK/dV 0.5 / 0.5 / 0.31 with warp pairs at hd 128 against 0.56 without; dQ 0.5) and register counts
+/// forward 0.25 / 0.25 / 0.38 for hd 32 / 64 / 128 against 0.56 in the first version; dK/dV 0.5 / 0.5 /
+/// 0.31, the last with warp pairs, against 0.56 without; dQ 0.5; docs/attention.md) and register counts
 /// (ptxas for sm_90, no spills), the fused kernel's query rows from the H200 sweep of 2026-12-03
 /// (`docs/results/transformer-h200-1/attention_bench.log`).
 pub const DEFAULT_TILES: [TileDefaults; 3] = [
