@@ -5,9 +5,9 @@
 
 use fp8_kernels::attention::{
     attention_backward, attention_forward, attention_module, cpu, default_tiles, dkdv_variants,
-    dq_variants, forward_variants, AttentionConfig, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, KernelFamily, KeyTiles, QueryTiles, ATTENTION_MODULE,
-    HEAD_DIMS,
+    dq_variants, forward_variants, kernel_module, AttentionConfig, AttentionShape, AttentionTiles,
+    AttentionWorkspace, BackwardKernels, KernelFamily, KeyTiles, QueryTiles, TensorKernel,
+    ATTENTION_MODULE, HEAD_DIMS,
 };
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, PRECISE_OPTIONS};
 use fp8_kernels::{Device, KernelError};
@@ -412,6 +412,39 @@ fn each_module_holds_one_head_dim_and_family() {
         3 * 4 + 1,
         "one module per head dim and family, one for the probes"
     );
+}
+
+#[test]
+fn single_kernel_modules_hold_their_kernel() {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    // The defaults of every head dim (what a model compiles), and each kind of kernel once.
+    let mut kernels = Vec::new();
+    for hd in HEAD_DIMS {
+        let d = default_tiles(hd).unwrap();
+        kernels.push((hd, TensorKernel::Forward(d.forward)));
+        if let BackwardKernels::Separate { dkdv, dq } = d.deterministic {
+            kernels.push((hd, TensorKernel::DkDv(dkdv)));
+            kernels.push((hd, TensorKernel::Dq(dq)));
+        }
+    }
+    kernels.push((64, TensorKernel::Fused { query_rows: 32 }));
+    kernels.push((64, TensorKernel::DkDv(KeyTiles::pairs(4, 64))));
+    kernels.push((32, TensorKernel::DkDv(KeyTiles::new(4, 2, 32))));
+    for (hd, kernel) in kernels {
+        let m = kernel_module(hd, kernel);
+        assert!(std::ptr::eq(m, kernel_module(hd, kernel)), "not cached");
+        let ptx = compile_ptx(m, "sm_90").unwrap().to_src();
+        let want: std::collections::BTreeSet<String> = [
+            kernel.name(hd),
+            "attn_bwd_dot_rows".into(),
+            "attn_bwd_dq_convert".into(),
+        ]
+        .into();
+        assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
+    }
 }
 
 /// ptxas' report for every kernel (compiled to SASS for sm_90 by NVRTC, as the GPU would): printed, and

@@ -939,7 +939,7 @@ __device__ __forceinline__ void attn_bwd_simple_dkdv(const u16* __restrict__ qkv
     }
 }
 
-#if ATT_WANT(ATT_FAM_PROBES)
+#if ATT_WANT(ATT_FAM_PROBES) && !defined(ATT_ONLY_KIND)
 // =====================================================================================================
 // Probes: one building block of the mma kernels on one 64 x 64 tile (HD = 64), for the layout tests.
 // Inputs are dense row-major [64][64] in global memory; one block of 4 warps, warp w computes rows
@@ -1063,17 +1063,13 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
         attn_fwd_mma<HD, NW, MT, BN>(qkv, out, lse, T, H, scale_log2);                                         \
     }
 
-#define ATT_FUSED_ENTRIES(HD)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q64_hd##HD(                              \
+#define ATT_FUSED_ENTRY(HD, BM)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q##BM##_hd##HD(                          \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
         u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
-        attn_bwd_mma<HD, 64>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q32_hd##HD(                              \
-        const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
-        u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
-        attn_bwd_mma<HD, 32>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
+        attn_bwd_mma<HD, BM>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
     }
+#define ATT_FUSED_ENTRIES(HD) ATT_FUSED_ENTRY(HD, 64) ATT_FUSED_ENTRY(HD, 32)
 
 #define ATT_SIMPLE_ENTRIES(HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_simple_hd##HD(                                 \
@@ -1092,10 +1088,17 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
     }
 
 // ATT_HD, when defined (by the modules of mod.rs), builds the entry points of that head dim only: a
-// model uses one head dim, and each instantiation costs compile time at start-up.
+// model uses one head dim, and each instantiation costs compile time at start-up. ATT_ONLY_KIND (with
+// ATT_HD and ATT_ONLY_A, _B, _C), when defined, builds one entry point only (plus the D and dQ-convert
+// kernels): kind 1 forward (NW, MT, BN), 2 fused backward (BM), 3 dK/dV (NW, MT, BM), 4 dK/dV with warp
+// pairs (NP, BM), 5 dQ (NW, MT, BN). The launches use such single-kernel modules, so a process compiles
+// exactly the kernels it runs.
 #define ATT_CAT(a, b) a##b
 #define ATT_XCAT(a, b) ATT_CAT(a, b)
 #define ATT_APPLY(M, x) M(x)  // expands x (ATT_HD) before M pastes it
+#define ATT_APPLY2(M, a, b) M(a, b)
+#define ATT_APPLY3(M, a, b, c) M(a, b, c)
+#define ATT_APPLY4(M, a, b, c, d) M(a, b, c, d)
 #ifdef ATT_HD
 #define ATT_FOR_HDS(M) ATT_APPLY(M, ATT_HD)
 #define ATT_FOR_VARIANTS(LIST, X) ATT_XCAT(LIST, ATT_HD)(X)
@@ -1104,6 +1107,13 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
 #define ATT_FOR_VARIANTS(LIST, X) LIST##32(X) LIST##64(X) LIST##128(X)
 #endif
 
+#if defined(ATT_ONLY_KIND)
+#if ATT_ONLY_KIND == 1
+ATT_APPLY4(ATT_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, ATT_ONLY_C)
+#elif ATT_ONLY_KIND == 2
+ATT_APPLY2(ATT_FUSED_ENTRY, ATT_HD, ATT_ONLY_A)
+#endif
+#else
 #if ATT_WANT(ATT_FAM_FORWARD)
 ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, ATT_FWD_ENTRY)
 #endif
@@ -1113,3 +1123,4 @@ ATT_FOR_HDS(ATT_FUSED_ENTRIES)
 #if ATT_WANT(ATT_FAM_SIMPLE)
 ATT_FOR_HDS(ATT_SIMPLE_ENTRIES)
 #endif
+#endif  // ATT_ONLY_KIND

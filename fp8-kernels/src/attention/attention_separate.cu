@@ -507,7 +507,15 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
         attn_bwd_dq<HD, NW, MT, BN>(qkv, dout, lse, dvec, dqkv, T, H, scale, scale_log2);                     \
     }
 
-#if ATT_WANT(ATT_FAM_SEPARATE)
+#if defined(ATT_ONLY_KIND)
+#if ATT_ONLY_KIND == 3
+ATT_APPLY4(ATT_DKDV_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, ATT_ONLY_C)
+#elif ATT_ONLY_KIND == 4
+ATT_APPLY3(ATT_DKDV_PAIR_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
+#elif ATT_ONLY_KIND == 5
+ATT_APPLY4(ATT_DQ_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, ATT_ONLY_C)
+#endif
+#elif ATT_WANT(ATT_FAM_SEPARATE)
 ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, ATT_DKDV_ENTRY)
 ATT_FOR_VARIANTS(ATT_DKDV_PAIR_VARIANTS_, ATT_DKDV_PAIR_ENTRY)
 ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, ATT_DQ_ENTRY)

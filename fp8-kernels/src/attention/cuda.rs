@@ -1,11 +1,12 @@
-//! Launches of the attention kernels (`attention.cu`) on a buffer's GPU, on its compute stream.
+//! Launches of the attention kernels (`attention.cu`, `attention_separate.cu`) on a buffer's GPU, on its
+//! compute stream; each tensor-core kernel from its own module ([`kernel_module`]).
 //!
 //! The public functions in `mod.rs` validate shapes, lengths and devices before anything here runs; this
 //! file turns a validated call into grids, shared-memory sizes and kernel arguments.
 
 use super::{
-    attention_module, AttentionKernel, AttentionShape, BackwardKernels, DqAccumulation,
-    KernelFamily, KeyTiles, LayoutProbe, QueryTiles, ResolvedConfig,
+    attention_module, kernel_module, AttentionKernel, AttentionShape, BackwardKernels,
+    DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles, ResolvedConfig, TensorKernel,
 };
 use crate::kernel_source::{function, sm_count};
 use crate::{CudaDevice, KernelError};
@@ -142,11 +143,8 @@ pub(super) fn forward(
         AttentionKernel::Mma => {
             require_tensor_cores(dev, WHAT)?;
             let tiles = cfg.forward;
-            let f = function(
-                dev,
-                attention_module(hd, KernelFamily::Forward),
-                &format!("attn_fwd_{tiles}_hd{hd}"),
-            )?;
+            let kernel = TensorKernel::Forward(tiles);
+            let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
             let smem = forward_smem_bytes(hd, &tiles);
             allow_dynamic_smem(dev, &f, smem, WHAT)?;
             let launch = LaunchConfig {
@@ -217,11 +215,8 @@ pub(super) fn fused_plan(
     const WHAT: &str = "attention_backward";
     require_tensor_cores(dev, WHAT)?;
     let hd = shape.head_dim;
-    let f = function(
-        dev,
-        attention_module(hd, KernelFamily::FusedBackward),
-        &format!("attn_bwd_fused_q{rows}_hd{hd}"),
-    )?;
+    let kernel = TensorKernel::Fused { query_rows: rows };
+    let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
     let smem = fused_smem_bytes(hd, rows);
     allow_dynamic_smem(dev, &f, smem, WHAT)?;
     let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
@@ -288,13 +283,16 @@ pub(super) fn backward(
     let hd = shape.head_dim;
     let hd_i = hd as i32;
 
-    // The module of the kernels this call launches (each backward family's module also holds D's).
-    let family = match (cfg.kernel, cfg.backward) {
-        (AttentionKernel::Simple, _) => KernelFamily::Simple,
-        (AttentionKernel::Mma, BackwardKernels::Fused { .. }) => KernelFamily::FusedBackward,
-        (AttentionKernel::Mma, BackwardKernels::Separate { .. }) => KernelFamily::SeparateBackward,
+    // The module of (the first) kernel this call launches, which also holds D's and the dQ conversion.
+    let module = match (cfg.kernel, cfg.backward) {
+        (AttentionKernel::Simple, _) => attention_module(hd, KernelFamily::Simple),
+        (AttentionKernel::Mma, BackwardKernels::Fused { query_rows }) => {
+            kernel_module(hd, TensorKernel::Fused { query_rows })
+        }
+        (AttentionKernel::Mma, BackwardKernels::Separate { dkdv, .. }) => {
+            kernel_module(hd, TensorKernel::DkDv(dkdv))
+        }
     };
-    let module = attention_module(hd, family);
 
     // D = rowsum(dO * O), one warp per row.
     {
@@ -438,25 +436,24 @@ fn separate_backward(
     require_tensor_cores(dev, WHAT)?;
     let hd = shape.head_dim;
     let (_, t, h) = dims(shape);
-    let module = attention_module(hd, KernelFamily::SeparateBackward);
     let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
     let pairs = (shape.batch * shape.heads) as u32;
     let kernels = [
         (
-            format!("attn_bwd_dkdv_{dkdv}_hd{hd}"),
+            TensorKernel::DkDv(dkdv),
             dkdv_smem_bytes(hd, &dkdv),
             dkdv.warps,
             shape.seq_len.div_ceil(dkdv.block_keys()),
         ),
         (
-            format!("attn_bwd_dq_{dq}_hd{hd}"),
+            TensorKernel::Dq(dq),
             dq_smem_bytes(hd, &dq),
             dq.warps,
             shape.seq_len.div_ceil(dq.block_rows()),
         ),
     ];
-    for (name, smem, warps, blocks) in kernels {
-        let f = function(dev, module, &name)?;
+    for (kernel, smem, warps, blocks) in kernels {
+        let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
         allow_dynamic_smem(dev, &f, smem, WHAT)?;
         let launch = LaunchConfig {
             grid_dim: (pairs, blocks as u32, 1),

@@ -54,9 +54,10 @@ pub const ATTENTION_MODULE: KernelModule = KernelModule {
     source: attention_source!(),
 };
 
-/// A group of attention kernels compiled together (one NVRTC module per head dim and family, so a model
-/// compiles only what its calls launch: a few seconds of start-up per module otherwise spent on kernels
-/// it never runs). Every backward family also holds the small `D` and dQ-conversion kernels.
+/// A group of attention kernels compiled together: one NVRTC module per head dim and family (the simple
+/// kernels and the probes are launched from these; the tensor-core kernels from single-kernel modules,
+/// [`kernel_module`], and the family modules serve compile checks). Every backward family also holds the
+/// small `D` and dQ-conversion kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelFamily {
     /// The tensor-core forward kernels (every [`QueryTiles`] variant of [`forward_variants`]).
@@ -135,6 +136,81 @@ pub fn attention_module(head_dim: usize, family: KernelFamily) -> &'static Kerne
         Some(i) => &ATTENTION_MODULES[i][family.index()],
         None => &ATTENTION_MODULE,
     }
+}
+
+/// One tensor-core kernel: a forward, fused backward, dK/dV or dQ variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorKernel {
+    /// A forward variant.
+    Forward(QueryTiles),
+    /// The fused backward with `query_rows` query rows per block.
+    Fused {
+        /// 32 or 64.
+        query_rows: usize,
+    },
+    /// A dK/dV kernel of the separate backward.
+    DkDv(KeyTiles),
+    /// A dQ kernel of the separate backward.
+    Dq(QueryTiles),
+}
+
+impl TensorKernel {
+    /// The kernel's entry point for `head_dim` (`attn_fwd_w4m2n64_hd64`, ...).
+    pub fn name(&self, head_dim: usize) -> String {
+        match self {
+            TensorKernel::Forward(t) => format!("attn_fwd_{t}_hd{head_dim}"),
+            TensorKernel::Fused { query_rows } => {
+                format!("attn_bwd_fused_q{query_rows}_hd{head_dim}")
+            }
+            TensorKernel::DkDv(t) => format!("attn_bwd_dkdv_{t}_hd{head_dim}"),
+            TensorKernel::Dq(t) => format!("attn_bwd_dq_{t}_hd{head_dim}"),
+        }
+    }
+
+    /// `ATT_ONLY_KIND`, `_A`, `_B`, `_C` of attention.cu.
+    fn selector(&self) -> [usize; 4] {
+        match *self {
+            TensorKernel::Forward(t) => [1, t.warps, t.row_tiles, t.key_rows],
+            TensorKernel::Fused { query_rows } => [2, query_rows, 0, 0],
+            TensorKernel::DkDv(t) if t.paired => [4, t.warps / 2, t.query_rows, 0],
+            TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
+            TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
+        }
+    }
+}
+
+/// The module holding `kernel` for `head_dim` alone (and the small `D` and dQ-conversion kernels), built
+/// from the full source with `ATT_HD` and `ATT_ONLY_*` defined: NVRTC then instantiates that one kernel,
+/// about a second of start-up where a module of every variant of a family takes several. Made on the
+/// first request and kept for the process (a few per process; the caller checks that `kernel` is a
+/// compiled variant for `head_dim`).
+pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelModule {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock, PoisonError};
+    static MODULES: OnceLock<Mutex<HashMap<(usize, TensorKernel), &'static KernelModule>>> =
+        OnceLock::new();
+    let mut map = MODULES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    map.entry((head_dim, kernel)).or_insert_with(|| {
+        let [kind, a, b, c] = kernel.selector();
+        let name: &'static str =
+            Box::leak(format!("fp8_kernels_{}", kernel.name(head_dim)).into_boxed_str());
+        let source: &'static str = Box::leak(
+            format!(
+                "#define ATT_HD {head_dim}\n#define ATT_ONLY_KIND {kind}\n#define ATT_ONLY_A {a}\n\
+                 #define ATT_ONLY_B {b}\n#define ATT_ONLY_C {c}\n{}",
+                ATTENTION_MODULE.source
+            )
+            .into_boxed_str(),
+        );
+        Box::leak(Box::new(KernelModule {
+            name,
+            files: ATTENTION_MODULE.files,
+            source,
+        }))
+    })
 }
 
 /// The head dims the kernels are built for.
