@@ -484,9 +484,9 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
 #define ATT_DQ_VARIANTS_128(X) X(128, 4, 1, 64) X(128, 8, 1, 64) X(128, 4, 1, 128) X(128, 8, 1, 128)
 
 // Warp-pair dK/dV variants (HD, NP pairs, BM): attn_bwd_dkdv_p<NP>q<BM>_hd<HD>, 2 * NP warps.
-#define ATT_DKDV_PAIR_VARIANTS_32(X) X(32, 4, 64)
-#define ATT_DKDV_PAIR_VARIANTS_64(X) X(64, 4, 64)
-#define ATT_DKDV_PAIR_VARIANTS_128(X) X(128, 4, 64)
+#define ATT_DKDV_PAIR_VARIANTS_32(X) X(32, 4, 64) X(32, 2, 64)
+#define ATT_DKDV_PAIR_VARIANTS_64(X) X(64, 4, 64) X(64, 2, 64)
+#define ATT_DKDV_PAIR_VARIANTS_128(X) X(128, 4, 64) X(128, 2, 32) X(128, 4, 32)
 #define ATT_DKDV_PAIR_ENTRY(HD, NP, BM)                                                                        \
     extern "C" __global__ void __launch_bounds__(64 * NP) attn_bwd_dkdv_p##NP##q##BM##_hd##HD(                 \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H,         \

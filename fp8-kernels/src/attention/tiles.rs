@@ -2,7 +2,8 @@
 //! choice per head dim ([`DEFAULT_TILES`], the table to edit after an `attention_bench --sweep` run).
 //!
 //! The variant lists mirror the X-macros of `attention.cu` (`ATT_FWD_VARIANTS_<hd>`) and
-//! `attention_separate.cu` (`ATT_DKDV_VARIANTS_<hd>`, `ATT_DQ_VARIANTS_<hd>`); the NVRTC test
+//! `attention_separate.cu` (`ATT_DKDV_VARIANTS_<hd>`, `ATT_DKDV_PAIR_VARIANTS_<hd>`,
+//! `ATT_DQ_VARIANTS_<hd>`); the NVRTC test
 //! `attention_module_compiles_for_sm90` checks that the PTX holds exactly these entry points.
 
 use std::fmt;
@@ -154,29 +155,32 @@ const FORWARD_VARIANTS: [[QueryTiles; 4]; 3] = [
 
 /// dK/dV kernel variants per head dim (`ATT_DKDV_VARIANTS_<hd>`, then `ATT_DKDV_PAIR_VARIANTS_<hd>`, in
 /// attention_separate.cu).
-const DKDV_VARIANTS: [[KeyTiles; 5]; 3] = [
-    [
-        k(4, 1, 64),
-        k(8, 1, 64),
-        k(4, 2, 64),
-        k(4, 2, 32),
-        KeyTiles::pairs(4, 64),
-    ],
-    [
-        k(4, 1, 64),
-        k(8, 1, 64),
-        k(4, 1, 32),
-        k(4, 2, 32),
-        KeyTiles::pairs(4, 64),
-    ],
-    [
-        k(4, 1, 64),
-        k(8, 1, 64),
-        k(4, 1, 32),
-        k(8, 1, 32),
-        KeyTiles::pairs(4, 64),
-    ],
+const DKDV_32: [KeyTiles; 6] = [
+    k(4, 1, 64),
+    k(8, 1, 64),
+    k(4, 2, 64),
+    k(4, 2, 32),
+    KeyTiles::pairs(4, 64),
+    KeyTiles::pairs(2, 64),
 ];
+const DKDV_64: [KeyTiles; 6] = [
+    k(4, 1, 64),
+    k(8, 1, 64),
+    k(4, 1, 32),
+    k(4, 2, 32),
+    KeyTiles::pairs(4, 64),
+    KeyTiles::pairs(2, 64),
+];
+const DKDV_128: [KeyTiles; 7] = [
+    k(4, 1, 64),
+    k(8, 1, 64),
+    k(4, 1, 32),
+    k(8, 1, 32),
+    KeyTiles::pairs(4, 64),
+    KeyTiles::pairs(2, 32),
+    KeyTiles::pairs(4, 32),
+];
+const DKDV_VARIANTS: [&[KeyTiles]; 3] = [&DKDV_32, &DKDV_64, &DKDV_128];
 
 /// dQ kernel variants per head dim (`ATT_DQ_VARIANTS_<hd>` in attention_separate.cu).
 const DQ_VARIANTS: [[QueryTiles; 4]; 3] = [
@@ -199,7 +203,7 @@ pub fn forward_variants(head_dim: usize) -> &'static [QueryTiles] {
 
 /// The dK/dV kernel tiles compiled for `head_dim`.
 pub fn dkdv_variants(head_dim: usize) -> &'static [KeyTiles] {
-    hd_index(head_dim).map_or(&[], |i| &DKDV_VARIANTS[i])
+    hd_index(head_dim).map_or(&[], |i| DKDV_VARIANTS[i])
 }
 
 /// The dQ kernel tiles compiled for `head_dim`.
