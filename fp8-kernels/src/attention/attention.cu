@@ -1053,9 +1053,9 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
 // attn_bwd_fused_q<BM>_hd<HD> (fused backward, query blocks of BM); attn_bwd_simple_{dq,dkdv}_hd<HD>,
 // attn_fwd_simple_hd<HD>. The variant lists are X-macros so that the host emulator instantiates the same
 // set; mod.rs mirrors them (FORWARD_VARIANTS, ...), and a test checks the two agree.
-#define ATT_FWD_VARIANTS_32(X) X(32, 4, 1, 64) X(32, 8, 1, 64) X(32, 4, 2, 64) X(32, 4, 2, 128)
-#define ATT_FWD_VARIANTS_64(X) X(64, 4, 1, 64) X(64, 8, 1, 64) X(64, 4, 2, 64) X(64, 4, 2, 128)
-#define ATT_FWD_VARIANTS_128(X) X(128, 4, 1, 64) X(128, 8, 1, 64) X(128, 4, 2, 64) X(128, 4, 2, 32)
+#define ATT_FWD_VARIANTS_32(X) X(32, 4, 1, 64) X(32, 8, 1, 64) X(32, 4, 2, 64) X(32, 4, 2, 128) X(32, 8, 2, 64)
+#define ATT_FWD_VARIANTS_64(X) X(64, 4, 1, 64) X(64, 8, 1, 64) X(64, 4, 2, 64) X(64, 4, 2, 128) X(64, 8, 2, 64)
+#define ATT_FWD_VARIANTS_128(X) X(128, 4, 1, 64) X(128, 8, 1, 64) X(128, 4, 2, 64) X(128, 4, 2, 32) X(128, 8, 2, 32)
 
 #define ATT_FWD_ENTRY(HD, NW, MT, BN)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_w##NW##m##MT##n##BN##_hd##HD(             \

@@ -147,10 +147,28 @@ const fn k(warps: usize, key_tiles: usize, query_rows: usize) -> KeyTiles {
 
 /// Forward variants per head dim (`ATT_FWD_VARIANTS_<hd>` in attention.cu), in the order of
 /// [`super::HEAD_DIMS`].
-const FORWARD_VARIANTS: [[QueryTiles; 4]; 3] = [
-    [q(4, 1, 64), q(8, 1, 64), q(4, 2, 64), q(4, 2, 128)],
-    [q(4, 1, 64), q(8, 1, 64), q(4, 2, 64), q(4, 2, 128)],
-    [q(4, 1, 64), q(8, 1, 64), q(4, 2, 64), q(4, 2, 32)],
+const FORWARD_VARIANTS: [[QueryTiles; 5]; 3] = [
+    [
+        q(4, 1, 64),
+        q(8, 1, 64),
+        q(4, 2, 64),
+        q(4, 2, 128),
+        q(8, 2, 64),
+    ],
+    [
+        q(4, 1, 64),
+        q(8, 1, 64),
+        q(4, 2, 64),
+        q(4, 2, 128),
+        q(8, 2, 64),
+    ],
+    [
+        q(4, 1, 64),
+        q(8, 1, 64),
+        q(4, 2, 64),
+        q(4, 2, 32),
+        q(8, 2, 32),
+    ],
 ];
 
 /// dK/dV kernel variants per head dim (`ATT_DKDV_VARIANTS_<hd>`, then `ATT_DKDV_PAIR_VARIANTS_<hd>`, in
