@@ -1,7 +1,7 @@
 // The separate (two-kernel) tensor-core backward: a dK/dV kernel over key blocks and a dQ kernel over
 // query blocks, each recomputing P from the forward's lse (FlashAttention-2's deterministic scheme).
-// Appended to attention.cu in every module (it uses that file's PTX wrappers, tile loaders and warp
-// products); its entry points are listed at the end.
+// Appended to attention.cu in every module (it uses attention_mma.cuh's PTX wrappers, tile loaders and
+// warp products, and attention.cu's entry-point macros); its entry points are listed at the end.
 //
 // Against the fused kernel (attention.cu, which adds dQ into F32 accumulators from the key-block loop):
 // S and dP are computed twice (7 matrix products per tile pair instead of 5), but there are no dQ

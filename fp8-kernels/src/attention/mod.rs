@@ -40,17 +40,24 @@ macro_rules! attention_source {
         concat!(
             $($prefix,)*
             include_str!("../../cuda/common.cuh"),
+            include_str!("attention_mma.cuh"),
             include_str!("attention.cu"),
             include_str!("attention_separate.cu")
         )
     };
 }
 
-/// The CUDA module of every attention kernel, all head dims and families: `common.cuh`, `attention.cu`
-/// and `attention_separate.cu` (compile checks; the launches use [`attention_module`]).
+/// The CUDA module of every attention kernel, all head dims and families: `common.cuh`,
+/// `attention_mma.cuh`, `attention.cu` and `attention_separate.cu` (compile checks; the launches use
+/// [`kernel_module`] and [`attention_module`]).
 pub const ATTENTION_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_attention",
-    files: &["common.cuh", "attention.cu", "attention_separate.cu"],
+    files: &[
+        "common.cuh",
+        "attention_mma.cuh",
+        "attention.cu",
+        "attention_separate.cu",
+    ],
     source: attention_source!(),
 };
 
@@ -98,7 +105,7 @@ macro_rules! attention_module_of {
     ($hd:literal, $fam:literal, $name:literal) => {
         KernelModule {
             name: concat!("fp8_kernels_attention_hd", $hd, "_", $name),
-            files: &["common.cuh", "attention.cu", "attention_separate.cu"],
+            files: ATTENTION_MODULE.files,
             source: attention_source!("#define ATT_HD ", $hd, "\n#define ATT_FAMILY ", $fam, "\n"),
         }
     };

@@ -1,9 +1,10 @@
 // Host emulator of the attention kernels, for machines without a GPU (the `attention_emulated` test).
 //
-// Compiles src/attention/attention.cu itself with a C++ compiler. Every CUDA thread of a block is a
-// std::thread; __syncthreads, __syncwarp and the warp-collective instructions are barriers over those
-// threads; the PTX wrappers the kernel file hides under ATT_HOST_EMULATION are emulated here from the PTX
-// ISA's specification of each instruction, element by element:
+// Compiles src/attention/attention_mma.cuh, attention.cu and attention_separate.cu themselves with a C++
+// compiler. Every CUDA thread of a block is a std::thread; __syncthreads, named barriers, __syncwarp and
+// the warp-collective instructions are barriers over those threads; the PTX wrappers attention_mma.cuh
+// hides under ATT_HOST_EMULATION are emulated here from the PTX ISA's specification of each instruction,
+// element by element:
 //   ldmatrix .x4 (.trans): lane l supplies the address of row l % 8 of matrix l / 8; lane l receives, in
 //     register i, elements (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or with .trans (rows 2(l%4),
 //     2(l%4)+1, col l/4); the lower-index element in the low 16 bits.
@@ -270,6 +271,7 @@ static inline void att_red_add2(float* p, float a, float b) {
 }
 
 #define ATT_HOST_EMULATION 1
+#include "../../src/attention/attention_mma.cuh"
 #include "../../src/attention/attention.cu"
 #include "../../src/attention/attention_separate.cu"
 
