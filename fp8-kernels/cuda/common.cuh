@@ -189,6 +189,16 @@ __device__ float compute_scale_dev(float amax, float fmax, int margin, int exact
     return s;
 }
 
+// Butterfly sum over a warp: lane l ends with the same value in every lane; the CPU reproduces the order
+// (32 lane-strided partial sums, then xor-pairs at distances 16, 8, 4, 2, 1).
+__device__ __forceinline__ float warp_sum_butterfly(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = add_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+    return v;
+}
+
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
 // Grid-stride helpers.
 __device__ __forceinline__ u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }

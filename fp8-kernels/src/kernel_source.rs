@@ -1,18 +1,21 @@
-//! The CUDA C sources of this crate's kernels and their compilation with NVRTC.
+//! The CUDA C sources of this crate's kernels: the one registry of NVRTC programs ([`MODULES`]) and their
+//! compilation.
 //!
-//! Sources live under `fp8-kernels/cuda/` and are embedded in the binary; each [`KernelModule`] is one
-//! NVRTC program: the common header (`common.cuh`: FP8 conversion with the hardware `cvt` instructions,
-//! bf16/f16 conversion, block amax) followed by the module's `.cu` file. A [`CudaDevice`] compiles a module
-//! for its own architecture on first use and caches it ([`CudaDevice::load_kernel_module`]).
+//! Each kernel family keeps its `.cu` file beside its Rust code (`src/<family>/<family>.cu`); headers
+//! shared by every family live in `cuda/` (`cuda/common.cuh`: FP8 conversion with the hardware `cvt`
+//! instructions, bf16/f16 conversion, block amax, device-side `compute_scale`). Each [`KernelModule`] is one
+//! NVRTC program: its files concatenated in order (NVRTC sees no file system, so nothing `#include`s
+//! anything), embedded in the binary. A [`CudaDevice`] compiles a module for its own architecture on first
+//! use and caches it ([`CudaDevice::load_kernel_module`]).
 //!
-//! [`compile_ptx`] needs only NVRTC, not a GPU, so the sources are compile-checked on machines without
-//! one (the `nvrtc_compile` test does that for every module when NVRTC can be loaded).
+//! [`compile_ptx`] needs only NVRTC, not a GPU: the `nvrtc_compile` test compiles every module of
+//! [`MODULES`] for `sm_90`, and fails when a `.cu` file under `src/` or `cuda/` belongs to no registered
+//! module, so a family added later cannot escape the check.
 //!
 //! [`CudaDevice`]: crate::CudaDevice
 //! [`CudaDevice::load_kernel_module`]: crate::CudaDevice::load_kernel_module
 
 use crate::KernelError;
-use cudarc::driver::{CudaFunction, LaunchConfig};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 /// One NVRTC program: a name (the cache key), the files it is built from, and the full source text.
@@ -20,35 +23,121 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 pub struct KernelModule {
     /// Unique module name.
     pub name: &'static str,
-    /// The files under `fp8-kernels/cuda/` concatenated into `source`, in order.
+    /// The files concatenated into `source`, in order, as paths relative to the crate root.
     pub files: &'static [&'static str],
     /// The source handed to NVRTC.
     pub source: &'static str,
 }
 
-/// FP8 casts, amax, scaling-meta updates, dequantization, cast+transpose, float conversions.
-pub const CAST_MODULE: KernelModule = KernelModule {
-    name: "fp8_kernels_cast",
-    files: &["common.cuh", "cast.cu"],
-    source: concat!(
-        include_str!("../cuda/common.cuh"),
-        include_str!("../cuda/cast.cu")
-    ),
-};
+/// A [`KernelModule`] from crate-relative file paths, concatenated in order and embedded in the binary.
+macro_rules! kernel_module {
+    ($name:literal, [$($file:literal),+ $(,)?]) => {
+        KernelModule {
+            name: $name,
+            files: &[$($file),+],
+            source: concat!($(include_str!(concat!("../", $file))),+),
+        }
+    };
+}
 
-/// Layer operations: bias, activations, softmax + NLL, im2col, pooling, dropout, reductions, axpy.
-pub const OPS_MODULE: KernelModule = KernelModule {
-    name: "fp8_kernels_ops",
-    files: &["common.cuh", "ops.cu"],
-    source: concat!(
-        include_str!("../cuda/common.cuh"),
-        include_str!("../cuda/ops.cu")
-    ),
-};
+/// FP8 casts, amax, dequantization (also accumulated into a destination), cast + transpose, conversions.
+pub const CAST_MODULE: KernelModule =
+    kernel_module!("fp8_kernels_cast", ["cuda/common.cuh", "src/cast/cast.cu"]);
 
-/// The modules defined in this file. Other parts of the crate define their own [`KernelModule`]s the same
-/// way (`common.cuh` + one `.cu` file); the compile test builds every `.cu` file under `cuda/` like that.
-pub const MODULES: &[KernelModule] = &[CAST_MODULE, OPS_MODULE];
+/// Scales from amaxes: the delayed-scaling meta update (history ring) and a scale from one amax.
+pub const SCALING_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_scaling",
+    ["cuda/common.cuh", "src/scaling/scaling.cu"]
+);
+
+/// Element-wise kernels: bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset.
+pub const ELEMENTWISE_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_elementwise",
+    [
+        "cuda/common.cuh",
+        "src/elementwise/gelu.cuh",
+        "src/elementwise/elementwise.cu"
+    ]
+);
+
+/// GELU (forward or backward) fused with the FP8 cast + transpose of its result; GELU's arithmetic is
+/// the element-wise family's (`gelu.cuh`), so the fused and unfused results agree bit for bit.
+pub const GELU_CAST_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_gelu_cast",
+    [
+        "cuda/common.cuh",
+        "src/elementwise/gelu.cuh",
+        "src/gelu_cast/gelu_cast.cu"
+    ]
+);
+
+/// Reductions: sums over rows and over columns, amax and count of non-finite values, sum of squares.
+pub const REDUCE_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_reduce",
+    ["cuda/common.cuh", "src/reduce/reduce.cu"]
+);
+
+/// Log-softmax over rows, negative log-likelihood statistics and the gradient of their composition.
+pub const SOFTMAX_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_softmax",
+    ["cuda/common.cuh", "src/softmax/softmax.cu"]
+);
+
+/// im2col, col2im and the batched transpose around a convolution's GEMM.
+pub const CONV_MODULE: KernelModule =
+    kernel_module!("fp8_kernels_conv", ["cuda/common.cuh", "src/conv/conv.cu"]);
+
+/// Max pooling forward and backward.
+pub const POOL_MODULE: KernelModule =
+    kernel_module!("fp8_kernels_pool", ["cuda/common.cuh", "src/pool/pool.cu"]);
+
+/// The layout kernels of the FP8 GEMM path: re-layout/padding of operands, un-padding of results, FP8 to
+/// BF16 for E5M2 x E5M2.
+pub const GEMM_LAYOUT_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_gemm_layout",
+    ["cuda/common.cuh", "src/gemm/layout.cu"]
+);
+
+/// Adam: the fused updates (F32 and low-precision states; coefficients by value or from the device) and
+/// the device-side step control (coefficients from reduced statistics, state scales, weight sources).
+pub const ADAM_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_adam",
+    ["cuda/common.cuh", "src/adam/adam.cu", "src/adam/control.cu"]
+);
+
+/// Per-segment amax, scale pairs and FP8 casts over a table of ranges of a flat buffer.
+pub const SEGMENTED_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_segmented",
+    ["cuda/common.cuh", "src/segmented/segmented.cu"]
+);
+
+/// Row gathers from a device-resident table.
+pub const GATHER_ROWS_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_gather_rows",
+    ["cuda/common.cuh", "src/gather_rows/gather_rows.cu"]
+);
+
+/// Every NVRTC program of the crate. A family that adds a `.cu` file registers its module here; the
+/// `nvrtc_compile` test compiles each one and fails on a `.cu` file that no module lists.
+pub const MODULES: &[KernelModule] = &[
+    CAST_MODULE,
+    SCALING_MODULE,
+    ELEMENTWISE_MODULE,
+    GELU_CAST_MODULE,
+    REDUCE_MODULE,
+    SOFTMAX_MODULE,
+    CONV_MODULE,
+    POOL_MODULE,
+    GEMM_LAYOUT_MODULE,
+    ADAM_MODULE,
+    SEGMENTED_MODULE,
+    GATHER_ROWS_MODULE,
+    crate::attention::ATTENTION_MODULE,
+    crate::cross_entropy::CROSS_ENTROPY_MODULE,
+    crate::embedding::EMBEDDING_MODULE,
+    crate::layer_norm::LAYER_NORM_FORWARD_MODULE,
+    crate::layer_norm::LAYER_NORM_BACKWARD_MODULE,
+];
 
 /// NVRTC options of these modules: IEEE arithmetic (no fast math, no flush-to-zero, no contraction of
 /// multiply-add) so elementwise results match the CPU implementations bit for bit.
@@ -102,60 +191,4 @@ pub fn compile_ptx(module: &KernelModule, arch: &'static str) -> Result<Ptx, Ker
             other => format!("{other:?}"),
         },
     })
-}
-
-/// Threads per block of the one-dimensional kernels.
-pub(crate) const BLOCK: u32 = 256;
-
-/// A 1-D launch over `items` work items with grid-stride loops: enough blocks to fill every SM several
-/// times (at most `blocks_per_sm` per SM), never more than the items need, at least one.
-pub(crate) fn grid_1d(sm_count: u32, items: u64, blocks_per_sm: u32) -> LaunchConfig {
-    let needed = items.div_ceil(BLOCK as u64).max(1);
-    let cap = (sm_count.max(1) as u64) * blocks_per_sm as u64;
-    LaunchConfig {
-        grid_dim: (needed.min(cap) as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// The launch of the cast + transpose kernels (`cast_transpose_*`, `gelu[_bwd]_cast_transpose_*`) for a
-/// `[rows, cols]` input: a one-dimensional block of 256 threads when both sides are multiples of 64 (the
-/// kernels then take their vectorised 64x64-tile path), else a (32, 8) block over 32x32 tiles. At most
-/// 16 blocks per SM, with grid-stride loops over the tiles.
-pub(crate) fn cast_transpose_launch(sm_count: u32, rows: usize, cols: usize) -> LaunchConfig {
-    let cap = sm_count.max(1) as usize * 16;
-    if rows % 64 == 0 && cols % 64 == 0 && rows > 0 && cols > 0 {
-        let tiles = (rows / 64) * (cols / 64);
-        LaunchConfig {
-            grid_dim: (tiles.clamp(1, cap) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    } else {
-        let tiles = rows.div_ceil(32) * cols.div_ceil(32);
-        LaunchConfig {
-            grid_dim: (tiles.clamp(1, cap) as u32, 1, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-}
-
-/// A function of a loaded module, compiling the module on first use.
-pub(crate) fn function(
-    dev: &crate::CudaDevice,
-    module: &KernelModule,
-    name: &str,
-) -> Result<CudaFunction, KernelError> {
-    let m = dev.load_kernel_module(module)?;
-    Ok(m.load_function(name)?)
-}
-
-/// Number of streaming multiprocessors of the device.
-pub(crate) fn sm_count(dev: &crate::CudaDevice) -> Result<u32, KernelError> {
-    let n = dev.context().attribute(
-        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )?;
-    Ok(n.max(1) as u32)
 }

@@ -1,8 +1,27 @@
-//! Device abstraction (CPU or CUDA) and every kernel fp8-fsdp needs.
+//! Device abstraction (CPU or CUDA) and the kernels fp8-fsdp computes with, each named by its operation.
 //!
 //! Everything above this crate calls these kernels and never touches cudarc directly. A [`Device`] is the
 //! CPU (rayon) or one CUDA GPU; a [`Buffer`] is a typed array on a device. Each kernel has a CPU
 //! implementation, which is the reference its CUDA implementation is tested against on random inputs.
+//!
+//! The kernels come in families, one module (folder) each: `mod.rs` holds the public functions, their
+//! validation and the CPU/CUDA dispatch, `cpu.rs` the CPU implementation, `cuda.rs` the launches, and the
+//! `.cu` file beside them the CUDA source ([`kernel_source`] lists every NVRTC program):
+//!
+//! | family | kernels |
+//! | --- | --- |
+//! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, conversions |
+//! | [`scaling`] | scales from amaxes: the delayed-scaling meta update, the scale of one amax |
+//! | [`gemm`] | F32, BF16 and FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
+//! | [`elementwise`] | bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset |
+//! | [`gelu_cast`] | GELU forward/backward fused with the FP8 cast + transpose of its result |
+//! | [`reduce`] | sums over rows and columns, amax and count of non-finite values, norm statistics |
+//! | [`softmax`] | log-softmax, negative log-likelihood statistics and gradient |
+//! | [`conv`] | im2col, col2im, batched transpose |
+//! | [`pool`] | max pooling |
+//! | [`adam`] | the fused Adam/AdamW updates and the device-side step control |
+//! | [`segmented`] | per-segment amax, scale pairs and casts over a table of ranges of one buffer |
+//! | [`gather_rows`] | row gathers from a device-resident table |
 //!
 //! CUDA is optional at run time: cudarc loads its libraries dynamically, so this crate builds and its
 //! CPU tests run where no CUDA exists, and [`Device::cuda`] returns an error (never panics) there.
@@ -19,21 +38,25 @@
 
 pub mod adam;
 pub mod attention;
-pub mod blaslt;
 pub mod cast;
+pub mod conv;
 pub mod cross_entropy;
 pub mod device;
+pub mod elementwise;
 pub mod embedding;
 mod error;
-pub mod fused;
 pub mod gather_rows;
+pub mod gelu_cast;
 pub mod gemm;
 pub mod kernel_source;
+mod launch;
 pub mod layer_norm;
-pub mod ops;
-pub mod optim_step;
+pub mod pool;
+pub mod reduce;
 pub mod rng;
+pub mod scaling;
 pub mod segmented;
+pub mod softmax;
 
 pub use adam::{AdamConfig, AdamGrad, LowPrecisionAdamState, WeightDecay};
 pub use attention::{
@@ -41,9 +64,10 @@ pub use attention::{
     AttentionWorkspace, DqAccumulation,
 };
 pub use cast::{
-    amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert, dequantize_fp8,
-    update_scaling_meta, AmaxInput, AmaxSlot, CurrentScaling, FloatElement, ScalingMetaBuffers,
+    add_decoded_fp8, amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert,
+    dequantize_fp8, AmaxSlot, CurrentScaling,
 };
-pub use device::{check_len, Buffer, CudaDevice, DType, Device, Element, GpuEvent};
+pub use device::{check_len, Buffer, CudaDevice, DType, Device, Element, FloatElement, GpuEvent};
 pub use error::KernelError;
 pub use gemm::{CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose};
+pub use scaling::{scale_from_amax, update_scaling_meta, AmaxInput, ScalingMetaBuffers};

@@ -4,7 +4,8 @@
 //! SplitMix64 (Steele, Lea and Flood 2014, in Vigna's reference form) is a counter stepped by
 //! [`SplitMix64::GAMMA`] and a finaliser ([`SplitMix64::mix`]). It is small, portable and easy to
 //! reproduce, so data seeded here can be regenerated anywhere. It is the same finaliser the dropout
-//! mask uses ([`crate::ops::dropout_bits`]), there counter-based so every GPU thread computes its own bits.
+//! mask uses ([`crate::elementwise::dropout_bits`]), there counter-based so every GPU thread computes its
+//! own bits.
 //!
 //! ```
 //! use fp8_kernels::rng::SplitMix64;

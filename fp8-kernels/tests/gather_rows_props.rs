@@ -2,8 +2,8 @@
 //! one (bit for bit; skipped with a printed reason without a GPU), and an NVRTC compile check of its
 //! module (skipped without NVRTC).
 
-use fp8_kernels::gather_rows::{gather_rows, RowIndex, GATHER_ROWS_MODULE};
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status};
+use fp8_kernels::gather_rows::{gather_rows, RowIndex};
+use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, GATHER_ROWS_MODULE};
 use fp8_kernels::Device;
 use proptest::prelude::*;
 

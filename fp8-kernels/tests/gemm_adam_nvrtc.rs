@@ -2,9 +2,7 @@
 //! printed reason where NVRTC cannot be loaded, as in CI), and checks that the Adam kernels contain no
 //! fused multiply-add and no flush-to-zero arithmetic, which would break bitwise CPU/GPU agreement.
 
-use fp8_kernels::adam::ADAM_MODULE;
-use fp8_kernels::blaslt::GEMM_LAYOUT_MODULE;
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status};
+use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, ADAM_MODULE, GEMM_LAYOUT_MODULE};
 
 #[test]
 fn gemm_and_adam_sources_compile_for_sm90() {
@@ -24,6 +22,8 @@ fn gemm_and_adam_sources_compile_for_sm90() {
         "adam_f32_g_bf16",
         "adam_lp_g_f32",
         "adam_lp_g_bf16",
+        "adam_f32_ctl_g_f32",
+        "adam_lp_ctl_g_bf16",
     ] {
         assert!(ptx.contains(entry), "missing kernel {entry}");
     }

@@ -1,13 +1,15 @@
-//! Property tests of the segmented kernels against simple sequential references, and (where a GPU can be
-//! opened) the CUDA implementations against the CPU ones, bit for bit. Without a GPU the CUDA part prints
-//! why it skipped.
+//! Property tests of the segmented kernels, and of the kernels a sharded gradient path uses beside them
+//! (add at an offset, dequantize-accumulate, finite amax and count, scale from one amax), against simple
+//! sequential references, and (where a GPU can be opened) the CUDA implementations against the CPU ones,
+//! bit for bit. Without a GPU the CUDA part prints why it skipped.
 
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
+use fp8_kernels::elementwise::add_at;
+use fp8_kernels::reduce::finite_amax_count;
 use fp8_kernels::segmented::{
-    add_at, add_decoded_fp8, finite_amax_count, grad_scale_from_amax, segmented_amax,
-    segmented_cast, segmented_scales, Segment, SegmentTable,
+    segmented_amax, segmented_cast, segmented_scales, Segment, SegmentTable,
 };
-use fp8_kernels::{Buffer, Device};
+use fp8_kernels::{add_decoded_fp8, scale_from_amax, Buffer, Device};
 use half::bf16;
 use proptest::prelude::*;
 
@@ -227,13 +229,13 @@ proptest! {
     }
 
     #[test]
-    fn grad_scale_is_compute_scale_with_previous_one(
+    fn scale_from_amax_is_compute_scale_with_previous_one(
         amax in prop_oneof![0.0f32..1e6, Just(0.0), Just(f32::INFINITY), Just(f32::NAN)],
         margin in 0i32..4,
     ) {
         let mut s = Buffer::from_vec(vec![7.0f32]);
         let mut si = Buffer::from_vec(vec![7.0f32]);
-        grad_scale_from_amax(&Buffer::from_vec(vec![amax]), Fp8Format::E4M3, margin, &mut s, &mut si).unwrap();
+        scale_from_amax(&Buffer::from_vec(vec![amax]), Fp8Format::E4M3, margin, &mut s, &mut si).unwrap();
         let want = compute_scale(amax, 448.0, margin, ScaleRounding::PowerOfTwo, 1.0);
         prop_assert_eq!(s.to_vec().unwrap()[0], want);
         prop_assert_eq!(si.to_vec().unwrap()[0], 1.0 / want);
@@ -378,7 +380,7 @@ fn segmented_cuda_check(gpu: &Device, n: usize, seed: u64) -> Vec<String> {
         let mut cnt = d.zeros::<u32>(1).unwrap();
         finite_amax_count(&xb, &mut a, &mut cnt).unwrap();
         let (mut s, mut si) = (d.zeros::<f32>(1).unwrap(), d.zeros::<f32>(1).unwrap());
-        grad_scale_from_amax(&a, Fp8Format::E5M2, 2, &mut s, &mut si).unwrap();
+        scale_from_amax(&a, Fp8Format::E5M2, 2, &mut s, &mut si).unwrap();
         let mut v: Vec<u32> = out.to_vec().unwrap().iter().map(|&f| canon(f)).collect();
         v.extend(scales.to_vec().unwrap().iter().map(|&f| canon(f)));
         v.extend(q.to_vec().unwrap().iter().map(|&b| b as u32));

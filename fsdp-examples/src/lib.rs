@@ -4,6 +4,7 @@
 //! - [`data`]: IDX files (plain or gzip), MNIST CSV, [`data::MnistDataset`] with PyTorch-style
 //!   normalisation and NCHW batch extraction. `scripts/fetch-mnist.sh` downloads the full MNIST; a real
 //!   subset is committed in this crate's `testdata/`.
+//! - [`gpt`]: the GPT-2 family language model ([`gpt::Gpt`], presets, FLOPs per token).
 //! - [`sampler`]: [`sampler::DistributedSampler`], one seeded shuffle per epoch with the same global
 //!   order for every world size.
 //! - [`metrics`]: [`metrics::EpochMetrics`] as JSON lines, and [`metrics::render_svg`] to overlay runs.
@@ -47,6 +48,7 @@
 #![warn(missing_docs)]
 
 pub mod data;
+pub mod gpt;
 pub mod metrics;
 pub mod mlp;
 pub mod mnist;

@@ -101,3 +101,105 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// Where a run's ranks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// CUDA when a GPU and its libraries are usable, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU, ranks as threads.
+    Cpu,
+    /// CUDA, one process per GPU (NCCL; several GPUs through the `fsdp-run` launcher).
+    Cuda,
+}
+
+/// How [`launch_ranks`] runs the ranks.
+#[derive(Debug, Clone)]
+pub struct RankLaunch<'a> {
+    /// The binary's name, for messages.
+    pub binary: &'a str,
+    /// Where.
+    pub device: DeviceChoice,
+    /// Ranks: threads on the CPU; on CUDA it must equal the launcher's `WORLD_SIZE` (1 without one).
+    pub world_size: usize,
+    /// CPU threads per rank (default: the cores divided by the ranks).
+    pub threads_per_rank: Option<usize>,
+    /// How long a CPU collective waits for the other ranks.
+    pub timeout: std::time::Duration,
+}
+
+/// Runs `rank_fn` on every rank of this process: one CUDA rank (this process's GPU, NCCL, with the world
+/// the launcher set up) or `world_size` CPU thread ranks, each with its own rayon pool. Returns each
+/// rank's result (one on CUDA) and the device in words. The first rank to fail is the error reported.
+pub fn launch_ranks<R, E, F>(launch: &RankLaunch<'_>, rank_fn: F) -> Result<(Vec<R>, String), E>
+where
+    R: Send,
+    E: From<fsdp_comm::CommError>
+        + From<fp8_kernels::KernelError>
+        + From<SetupError>
+        + Send
+        + std::fmt::Display,
+    F: Fn(std::sync::Arc<dyn fsdp_comm::Communicator>, fp8_kernels::CpuParallelism) -> Result<R, E>
+        + Sync,
+{
+    use fp8_kernels::{CpuParallelism, Device};
+    use fsdp_comm::{Communicator, NcclComm, NcclConfig, ThreadComm};
+    use std::sync::Arc;
+    let use_cuda = match launch.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => Device::auto().0.is_cuda(),
+    };
+    if use_cuda {
+        let comm = NcclComm::from_env(&NcclConfig::default())?;
+        if comm.world_size() != launch.world_size {
+            return Err(SetupError::Launcher(format!(
+                "--world-size {} but the launcher started {} process(es); on CUDA start one process \
+                 per GPU with fsdp-run",
+                launch.world_size,
+                comm.world_size()
+            ))
+            .into());
+        }
+        let device = format!(
+            "CUDA GPU {} of {} rank(s), NCCL",
+            comm.cuda().ordinal(),
+            comm.world_size()
+        );
+        return Ok((
+            vec![rank_fn(Arc::new(comm), CpuParallelism::Single)?],
+            device,
+        ));
+    }
+    refuse_launcher_on_cpu(launch.binary)?;
+    if launch.world_size == 0 {
+        return Err(SetupError::Launcher("--world-size must be at least 1".into()).into());
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_rank = launch
+        .threads_per_rank
+        .unwrap_or((cores / launch.world_size).max(1))
+        .max(1);
+    let par = if per_rank == 1 {
+        CpuParallelism::Single
+    } else {
+        CpuParallelism::Rayon(per_rank)
+    };
+    let device = format!(
+        "CPU, {} thread rank(s), {per_rank} thread(s) each",
+        launch.world_size
+    );
+    let results =
+        fsdp_comm::run_ranks_timeout(launch.world_size, launch.timeout, |comm: ThreadComm| {
+            // Each rank gets its own rayon pool, so the kernels of one rank stay on its cores.
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(per_rank)
+                .thread_name(move |i| format!("rank-worker-{i}"))
+                .build()
+                .map_err(|e| SetupError::Launcher(format!("thread pool: {e}")))?;
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            pool.install(|| rank_fn(comm, par))
+        })?;
+    Ok((results, device))
+}

@@ -1,25 +1,23 @@
 //! CI smoke test of the MLP-stack benchmark on the CPU with small sizes: both modes train (the loss
-//! falls), agree with each other at the start, and the `mlp_bench` binary prints a consistent JSON line.
+//! falls), agree with each other at the start, fused/unfused and recomputed/kept variants train bit for
+//! bit alike, ranks fed different inputs agree on every FP8 scale in one all-reduce per step, and the
+//! `mlp_bench` binary prints a consistent JSON line.
 
-use fsdp_comm::{run_ranks, Communicator};
-use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError, OptimizerChoice};
+use fsdp_comm::{
+    run_ranks, Collective, CollectiveKind, CommError, CommWork, Communicator, ReduceOp,
+};
+use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::{GradDtype, GradReduction};
-use std::sync::Arc;
+use half::bf16;
+use std::sync::{Arc, Mutex};
 
-fn config(mode: BenchMode, optimizer: OptimizerChoice) -> MlpConfig {
+/// The bench's defaults (fused GELU casts, recast GELU input) at a small size.
+fn config(mode: BenchMode) -> MlpConfig {
     MlpConfig {
-        d: 32,
-        blocks: 2,
-        tokens: 64,
         mode,
-        grad_reduction: GradReduction::F32,
-        grad_dtype: GradDtype::Bf16,
-        recompute: false,
-        fused: false,
-        recompute_gelu: false,
-        optimizer,
         lr: 1e-2,
         seed: 3,
+        ..MlpConfig::fp8(32, 2, 64)
     }
 }
 
@@ -44,8 +42,8 @@ fn losses(cfg: MlpConfig, ranks: usize, steps: usize) -> (f64, f64) {
 
 #[test]
 fn both_modes_train_and_start_from_the_same_loss() {
-    let (b0, b1) = losses(config(BenchMode::Bf16, OptimizerChoice::FsdpOptim), 1, 12);
-    let (f0, f1) = losses(config(BenchMode::Fp8, OptimizerChoice::FsdpOptim), 1, 12);
+    let (b0, b1) = losses(config(BenchMode::Bf16), 1, 12);
+    let (f0, f1) = losses(config(BenchMode::Fp8), 1, 12);
     assert!(b1 < 0.8 * b0, "bf16 loss {b0} -> {b1}");
     assert!(f1 < 0.8 * f0, "fp8 loss {f0} -> {f1}");
     // Same weights and input; the FP8 forward differs only by quantization.
@@ -53,8 +51,8 @@ fn both_modes_train_and_start_from_the_same_loss() {
 }
 
 #[test]
-fn local_optimizer_fp8_reduction_and_recompute_on_two_ranks_train() {
-    let mut cfg = config(BenchMode::Fp8, OptimizerChoice::LocalF32);
+fn fp8_reduction_and_recompute_on_two_ranks_train() {
+    let mut cfg = config(BenchMode::Fp8);
     cfg.grad_reduction = GradReduction::Fp8(fp8_core::Fp8Format::E4M3);
     cfg.recompute = true;
     let (a, b) = losses(cfg.clone(), 2, 12);
@@ -94,20 +92,19 @@ fn binary_prints_a_consistent_json_line() {
         assert!(j["step_s"].as_f64().unwrap() > 0.0);
         assert!(j["loss"].as_f64().unwrap().is_finite());
     }
-    // The profile (fp8 run only) has the phases this mode runs, each at most the whole step time
-    // summed over the timed steps' mean, and none of bf16's weight conversion.
+    // The profile (fp8 run only) has the three phases of a step, each at most the whole step time
+    // summed over the timed steps' mean.
     let prof = f["profile_ms"].as_object().unwrap();
     assert!(b["profile_ms"].as_object().unwrap().is_empty());
     for phase in [
-        "forward GEMMs",
-        "forward casts (e4m3)",
-        "backward GEMMs",
-        "GELU backward",
+        "forward",
+        "backward + reductions",
+        "optimizer + re-quantization",
     ] {
         let ms = prof[phase].as_f64().unwrap();
         assert!(ms > 0.0, "{phase}: {ms}");
     }
-    assert!(!prof.contains_key("bf16 weight conversion"));
+    assert_eq!(prof.len(), 3);
     let max_step_ms = f["step_times_s"]
         .as_array()
         .unwrap()
@@ -141,12 +138,13 @@ fn binary_prints_a_consistent_json_line() {
 fn recompute_matches_saved_activations() {
     // The recomputed backward (u and the down input re-derived from the kept block input) runs the
     // same kernels on the same values as the saved one, so training is bit-identical.
-    let mut cfg = config(BenchMode::Fp8, OptimizerChoice::LocalF32);
-    let (a0, a1) = losses(cfg.clone(), 1, 4);
+    let mut cfg = config(BenchMode::Fp8);
+    let kept = final_state(cfg.clone(), 1, 4);
     cfg.recompute = true;
-    let (b0, b1) = losses(cfg, 1, 4);
-    assert_eq!((a0, a1), (b0, b1));
-    assert!(a1 < a0, "{a0} -> {a1}");
+    let recomputed = final_state(cfg, 1, 4);
+    assert_eq!(kept, recomputed);
+    let l = &kept[0].1;
+    assert!(l[3] < l[0], "{l:?}");
 }
 
 /// Every rank's final residual stream and the gathered master weights after `steps` steps.
@@ -173,8 +171,10 @@ fn fused_gelu_casts_train_bit_identically() {
     // The fused kernels write the same FP8 codes, transposes and amaxes as GELU-then-cast, so every step
     // (weights, scales, activations) is identical; with and without recompute, one and two ranks.
     for (recompute, ranks) in [(false, 1), (true, 1), (false, 2)] {
-        let mut cfg = config(BenchMode::Fp8, OptimizerChoice::LocalF32);
+        let mut cfg = config(BenchMode::Fp8);
         cfg.recompute = recompute;
+        cfg.fused = false;
+        cfg.recompute_gelu = false;
         let plain = final_state(cfg.clone(), ranks, 5);
         cfg.fused = true;
         let fused = final_state(cfg, ranks, 5);
@@ -192,8 +192,9 @@ fn recomputed_gelu_input_trains_bit_identically() {
     // The backward recasts the down linear's input from the kept u with the forward's scale: the same
     // codes, so every step is identical; fused and unfused, one and two ranks.
     for (fused, ranks) in [(true, 1), (false, 1), (true, 2)] {
-        let mut cfg = config(BenchMode::Fp8, OptimizerChoice::FsdpOptim);
+        let mut cfg = config(BenchMode::Fp8);
         cfg.fused = fused;
+        cfg.recompute_gelu = false;
         let kept = final_state(cfg.clone(), ranks, 5);
         cfg.recompute_gelu = true;
         let recast = final_state(cfg, ranks, 5);
@@ -207,7 +208,7 @@ fn recomputed_gelu_input_trains_bit_identically() {
 fn f32_and_bf16_gradient_shards_train_alike() {
     // One step from the same start: BF16 shards round each reduced gradient once, so the first losses
     // agree exactly (same forward) and the trained losses closely.
-    let mut cfg = config(BenchMode::Fp8, OptimizerChoice::FsdpOptim);
+    let mut cfg = config(BenchMode::Fp8);
     let (b0, b1) = losses(cfg.clone(), 1, 8);
     cfg.grad_dtype = GradDtype::F32;
     let (f0, f1) = losses(cfg, 1, 8);
@@ -217,4 +218,98 @@ fn f32_and_bf16_gradient_shards_train_alike() {
         (b1 - f1).abs() < 0.02 * f1,
         "bf16 shards {b1} vs f32 shards {f1}"
     );
+}
+
+/// Forwards to a communicator and counts the all-reduces with MAX started through it.
+struct CountingComm {
+    inner: Arc<dyn Communicator>,
+    max_reduces: Mutex<usize>,
+}
+
+impl Communicator for CountingComm {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn device(&self) -> &fp8_kernels::Device {
+        self.inner.device()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.inner.barrier()
+    }
+    fn start(&self, call: Collective<'_>) -> Result<CommWork, CommError> {
+        if call.kind() == CollectiveKind::AllReduce && call.op() == Some(ReduceOp::Max) {
+            *self.max_reduces.lock().unwrap() += 1;
+        }
+        self.inner.start(call)
+    }
+}
+
+/// Every FP8 scale after each of `steps` steps, and the all-reduces(MAX) of each step; rank `r`'s input
+/// is the default one times `gain(r)`.
+#[allow(clippy::type_complexity)]
+fn scales_per_step(
+    ranks: usize,
+    steps: usize,
+    gain: impl Fn(usize) -> f32 + Sync,
+) -> Vec<(Vec<Vec<f32>>, Vec<usize>)> {
+    run_ranks(ranks, |comm| {
+        let counting = Arc::new(CountingComm {
+            inner: Arc::new(comm),
+            max_reduces: Mutex::new(0),
+        });
+        let comm: Arc<dyn Communicator> = counting.clone();
+        let rank = comm.rank();
+        let mut b = MlpBench::new(config(BenchMode::Fp8), comm)?;
+        let g = gain(rank);
+        let x: Vec<bf16> = b
+            .input()?
+            .iter()
+            .map(|v| bf16::from_f32(v.to_f32() * g))
+            .collect();
+        b.set_input(&x)?;
+        let mut scales = Vec::new();
+        let mut reduces = Vec::new();
+        for _ in 0..steps {
+            *counting.max_reduces.lock().unwrap() = 0;
+            b.step()?;
+            reduces.push(*counting.max_reduces.lock().unwrap());
+            scales.push(b.fp8_scales()?);
+        }
+        Ok::<_, MlpError>((scales, reduces))
+    })
+    .unwrap()
+}
+
+#[test]
+fn ranks_fed_different_inputs_agree_on_every_scale() {
+    // Rank 1's input is 16 times rank 0's (exact in bf16): the ranks' amaxes differ everywhere.
+    let gain = |r: usize| if r == 0 { 1.0 } else { 16.0 };
+    let two = scales_per_step(2, 3, gain);
+    for s in 0..3 {
+        assert_eq!(two[0].0[s], two[1].0[s], "step {s}: every scale agreed");
+        assert_eq!(two[0].1[s], 1, "step {s}: one all-reduce(MAX) on rank 0");
+        assert_eq!(two[1].1[s], 1, "step {s}: one all-reduce(MAX) on rank 1");
+    }
+    // After the first step each activation meta holds the scale of the larger of the two ranks' amaxes:
+    // the smaller of the scales each input alone gives (one rank with that input runs the same first
+    // forward and backward). Weight scales come first (two per block), then the metas.
+    let alone0 = scales_per_step(1, 1, |_| 1.0);
+    let alone1 = scales_per_step(1, 1, |_| 16.0);
+    let weights = 2 * config(BenchMode::Fp8).blocks;
+    let (agreed, s0, s1) = (&two[0].0[0], &alone0[0].0[0], &alone1[0].0[0]);
+    assert_eq!(agreed.len(), weights + 4 * config(BenchMode::Fp8).blocks);
+    let mut differ = 0;
+    for i in weights..agreed.len() {
+        assert_eq!(agreed[i], s0[i].min(s1[i]), "meta {}", i - weights);
+        differ += usize::from(agreed[i] != s0[i]);
+    }
+    // At least the first block's input meta: 16 times rank 0's amax.
+    assert_eq!(agreed[weights] * 16.0, s0[weights]);
+    assert!(differ >= 1);
 }

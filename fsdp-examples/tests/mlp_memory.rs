@@ -4,63 +4,63 @@
 
 use fp8_kernels::device::{host_buffer_bytes, reset_host_buffer_peak};
 use fsdp_comm::{run_ranks, Communicator};
-use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError, OptimizerChoice};
-use fsdp_shard::{GradDtype, GradReduction};
+use fsdp_examples::mlp::{MlpBench, MlpConfig, MlpError};
 use std::sync::Arc;
 
 /// Upper bound of the live bytes during an `fp8`-mode step (world size 1, FsdpAdamW with low-precision
-/// states, BF16 gradient shards, no recompute), from the sizes alone:
+/// states, BF16 gradient shards, no block recompute), from the sizes alone (`H = 4d`):
 /// - model state: E4M3 weight 1 + BF16 gradient 2 + F16 master 2 + E4M3 m 1 + F16 v 2 = 8 B/param;
-/// - per block: BF16 pre-activation `u` `[T, 4d]` and the two saved FP8 transposed inputs `[T, d]`,
-///   `[T, 4d]`;
-/// - residual stream: input and two rotating `[T, d]` BF16 buffers, plus its gradient;
-/// - shared step buffers: `a`, `da` `[T, 4d]` BF16 (`a` empty when fused), branch `[T, d]` BF16, one F32
-///   weight gradient `4 d^2`, FP8 scratch `[T, d]` x2 and `[T, 4d]` x2;
-/// - transients of one unit: the F32 full gradient and the F32 reduce-scatter output (`8 d^2` each), the
-///   gathered unit twice (the one computing and the prefetched one, flat buffer and cut copies: `2 x 8 d^2`
-///   bytes each), a transposed weight of the `dx` GEMM (`4 d^2` bytes);
+/// - the bench's input and the step's output, `[T, d]` BF16 each;
+/// - the FP8 `x^T` codes the linears keep (and reuse) across steps: `[T, d]` per block, and `[T, H]`
+///   per block when the GELU output is kept (with `recompute_gelu`, one block's at a time, recast in its
+///   backward);
+/// - per block, the BF16 pre-activation `[T, H]` the backward needs (`u` fused, the GELU's input
+///   unfused);
+/// - the backward's working set: the residual gradient `[T, d]` BF16 and the down linear's input
+///   gradient `[T, H]` BF16, with either (at the GELU backward) another `[T, H]` BF16's worth (fused: the
+///   E5M2 codes and transpose of the up linear's output gradient; unfused: the GELU's input gradient) or
+///   (at the down linear's weight gradient) the E5M2 output-gradient codes and transpose `2 x [T, d]`
+///   and the BF16 weight gradient `8 d^2`, whichever is larger;
+/// - one unit's transients: its F32 full gradient (`4 x 8 d^2`), its gathered E4M3 weights (`8 d^2`) and
+///   the next unit's gathered flat buffer, in flight (`8 d^2`);
 /// - `small`: scales, metas, segment tables and step scalars (a few KiB).
 ///
-/// Reintroducing a full-model-size F32 temporary (`4 P` bytes) or keeping every block input (`blocks - 2`
-/// more `[T, d]` buffers) pushes the peak over it.
-fn fp8_peak_bound(d: usize, blocks: usize, t: usize, fused: bool, small: usize) -> usize {
+/// The bound is tight (see the test): reintroducing a full-model-size F32 temporary (`4 P` bytes) or
+/// keeping every block input (`blocks - 2` more `[T, d]` buffers) pushes the peak over it.
+fn fp8_peak_bound(d: usize, blocks: usize, t: usize, recompute_gelu: bool, small: usize) -> usize {
+    let h = 4 * d;
     let params = blocks * 8 * d * d;
     let model_state = 8 * params;
-    let per_block = 2 * t * 4 * d + t * d + t * 4 * d;
-    let residual = 3 * 2 * t * d + 2 * t * d;
-    let shared = if fused { 0 } else { 2 * t * 4 * d }
-        + 2 * t * 4 * d
-        + 2 * t * d
-        + 4 * 4 * d * d
-        + 2 * t * d
-        + 2 * t * 4 * d;
+    let io = 2 * (2 * t * d);
+    let codes = blocks * t * d
+        + if recompute_gelu {
+            t * h
+        } else {
+            blocks * t * h
+        };
+    let kept = blocks * 2 * t * h;
+    let working = 2 * t * d + 2 * t * h + (2 * t * h).max(2 * t * d + 8 * d * d);
     let unit = 8 * d * d;
-    let transients = 4 * unit + 4 * unit + 2 * (2 * unit) + 4 * d * d;
-    model_state + blocks * per_block + residual + shared + transients + small
+    let transients = 4 * unit + unit + unit;
+    model_state + io + codes + kept + working + transients + small
 }
 
-fn config(d: usize, blocks: usize, t: usize, fused: bool) -> MlpConfig {
+fn config(d: usize, blocks: usize, t: usize, fused: bool, recompute_gelu: bool) -> MlpConfig {
     MlpConfig {
-        d,
-        blocks,
-        tokens: t,
-        mode: BenchMode::Fp8,
-        grad_reduction: GradReduction::F32,
-        grad_dtype: GradDtype::Bf16,
-        recompute: false,
         fused,
-        recompute_gelu: false,
-        optimizer: OptimizerChoice::FsdpOptim,
+        recompute_gelu,
         lr: 1e-3,
         seed: 5,
+        ..MlpConfig::fp8(d, blocks, t)
     }
 }
 
 /// The live-bytes counters are process-wide: the tests of this file measure one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Peak live host bytes over `steps` steps after one warm-up step, and the bench's own accounting.
-fn measure(cfg: MlpConfig, steps: usize) -> (usize, usize, usize, usize) {
+/// Peak live host bytes over `steps` steps after one warm-up step, the live bytes before them, and the
+/// bench's model state.
+fn measure(cfg: MlpConfig, steps: usize) -> (usize, usize, usize) {
     run_ranks(1, |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let mut b = MlpBench::new(cfg.clone(), comm)?;
@@ -72,7 +72,7 @@ fn measure(cfg: MlpConfig, steps: usize) -> (usize, usize, usize, usize) {
         }
         let peak = host_buffer_bytes().peak;
         let state = b.memory()?.model_state();
-        Ok::<_, MlpError>((peak, before, state, b.activation_bytes()))
+        Ok::<_, MlpError>((peak, before, state))
     })
     .unwrap()
     .remove(0)
@@ -81,28 +81,33 @@ fn measure(cfg: MlpConfig, steps: usize) -> (usize, usize, usize, usize) {
 #[test]
 fn fp8_step_peak_is_within_the_size_bound() {
     let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for (d, blocks, t, fused) in [
-        (64, 4, 256, false),
-        (64, 4, 256, true),
-        (128, 3, 128, false),
+    for (d, blocks, t, fused, recompute_gelu) in [
+        (64, 4, 256, false, false),
+        (64, 4, 256, true, false),
+        (64, 4, 256, true, true),
+        (128, 3, 128, true, false),
+        (32, 6, 512, true, true),
     ] {
-        let (peak, before, state, act) = measure(config(d, blocks, t, fused), 2);
+        let (peak, before, state) = measure(config(d, blocks, t, fused, recompute_gelu), 2);
         let params = blocks * 8 * d * d;
-        let small = 64 * 1024;
-        let bound = fp8_peak_bound(d, blocks, t, fused, small);
+        let small = 8 * 1024;
+        let bound = fp8_peak_bound(d, blocks, t, recompute_gelu, small);
         println!(
-            "d={d} blocks={blocks} T={t} fused={fused}: peak {peak} B, live before step {before} B, model state {state} B ({:.2} B/param), activations {act} B, bound {bound} B",
+            "d={d} blocks={blocks} T={t} fused={fused} recompute_gelu={recompute_gelu}: peak {peak} B, \
+             live before step {before} B, model state {state} B ({:.2} B/param), bound {bound} B",
             state as f64 / params as f64
         );
         assert!(state <= 8 * params + small, "model state {state} B");
         assert!(peak <= bound, "peak {peak} B over the bound {bound} B");
-        // What the step adds on top of what it keeps is at most one unit's transients: far below a
-        // full-model-size F32 temporary.
+        // The bound leaves less room than a model-size F32 temporary or the blocks' inputs kept: either
+        // would push the peak over it.
+        let room = bound - peak;
         assert!(
-            peak - before < 4 * params,
-            "step transient {} B reaches a model-size F32 buffer ({} B)",
-            peak - before,
-            4 * params
+            room < 4 * params && room < (blocks - 2) * 2 * t * d,
+            "the bound leaves {room} B of room: too loose to catch a model-size F32 temporary \
+             ({} B) or kept block inputs ({} B)",
+            4 * params,
+            (blocks - 2) * 2 * t * d
         );
     }
 }
@@ -110,13 +115,11 @@ fn fp8_step_peak_is_within_the_size_bound() {
 #[test]
 fn recomputing_the_gelu_input_saves_its_codes_per_block() {
     let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // Each block's E4M3 `gelu(u)^T` (T * 4d bytes) is replaced by one shared buffer: the whole step's
-    // peak drops by about (blocks - 1) * T * 4d bytes (those buffers live through the step).
+    // Each block's E4M3 `gelu(u)^T` (T * 4d bytes) is recast in its block's backward instead of kept
+    // across the step: the whole step's peak drops by about (blocks - 1) * T * 4d bytes.
     let (d, blocks, t) = (64, 4, 256);
-    let (kept, ..) = measure(config(d, blocks, t, true), 1);
-    let mut cfg = config(d, blocks, t, true);
-    cfg.recompute_gelu = true;
-    let (recast, ..) = measure(cfg, 1);
+    let (kept, ..) = measure(config(d, blocks, t, true, false), 1);
+    let (recast, ..) = measure(config(d, blocks, t, true, true), 1);
     // Less the shared buffer's one scale (a few bytes of scalars).
     let saved = (blocks - 1) * t * 4 * d - 64;
     println!("peak {kept} B kept, {recast} B recast; expected saving >= {saved} B");

@@ -2,7 +2,7 @@
 
 use crate::layer::{Activation, Layer};
 use crate::{NnError, Tensor};
-use fp8_kernels::ops::{self, GeluApprox};
+use fp8_kernels::elementwise::{self, GeluApprox};
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
 /// `y = max(x, 0)`; keeps its input for the backward (`dx = dy` where `x > 0`).
@@ -27,7 +27,7 @@ impl<T: Activation> Module for Relu<T> {
 impl<T: Activation> Layer<T> for Relu<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         let mut y = Tensor::uninit(ctx.device(), x.shape())?;
-        ops::relu_forward(x.data(), y.data_mut())?;
+        elementwise::relu_forward(x.data(), y.data_mut())?;
         self.x = ctx.is_training().then_some(x);
         Ok(y)
     }
@@ -46,7 +46,7 @@ impl<T: Activation> Layer<T> for Relu<T> {
             return Ok(None);
         }
         let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
-        ops::relu_backward(x.data(), dy.data(), dx.data_mut())?;
+        elementwise::relu_backward(x.data(), dy.data(), dx.data_mut())?;
         Ok(Some(dx))
     }
 
@@ -89,7 +89,7 @@ impl<T: Activation> Module for Gelu<T> {
 impl<T: Activation> Layer<T> for Gelu<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         let mut y = Tensor::uninit(ctx.device(), x.shape())?;
-        ops::gelu_forward(x.data(), y.data_mut(), self.approx)?;
+        elementwise::gelu_forward(x.data(), y.data_mut(), self.approx)?;
         self.x = ctx.is_training().then_some(x);
         Ok(y)
     }
@@ -108,7 +108,7 @@ impl<T: Activation> Layer<T> for Gelu<T> {
             return Ok(None);
         }
         let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
-        ops::gelu_backward(x.data(), dy.data(), dx.data_mut(), self.approx)?;
+        elementwise::gelu_backward(x.data(), dy.data(), dx.data_mut(), self.approx)?;
         Ok(Some(dx))
     }
 

@@ -3,8 +3,9 @@
 use crate::init::{kaiming_uniform, uniform_fan_in};
 use crate::layer::Layer;
 use crate::{NnError, Shape, Tensor};
+use fp8_kernels::conv::{self, Conv2dGeometry};
 use fp8_kernels::gemm::gemm_f32;
-use fp8_kernels::ops::{self, Conv2dGeometry};
+use fp8_kernels::{elementwise, reduce};
 use fp8_kernels::{Buffer, GemmSpec, Transpose};
 use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
@@ -149,15 +150,15 @@ impl Layer for Conv2d {
         let mut w_t = dev.uninit::<f32>(pl * oc)?;
         let mut y_pix = dev.uninit::<f32>(patches * oc)?;
         let mut y = Tensor::uninit(&dev, Shape::new(&[g.batch, oc, g.out_h(), g.out_w()])?)?;
-        ops::im2col(x.data(), &g, &mut cols)?;
+        conv::im2col(x.data(), &g, &mut cols)?;
         drop(x);
         let [w, b] = ctx.params([self.weight, self.bias])?;
         let (w, b) = (plain(w, &self.name)?, plain(b, &self.name)?);
-        ops::transpose_batched(w, [1, oc, pl], &mut w_t)?;
+        conv::transpose_batched(w, [1, oc, pl], &mut w_t)?;
         let spec = GemmSpec::new(patches, oc, pl).parallelism(par);
         gemm_f32(&spec, &cols, &w_t, &mut y_pix)?;
-        ops::bias_add(&mut y_pix, b, patches, oc)?;
-        ops::transpose_batched(&y_pix, [g.batch, pixels, oc], y.data_mut())?;
+        elementwise::bias_add(&mut y_pix, b, patches, oc)?;
+        conv::transpose_batched(&y_pix, [g.batch, pixels, oc], y.data_mut())?;
         self.geom = Some(g);
         self.cols = ctx.is_training().then_some(cols);
         Ok(y)
@@ -191,10 +192,10 @@ impl Layer for Conv2d {
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
         let mut dy_pix = dev.uninit::<f32>(patches * oc)?;
-        ops::transpose_batched(dy.data(), [g.batch, oc, pixels], &mut dy_pix)?;
+        conv::transpose_batched(dy.data(), [g.batch, oc, pixels], &mut dy_pix)?;
         drop(dy);
         let mut db = dev.uninit::<f32>(oc)?;
-        ops::bias_grad(&dy_pix, patches, oc, &mut db)?;
+        reduce::sum_over_rows(&dy_pix, patches, oc, &mut db)?;
         // dW [oc, pl] = dY^T [oc, patches] x cols [patches, pl].
         let mut dw = dev.uninit::<f32>(oc * pl)?;
         let spec = GemmSpec::new(oc, pl, patches)
@@ -210,7 +211,7 @@ impl Layer for Conv2d {
             gemm_f32(&spec, &dy_pix, w, &mut dcols)?;
             let mut dx =
                 Tensor::uninit(&dev, Shape::new(&[g.batch, g.channels, g.height, g.width])?)?;
-            ops::col2im(&dcols, &g, dx.data_mut())?;
+            conv::col2im(&dcols, &g, dx.data_mut())?;
             Some(dx)
         } else {
             None

@@ -2,7 +2,7 @@
 
 use crate::layer::Layer;
 use crate::{NnError, Tensor};
-use fp8_kernels::ops;
+use fp8_kernels::elementwise;
 use fp8_kernels::Buffer;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
@@ -15,7 +15,7 @@ pub struct Dropout {
     p: f32,
     seed: u64,
     offset: u64,
-    last: Option<ops::Dropout>,
+    last: Option<elementwise::Dropout>,
     mask: Option<Buffer<u8>>,
 }
 
@@ -61,7 +61,7 @@ impl Layer for Dropout {
             self.last = None;
             return Ok(x);
         }
-        let params = ops::Dropout {
+        let params = elementwise::Dropout {
             p: self.p,
             seed: self.seed,
             offset: self.offset,
@@ -70,7 +70,7 @@ impl Layer for Dropout {
         let n = x.shape().numel();
         let mut y = Tensor::uninit(&dev, x.shape())?;
         let mut mask = dev.uninit::<u8>(n)?;
-        ops::dropout_forward(x.data(), params, y.data_mut(), &mut mask)?;
+        elementwise::dropout_forward(x.data(), params, y.data_mut(), &mut mask)?;
         self.offset = self.offset.wrapping_add(n as u64);
         self.last = Some(params);
         self.mask = Some(mask);
@@ -95,7 +95,7 @@ impl Layer for Dropout {
             return Ok(None);
         }
         let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
-        ops::dropout_backward(dy.data(), &mask, params, dx.data_mut())?;
+        elementwise::dropout_backward(dy.data(), &mask, params, dx.data_mut())?;
         Ok(Some(dx))
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::{NnError, Tensor};
 use fp8_kernels::{convert, Buffer, FloatElement, GemmOutput, KernelError};
-use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use fsdp_shard::{Ctx, Module, ModulePath, ParamDecl, ParamId, ShardError, Visitor};
 use half::bf16;
 
 /// Element types of activations and gradients between layers: `f32` or `bf16`.
@@ -64,22 +64,80 @@ pub trait Layer<T: Activation = f32>: Module {
 
 /// Recomputes a layer's forward inside the backward instead of keeping its activations between the
 /// passes: only the layer's input is kept (activation checkpointing per module). The recomputed forward
-/// sees the same parameters and, for FP8 layers, the same scales (they change only at the step end), so
-/// training is bit-identical to keeping the activations; it costs one more forward of the layer.
+/// sees the same parameters, for FP8 layers the same scales (they change only at the step end), and the
+/// same random draws (the layer's counters, e.g. dropout offsets, are rewound to where the forward
+/// started), so training is bit-identical to keeping the activations; it costs one more forward of the
+/// layer.
 pub struct Recompute<L> {
     inner: L,
     input: Option<Box<dyn std::any::Any>>,
+    /// The inner layer's counters when its training forward started.
+    counters: Vec<u64>,
+}
+
+/// Reads every counter of a module in visit order, or writes them back.
+struct CounterSnapshot<'a> {
+    path: ModulePath,
+    values: &'a mut Vec<u64>,
+    restore: bool,
+    next: usize,
+}
+
+impl Visitor for CounterSnapshot<'_> {
+    fn path(&mut self) -> &mut ModulePath {
+        &mut self.path
+    }
+    fn param(&mut self, _: &str, _: &ParamDecl<'_>, _: &mut ParamId) -> Result<(), ShardError> {
+        Ok(())
+    }
+    fn counter(&mut self, local: &str, value: &mut u64) -> Result<(), ShardError> {
+        if self.restore {
+            *value = *self.values.get(self.next).ok_or_else(|| {
+                ShardError::State(format!(
+                    "counter {} was not there when the forward started",
+                    self.path.member(local)
+                ))
+            })?;
+            self.next += 1;
+        } else {
+            self.values.push(*value);
+        }
+        Ok(())
+    }
+}
+
+impl<L: Module> Recompute<L> {
+    fn snapshot_counters(&mut self, restore: bool) -> Result<(), ShardError> {
+        if !restore {
+            self.counters.clear();
+        }
+        self.inner.visit(&mut CounterSnapshot {
+            path: ModulePath::root(),
+            values: &mut self.counters,
+            restore,
+            next: 0,
+        })
+    }
 }
 
 impl<L> Recompute<L> {
     /// `inner`, recomputed in the backward.
     pub fn new(inner: L) -> Self {
-        Recompute { inner, input: None }
+        Recompute {
+            inner,
+            input: None,
+            counters: Vec::new(),
+        }
     }
 
     /// The wrapped layer.
     pub fn inner(&self) -> &L {
         &self.inner
+    }
+
+    /// The wrapped layer, mutable (e.g. for an evaluation-only path of its own).
+    pub fn inner_mut(&mut self) -> &mut L {
+        &mut self.inner
     }
 }
 
@@ -96,6 +154,7 @@ impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
             return self.inner.forward(ctx, x);
         }
         let keep = Tensor::new(x.data().to_device(ctx.device())?, x.shape())?;
+        self.snapshot_counters(false)?;
         let y = self.inner.forward(ctx, x)?;
         self.inner.forget_saved();
         self.input = Some(Box::new(keep));
@@ -113,7 +172,9 @@ impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
             .take()
             .and_then(|b| b.downcast::<Tensor<T>>().ok())
             .ok_or_else(|| NnError::usage("Recompute", "backward without a training forward"))?;
-        // The forward again, inside the backward pass (the context still trains), then its backward.
+        // The forward again, inside the backward pass (the context still trains), from the counters
+        // the first one started with (it leaves them where the first one did), then its backward.
+        self.snapshot_counters(true)?;
         drop(self.inner.forward(ctx, *x)?);
         self.inner.backward(ctx, dy, need_dx)
     }

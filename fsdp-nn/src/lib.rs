@@ -1,7 +1,9 @@
 //! Neural-network layers over fully sharded parameters: [`Linear`] (FP8, BF16 or F32), [`Conv2d`],
 //! [`MaxPool2d`], [`Dropout`], [`Relu`], [`Gelu`], [`Flatten`], [`LogSoftmaxNll`], the transformer MLP
-//! ([`Mlp`], [`MlpBlock`]), and the containers
-//! that compose them ([`Sequential`]; any struct of modules).
+//! ([`Mlp`], [`MlpBlock`]), the transformer layers ([`Embedding`], [`Norm`] (LayerNorm / RMSNorm, fused
+//! with an FP8 linear's input cast), [`CausalSelfAttention`], [`LmHead`] (chunked head + cross-entropy),
+//! [`TransformerBlock`], with [`TokenBatch`] for their inputs; see `docs/transformer-layers.md`), and the
+//! containers that compose them ([`Sequential`]; any struct of modules).
 //!
 //! A layer is a [`fsdp_shard::Module`]: it declares its parameters (initialised as PyTorch does), its
 //! FP8 scaling metas and its counters, and gets typed ids for them when the model is wrapped by
@@ -41,29 +43,42 @@
 #![warn(missing_docs)]
 
 mod activation;
+mod attention;
+mod block;
 mod conv;
 mod dropout;
+mod embedding;
 mod error;
 mod flatten;
 pub mod init;
 mod layer;
 mod linear;
+mod lm_head;
 mod loss;
 mod mlp;
+mod norm;
 mod pool;
+mod retype;
 mod tensor;
+mod tokens;
 
 pub use activation::{Gelu, Relu};
+pub use attention::{CausalSelfAttention, KvCache};
+pub use block::{BlockConfig, BlockPrecisions, TransformerBlock};
 pub use conv::Conv2d;
 pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub use error::NnError;
 pub use flatten::Flatten;
 pub use layer::{Activation, Layer, Recompute, Sequential};
 pub use linear::{Fp8Saved, Linear, LinearPrecision, WeightInit};
+pub use lm_head::{LmHead, LossStats, DEFAULT_HEAD_CHUNK};
 pub use loss::LogSoftmaxNll;
 pub use mlp::{Mlp, MlpBlock};
+pub use norm::Norm;
 pub use pool::MaxPool2d;
 pub use tensor::{Shape, Tensor, MAX_RANK};
+pub use tokens::TokenBatch;
 
 // The guide `docs/your-model.md` is compiled and run as a doctest of this crate.
 #[doc = include_str!("../../docs/your-model.md")]

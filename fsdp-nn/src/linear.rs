@@ -13,7 +13,7 @@
 //!   amaxes are agreed across ranks in the optimizer's single all-reduce and the scales recomputed.
 //!
 //! Bias: `y` is set to the broadcast bias, then the GEMM accumulates into it (`beta = 1`); the bias
-//! gradient is the column sum of `dy` in a fixed order (`ops::sum_over_rows`).
+//! gradient is the column sum of `dy` in a fixed order (`reduce::sum_over_rows`).
 //!
 //! A fused producer (LayerNorm or GELU fused with the E4M3 cast) can write the layer's FP8 input itself:
 //! [`Linear::fp8_input`] hands out the buffers and [`Linear::forward_fp8_codes`] runs the GEMM.
@@ -23,11 +23,11 @@ use crate::layer::{Activation, Layer};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, QType, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
-use fp8_kernels::ops;
 use fp8_kernels::{
     cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
     GemmSpec, Transpose,
 };
+use fp8_kernels::{elementwise, reduce};
 use fsdp_shard::{
     Ctx, GatheredParam, GradDtype, Module, ParamDecl, ParamId, ParamKind, ScalingDecl, ScalingId,
     ShardError, Visitor,
@@ -298,7 +298,10 @@ impl<T: Activation> Linear<T> {
             .as_ref()
             .ok_or_else(|| NnError::usage(&self.name, "no FP8 input was prepared"))?;
         let (inf, outf, tokens) = (self.in_features, self.out_features, saved.tokens);
-        if x_q.len() != tokens * inf || out_shape.numel() != tokens * outf {
+        if x_q.len() != tokens * inf
+            || out_shape.numel() != tokens * outf
+            || out_shape.last() != outf
+        {
             return Err(NnError::usage(
                 &self.name,
                 format!(
@@ -307,6 +310,8 @@ impl<T: Activation> Linear<T> {
                 ),
             ));
         }
+        // The backward checks its output gradient against the input shape (a fused producer's
+        // forward does not pass through `forward`).
         self.in_shape = Some(out_shape.with_last(inf)?);
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
@@ -440,6 +445,8 @@ impl<T: Activation> Linear<T> {
         if let Some(dw) = dw32 {
             ctx.add_grad(self.weight, &dw)?;
         }
+        // The saved input is spent: free it now rather than hold it through the optimizer step.
+        self.fp8_saved = None;
         Ok(dx)
     }
 
@@ -558,7 +565,7 @@ impl<T: Activation> Linear<T> {
             return Ok(None);
         }
         let mut db = dev.uninit::<f32>(self.out_features)?;
-        ops::sum_over_rows(dy.data(), tokens, self.out_features, &mut db)?;
+        reduce::sum_over_rows(dy.data(), tokens, self.out_features, &mut db)?;
         Ok(Some(db))
     }
 
@@ -666,7 +673,7 @@ impl<T: Activation> Linear<T> {
                 gemm(&dw_spec, &dy16, &x16, &mut dw)?;
                 let db = if self.has_bias {
                     let mut db = dev.uninit::<f32>(outf)?;
-                    ops::sum_over_rows(&dy16, tokens, outf, &mut db)?;
+                    reduce::sum_over_rows(&dy16, tokens, outf, &mut db)?;
                     Some(db)
                 } else {
                     None
@@ -723,7 +730,7 @@ fn broadcast_bias<O: GemmOutput>(
     y: &mut Buffer<O>,
 ) -> Result<(), NnError> {
     y.fill_zero()?;
-    ops::bias_add(y, bias, tokens, bias.len())?;
+    elementwise::bias_add(y, bias, tokens, bias.len())?;
     Ok(())
 }
 

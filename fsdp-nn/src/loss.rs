@@ -1,7 +1,8 @@
 //! Log-softmax with the negative log-likelihood loss (PyTorch's `log_softmax` + `nll_loss`).
 
 use crate::{NnError, Shape, Tensor};
-use fp8_kernels::ops::{self, nll_stat};
+use fp8_kernels::elementwise;
+use fp8_kernels::softmax::{self, nll_stat};
 use fp8_kernels::Buffer;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
@@ -58,7 +59,14 @@ impl LogSoftmaxNll {
             .stats
             .as_mut()
             .ok_or_else(|| NnError::usage("LogSoftmaxNll", "stats"))?;
-        ops::log_softmax_nll_forward(logits.data(), labels, rows, self.classes, &mut lp, stats)?;
+        softmax::log_softmax_nll_forward(
+            logits.data(),
+            labels,
+            rows,
+            self.classes,
+            &mut lp,
+            stats,
+        )?;
         self.rows = rows;
         self.log_probs = ctx.is_training().then_some(lp);
         Ok(stats)
@@ -93,9 +101,9 @@ impl LogSoftmaxNll {
             ));
         }
         let mut d = Tensor::uninit(ctx.device(), Shape::matrix(self.rows, self.classes)?)?;
-        ops::log_softmax_nll_backward(&lp, labels, self.rows, self.classes, d.data_mut())?;
+        softmax::log_softmax_nll_backward(&lp, labels, self.rows, self.classes, d.data_mut())?;
         if grad_scale != 1.0 {
-            ops::scale(d.data_mut(), grad_scale)?;
+            elementwise::scale(d.data_mut(), grad_scale)?;
         }
         Ok(d)
     }

@@ -14,8 +14,8 @@ use crate::activation::Gelu;
 use crate::layer::{Activation, Layer};
 use crate::linear::{Linear, LinearPrecision, WeightInit};
 use crate::{NnError, Tensor};
-use fp8_kernels::fused::{gelu_backward_cast_fp8, gelu_cast_fp8};
-use fp8_kernels::ops::{self, GeluApprox};
+use fp8_kernels::elementwise::{self, GeluApprox};
+use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
 /// `down(gelu(up(x)))`, `up: d -> hidden`, `down: hidden -> d`, no biases; parameters `c_fc.weight` and
@@ -41,13 +41,25 @@ impl<T: Activation> Mlp<T> {
         precision: LinearPrecision,
         seed: u64,
     ) -> Result<Self, NnError> {
+        Self::with_precisions(d, hidden, [precision; 2], seed)
+    }
+
+    /// An MLP whose up and down linears have their own precisions (e.g. only the larger GEMMs in FP8).
+    /// The GELU is fused with the FP8 casts only when both are FP8.
+    pub fn with_precisions(
+        d: usize,
+        hidden: usize,
+        precisions: [LinearPrecision; 2],
+        seed: u64,
+    ) -> Result<Self, NnError> {
+        let fp8 = precisions.iter().all(|&p| p == LinearPrecision::Fp8);
         Ok(Mlp {
-            up: Linear::new(d, hidden, precision, seed)?.without_bias(),
-            down: Linear::new(hidden, d, precision, seed ^ 0xD0)?.without_bias(),
+            up: Linear::new(d, hidden, precisions[0], seed)?.without_bias(),
+            down: Linear::new(hidden, d, precisions[1], seed ^ 0xD0)?.without_bias(),
             names: ["c_fc".into(), "c_proj".into()],
             gelu: Gelu::with_approx(GeluApprox::Erf),
-            fused: precision == LinearPrecision::Fp8,
-            recompute_gelu: precision == LinearPrecision::Fp8,
+            fused: fp8,
+            recompute_gelu: fp8,
             u: None,
         })
     }
@@ -67,14 +79,18 @@ impl<T: Activation> Mlp<T> {
 
     /// FP8 only: GELU fused with the casts (default on). Off: GELU, then the linears' own casts.
     pub fn fused(mut self, on: bool) -> Self {
-        self.fused = on && self.up.precision() == LinearPrecision::Fp8;
+        self.fused = on && self.both_fp8();
         self
     }
 
     /// FP8 only: recast the down linear's input in the backward instead of keeping it (default on).
     pub fn recompute_gelu(mut self, on: bool) -> Self {
-        self.recompute_gelu = on && self.up.precision() == LinearPrecision::Fp8;
+        self.recompute_gelu = on && self.both_fp8();
         self
+    }
+
+    fn both_fp8(&self) -> bool {
+        self.up.precision() == LinearPrecision::Fp8 && self.down.precision() == LinearPrecision::Fp8
     }
 
     /// The up linear.
@@ -85,6 +101,12 @@ impl<T: Activation> Mlp<T> {
     /// The down linear.
     pub fn down(&self) -> &Linear<T> {
         &self.down
+    }
+
+    /// The up linear, mutable: a producer of its input (a norm writing its FP8 input,
+    /// `Norm::forward_linear`) runs it, then [`Mlp::forward_after_up`] finishes the branch.
+    pub fn up_mut(&mut self) -> &mut Linear<T> {
+        &mut self.up
     }
 
     /// Bytes kept for the backward.
@@ -125,20 +147,38 @@ impl<T: Activation> Mlp<T> {
     /// The branch `down(gelu(up(x)))` from a borrowed `x`.
     pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
         let u = self.up.forward_ref(ctx, x)?;
+        self.forward_after_up(ctx, u)
+    }
+
+    /// The rest of the branch, `down(gelu(u))`, from the up linear's output `u` (after the up linear ran
+    /// its forward, e.g. fed by [`Mlp::up_mut`]'s producer).
+    pub fn forward_after_up(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        u: Tensor<T>,
+    ) -> Result<Tensor<T>, NnError> {
         let y = if self.fused {
             let x_q = self.cast_down_input(ctx, &u)?;
-            let out = x.shape().with_last(self.down.out_features())?;
+            let out = u.shape().with_last(self.down.out_features())?;
             let y = self.down.forward_fp8_codes(ctx, &x_q, out)?;
-            if self.recompute_gelu {
+            if self.recompute_gelu || !ctx.is_training() {
                 self.down.drop_saved();
             }
             y
         } else {
-            let u_copy = Tensor::new(u.data().to_device(ctx.device())?, u.shape())?;
-            let a = self.gelu.forward(ctx, u_copy)?;
-            self.down.forward(ctx, a)?
+            // The GELU keeps its input (u) for the backward itself.
+            let a = self.gelu.forward(ctx, u)?;
+            let y = self.down.forward(ctx, a)?;
+            if !ctx.is_training() {
+                self.down.drop_saved();
+                self.up.drop_saved();
+            }
+            return Ok(y);
         };
-        self.u = (ctx.is_training() && self.fused).then_some(u);
+        if !ctx.is_training() {
+            self.up.drop_saved();
+        }
+        self.u = ctx.is_training().then_some(u);
         Ok(y)
     }
 
@@ -261,7 +301,7 @@ impl<T: Activation> Layer<T> for MlpBlock<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         let mut y = self.mlp.forward_ref(ctx, &x)?;
         // y = branch + x, in place (one rounding, as x + branch).
-        ops::axpy(1.0, x.data(), y.data_mut())?;
+        elementwise::axpy(1.0, x.data(), y.data_mut())?;
         Ok(y)
     }
 
@@ -278,7 +318,7 @@ impl<T: Activation> Layer<T> for MlpBlock<T> {
         let branch =
             branch.ok_or_else(|| NnError::usage("MlpBlock", "no gradient from the MLP"))?;
         // dx = dy + d(branch)/dx, in place.
-        ops::axpy(1.0, branch.data(), dy.data_mut())?;
+        elementwise::axpy(1.0, branch.data(), dy.data_mut())?;
         Ok(Some(dy))
     }
 

@@ -2,7 +2,7 @@
 
 use crate::layer::Layer;
 use crate::{NnError, Shape, Tensor};
-use fp8_kernels::ops::{self, Pool2dGeometry};
+use fp8_kernels::pool::{self, Pool2dGeometry};
 use fp8_kernels::Buffer;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
@@ -70,7 +70,7 @@ impl Layer for MaxPool2d {
         let dev = ctx.device().clone();
         let mut y = Tensor::uninit(&dev, Shape::new(&[s[0], s[1], g.out_h(), g.out_w()])?)?;
         let mut idx = dev.uninit::<u32>(g.output_len())?;
-        ops::max_pool2d_forward(x.data(), &g, y.data_mut(), &mut idx)?;
+        pool::max_pool2d_forward(x.data(), &g, y.data_mut(), &mut idx)?;
         self.geom = Some(g);
         self.indices = ctx.is_training().then_some(idx);
         Ok(y)
@@ -96,7 +96,7 @@ impl Layer for MaxPool2d {
             ctx.device(),
             Shape::new(&[g.batch, g.channels, g.height, g.width])?,
         )?;
-        ops::max_pool2d_backward(dy.data(), &idx, dx.data_mut())?;
+        pool::max_pool2d_backward(dy.data(), &idx, dx.data_mut())?;
         Ok(Some(dx))
     }
 }

@@ -4,16 +4,19 @@
 //! step with the same coefficients without it.
 
 use crate::config::{AdamOptions, StatePrecision};
+use crate::policy::{self, StateAmaxes, StateScales};
 use crate::schedule::LrSchedule;
-use crate::state_scaling::{self, StateAmaxes, StateScales};
 use crate::OptimError;
 use fp8_core::{Fp8Format, QType};
-use fp8_kernels::adam::{f16_saturating, lp_slot, AmaxSlots, LowPrecisionAdamState};
-use fp8_kernels::optim_step::{
-    self as ctlk, adam_step_f32_ctl, adam_step_low_precision_ctl, cast_from_source, ctl,
-    grad_stats, grad_stats_finish, step_control, step_finish, MasterSource, SlotScales,
-    StepControlParams,
+use fp8_kernels::adam::control::{
+    adam_coefficients_from_stats, adam_commit_amaxes, cast_weight_source, ctl, MasterSource,
+    SlotScales, COEF_LEN,
 };
+use fp8_kernels::adam::{
+    adam_step_f32, adam_step_low_precision, f16_saturating, lp_slot, AmaxSlots, Coefficients,
+    LowPrecisionAdamState,
+};
+use fp8_kernels::reduce::{norm_stats, norm_stats_finish, NORM_STATS_ACC_LEN};
 use fp8_kernels::{Buffer, Device, WeightDecay};
 use fsdp_comm::ReduceOp;
 use fsdp_shard::{
@@ -257,7 +260,7 @@ impl ShardedAdam {
                 StatePrecision::LowPrecision => {
                     let unit_scales: Vec<StateScales> = unit_amaxes
                         .iter()
-                        .map(|a| [state_scaling::initial_master_scale(a[0]), 1.0, 1.0])
+                        .map(|a| [policy::initial_master_scale(a[0]), 1.0, 1.0])
                         .collect();
                     let mut stored = vec![f16::ZERO; fp8_len];
                     for (i, r) in &segments {
@@ -301,14 +304,14 @@ impl ShardedAdam {
             schedule_position: 0,
             units,
             control: device.zeros(ctl::LEN)?,
-            coef: device.zeros(ctlk::COEF_LEN)?,
-            stats_acc: device.zeros(ctlk::STATS_ACC_LEN)?,
+            coef: device.zeros(COEF_LEN)?,
+            stats_acc: device.zeros(NORM_STATS_ACC_LEN)?,
             amaxes: device.upload(&flat(amaxes))?,
             scales: device.upload(&flat(scales))?,
             write: device.zeros(lp_len(3))?,
             kernel_scales: device.zeros(lp_len(lp_slot::SCALES))?,
             total_slots: slot_base,
-            coef_no_decay: device.zeros(ctlk::COEF_LEN)?,
+            coef_no_decay: device.zeros(COEF_LEN)?,
             zero_flags: device.zeros(2)?,
             rank,
             world_size,
@@ -500,40 +503,27 @@ impl ShardedAdam {
             for (i, r) in &st.segments {
                 let amax = low.then_some((&mut sums, 2 + rank * n + st.slot_base + i));
                 match s.grad(ParamGroup::Fp8) {
-                    GradShard::F32(g) => grad_stats(g, r.clone(), &mut self.stats_acc, amax)?,
-                    GradShard::Bf16(g) => grad_stats(g, r.clone(), &mut self.stats_acc, amax)?,
+                    GradShard::F32(g) => norm_stats(g, r.clone(), &mut self.stats_acc, amax)?,
+                    GradShard::Bf16(g) => norm_stats(g, r.clone(), &mut self.stats_acc, amax)?,
                 }
             }
             if st.plain_len > 0 {
                 let acc = &mut self.stats_acc;
                 match s.grad(ParamGroup::Plain) {
-                    GradShard::F32(g) => grad_stats(g, 0..st.plain_len, acc, None)?,
-                    GradShard::Bf16(g) => grad_stats(g, 0..st.plain_len, acc, None)?,
+                    GradShard::F32(g) => norm_stats(g, 0..st.plain_len, acc, None)?,
+                    GradShard::Bf16(g) => norm_stats(g, 0..st.plain_len, acc, None)?,
                 }
             }
         }
         let extra = u32::try_from(before_cast).unwrap_or(u32::MAX);
-        grad_stats_finish(&mut self.stats_acc, extra, &mut sums)?;
+        norm_stats_finish(&mut self.stats_acc, extra, &mut sums)?;
         model
             .comm()
             .all_reduce_in_place((&mut sums).into(), ReduceOp::Sum)?;
 
         // 2. On the device: skip or go, clipping (torch.nn.utils.clip_grad_norm_'s formula) folded into
         //    the gradient factor, the coefficients of step t + 1 and the states' write scales.
-        let params = StepControlParams {
-            lr,
-            beta1: self.options.betas.0,
-            beta2: self.options.betas.1,
-            eps: self.options.eps,
-            weight_decay: self.options.weight_decay,
-            max_grad_norm: self.options.max_grad_norm.unwrap_or(0.0),
-            maximize: i32::from(self.options.maximize),
-            decay_mode: StepControlParams::decay_code(self.decay_mode),
-            low: i32::from(low),
-            pad: 0,
-            slots: n as u64,
-            world_size: ws as u64,
-        };
+        let params = policy::control_params(&self.options, lr, self.decay_mode, low, n, ws);
         let mut report = dev.zeros::<f32>(ctl::LEN)?;
         let slot_scales = low.then_some(SlotScales {
             amaxes: &self.amaxes,
@@ -541,7 +531,7 @@ impl ShardedAdam {
             write: &mut self.write,
             kernel_scales: &mut self.kernel_scales,
         });
-        step_control(
+        adam_coefficients_from_stats(
             &params,
             &sums,
             &mut self.control,
@@ -581,9 +571,17 @@ impl ShardedAdam {
                 };
                 let r = r.clone();
                 if bf16_grads {
-                    adam_step_f32_ctl(c, r, w, m, v, &s.grads_bf16[PLAIN], None)?;
+                    adam_step_f32(
+                        Coefficients::Device(c),
+                        r,
+                        w,
+                        m,
+                        v,
+                        &s.grads_bf16[PLAIN],
+                        None,
+                    )?;
                 } else {
-                    adam_step_f32_ctl(c, r, w, m, v, &s.grads[PLAIN], None)?;
+                    adam_step_f32(Coefficients::Device(c), r, w, m, v, &s.grads[PLAIN], None)?;
                 }
             }
             match &mut st.fp8 {
@@ -600,9 +598,25 @@ impl ShardedAdam {
                         };
                         let r = r.clone();
                         if bf16_grads {
-                            adam_step_f32_ctl(c, r, master, m, v, &s.grads_bf16[FP8], slots)?;
+                            adam_step_f32(
+                                Coefficients::Device(c),
+                                r,
+                                master,
+                                m,
+                                v,
+                                &s.grads_bf16[FP8],
+                                slots,
+                            )?;
                         } else {
-                            adam_step_f32_ctl(c, r, master, m, v, &s.grads[FP8], slots)?;
+                            adam_step_f32(
+                                Coefficients::Device(c),
+                                r,
+                                master,
+                                m,
+                                v,
+                                &s.grads[FP8],
+                                slots,
+                            )?;
                         }
                     }
                 }
@@ -622,10 +636,26 @@ impl ShardedAdam {
                         let (r, ks) = (r.clone(), &self.kernel_scales);
                         if bf16_grads {
                             let g = &s.grads_bf16[FP8];
-                            adam_step_low_precision_ctl(c, r, state, g, ks, base, slots)?;
+                            adam_step_low_precision(
+                                Coefficients::Device(c),
+                                r,
+                                state,
+                                g,
+                                ks,
+                                base,
+                                slots,
+                            )?;
                         } else {
                             let g = &s.grads[FP8];
-                            adam_step_low_precision_ctl(c, r, state, g, ks, base, slots)?;
+                            adam_step_low_precision(
+                                Coefficients::Device(c),
+                                r,
+                                state,
+                                g,
+                                ks,
+                                base,
+                                slots,
+                            )?;
                         }
                     }
                 }
@@ -655,7 +685,7 @@ impl ShardedAdam {
             amax
         };
         let mut weight_amax = dev.zeros::<f32>(n)?;
-        step_finish(
+        adam_commit_amaxes(
             &self.coef,
             &agreed,
             per_slot,
@@ -679,7 +709,7 @@ impl ShardedAdam {
                         slot: st.slot_base + i,
                     },
                 };
-                cast_from_source(
+                cast_weight_source(
                     &self.coef,
                     &mut s.fp8,
                     r.clone(),

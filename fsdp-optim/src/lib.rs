@@ -15,8 +15,8 @@
 //! 3. the fused update per FP8 weight segment of the shard, writing the amaxes of the new values;
 //! 4. one all-reduce MAX of all those amaxes, new weight scales
 //!    ([`fsdp_shard::ShardedModel::set_fp8_weight_scales`]), each FP8 weight segment cast in place from
-//!    its master (`fp8_kernels::optim_step::cast_from_source`: no F32 copy of the shards) and agreed state
-//!    metas.
+//!    its master (`fp8_kernels::adam::control::cast_weight_source`: no F32 copy of the shards) and
+//!    agreed state metas.
 //!
 //! Gradient shards may be F32 or BF16 (`fsdp_shard::GradDtype`): BF16 values are widened exactly.
 //! Gradients are used as the model holds them: averaging over ranks and micro-batches is the caller's
@@ -62,8 +62,8 @@ mod config;
 mod error;
 mod export;
 mod optimizer;
+pub mod policy;
 pub mod schedule;
-pub mod state_scaling;
 
 pub use adam::{
     BytesPerParam, FsdpAdam, FsdpAdamW, PendingStepReport, ShardedAdam, StateMeta, StepReport,
@@ -72,4 +72,6 @@ pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
 pub use export::{export_full, ExportDtype};
 pub use optimizer::{step_model, Optimizer};
-pub use schedule::{ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr};
+pub use schedule::{
+    ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr, WarmupCosine,
+};

@@ -121,6 +121,48 @@ impl LrSchedule for CosineWithWarmup {
     }
 }
 
+/// nanoGPT's schedule (and `peer_gpt.py`'s): warm-up `lr * (it + 1) / w` for positions `it < w`, then a
+/// cosine from `lr` down to `min_ratio * lr` at `total_steps`:
+/// `lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * (it - w) / (total - w))))`, held at the floor
+/// afterwards. It differs from [`CosineWithWarmup`] only in counting the current step in the warm-up (the
+/// first step trains with `lr / w`, not 0).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WarmupCosine {
+    warmup_steps: u64,
+    total_steps: u64,
+    min_ratio: f64,
+}
+
+impl WarmupCosine {
+    /// The schedule (`warmup_steps <= total_steps`, `total_steps >= 1`, `min_ratio` in `[0, 1]`).
+    pub fn new(warmup_steps: u64, total_steps: u64, min_ratio: f64) -> Result<Self, OptimError> {
+        check_warmup("WarmupCosine", warmup_steps, total_steps, min_ratio)?;
+        Ok(WarmupCosine {
+            warmup_steps,
+            total_steps,
+            min_ratio,
+        })
+    }
+}
+
+impl LrSchedule for WarmupCosine {
+    fn lr_at(&self, base_lr: f64, position: u64) -> f64 {
+        if position < self.warmup_steps {
+            return base_lr * (position + 1) as f64 / self.warmup_steps as f64;
+        }
+        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
+        let progress = ((position - self.warmup_steps) as f64 / span).min(1.0);
+        let cos = 0.5 * (1.0 + (PI * progress).cos());
+        base_lr * (self.min_ratio + (1.0 - self.min_ratio) * cos)
+    }
+    fn describe(&self) -> String {
+        format!(
+            "warm-up (it+1)/{} then cosine to {} x lr at {}",
+            self.warmup_steps, self.min_ratio, self.total_steps
+        )
+    }
+}
+
 /// Linear warm-up from 0 to the base learning rate over `warmup_steps` positions, then a linear decay to
 /// `final_ratio * base_lr` at `total_steps` (held there afterwards), as `transformers`'
 /// `get_linear_schedule_with_warmup` with a floor.
@@ -230,5 +272,32 @@ mod tests {
                 prop_assert!(cos.lr_at(base, p + 1) <= cos.lr_at(base, p) * (1.0 + 1e-12));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod warmup_cosine_tests {
+    use super::*;
+
+    /// The peer's `get_lr` written out in f64, step by step.
+    fn peer(lr: f64, it: u64, w: u64, steps: u64) -> f64 {
+        if it < w {
+            return lr * (it + 1) as f64 / w as f64;
+        }
+        let min = lr / 10.0;
+        min + 0.5 * (lr - min) * (1.0 + (PI * (it - w) as f64 / (steps - w) as f64).cos())
+    }
+
+    #[test]
+    fn matches_the_peer_schedule_at_every_step() {
+        let (lr, steps) = (6e-4, 600u64);
+        let w = steps / 20;
+        let s = WarmupCosine::new(w, steps, 0.1).unwrap();
+        for it in 0..steps {
+            let (a, b) = (s.lr_at(lr, it), peer(lr, it, w, steps));
+            assert!((a - b).abs() <= 1e-15 * lr, "step {it}: {a} vs {b}");
+        }
+        assert!((s.lr_at(lr, 0) - lr / w as f64).abs() < 1e-18);
+        assert!(WarmupCosine::new(10, 5, 0.1).is_err());
     }
 }

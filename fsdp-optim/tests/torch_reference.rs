@@ -65,7 +65,11 @@ fn matches_torch_optim() {
         ModelLayout::new(
             vec![
                 ParamSpec::new("fc", "weight", &shape("weight"), ParamKind::Fp8Weight),
-                ParamSpec::new("fc", "bias", &shape("bias"), ParamKind::Plain),
+                // The reference ran torch's optimizer with one parameter group: the bias decays too.
+                ParamSpec {
+                    decay: true,
+                    ..ParamSpec::new("fc", "bias", &shape("bias"), ParamKind::Plain)
+                },
             ],
             &WrapPolicy::Single,
         )

@@ -12,9 +12,11 @@
 
 use crate::ShardError;
 use fp8_core::Fp8Format;
-use fp8_kernels::cast::FloatElement;
-use fp8_kernels::segmented::{add_at, add_decoded_fp8, finite_amax_count, grad_scale_from_amax};
-use fp8_kernels::{cast_to_fp8, convert, Buffer, Device, Element};
+use fp8_kernels::elementwise::add_at;
+use fp8_kernels::reduce::finite_amax_count;
+use fp8_kernels::{
+    add_decoded_fp8, cast_to_fp8, convert, scale_from_amax, Buffer, Device, Element, FloatElement,
+};
 use fsdp_comm::{Communicator, RecvBuf, ReduceOp, SendBuf};
 use half::bf16;
 
@@ -170,7 +172,7 @@ impl GradReducer {
                 // 3. scale with the world pre-scale folded in, computed where the amax is;
                 let scale = scalar(&dev, &mut self.scale)?;
                 let scale_inv = scalar(&dev, &mut self.scale_inv)?;
-                grad_scale_from_amax(amax, format, world_prescale_margin(ws), scale, scale_inv)?;
+                scale_from_amax(amax, format, world_prescale_margin(ws), scale, scale_inv)?;
                 // 4. cast, FP8 sum reduce-scatter, decode + add.
                 let wire = reuse(&dev, &mut s.wire_u8, full.len())?;
                 cast_to_fp8(full, format, scale, wire, None)?;

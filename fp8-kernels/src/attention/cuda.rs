@@ -8,7 +8,7 @@ use super::{
     attention_module, kernel_module, AttentionKernel, AttentionShape, BackwardKernels,
     DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles, ResolvedConfig, TensorKernel,
 };
-use crate::kernel_source::{function, sm_count};
+use crate::launch::{function, sm_count};
 use crate::{CudaDevice, KernelError};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};

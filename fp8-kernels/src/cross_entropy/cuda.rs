@@ -3,7 +3,7 @@
 use super::{CrossEntropyOutputs, CrossEntropySpec, CROSS_ENTROPY_MODULE};
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::kernel_source::{function, sm_count};
+use crate::launch::{function, sm_count};
 use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 

@@ -25,8 +25,9 @@
 mod cpu;
 mod cuda;
 
-use crate::cast::{cuda_of, same_device, FloatElement};
+use crate::device::{cuda_of, same_device};
 use crate::kernel_source::KernelModule;
+use crate::FloatElement;
 use crate::{check_len, Buffer, DType, KernelError};
 
 pub use cpu::{exp_fixed, ln_fixed};

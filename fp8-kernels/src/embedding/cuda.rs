@@ -3,7 +3,7 @@
 use super::{PositionGrad, PositionTable, RowGroups, EMBEDDING_MODULE};
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::kernel_source::{function, grid_1d, sm_count};
+use crate::launch::{function, grid_1d, sm_count};
 use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::PushKernelArg;
 

@@ -21,8 +21,9 @@
 mod cpu;
 mod cuda;
 
-use crate::cast::{cuda_of, same_device, FloatElement};
+use crate::device::{cuda_of, same_device};
 use crate::kernel_source::KernelModule;
+use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
 
 /// The CUDA module: `cuda/common.cuh`, then `src/embedding/embedding.cu` (paths relative to the crate).

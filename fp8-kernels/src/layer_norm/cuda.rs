@@ -6,7 +6,7 @@ use super::{
 };
 use crate::cast::{format_name, FloatElement};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::kernel_source::{function, grid_1d, sm_count};
+use crate::launch::{function, grid_1d, sm_count};
 use crate::{Buffer, CudaDevice, DType, KernelError};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};

@@ -26,8 +26,10 @@
 mod cpu;
 mod cuda;
 
-use crate::cast::{cuda_of, same_device, AmaxSlot, FloatElement};
+use crate::cast::AmaxSlot;
+use crate::device::{cuda_of, same_device};
 use crate::kernel_source::KernelModule;
+use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
 use fp8_core::Fp8Format;
 

@@ -12,7 +12,7 @@
 pub mod profile;
 
 use crate::mlp::profile::{Phase, Profiler};
-use fp8_kernels::ops::scale;
+use fp8_kernels::elementwise::scale;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
 use fsdp_comm::Communicator;
@@ -265,6 +265,25 @@ impl MlpBench {
             output: None,
             profiler: None,
         })
+    }
+
+    /// The input, `[tokens, d]` row-major (a host copy).
+    pub fn input(&self) -> Result<Vec<bf16>, MlpError> {
+        Ok(self.input.to_vec()?)
+    }
+
+    /// Replaces the input (`[tokens, d]` row-major): e.g. a different input per rank, as data
+    /// parallelism feeds them (the default input is the same on every rank).
+    pub fn set_input(&mut self, x: &[bf16]) -> Result<(), MlpError> {
+        let n = self.config.tokens * self.config.d;
+        if x.len() != n {
+            return Err(MlpError::Config(format!(
+                "an input of {} values; the bench takes tokens x d = {n}",
+                x.len()
+            )));
+        }
+        self.input = self.device().upload(x)?;
+        Ok(())
     }
 
     /// Turns per-phase timing (forward, backward, optimizer) on; totals accumulate over later steps.

@@ -65,7 +65,7 @@ impl MnistNet {
     }
 
     /// Forward of NCHW `images [B, 1, 28, 28]` with `labels [B]` up to the loss; its statistics
-    /// (`fp8_kernels::ops::nll_stat`) are then in [`MnistNet::loss_stats`].
+    /// (`fp8_kernels::softmax::nll_stat`) are then in [`MnistNet::loss_stats`].
     pub fn forward(
         &mut self,
         ctx: &mut Ctx<'_>,

@@ -4,13 +4,15 @@ use super::{wrap_policy, MnistError, MnistNet, NetConfig};
 use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
 use crate::metrics::{parse_metrics, EpochMetrics, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
-use crate::run_setup::{refuse_launcher_on_cpu, RunOutputs};
+pub use crate::run_setup::DeviceChoice;
+use crate::run_setup::{launch_ranks, RankLaunch, RunOutputs};
 use crate::sampler::{DistributedSampler, Remainder};
 use fp8_core::Fp8Format;
+use fp8_kernels::elementwise;
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
-use fp8_kernels::ops::{self, nll_stat};
+use fp8_kernels::softmax::nll_stat;
 use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
-use fsdp_comm::{run_ranks_timeout, Communicator, NcclComm, NcclConfig, ReduceOp, ThreadComm};
+use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::LinearPrecision;
 use fsdp_optim::{
     export_full, step_model, AdamOptions, ExportDtype, FsdpAdam, Optimizer, StatePrecision, StepLr,
@@ -21,18 +23,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Where to train.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DeviceChoice {
-    /// CUDA when a GPU and its libraries are usable, else the CPU.
-    #[default]
-    Auto,
-    /// The CPU, ranks as threads.
-    Cpu,
-    /// CUDA, one process per GPU (NCCL; several GPUs through the `fsdp-run` launcher).
-    Cuda,
-}
 
 /// A training run. [`TrainConfig::default`] is the reference setup (14 epochs, batch 64 per rank, test
 /// batch 1000, Adam lr 1e-3, StepLR gamma 0.7, seed 1, FP8, one rank).
@@ -247,65 +237,18 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
     let test_data = MnistDataset::load(&config.data_dir, MnistSplit::Test)?;
     let data_id = data_fingerprint(&train_data, &test_data);
     let data = (&train_data, &test_data, data_id.as_str());
-    let use_cuda = match config.device {
-        DeviceChoice::Cpu => false,
-        DeviceChoice::Cuda => true,
-        DeviceChoice::Auto => Device::auto().0.is_cuda(),
-    };
-    let outcomes = if use_cuda {
-        let comm = NcclComm::from_env(&NcclConfig::default())?;
-        if comm.world_size() != config.world_size {
-            return Err(MnistError::Config(format!(
-                "--world-size {} but the launcher started {} process(es); on CUDA start one process \
-                 per GPU with fsdp-run",
-                config.world_size,
-                comm.world_size()
-            )));
-        }
-        let device = format!(
-            "CUDA GPU {} of {} rank(s), NCCL",
-            comm.cuda().ordinal(),
-            comm.world_size()
-        );
-        vec![(
-            run_rank(Arc::new(comm), config, data, CpuParallelism::Single)?,
-            device,
-        )]
-    } else {
-        refuse_launcher_on_cpu("mnist_fsdp")?;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let per_rank = config
-            .threads_per_rank
-            .unwrap_or((cores / config.world_size).max(1))
-            .max(1);
-        let par = if per_rank == 1 {
-            CpuParallelism::Single
-        } else {
-            CpuParallelism::Rayon(per_rank)
-        };
-        let device = format!(
-            "CPU, {} thread rank(s), {per_rank} thread(s) each",
-            config.world_size
-        );
+    let launch = RankLaunch {
+        binary: "mnist_fsdp",
+        device: config.device,
+        world_size: config.world_size,
+        threads_per_rank: config.threads_per_rank,
         // Collectives wait at most this long for the other ranks (an evaluation pass can be long).
-        let timeout = Duration::from_secs(600);
-        run_ranks_timeout(config.world_size, timeout, |comm: ThreadComm| {
-            // Each rank gets its own rayon pool, so the layer kernels of one rank stay on its cores.
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(per_rank)
-                .thread_name(move |i| format!("rank-worker-{i}"))
-                .build()
-                .map_err(|e| MnistError::Config(format!("thread pool: {e}")))?;
-            let r = pool.install(|| run_rank(Arc::new(comm), config, data, par))?;
-            Ok::<_, MnistError>((r, device.clone()))
-        })?
+        timeout: Duration::from_secs(600),
     };
-    let memory = outcomes.iter().map(|(o, _)| o.memory.clone()).collect();
-    let step_losses = outcomes
-        .iter()
-        .map(|(o, _)| o.step_losses.clone())
-        .collect();
-    let Some((first, device)) = outcomes.into_iter().next() else {
+    let (outcomes, device) = launch_ranks(&launch, |comm, par| run_rank(comm, config, data, par))?;
+    let memory = outcomes.iter().map(|o| o.memory.clone()).collect();
+    let step_losses = outcomes.iter().map(|o| o.step_losses.clone()).collect();
+    let Some(first) = outcomes.into_iter().next() else {
         return Err(MnistError::Config("no rank ran".into()));
     };
     Ok(TrainReport {
@@ -835,7 +778,7 @@ fn run_rank(
             let images = images.to_device(&device)?;
             model.forward(Mode::Train, |net, ctx| net.forward(ctx, images, labels))?;
             let stats = model.module().loss_stats()?;
-            ops::axpy(rows as f32, stats, &mut loss_acc)?;
+            elementwise::axpy(rows as f32, stats, &mut loss_acc)?;
             if !device.is_cuda() {
                 step_losses.push(stats.to_vec()?[nll_stat::MEAN_LOSS]);
             }

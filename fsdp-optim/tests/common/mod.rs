@@ -243,7 +243,8 @@ pub fn run(
     run_with(problem, ws, options, decoupled, steps, &|_, _, _| {})
 }
 
-/// Plain f64 Adam/AdamW (PyTorch's algorithm) on the problem, with global-norm clipping.
+/// Plain f64 Adam/AdamW (PyTorch's algorithm) on the problem, with global-norm clipping and weight decay
+/// on the parameters of the decay group (`ParamSpec::decay`).
 pub fn reference(
     problem: &Problem,
     o: &AdamOptions,
@@ -272,18 +273,24 @@ pub fn reference(
         let bc1 = 1.0 - b1.powi(t as i32);
         let bc2 = 1.0 - b2.powi(t as i32);
         for p in 0..w.len() {
+            // Weight decay applies to the parameters declared to decay (matrices by default).
+            let wd = if problem.layout.params[p].decay {
+                o.weight_decay
+            } else {
+                0.0
+            };
             for i in 0..w[p].len() {
                 let mut gi = g[p][i] as f64 * clip;
                 if o.maximize {
                     gi = -gi;
                 }
                 if !decoupled {
-                    gi += o.weight_decay * w[p][i];
+                    gi += wd * w[p][i];
                 }
                 m[p][i] = b1 * m[p][i] + (1.0 - b1) * gi;
                 v[p][i] = b2 * v[p][i] + (1.0 - b2) * gi * gi;
                 if decoupled {
-                    w[p][i] *= 1.0 - o.lr * o.weight_decay;
+                    w[p][i] *= 1.0 - o.lr * wd;
                 }
                 let denom = v[p][i].sqrt() / bc2.sqrt() + o.eps;
                 w[p][i] -= o.lr / bc1 * m[p][i] / denom;

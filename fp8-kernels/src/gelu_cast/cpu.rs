@@ -1,0 +1,72 @@
+//! The CPU implementation of the fused GELU casts: the values exactly as the element-wise GELU stores
+//! them, then encoded and transposed as the cast family's cast + transpose does.
+
+use crate::elementwise::{gelu_grad_scalar, gelu_scalar, GeluApprox};
+use crate::FloatElement;
+use fp8_core::Fp8Format;
+use rayon::prelude::*;
+
+/// Side of the square bands of the transpose.
+const TILE: usize = 32;
+/// Elements per rayon task of the element-wise pass.
+const CHUNK: usize = 1 << 14;
+
+/// What is cast: `gelu(u)` or `gelu'(u) * dh`.
+#[derive(Clone, Copy)]
+pub(super) enum Value<'a, T> {
+    Forward,
+    Backward(&'a [T]),
+}
+
+/// Row-major codes of the values and their amax (NaN never raises it, as in the cast family).
+pub(super) fn values_cast<T: FloatElement>(
+    u: &[T],
+    value: Value<'_, T>,
+    approx: GeluApprox,
+    format: Fp8Format,
+    scale: f32,
+    out: &mut [u8],
+) -> f32 {
+    let run = |i0: usize, d: &mut [u8]| {
+        let mut a = 0.0f32;
+        for (k, o) in d.iter_mut().enumerate() {
+            let i = i0 + k;
+            let v = u[i].to_f32();
+            let h = match value {
+                Value::Forward => T::from_f32(gelu_scalar(v, approx)),
+                Value::Backward(dh) => T::from_f32(gelu_grad_scalar(v, approx) * dh[i].to_f32()),
+            }
+            .to_f32();
+            a = a.max(h.abs());
+            *o = format.encode(h * scale);
+        }
+        a
+    };
+    if out.len() < CHUNK {
+        run(0, out)
+    } else {
+        out.par_chunks_mut(CHUNK)
+            .enumerate()
+            .map(|(c, d)| run(c * CHUNK, d))
+            .reduce(|| 0.0, f32::max)
+    }
+}
+
+/// `yt [cols, rows] = y^T` for row-major `y [rows, cols]` bytes, in bands of `TILE` output rows.
+pub(super) fn transpose_codes(y: &[u8], rows: usize, cols: usize, yt: &mut [u8]) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    yt.par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(band, out)| {
+            let c0 = band * TILE;
+            let cw = out.len() / rows;
+            for r in 0..rows {
+                let row = &y[r * cols + c0..r * cols + c0 + cw];
+                for (dc, &v) in row.iter().enumerate() {
+                    out[dc * rows + r] = v;
+                }
+            }
+        });
+}

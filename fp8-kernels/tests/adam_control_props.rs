@@ -1,0 +1,549 @@
+//! The device-side control of an Adam step (and the Adam updates reading their coefficients from the
+//! device): NVRTC compile check, CPU properties against simple references, and (with a GPU) CUDA against
+//! CPU on random inputs, bit for bit.
+
+use fp8_core::Fp8Format;
+use fp8_kernels::adam::control::*;
+use fp8_kernels::adam::{
+    adam_element, adam_step_f32, adam_step_low_precision, AmaxSlots, Coefficients,
+};
+use fp8_kernels::adam::{lp_slot, LowPrecisionAdamState};
+use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, ADAM_MODULE};
+use fp8_kernels::reduce::{norm_stats, norm_stats_finish, NORM_STATS_ACC_LEN};
+use fp8_kernels::segmented::{segmented_cast, Segment, SegmentTable};
+use fp8_kernels::{AdamConfig, Buffer, Device, WeightDecay};
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+#[test]
+fn adam_module_compiles_for_sm90() {
+    if let Err(e) = nvrtc_status() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let ptx = compile_ptx(&ADAM_MODULE, "sm_90").unwrap().to_src();
+    for k in [
+        "adam_coefficients_from_stats",
+        "adam_lp_ctl_g_f32",
+        "weight_source_values",
+        "cast_weight_source",
+        "adam_f32_ctl_g_bf16",
+        "adam_lp_ctl_g_bf16",
+        "adam_commit_amaxes",
+    ] {
+        assert!(ptx.contains(k), "missing kernel {k}");
+    }
+}
+
+/// The state-scale rule fsdp-optim's policy uses (margins of master, first and second moment; bound
+/// slack; factor of the update-ratio bound).
+const RULE: StateScaleRule = StateScaleRule {
+    margins: [4, 0, 1],
+    slack: 1.01,
+    ratio_factor: 2.0,
+};
+
+#[allow(clippy::too_many_arguments)]
+fn params(
+    lr: f64,
+    b1: f64,
+    b2: f64,
+    wd: f64,
+    l2: bool,
+    clip: f64,
+    low: bool,
+    n: usize,
+    ws: usize,
+) -> AdamControlParams {
+    AdamControlParams {
+        adam: AdamConfig {
+            lr,
+            beta1: b1,
+            beta2: b2,
+            eps: 1e-8,
+            weight_decay: wd,
+            decay_mode: if l2 {
+                WeightDecay::L2
+            } else {
+                WeightDecay::Decoupled
+            },
+            maximize: false,
+        },
+        max_grad_norm: (clip > 0.0).then_some(clip),
+        clip_eps: 1e-6,
+        state_scales: low.then_some(RULE),
+        slots: n,
+        world_size: ws,
+    }
+}
+
+/// Runs norm_stats + finish + adam_coefficients_from_stats on `dev` and returns (sums, ctl, coef, write,
+/// kernel scales).
+#[allow(clippy::type_complexity)]
+fn control_run(
+    dev: &Device,
+    p: &AdamControlParams,
+    grads: &[Vec<f32>],
+    amaxes: &[f32],
+    scales: &[f32],
+    ctl0: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = p.slots;
+    let mut acc = dev.zeros::<f32>(NORM_STATS_ACC_LEN).unwrap();
+    let mut sums = dev.zeros::<f32>(2 + n * p.world_size).unwrap();
+    for (i, g) in grads.iter().enumerate() {
+        let b = dev.upload(g).unwrap();
+        norm_stats(&b, 0..g.len(), &mut acc, Some((&mut sums, 2 + i % n))).unwrap();
+    }
+    norm_stats_finish(&mut acc, 0, &mut sums).unwrap();
+    let mut c = dev.upload(ctl0).unwrap();
+    let mut coef = dev.zeros::<f32>(COEF_LEN).unwrap();
+    let am = dev.upload(amaxes).unwrap();
+    let sc = dev.upload(scales).unwrap();
+    let mut write = dev.zeros::<f32>(3 * n).unwrap();
+    let mut ks = dev.zeros::<f32>(6 * n).unwrap();
+    let mut rep = dev.zeros::<f32>(ctl::LEN).unwrap();
+    adam_coefficients_from_stats(
+        p,
+        &sums,
+        &mut c,
+        &mut coef,
+        Some(SlotScales {
+            amaxes: &am,
+            scales: &sc,
+            write: &mut write,
+            kernel_scales: &mut ks,
+        }),
+        &mut rep,
+    )
+    .unwrap();
+    assert_eq!(rep.to_vec().unwrap(), c.to_vec().unwrap());
+    (
+        sums.to_vec().unwrap(),
+        c.to_vec().unwrap(),
+        coef.to_vec().unwrap(),
+        write.to_vec().unwrap(),
+        ks.to_vec().unwrap(),
+    )
+}
+
+fn rnd(seed: &mut u64) -> f32 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    ((*seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The control kernel's coefficients are AdamConfig::coefficients' (same arithmetic), its statistics
+    /// the plain sums, and its write scales cover the exact new states (the bound rule).
+    #[test]
+    fn control_matches_references(
+        seed in any::<u64>(), lr in 1e-5f64..1e-1, b1 in 0.0f64..0.99, b2 in 0.5f64..0.9999,
+        wd in 0.0f64..0.2, l2 in any::<bool>(), step in 0u32..5000, clip in prop_oneof![Just(0.0), 0.1f64..10.0],
+        nan in any::<bool>(),
+    ) {
+        let mut s = seed | 1;
+        let n = 3;
+        let mut grads: Vec<Vec<f32>> = (0..n).map(|i| (0..(5 + 7 * i)).map(|_| rnd(&mut s) * 3.0).collect()).collect();
+        if nan { grads[1][2] = f32::NAN; grads[2][0] = f32::INFINITY; }
+        let p = params(lr, b1, b2, wd, l2, clip, true, n, 1);
+        let amaxes: Vec<f32> = (0..3 * n).map(|_| rnd(&mut s).abs()).collect();
+        let scales: Vec<f32> = (0..3 * n).map(|k| 2f32.powi(k as i32 % 5)).collect();
+        let mut ctl0 = vec![0f32; ctl::LEN];
+        ctl0[ctl::STEP] = f32::from_bits(step);
+        let (sums, c, coef, write, ks) = control_run(&Device::cpu(), &p, &grads, &amaxes, &scales, &ctl0);
+        let all: Vec<f32> = grads.iter().flatten().copied().collect();
+        let nf = all.iter().filter(|x| !x.is_finite()).count();
+        let sq: f64 = all.iter().filter(|x| x.is_finite()).map(|&x| x as f64 * x as f64).sum();
+        prop_assert_eq!(sums[0], nf as f32);
+        prop_assert!(((sums[1] as f64) - sq).abs() <= 1e-6 * sq.max(1e-30));
+        for i in 0..n {
+            let a = grads[i].iter().filter(|x| x.is_finite()).fold(0f32, |m, x| m.max(x.abs()));
+            prop_assert_eq!(sums[2 + i], a);
+        }
+        if nan {
+            prop_assert_eq!(coef[COEF_SKIP], 1.0);
+            prop_assert_eq!(c[ctl::STEP].to_bits(), step);
+            prop_assert_eq!(c[ctl::SKIPPED].to_bits(), 1);
+            return Ok(());
+        }
+        prop_assert_eq!(coef[COEF_SKIP], 0.0);
+        prop_assert_eq!(c[ctl::STEP].to_bits(), step + 1);
+        let norm = (sums[1] as f64).sqrt();
+        let gs = if clip > 0.0 { (clip / (norm + 1e-6)).min(1.0) } else { 1.0 };
+        let cfg = AdamConfig { lr, beta1: b1, beta2: b2, eps: 1e-8, weight_decay: wd,
+            decay_mode: if l2 { WeightDecay::L2 } else { WeightDecay::Decoupled }, maximize: false };
+        let want = cfg.coefficients(step as u64 + 1, gs as f32).unwrap();
+        // The coefficient words hold exactly these coefficients.
+        let (got, skipped) = coefficients_of(&Buffer::from_vec(coef.clone())).unwrap();
+        prop_assert!(!skipped);
+        prop_assert_eq!(got, want);
+        prop_assert_eq!(coef[4], want.step_size);
+        prop_assert_eq!(coef[9], want.grad_scale);
+        // Write scales: powers of two, and the kernel table reads with the old inverses.
+        for i in 0..n {
+            for k in 0..3 {
+                prop_assert_eq!(write[3 * i + k].to_bits() & 0x007F_FFFF, 0);
+                prop_assert_eq!(ks[6 * i + 2 * k], 1.0 / scales[3 * i + k]);
+                prop_assert_eq!(ks[6 * i + 2 * k + 1], write[3 * i + k]);
+            }
+            // The exact first moment from the previous amax and this gradient fits the E4M3 range.
+            let m_new = b1 as f32 * amaxes[3 * i + 1] + (1.0 - b1 as f32) * sums[2 + i] * gs as f32;
+            prop_assert!(m_new * write[3 * i + 1] <= 448.0 * 1.001);
+        }
+    }
+
+    /// A skipped step leaves weights and states untouched (unlike lr = 0, which moves the moments), and
+    /// the skip path of weight_source_values reproduces the FP8 weight's codes through the cast.
+    #[test]
+    fn skip_is_a_no_op(seed in any::<u64>(), len in 1usize..200, e in -6i32..6) {
+        let dev = Device::cpu();
+        let mut s = seed | 1;
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        let g: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        let mut coef = vec![0f32; COEF_LEN];
+        coef[COEF_SKIP] = 1.0;
+        let coef_b = dev.upload(&coef).unwrap();
+        let (mut mw, mut mm, mut mv) = (dev.upload(&w).unwrap(), dev.upload(&g).unwrap(), dev.upload(&g).unwrap());
+        let gb = dev.upload(&g).unwrap();
+        let mut amax = dev.zeros::<f32>(1).unwrap();
+        adam_step_f32(Coefficients::Device(&coef_b), 0..len, &mut mw, &mut mm, &mut mv, &gb,
+            Some(AmaxSlots { buffer: &mut amax, base: 0 })).unwrap();
+        prop_assert_eq!(mw.to_vec().unwrap(), w.clone());
+        prop_assert_eq!(mm.to_vec().unwrap(), g.clone());
+        prop_assert_eq!(amax.to_vec().unwrap(), vec![0.0]);
+        // lr = 0 is not a no-op for the moments: the guard is needed.
+        let c0 = AdamConfig { lr: 0.0, ..AdamConfig::default() }.coefficients(1, 1.0).unwrap();
+        let (_, m1, _) = adam_element(&c0, g[0], w[0], 0.0, 0.0);
+        prop_assert!(g[0] == 0.0 || m1 != 0.0);
+        // weight_source_values on a skipped step: decode * scale_inv, cast back with the scale: same codes.
+        let scale = 2f32.powi(e);
+        let codes: Vec<u8> = w.iter().map(|x| Fp8Format::E4M3.encode(x * scale)).collect();
+        let q = dev.upload(&codes).unwrap();
+        let wsc = dev.upload(&[scale, 1.0 / scale]).unwrap();
+        let mut out: Buffer<f32> = dev.zeros(len).unwrap();
+        weight_source_values(&coef_b, &mut out, 0..len, &q, &wsc, 0, MasterSource::F32(&mw)).unwrap();
+        let back: Vec<u8> = out.to_vec().unwrap().iter().map(|x| Fp8Format::E4M3.encode(x * scale)).collect();
+        prop_assert_eq!(back, codes);
+    }
+}
+
+/// A closure running an F32-state step on (master, m, v).
+type F32Step<'a> = dyn Fn(&mut Buffer<f32>, &mut Buffer<f32>, &mut Buffer<f32>) + 'a;
+
+/// The coefficient buffer of AdamW step `t` with PyTorch's defaults (not skipped).
+fn coef_words(t: u64) -> Vec<f32> {
+    let c = AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::default()
+    }
+    .coefficients(t, 1.0)
+    .unwrap();
+    let i = |x: i32| f32::from_bits(x as u32);
+    let mut w = vec![
+        c.beta1,
+        c.one_minus_beta1,
+        c.beta2,
+        c.one_minus_beta2,
+        c.step_size,
+        c.bc2_sqrt,
+        c.eps,
+        c.weight_decay,
+        c.decay,
+        c.grad_scale,
+        i(c.maximize),
+        i(c.l2),
+        i(c.decoupled),
+        i(c.pad),
+    ];
+    w.resize(COEF_LEN, 0.0);
+    w
+}
+
+/// Runs `cast_weight_source` and, for comparison, `weight_source_values` into an F32 buffer followed by
+/// `segmented_cast` over `range`, on `dev`; returns both code vectors.
+#[allow(clippy::too_many_arguments)]
+fn cast_both_ways(
+    dev: &Device,
+    skip: bool,
+    codes: &[u8],
+    range: std::ops::Range<usize>,
+    scale_pair: [f32; 2],
+    master32: &[f32],
+    master16: Option<(&[f16], f32)>,
+) -> (Vec<u8>, Vec<u8>) {
+    let mut coef = vec![0f32; COEF_LEN];
+    coef[COEF_SKIP] = if skip { 1.0 } else { 0.0 };
+    let coef = dev.upload(&coef).unwrap();
+    let wsc = dev.upload(&scale_pair).unwrap();
+    let m32 = dev.upload(master32).unwrap();
+    let (m16, st) = match master16 {
+        Some((m, s)) => (
+            Some(dev.upload(m).unwrap()),
+            dev.upload(&[0.0, 0.0, 0.0, s, 1.0, 1.0]).unwrap(),
+        ),
+        None => (None, dev.zeros::<f32>(6).unwrap()),
+    };
+    let source = || match &m16 {
+        Some(m) => MasterSource::F16 {
+            master: m,
+            scales: &st,
+            slot: 1,
+        },
+        None => MasterSource::F32(&m32),
+    };
+    let mut fused = dev.upload(codes).unwrap();
+    cast_weight_source(&coef, &mut fused, range.clone(), &wsc, 0, source()).unwrap();
+    let q = dev.upload(codes).unwrap();
+    let mut out: Buffer<f32> = dev.zeros(codes.len()).unwrap();
+    weight_source_values(&coef, &mut out, range.clone(), &q, &wsc, 0, source()).unwrap();
+    let table = SegmentTable::new(
+        dev,
+        &[Segment {
+            start: range.start,
+            end: range.end,
+            slot: 0,
+        }],
+    )
+    .unwrap();
+    let mut two_pass = dev.upload(codes).unwrap();
+    segmented_cast(&out, &table, fp8_core::Fp8Format::E4M3, &wsc, &mut two_pass).unwrap();
+    (fused.to_vec().unwrap(), two_pass.to_vec().unwrap())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The fused source cast writes the same codes as weight_source_values + segmented_cast (F32 and F16
+    /// masters, skipped or not), and leaves codes outside the range alone.
+    #[test]
+    fn cast_weight_source_is_source_values_then_cast(
+        seed in any::<u64>(), len in 1usize..300, e in -6i32..6, skip in any::<bool>(), f16m in any::<bool>(),
+        cut in 0usize..50,
+    ) {
+        let mut s = seed | 1;
+        let scale = 2f32.powi(e);
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s) * 3.0).collect();
+        let codes: Vec<u8> = (0..len).map(|_| (rnd(&mut s).to_bits() >> 9) as u8).collect();
+        let m16: Vec<f16> = w.iter().map(|&x| f16::from_f32(x * 16.0)).collect();
+        let start = cut.min(len - 1);
+        let (fused, two) = cast_both_ways(&Device::cpu(), skip, &codes, start..len, [scale, 1.0 / scale],
+            &w, f16m.then_some((&m16[..], 16.0)));
+        prop_assert_eq!(&fused[..start], &codes[..start]);
+        prop_assert_eq!(fused, two);
+    }
+
+    /// BF16 gradients: the statistics and both Adam steps equal the F32 path fed the widened values.
+    #[test]
+    fn bf16_gradients_equal_widened_f32(seed in any::<u64>(), len in 1usize..200) {
+        let dev = Device::cpu();
+        let mut s = seed | 1;
+        let g16: Vec<bf16> = (0..len).map(|_| bf16::from_f32(rnd(&mut s) * 0.1)).collect();
+        let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        let (b16, b32) = (dev.upload(&g16).unwrap(), dev.upload(&g32).unwrap());
+        let stats = |g: &dyn Fn(&mut Buffer<f32>, &mut Buffer<f32>)| {
+            let mut acc = dev.zeros::<f32>(NORM_STATS_ACC_LEN).unwrap();
+            let mut sums = dev.zeros::<f32>(3).unwrap();
+            g(&mut acc, &mut sums);
+            norm_stats_finish(&mut acc, 0, &mut sums).unwrap();
+            sums.to_vec().unwrap()
+        };
+        let a = stats(&|acc, sums| norm_stats(&b16, 0..len, acc, Some((sums, 2))).unwrap());
+        let b = stats(&|acc, sums| norm_stats(&b32, 0..len, acc, Some((sums, 2))).unwrap());
+        prop_assert_eq!(a, b);
+        let coef = dev.upload(&coef_words(3)).unwrap();
+        let run32 = |g: &F32Step<'_>| {
+            let (mut mw, mut mm, mut mv) = (dev.upload(&w).unwrap(), dev.zeros(len).unwrap(), dev.zeros(len).unwrap());
+            g(&mut mw, &mut mm, &mut mv);
+            (mw.to_vec().unwrap(), mm.to_vec().unwrap(), mv.to_vec().unwrap())
+        };
+        let c = Coefficients::Device(&coef);
+        let x = run32(&|w, m, v| adam_step_f32(c, 0..len, w, m, v, &b16, None).unwrap());
+        let y = run32(&|w, m, v| adam_step_f32(c, 0..len, w, m, v, &b32, None).unwrap());
+        prop_assert_eq!(x, y);
+        let scales = dev.upload(&[1.0f32 / 1024.0, 1024.0, 1.0, 64.0, 1.0, 1024.0]).unwrap();
+        let lp = |use16: bool| {
+            let mut master = dev.upload(&w.iter().map(|&x| f16::from_f32(x * 1024.0)).collect::<Vec<_>>()).unwrap();
+            let mut m = dev.zeros::<u8>(len).unwrap();
+            let mut v = dev.zeros::<f16>(len).unwrap();
+            let mut amax = dev.zeros::<f32>(lp_slot::AMAXES).unwrap();
+            let st = LowPrecisionAdamState { master: &mut master, m: &mut m, v: &mut v };
+            let am = AmaxSlots { buffer: &mut amax, base: 0 };
+            if use16 {
+                adam_step_low_precision(c, 0..len, st, &b16, &scales, 0, am).unwrap();
+            } else {
+                adam_step_low_precision(c, 0..len, st, &b32, &scales, 0, am).unwrap();
+            }
+            (master.to_vec().unwrap(), m.to_vec().unwrap(), v.to_vec().unwrap(), amax.to_vec().unwrap())
+        };
+        prop_assert_eq!(lp(true), lp(false));
+    }
+}
+
+/// CUDA against CPU for the fused source cast and the BF16-gradient kernels, bit for bit. Skips without
+/// a GPU.
+#[test]
+fn cuda_cast_weight_source_and_bf16_grads_match_cpu() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    for case in 0..64u32 {
+        let len = 1 + (case as usize * 7919) % 100_000;
+        let w: Vec<f32> = (0..len).map(|_| rnd(&mut s) * 3.0).collect();
+        let codes: Vec<u8> = (0..len)
+            .map(|_| (rnd(&mut s).to_bits() >> 9) as u8)
+            .collect();
+        let m16: Vec<f16> = w.iter().map(|&x| f16::from_f32(x * 16.0)).collect();
+        let scale = 2f32.powi(case as i32 % 9 - 4);
+        let start = (case as usize * 13) % len;
+        let master16 = (case % 2 == 0).then_some((&m16[..], 16.0f32));
+        let args = |d: &Device| {
+            cast_both_ways(
+                d,
+                case % 5 == 0,
+                &codes,
+                start..len,
+                [scale, 1.0 / scale],
+                &w,
+                master16,
+            )
+        };
+        let (c, g) = (args(&Device::cpu()), args(&gpu));
+        assert_eq!(c.0, g.0, "case {case}: fused cast");
+        assert_eq!(g.0, g.1, "case {case}: fused vs two-pass on the GPU");
+        // BF16 gradients through the statistics and the low-precision step.
+        let g16: Vec<bf16> = (0..len)
+            .map(|_| bf16::from_f32(rnd(&mut s) * 0.1))
+            .collect();
+        let run = |d: &Device| {
+            let b = d.upload(&g16).unwrap();
+            let mut acc = d.zeros::<f32>(NORM_STATS_ACC_LEN).unwrap();
+            let mut sums = d.zeros::<f32>(3).unwrap();
+            norm_stats(&b, 0..len, &mut acc, Some((&mut sums, 2))).unwrap();
+            let coef = d.upload(&coef_words(2)).unwrap();
+            let scales = d
+                .upload(&[1.0f32 / 16.0, 16.0, 1.0, 64.0, 1.0, 1024.0])
+                .unwrap();
+            let mut master = d.upload(&m16).unwrap();
+            let mut m = d.zeros::<u8>(len).unwrap();
+            let mut v = d.zeros::<f16>(len).unwrap();
+            let mut amax = d.zeros::<f32>(3).unwrap();
+            adam_step_low_precision(
+                Coefficients::Device(&coef),
+                0..len,
+                LowPrecisionAdamState {
+                    master: &mut master,
+                    m: &mut m,
+                    v: &mut v,
+                },
+                &b,
+                &scales,
+                0,
+                AmaxSlots {
+                    buffer: &mut amax,
+                    base: 0,
+                },
+            )
+            .unwrap();
+            let mut mw = d.upload(&w).unwrap();
+            let (mut m2, mut v2) = (d.zeros::<f32>(len).unwrap(), d.zeros::<f32>(len).unwrap());
+            adam_step_f32(
+                Coefficients::Device(&coef),
+                0..len,
+                &mut mw,
+                &mut m2,
+                &mut v2,
+                &b,
+                None,
+            )
+            .unwrap();
+            (
+                sums.to_vec().unwrap()[2],
+                acc.to_vec().unwrap()[2].to_bits(),
+                master.to_vec().unwrap(),
+                m.to_vec().unwrap(),
+                v.to_vec().unwrap(),
+                amax.to_vec().unwrap(),
+                mw.to_vec().unwrap(),
+            )
+        };
+        let (c, g) = (run(&Device::cpu()), run(&gpu));
+        assert_eq!(c.0, g.0, "case {case}: bf16 grad amax");
+        assert_eq!(c.1, g.1, "case {case}: bf16 non-finite count");
+        assert_eq!(c.2, g.2, "case {case}: master");
+        assert_eq!(c.3, g.3, "case {case}: m");
+        assert_eq!(c.4, g.4, "case {case}: v");
+        assert_eq!(c.5, g.5, "case {case}: amaxes");
+        assert_eq!(c.6, g.6, "case {case}: f32-state master");
+    }
+    println!(
+        "PASS: cast_weight_source and bf16-gradient optimizer kernels CUDA == CPU on 64 cases"
+    );
+}
+
+/// CUDA against CPU on random inputs: statistics (amax and count exact, sum of squares within 1e-6),
+/// control outputs bit for bit. Skips without a GPU.
+#[test]
+fn cuda_control_matches_cpu() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    for case in 0..200u32 {
+        let n = 1 + (case as usize % 5);
+        let mut grads: Vec<Vec<f32>> = (0..n)
+            .map(|i| {
+                (0..(1 + (case as usize * 37 + i * 101) % 3000))
+                    .map(|_| rnd(&mut s) * 10f32.powi((case % 7) as i32 - 3))
+                    .collect()
+            })
+            .collect();
+        if case % 11 == 0 {
+            grads[0][0] = f32::NAN;
+        }
+        let p = params(
+            1e-3 * (1 + case % 9) as f64,
+            0.9,
+            0.999,
+            0.01 * (case % 3) as f64,
+            case % 2 == 0,
+            if case % 4 == 0 { 0.5 } else { 0.0 },
+            true,
+            n,
+            1,
+        );
+        let amaxes: Vec<f32> = (0..3 * n).map(|_| rnd(&mut s).abs() * 4.0).collect();
+        let scales: Vec<f32> = (0..3 * n).map(|k| 2f32.powi(k as i32 % 7 - 2)).collect();
+        let mut ctl0 = vec![0f32; ctl::LEN];
+        ctl0[ctl::STEP] = f32::from_bits(case * 13);
+        let cpu = control_run(&Device::cpu(), &p, &grads, &amaxes, &scales, &ctl0);
+        let cuda = control_run(&gpu, &p, &grads, &amaxes, &scales, &ctl0);
+        assert_eq!(cpu.0[0], cuda.0[0], "case {case}: non-finite count");
+        assert_eq!(cpu.0[2..], cuda.0[2..], "case {case}: amaxes");
+        let (a, b) = (cpu.0[1] as f64, cuda.0[1] as f64);
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs().max(1e-30),
+            "case {case}: sum of squares {a} vs {b}"
+        );
+        if a == b {
+            assert_eq!(cpu.1, cuda.1, "case {case}: control");
+            assert_eq!(cpu.2, cuda.2, "case {case}: coefficients");
+            assert_eq!(cpu.3, cuda.3, "case {case}: write scales");
+            assert_eq!(cpu.4, cuda.4, "case {case}: kernel scales");
+        }
+    }
+    println!("PASS: Adam step control CUDA == CPU on 200 random cases");
+}

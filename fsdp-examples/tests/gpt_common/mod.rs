@@ -1,0 +1,71 @@
+//! Shared by the GPT tests: one-rank models on the CPU and parameter access by id.
+#![allow(dead_code)]
+
+use fp8_kernels::rng::SplitMix64;
+use fsdp_comm::{Communicator, ThreadGroup};
+use fsdp_examples::gpt::{wrap_policy, Gpt, GptConfig};
+use fsdp_nn::Activation;
+use fsdp_shard::{FsdpConfig, FsdpModel, Module, ParamId};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A one-rank model on the CPU, wrapped as the GPT example wraps it (one unit per block).
+pub fn one_rank<T: Activation>(config: GptConfig) -> FsdpModel<Gpt<T>> {
+    let comm: Arc<dyn Communicator> = Arc::new(
+        ThreadGroup::new(1, Duration::from_secs(300))
+            .unwrap()
+            .pop()
+            .unwrap(),
+    );
+    FsdpModel::new(
+        Gpt::<T>::new(config).unwrap(),
+        comm,
+        wrap_policy(),
+        FsdpConfig::default(),
+    )
+    .unwrap()
+}
+
+/// `n` values uniform in `[lo, hi)` from `seed`.
+pub fn uniform(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    let mut r = SplitMix64::new(seed);
+    (0..n).map(|_| lo + (hi - lo) * r.uniform_f32()).collect()
+}
+
+/// `n` ids in `0..vocab` from `seed`.
+pub fn ids(n: usize, vocab: usize, seed: u64) -> Vec<i32> {
+    let mut r = SplitMix64::new(seed);
+    (0..n)
+        .map(|_| (r.next_u64() % vocab as u64) as i32)
+        .collect()
+}
+
+/// The current values of plain parameter `id` (one rank).
+pub fn values<M: Module>(model: &FsdpModel<M>, id: ParamId) -> Vec<f32> {
+    let (u, _, slot) = model.layout().locate(id.index().unwrap()).unwrap();
+    let shard = model.sharded().unit(u).unwrap().plain.to_vec().unwrap();
+    shard[slot.offset..slot.offset + slot.numel].to_vec()
+}
+
+/// Overwrites plain parameter `id` (one rank; released first so the next pass gathers it).
+pub fn set_values<M: Module>(model: &mut FsdpModel<M>, id: ParamId, v: &[f32]) {
+    model.release_all().unwrap();
+    let (u, _, slot) = model.layout().locate(id.index().unwrap()).unwrap();
+    let (off, n) = (slot.offset, slot.numel);
+    assert_eq!(v.len(), n);
+    let unit = model.sharded_mut().unit_mut(u).unwrap();
+    unit.plain.host_mut("test").unwrap()[off..off + n].copy_from_slice(v);
+}
+
+/// The reduced gradient of parameter `id` (one rank).
+pub fn grad<M: Module>(model: &FsdpModel<M>, id: ParamId) -> Vec<f32> {
+    let (u, g, slot) = model.layout().locate(id.index().unwrap()).unwrap();
+    let shard = model
+        .sharded()
+        .unit(u)
+        .unwrap()
+        .grad(g)
+        .to_f32_vec()
+        .unwrap();
+    shard[slot.offset..slot.offset + slot.numel].to_vec()
+}

@@ -1,0 +1,444 @@
+//! [`CausalSelfAttention`]: `attn_proj(attention(c_attn(x)))` with `c_attn: d -> 3d` and
+//! `attn_proj: d -> d` (no biases), the attention causal over each sequence of a `[B, T, d]` input.
+//!
+//! `c_attn` writes `qkv [B, T, 3, H, hd]` (its `[B*T, 3d]` output as is), the layout the flash-attention
+//! kernels read (`fp8_kernels::attention`): no transpose around them. The attention runs in BF16 with F32
+//! accumulation; the forward keeps `qkv`, the output and the per-row log-sum-exp for the backward, which
+//! is deterministic by default ([`AttentionConfig`]). With `f32` activations on the CPU the attention is
+//! the F32 reference (`fp8_kernels::attention::cpu`) with no BF16 rounding, so finite differences check
+//! the layer's backward; with `f32` activations on CUDA the operands are rounded to BF16 around the
+//! kernels.
+//!
+//! When `c_attn` is FP8 and a norm precedes it, [`CausalSelfAttention::forward_normed`] lets the norm
+//! write `c_attn`'s E4M3 input directly ([`Norm::forward_linear`]).
+//!
+//! Incremental decoding ([`CausalSelfAttention::decode_normed`], one token of one sequence per call)
+//! keeps the past keys and values in a [`KvCache`] in host memory and computes the new token's attention
+//! on the host in F32 (the flash-attention kernels have no decode mode): per token only `qkv` (`3d`
+//! values) comes back from the device and the output (`d` values) goes up; the linears run where the
+//! model lives.
+
+use crate::layer::{Activation, Layer};
+use crate::norm::Norm;
+use crate::retype::{buffer_into, buffer_mut, buffer_ref};
+use crate::{Linear, LinearPrecision, NnError, Shape, Tensor, WeightInit};
+use fp8_kernels::attention::{
+    attention_backward, attention_forward, cpu, AttentionConfig, AttentionShape, AttentionWorkspace,
+};
+use fp8_kernels::{convert, Buffer, DType, Device};
+use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use half::bf16;
+
+/// The keys and values of the positions decoded so far, for one sequence: `[len, heads, head_dim]` each,
+/// f32 in host memory (values as the layer's `qkv` held them, so BF16 activations are BF16-exact).
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    heads: usize,
+    head_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// An empty cache for `heads` heads of `head_dim`.
+    pub fn new(heads: usize, head_dim: usize) -> Self {
+        KvCache {
+            heads,
+            head_dim,
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.k.len() / (self.heads * self.head_dim).max(1)
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.k.is_empty()
+    }
+
+    /// Forgets every position.
+    pub fn clear(&mut self) {
+        self.k.clear();
+        self.v.clear();
+    }
+
+    /// Appends the keys and values of `qkv` (one position, `[3, heads, head_dim]`) and returns the
+    /// attention output of its query over every position held (`[heads, head_dim]`), softmax scale
+    /// `scale`, in f32 (each row's softmax from its max, as the CPU reference computes it).
+    fn step(&mut self, qkv: &[f32], scale: f32) -> Vec<f32> {
+        let (h, hd) = (self.heads, self.head_dim);
+        let d = h * hd;
+        self.k.extend_from_slice(&qkv[d..2 * d]);
+        self.v.extend_from_slice(&qkv[2 * d..3 * d]);
+        let len = self.len();
+        let mut out = vec![0f32; d];
+        let mut p = vec![0f32; len];
+        for head in 0..h {
+            let q = &qkv[head * hd..(head + 1) * hd];
+            for (j, pj) in p.iter_mut().enumerate() {
+                let k = &self.k[(j * h + head) * hd..(j * h + head + 1) * hd];
+                *pj = q.iter().zip(k).fold(0f32, |s, (a, b)| s + a * b) * scale;
+            }
+            let m = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut l = 0f32;
+            for x in p.iter_mut() {
+                *x = (*x - m).exp();
+                l += *x;
+            }
+            let o = &mut out[head * hd..(head + 1) * hd];
+            for (j, &pj) in p.iter().enumerate() {
+                let v = &self.v[(j * h + head) * hd..(j * h + head + 1) * hd];
+                for (oc, &vc) in o.iter_mut().zip(v) {
+                    *oc += pj / l * vc;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What the forward keeps for the backward.
+#[derive(Debug)]
+enum Saved {
+    /// The BF16 kernels' operands.
+    Bf16 {
+        qkv: Buffer<bf16>,
+        out: Buffer<bf16>,
+        lse: Buffer<f32>,
+    },
+    /// The F32 reference's input (it recomputes the rest).
+    F32 { qkv: Buffer<f32> },
+}
+
+/// Causal multi-head self-attention with `heads` heads of `d / heads` features; parameters
+/// `c_attn.weight [3d, d]` and `attn_proj.weight [d, d]` under the module's path.
+#[derive(Debug)]
+pub struct CausalSelfAttention<T: Activation = f32> {
+    d: usize,
+    heads: usize,
+    c_attn: Linear<T>,
+    attn_proj: Linear<T>,
+    config: AttentionConfig,
+    workspace: AttentionWorkspace,
+    saved: Option<(AttentionShape, Saved)>,
+}
+
+impl<T: Activation> CausalSelfAttention<T> {
+    /// Attention over `d` features in `heads` heads, the two linears in the given precisions, weights
+    /// initialised `N(0, std^2)` (`c_attn`) and `N(0, proj_std^2)` (`attn_proj`) from `seed`.
+    pub fn new(
+        d: usize,
+        heads: usize,
+        precisions: [LinearPrecision; 2],
+        stds: [f64; 2],
+        seed: u64,
+    ) -> Result<Self, NnError> {
+        if heads == 0 || d % heads != 0 {
+            return Err(NnError::usage(
+                "CausalSelfAttention",
+                format!("{d} features do not split into {heads} heads"),
+            ));
+        }
+        Ok(CausalSelfAttention {
+            d,
+            heads,
+            c_attn: Linear::new(d, 3 * d, precisions[0], seed)?
+                .without_bias()
+                .with_init(WeightInit::Normal(stds[0])),
+            attn_proj: Linear::new(d, d, precisions[1], seed ^ 0xA7)?
+                .without_bias()
+                .with_init(WeightInit::Normal(stds[1])),
+            config: AttentionConfig::default(),
+            workspace: AttentionWorkspace::new(),
+            saved: None,
+        })
+    }
+
+    /// With another attention configuration (kernel family, dQ accumulation, tiles, softmax scale).
+    pub fn with_config(mut self, config: AttentionConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Heads.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// Features per head.
+    pub fn head_dim(&self) -> usize {
+        self.d / self.heads
+    }
+
+    /// The QKV linear.
+    pub fn c_attn(&self) -> &Linear<T> {
+        &self.c_attn
+    }
+
+    /// The output projection.
+    pub fn attn_proj(&self) -> &Linear<T> {
+        &self.attn_proj
+    }
+
+    /// Bytes kept for the backward.
+    pub fn saved_bytes(&self) -> usize {
+        let own = match &self.saved {
+            Some((_, Saved::Bf16 { qkv, out, lse })) => {
+                qkv.num_bytes() + out.num_bytes() + lse.num_bytes()
+            }
+            Some((_, Saved::F32 { qkv })) => qkv.num_bytes(),
+            None => 0,
+        };
+        own + self.c_attn.saved_bytes() + self.attn_proj.saved_bytes()
+    }
+
+    fn shape_of(&self, x: Shape) -> Result<AttentionShape, NnError> {
+        match x.dims() {
+            &[b, t, d] if d == self.d => {
+                Ok(AttentionShape::new(b, self.heads, t, self.d / self.heads))
+            }
+            _ => Err(NnError::usage(
+                "CausalSelfAttention",
+                format!("expects an input [batch, seq, {}], got {x:?}", self.d),
+            )),
+        }
+    }
+
+    /// The layer on `norm(x)`, the norm writing `c_attn`'s FP8 input when `c_attn` is FP8
+    /// ([`Norm::forward_linear`]). `x` is `[batch, seq, d]`.
+    pub fn forward_normed(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        norm: &mut Norm<T>,
+        x: &Tensor<T>,
+    ) -> Result<Tensor<T>, NnError> {
+        let shape = self.shape_of(x.shape())?;
+        let qkv = norm.forward_linear(ctx, x, &mut self.c_attn)?;
+        self.forward_qkv(ctx, shape, qkv)
+    }
+
+    /// One decoding step (evaluation only): `x` is the next token of one sequence (`[1, 1, d]`); its key
+    /// and value join `cache`, and the output is the layer's output for that token given every position
+    /// in the cache (the result the full forward gives at that position).
+    pub fn decode_normed(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        norm: &mut Norm<T>,
+        x: &Tensor<T>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<T>, NnError> {
+        const WHAT: &str = "CausalSelfAttention::decode_normed";
+        if ctx.is_training() {
+            return Err(NnError::usage(WHAT, "decoding is for evaluation passes"));
+        }
+        if x.shape().dims() != [1, 1, self.d] {
+            return Err(NnError::usage(
+                WHAT,
+                format!("expects one token [1, 1, {}], got {:?}", self.d, x.shape()),
+            ));
+        }
+        let hd = self.d / self.heads;
+        if cache.heads != self.heads || cache.head_dim != hd {
+            return Err(NnError::usage(
+                WHAT,
+                format!(
+                    "a cache of {} heads of {}, the layer has {} of {hd}",
+                    cache.heads, cache.head_dim, self.heads
+                ),
+            ));
+        }
+        let qkv = norm.forward_linear(ctx, x, &mut self.c_attn)?;
+        let host: Vec<f32> = qkv.data().to_vec()?.iter().map(|v| v.to_f32()).collect();
+        let out = cache.step(&host, self.config.scale_for(hd));
+        let out: Vec<T> = out.into_iter().map(T::from_f32).collect();
+        let out = Tensor::new(ctx.device().upload(&out)?, x.shape())?;
+        let y = self.attn_proj.forward_ref(ctx, &out)?;
+        self.end_forward(false);
+        Ok(y)
+    }
+
+    /// The attention and the output projection from `qkv = c_attn(x)`.
+    fn forward_qkv(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        shape: AttentionShape,
+        qkv: Tensor<T>,
+    ) -> Result<Tensor<T>, NnError> {
+        let dev = ctx.device().clone();
+        let training = ctx.is_training();
+        let out_shape = qkv.shape().with_last(self.d)?;
+        let cpu_f32 = T::DTYPE == DType::F32 && !dev.is_cuda();
+        if cpu_f32 {
+            let qkv = buffer_into::<T, f32>(qkv.into_data(), "CausalSelfAttention")?;
+            let mut out = dev.uninit::<f32>(shape.out_len())?;
+            let mut lse = dev.uninit::<f32>(shape.lse_len())?;
+            const WHAT: &str = "CausalSelfAttention";
+            cpu::forward(
+                &shape,
+                self.config.scale_for(shape.head_dim),
+                qkv.host(WHAT)?,
+                out.host_mut(WHAT)?,
+                lse.host_mut(WHAT)?,
+            );
+            let out = Tensor::new(buffer_into::<f32, T>(out, WHAT)?, out_shape)?;
+            let y = self.attn_proj.forward_ref(ctx, &out)?;
+            self.saved = training.then_some((shape, Saved::F32 { qkv }));
+            self.end_forward(training);
+            return Ok(y);
+        }
+        let qkv16 = to_bf16(&dev, qkv.into_data())?;
+        let mut out16 = dev.uninit::<bf16>(shape.out_len())?;
+        let mut lse = dev.uninit::<f32>(shape.lse_len())?;
+        attention_forward(&shape, &self.config, &qkv16, &mut out16, &mut lse)?;
+        let (y, out16) = match buffer_ref::<bf16, T>(&out16) {
+            Some(_) => {
+                // bf16 activations: the projection reads the attention output itself.
+                let out = Tensor::new(
+                    buffer_into::<bf16, T>(out16, "CausalSelfAttention")?,
+                    out_shape,
+                )?;
+                let y = self.attn_proj.forward_ref(ctx, &out)?;
+                (
+                    y,
+                    buffer_into::<T, bf16>(out.into_data(), "CausalSelfAttention")?,
+                )
+            }
+            None => {
+                let mut out = Tensor::<T>::uninit(&dev, out_shape)?;
+                convert(&out16, out.data_mut())?;
+                (self.attn_proj.forward_ref(ctx, &out)?, out16)
+            }
+        };
+        self.saved = training.then_some((
+            shape,
+            Saved::Bf16 {
+                qkv: qkv16,
+                out: out16,
+                lse,
+            },
+        ));
+        self.end_forward(training);
+        Ok(y)
+    }
+
+    fn end_forward(&mut self, training: bool) {
+        if !training {
+            self.c_attn.drop_saved();
+            self.attn_proj.drop_saved();
+        }
+    }
+
+    /// The backward from the output gradient `dy`: adds both weights' gradients and returns the gradient
+    /// of `c_attn`'s input (the norm's output in a block) when `need_dx`.
+    pub fn backward_ref(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: &Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let (shape, saved) = self.saved.take().ok_or_else(|| {
+            NnError::usage("CausalSelfAttention", "backward without a training forward")
+        })?;
+        let d_out = self
+            .attn_proj
+            .backward_ref(ctx, dy, true)?
+            .ok_or_else(|| NnError::usage("CausalSelfAttention", "no gradient from attn_proj"))?;
+        let dev = ctx.device().clone();
+        let qkv_shape = d_out.shape().with_last(3 * self.d)?;
+        let d_qkv = match saved {
+            Saved::F32 { qkv } => {
+                const WHAT: &str = "CausalSelfAttention";
+                let d_out32 = buffer_ref::<T, f32>(d_out.data())
+                    .ok_or_else(|| NnError::usage(WHAT, "f32 path with other activations"))?;
+                let mut d_qkv = Tensor::<T>::uninit(&dev, qkv_shape)?;
+                let dq = buffer_mut::<T, f32>(d_qkv.data_mut())
+                    .ok_or_else(|| NnError::usage(WHAT, "f32 path with other activations"))?;
+                cpu::backward(
+                    &shape,
+                    self.config.scale_for(shape.head_dim),
+                    qkv.host(WHAT)?,
+                    d_out32.host(WHAT)?,
+                    dq.host_mut(WHAT)?,
+                );
+                d_qkv
+            }
+            Saved::Bf16 { qkv, out, lse } => {
+                let d_out16 = to_bf16(&dev, d_out.into_data())?;
+                let mut d_qkv16 = dev.uninit::<bf16>(shape.qkv_len())?;
+                attention_backward(
+                    &shape,
+                    &self.config,
+                    &qkv,
+                    &out,
+                    &d_out16,
+                    &lse,
+                    &mut d_qkv16,
+                    &mut self.workspace,
+                )?;
+                drop((qkv, out, lse, d_out16));
+                Tensor::new(from_bf16::<T>(&dev, d_qkv16)?, qkv_shape)?
+            }
+        };
+        self.c_attn.backward_ref(ctx, &d_qkv, need_dx)
+    }
+
+    /// Frees what the last forward kept.
+    pub fn drop_saved(&mut self) {
+        self.saved = None;
+        self.c_attn.drop_saved();
+        self.attn_proj.drop_saved();
+    }
+}
+
+/// `b` as bf16: itself when it is bf16, else rounded.
+fn to_bf16<T: Activation>(dev: &Device, b: Buffer<T>) -> Result<Buffer<bf16>, NnError> {
+    if T::DTYPE == DType::BF16 {
+        return buffer_into::<T, bf16>(b, "CausalSelfAttention");
+    }
+    let mut out = dev.uninit::<bf16>(b.len())?;
+    convert(&b, &mut out)?;
+    Ok(out)
+}
+
+/// A bf16 buffer in the activation type.
+fn from_bf16<T: Activation>(dev: &Device, b: Buffer<bf16>) -> Result<Buffer<T>, NnError> {
+    if T::DTYPE == DType::BF16 {
+        return buffer_into::<bf16, T>(b, "CausalSelfAttention");
+    }
+    let mut out = dev.uninit::<T>(b.len())?;
+    convert(&b, &mut out)?;
+    Ok(out)
+}
+
+impl<T: Activation> Module for CausalSelfAttention<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        v.child("c_attn", &mut self.c_attn)?;
+        v.child("attn_proj", &mut self.attn_proj)
+    }
+}
+
+impl<T: Activation> Layer<T> for CausalSelfAttention<T> {
+    /// `x` is `[batch, seq, d]`.
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let shape = self.shape_of(x.shape())?;
+        let qkv = self.c_attn.forward(ctx, x)?;
+        self.forward_qkv(ctx, shape, qkv)
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        self.backward_ref(ctx, &dy, need_dx)
+    }
+
+    fn forget_saved(&mut self) {
+        self.drop_saved();
+    }
+}

@@ -1,0 +1,243 @@
+//! [`Embedding`]: a table of `[rows, dim]` vectors looked up by id (a token embedding `wte`) or by
+//! position (a position embedding `wpe`), through `fp8_kernels::embedding`.
+//!
+//! The table is a plain F32 parameter (`<path>.weight`, gathered as F32) and the output is in the
+//! activation type (`bf16` or `f32`), each element `T(table[id] + pos[p % seq])` with one rounding. The
+//! backward is deterministic: the ids were grouped on the host when the batch was made
+//! ([`crate::TokenBatch`]), and every table row's gradient is summed in position order by one thread
+//! (see `docs/kernels-transformer.md`). A tied use of the table (a language-model head) is a second
+//! module holding the table's [`ParamId`]; both gradients go into the same parameter of the root unit.
+//!
+//! A token table and its position table are read together (one kernel), so they must be in one FSDP unit
+//! (`WrapPolicy::ChildrenOf("h")` puts both in the root unit, as a tied head needs anyway).
+
+use crate::init::normal;
+use crate::layer::Activation;
+use crate::{NnError, Shape, Tensor, TokenBatch};
+use fp8_kernels::embedding::{
+    embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
+};
+use fp8_kernels::{convert, ops};
+use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+
+/// A `[rows, dim]` table, initialised `N(0, std^2)` (GPT-2: 0.02) from its seed.
+#[derive(Debug)]
+pub struct Embedding {
+    name: String,
+    rows: usize,
+    dim: usize,
+    std: f64,
+    seed: u64,
+    weight: ParamId,
+}
+
+impl Embedding {
+    /// A table of `rows` vectors of `dim`, `N(0, 0.02^2)` from `seed`.
+    pub fn new(rows: usize, dim: usize, seed: u64) -> Result<Self, NnError> {
+        if rows == 0 || dim == 0 {
+            return Err(NnError::usage(
+                "Embedding",
+                format!("a table of {rows} x {dim}"),
+            ));
+        }
+        Ok(Embedding {
+            name: "Embedding".into(),
+            rows,
+            dim,
+            std: 0.02,
+            seed,
+            weight: ParamId::UNSET,
+        })
+    }
+
+    /// With another initial standard deviation.
+    pub fn with_std(mut self, std: f64) -> Self {
+        self.std = std;
+        self
+    }
+
+    /// Rows (vocabulary or positions).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Vector length.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The table's id (what a tied head uses).
+    pub fn weight_id(&self) -> ParamId {
+        self.weight
+    }
+
+    fn check_batch(
+        &self,
+        batch: &TokenBatch,
+        positions: Option<&Embedding>,
+    ) -> Result<(), NnError> {
+        if batch.vocab() != self.rows {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "a batch checked against a vocabulary of {}, the table has {} rows",
+                    batch.vocab(),
+                    self.rows
+                ),
+            ));
+        }
+        if let Some(p) = positions {
+            if p.dim != self.dim || p.rows < batch.seq() {
+                return Err(NnError::usage(
+                    &self.name,
+                    format!(
+                        "a position table of {} x {} for sequences of {} and vectors of {}",
+                        p.rows,
+                        p.dim,
+                        batch.seq(),
+                        self.dim
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `out[b, t] = table[ids[b, t]] (+ positions[t])`, shape `[batch, seq, dim]`.
+    pub fn forward<T: Activation>(
+        &self,
+        ctx: &mut Ctx<'_>,
+        batch: &TokenBatch,
+        positions: Option<&Embedding>,
+    ) -> Result<Tensor<T>, NnError> {
+        self.check_batch(batch, positions)?;
+        let shape = Shape::new(&[batch.batch(), batch.seq(), self.dim])?;
+        let mut out = Tensor::<T>::uninit(ctx.device(), shape)?;
+        match positions {
+            Some(p) => {
+                let [t, pt] = ctx.params([self.weight, p.weight])?;
+                let (t, pt) = (plain(t, &self.name)?, plain(pt, &p.name)?);
+                let pos = PositionTable {
+                    table: pt,
+                    seq: batch.seq(),
+                };
+                embedding_forward(t, self.dim, Some(pos), batch.groups(), out.data_mut())?;
+            }
+            None => {
+                let t = ctx.plain(self.weight)?;
+                embedding_forward(t, self.dim, None, batch.groups(), out.data_mut())?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One token (incremental decoding): `table[id] + positions[position]` as a `[1, 1, dim]` tensor (the
+    /// f32 sum rounded once, as [`Embedding::forward`] computes it). The id is checked here.
+    pub fn forward_at<T: Activation>(
+        &self,
+        ctx: &mut Ctx<'_>,
+        id: i32,
+        position: usize,
+        positions: &Embedding,
+    ) -> Result<Tensor<T>, NnError> {
+        if position >= positions.rows || positions.dim != self.dim {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "position {position} of a {} x {} position table",
+                    positions.rows, positions.dim
+                ),
+            ));
+        }
+        let dev = ctx.device().clone();
+        let d = self.dim;
+        let groups = RowGroups::from_ids(&dev, &[id], self.rows)?;
+        let [t, pt] = ctx.params([self.weight, positions.weight])?;
+        let (t, pt) = (plain(t, &self.name)?, plain(pt, &positions.name)?);
+        let mut row = dev.uninit::<f32>(d)?;
+        embedding_forward(t, d, None, &groups, &mut row)?;
+        let mut pos = dev.uninit::<f32>(d)?;
+        pos.copy_range_from(0, pt, position * d, d)?;
+        let mut sum = dev.uninit::<f32>(d)?;
+        ops::add(&row, &pos, &mut sum)?;
+        let shape = Shape::new(&[1, 1, d])?;
+        if T::DTYPE == fp8_kernels::DType::F32 {
+            return Tensor::new(
+                crate::retype::buffer_into::<f32, T>(sum, &self.name)?,
+                shape,
+            );
+        }
+        let mut out = dev.uninit::<T>(d)?;
+        convert(&sum, &mut out)?;
+        Tensor::new(out, shape)
+    }
+
+    /// Adds the gradients of the table (and of the position table) from `dy` (`[batch, seq, dim]`), the
+    /// gradient of [`Embedding::forward`]'s output.
+    pub fn backward<T: Activation>(
+        &self,
+        ctx: &mut Ctx<'_>,
+        dy: &Tensor<T>,
+        batch: &TokenBatch,
+        positions: Option<&Embedding>,
+    ) -> Result<(), NnError> {
+        self.check_batch(batch, positions)?;
+        if dy.shape().numel() != batch.tokens() * self.dim {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "a gradient of shape {:?} for {} tokens",
+                    dy.shape(),
+                    batch.tokens()
+                ),
+            ));
+        }
+        let dev = ctx.device().clone();
+        // Full-size gradients, added into the unit's flat gradient (a tied table's head gradient is
+        // already there).
+        let mut d_table = dev.zeros::<f32>(self.rows * self.dim)?;
+        match positions {
+            Some(p) => {
+                let mut d_pos = dev.zeros::<f32>(p.rows * p.dim)?;
+                embedding_backward(
+                    dy.data(),
+                    self.dim,
+                    batch.groups(),
+                    &mut d_table,
+                    Some(PositionGrad {
+                        grad: &mut d_pos,
+                        seq: batch.seq(),
+                    }),
+                )?;
+                ctx.add_grad(p.weight, &d_pos)?;
+            }
+            None => {
+                embedding_backward(dy.data(), self.dim, batch.groups(), &mut d_table, None)?;
+            }
+        }
+        ctx.add_grad(self.weight, &d_table)?;
+        Ok(())
+    }
+}
+
+fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a fp8_kernels::Buffer<f32>, NnError> {
+    match p {
+        GatheredParam::Plain(b) => Ok(b),
+        GatheredParam::Fp8 { .. } => {
+            Err(NnError::usage(layer, "the table is not a plain parameter"))
+        }
+    }
+}
+
+impl Module for Embedding {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        self.name = v.path().module();
+        let (n, std, seed) = (self.rows * self.dim, self.std, self.seed);
+        let init = move || normal(n, std, seed);
+        v.param(
+            "weight",
+            &ParamDecl::new(&[self.rows, self.dim], ParamKind::Plain, &init),
+            &mut self.weight,
+        )
+    }
+}

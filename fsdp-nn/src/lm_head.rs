@@ -1,0 +1,390 @@
+//! [`LmHead`]: a language-model head with its cross-entropy loss, run in chunks of tokens so the
+//! `[tokens, vocab]` logits never exist at once.
+//!
+//! Per chunk of at most `chunk` tokens (default [`DEFAULT_HEAD_CHUNK`]): `logits = x_c W^T` (a GEMM in
+//! the activation type: BF16 operands with F32 accumulation into BF16 logits, or F32), the in-place
+//! cross-entropy kernel (`fp8_kernels::cross_entropy`: per-row log-sum-exp and loss, the chunk's loss sum
+//! added into a device accumulator, and with a gradient scale the logits overwritten by their gradient),
+//! then `dx_c = dlogits W` and `dW += dlogits^T x_c` (F32). The loss is the mean over the batch's tokens
+//! of `lse - logit[target]`, computed in F32 from the logits; every vocabulary column counts (a padded
+//! vocabulary's extra columns are not masked, as in the PyTorch peer).
+//!
+//! `W [vocab, d]` is either the head's own parameter (`<path>.weight`) or a table held by another module
+//! ([`LmHead::tied`], GPT-2's head tied to the token embedding): the head then declares nothing and uses
+//! the table's [`ParamId`], so the parameter has one gradient, the sum of both uses.
+//!
+//! Two ways to get the gradients:
+//! - [`LmHead::forward`] keeps its input; [`LmHead::backward`] recomputes each chunk's logits (one more
+//!   GEMM of `2 tokens d vocab` flops) and produces the gradients;
+//! - [`LmHead::forward_with_grad`] knows the gradient scale already and produces the gradients during
+//!   the forward (no recomputation); [`LmHead::backward`] then hands them over.
+
+use crate::init::normal;
+use crate::layer::Activation;
+use crate::{NnError, Tensor};
+use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+use fp8_kernels::gemm::gemm;
+use fp8_kernels::{Buffer, GemmSpec, Transpose};
+use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+
+/// Tokens per chunk of the head by default (4096 tokens of a 50304-word vocabulary: 412 MB of BF16
+/// logits).
+pub const DEFAULT_HEAD_CHUNK: usize = 4096;
+
+/// The loss of the last forward, on the device (nothing is read back unless asked).
+#[derive(Debug)]
+pub struct LossStats {
+    /// `[1]`: the sum of the per-token losses.
+    pub sum: Buffer<f32>,
+    /// `[1]`: targets outside the vocabulary (0 for a checked [`crate::TokenBatch`]).
+    pub invalid_targets: Buffer<u32>,
+    /// `[tokens]`: each token's loss.
+    pub per_token: Buffer<f32>,
+    /// `[tokens]`: each token's log-sum-exp of the logits.
+    pub lse: Buffer<f32>,
+    /// Tokens of the forward.
+    pub tokens: usize,
+}
+
+impl LossStats {
+    /// The mean loss over the tokens (reads the device).
+    pub fn mean(&self) -> Result<f64, NnError> {
+        let s = self.sum.to_vec()?;
+        Ok(s.first().copied().unwrap_or(f32::NAN) as f64 / self.tokens.max(1) as f64)
+    }
+}
+
+/// `(dx, dW)` of one pass of the head.
+type HeadGrads<T> = (Tensor<T>, Buffer<f32>);
+
+/// Gradients computed during the forward ([`LmHead::forward_with_grad`]).
+#[derive(Debug)]
+struct EarlyGrads<T: Activation> {
+    grad_scale: f32,
+    dx: Tensor<T>,
+    dw: Buffer<f32>,
+}
+
+/// The LM head `logits = x W^T` with the mean cross-entropy against targets; `W [vocab, d]`.
+#[derive(Debug)]
+pub struct LmHead<T: Activation = f32> {
+    name: String,
+    d: usize,
+    vocab: usize,
+    chunk: usize,
+    owns_weight: bool,
+    std: f64,
+    seed: u64,
+    weight: ParamId,
+    stats: Option<LossStats>,
+    x: Option<Tensor<T>>,
+    early: Option<EarlyGrads<T>>,
+}
+
+impl<T: Activation> LmHead<T> {
+    fn make(d: usize, vocab: usize, owns_weight: bool, seed: u64) -> Result<Self, NnError> {
+        if d == 0 || vocab == 0 {
+            return Err(NnError::usage("LmHead", format!("d {d}, vocab {vocab}")));
+        }
+        Ok(LmHead {
+            name: "LmHead".into(),
+            d,
+            vocab,
+            chunk: DEFAULT_HEAD_CHUNK,
+            owns_weight,
+            std: 0.02,
+            seed,
+            weight: ParamId::UNSET,
+            stats: None,
+            x: None,
+            early: None,
+        })
+    }
+
+    /// A head with its own weight `[vocab, d]` (`<path>.weight`), `N(0, 0.02^2)` from `seed`.
+    pub fn new(d: usize, vocab: usize, seed: u64) -> Result<Self, NnError> {
+        Self::make(d, vocab, true, seed)
+    }
+
+    /// A head using another module's `[vocab, d]` table (set by [`LmHead::set_table`] after the owner's
+    /// visit assigned its id).
+    pub fn tied(d: usize, vocab: usize) -> Result<Self, NnError> {
+        Self::make(d, vocab, false, 0)
+    }
+
+    /// With another initial standard deviation of its own weight.
+    pub fn with_std(mut self, std: f64) -> Self {
+        self.std = std;
+        self
+    }
+
+    /// With chunks of at most `tokens` tokens (`>= 1`).
+    pub fn with_chunk(mut self, tokens: usize) -> Result<Self, NnError> {
+        if tokens == 0 {
+            return Err(NnError::usage("LmHead", "chunks of 0 tokens"));
+        }
+        self.chunk = tokens;
+        Ok(self)
+    }
+
+    /// Tokens per chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Uses the table `id` (a tied head).
+    pub fn set_table(&mut self, id: ParamId) {
+        self.weight = id;
+    }
+
+    /// The weight's id (the table's when tied).
+    pub fn weight_id(&self) -> ParamId {
+        self.weight
+    }
+
+    /// The loss of the last forward.
+    pub fn loss(&self) -> Result<&LossStats, NnError> {
+        self.stats
+            .as_ref()
+            .ok_or_else(|| NnError::usage(&self.name, "no forward yet"))
+    }
+
+    /// Bytes kept for the backward.
+    pub fn saved_bytes(&self) -> usize {
+        self.x.as_ref().map_or(0, |x| x.data().num_bytes())
+            + self
+                .early
+                .as_ref()
+                .map_or(0, |e| e.dx.data().num_bytes() + e.dw.num_bytes())
+    }
+
+    /// The loss of `x [..., d]` against `targets` (one per row of `x`); in training keeps `x` for
+    /// [`LmHead::backward`].
+    pub fn forward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: Tensor<T>,
+        targets: &Buffer<i32>,
+    ) -> Result<(), NnError> {
+        self.early = None;
+        self.run(ctx, &x, targets, None)?;
+        self.x = ctx.is_training().then_some(x);
+        Ok(())
+    }
+
+    /// A training forward that also computes the gradients of `grad_scale` times the mean loss (the same
+    /// scale must then be given to [`LmHead::backward`]); keeps `dx` (`x`'s shape) and `dW` (F32) instead
+    /// of `x`.
+    pub fn forward_with_grad(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: Tensor<T>,
+        targets: &Buffer<i32>,
+        grad_scale: f32,
+    ) -> Result<(), NnError> {
+        if !ctx.is_training() {
+            return Err(NnError::usage(
+                &self.name,
+                "forward_with_grad in an evaluation pass",
+            ));
+        }
+        self.x = None;
+        self.early = None;
+        let (dx, dw) = self
+            .run(ctx, &x, targets, Some(grad_scale))?
+            .ok_or_else(|| NnError::usage("LmHead", "no gradient computed"))?;
+        self.early = Some(EarlyGrads { grad_scale, dx, dw });
+        Ok(())
+    }
+
+    /// The backward: adds `dW` of `grad_scale` times the mean loss of the last training forward to the
+    /// model and returns `dx`.
+    pub fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        targets: &Buffer<i32>,
+        grad_scale: f32,
+    ) -> Result<Tensor<T>, NnError> {
+        let (dx, dw) = if let Some(e) = self.early.take() {
+            if e.grad_scale.to_bits() != grad_scale.to_bits() {
+                return Err(NnError::usage(
+                    &self.name,
+                    format!(
+                        "the forward computed the gradients with scale {}, the backward asks {grad_scale}",
+                        e.grad_scale
+                    ),
+                ));
+            }
+            (e.dx, e.dw)
+        } else {
+            let x = self
+                .x
+                .take()
+                .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+            // The loss statistics of the forward stay; the recomputation's go to scratch accumulators.
+            let kept = self.stats.take();
+            let r = self.run(ctx, &x, targets, Some(grad_scale));
+            self.stats = kept;
+            r?.ok_or_else(|| NnError::usage("LmHead", "no gradient computed"))?
+        };
+        ctx.add_grad(self.weight, &dw)?;
+        Ok(dx)
+    }
+
+    /// The chunked loop: loss into fresh statistics; with a gradient scale also `(dx, dW)`.
+    fn run(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+        targets: &Buffer<i32>,
+        grad_scale: Option<f32>,
+    ) -> Result<Option<HeadGrads<T>>, NnError> {
+        let (d, vocab) = (self.d, self.vocab);
+        if x.shape().last() != d {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "input of shape {:?}; the last dimension must be {d}",
+                    x.shape()
+                ),
+            ));
+        }
+        let tokens = x.shape().rows();
+        if targets.len() != tokens || tokens == 0 {
+            return Err(NnError::usage(
+                &self.name,
+                format!("{} targets for {tokens} rows", targets.len()),
+            ));
+        }
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let mut stats = LossStats {
+            sum: dev.zeros(1)?,
+            invalid_targets: dev.zeros(1)?,
+            per_token: dev.uninit(tokens)?,
+            lse: dev.uninit(tokens)?,
+            tokens,
+        };
+        let mut grads = match grad_scale {
+            Some(_) => Some((
+                Tensor::<T>::uninit(&dev, x.shape())?,
+                dev.uninit::<f32>(vocab * d)?,
+            )),
+            None => None,
+        };
+        // Gradient of `grad_scale * mean`: each row's `(softmax - onehot)` times `grad_scale / tokens`.
+        let row_scale = grad_scale.map(|g| g / tokens as f32);
+        let mut scratch = None;
+        let w32 = ctx.plain(self.weight)?;
+        if w32.len() != vocab * d {
+            return Err(NnError::usage(
+                &self.name,
+                format!("a table of {} elements for {vocab} x {d}", w32.len()),
+            ));
+        }
+        let w = T::from_f32_buffer(w32, &mut scratch)?;
+        let chunk = self.chunk.min(tokens);
+        for (k, a) in (0..tokens).step_by(chunk).enumerate() {
+            let c = chunk.min(tokens - a);
+            let whole = c == tokens;
+            let copied;
+            let xc = if whole {
+                x.data()
+            } else {
+                let mut b = dev.uninit::<T>(c * d)?;
+                b.copy_range_from(0, x.data(), a * d, c * d)?;
+                copied = b;
+                &copied
+            };
+            let mut logits = dev.uninit::<T>(c * vocab)?;
+            let fwd = GemmSpec::new(c, vocab, d)
+                .transposes(Transpose::No, Transpose::Yes)
+                .parallelism(par);
+            gemm(&fwd, xc, w, &mut logits)?;
+            let spec = CrossEntropySpec {
+                rows: c,
+                vocab,
+                row_offset: a,
+                ignore_index: None,
+                grad_scale: row_scale,
+            };
+            cross_entropy(
+                &spec,
+                &mut logits,
+                targets,
+                CrossEntropyOutputs {
+                    lse: &mut stats.lse,
+                    loss: &mut stats.per_token,
+                    loss_sum: &mut stats.sum,
+                    invalid_targets: &mut stats.invalid_targets,
+                },
+            )?;
+            if let Some((dx, dw)) = grads.as_mut() {
+                let dx_spec = GemmSpec::new(c, d, vocab).parallelism(par);
+                if whole {
+                    gemm(&dx_spec, &logits, w, dx.data_mut())?;
+                } else {
+                    let mut dxc = dev.uninit::<T>(c * d)?;
+                    gemm(&dx_spec, &logits, w, &mut dxc)?;
+                    dx.data_mut().copy_range_from(a * d, &dxc, 0, c * d)?;
+                }
+                let beta = if k == 0 { 0.0 } else { 1.0 };
+                let dw_spec = GemmSpec::new(vocab, d, c)
+                    .transposes(Transpose::Yes, Transpose::No)
+                    .scalars(1.0, beta)
+                    .parallelism(par);
+                gemm(&dw_spec, &logits, xc, dw)?;
+            }
+        }
+        self.stats = Some(stats);
+        Ok(grads)
+    }
+
+    /// The logits `x W^T` (`[rows, vocab]`, in the activation type) of a few rows, e.g. the last position
+    /// when sampling; no loss, nothing kept.
+    pub fn logits(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let (d, vocab) = (self.d, self.vocab);
+        if x.shape().last() != d {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "input of shape {:?}; the last dimension must be {d}",
+                    x.shape()
+                ),
+            ));
+        }
+        let rows = x.shape().rows();
+        let dev = ctx.device().clone();
+        let par = ctx.cpu_parallelism();
+        let mut out = Tensor::<T>::uninit(&dev, crate::Shape::matrix(rows, vocab)?)?;
+        let mut scratch = None;
+        let w = T::from_f32_buffer(ctx.plain(self.weight)?, &mut scratch)?;
+        let spec = GemmSpec::new(rows, vocab, d)
+            .transposes(Transpose::No, Transpose::Yes)
+            .parallelism(par);
+        gemm(&spec, x.data(), w, out.data_mut())?;
+        Ok(out)
+    }
+
+    /// Frees what the last forward kept.
+    pub fn drop_saved(&mut self) {
+        self.x = None;
+        self.early = None;
+    }
+}
+
+impl<T: Activation> Module for LmHead<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        self.name = v.path().module();
+        if !self.owns_weight {
+            return Ok(());
+        }
+        let (n, std, seed) = (self.vocab * self.d, self.std, self.seed);
+        let init = move || normal(n, std, seed);
+        v.param(
+            "weight",
+            &ParamDecl::new(&[self.vocab, self.d], ParamKind::Plain, &init),
+            &mut self.weight,
+        )
+    }
+}

@@ -1,0 +1,367 @@
+//! [`Norm`]: LayerNorm or RMSNorm over the last dimension (`fp8_kernels::layer_norm`), with a weight,
+//! an optional bias and `eps` (PyTorch's 1e-5 by default).
+//!
+//! Three ways to run it:
+//! - [`Norm::forward_ref`]: the normalised tensor, in the activation type (the statistics are kept for
+//!   the backward; the caller keeps the input, e.g. a pre-norm block's residual stream);
+//! - [`Norm::forward_linear`]: the norm followed by a [`Linear`]. When the linear is FP8 the norm writes
+//!   the linear's E4M3 input directly (Transformer Engine's LayerNormLinear): one pass over `x` writes the
+//!   row-major codes, the transposed codes the linear keeps for its weight gradient, and the amax into the
+//!   linear's input meta, cast with that meta's scale; the normalised tensor never exists. Bit-identical to
+//!   [`Norm::forward_ref`] followed by the linear's own cast (the norm's output is rounded to the
+//!   activation type before the cast either way);
+//! - as a [`Layer`] (keeps its own input).
+//!
+//! The backward takes the output gradient and the forward's input, and either returns `dx` or adds it
+//! into a given gradient with one rounding ([`Norm::backward_ref`] with `accumulate`): the residual
+//! stream's gradient of a pre-norm block, without a separate add.
+
+use crate::layer::{Activation, Layer};
+use crate::{Linear, LinearPrecision, NnError, Tensor};
+use fp8_kernels::layer_norm::{
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
+    NormSpec, NormStats, DEFAULT_EPS,
+};
+use fp8_kernels::{convert, Buffer, Device};
+use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+
+/// LayerNorm or RMSNorm over vectors of `d` (parameters `<path>.weight`, and `<path>.bias` when it has
+/// one; weight initialised to 1, bias to 0).
+#[derive(Debug)]
+pub struct Norm<T: Activation = f32> {
+    name: String,
+    kind: NormKind,
+    d: usize,
+    eps: f32,
+    has_bias: bool,
+    fuse_fp8: bool,
+    weight: ParamId,
+    bias: ParamId,
+    /// Statistics of the last training forward.
+    stats: Option<NormStats>,
+    /// The input, when used as a [`Layer`].
+    x: Option<Tensor<T>>,
+}
+
+impl<T: Activation> Norm<T> {
+    fn new(kind: NormKind, d: usize) -> Result<Self, NnError> {
+        if d == 0 {
+            return Err(NnError::usage("Norm", "d must be positive"));
+        }
+        Ok(Norm {
+            name: "Norm".into(),
+            kind,
+            d,
+            eps: DEFAULT_EPS,
+            has_bias: false,
+            fuse_fp8: true,
+            weight: ParamId::UNSET,
+            bias: ParamId::UNSET,
+            stats: None,
+            x: None,
+        })
+    }
+
+    /// LayerNorm over `d` features, weight only (GPT-2 as nanoGPT builds it with `bias=False`), eps 1e-5.
+    pub fn layer_norm(d: usize) -> Result<Self, NnError> {
+        Self::new(NormKind::LayerNorm, d)
+    }
+
+    /// RMSNorm over `d` features, weight only, eps 1e-5.
+    pub fn rms_norm(d: usize) -> Result<Self, NnError> {
+        Self::new(NormKind::RmsNorm, d)
+    }
+
+    /// A norm of `kind` over `d` features.
+    pub fn of_kind(kind: NormKind, d: usize) -> Result<Self, NnError> {
+        Self::new(kind, d)
+    }
+
+    /// With a bias (LayerNorm's `bias=True`).
+    pub fn with_bias(mut self) -> Self {
+        self.has_bias = true;
+        self
+    }
+
+    /// With another eps (finite, `>= 0`).
+    pub fn with_eps(mut self, eps: f32) -> Self {
+        self.eps = eps;
+        self
+    }
+
+    /// Whether [`Norm::forward_linear`] writes an FP8 linear's input directly (default on). Off: the
+    /// normalised tensor, then the linear's own cast (the same bits; for comparisons).
+    pub fn fused_fp8(mut self, on: bool) -> Self {
+        self.fuse_fp8 = on;
+        self
+    }
+
+    /// LayerNorm or RMSNorm.
+    pub fn kind(&self) -> NormKind {
+        self.kind
+    }
+
+    /// Features.
+    pub fn dim(&self) -> usize {
+        self.d
+    }
+
+    /// The weight's id.
+    pub fn weight_id(&self) -> ParamId {
+        self.weight
+    }
+
+    fn spec(&self, x_shape: crate::Shape) -> Result<NormSpec, NnError> {
+        if x_shape.last() != self.d {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "input of shape {x_shape:?}; the last dimension must be {}",
+                    self.d
+                ),
+            ));
+        }
+        let spec = match self.kind {
+            NormKind::LayerNorm => NormSpec::layer_norm(x_shape.rows(), self.d),
+            NormKind::RmsNorm => NormSpec::rms_norm(x_shape.rows(), self.d),
+        };
+        Ok(spec.with_eps(self.eps))
+    }
+
+    /// The weight (and bias) in the activation type, gathered from the model.
+    fn params_in(&self, ctx: &mut Ctx<'_>) -> Result<(Buffer<T>, Option<Buffer<T>>), NnError> {
+        let dev = ctx.device().clone();
+        if self.has_bias {
+            let [w, b] = ctx.params([self.weight, self.bias])?;
+            Ok((
+                to_activation(&dev, plain(w, &self.name)?)?,
+                Some(to_activation(&dev, plain(b, &self.name)?)?),
+            ))
+        } else {
+            let [w] = ctx.params([self.weight])?;
+            Ok((to_activation(&dev, plain(w, &self.name)?)?, None))
+        }
+    }
+
+    /// The normalised `x` (same shape); keeps the row statistics when training.
+    pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let spec = self.spec(x.shape())?;
+        let (w, b) = self.params_in(ctx)?;
+        let dev = ctx.device().clone();
+        let mut stats = NormStats::new(&dev, spec.rows)?;
+        let mut y = Tensor::<T>::uninit(&dev, x.shape())?;
+        norm_forward(&spec, x.data(), &w, b.as_ref(), &mut stats, y.data_mut())?;
+        self.stats = ctx.is_training().then_some(stats);
+        Ok(y)
+    }
+
+    /// `linear(norm(x))`. With an FP8 linear (and fusion on) the norm writes the linear's E4M3 input
+    /// codes, its saved transposed codes and the input meta's amax in one pass; otherwise the normalised
+    /// tensor goes through [`Layer::forward`] of the linear. The linear's backward then runs as usual and
+    /// returns the gradient of `norm(x)`, which [`Norm::backward_ref`] takes.
+    pub fn forward_linear(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+        linear: &mut Linear<T>,
+    ) -> Result<Tensor<T>, NnError> {
+        if !(self.fuse_fp8 && linear.precision() == LinearPrecision::Fp8) {
+            let h = self.forward_ref(ctx, x)?;
+            let y = linear.forward(ctx, h)?;
+            if !ctx.is_training() {
+                linear.drop_saved();
+            }
+            return Ok(y);
+        }
+        let spec = self.spec(x.shape())?;
+        if linear.in_features() != self.d {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "a norm over {} features feeding a linear of {} inputs",
+                    self.d,
+                    linear.in_features()
+                ),
+            ));
+        }
+        let (w, b) = self.params_in(ctx)?;
+        let dev = ctx.device().clone();
+        let mut stats = NormStats::new(&dev, spec.rows)?;
+        let mut x_q = dev.uninit::<u8>(spec.rows * spec.d)?;
+        let meta = linear.input_meta();
+        let saved = linear.fp8_input(&dev, spec.rows)?;
+        {
+            let s = ctx.scaling(meta)?;
+            norm_forward_fp8(
+                &spec,
+                x.data(),
+                &w,
+                b.as_ref(),
+                &mut stats,
+                Fp8NormOutput {
+                    format: s.state.format()?,
+                    scale: s.state.scale(),
+                    codes: &mut x_q,
+                    codes_t: &mut saved.x_t,
+                    amax: s.amax,
+                },
+            )?;
+            saved.x_scale_inv.copy_from(s.state.scale_inv())?;
+        }
+        let training = ctx.is_training();
+        self.stats = training.then_some(stats);
+        let y = linear.forward_fp8_codes(ctx, &x_q, x.shape().with_last(linear.out_features())?)?;
+        if !training {
+            linear.drop_saved();
+        }
+        Ok(y)
+    }
+
+    /// The backward after a training forward of input `x`: adds the weight (and bias) gradient to the
+    /// model; with `accumulate`, adds `dx` into it (one rounding) and returns `None`, else returns `dx`.
+    pub fn backward_ref(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+        dy: &Tensor<T>,
+        accumulate: Option<&mut Tensor<T>>,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let spec = self.spec(x.shape())?;
+        if dy.shape().numel() != x.shape().numel() {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "output gradient of shape {:?} for an input of shape {:?}",
+                    dy.shape(),
+                    x.shape()
+                ),
+            ));
+        }
+        let stats = self
+            .stats
+            .take()
+            .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+        let (w, _) = self.params_in(ctx)?;
+        let dev = ctx.device().clone();
+        let mut dw = dev.uninit::<f32>(self.d)?;
+        let mut db = if self.has_bias {
+            Some(dev.uninit::<f32>(self.d)?)
+        } else {
+            None
+        };
+        let mut fresh = None;
+        let (dx, dx_mode) = match accumulate {
+            Some(acc) => {
+                if acc.shape().numel() != x.shape().numel() {
+                    return Err(NnError::usage(
+                        &self.name,
+                        format!(
+                            "accumulating into a gradient of shape {:?} for an input of shape {:?}",
+                            acc.shape(),
+                            x.shape()
+                        ),
+                    ));
+                }
+                (acc.data_mut(), GradMode::Accumulate)
+            }
+            None => (
+                fresh
+                    .insert(Tensor::<T>::uninit(&dev, x.shape())?)
+                    .data_mut(),
+                GradMode::Overwrite,
+            ),
+        };
+        norm_backward(
+            &spec,
+            x.data(),
+            &w,
+            &stats,
+            dy.data(),
+            NormGrads {
+                dx,
+                dx_mode,
+                dweight: &mut dw,
+                dbias: db.as_mut(),
+                param_mode: GradMode::Overwrite,
+            },
+        )?;
+        ctx.add_grad(self.weight, &dw)?;
+        if let Some(db) = db {
+            ctx.add_grad(self.bias, &db)?;
+        }
+        Ok(fresh)
+    }
+}
+
+/// A plain parameter's buffer.
+fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
+    match p {
+        GatheredParam::Plain(b) => Ok(b),
+        GatheredParam::Fp8 { .. } => Err(NnError::usage(layer, "expected a plain parameter")),
+    }
+}
+
+/// An owned copy of an f32 parameter in the activation type (a copy for f32, rounded for bf16): the norm
+/// kernels take the weight in the input's type, as PyTorch's mixed precision casts parameters.
+pub(crate) fn to_activation<T: Activation>(
+    dev: &Device,
+    p: &Buffer<f32>,
+) -> Result<Buffer<T>, NnError> {
+    match crate::retype::buffer_ref::<f32, T>(p) {
+        Some(same) => Ok(same.to_device(dev)?),
+        None => {
+            let mut out = dev.uninit::<T>(p.len())?;
+            convert(p, &mut out)?;
+            Ok(out)
+        }
+    }
+}
+
+impl<T: Activation> Module for Norm<T> {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        self.name = v.path().module();
+        let d = self.d;
+        let ones = move || vec![1.0f32; d];
+        v.param(
+            "weight",
+            &ParamDecl::new(&[d], ParamKind::Plain, &ones),
+            &mut self.weight,
+        )?;
+        if self.has_bias {
+            let zeros = move || vec![0.0f32; d];
+            v.param(
+                "bias",
+                &ParamDecl::new(&[d], ParamKind::Plain, &zeros),
+                &mut self.bias,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: Activation> Layer<T> for Norm<T> {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let y = self.forward_ref(ctx, &x)?;
+        self.x = ctx.is_training().then_some(x);
+        Ok(y)
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<T>,
+        need_dx: bool,
+    ) -> Result<Option<Tensor<T>>, NnError> {
+        let x = self
+            .x
+            .take()
+            .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+        let dx = self.backward_ref(ctx, &x, &dy, None)?;
+        Ok(if need_dx { dx } else { None })
+    }
+
+    fn forget_saved(&mut self) {
+        self.stats = None;
+        self.x = None;
+    }
+}

@@ -1,0 +1,144 @@
+//! What the layer and architecture tests share: deterministic values, rank runners, gradient shards
+//! reassembled on the host, and a communicator that counts the collectives it runs.
+#![allow(dead_code)]
+
+pub mod tiny_lm;
+
+use fp8_kernels::rng::SplitMix64;
+use fp8_kernels::Device;
+use fsdp_comm::{
+    run_ranks, Collective, CollectiveKind, CommError, CommWork, Communicator, ReduceOp,
+};
+use fsdp_shard::{ModelLayout, ParamGroup, ShardedModel};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Any error of a rank (layers, shards, optimizer, collectives).
+pub type TestError = Box<dyn std::error::Error + Send + Sync>;
+/// A rank's result.
+pub type TestResult<T> = Result<T, TestError>;
+
+/// Deterministic values uniform in `[-scale, scale)`.
+pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.uniform_f32() * scale).collect()
+}
+
+/// Runs `f` on `n` thread ranks and returns their results in rank order (a failure fails the test,
+/// naming the cause).
+pub fn on_ranks<R: Send>(
+    n: usize,
+    f: impl Fn(Arc<dyn Communicator>) -> TestResult<R> + Sync,
+) -> Vec<R> {
+    match run_ranks(n, |comm| f(Arc::new(comm))) {
+        Ok(v) => v,
+        Err(e) => panic!("a rank failed: {e}"),
+    }
+}
+
+/// The bit patterns of `v` (for bitwise comparisons that also tell -0 from 0 and compare NaNs).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// This rank's reduced gradient shards widened to F32: per unit, `[FP8 group, plain group]`.
+pub fn grad_shards(model: &ShardedModel) -> TestResult<Vec<[Vec<f32>; 2]>> {
+    let mut out = Vec::new();
+    for u in 0..model.num_units() {
+        let s = model.unit(u)?;
+        out.push([
+            s.grad(ParamGroup::Fp8).to_f32_vec()?,
+            s.grad(ParamGroup::Plain).to_f32_vec()?,
+        ]);
+    }
+    Ok(out)
+}
+
+/// The reduced gradient of parameter `name` from every rank's shards (rank order).
+pub fn full_grad(layout: &ModelLayout, per_rank: &[Vec<[Vec<f32>; 2]>], name: &str) -> Vec<f32> {
+    let p = layout
+        .param_index(name)
+        .unwrap_or_else(|| panic!("no parameter {name}"));
+    let (u, g, slot) = layout.locate(p).expect("located");
+    let flat: Vec<f32> = per_rank
+        .iter()
+        .flat_map(|r| r[u][g as usize].iter().copied())
+        .collect();
+    flat[slot.offset..slot.offset + slot.numel].to_vec()
+}
+
+/// `sqrt(sum (a - b)^2) / max(sqrt(sum b^2), tiny)`.
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    num.sqrt() / den.sqrt().max(1e-30)
+}
+
+/// A communicator that forwards to another and counts the collectives started through it, by kind and
+/// reduction (to check how many all-reduces a step runs).
+pub struct CountingComm {
+    inner: Arc<dyn Communicator>,
+    counts: Mutex<Vec<(CollectiveKind, Option<ReduceOp>)>>,
+    barriers: AtomicUsize,
+}
+
+impl CountingComm {
+    /// Counts what goes through `inner`.
+    pub fn new(inner: Arc<dyn Communicator>) -> Arc<Self> {
+        Arc::new(CountingComm {
+            inner,
+            counts: Mutex::new(Vec::new()),
+            barriers: AtomicUsize::new(0),
+        })
+    }
+
+    /// Forgets what was counted.
+    pub fn reset(&self) {
+        self.counts.lock().expect("lock").clear();
+        self.barriers.store(0, Ordering::SeqCst);
+    }
+
+    /// The collectives since the last reset, in order.
+    pub fn calls(&self) -> Vec<(CollectiveKind, Option<ReduceOp>)> {
+        self.counts.lock().expect("lock").clone()
+    }
+
+    /// How many collectives of `kind` with reduction `op` ran since the last reset.
+    pub fn count(&self, kind: CollectiveKind, op: Option<ReduceOp>) -> usize {
+        self.calls()
+            .iter()
+            .filter(|(k, o)| *k == kind && *o == op)
+            .count()
+    }
+}
+
+impl Communicator for CountingComm {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.barriers.fetch_add(1, Ordering::SeqCst);
+        self.inner.barrier()
+    }
+    fn start(&self, call: Collective<'_>) -> Result<CommWork, CommError> {
+        self.counts
+            .lock()
+            .expect("lock")
+            .push((call.kind(), call.op()));
+        self.inner.start(call)
+    }
+}

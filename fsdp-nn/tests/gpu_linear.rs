@@ -1,0 +1,301 @@
+//! GPU check of `fsdp_nn::Linear`: the same layer in a one-rank wrapped model on the CPU and on CUDA, fed
+//! the same data, agrees — the weight cast on the device (an optimizer step with lr 0 re-quantizes the
+//! unchanged master) and the saved E4M3 `x^T` bit for bit, `y` within the FP8 GEMM bound, `dx`,
+//! accumulated `dW` and `db` within 1e-3 of their largest value, the delayed-scaling metas identical after
+//! each update; the BF16 layer's output within the BF16 bound. Prints `SKIPPED: ...` and passes without a
+//! GPU. (Moved from fp8-kernels' `gemm_check`, where the layer state used to live.)
+//!
+//! The CUDA model runs on an NCCL communicator of world size 1 (`NcclComm::from_dist_env` with
+//! `DistEnv::single()`, as the examples do without a launcher): `fsdp-comm` has no other single-rank
+//! communicator on CUDA. Run on the GPU machine with the environment of `cuda-env.sh`.
+
+mod common;
+
+use common::{full_grad, grad_shards, values, TestResult};
+use fp8_core::Fp8Format;
+use fp8_kernels::Device;
+use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
+use fsdp_nn::{Activation, Layer, Linear, LinearPrecision, Shape, Tensor};
+use fsdp_optim::{step_model, AdamOptions, FsdpAdam, StatePrecision};
+use fsdp_shard::{FsdpConfig, FsdpModel, GatheredParam, Mode, WrapPolicy};
+use half::bf16;
+use std::sync::Arc;
+
+/// Relative error of an FP8 GEMM's f32 accumulation against `sum |a b|` (as the GEMM check uses).
+const FP8_REL: f64 = 2.5e-4;
+
+/// `max_i |gpu_i - cpu_i| / (rel * mag_i + out_i)`, where `out_i` allows one bf16 ulp of a bf16 output
+/// (the two f32 accumulations may straddle a rounding boundary: at most 2^-7 of the value).
+fn worst(gpu: &[f32], cpu: &[f32], mag: &[f64], rel: f64, bf16_out: bool) -> f64 {
+    gpu.iter()
+        .zip(cpu)
+        .zip(mag)
+        .map(|((&g, &c), &m)| {
+            let extra = if bf16_out {
+                (c as f64).abs() * 2f64.powi(-7)
+            } else {
+                0.0
+            };
+            (g as f64 - c as f64).abs() / (rel * m + extra + 1e-30)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// `sum_k |a[t, k]| |b[o, k]| + |c[o]|`: the error scale of `y = a b^T + c`.
+fn magnitude(a: &[f32], b: &[f32], c: &[f32], rows: usize, cols: usize, k: usize) -> Vec<f64> {
+    let mut out = vec![0f64; rows * cols];
+    for t in 0..rows {
+        for o in 0..cols {
+            let s: f64 = (0..k)
+                .map(|i| (a[t * k + i] as f64 * b[o * k + i] as f64).abs())
+                .sum();
+            out[t * cols + o] = s + (c[o] as f64).abs();
+        }
+    }
+    out
+}
+
+/// `max |gpu - cpu| / max |cpu|`.
+fn rel_to_max(gpu: &[f32], cpu: &[f32]) -> f32 {
+    let scale = cpu.iter().fold(0.0f32, |a, v| a.max(v.abs())).max(1e-30);
+    cpu.iter()
+        .zip(gpu)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max)
+        / scale
+}
+
+fn cpu_comm() -> TestResult<Arc<dyn Communicator>> {
+    let comm = ThreadGroup::new(1, DEFAULT_THREAD_TIMEOUT)?
+        .pop()
+        .ok_or("no rank")?;
+    Ok(Arc::new(comm))
+}
+
+fn model<T: Activation>(
+    comm: Arc<dyn Communicator>,
+    inf: usize,
+    outf: usize,
+    precision: LinearPrecision,
+) -> TestResult<FsdpModel<Linear<T>>> {
+    let lin = Linear::<T>::new(inf, outf, precision, 42)?;
+    Ok(FsdpModel::new(
+        lin,
+        comm,
+        WrapPolicy::Single,
+        FsdpConfig::default(),
+    )?)
+}
+
+/// The gathered FP8 weight's codes and inverse scale.
+fn weight_codes(model: &mut FsdpModel<Linear<f32>>) -> TestResult<(Vec<u8>, f32)> {
+    model.gather_all()?;
+    let p = model
+        .module()
+        .weight_id()
+        .index()
+        .ok_or("unset weight id")?;
+    let out = match model.sharded().param(p)? {
+        GatheredParam::Fp8 { codes, scales } => (codes.to_vec()?, scales.to_vec()?[1]),
+        GatheredParam::Plain(_) => return Err("not an FP8 weight".into()),
+    };
+    model.release_all()?;
+    Ok(out)
+}
+
+fn forward<T: Activation>(
+    model: &mut FsdpModel<Linear<T>>,
+    x: &[T],
+    shape: Shape,
+) -> TestResult<Vec<f32>> {
+    let dev = model.device().clone();
+    let xt = Tensor::new(dev.upload(x)?, shape)?;
+    let y = model.forward(Mode::Train, |lin, ctx| lin.forward(ctx, xt))?;
+    Ok(y.data().to_vec()?.iter().map(|v| v.to_f32()).collect())
+}
+
+fn check(gpu_comm: &Arc<dyn Communicator>) -> TestResult<()> {
+    let mut failures = Vec::new();
+    let mut seed = 1000u64;
+    for (tokens, inf, outf) in [(256, 512, 128), (77, 100, 45)] {
+        let name = format!("fp8 linear {tokens}x{inf}->{outf}");
+        let mut lc = model::<f32>(cpu_comm()?, inf, outf, LinearPrecision::Fp8)?;
+        let mut lg = model::<f32>(gpu_comm.clone(), inf, outf, LinearPrecision::Fp8)?;
+        // An optimizer step with lr 0 re-quantizes the unchanged master on each device.
+        let lr0 = AdamOptions {
+            lr: 0.0,
+            state_precision: StatePrecision::F32,
+            ..AdamOptions::adam()
+        };
+        let mut oc = FsdpAdam::for_model(&mut lc, lr0)?;
+        let mut og = FsdpAdam::for_model(&mut lg, lr0)?;
+        step_model(&mut oc, &mut lc)?;
+        step_model(&mut og, &mut lg)?;
+        let (wc, w_inv) = weight_codes(&mut lc)?;
+        let (wg, w_inv_g) = weight_codes(&mut lg)?;
+        if wc != wg || w_inv != w_inv_g {
+            failures.push(format!("{name}: weight cast differs"));
+        }
+        let wd: Vec<f32> = wc
+            .iter()
+            .map(|&q| Fp8Format::E4M3.decode(q) * w_inv)
+            .collect();
+        let bias = lc.gathered_params()?[1].1.clone();
+        let dev_c = lc.device().clone();
+        let dev_g = lg.device().clone();
+        let shape = Shape::matrix(tokens, inf)?;
+        for step in 0..3 {
+            seed += 1;
+            // bf16-representable inputs, as a BF16 producer would hand them over.
+            let x: Vec<f32> = values(seed, tokens * inf, 3.0)
+                .into_iter()
+                .map(|v| bf16::from_f32(v).to_f32())
+                .collect();
+            let dy: Vec<f32> = values(seed ^ 77, tokens * outf, 1e-3)
+                .into_iter()
+                .map(|v| bf16::from_f32(v).to_f32())
+                .collect();
+            let yc = forward(&mut lc, &x, shape)?;
+            let yg = forward(&mut lg, &x, shape)?;
+            let sc = lc.module_mut().fp8_input(&dev_c, tokens)?;
+            let (xt_c, xs) = (sc.x_t.to_vec()?, sc.x_scale_inv.to_vec()?[0]);
+            let sg = lg.module_mut().fp8_input(&dev_g, tokens)?;
+            let (xt_g, xs_g) = (sg.x_t.to_vec()?, sg.x_scale_inv.to_vec()?[0]);
+            if xt_c != xt_g || xs != xs_g {
+                failures.push(format!("{name} step {step}: saved x^T differs"));
+            }
+            // y's error scale from the operands the GEMM saw (x^T decoded back to x).
+            let mut xd = vec![0f32; tokens * inf];
+            for t in 0..tokens {
+                for i in 0..inf {
+                    xd[t * inf + i] = Fp8Format::E4M3.decode(xt_c[i * tokens + t]) * xs;
+                }
+            }
+            let mag = magnitude(&xd, &wd, &bias, tokens, outf, inf);
+            let w = worst(&yg, &yc, &mag, FP8_REL, false);
+            if w > 1.0 {
+                failures.push(format!(
+                    "{name} step {step}: y worst error / bound = {w:.3}"
+                ));
+            }
+            let backward = |m: &mut FsdpModel<Linear<f32>>| -> TestResult<Vec<f32>> {
+                let dev = m.device().clone();
+                let dyt = Tensor::new(dev.upload(&dy)?, Shape::matrix(tokens, outf)?)?;
+                let dx = m
+                    .backward(|lin, ctx| lin.backward(ctx, dyt, true))?
+                    .ok_or("no dx")?;
+                Ok(dx.data().to_vec()?)
+            };
+            let (dxc, dxg) = (backward(&mut lc)?, backward(&mut lg)?);
+            let (gc, gg) = ([grad_shards(lc.sharded())?], [grad_shards(lg.sharded())?]);
+            for (what, c, g) in [
+                ("dx", dxc, dxg),
+                (
+                    "dW (accumulated)",
+                    full_grad(lc.layout(), &gc, "weight"),
+                    full_grad(lg.layout(), &gg, "weight"),
+                ),
+                (
+                    "db (accumulated)",
+                    full_grad(lc.layout(), &gc, "bias"),
+                    full_grad(lg.layout(), &gg, "bias"),
+                ),
+            ] {
+                let err = rel_to_max(&g, &c);
+                if err > 1e-3 {
+                    failures.push(format!(
+                        "{name} step {step}: {what}: max |gpu - cpu| / max |cpu| = {err:.2e} (bound 1e-3)"
+                    ));
+                }
+            }
+            lc.parts_mut().1.update_local()?;
+            lg.parts_mut().1.update_local()?;
+            let metas = |m: &FsdpModel<Linear<f32>>| -> TestResult<Vec<(Vec<f32>, f32)>> {
+                let reg = m.scaling();
+                let mut out = Vec::new();
+                for i in 0..reg.len() {
+                    let meta = reg.get(reg.id(i)?)?.to_meta()?;
+                    out.push((meta.history(), meta.scale()));
+                }
+                Ok(out)
+            };
+            let (mc, mg) = (metas(&lc)?, metas(&lg)?);
+            if mc != mg {
+                failures.push(format!(
+                    "{name} step {step}: metas after update differ: cpu {mc:?}, gpu {mg:?}"
+                ));
+            }
+            let scales: Vec<f32> = mg.iter().map(|m| m.1).collect();
+            println!("{name} step {step}: y worst/bound {w:.3}, meta scales {scales:?}");
+        }
+        // The BF16 layer: y within the BF16 GEMM bound (f32 accumulation, bf16 output).
+        let mut bc = model::<bf16>(cpu_comm()?, inf, outf, LinearPrecision::Bf16)?;
+        let mut bg = model::<bf16>(gpu_comm.clone(), inf, outf, LinearPrecision::Bf16)?;
+        let params = bc.gathered_params()?;
+        let w16: Vec<f32> = params[0]
+            .1
+            .iter()
+            .map(|&v| bf16::from_f32(v).to_f32())
+            .collect();
+        let b16: Vec<f32> = params[1]
+            .1
+            .iter()
+            .map(|&v| bf16::from_f32(v).to_f32())
+            .collect();
+        let x: Vec<bf16> = values(seed ^ 99, tokens * inf, 1.0)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let yc = forward(&mut bc, &x, shape)?;
+        let yg = forward(&mut bg, &x, shape)?;
+        let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let mag = magnitude(&xf, &w16, &b16, tokens, outf, inf);
+        let w = worst(&yg, &yc, &mag, 1e-5, true);
+        if w > 1.0 {
+            failures.push(format!(
+                "bf16 linear {tokens}x{inf}->{outf}: y worst error / bound = {w:.3}"
+            ));
+        }
+        println!("bf16 linear {tokens}x{inf}->{outf}: y worst/bound {w:.3}");
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n").into())
+    }
+}
+
+#[test]
+fn cuda_linear_matches_cpu() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED: no CUDA device: {e}");
+            return;
+        }
+    };
+    if let Device::Cuda(c) = &gpu {
+        if let Err(e) = c.require_fp8() {
+            println!("SKIPPED: no FP8 on this GPU: {e}");
+            return;
+        }
+    }
+    drop(gpu);
+    // With a GPU present, a missing NCCL is a failure of the machine's setup, not a skip.
+    let comm = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default())
+        .expect("an NCCL communicator of one rank (source cuda-env.sh)");
+    let comm: Arc<dyn Communicator> = Arc::new(comm);
+    if let Err(e) = check(&comm) {
+        panic!("CUDA vs CPU linear:\n{e}");
+    }
+}
+
+/// The check itself, run with a second CPU model in the GPU's place (everything equal): so a failure on
+/// the GPU machine is about the GPU, not about the check.
+#[test]
+fn the_check_passes_cpu_against_cpu() {
+    let comm = cpu_comm().expect("a thread rank");
+    if let Err(e) = check(&comm) {
+        panic!("CPU vs CPU linear:\n{e}");
+    }
+}

@@ -1,0 +1,152 @@
+//! A norm writing its FP8 linear's input directly (`Norm::forward_linear` with fusion on) gives the same
+//! bits as the norm's output followed by the linear's own E4M3 cast: outputs, input gradients, weight
+//! gradients (which read the saved transposed codes) and recorded amaxes, over several steps of delayed
+//! scaling (so the scale moves off its initial value), in training and evaluation, for LayerNorm with and
+//! without a bias and RMSNorm. (The port of the old `Fp8Linear::quantize_input_norm` wrapper's test.)
+
+mod transformer_common;
+
+use fp8_kernels::layer_norm::NormKind;
+use fsdp_nn::{Linear, LinearPrecision, NnError, Norm, Shape, Tensor};
+use fsdp_shard::{Ctx, FsdpModel, Mode, Module, ShardError, Visitor};
+use half::bf16;
+use transformer_common::*;
+
+struct NormLinear {
+    norm: Norm<bf16>,
+    linear: Linear<bf16>,
+}
+
+impl Module for NormLinear {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        v.child("norm", &mut self.norm)?;
+        v.child("linear", &mut self.linear)
+    }
+}
+
+fn bits(b: &fp8_kernels::Buffer<bf16>) -> Vec<u16> {
+    b.to_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+impl NormLinear {
+    fn new(kind: NormKind, bias: bool, fused: bool) -> Self {
+        let norm = Norm::of_kind(kind, 48).unwrap().fused_fp8(fused);
+        NormLinear {
+            norm: if bias { norm.with_bias() } else { norm },
+            linear: Linear::new(48, 32, LinearPrecision::Fp8, 3)
+                .unwrap()
+                .without_bias(),
+        }
+    }
+
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<bf16>) -> Result<Vec<u16>, NnError> {
+        let y = self.norm.forward_linear(ctx, x, &mut self.linear)?;
+        Ok(bits(y.data()))
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<bf16>,
+        dy: &Tensor<bf16>,
+    ) -> Result<Vec<u16>, NnError> {
+        let dh = self.linear.backward_ref(ctx, dy, true)?.expect("dx");
+        let dx = self.norm.backward_ref(ctx, x, &dh, None)?.expect("dx");
+        Ok(bits(dx.data()))
+    }
+}
+
+fn tensor(model: &FsdpModel<NormLinear>, v: &[f32], shape: &[usize]) -> Tensor<bf16> {
+    let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+    Tensor::new(
+        model.device().upload(&h).unwrap(),
+        Shape::new(shape).unwrap(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn fused_norm_cast_equals_norm_then_cast() {
+    for (kind, bias) in [
+        (NormKind::LayerNorm, false),
+        (NormKind::LayerNorm, true),
+        (NormKind::RmsNorm, false),
+    ] {
+        let mut fused = one_rank(NormLinear::new(kind, bias, true));
+        let mut plain = one_rank(NormLinear::new(kind, bias, false));
+        let meta = fused.module().linear.input_meta();
+        let shape = [3, 8, 48];
+        for step in 0..5u64 {
+            // Inputs growing step by step, and norm weights away from 1, so the amax and the delayed
+            // scale change.
+            let x = uniform(3 * 8 * 48, 1.0 + step as f32, 100 + step);
+            let w = uniform(48, 3.0 + step as f32, 200 + step);
+            for m in [&mut fused, &mut plain] {
+                let id = m.module().norm.weight_id();
+                set_values(m, id, &w);
+            }
+            let dy = uniform(3 * 8 * 32, 1.0, 300 + step);
+            let mut out = Vec::new();
+            for m in [&mut fused, &mut plain] {
+                m.sharded_mut().zero_grads().unwrap();
+                let (xt, dyt) = (tensor(m, &x, &shape), tensor(m, &dy, &[3, 8, 32]));
+                let y = m
+                    .forward(Mode::Train, |n, ctx| n.forward(ctx, &xt))
+                    .unwrap();
+                let pending = m.scaling().pending().to_vec().unwrap();
+                let dx = m.backward(|n, ctx| n.backward(ctx, &xt, &dyt)).unwrap();
+                let names = m.param_names().unwrap();
+                let grads: Vec<Vec<f32>> = names.iter().map(|&(_, id)| grad(m, id)).collect();
+                let pending_all = m.scaling().pending().to_vec().unwrap();
+                let eval = m.forward(Mode::Eval, |n, ctx| n.forward(ctx, &xt)).unwrap();
+                m.parts_mut().1.update_local().unwrap();
+                let scale = m.scaling().get(meta).unwrap().scale().to_vec().unwrap()[0];
+                out.push((y, pending, dx, grads, pending_all, eval, scale));
+            }
+            let (a, b) = (&out[0], &out[1]);
+            let what = format!("{kind:?} bias {bias} step {step}");
+            assert_eq!(a.0, b.0, "{what}: output");
+            assert_eq!(a.1, b.1, "{what}: input amax");
+            assert!(a.1.iter().any(|&v| v > 0.0), "{what}: an amax was recorded");
+            assert_eq!(a.2, b.2, "{what}: input gradient");
+            assert_eq!(a.3, b.3, "{what}: parameter gradients");
+            assert_eq!(a.4, b.4, "{what}: all amaxes");
+            assert_eq!(a.5, b.5, "{what}: evaluation output");
+            assert_eq!(a.0, a.5, "{what}: evaluation equals training");
+            assert_eq!(a.6.to_bits(), b.6.to_bits(), "{what}: next scale");
+            if step >= 2 {
+                assert_ne!(a.6, 1.0, "{what}: the delayed scale moved");
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_norm_refuses_a_mismatched_linear() {
+    struct Bad {
+        norm: Norm<bf16>,
+        linear: Linear<bf16>,
+    }
+    impl Module for Bad {
+        fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+            v.child("norm", &mut self.norm)?;
+            v.child("linear", &mut self.linear)
+        }
+    }
+    let mut m = one_rank(Bad {
+        norm: Norm::layer_norm(48).unwrap(),
+        linear: Linear::new(32, 16, LinearPrecision::Fp8, 1).unwrap(),
+    });
+    let x: Vec<bf16> = vec![bf16::ONE; 4 * 48];
+    let x = Tensor::new(
+        m.device().upload(&x).unwrap(),
+        Shape::matrix(4, 48).unwrap(),
+    )
+    .unwrap();
+    let e = m
+        .forward(Mode::Train, |n, ctx| {
+            n.norm.forward_linear(ctx, &x, &mut n.linear).map(|_| ())
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("48"), "{e}");
+}
