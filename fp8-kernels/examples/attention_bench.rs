@@ -5,14 +5,18 @@
 //! attention_bench [--sweep] [--dump DIR] [--iters N]
 //! ```
 //!
-//! - Table: for each peer shape (B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32) and each dQ
-//!   mode (deterministic, atomic), the median over N (default 20) timed iterations after 5 warm-up ones of
-//!   the forward, the backward and their sum, timed with CUDA events on the compute stream, and TFLOP/s by
-//!   the peer's formula `3.5 * 4 * B * H * T^2 * hd / 2 / time`, beside PyTorch's figures measured on the
-//!   H200 (default, flash and cuDNN backends of `scaled_dot_product_attention`).
-//! - `--sweep`: the same for every tile choice (forward 64/128 query rows, backward 32/64, deterministic
-//!   and atomic) and for deterministic split counts 1 to 16, forward and backward separately, to choose
-//!   the defaults.
+//! - Table: for each peer shape (B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32) and each
+//!   mode (the deterministic default, the fused backward with split buffers, the fused backward with
+//!   atomics), the median over N (default 20) timed iterations after 5 warm-up ones of the forward, the
+//!   backward and their sum, timed with CUDA events on the compute stream, and TFLOP/s by the peer's
+//!   formula `3.5 * 4 * B * H * T^2 * hd / 2 / time`, beside PyTorch's figures measured on the H200
+//!   (default, flash and cuDNN backends of `scaled_dot_product_attention`).
+//! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
+//!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
+//!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
+//!   backward's split counts. It ends with the fastest choices per head dim written as the lines of
+//!   `DEFAULT_TILES` (`fp8-kernels/src/attention/tiles.rs`), to paste there, and the fwd+bwd time and
+//!   TFLOP/s they would give.
 //! - `--dump DIR`: writes, per shape, `DIR/<shape>/{qkv,dout,out,lse,dqkv}.bin` (raw little-endian:
 //!   bf16 for qkv, dout, out, dqkv; f32 for lse) and `meta.txt` (B H T hd scale), from the
 //!   deterministic default path, for the PyTorch comparison script.
@@ -20,8 +24,9 @@
 //! Without a GPU it prints why and exits 0.
 
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, backward_splits, AttentionConfig, AttentionShape,
-    AttentionTiles, AttentionWorkspace, DqAccumulation,
+    attention_backward, attention_forward, backward_splits, backward_variants, forward_variants,
+    AttentionConfig, AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels,
+    DqAccumulation, QueryTiles, FUSED_QUERY_ROWS,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
@@ -135,7 +140,63 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Median forward and backward milliseconds over `iters` timed iterations after 5 warm-up ones.
+/// Median milliseconds of `f` over `iters` timed calls after 5 warm-up ones (CUDA events on the
+/// compute stream around each call).
+fn median_ms(
+    dev: &Device,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), KernelError>,
+) -> Result<f64, KernelError> {
+    let cuda = dev.as_cuda("attention_bench")?;
+    for _ in 0..5 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut ms = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let e0 = cuda.record_compute_timed()?;
+        f()?;
+        let e1 = cuda.record_compute_timed()?;
+        ms.push(e0.elapsed_ms(&e1)? as f64);
+    }
+    Ok(median(ms))
+}
+
+/// Median forward milliseconds with `cfg` (leaves `out` and `lse` for the backward).
+fn time_fwd(
+    dev: &Device,
+    s: &AttentionShape,
+    cfg: &AttentionConfig,
+    b: &mut Bufs,
+    iters: usize,
+) -> Result<f64, KernelError> {
+    median_ms(dev, iters, || {
+        attention_forward(s, cfg, &b.qkv, &mut b.out, &mut b.lse)
+    })
+}
+
+/// Median backward milliseconds with `cfg`, from the `out` and `lse` already in `b`.
+fn time_bwd(
+    dev: &Device,
+    s: &AttentionShape,
+    cfg: &AttentionConfig,
+    b: &mut Bufs,
+    iters: usize,
+) -> Result<f64, KernelError> {
+    let Bufs {
+        qkv,
+        d_out,
+        out,
+        lse,
+        d_qkv,
+        ws,
+    } = b;
+    median_ms(dev, iters, || {
+        attention_backward(s, cfg, qkv, out, d_out, lse, d_qkv, ws)
+    })
+}
+
+/// Median forward and backward milliseconds with `cfg`.
 fn time(
     dev: &Device,
     s: &AttentionShape,
@@ -143,44 +204,8 @@ fn time(
     b: &mut Bufs,
     iters: usize,
 ) -> Result<(f64, f64), KernelError> {
-    let cuda = dev.as_cuda("attention_bench")?;
-    let step = |b: &mut Bufs| -> Result<(), KernelError> {
-        attention_forward(s, cfg, &b.qkv, &mut b.out, &mut b.lse)?;
-        attention_backward(
-            s,
-            cfg,
-            &b.qkv,
-            &b.out,
-            &b.d_out,
-            &b.lse,
-            &mut b.d_qkv,
-            &mut b.ws,
-        )
-    };
-    for _ in 0..5 {
-        step(b)?;
-    }
-    dev.synchronize()?;
-    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-    for _ in 0..iters {
-        let e0 = cuda.record_compute_timed()?;
-        attention_forward(s, cfg, &b.qkv, &mut b.out, &mut b.lse)?;
-        let e1 = cuda.record_compute_timed()?;
-        attention_backward(
-            s,
-            cfg,
-            &b.qkv,
-            &b.out,
-            &b.d_out,
-            &b.lse,
-            &mut b.d_qkv,
-            &mut b.ws,
-        )?;
-        let e2 = cuda.record_compute_timed()?;
-        fwd.push(e0.elapsed_ms(&e1)? as f64);
-        bwd.push(e1.elapsed_ms(&e2)? as f64);
-    }
-    Ok((median(fwd), median(bwd)))
+    let f = time_fwd(dev, s, cfg, b, iters)?;
+    Ok((f, time_bwd(dev, s, cfg, b, iters)?))
 }
 
 fn label(s: &AttentionShape) -> String {
@@ -262,20 +287,38 @@ fn main() {
     }
 }
 
+/// The modes of the main table.
+fn modes() -> [(&'static str, AttentionConfig); 3] {
+    let fused_det = AttentionConfig {
+        tiles: AttentionTiles {
+            backward: Some(BackwardKernels::Fused { query_rows: 64 }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    [
+        ("deterministic", AttentionConfig::default()),
+        ("fused det.", fused_det),
+        (
+            "fused atomic",
+            AttentionConfig {
+                dq_accumulation: DqAccumulation::Atomic,
+                ..Default::default()
+            },
+        ),
+    ]
+}
+
 fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let modes = [
-        ("deterministic", DqAccumulation::Deterministic),
-        ("atomic", DqAccumulation::Atomic),
-    ];
     println!(
         "causal attention fwd+bwd, BF16, median of {} after 5 warm-up (CUDA events); TFLOP/s = 3.5 * \
          4*B*H*T^2*hd / 2 / time; PyTorch peer figures measured on the H200",
         args.iters
     );
     println!(
-        "{:<22} {:<14} {:>8} {:>8} {:>9} {:>8} | {:>7} {:>6} {:>6} | {:>8} {:>10} | {:>6} {:>8}",
+        "{:<20} {:<13} {:>7} {:>7} {:>8} {:>7} | {:>7} {:>5} {:>5} | {:>6} {:>8} | {:>6} {:>7} | kernels",
         "shape",
-        "dQ mode",
+        "mode",
         "fwd ms",
         "bwd ms",
         "total ms",
@@ -291,16 +334,20 @@ fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     for p in peers() {
         let s = p.shape;
         let mut b = buffers(dev, &s)?;
-        for (name, mode) in modes {
-            let cfg = AttentionConfig {
-                dq_accumulation: mode,
-                ..Default::default()
+        for (name, cfg) in modes() {
+            b.ws = AttentionWorkspace::new(); // each mode's own workspace size
+            let (f, bw) = match time(dev, &s, &cfg, &mut b, args.iters) {
+                Ok(t) => t,
+                Err(e) => {
+                    println!("{:<20} {name:<13} error: {e}", label(&s));
+                    continue;
+                }
             };
-            let (f, bw) = time(dev, &s, &cfg, &mut b, args.iters)?;
             let tf = tflops(&s, f + bw);
             let (splits, _) = backward_splits(dev, &s, &cfg)?;
+            let (fwd_tiles, bwd_kernels) = cfg.kernels_for(s.head_dim)?;
             println!(
-                "{:<22} {:<14} {:>8.3} {:>8.3} {:>9.3} {:>8.1} | {:>7.0} {:>6.0} {:>6.0} | {:>7.2}x {:>9.2}x | {:>6} {:>8.1}",
+                "{:<20} {:<13} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>7.0} {:>5.0} {:>5.0} | {:>5.2}x {:>7.2}x | {:>6} {:>7.1} | fwd {fwd_tiles}, {bwd_kernels}",
                 label(&s),
                 name,
                 f,
@@ -317,69 +364,187 @@ fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             );
         }
         if let Some(dir) = &args.dump {
-            dump(dir, dev, &p, &mut b)?;
+            if let Err(e) = dump(dir, dev, &p, &mut b) {
+                println!("dump of {} failed: {e}", label(&s));
+            }
         }
     }
     if args.sweep {
-        println!("\ntile sweep (forward / backward separately; TFLOP/s of fwd+bwd with that pair)");
+        sweep(dev, args)?;
+    }
+    Ok(())
+}
+
+/// The fastest choices of a sweep at one shape.
+struct Best {
+    shape: AttentionShape,
+    forward: (QueryTiles, f64),
+    deterministic: (BackwardKernels, f64),
+    atomic: (usize, f64),
+}
+
+fn better<T: Copy>(best: &mut Option<(T, f64)>, what: T, ms: f64) {
+    if best.is_none_or(|(_, b)| ms < b) {
+        *best = Some((what, ms));
+    }
+}
+
+fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let mut bests = Vec::new();
+    for p in peers() {
+        let s = p.shape;
+        let hd = s.head_dim;
+        let mut b = buffers(dev, &s)?;
         println!(
-            "{:<22} {:>8} {:>8} {:<14} {:>8} {:>8} {:>8}",
-            "shape", "fwd rows", "bwd rows", "dQ mode", "fwd ms", "bwd ms", "TFLOP/s"
+            "\nsweep {} (forward and backward timed separately)",
+            label(&s)
         );
-        for p in peers() {
-            let s = p.shape;
-            let mut b = buffers(dev, &s)?;
-            for fr in [64, 128] {
-                for br in [32, 64] {
-                    for (name, mode) in modes {
-                        let cfg = AttentionConfig {
-                            dq_accumulation: mode,
-                            tiles: AttentionTiles {
-                                forward_rows: Some(fr),
-                                backward_rows: Some(br),
-                                backward_splits: None,
-                            },
-                            ..Default::default()
-                        };
-                        match time(dev, &s, &cfg, &mut b, args.iters) {
-                            Ok((f, bw)) => println!(
-                                "{:<22} {:>8} {:>8} {:<14} {:>8.3} {:>8.3} {:>8.1}",
-                                label(&s),
-                                fr,
-                                br,
-                                name,
-                                f,
-                                bw,
-                                tflops(&s, f + bw)
-                            ),
-                            Err(e) => {
-                                println!("{:<22} {fr:>8} {br:>8} {name:<14} error: {e}", label(&s))
+        println!("{:<46} {:>8} {:>8}", "variant", "ms", "TFLOP/s");
+        // The forward's share of the peer formula: 1 of 3.5.
+        let fwd_tf = |ms: f64| tflops(&s, ms) / 3.5;
+        let bwd_tf = |ms: f64| tflops(&s, ms) * 2.5 / 3.5;
+        let mut best_fwd = None;
+        for &t in forward_variants(hd) {
+            let cfg = AttentionConfig {
+                tiles: AttentionTiles {
+                    forward: Some(t),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            match time_fwd(dev, &s, &cfg, &mut b, args.iters) {
+                Ok(ms) => {
+                    println!(
+                        "{:<46} {ms:>8.3} {:>8.1}",
+                        format!("forward {t}"),
+                        fwd_tf(ms)
+                    );
+                    better(&mut best_fwd, t, ms);
+                }
+                Err(e) => println!("{:<46} error: {e}", format!("forward {t}")),
+            }
+        }
+        // The backward from the default forward's outputs.
+        attention_forward(
+            &s,
+            &AttentionConfig::default(),
+            &b.qkv,
+            &mut b.out,
+            &mut b.lse,
+        )?;
+        let (mut best_det, mut best_atomic) = (None, None);
+        for bk in backward_variants(hd) {
+            let modes: &[DqAccumulation] = match bk {
+                BackwardKernels::Fused { .. } => {
+                    &[DqAccumulation::Deterministic, DqAccumulation::Atomic]
+                }
+                BackwardKernels::Separate { .. } => &[DqAccumulation::Deterministic],
+            };
+            for &mode in modes {
+                let cfg = AttentionConfig {
+                    dq_accumulation: mode,
+                    tiles: AttentionTiles {
+                        backward: Some(bk),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                let name = match mode {
+                    DqAccumulation::Atomic => format!("backward {bk} atomic"),
+                    DqAccumulation::Deterministic => format!("backward {bk}"),
+                };
+                match time_bwd(dev, &s, &cfg, &mut b, args.iters) {
+                    Ok(ms) => {
+                        println!("{name:<46} {ms:>8.3} {:>8.1}", bwd_tf(ms));
+                        match (mode, bk) {
+                            (DqAccumulation::Atomic, BackwardKernels::Fused { query_rows }) => {
+                                better(&mut best_atomic, query_rows, ms)
                             }
+                            (DqAccumulation::Deterministic, _) => better(&mut best_det, bk, ms),
+                            _ => {}
                         }
                     }
+                    Err(e) => println!("{name:<46} error: {e}"),
                 }
             }
+        }
+        for &query_rows in &FUSED_QUERY_ROWS {
             for splits in [1, 2, 3, 4, 6, 8, 16] {
                 let cfg = AttentionConfig {
                     tiles: AttentionTiles {
+                        backward: Some(BackwardKernels::Fused { query_rows }),
                         backward_splits: Some(splits),
                         ..Default::default()
                     },
                     ..Default::default()
                 };
-                let (f, bw) = time(dev, &s, &cfg, &mut b, args.iters)?;
-                println!(
-                    "{:<22} {:>8} {:>8} {:<14} {:>8.3} {:>8.3} {:>8.1}",
-                    label(&s),
-                    "default",
-                    "default",
-                    format!("det splits {}", backward_splits(dev, &s, &cfg)?.0),
-                    f,
-                    bw,
-                    tflops(&s, f + bw)
+                let name = format!(
+                    "backward fused q{query_rows} splits {}",
+                    backward_splits(dev, &s, &cfg)?.0
                 );
+                match time_bwd(dev, &s, &cfg, &mut b, args.iters) {
+                    Ok(ms) => println!("{name:<46} {ms:>8.3} {:>8.1}", bwd_tf(ms)),
+                    Err(e) => println!("{name:<46} error: {e}"),
+                }
             }
         }
+        if let (Some(forward), Some(deterministic), Some(atomic)) =
+            (best_fwd, best_det, best_atomic)
+        {
+            bests.push(Best {
+                shape: s,
+                forward,
+                deterministic,
+                atomic,
+            });
+        }
+    }
+    println!(
+        "\nfastest per head dim: the lines of DEFAULT_TILES (fp8-kernels/src/attention/tiles.rs)"
+    );
+    for bst in &bests {
+        let s = &bst.shape;
+        let total = bst.forward.1 + bst.deterministic.1;
+        println!(
+            "    // {}: fwd {:.3} ms + bwd {:.3} ms = {total:.3} ms, {:.1} TFLOP/s deterministic; \
+             atomic bwd {:.3} ms",
+            label(s),
+            bst.forward.1,
+            bst.deterministic.1,
+            tflops(s, total),
+            bst.atomic.1
+        );
+        println!("    TileDefaults {{");
+        println!("        head_dim: {},", s.head_dim);
+        println!("        forward: {},", rust_query(&bst.forward.0));
+        match bst.deterministic.0 {
+            BackwardKernels::Fused { query_rows } => println!(
+                "        deterministic: BackwardKernels::Fused {{ query_rows: {query_rows} }},"
+            ),
+            BackwardKernels::Separate { dkdv, dq } => {
+                println!("        deterministic: BackwardKernels::Separate {{");
+                if dkdv.paired {
+                    println!(
+                        "            dkdv: KeyTiles::pairs({}, {}),",
+                        dkdv.warps / 2,
+                        dkdv.query_rows
+                    );
+                } else {
+                    println!(
+                        "            dkdv: k({}, {}, {}),",
+                        dkdv.warps, dkdv.key_tiles, dkdv.query_rows
+                    );
+                }
+                println!("            dq: {},", rust_query(&dq));
+                println!("        }},");
+            }
+        }
+        println!("        atomic_query_rows: {},", bst.atomic.0);
+        println!("    }},");
     }
     Ok(())
+}
+
+fn rust_query(t: &QueryTiles) -> String {
+    format!("q({}, {}, {})", t.warps, t.row_tiles, t.key_rows)
 }

@@ -5,13 +5,15 @@
 //! 1. `layout_probes_match_cpu` runs each building block of the tensor-core kernels (ldmatrix + mma
 //!    fragment mappings) alone on one 64 x 64 tile and names the one that is wrong, with a guess at how
 //!    (transposed, swapped halves, ...).
-//! 2. `cuda_matches_cpu` runs the simple kernels (no tensor cores) and several tensor-core variants on
-//!    every head dim and `T` in {1, 17, 64, 65, 200, 1024}, prints one line per (case, tensor) with the
+//! 2. `cuda_matches_cpu` runs the simple kernels (no tensor cores), the defaults and every compiled
+//!    tensor-core variant (forward tiles, separate dK/dV and dQ kernels, the fused backward) on every
+//!    head dim and `T` in {1, 17, 64, 65, 200, 1024}, prints one line per (case, tensor) with the
 //!    error metrics, the worst element's `(b, t, h, d)` and the range of query rows `t` out of tolerance,
 //!    and fails at the end listing every failure. Simple right and mma wrong: the fast path; both wrong:
 //!    the host code, layouts or the shared `D` kernel.
 //! 3. `long_sequences_match_simple_kernels`: T = 2048 and 4096 against the simple kernels on the GPU.
-//! 4. `backward_is_deterministic`: forward and backward twice, the same bits.
+//! 4. `backward_is_deterministic`: forward and backward three times (the default, whose backward is
+//!    the separate kernels, and the fused backward with split buffers), the same bits.
 //!
 //! Tolerances, for BF16 inputs and outputs with F32 accumulation (P and dS are rounded to BF16 before
 //! their matrix products, as in FlashAttention): against the F32 reference computed from the same BF16
@@ -23,8 +25,9 @@
 //! Rounding the outputs to BF16 alone gives about 4e-3 of the largest value and 1.5e-3 in L2.
 
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, run_layout_probe, AttentionConfig, AttentionKernel,
-    AttentionShape, AttentionTiles, AttentionWorkspace, DqAccumulation, HEAD_DIMS,
+    attention_backward, attention_forward, dkdv_variants, dq_variants, forward_variants,
+    run_layout_probe, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
+    AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
 };
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
@@ -75,48 +78,63 @@ fn run(
     ))
 }
 
-fn variants(t: usize) -> Vec<(&'static str, AttentionConfig)> {
+/// The configurations checked at head dim `hd` and length `t`: the simple kernels; the defaults; every
+/// compiled forward, dK/dV and dQ variant (the i-th of each list together); the fused backward
+/// (deterministic with the default splits and 64-row tiles, with three splits and 32-row tiles when
+/// `t > 128`, atomic).
+fn variants(hd: usize, t: usize) -> Vec<(String, AttentionConfig)> {
     let base = AttentionConfig::default();
+    let with = |tiles: AttentionTiles| AttentionConfig { tiles, ..base };
     let mut v = vec![
         (
-            "simple",
+            "simple".to_string(),
             AttentionConfig {
                 kernel: AttentionKernel::Simple,
                 ..base
             },
         ),
-        ("mma", base),
-        (
-            "mma fwd128 bwd32",
-            AttentionConfig {
-                tiles: AttentionTiles {
-                    forward_rows: Some(128),
-                    backward_rows: Some(32),
-                    backward_splits: None,
-                },
-                ..base
-            },
-        ),
-        (
-            "mma atomic",
-            AttentionConfig {
-                dq_accumulation: DqAccumulation::Atomic,
-                ..base
-            },
-        ),
+        ("mma default".to_string(), base),
     ];
-    if t > 128 {
+    let (fv, kv, qv) = (forward_variants(hd), dkdv_variants(hd), dq_variants(hd));
+    for i in 0..fv.len().max(kv.len()).max(qv.len()) {
+        let forward = fv[i % fv.len()];
+        let backward = BackwardKernels::Separate {
+            dkdv: kv[i % kv.len()],
+            dq: qv[i % qv.len()],
+        };
         v.push((
-            "mma splits 3",
-            AttentionConfig {
-                tiles: AttentionTiles {
-                    backward_splits: Some(3),
-                    ..Default::default()
-                },
-                ..base
-            },
+            format!("mma {forward} {backward}"),
+            with(AttentionTiles {
+                forward: Some(forward),
+                backward: Some(backward),
+                backward_splits: None,
+            }),
         ));
     }
+    v.push((
+        "mma fused q64".to_string(),
+        with(AttentionTiles {
+            backward: Some(BackwardKernels::Fused { query_rows: 64 }),
+            ..Default::default()
+        }),
+    ));
+    if t > 128 {
+        v.push((
+            "mma fused q32 splits 3".to_string(),
+            with(AttentionTiles {
+                backward: Some(BackwardKernels::Fused { query_rows: 32 }),
+                backward_splits: Some(3),
+                ..Default::default()
+            }),
+        ));
+    }
+    v.push((
+        "mma fused atomic".to_string(),
+        AttentionConfig {
+            dq_accumulation: DqAccumulation::Atomic,
+            ..base
+        },
+    ));
     v
 }
 
@@ -161,7 +179,7 @@ fn cuda_matches_cpu() {
             ..Default::default()
         };
         let want = reference(&inp, cfg0.scale_for(shape.head_dim));
-        for (name, cfg) in variants(shape.seq_len) {
+        for (name, cfg) in variants(shape.head_dim, shape.seq_len) {
             let cfg = AttentionConfig {
                 softmax_scale: *scale,
                 ..cfg
@@ -209,7 +227,7 @@ fn long_sequences_match_simple_kernels() {
         };
         let mut ws = AttentionWorkspace::new();
         let (want, _, _) = run(&dev, &inp, &simple, &mut ws).unwrap();
-        for (name, cfg) in variants(shape.seq_len).into_iter().skip(1) {
+        for (name, cfg) in variants(shape.head_dim, shape.seq_len).into_iter().skip(1) {
             let label = format!(
                 "B{} H{} T{} hd{} [{name} vs simple]",
                 shape.batch, shape.heads, shape.seq_len, shape.head_dim
@@ -228,14 +246,14 @@ fn backward_is_deterministic() {
         let shape = AttentionShape::new(2, 3, 333, hd);
         let inp = inputs(shape, 77);
         for (name, cfg) in [
-            ("mma", AttentionConfig::default()),
+            ("mma default", AttentionConfig::default()),
             (
-                "mma fwd128 bwd32",
+                "mma fused q32 splits 2",
                 AttentionConfig {
                     tiles: AttentionTiles {
-                        forward_rows: Some(128),
-                        backward_rows: Some(32),
+                        backward: Some(BackwardKernels::Fused { query_rows: 32 }),
                         backward_splits: Some(2),
+                        ..Default::default()
                     },
                     ..Default::default()
                 },

@@ -17,7 +17,10 @@ mod attention_common;
 use attention_common::{
     check_all, inputs, probe_name, probe_ok, reference, Inputs, Outputs, ProbeCase, PROBES,
 };
-use fp8_kernels::attention::{AttentionConfig, AttentionShape, LayoutProbe};
+use fp8_kernels::attention::{
+    dkdv_variants, dq_variants, forward_variants, AttentionConfig, AttentionShape, BackwardKernels,
+    LayoutProbe,
+};
 use half::bf16;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -103,74 +106,87 @@ fn scratch(name: &str) -> PathBuf {
     d
 }
 
-/// Emulator arguments of one kernel variant (after the shape).
-#[derive(Clone, Copy)]
+/// Emulator arguments of one kernel variant (after the shape and scale).
+#[derive(Clone)]
 struct Variant {
-    name: &'static str,
-    kernel: &'static str,
-    fwd_rows: usize,
-    bwd_rows: usize,
-    acc: &'static str,
-    splits: usize,
+    name: String,
     copies: &'static str,
+    fwd: String,
+    bwd: String,
 }
 
-const VARIANTS: [Variant; 6] = [
-    Variant {
-        name: "simple",
-        kernel: "simple",
-        fwd_rows: 64,
-        bwd_rows: 64,
-        acc: "det",
-        splits: 0,
-        copies: "early",
-    },
-    Variant {
-        name: "mma",
-        kernel: "mma",
-        fwd_rows: 64,
-        bwd_rows: 64,
-        acc: "det",
-        splits: 0,
-        copies: "early",
-    },
-    Variant {
-        name: "mma late copies",
-        kernel: "mma",
-        fwd_rows: 64,
-        bwd_rows: 64,
-        acc: "det",
-        splits: 0,
-        copies: "late",
-    },
-    Variant {
-        name: "mma fwd128 bwd32",
-        kernel: "mma",
-        fwd_rows: 128,
-        bwd_rows: 32,
-        acc: "det",
-        splits: 0,
-        copies: "late",
-    },
-    Variant {
-        name: "mma atomic",
-        kernel: "mma",
-        fwd_rows: 64,
-        bwd_rows: 64,
-        acc: "atomic",
-        splits: 0,
-        copies: "early",
-    },
-    Variant {
-        name: "mma splits 2",
-        kernel: "mma",
-        fwd_rows: 64,
-        bwd_rows: 32,
-        acc: "det",
-        splits: 2,
-        copies: "early",
-    },
-];
+/// The emulator's name of a backward choice (deterministic fused backward with `splits`, 0 = default).
+fn bwd_arg(b: &BackwardKernels, splits: usize) -> String {
+    match b {
+        BackwardKernels::Fused { query_rows } => format!("fused:q{query_rows}:det:{splits}"),
+        BackwardKernels::Separate { dkdv, dq } => format!("sep:{dkdv}:{dq}"),
+    }
+}
+
+/// The variants run for head dim `hd`: the simple kernels; the defaults (cp.async copies done at issue,
+/// and only at the wait); with `all`, every compiled forward, dK/dV and dQ variant (the i-th of each
+/// list together) and the fused backward with 64-row tiles and the default splits, with 32-row tiles and
+/// two splits, and with atomics.
+fn variants(hd: usize, all: bool) -> Vec<Variant> {
+    let (fwd, bwd) = AttentionConfig::default().kernels_for(hd).unwrap();
+    let v = |name: String, copies, fwd: String, bwd: String| Variant {
+        name,
+        copies,
+        fwd,
+        bwd,
+    };
+    let mut out = vec![
+        v("simple".into(), "early", "simple".into(), "simple".into()),
+        v(
+            format!("default {fwd} {bwd}"),
+            "early",
+            fwd.to_string(),
+            bwd_arg(&bwd, 0),
+        ),
+        v(
+            format!("default {fwd} {bwd}, late copies"),
+            "late",
+            fwd.to_string(),
+            bwd_arg(&bwd, 0),
+        ),
+    ];
+    if !all {
+        return out;
+    }
+    let (fv, kv, qv) = (forward_variants(hd), dkdv_variants(hd), dq_variants(hd));
+    for i in 0..fv.len().max(kv.len()).max(qv.len()) {
+        let f = fv[i % fv.len()];
+        let b = BackwardKernels::Separate {
+            dkdv: kv[i % kv.len()],
+            dq: qv[i % qv.len()],
+        };
+        out.push(v(
+            format!("{f} {b}"),
+            if i % 2 == 0 { "late" } else { "early" },
+            f.to_string(),
+            bwd_arg(&b, 0),
+        ));
+    }
+    out.push(v(
+        "fused q64".into(),
+        "late",
+        fwd.to_string(),
+        "fused:q64:det:0".into(),
+    ));
+    out.push(v(
+        "fused q32 splits 2".into(),
+        "early",
+        fwd.to_string(),
+        "fused:q32:det:2".into(),
+    ));
+    out.push(v(
+        "fused q64 atomic".into(),
+        "early",
+        fwd.to_string(),
+        "fused:q64:atomic".into(),
+    ));
+    out
+}
 
 fn run(bin: &Path, inp: &Inputs, v: &Variant, scale: f32, dir: &Path) -> Result<Outputs, String> {
     let s = &inp.shape;
@@ -181,13 +197,10 @@ fn run(bin: &Path, inp: &Inputs, v: &Variant, scale: f32, dir: &Path) -> Result<
         .arg(dir)
         .arg(dir)
         .args([s.batch, s.heads, s.seq_len, s.head_dim].map(|x| x.to_string()))
-        .arg(v.kernel)
-        .arg(v.fwd_rows.to_string())
-        .arg(v.bwd_rows.to_string())
-        .arg(v.acc)
-        .arg(v.splits.to_string())
-        .arg(v.copies)
         .arg(format!("{scale:e}"))
+        .arg(v.copies)
+        .arg(&v.fwd)
+        .arg(&v.bwd)
         .output()
         .map_err(|e| e.to_string())?;
     if !o.status.success() {
@@ -241,15 +254,17 @@ fn emulated_layout_probes_match_cpu() {
     assert!(ok, "a layout probe failed (see the lines above)");
 }
 
-/// Shapes: every head dim, `T` below, at and across the 64-row tiles, a partial last tile.
-fn cases() -> Vec<(AttentionShape, Option<f32>)> {
+/// Shapes: every head dim, `T` below, at and across the 64-row tiles, a partial last tile; whether to
+/// run every variant there (the emulator is slow: one OS thread per CUDA thread), which the cases
+/// with several blocks in each direction and partial last blocks (T = 130, 200) do.
+fn cases() -> Vec<(AttentionShape, Option<f32>, bool)> {
     let mut v = Vec::new();
     for hd in [32, 64, 128] {
         for (b, h, t) in [(1, 1, 1), (1, 2, 17), (2, 1, 64), (1, 1, 130)] {
-            v.push((AttentionShape::new(b, h, t, hd), None));
+            v.push((AttentionShape::new(b, h, t, hd), None, t == 130));
         }
     }
-    v.push((AttentionShape::new(1, 1, 200, 64), Some(0.3)));
+    v.push((AttentionShape::new(1, 1, 200, 64), Some(0.3), true));
     v
 }
 
@@ -258,7 +273,7 @@ fn emulated_kernels_match_cpu() {
     let Some(bin) = emulator() else { return };
     let dir = scratch("attention_emulated_kernels");
     let mut fails = Vec::new();
-    for (i, (shape, scale)) in cases().into_iter().enumerate() {
+    for (i, (shape, scale, all)) in cases().into_iter().enumerate() {
         let inp = inputs(shape, 500 + i as u64);
         let scale = AttentionConfig {
             softmax_scale: scale,
@@ -266,12 +281,7 @@ fn emulated_kernels_match_cpu() {
         }
         .scale_for(shape.head_dim);
         let want = reference(&inp, scale);
-        for v in &VARIANTS {
-            // The 128-row forward and 32-row backward tiles on the smaller head dims only: the emulator
-            // is slow, and the tile code is the same template for every head dim.
-            if v.fwd_rows == 128 && shape.head_dim == 128 {
-                continue;
-            }
+        for v in &variants(shape.head_dim, all) {
             let label = format!(
                 "B{} H{} T{} hd{} scale {scale:.3} [emulated {}]",
                 shape.batch, shape.heads, shape.seq_len, shape.head_dim, v.name
@@ -298,10 +308,16 @@ fn emulated_deterministic_backward_repeats_bits() {
     let Some(bin) = emulator() else { return };
     let dir = scratch("attention_emulated_determinism");
     let inp = inputs(AttentionShape::new(1, 2, 150, 32), 9);
-    let v = VARIANTS[5]; // two splits per head: several blocks add into their own buffers
-    let a = run(&bin, &inp, &v, 0.2, &dir).unwrap();
-    let b = run(&bin, &inp, &v, 0.2, &dir).unwrap();
     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&a.dqkv), bits(&b.dqkv));
-    assert_eq!(bits(&a.out), bits(&b.out));
+    // The fused backward with two splits per head (several blocks add into their own buffers) and the
+    // default (separate) backward.
+    for v in variants(32, true)
+        .into_iter()
+        .filter(|v| v.name.starts_with("default") || v.name == "fused q32 splits 2")
+    {
+        let a = run(&bin, &inp, &v, 0.2, &dir).unwrap();
+        let b = run(&bin, &inp, &v, 0.2, &dir).unwrap();
+        assert_eq!(bits(&a.dqkv), bits(&b.dqkv), "{}", v.name);
+        assert_eq!(bits(&a.out), bits(&b.out), "{}", v.name);
+    }
 }

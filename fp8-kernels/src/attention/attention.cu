@@ -1,5 +1,5 @@
 // Causal flash attention, forward and backward, BF16 in and out, F32 accumulation. Prepended with
-// common.cuh (u16/u32/u64 typedefs, bf16 conversions). Compiled by NVRTC with the crate's precise options
+// common.cuh (u16/u32/u64 typedefs, bf16 conversions) and attention_mma.cuh. Compiled by NVRTC with the crate's precise options
 // (--fmad=false, no fast math): the fast kernels therefore spell out their fused multiply-adds (__fmaf_rn)
 // and exponentials (ex2.approx) where they want them.
 //
@@ -12,277 +12,39 @@
 //   dq_acc [nbuf][B, T, H, HD] f32: dQ / scale accumulated by the backward (workspace)
 //
 // Two families of kernels:
-//   *_mma_*:    FlashAttention-2 style tiles on tensor cores (mma.sync m16n8k16 bf16, ldmatrix, cp.async).
+//   attn_fwd_w*, attn_bwd_fused_*: FlashAttention-2 style tiles on tensor cores (mma.sync m16n8k16 bf16,
+//               ldmatrix, cp.async).
 //   *_simple_*: one block per row, plain f32 dot products, no tensor cores, no shared tiles beyond one row.
 //               Obviously correct and slow: the fallback that separates a fragment-layout bug in the mma
 //               kernels from a problem elsewhere (launch, layout of the buffers, the host code).
 // And the probe kernels at the end, which run one building block of the mma kernels on one tile so a test
 // can check each fragment mapping in isolation.
 //
-// One file (over the usual length) because NVRTC builds each module from one string, and the forward,
-// backward, simple kernels and probes share the PTX wrappers and fragment helpers at the top.
-
-#define ATT_LOG2E 1.4426950408889634f
-#define ATT_LN2 0.69314718055994531f
-#define ATT_NEG_INF (-__int_as_float(0x7f800000))
-
-// =====================================================================================================
-// PTX wrappers
-// =====================================================================================================
-// ATT_HOST_EMULATION is defined only by the host emulator of the tests (tests/attention_common/
-// emulator.cpp), which compiles this file with a C++ compiler and supplies these functions (and the
-// shared-memory buffer) as emulations of the PTX instructions' specified semantics.
-#ifndef ATT_HOST_EMULATION
-
-// The dynamic shared memory of the mma kernels and probes (sized by the launch).
-extern __shared__ __align__(16) unsigned char att_smem[];
-
-__device__ __forceinline__ u32 att_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// 16-byte global -> shared copy; `valid` false copies nothing and zero-fills the 16 bytes (src-size 0).
-__device__ __forceinline__ void att_cp_async16(void* dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(att_smem_u32(dst)), "l"(src), "r"(n));
-}
-// 4-byte global -> shared copy with the same zero-fill rule.
-__device__ __forceinline__ void att_cp_async4(void* dst, const void* src, bool valid) {
-    const int n = valid ? 4 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(att_smem_u32(dst)), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void att_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void att_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// ldmatrix x4: four 8x8 b16 matrices. Lane l supplies the row address of row (l % 8) of matrix (l / 8).
-// Without .trans, lane l receives in r[i] the two elements (row l/4, cols 2*(l%4), 2*(l%4)+1) of matrix i;
-// with .trans it receives (rows 2*(l%4), 2*(l%4)+1, col l/4) of matrix i (the lower index in the low half).
-__device__ __forceinline__ void att_ldsm_x4(const void* p, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(att_smem_u32(p))
-                 : "memory");
-}
-__device__ __forceinline__ void att_ldsm_x4_trans(const void* p, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(att_smem_u32(p))
-                 : "memory");
-}
-
-// D = A * B + D, m16n8k16, A row-major 16x16 bf16, B "col" 16x8 bf16, D 16x8 f32. With g = lane / 4 and
-// q = lane % 4 (PTX ISA, "matrix fragments for mma.m16n8k16"):
-//   A: a[0] = (row g,   cols 2q, 2q+1)   a[1] = (row g+8, cols 2q, 2q+1)
-//      a[2] = (row g,   cols 2q+8, +9)   a[3] = (row g+8, cols 2q+8, +9)
-//   B: b0 = (rows k = 2q, 2q+1, col n = g)   b1 = (rows k = 2q+8, 2q+9, col n = g)
-//   C/D: c[0], c[1] = (row g, cols 2q, 2q+1)   c[2], c[3] = (row g+8, cols 2q, 2q+1)
-// In every packed register the element with the lower k (or column) index is in the low 16 bits.
-__device__ __forceinline__ void att_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two f32 -> one register of two bf16 (round to nearest even), `lo` in the low half. PTX puts the first
-// source operand in the UPPER half, hence the swapped operands.
-__device__ __forceinline__ u32 att_pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// 2^x (approximate, flush-to-zero; 2^-inf = 0).
-__device__ __forceinline__ float att_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// *p += (a, b) for two consecutive floats (8-byte aligned), without return value.
-__device__ __forceinline__ void att_red_add2(float* p, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-    atomicAdd(p, a);
-    atomicAdd(p + 1, b);
-#endif
-}
-
-#endif  // ATT_HOST_EMULATION
-
-// =====================================================================================================
-// Shared-memory tiles
-// =====================================================================================================
-// A tile of ROWS rows of W bf16 lives in shared memory with a row stride of W + 8 elements: the 16 bytes
-// of padding shift consecutive rows by 16 bytes modulo 128, so the 8 row addresses of one ldmatrix
-// matrix (8 rows x 16 bytes) fall in 8 distinct 16-byte bank groups (conflict-free), and so do the
-// bf16x2 stores of an mma C fragment (8 rows g, 4 lanes q x 4 bytes). W + 8 = 40, 72, 136 elements:
-// 80, 144, 272 bytes, all multiples of 16 (cp.async and ldmatrix need 16-byte aligned rows).
-
-// Loads rows t0 .. t0+ROWS-1 (tile row r = global row t0 + r) of a [*, W] slice whose row t starts at
-// g + t * gstride (elements) into s (row stride W + 8). Rows t >= T are zero-filled: padding rows of K and
-// V must be finite zeros, since P (zero there) multiplies them.
-template <int W, int ROWS, int NT>
-__device__ __forceinline__ void att_load_tile(u16* s, const u16* g, u64 gstride, int t0, int T, int tid) {
-    constexpr int CH = W / 8;  // 16-byte chunks per row
-#pragma unroll
-    for (int c = tid; c < ROWS * CH; c += NT) {
-        const int r = c / CH, k = c - (c / CH) * CH;
-        const int t = t0 + r;
-        const bool ok = t < T;
-        att_cp_async16(s + r * (W + 8) + k * 8, g + (u64)(ok ? t : 0) * gstride + k * 8, ok);
-    }
-}
-
-// Loads v[t0 .. t0+ROWS-1] (f32) into s, zero past T.
-template <int ROWS, int NT>
-__device__ __forceinline__ void att_load_vec(float* s, const float* v, int t0, int T, int tid) {
-#pragma unroll
-    for (int r = tid; r < ROWS; r += NT) {
-        const int t = t0 + r;
-        const bool ok = t < T;
-        att_cp_async4(s + r, v + (ok ? t : 0), ok);
-    }
-}
-
-// =====================================================================================================
-// Warp-level matrix products (each warp: 16 output rows). All operands in shared memory are row-major
-// tiles with the padded strides above. Address patterns of ldmatrix x4 used below (l = lane):
-//   P1: row = r0 + (l & 15),                   col = c0 + (l >> 4) * 8
-//   P2: row = r0 + (l & 7) + ((l >> 4) << 3),  col = c0 + ((l >> 3) & 1) * 8
-// P1 without .trans gives an A fragment of the 16x16 block at (r0, c0) (matrices: rows r0..7 / r0+8..15
-// at col c0 -> a[0] / a[1]; at col c0+8 -> a[2] / a[3]).
-// P1 with .trans on storage M[k][n] gives B fragments of two n-tiles: r[0], r[1] = b0, b1 of cols
-// c0..c0+7 (matrices rows r0..7 / r0+8..15 at col c0: lane gets M[r0 + 2q + i][c0 + g], i.e. B(k=2q+i,
-// n=g)); r[2], r[3] = b0, b1 of cols c0+8..c0+15.
-// P2 without .trans on storage M[n][k] (B^T stored by rows, as K in Q K^T) gives B fragments of the two
-// n-tiles rows r0..7 and r0+8..15: r[0] = b0 (k = c0 + 2q + i, n = r0 + g), r[1] = b1 (k + 8), r[2],
-// r[3] the same for n = r0 + 8 + g.
-// P2 with .trans on storage M[k][m] (A^T stored by rows) gives the A fragment of A = M^T at
-// (m0 = c0, k0 = r0): a[0] = M[r0 + 2q + i][c0 + g] = A(g, 2q + i), a[1] from cols c0+8 (rows g+8),
-// a[2] from rows r0+8 (k + 8), a[3] both.
-// =====================================================================================================
-
-// C[16 x N] += A[16 x K] * B[N x K]^T: A rows a_row0.. of sA, B rows 0..N-1 of sB, both with K columns.
-// (Q K^T in the forward; K Q^T and V dO^T in the backward.)
-template <int K, int N>
-__device__ __forceinline__ void att_warp_abt(float (&c)[N / 8][4], const u16* sA, int a_row0, const u16* sB,
-                                             int lane) {
-    constexpr int S = K + 8;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        u32 a[4];
-        att_ldsm_x4(sA + (a_row0 + (lane & 15)) * S + kk * 16 + (lane >> 4) * 8, a);
-#pragma unroll
-        for (int np = 0; np < N / 16; ++np) {
-            u32 b[4];
-            att_ldsm_x4(sB + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * S + kk * 16 + ((lane >> 3) & 1) * 8, b);
-            att_mma(c[2 * np], a, b[0], b[1]);
-            att_mma(c[2 * np + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// C[16 x N] += P[16 x K] * B[K x N]: P in registers in the C-fragment layout of K/8 n-tiles (as produced
-// by att_warp_abt), rounded to bf16 here; B rows 0..K-1 of sB (row stride SB), columns col0..col0+N-1.
-// A C fragment pair (n-tiles 2kc, 2kc+1) is exactly the A fragment of columns 16kc..16kc+15:
-// a[0] = (row g, cols 2q..) = c[2kc][0,1], a[1] = (row g+8) = c[2kc][2,3], a[2] = (row g, cols 8+2q..) =
-// c[2kc+1][0,1], a[3] = c[2kc+1][2,3].
-// (P V in the forward; P^T dO and dS^T Q in the backward.)
-template <int K, int N, int SB>
-__device__ __forceinline__ void att_warp_pb(float (&c)[N / 8][4], const float (&p)[K / 8][4], const u16* sB,
-                                            int col0, int lane) {
-#pragma unroll
-    for (int kc = 0; kc < K / 16; ++kc) {
-        u32 a[4];
-        a[0] = att_pack_bf16(p[2 * kc][0], p[2 * kc][1]);
-        a[1] = att_pack_bf16(p[2 * kc][2], p[2 * kc][3]);
-        a[2] = att_pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]);
-        a[3] = att_pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3]);
-#pragma unroll
-        for (int np = 0; np < N / 16; ++np) {
-            u32 b[4];
-            att_ldsm_x4_trans(sB + (kc * 16 + (lane & 15)) * SB + col0 + np * 16 + (lane >> 4) * 8, b);
-            att_mma(c[2 * np], a, b[0], b[1]);
-            att_mma(c[2 * np + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// The A fragments of A[16 x K] = M^T where M = sT[K rows][..] holds A transposed (row stride ST): A rows
-// are columns m0..m0+15 of sT. (dS from the stored dS^T in the backward.)
-template <int K, int ST>
-__device__ __forceinline__ void att_load_at(u32 (&a)[K / 16][4], const u16* sT, int m0, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk)
-        att_ldsm_x4_trans(sT + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * ST + m0 + ((lane >> 3) & 1) * 8,
-                          a[kk]);
-}
-
-// C[16 x N] += A[16 x K] * B[K x N] with A given as fragments and B rows 0..K-1 of sB (stride SB),
-// columns col0.. . (dS K in the backward.)
-template <int K, int N, int SB>
-__device__ __forceinline__ void att_warp_ab(float (&c)[N / 8][4], const u32 (&a)[K / 16][4], const u16* sB,
-                                            int col0, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-#pragma unroll
-        for (int np = 0; np < N / 16; ++np) {
-            u32 b[4];
-            att_ldsm_x4_trans(sB + (kk * 16 + (lane & 15)) * SB + col0 + np * 16 + (lane >> 4) * 8, b);
-            att_mma(c[2 * np], a[kk], b[0], b[1]);
-            att_mma(c[2 * np + 1], a[kk], b[2], b[3]);
-        }
-    }
-}
-
-// Stores a warp's 16 x N C fragment as bf16 into rows row0.. of a padded shared tile (stride S), scaled.
-template <int N, int S>
-__device__ __forceinline__ void att_store_c_bf16(u16* s, int row0, const float (&c)[N / 8][4], float scale,
-                                                 int lane) {
-    const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) {
-        *reinterpret_cast<u32*>(s + (row0 + g) * S + nt * 8 + 2 * q) =
-            att_pack_bf16(c[nt][0] * scale, c[nt][1] * scale);
-        *reinterpret_cast<u32*>(s + (row0 + g + 8) * S + nt * 8 + 2 * q) =
-            att_pack_bf16(c[nt][2] * scale, c[nt][3] * scale);
-    }
-}
-
-// Copies rows row0..row0+15 of a padded shared tile (W columns) to global rows t = t_first + r (r < 16)
-// at g + t * gstride, skipping t >= T. One warp, 16-byte stores.
-template <int W>
-__device__ __forceinline__ void att_warp_store_rows(u16* g, u64 gstride, const u16* s, int row0, int t_first,
-                                                    int T, int lane) {
-    constexpr int CH = W / 8;
-#pragma unroll
-    for (int c = lane; c < 16 * CH; c += 32) {
-        const int r = c / CH, k = c - (c / CH) * CH;
-        const int t = t_first + r;
-        if (t < T)
-            *reinterpret_cast<uint4*>(g + (u64)t * gstride + k * 8) =
-                *reinterpret_cast<const uint4*>(s + (row0 + r) * (W + 8) + k * 8);
-    }
-}
+// The PTX wrappers, tile loaders and fragment helpers are in attention_mma.cuh (prepended); the separate
+// backward (dK/dV and dQ kernels) is in attention_separate.cu (appended).
 
 // =====================================================================================================
 // Forward (tensor cores)
 // =====================================================================================================
-// Grid (B*H, ceil(T / BM)); block NW warps; BM = 16 * NW query rows per block, the last query block
-// first (blockIdx.y = 0 is the most work under the causal mask, so it is scheduled first). Each warp owns
-// 16 query rows; key blocks of BN = 64 rows are double-buffered through shared memory with cp.async.
-// Thread (lane, g = lane/4, q = lane%4) holds rows g and g+8 of its warp: S[nt][0,1] / O[dt][0,1] for
-// row g, [2,3] for row g+8; the row max and sum are reduced over the 4 lanes of a quad (xor 1, 2).
-// Scores are kept in the log2 domain: x = s * scale * log2(e), p = 2^(x - m).
-// Shared memory: Q [BM][HD+8], K [2][BN][HD+8], V [2][BN][HD+8] bf16.
-template <int HD, int NW>
+// Grid (B*H, ceil(T / BM)); block NW warps; each warp owns WR = 16 * MT query rows, BM = WR * NW per
+// block; the last query block first (blockIdx.y = 0 is the most work under the causal mask, so it is
+// scheduled first). Key and value blocks of BN rows are double-buffered through shared memory with
+// cp.async: iteration j waits for block j, passes one barrier (after which every warp is done with
+// block j-1, so its buffers can take block j+1) and issues the copy of block j+1, which then overlaps
+// the products of block j.
+// Thread (lane, g = lane/4, q = lane%4) holds rows g and g+8 of each of its warp's row tiles m:
+// S[m][nt][0,1] / O[m][dt][0,1] for row g, [2,3] for row g+8; the row max and sum are reduced over the
+// 4 lanes of a quad (xor 1, 2). Scores are kept in the log2 domain: x = s * scale * log2(e),
+// p = 2^(x - m). A warp skips key blocks that lie entirely after its last row (all masked).
+// Shared memory: Q [BM][HD+8], K [2][BN][HD+8], V [2][BN][HD+8] bf16. Rows of sQ are read only by the
+// warp that owns them, which also stages its output there at the end.
+template <int HD, int NW, int MT, int BN>
 __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* __restrict__ out,
                                              float* __restrict__ lse, int T, int H, float scale_log2) {
-    constexpr int BM = 16 * NW, BN = 64, S = HD + 8, NT = 32 * NW;
+    constexpr int WR = 16 * MT, BM = WR * NW, S = HD + 8, NT = 32 * NW;
+    // The warp's Q fragments stay in registers (MT * HD / 4 of them: an eighth less shared-memory traffic
+    // per key block) when O, S and they take at most 160 registers per thread; more spills (ptxas, sm_90).
+    constexpr bool Q_REGS = MT * (HD / 2 + BN / 2 + HD / 4) <= 160;
     u16* sQ = reinterpret_cast<u16*>(att_smem);
     u16* sK = sQ + BM * S;
     u16* sV = sK + 2 * BN * S;
@@ -298,104 +60,120 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
     // Keys 0 .. q_end-1 are all any valid row of this block can see.
     const int q_end = min(q0 + BM, T);
     const int nkb = (q_end - 1) / BN + 1;
+    const int w0 = q0 + warp * WR;  // the warp's first query row; rows w0 + 16 m + g (+ 8)
+    const bool active = w0 < T;     // a warp of the last block may hold no valid row
 
     att_load_tile<HD, BM, NT>(sQ, gQ, rs, q0, T, tid);
     att_load_tile<HD, BN, NT>(sK, gK, rs, 0, T, tid);
     att_load_tile<HD, BN, NT>(sV, gV, rs, 0, T, tid);
     att_cp_commit();
 
-    float o[HD / 8][4];
+    float o[MT][HD / 8][4];
+    att_zero_mt<MT, HD / 8>(o);
+    float m[MT][2], l[MT][2];
 #pragma unroll
-    for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f};
-    const int row_a = q0 + warp * 16 + g;  // global query row of [.][0,1]; row_a + 8 for [.][2,3]
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = ATT_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
+    u32 qf[Q_REGS ? MT : 1][Q_REGS ? HD / 16 : 1][4];
 
     for (int j = 0; j < nkb; ++j) {
         const int buf = j & 1;
+        att_cp_wait<0>();
+        __syncthreads();  // block j is in buffer `buf` for every thread; every warp is done with block j-1
         if (j + 1 < nkb) {
             att_load_tile<HD, BN, NT>(sK + (buf ^ 1) * BN * S, gK, rs, (j + 1) * BN, T, tid);
             att_load_tile<HD, BN, NT>(sV + (buf ^ 1) * BN * S, gV, rs, (j + 1) * BN, T, tid);
             att_cp_commit();
-            att_cp_wait<1>();
-        } else {
-            att_cp_wait<0>();
         }
-        __syncthreads();
+        if constexpr (Q_REGS) {
+            if (j == 0) att_load_a_mt<HD, MT>(qf, sQ, warp * WR, lane);
+        }
+        const int k0 = j * BN;
+        if (!active || k0 > w0 + WR - 1) continue;  // no barrier below: warps may skip
         const u16* cK = sK + buf * BN * S;
         const u16* cV = sV + buf * BN * S;
 
-        float s[BN / 8][4];
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-        att_warp_abt<HD, BN>(s, sQ, warp * 16, cK, lane);
+        float s[MT][BN / 8][4];
+        att_zero_mt<MT, BN / 8>(s);
+        if constexpr (Q_REGS)
+            att_warp_abt_mt_ra<HD, BN, MT>(s, qf, cK, lane);
+        else
+            att_warp_abt_mt<HD, BN, MT>(s, sQ, warp * WR, cK, lane);
 
-        const int k0 = j * BN;
-        if (k0 + BN - 1 > q0) {  // the block reaches past some row of this query block: causal mask
+        if (k0 + BN - 1 > w0) {  // the block reaches past some row of this warp: causal mask
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = k0 + nt * 8 + 2 * q + e;
-                    if (key > row_a) s[nt][e] = ATT_NEG_INF;
-                    if (key > row_a + 8) s[nt][2 + e] = ATT_NEG_INF;
-                }
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = k0 + nt * 8 + 2 * q + e, row = w0 + 16 * mt + g;
+                        if (key > row) s[mt][nt][e] = ATT_NEG_INF;
+                        if (key > row + 8) s[mt][nt][2 + e] = ATT_NEG_INF;
+                    }
         }
 
         // Online softmax. Every row sees key 0 in block 0, so m is finite from the first block on; the
         // guard only keeps a fully masked row (impossible here) from producing inf - inf.
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            float mx = ATT_NEG_INF;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[hr], mx * scale_log2);
-            const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
-            const float alpha = att_ex2(m[hr] - mb);
-            m[hr] = m_new;
-            float rsum = 0.0f;
+            for (int hr = 0; hr < 2; ++hr) {
+                float mx = ATT_NEG_INF;
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
+                for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[mt][hr], mx * scale_log2);
+                const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
+                const float alpha = att_ex2(m[mt][hr] - mb);
+                m[mt][hr] = m_new;
+                float rsum = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = att_ex2(__fmaf_rn(s[nt][2 * hr + e], scale_log2, -mb));
-                    s[nt][2 * hr + e] = p;
-                    rsum += p;
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = att_ex2(__fmaf_rn(s[mt][nt][2 * hr + e], scale_log2, -mb));
+                        s[mt][nt][2 * hr + e] = p;
+                        rsum += p;
+                    }
+                l[mt][hr] = __fmaf_rn(l[mt][hr], alpha, rsum);
+#pragma unroll
+                for (int dt = 0; dt < HD / 8; ++dt) {
+                    o[mt][dt][2 * hr] *= alpha;
+                    o[mt][dt][2 * hr + 1] *= alpha;
                 }
-            l[hr] = __fmaf_rn(l[hr], alpha, rsum);
+            }
+
+        att_warp_pb_mt<BN, HD, S, MT>(o, s, cV, 0, lane);
+    }
+
+    // Normalise; lse in natural log: (m + log2 l) * ln 2. (A warp without valid rows computes garbage
+    // here and stores none of it.)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float lt = l[mt][hr];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            const float inv = 1.0f / lt;
 #pragma unroll
             for (int dt = 0; dt < HD / 8; ++dt) {
-                o[dt][2 * hr] *= alpha;
-                o[dt][2 * hr + 1] *= alpha;
+                o[mt][dt][2 * hr] *= inv;
+                o[mt][dt][2 * hr + 1] *= inv;
             }
+            const int row = w0 + 16 * mt + g + 8 * hr;
+            if (q == 0 && row < T) lse[(u64)bh * T + row] = (m[mt][hr] + log2f(lt)) * ATT_LN2;
         }
-
-        att_warp_pb<BN, HD, S>(o, s, cV, 0, lane);
-        __syncthreads();  // every warp is done with buffer `buf` before it is refilled
+        // Stage the tile's 16 rows of O in the warp's own rows of sQ (only this warp ever read them),
+        // then write them out with 16-byte stores.
+        att_store_c_bf16<HD, S>(sQ, warp * WR + 16 * mt, o[mt], 1.0f, lane);
     }
-
-    // Normalise; lse in natural log: (m + log2 l) * ln 2.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        float lt = l[hr];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = 1.0f / lt;
-#pragma unroll
-        for (int dt = 0; dt < HD / 8; ++dt) {
-            o[dt][2 * hr] *= inv;
-            o[dt][2 * hr + 1] *= inv;
-        }
-        const int row = row_a + 8 * hr;
-        if (q == 0 && row < T) lse[(u64)bh * T + row] = (m[hr] + log2f(lt)) * ATT_LN2;
-    }
-    // Stage the warp's 16 rows of O in its own rows of sQ (only this warp ever read them), then write
-    // them out with 16-byte stores.
-    att_store_c_bf16<HD, S>(sQ, warp * 16, o, 1.0f, lane);
     __syncwarp();
-    att_warp_store_rows<HD>(out + (u64)b * T * H * HD + (u64)h * HD, (u64)H * HD, sQ, warp * 16,
-                            q0 + warp * 16, T, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        att_warp_store_rows<HD>(out + (u64)b * T * H * HD + (u64)h * HD, (u64)H * HD, sQ, warp * WR + 16 * mt,
+                                w0 + 16 * mt, T, lane);
 }
 
 // =====================================================================================================
@@ -495,23 +273,29 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 #pragma unroll
             for (int n = 0; n < BM / 8; ++n) pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
             att_warp_abt<HD, BM>(pt, sK, warp * 16, cQ, lane);
-            const bool need_mask = (q0 < k0 + BN - 1) || (q0 + BM > T);
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int lq = nt * 8 + 2 * q + e;
-                    const float ml = cL[lq] * ATT_LOG2E;
-                    const int query = q0 + lq;
+                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
 #pragma unroll
-                    for (int hr = 0; hr < 2; ++hr) {
-                        float p = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
-                        // query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
-                        // their contributions vanish anyway.
-                        if (need_mask && (key_a + 8 * hr > query || query >= T)) p = 0.0f;
-                        pt[nt][2 * hr + e] = p;
-                    }
+                    for (int hr = 0; hr < 2; ++hr)
+                        pt[nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
                 }
+            // The causal mask, in a warp-uniform branch (inline, the compiler evaluates the conditions on
+            // every tile). query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
+            // their contributions vanish anyway.
+            if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int query = q0 + nt * 8 + 2 * q + e;
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            if (key_a + 8 * hr > query || query >= T) pt[nt][2 * hr + e] = 0.0f;
+                    }
+            }
 
             // dV += P^T dO
             att_warp_pb<BM, HD, S>(dv, pt, cdO, 0, lane);
@@ -776,6 +560,7 @@ __device__ __forceinline__ void attn_bwd_simple_dkdv(const u16* __restrict__ qkv
     }
 }
 
+#if ATT_WANT(ATT_FAM_PROBES) && !defined(ATT_ONLY_KIND)
 // =====================================================================================================
 // Probes: one building block of the mma kernels on one 64 x 64 tile (HD = 64), for the layout tests.
 // Inputs are dense row-major [64][64] in global memory; one block of 4 warps, warp w computes rows
@@ -880,28 +665,34 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
     }
 }
 
+#endif  // ATT_WANT(ATT_FAM_PROBES)
+
 // =====================================================================================================
 // Entry points
 // =====================================================================================================
-#define ATT_ENTRIES(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma4_hd##HD(                                   \
+// Names: attn_fwd_w<NW>m<MT>n<BN>_hd<HD> (forward: NW warps of 16 * MT query rows, key blocks of BN);
+// attn_bwd_fused_q<BM>_hd<HD> (fused backward, query blocks of BM); attn_bwd_simple_{dq,dkdv}_hd<HD>,
+// attn_fwd_simple_hd<HD>. The variant lists are X-macros so that the host emulator instantiates the same
+// set; mod.rs mirrors them (FORWARD_VARIANTS, ...), and a test checks the two agree.
+#define ATT_FWD_VARIANTS_32(X) X(32, 4, 1, 64) X(32, 8, 1, 64) X(32, 4, 2, 64) X(32, 4, 2, 128) X(32, 8, 2, 64)
+#define ATT_FWD_VARIANTS_64(X) X(64, 4, 1, 64) X(64, 8, 1, 64) X(64, 4, 2, 64) X(64, 4, 2, 128) X(64, 8, 2, 64)
+#define ATT_FWD_VARIANTS_128(X) X(128, 4, 1, 64) X(128, 8, 1, 64) X(128, 4, 2, 64) X(128, 4, 2, 32) X(128, 8, 2, 32)
+
+#define ATT_FWD_ENTRY(HD, NW, MT, BN)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_w##NW##m##MT##n##BN##_hd##HD(             \
         const u16* qkv, u16* out, float* lse, int T, int H, float scale_log2) {                                \
-        attn_fwd_mma<HD, 4>(qkv, out, lse, T, H, scale_log2);                                                  \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) attn_fwd_mma8_hd##HD(                                   \
-        const u16* qkv, u16* out, float* lse, int T, int H, float scale_log2) {                                \
-        attn_fwd_mma<HD, 8>(qkv, out, lse, T, H, scale_log2);                                                  \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_mma_m64_hd##HD(                                \
+        attn_fwd_mma<HD, NW, MT, BN>(qkv, out, lse, T, H, scale_log2);                                         \
+    }
+
+#define ATT_FUSED_ENTRY(HD, BM)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q##BM##_hd##HD(                          \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
         u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
-        attn_bwd_mma<HD, 64>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_mma_m32_hd##HD(                                \
-        const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
-        u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
-        attn_bwd_mma<HD, 32>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
-    }                                                                                                          \
+        attn_bwd_mma<HD, BM>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
+    }
+#define ATT_FUSED_ENTRIES(HD) ATT_FUSED_ENTRY(HD, 64) ATT_FUSED_ENTRY(HD, 32)
+
+#define ATT_SIMPLE_ENTRIES(HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_simple_hd##HD(                                 \
         const u16* qkv, u16* out, float* lse, int B, int T, int H, float scale) {                              \
         attn_fwd_simple<HD>(qkv, out, lse, B, T, H, scale);                                                    \
@@ -917,13 +708,40 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
         attn_bwd_simple_dkdv<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, scale);                                  \
     }
 
-// ATT_HD, when defined (by the per-head-dim modules of mod.rs), builds the entry points of that head dim
-// only: a model uses one head dim, and each instantiation costs compile time at start-up.
+// ATT_HD, when defined (by the modules of mod.rs), builds the entry points of that head dim only: a
+// model uses one head dim, and each instantiation costs compile time at start-up. ATT_ONLY_KIND (with
+// ATT_HD and ATT_ONLY_A, _B, _C), when defined, builds one entry point only (plus the D and dQ-convert
+// kernels): kind 1 forward (NW, MT, BN), 2 fused backward (BM), 3 dK/dV (NW, MT, BM), 4 dK/dV with warp
+// pairs (NP, BM), 5 dQ (NW, MT, BN). The launches use such single-kernel modules, so a process compiles
+// exactly the kernels it runs.
+#define ATT_CAT(a, b) a##b
+#define ATT_XCAT(a, b) ATT_CAT(a, b)
+#define ATT_APPLY(M, x) M(x)  // expands x (ATT_HD) before M pastes it
+#define ATT_APPLY2(M, a, b) M(a, b)
+#define ATT_APPLY3(M, a, b, c) M(a, b, c)
+#define ATT_APPLY4(M, a, b, c, d) M(a, b, c, d)
 #ifdef ATT_HD
-#define ATT_ENTRIES_OF(HD) ATT_ENTRIES(HD)
-ATT_ENTRIES_OF(ATT_HD)
+#define ATT_FOR_HDS(M) ATT_APPLY(M, ATT_HD)
+#define ATT_FOR_VARIANTS(LIST, X) ATT_XCAT(LIST, ATT_HD)(X)
 #else
-ATT_ENTRIES(32)
-ATT_ENTRIES(64)
-ATT_ENTRIES(128)
+#define ATT_FOR_HDS(M) M(32) M(64) M(128)
+#define ATT_FOR_VARIANTS(LIST, X) LIST##32(X) LIST##64(X) LIST##128(X)
 #endif
+
+#if defined(ATT_ONLY_KIND)
+#if ATT_ONLY_KIND == 1
+ATT_APPLY4(ATT_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, ATT_ONLY_C)
+#elif ATT_ONLY_KIND == 2
+ATT_APPLY2(ATT_FUSED_ENTRY, ATT_HD, ATT_ONLY_A)
+#endif
+#else
+#if ATT_WANT(ATT_FAM_FORWARD)
+ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, ATT_FWD_ENTRY)
+#endif
+#if ATT_WANT(ATT_FAM_FUSED)
+ATT_FOR_HDS(ATT_FUSED_ENTRIES)
+#endif
+#if ATT_WANT(ATT_FAM_SIMPLE)
+ATT_FOR_HDS(ATT_SIMPLE_ENTRIES)
+#endif
+#endif  // ATT_ONLY_KIND

@@ -1,10 +1,12 @@
-//! Launches of the attention kernels (`attention.cu`) on a buffer's GPU, on its compute stream.
+//! Launches of the attention kernels (`attention.cu`, `attention_separate.cu`) on a buffer's GPU, on its
+//! compute stream; each tensor-core kernel from its own module ([`kernel_module`]).
 //!
 //! The public functions in `mod.rs` validate shapes, lengths and devices before anything here runs; this
 //! file turns a validated call into grids, shared-memory sizes and kernel arguments.
 
 use super::{
-    attention_module, AttentionKernel, AttentionShape, DqAccumulation, LayoutProbe, ResolvedConfig,
+    attention_module, kernel_module, AttentionKernel, AttentionShape, BackwardKernels,
+    DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles, ResolvedConfig, TensorKernel,
 };
 use crate::launch::{function, sm_count};
 use crate::{CudaDevice, KernelError};
@@ -12,9 +14,9 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-/// Key rows per block of the backward (and per key tile of the forward).
+/// Key rows per block of the fused backward.
 pub(super) const KEY_BLOCK: usize = 64;
-/// Threads of the simple kernels and of the backward's mma kernel.
+/// Threads of the simple kernels and of the fused backward.
 const THREADS: u32 = 128;
 /// Most blocks of a grid-stride launch of the simple kernels.
 const MAX_ROW_BLOCKS: usize = 1 << 20;
@@ -23,14 +25,31 @@ fn bad(what: &'static str, detail: String) -> KernelError {
     KernelError::InvalidArgument { what, detail }
 }
 
-/// Bytes of dynamic shared memory of the forward mma kernel with `rows` query rows per block.
-pub(super) fn forward_smem_bytes(head_dim: usize, rows: usize) -> usize {
-    (rows + 4 * KEY_BLOCK) * (head_dim + 8) * 2
+/// Bytes of dynamic shared memory of a forward kernel: Q [BM][hd+8], K and V [2][BN][hd+8] bf16.
+pub(super) fn forward_smem_bytes(head_dim: usize, t: &QueryTiles) -> usize {
+    (t.block_rows() + 4 * t.key_rows) * (head_dim + 8) * 2
 }
 
-/// Bytes of dynamic shared memory of the backward mma kernel with `rows` query rows per iteration.
-pub(super) fn backward_smem_bytes(head_dim: usize, rows: usize) -> usize {
+/// Bytes of dynamic shared memory of the fused backward with `rows` query rows per iteration.
+pub(super) fn fused_smem_bytes(head_dim: usize, rows: usize) -> usize {
     (2 * KEY_BLOCK + 4 * rows) * (head_dim + 8) * 2 + KEY_BLOCK * (rows + 8) * 2 + 4 * rows * 4
+}
+
+/// Bytes of dynamic shared memory of the dK/dV kernel: K, V [BN][hd+8]; Q, dO [2][BM][hd+8] bf16; lse,
+/// D [2][BM] f32; with warp pairs, P^T [pairs][32 keys][BM] f32.
+pub(super) fn dkdv_smem_bytes(head_dim: usize, t: &KeyTiles) -> usize {
+    let exchange = if t.paired {
+        t.block_keys() * t.query_rows * 4
+    } else {
+        0
+    };
+    (2 * t.block_keys() + 4 * t.query_rows) * (head_dim + 8) * 2 + 4 * t.query_rows * 4 + exchange
+}
+
+/// Bytes of dynamic shared memory of the dQ kernel: Q, dO [BM][hd+8]; K, V [2][BN][hd+8] bf16 (as the
+/// forward plus one more [BM] tile).
+pub(super) fn dq_smem_bytes(head_dim: usize, t: &QueryTiles) -> usize {
+    (2 * t.block_rows() + 4 * t.key_rows) * (head_dim + 8) * 2
 }
 
 /// Raises the function's dynamic shared-memory limit to `bytes` (needed above 48 KiB), after checking
@@ -105,7 +124,7 @@ pub(super) fn forward(
         AttentionKernel::Simple => {
             let f = function(
                 dev,
-                attention_module(hd),
+                attention_module(hd, KernelFamily::Simple),
                 &format!("attn_fwd_simple_hd{hd}"),
             )?;
             let mut l = dev.stream().launch_builder(&f);
@@ -123,21 +142,18 @@ pub(super) fn forward(
         }
         AttentionKernel::Mma => {
             require_tensor_cores(dev, WHAT)?;
-            let rows = cfg.forward_rows;
-            let f = function(
-                dev,
-                attention_module(hd),
-                &format!("attn_fwd_mma{}_hd{hd}", rows / 16),
-            )?;
-            let smem = forward_smem_bytes(hd, rows);
+            let tiles = cfg.forward;
+            let kernel = TensorKernel::Forward(tiles);
+            let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
+            let smem = forward_smem_bytes(hd, &tiles);
             allow_dynamic_smem(dev, &f, smem, WHAT)?;
             let launch = LaunchConfig {
                 grid_dim: (
                     (shape.batch * shape.heads) as u32,
-                    shape.seq_len.div_ceil(rows) as u32,
+                    shape.seq_len.div_ceil(tiles.block_rows()) as u32,
                     1,
                 ),
-                block_dim: (2 * rows as u32, 1, 1),
+                block_dim: (32 * tiles.warps as u32, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
             let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
@@ -148,17 +164,18 @@ pub(super) fn forward(
                 .arg(&t)
                 .arg(&h)
                 .arg(&scale_log2);
-            // SAFETY: attn_fwd_mma<NW>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, float
-            // scale_log2): grid (B*H, ceil(T / rows)) with rows = 16 * NW query rows per block of 32 * NW
-            // threads, the dynamic shared memory the kernel's tiles need (limit raised above); lengths
-            // as in the simple kernel (checked by the caller); every global access is bounded by T.
+            // SAFETY: attn_fwd_w<NW>m<MT>n<BN>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H,
+            // float scale_log2): grid (B*H, ceil(T / BM)) with BM = 16 * MT * NW query rows per block of
+            // 32 * NW threads (the tiles' warps), the dynamic shared memory its tiles need (limit raised
+            // above); lengths as in the simple kernel (checked by the caller); every global access is
+            // bounded by T.
             unsafe { l.launch(launch) }?;
         }
     }
     Ok(())
 }
 
-/// How the tensor-core backward is launched for a call.
+/// How the fused tensor-core backward is launched for a call.
 pub(super) struct BackwardPlan {
     /// Blocks per (batch, head) pair (grid.y).
     pub splits: usize,
@@ -189,21 +206,18 @@ fn auto_splits(pairs: usize, slots: usize, key_blocks: usize, dq_bytes: usize) -
         .unwrap_or_else(|| (1..=cap).fold(1, |best, s| if fill(s) > fill(best) { s } else { best }))
 }
 
-pub(super) fn backward_plan(
+pub(super) fn fused_plan(
     dev: &CudaDevice,
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
+    rows: usize,
 ) -> Result<BackwardPlan, KernelError> {
     const WHAT: &str = "attention_backward";
     require_tensor_cores(dev, WHAT)?;
     let hd = shape.head_dim;
-    let rows = cfg.backward_rows;
-    let f = function(
-        dev,
-        attention_module(hd),
-        &format!("attn_bwd_mma_m{rows}_hd{hd}"),
-    )?;
-    let smem = backward_smem_bytes(hd, rows);
+    let kernel = TensorKernel::Fused { query_rows: rows };
+    let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
+    let smem = fused_smem_bytes(hd, rows);
     allow_dynamic_smem(dev, &f, smem, WHAT)?;
     let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
     let (splits, buffers) = match cfg.dq_accumulation {
@@ -241,15 +255,17 @@ pub(super) fn workspace_lens(
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
 ) -> Result<(usize, usize), KernelError> {
-    let dq = match cfg.kernel {
-        AttentionKernel::Simple => 0,
-        AttentionKernel::Mma => backward_plan(dev, shape, cfg)?.buffers * shape.out_len(),
+    let dq = match (cfg.kernel, cfg.backward) {
+        (AttentionKernel::Mma, BackwardKernels::Fused { query_rows }) => {
+            fused_plan(dev, shape, cfg, query_rows)?.buffers * shape.out_len()
+        }
+        _ => 0,
     };
     Ok((shape.lse_len(), dq))
 }
 
-/// Backward on the GPU: `D`, then dQ/dK/dV. `d_ws` holds at least `B*H*T` and `dq_ws` at least the
-/// accumulator elements of [`workspace_lens`].
+/// Backward on the GPU: `D`, then dQ/dK/dV. `d_ws` holds at least `B*H*T` and `dq_ws` (needed by the
+/// fused backward only) at least the accumulator elements of [`workspace_lens`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
     dev: &CudaDevice,
@@ -267,9 +283,20 @@ pub(super) fn backward(
     let hd = shape.head_dim;
     let hd_i = hd as i32;
 
+    // The module of (the first) kernel this call launches, which also holds D's and the dQ conversion.
+    let module = match (cfg.kernel, cfg.backward) {
+        (AttentionKernel::Simple, _) => attention_module(hd, KernelFamily::Simple),
+        (AttentionKernel::Mma, BackwardKernels::Fused { query_rows }) => {
+            kernel_module(hd, TensorKernel::Fused { query_rows })
+        }
+        (AttentionKernel::Mma, BackwardKernels::Separate { dkdv, .. }) => {
+            kernel_module(hd, TensorKernel::DkDv(dkdv))
+        }
+    };
+
     // D = rowsum(dO * O), one warp per row.
     {
-        let f = function(dev, attention_module(hd), "attn_bwd_dot_rows")?;
+        let f = function(dev, module, "attn_bwd_dot_rows")?;
         let rows = shape.batch * shape.seq_len * shape.heads;
         let cap = sm_count(dev)? as usize * 32;
         let launch = LaunchConfig {
@@ -294,7 +321,7 @@ pub(super) fn backward(
     match cfg.kernel {
         AttentionKernel::Simple => {
             for name in ["attn_bwd_simple_dq", "attn_bwd_simple_dkdv"] {
-                let f = function(dev, attention_module(hd), &format!("{name}_hd{hd}"))?;
+                let f = function(dev, module, &format!("{name}_hd{hd}"))?;
                 let mut l = dev.stream().launch_builder(&f);
                 l.arg(qkv)
                     .arg(d_out)
@@ -312,75 +339,144 @@ pub(super) fn backward(
                 unsafe { l.launch(row_grid(shape)) }?;
             }
         }
-        AttentionKernel::Mma => {
-            let dq_ws = dq_ws.ok_or_else(|| {
-                KernelError::Internal("attention backward without a dQ workspace".into())
-            })?;
-            let plan = backward_plan(dev, shape, cfg)?;
-            let nbuf = plan.buffers;
-            let n = shape.out_len();
-            let acc_len = nbuf * n;
-            if dq_ws.len() < acc_len {
-                return Err(KernelError::Internal(format!(
-                    "dQ workspace of {} elements, {acc_len} needed",
-                    dq_ws.len()
-                )));
+        AttentionKernel::Mma => match cfg.backward {
+            BackwardKernels::Separate { dkdv, dq } => {
+                separate_backward(dev, shape, cfg, dkdv, dq, qkv, d_out, lse, d_qkv, d_ws)?
             }
-            {
-                let mut view = dq_ws.slice_mut(0..acc_len);
-                dev.stream().memset_zeros(&mut view)?;
-            }
-            let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
-            let launch = LaunchConfig {
-                grid_dim: ((shape.batch * shape.heads) as u32, plan.splits as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: plan.smem as u32,
-            };
-            let f = &plan.f;
-            let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-            {
-                let mut l = dev.stream().launch_builder(f);
-                l.arg(qkv)
-                    .arg(d_out)
-                    .arg(lse)
-                    .arg(&*d_ws)
-                    .arg(&mut *dq_ws)
-                    .arg(&stride)
+            BackwardKernels::Fused { query_rows } => {
+                let dq_ws = dq_ws.ok_or_else(|| {
+                    KernelError::Internal("attention backward without a dQ workspace".into())
+                })?;
+                let plan = fused_plan(dev, shape, cfg, query_rows)?;
+                let nbuf = plan.buffers;
+                let n = shape.out_len();
+                let acc_len = nbuf * n;
+                if dq_ws.len() < acc_len {
+                    return Err(KernelError::Internal(format!(
+                        "dQ workspace of {} elements, {acc_len} needed",
+                        dq_ws.len()
+                    )));
+                }
+                {
+                    let mut view = dq_ws.slice_mut(0..acc_len);
+                    dev.stream().memset_zeros(&mut view)?;
+                }
+                let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
+                let launch = LaunchConfig {
+                    grid_dim: ((shape.batch * shape.heads) as u32, plan.splits as u32, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: plan.smem as u32,
+                };
+                let f = &plan.f;
+                let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+                {
+                    let mut l = dev.stream().launch_builder(f);
+                    l.arg(qkv)
+                        .arg(d_out)
+                        .arg(lse)
+                        .arg(&*d_ws)
+                        .arg(&mut *dq_ws)
+                        .arg(&stride)
+                        .arg(&mut *d_qkv)
+                        .arg(&t)
+                        .arg(&h)
+                        .arg(&cfg.scale)
+                        .arg(&scale_log2);
+                    // SAFETY: attn_bwd_fused_q<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse,
+                    // const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, float
+                    // scale, float scale_log2): grid (B*H, splits) of 128 threads with the shared memory its
+                    // tiles need (limit raised above); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0
+                    // else 1) buffers (checked above), the other lengths as in the simple path (checked by
+                    // the caller); every global access is bounded by T.
+                    unsafe { l.launch(launch) }?;
+                }
+                let f = function(dev, module, "attn_bwd_dq_convert")?;
+                let cap = sm_count(dev)? as u64 * 16;
+                let launch = LaunchConfig {
+                    grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
+                let mut l = dev.stream().launch_builder(&f);
+                l.arg(&*dq_ws)
+                    .arg(&nbuf_i)
+                    .arg(&nbuf_stride)
                     .arg(&mut *d_qkv)
-                    .arg(&t)
+                    .arg(&n_u)
                     .arg(&h)
-                    .arg(&cfg.scale)
-                    .arg(&scale_log2);
-                // SAFETY: attn_bwd_mma_m<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse,
-                // const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, float
-                // scale, float scale_log2): grid (B*H, splits) of 128 threads with the shared memory its
-                // tiles need (limit raised above); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0
-                // else 1) buffers (checked above), the other lengths as in the simple path (checked by
-                // the caller); every global access is bounded by T.
+                    .arg(&hd_i)
+                    .arg(&cfg.scale);
+                // SAFETY: attn_bwd_dq_convert(const float* acc, int nbuf, u64 stride, u16* dqkv, u64 n, int H,
+                // int HD, float scale): acc holds nbuf buffers of n = B*T*H*HD elements (checked above),
+                // dqkv B*T*3*H*HD; grid-stride over n.
                 unsafe { l.launch(launch) }?;
             }
-            let f = function(dev, attention_module(hd), "attn_bwd_dq_convert")?;
-            let cap = sm_count(dev)? as u64 * 16;
-            let launch = LaunchConfig {
-                grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
-            let mut l = dev.stream().launch_builder(&f);
-            l.arg(&*dq_ws)
-                .arg(&nbuf_i)
-                .arg(&nbuf_stride)
-                .arg(&mut *d_qkv)
-                .arg(&n_u)
-                .arg(&h)
-                .arg(&hd_i)
-                .arg(&cfg.scale);
-            // SAFETY: attn_bwd_dq_convert(const float* acc, int nbuf, u64 stride, u16* dqkv, u64 n, int H,
-            // int HD, float scale): acc holds nbuf buffers of n = B*T*H*HD elements (checked above),
-            // dqkv B*T*3*H*HD; grid-stride over n.
-            unsafe { l.launch(launch) }?;
-        }
+        },
+    }
+    Ok(())
+}
+
+/// The separate backward: the dK/dV kernel over key blocks, then the dQ kernel over query blocks (`D`
+/// already in `d_ws`). They write disjoint slots of `d_qkv`; no workspace beyond `D`.
+#[allow(clippy::too_many_arguments)]
+fn separate_backward(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+    dkdv: KeyTiles,
+    dq: QueryTiles,
+    qkv: &CudaSlice<bf16>,
+    d_out: &CudaSlice<bf16>,
+    lse: &CudaSlice<f32>,
+    d_qkv: &mut CudaSlice<bf16>,
+    d_ws: &CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "attention_backward";
+    require_tensor_cores(dev, WHAT)?;
+    let hd = shape.head_dim;
+    let (_, t, h) = dims(shape);
+    let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+    let pairs = (shape.batch * shape.heads) as u32;
+    let kernels = [
+        (
+            TensorKernel::DkDv(dkdv),
+            dkdv_smem_bytes(hd, &dkdv),
+            dkdv.warps,
+            shape.seq_len.div_ceil(dkdv.block_keys()),
+        ),
+        (
+            TensorKernel::Dq(dq),
+            dq_smem_bytes(hd, &dq),
+            dq.warps,
+            shape.seq_len.div_ceil(dq.block_rows()),
+        ),
+    ];
+    for (kernel, smem, warps, blocks) in kernels {
+        let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
+        allow_dynamic_smem(dev, &f, smem, WHAT)?;
+        let launch = LaunchConfig {
+            grid_dim: (pairs, blocks as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut l = dev.stream().launch_builder(&f);
+        l.arg(qkv)
+            .arg(d_out)
+            .arg(lse)
+            .arg(d_ws)
+            .arg(&mut *d_qkv)
+            .arg(&t)
+            .arg(&h)
+            .arg(&cfg.scale)
+            .arg(&scale_log2);
+        // SAFETY: attn_bwd_dkdv_<tiles>_hd<HD> and attn_bwd_dq_<tiles>_hd<HD>(const u16* qkv, const u16*
+        // dout, const float* lse, const float* D, u16* dqkv, int T, int H, float scale, float
+        // scale_log2): grid (B*H, ceil(T / rows per block)) of 32 * warps threads with the dynamic shared
+        // memory the tiles need (limit raised above); qkv and dqkv hold B*T*3*H*HD elements, dout
+        // B*T*H*HD, lse and D at least B*H*T (checked by the caller); every global access is bounded
+        // by T. The dK/dV kernel writes the k and v slots of dqkv, the dQ kernel the q slot.
+        unsafe { l.launch(launch) }?;
     }
     Ok(())
 }
@@ -399,7 +495,7 @@ pub(super) fn layout_probe(
         LayoutProbe::PB => "attn_probe_pb",
         LayoutProbe::AtB => "attn_probe_atb",
     };
-    let f = function(dev, attention_module(64), name)?;
+    let f = function(dev, attention_module(64, KernelFamily::Probes), name)?;
     let smem = 4 * 64 * 72 * 2;
     allow_dynamic_smem(dev, &f, smem, WHAT)?;
     let stream = dev.stream();

@@ -22,53 +22,202 @@
 
 pub mod cpu;
 mod cuda;
+mod tiles;
+
+pub use tiles::{
+    backward_variants, default_tiles, dkdv_variants, dq_variants, forward_variants,
+    is_backward_variant, BackwardKernels, KeyTiles, QueryTiles, TileDefaults, DEFAULT_TILES,
+    FUSED_QUERY_ROWS,
+};
 
 use crate::kernel_source::KernelModule;
 use crate::{check_len, Buffer, Device, KernelError};
 use half::bf16;
 use rayon::prelude::*;
 
-/// The CUDA module of the attention kernels for every head dim: `common.cuh` followed by `attention.cu`
-/// (compile checks; the launches use [`attention_module`]).
+macro_rules! attention_source {
+    ($($prefix:expr),*) => {
+        concat!(
+            $($prefix,)*
+            include_str!("../../cuda/common.cuh"),
+            include_str!("attention_mma.cuh"),
+            include_str!("attention.cu"),
+            include_str!("attention_separate.cu")
+        )
+    };
+}
+
+/// The CUDA module of every attention kernel, all head dims and families: `common.cuh`,
+/// `attention_mma.cuh`, `attention.cu` and `attention_separate.cu` (compile checks; the launches use
+/// [`kernel_module`] and [`attention_module`]).
 pub const ATTENTION_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_attention",
-    files: &["common.cuh", "attention.cu"],
-    source: concat!(
-        include_str!("../../cuda/common.cuh"),
-        include_str!("attention.cu")
-    ),
+    files: &[
+        "common.cuh",
+        "attention_mma.cuh",
+        "attention.cu",
+        "attention_separate.cu",
+    ],
+    source: attention_source!(),
 };
 
-macro_rules! attention_module_hd {
-    ($hd:literal) => {
+/// A group of attention kernels compiled together: one NVRTC module per head dim and family (the simple
+/// kernels and the probes are launched from these; the tensor-core kernels from single-kernel modules,
+/// [`kernel_module`], and the family modules serve compile checks). Every backward family also holds the
+/// small `D` and dQ-conversion kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelFamily {
+    /// The tensor-core forward kernels (every [`QueryTiles`] variant of [`forward_variants`]).
+    Forward,
+    /// The fused tensor-core backward ([`BackwardKernels::Fused`]).
+    FusedBackward,
+    /// The separate dK/dV and dQ kernels ([`BackwardKernels::Separate`]).
+    SeparateBackward,
+    /// The simple kernels ([`AttentionKernel::Simple`]).
+    Simple,
+    /// The layout probes ([`run_layout_probe`]; head dim 64, one module for every head dim).
+    Probes,
+}
+
+impl KernelFamily {
+    /// Every family.
+    pub const ALL: [KernelFamily; 5] = [
+        KernelFamily::Forward,
+        KernelFamily::FusedBackward,
+        KernelFamily::SeparateBackward,
+        KernelFamily::Simple,
+        KernelFamily::Probes,
+    ];
+
+    fn index(self) -> usize {
+        match self {
+            KernelFamily::Forward => 0,
+            KernelFamily::FusedBackward => 1,
+            KernelFamily::SeparateBackward => 2,
+            KernelFamily::Simple => 3,
+            KernelFamily::Probes => 4,
+        }
+    }
+}
+
+// `ATT_FAMILY` numbers as in attention.cu (ATT_FAM_*).
+macro_rules! attention_module_of {
+    ($hd:literal, $fam:literal, $name:literal) => {
         KernelModule {
-            name: concat!("fp8_kernels_attention_hd", $hd),
-            files: &["common.cuh", "attention.cu"],
-            source: concat!(
-                "#define ATT_HD ",
-                $hd,
-                "\n",
-                include_str!("../../cuda/common.cuh"),
-                include_str!("attention.cu")
-            ),
+            name: concat!("fp8_kernels_attention_hd", $hd, "_", $name),
+            files: ATTENTION_MODULE.files,
+            source: attention_source!("#define ATT_HD ", $hd, "\n#define ATT_FAMILY ", $fam, "\n"),
         }
     };
 }
 
-/// One module per head dim, each with that head dim's kernels only (and the shared `D`, dQ-convert and
-/// probe kernels): a model compiles the one it uses, in a third of the time of [`ATTENTION_MODULE`].
-pub const ATTENTION_MODULES_BY_HEAD_DIM: [KernelModule; 3] = [
-    attention_module_hd!(32),
-    attention_module_hd!(64),
-    attention_module_hd!(128),
+macro_rules! attention_modules_hd {
+    ($hd:literal) => {
+        [
+            attention_module_of!($hd, 1, "forward"),
+            attention_module_of!($hd, 2, "fused_backward"),
+            attention_module_of!($hd, 3, "separate_backward"),
+            attention_module_of!($hd, 4, "simple"),
+        ]
+    };
+}
+
+/// The per-head-dim modules, `[head dim index][family]` (families in the order of [`KernelFamily::ALL`],
+/// without the probes).
+const ATTENTION_MODULES: [[KernelModule; 4]; 3] = [
+    attention_modules_hd!(32),
+    attention_modules_hd!(64),
+    attention_modules_hd!(128),
 ];
 
-/// The module holding the kernels of `head_dim` (one of [`HEAD_DIMS`]; others get the full module).
-pub fn attention_module(head_dim: usize) -> &'static KernelModule {
+/// The module of the layout probes.
+const PROBE_MODULE: KernelModule = attention_module_of!(64, 5, "probes");
+
+/// The module holding `family`'s kernels for `head_dim` (one of [`HEAD_DIMS`]; others get the module of
+/// every kernel, [`ATTENTION_MODULE`]).
+pub fn attention_module(head_dim: usize, family: KernelFamily) -> &'static KernelModule {
+    if family == KernelFamily::Probes {
+        return &PROBE_MODULE;
+    }
     match HEAD_DIMS.iter().position(|&h| h == head_dim) {
-        Some(i) => &ATTENTION_MODULES_BY_HEAD_DIM[i],
+        Some(i) => &ATTENTION_MODULES[i][family.index()],
         None => &ATTENTION_MODULE,
     }
+}
+
+/// One tensor-core kernel: a forward, fused backward, dK/dV or dQ variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorKernel {
+    /// A forward variant.
+    Forward(QueryTiles),
+    /// The fused backward with `query_rows` query rows per block.
+    Fused {
+        /// 32 or 64.
+        query_rows: usize,
+    },
+    /// A dK/dV kernel of the separate backward.
+    DkDv(KeyTiles),
+    /// A dQ kernel of the separate backward.
+    Dq(QueryTiles),
+}
+
+impl TensorKernel {
+    /// The kernel's entry point for `head_dim` (`attn_fwd_w4m2n64_hd64`, ...).
+    pub fn name(&self, head_dim: usize) -> String {
+        match self {
+            TensorKernel::Forward(t) => format!("attn_fwd_{t}_hd{head_dim}"),
+            TensorKernel::Fused { query_rows } => {
+                format!("attn_bwd_fused_q{query_rows}_hd{head_dim}")
+            }
+            TensorKernel::DkDv(t) => format!("attn_bwd_dkdv_{t}_hd{head_dim}"),
+            TensorKernel::Dq(t) => format!("attn_bwd_dq_{t}_hd{head_dim}"),
+        }
+    }
+
+    /// `ATT_ONLY_KIND`, `_A`, `_B`, `_C` of attention.cu.
+    fn selector(&self) -> [usize; 4] {
+        match *self {
+            TensorKernel::Forward(t) => [1, t.warps, t.row_tiles, t.key_rows],
+            TensorKernel::Fused { query_rows } => [2, query_rows, 0, 0],
+            TensorKernel::DkDv(t) if t.paired => [4, t.warps / 2, t.query_rows, 0],
+            TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
+            TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
+        }
+    }
+}
+
+/// The module holding `kernel` for `head_dim` alone (and the small `D` and dQ-conversion kernels), built
+/// from the full source with `ATT_HD` and `ATT_ONLY_*` defined: NVRTC then instantiates that one kernel,
+/// about a second of start-up where a module of every variant of a family takes several. Made on the
+/// first request and kept for the process (a few per process; the caller checks that `kernel` is a
+/// compiled variant for `head_dim`).
+pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelModule {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock, PoisonError};
+    static MODULES: OnceLock<Mutex<HashMap<(usize, TensorKernel), &'static KernelModule>>> =
+        OnceLock::new();
+    let mut map = MODULES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    map.entry((head_dim, kernel)).or_insert_with(|| {
+        let [kind, a, b, c] = kernel.selector();
+        let name: &'static str =
+            Box::leak(format!("fp8_kernels_{}", kernel.name(head_dim)).into_boxed_str());
+        let source: &'static str = Box::leak(
+            format!(
+                "#define ATT_HD {head_dim}\n#define ATT_ONLY_KIND {kind}\n#define ATT_ONLY_A {a}\n\
+                 #define ATT_ONLY_B {b}\n#define ATT_ONLY_C {c}\n{}",
+                ATTENTION_MODULE.source
+            )
+            .into_boxed_str(),
+        );
+        Box::leak(Box::new(KernelModule {
+            name,
+            files: ATTENTION_MODULE.files,
+            source,
+        }))
+    })
 }
 
 /// The head dims the kernels are built for.
@@ -188,28 +337,34 @@ pub enum AttentionKernel {
     Simple,
 }
 
-/// How the tensor-core backward sums dQ over key blocks.
+/// How the tensor-core backward sums dQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DqAccumulation {
-    /// Each block adds into its own F32 buffer in a fixed order; the buffers are summed in a fixed order.
-    /// The same bits on every run.
+    /// The same bits on every run: the separate dK/dV and dQ kernels (each output element written once
+    /// by one thread), or the fused kernel with one F32 dQ buffer per split, each added in a fixed order
+    /// and the buffers summed in a fixed order ([`BackwardKernels`], per head dim [`DEFAULT_TILES`]).
     #[default]
     Deterministic,
-    /// All key blocks of a head add into one F32 buffer with atomics, in whatever order they arrive:
-    /// less workspace and memory traffic, results vary in the last bits from run to run.
+    /// The fused kernel, all key blocks of a head adding into one F32 buffer with atomics in whatever
+    /// order they arrive (FlashAttention-2's default): results vary in the last bits from run to run.
+    /// Selects the fused kernel unless [`AttentionTiles::backward`] names the separate ones (which are
+    /// deterministic anyway).
     Atomic,
 }
 
-/// Tile choices of the tensor-core kernels (`None`: the default). Exposed so benchmarks can compare them.
+/// Tile choices of the tensor-core kernels; `None` takes the head dim's entry of [`DEFAULT_TILES`].
+/// Exposed so benchmarks can compare the compiled variants ([`forward_variants`],
+/// [`backward_variants`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AttentionTiles {
-    /// Query rows per forward block, 64 (4 warps) or 128 (8 warps). Default 64.
-    pub forward_rows: Option<usize>,
-    /// Query rows per backward iteration, 32 or 64. Default 64.
-    pub backward_rows: Option<usize>,
-    /// Deterministic backward: blocks per `(batch, head)` pair, each with its own dQ buffer (capped by
-    /// the number of 64-key blocks). Default: the fewest (at most 8) whose last wave of blocks fills at
-    /// least 90 % of the GPU's block slots, within 256 MiB of buffers.
+    /// Forward tiles: one of [`forward_variants`] for the head dim.
+    pub forward: Option<QueryTiles>,
+    /// Backward kernels and tiles: one of [`backward_variants`] for the head dim. `None`: the default
+    /// of the [`DqAccumulation`] mode.
+    pub backward: Option<BackwardKernels>,
+    /// Fused deterministic backward only: blocks per `(batch, head)` pair, each with its own dQ buffer
+    /// (capped by the number of 64-key blocks). Default: the fewest (at most 8) whose last wave of
+    /// blocks fills at least 90 % of the GPU's block slots, within 256 MiB of buffers.
     pub backward_splits: Option<usize>,
 }
 
@@ -232,8 +387,8 @@ pub(crate) struct ResolvedConfig {
     pub scale: f32,
     pub kernel: AttentionKernel,
     pub dq_accumulation: DqAccumulation,
-    pub forward_rows: usize,
-    pub backward_rows: usize,
+    pub forward: QueryTiles,
+    pub backward: BackwardKernels,
     pub backward_splits: Option<usize>,
 }
 
@@ -241,6 +396,49 @@ impl AttentionConfig {
     /// The softmax scale used for `head_dim`.
     pub fn scale_for(&self, head_dim: usize) -> f32 {
         self.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
+    }
+
+    /// The forward tiles and backward kernels this config runs with for `head_dim` (the defaults
+    /// resolved), or an error if a choice is not compiled for that head dim.
+    pub fn kernels_for(
+        &self,
+        head_dim: usize,
+    ) -> Result<(QueryTiles, BackwardKernels), KernelError> {
+        const WHAT: &str = "AttentionConfig::kernels_for";
+        let defaults = default_tiles(head_dim).ok_or_else(|| {
+            bad(
+                WHAT,
+                format!("head dim {head_dim} is not one of {HEAD_DIMS:?}"),
+            )
+        })?;
+        let forward = self.tiles.forward.unwrap_or(defaults.forward);
+        if !forward_variants(head_dim).contains(&forward) {
+            return Err(bad(
+                WHAT,
+                format!(
+                    "forward tiles {forward} are not compiled for head dim {head_dim} (compiled: {})",
+                    list(forward_variants(head_dim))
+                ),
+            ));
+        }
+        let backward = self.tiles.backward.unwrap_or(match self.dq_accumulation {
+            DqAccumulation::Deterministic => defaults.deterministic,
+            DqAccumulation::Atomic => BackwardKernels::Fused {
+                query_rows: defaults.atomic_query_rows,
+            },
+        });
+        if !is_backward_variant(head_dim, &backward) {
+            return Err(bad(
+                WHAT,
+                format!(
+                    "backward {backward} is not compiled for head dim {head_dim} (fused query rows \
+                     {FUSED_QUERY_ROWS:?}; dK/dV tiles {}; dQ tiles {})",
+                    list(dkdv_variants(head_dim)),
+                    list(dq_variants(head_dim))
+                ),
+            ));
+        }
+        Ok((forward, backward))
     }
 
     fn resolve(
@@ -255,28 +453,20 @@ impl AttentionConfig {
                 format!("softmax scale {scale} must be finite and positive"),
             ));
         }
-        let forward_rows = self.tiles.forward_rows.unwrap_or(64);
-        if forward_rows != 64 && forward_rows != 128 {
-            return Err(bad(
-                what,
-                format!("forward_rows {forward_rows} is not 64 or 128"),
-            ));
-        }
-        let backward_rows = self.tiles.backward_rows.unwrap_or(64);
-        if backward_rows != 32 && backward_rows != 64 {
-            return Err(bad(
-                what,
-                format!("backward_rows {backward_rows} is not 32 or 64"),
-            ));
-        }
+        let (forward, backward) = self.kernels_for(shape.head_dim).map_err(|e| match e {
+            KernelError::InvalidArgument { detail, .. } => bad(what, detail),
+            other => other,
+        })?;
         if self.tiles.backward_splits == Some(0) {
             return Err(bad(what, "backward_splits must be at least 1".into()));
         }
-        if shape.seq_len.div_ceil(forward_rows.min(backward_rows)) > 65535 {
+        // Every grid's y dimension counts blocks of at least 64 rows (forward, dQ, dK/dV) or splits of
+        // 64-key blocks (fused): far inside 65535 for MAX_SEQ_LEN, checked in case either changes.
+        if shape.seq_len.div_ceil(64) > 65535 {
             return Err(bad(
                 what,
                 format!(
-                    "sequence length {} needs more than 65535 query blocks",
+                    "sequence length {} needs more than 65535 blocks of 64 rows",
                     shape.seq_len
                 ),
             ));
@@ -285,11 +475,18 @@ impl AttentionConfig {
             scale,
             kernel: self.kernel,
             dq_accumulation: self.dq_accumulation,
-            forward_rows,
-            backward_rows,
+            forward,
+            backward,
             backward_splits: self.tiles.backward_splits,
         })
     }
+}
+
+fn list<T: std::fmt::Display>(v: &[T]) -> String {
+    v.iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Reusable F32 scratch memory of [`attention_backward`] on one device; it grows to what a call needs
@@ -472,8 +669,9 @@ pub fn attention_backward(
     }
 }
 
-/// `(blocks per (batch, head) pair, dQ buffers)` the tensor-core backward would use for this call on
-/// `device` (for benchmarks and docs; `(0, 0)` on the CPU or with the simple kernels).
+/// `(blocks per (batch, head) pair, dQ buffers)` the fused tensor-core backward would use for this call
+/// on `device` (for benchmarks and docs; `(0, 0)` on the CPU, with the simple kernels or with the
+/// separate backward, which has neither splits nor buffers).
 pub fn backward_splits(
     device: &Device,
     shape: &AttentionShape,
@@ -483,10 +681,13 @@ pub fn backward_splits(
     shape.validate(WHAT)?;
     let cfg = config.resolve(shape, WHAT)?;
     match (device, cfg.kernel) {
-        (Device::Cuda(dev), AttentionKernel::Mma) => {
-            let plan = cuda::backward_plan(dev, shape, &cfg)?;
-            Ok((plan.splits, plan.buffers))
-        }
+        (Device::Cuda(dev), AttentionKernel::Mma) => match cfg.backward {
+            BackwardKernels::Fused { query_rows } => {
+                let plan = cuda::fused_plan(dev, shape, &cfg, query_rows)?;
+                Ok((plan.splits, plan.buffers))
+            }
+            BackwardKernels::Separate { .. } => Ok((0, 0)),
+        },
         _ => Ok((0, 0)),
     }
 }

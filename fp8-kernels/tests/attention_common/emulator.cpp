@@ -1,9 +1,10 @@
 // Host emulator of the attention kernels, for machines without a GPU (the `attention_emulated` test).
 //
-// Compiles src/attention/attention.cu itself with a C++ compiler. Every CUDA thread of a block is a
-// std::thread; __syncthreads, __syncwarp and the warp-collective instructions are barriers over those
-// threads; the PTX wrappers the kernel file hides under ATT_HOST_EMULATION are emulated here from the PTX
-// ISA's specification of each instruction, element by element:
+// Compiles src/attention/attention_mma.cuh, attention.cu and attention_separate.cu themselves with a C++
+// compiler. Every CUDA thread of a block is a std::thread; __syncthreads, named barriers, __syncwarp and
+// the warp-collective instructions are barriers over those threads; the PTX wrappers attention_mma.cuh
+// hides under ATT_HOST_EMULATION are emulated here from the PTX ISA's specification of each instruction,
+// element by element:
 //   ldmatrix .x4 (.trans): lane l supplies the address of row l % 8 of matrix l / 8; lane l receives, in
 //     register i, elements (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or with .trans (rows 2(l%4),
 //     2(l%4)+1, col l/4); the lower-index element in the low 16 bits.
@@ -20,9 +21,12 @@
 // accesses.
 //
 // Usage:
-//   emulator run IN OUT B H T HD simple|mma FWD_ROWS BWD_ROWS det|atomic SPLITS early|late SCALE
+//   emulator run IN OUT B H T HD SCALE early|late FWD BWD
+//     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
+//     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
+//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
-//     OUT/dqkv.bin (bf16). SPLITS 0 = the library's default for a 132-SM GPU.
+//     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs, capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
 //     IN/a.bin (bf16; f32 for pb), IN/b.bin (bf16), 64 x 64 each -> OUT/out.bin (f32 64 x 64).
 
@@ -35,6 +39,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -95,6 +100,10 @@ static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b
 struct alignas(16) uint4 {
     u32 x, y, z, w;
 };
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 // ---- the block being run ----
 // Exchange slots of one warp's collectives, two sets used alternately: a lane writes its slot, waits at
@@ -121,6 +130,22 @@ static inline Warp& W() { return g_warps[t_warp]; }
 // The slot set of this lane's next collective.
 static inline Slots& next_slots() { return W().set[t_phase++ & 1]; }
 static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+// Named barriers 1..15 (bar.sync / bar.arrive id, n), created at the first use in a launch with its count.
+static std::unique_ptr<std::barrier<>> g_named[16];
+static int g_named_count[16];
+static std::mutex g_named_mutex;
+static std::barrier<>& named_barrier(int id, int n) {
+    if (id < 1 || id > 15 || n <= 0 || n % 32 != 0) die("named barrier id or count");
+    std::lock_guard<std::mutex> lock(g_named_mutex);
+    if (!g_named[id]) {
+        g_named[id] = std::make_unique<std::barrier<>>(n);
+        g_named_count[id] = n;
+    }
+    if (g_named_count[id] != n) die("named barrier used with two thread counts");
+    return *g_named[id];
+}
+static inline void att_bar_sync(int id, int n) { named_barrier(id, n).arrive_and_wait(); }
+static inline void att_bar_arrive(int id, int n) { (void)named_barrier(id, n).arrive(); }
 static inline void __syncwarp() { W().bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(unsigned mask, float v, int m) {
     if (mask != 0xffffffffu) die("partial shuffle mask");
@@ -246,7 +271,9 @@ static inline void att_red_add2(float* p, float a, float b) {
 }
 
 #define ATT_HOST_EMULATION 1
+#include "../../src/attention/attention_mma.cuh"
 #include "../../src/attention/attention.cu"
+#include "../../src/attention/attention_separate.cu"
 
 // =====================================================================================================
 // Launching
@@ -265,6 +292,7 @@ static void launch(const Launch& L, const std::function<void()>& body) {
     while (((uintptr_t)base % 16) != 0) ++base;
     g_smem_bytes = L.smem;
     g_block_bar = std::make_unique<std::barrier<>>(L.threads);
+    for (auto& b : g_named) b.reset();
     g_warps.clear();
     for (unsigned w = 0; w < L.threads / 32; ++w) {
         g_warps.emplace_back();
@@ -315,23 +343,44 @@ static void reg(std::vector<T>& v) {
 
 typedef void (*FwdMma)(const u16*, u16*, float*, int, int, float);
 typedef void (*FwdSimple)(const u16*, u16*, float*, int, int, int, float);
-typedef void (*BwdMma)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, float,
-                       float);
+typedef void (*BwdFused)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, float,
+                         float);
+typedef void (*BwdSep)(const u16*, const u16*, const float*, const float*, u16*, int, int, float, float);
 typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, float);
+
+// Every tensor-core variant by its kernel name, from the kernel files' own variant lists.
+static std::map<std::string, FwdMma> g_fwd;
+static std::map<std::string, BwdSep> g_sep;
+#define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
+#define REG_DKDV(HD, NW, MT, BM) \
+    g_sep["attn_bwd_dkdv_w" #NW "m" #MT "q" #BM "_hd" #HD] = attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD;
+#define REG_DKDV_PAIR(HD, NP, BM) g_sep["attn_bwd_dkdv_p" #NP "q" #BM "_hd" #HD] = attn_bwd_dkdv_p##NP##q##BM##_hd##HD;
+#define REG_DQ(HD, NW, MT, BN) g_sep["attn_bwd_dq_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_bwd_dq_w##NW##m##MT##n##BN##_hd##HD;
+static void register_variants() {
+    ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, REG_FWD)
+    ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, REG_DKDV)
+    ATT_FOR_VARIANTS(ATT_DKDV_PAIR_VARIANTS_, REG_DKDV_PAIR)
+    ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, REG_DQ)
+}
+template <class F>
+static F lookup(const std::map<std::string, F>& m, const std::string& name) {
+    auto it = m.find(name);
+    if (it == m.end()) die(("no kernel " + name).c_str());
+    return it->second;
+}
 
 #define PICK(NAME, HD) (HD == 32 ? NAME##_hd32 : HD == 64 ? NAME##_hd64 : NAME##_hd128)
 
 static int run(int argc, char** argv) {
-    if (argc != 15) die("usage: emulator run IN OUT B H T HD simple|mma FWD_ROWS BWD_ROWS det|atomic SPLITS early|late SCALE");
+    if (argc != 12) die("usage: emulator run IN OUT B H T HD SCALE early|late FWD BWD");
+    register_variants();
     const std::string in = argv[2], out_dir = argv[3];
     const int B = std::atoi(argv[4]), H = std::atoi(argv[5]), T = std::atoi(argv[6]), HD = std::atoi(argv[7]);
-    const bool simple = std::string(argv[8]) == "simple";
-    const int fwd_rows = std::atoi(argv[9]), bwd_rows = std::atoi(argv[10]);
-    const bool atomic = std::string(argv[11]) == "atomic";
-    const int splits_arg = std::atoi(argv[12]);
-    g_late_copies = std::string(argv[13]) == "late";
-    const float scale = std::strtof(argv[14], nullptr);
+    const float scale = std::strtof(argv[8], nullptr);
+    g_late_copies = std::string(argv[9]) == "late";
+    const std::string fwd = argv[10], bwd = argv[11];
     if (HD != 32 && HD != 64 && HD != 128) die("head dim");
+    const std::string hd_tag = "_hd" + std::to_string(HD);
     const size_t n = (size_t)B * T * H * HD, nl = (size_t)B * H * T;
     std::vector<u16> qkv = read_file<u16>(in + "/qkv.bin", 3 * n);
     std::vector<u16> dout = read_file<u16>(in + "/dout.bin", n);
@@ -340,43 +389,72 @@ static int run(int argc, char** argv) {
     reg(qkv), reg(dout), reg(out), reg(dqkv), reg(lse), reg(dvec);
     const float scale_log2 = scale * 1.4426950408889634f;
     const size_t rows = (size_t)B * H * T;
+    const unsigned pairs = (unsigned)(B * H);
+    const auto blocks = [&](int per_block) { return (unsigned)((T + per_block - 1) / per_block); };
 
     // Forward.
-    if (simple) {
+    if (fwd == "simple") {
         FwdSimple f = PICK(attn_fwd_simple, HD);
         launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0}, [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, scale); });
     } else {
-        FwdMma f = fwd_rows == 64 ? PICK(attn_fwd_mma4, HD) : PICK(attn_fwd_mma8, HD);
-        const size_t smem = (size_t)(fwd_rows + 4 * 64) * (HD + 8) * 2;
-        launch({(unsigned)(B * H), (unsigned)((T + fwd_rows - 1) / fwd_rows), (unsigned)(2 * fwd_rows), smem},
+        int nw, mt, bn;
+        if (std::sscanf(fwd.c_str(), "w%dm%dn%d", &nw, &mt, &bn) != 3) die("forward variant");
+        FwdMma f = lookup(g_fwd, "attn_fwd_" + fwd + hd_tag);
+        const int bm = 16 * mt * nw;
+        const size_t smem = (size_t)(bm + 4 * bn) * (HD + 8) * 2;
+        launch({pairs, blocks(bm), (unsigned)(32 * nw), smem},
                [&] { f(qkv.data(), out.data(), lse.data(), T, H, scale_log2); });
     }
     // Backward: D, then the kernels.
     launch({(unsigned)std::min<size_t>((rows + 7) / 8, 4), 1, 256, 0},
            [&] { attn_bwd_dot_rows(out.data(), dout.data(), dvec.data(), B, T, H, HD); });
-    if (simple) {
+    if (bwd == "simple") {
         BwdSimple a = PICK(attn_bwd_simple_dq, HD), b = PICK(attn_bwd_simple_dkdv, HD);
         const unsigned g = (unsigned)std::min<size_t>(rows, 8);
         launch({g, 1, 128, 0}, [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
         launch({g, 1, 128, 0}, [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
+    } else if (bwd.rfind("sep:", 0) == 0) {
+        int kw, km, kq, qw, qm, qn, np = 0;
+        const bool paired = std::sscanf(bwd.c_str(), "sep:p%dq%d:w%dm%dn%d", &np, &kq, &qw, &qm, &qn) == 5;
+        if (paired) {
+            kw = 2 * np;
+            km = 2;
+        } else if (std::sscanf(bwd.c_str(), "sep:w%dm%dq%d:w%dm%dn%d", &kw, &km, &kq, &qw, &qm, &qn) != 6) {
+            die("separate backward variant");
+        }
+        const std::string kv_tag = bwd.substr(4, bwd.find(':', 4) - 4), dq_tag = bwd.substr(bwd.find(':', 4) + 1);
+        BwdSep a = lookup(g_sep, "attn_bwd_dkdv_" + kv_tag + hd_tag), b = lookup(g_sep, "attn_bwd_dq_" + dq_tag + hd_tag);
+        const int bn = paired ? 32 * np : 16 * km * kw, bm = 16 * qm * qw;
+        const size_t smem_a = (size_t)(2 * bn + 4 * kq) * (HD + 8) * 2 + 4 * kq * 4 + (paired ? (size_t)bn * kq * 4 : 0);
+        const size_t smem_b = (size_t)(2 * bm + 4 * qn) * (HD + 8) * 2;
+        launch({pairs, blocks(bn), (unsigned)(32 * kw), smem_a}, [&] {
+            a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
+        });
+        launch({pairs, blocks(bm), (unsigned)(32 * qw), smem_b}, [&] {
+            b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
+        });
     } else {
+        int bwd_rows = 0, splits_arg = 0;
+        char mode[16] = {0};
+        if (std::sscanf(bwd.c_str(), "fused:q%d:%15[a-z]:%d", &bwd_rows, mode, &splits_arg) < 2) die("backward variant");
+        const bool atomic = std::string(mode) == "atomic";
         const int nkb = (T + 63) / 64;
         int splits, nbuf;
         if (atomic) {
             splits = nkb;
             nbuf = 1;
         } else {
-            const int pairs = std::max(1, B * H);
-            splits = splits_arg > 0 ? splits_arg : (2 * 132 + pairs - 1) / pairs;
+            const int np = std::max(1, B * H);
+            splits = splits_arg > 0 ? splits_arg : (2 * 132 + np - 1) / np;
             splits = std::max(1, std::min(splits, nkb));
             nbuf = splits;
         }
         std::vector<float> acc((size_t)nbuf * n, 0.0f);
         reg(acc);
         const u64 stride = nbuf > 1 ? (u64)n : 0;
-        BwdMma f = bwd_rows == 64 ? PICK(attn_bwd_mma_m64, HD) : PICK(attn_bwd_mma_m32, HD);
+        BwdFused f = bwd_rows == 64 ? PICK(attn_bwd_fused_q64, HD) : PICK(attn_bwd_fused_q32, HD);
         const size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
-        launch({(unsigned)(B * H), (unsigned)splits, 128, smem}, [&] {
+        launch({pairs, (unsigned)splits, 128, smem}, [&] {
             f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, scale, scale_log2);
         });
         launch({(unsigned)std::min<size_t>((n + 255) / 256, 4), 1, 256, 0},

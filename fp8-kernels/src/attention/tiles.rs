@@ -1,0 +1,348 @@
+//! Tile shapes of the tensor-core kernels: the variants compiled into the CUDA modules, and the default
+//! choice per head dim ([`DEFAULT_TILES`], the table to edit after an `attention_bench --sweep` run).
+//!
+//! The variant lists mirror the X-macros of `attention.cu` (`ATT_FWD_VARIANTS_<hd>`) and
+//! `attention_separate.cu` (`ATT_DKDV_VARIANTS_<hd>`, `ATT_DKDV_PAIR_VARIANTS_<hd>`,
+//! `ATT_DQ_VARIANTS_<hd>`); the NVRTC test
+//! `attention_module_compiles_for_sm90` checks that the PTX holds exactly these entry points.
+
+use std::fmt;
+
+/// Tiles of a kernel that walks query blocks (the forward, and the separate backward's dQ kernel):
+/// `warps` warps of `16 * row_tiles` query rows each, so `16 * row_tiles * warps` query rows per block,
+/// and key blocks of `key_rows` rows streamed through shared memory. Two row tiles per warp halve the
+/// shared-memory reads per tensor-core operation and double the accumulator registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QueryTiles {
+    /// Warps per block (4 or 8).
+    pub warps: usize,
+    /// 16-row tiles per warp (1 or 2).
+    pub row_tiles: usize,
+    /// Keys per streamed block.
+    pub key_rows: usize,
+}
+
+impl QueryTiles {
+    /// `warps` warps of `16 * row_tiles` rows, key blocks of `key_rows`.
+    pub const fn new(warps: usize, row_tiles: usize, key_rows: usize) -> Self {
+        QueryTiles {
+            warps,
+            row_tiles,
+            key_rows,
+        }
+    }
+
+    /// Query rows per block.
+    pub fn block_rows(&self) -> usize {
+        16 * self.row_tiles * self.warps
+    }
+}
+
+/// `w<warps>m<row_tiles>n<key_rows>`, as in the kernel names (`attn_fwd_w4m1n64_hd64`).
+impl fmt::Display for QueryTiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "w{}m{}n{}", self.warps, self.row_tiles, self.key_rows)
+    }
+}
+
+/// Tiles of a kernel that walks key blocks (the separate backward's dK/dV kernel): `warps` warps of
+/// `16 * key_tiles` keys each, and query blocks of `query_rows` rows streamed through shared memory.
+/// With `paired`, warps work in pairs on `16 * key_tiles` keys (`key_tiles` = 2): one computes P^T and
+/// dV, the other dP^T, dS^T and dK, each holding one accumulator where an unpaired warp holds two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyTiles {
+    /// Warps per block (4 or 8).
+    pub warps: usize,
+    /// 16-key tiles per warp, or per pair of warps with `paired` (1 or 2).
+    pub key_tiles: usize,
+    /// Queries per streamed block.
+    pub query_rows: usize,
+    /// Whether warps work in pairs (see above).
+    pub paired: bool,
+}
+
+impl KeyTiles {
+    /// `warps` warps of `16 * key_tiles` keys, query blocks of `query_rows`.
+    pub const fn new(warps: usize, key_tiles: usize, query_rows: usize) -> Self {
+        KeyTiles {
+            warps,
+            key_tiles,
+            query_rows,
+            paired: false,
+        }
+    }
+
+    /// `pairs` pairs of warps on 32 keys each, query blocks of `query_rows`.
+    pub const fn pairs(pairs: usize, query_rows: usize) -> Self {
+        KeyTiles {
+            warps: 2 * pairs,
+            key_tiles: 2,
+            query_rows,
+            paired: true,
+        }
+    }
+
+    /// Keys per block.
+    pub fn block_keys(&self) -> usize {
+        let keys = 16 * self.key_tiles * self.warps;
+        if self.paired {
+            keys / 2
+        } else {
+            keys
+        }
+    }
+}
+
+/// `w<warps>m<key_tiles>q<query_rows>`, or `p<pairs>q<query_rows>` with `paired`, as in the kernel names
+/// (`attn_bwd_dkdv_w4m1q64_hd64`, `attn_bwd_dkdv_p4q64_hd128`).
+impl fmt::Display for KeyTiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.paired {
+            write!(f, "p{}q{}", self.warps / 2, self.query_rows)
+        } else {
+            write!(f, "w{}m{}q{}", self.warps, self.key_tiles, self.query_rows)
+        }
+    }
+}
+
+/// How the tensor-core backward is organised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackwardKernels {
+    /// One kernel over key blocks of 64 (4 warps) that computes dK and dV and adds dQ into F32
+    /// accumulators, walking query blocks of `query_rows` (32 or 64); then a kernel that converts the
+    /// accumulators. dQ is summed by [`super::DqAccumulation`]: one buffer per split (deterministic) or
+    /// atomics. 5 matrix products per tile pair.
+    Fused {
+        /// Queries per streamed block: 32 or 64.
+        query_rows: usize,
+    },
+    /// A dK/dV kernel over key blocks and a dQ kernel over query blocks, each recomputing P from the
+    /// forward's lse (FlashAttention-2's deterministic scheme): 7 matrix products per tile pair, but no
+    /// dQ accumulators, atomics or reduction, and deterministic whatever [`super::DqAccumulation`] says.
+    Separate {
+        /// The dK/dV kernel's tiles (one of [`dkdv_variants`]).
+        dkdv: KeyTiles,
+        /// The dQ kernel's tiles (one of [`dq_variants`]).
+        dq: QueryTiles,
+    },
+}
+
+/// `fused q64` or `separate dkdv w4m1q64 dq w4m1n64`.
+impl fmt::Display for BackwardKernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BackwardKernels::Fused { query_rows } => write!(f, "fused q{query_rows}"),
+            BackwardKernels::Separate { dkdv, dq } => write!(f, "separate dkdv {dkdv} dq {dq}"),
+        }
+    }
+}
+
+const fn q(warps: usize, row_tiles: usize, key_rows: usize) -> QueryTiles {
+    QueryTiles::new(warps, row_tiles, key_rows)
+}
+
+const fn k(warps: usize, key_tiles: usize, query_rows: usize) -> KeyTiles {
+    KeyTiles::new(warps, key_tiles, query_rows)
+}
+
+/// Forward variants per head dim (`ATT_FWD_VARIANTS_<hd>` in attention.cu), in the order of
+/// [`super::HEAD_DIMS`].
+const FORWARD_VARIANTS: [[QueryTiles; 5]; 3] = [
+    [
+        q(4, 1, 64),
+        q(8, 1, 64),
+        q(4, 2, 64),
+        q(4, 2, 128),
+        q(8, 2, 64),
+    ],
+    [
+        q(4, 1, 64),
+        q(8, 1, 64),
+        q(4, 2, 64),
+        q(4, 2, 128),
+        q(8, 2, 64),
+    ],
+    [
+        q(4, 1, 64),
+        q(8, 1, 64),
+        q(4, 2, 64),
+        q(4, 2, 32),
+        q(8, 2, 32),
+    ],
+];
+
+/// dK/dV kernel variants per head dim (`ATT_DKDV_VARIANTS_<hd>`, then `ATT_DKDV_PAIR_VARIANTS_<hd>`, in
+/// attention_separate.cu).
+const DKDV_32: [KeyTiles; 6] = [
+    k(4, 1, 64),
+    k(8, 1, 64),
+    k(4, 2, 64),
+    k(4, 2, 32),
+    KeyTiles::pairs(4, 64),
+    KeyTiles::pairs(2, 64),
+];
+const DKDV_64: [KeyTiles; 6] = [
+    k(4, 1, 64),
+    k(8, 1, 64),
+    k(4, 1, 32),
+    k(4, 2, 32),
+    KeyTiles::pairs(4, 64),
+    KeyTiles::pairs(2, 64),
+];
+const DKDV_128: [KeyTiles; 7] = [
+    k(4, 1, 64),
+    k(8, 1, 64),
+    k(4, 1, 32),
+    k(8, 1, 32),
+    KeyTiles::pairs(4, 64),
+    KeyTiles::pairs(2, 32),
+    KeyTiles::pairs(4, 32),
+];
+const DKDV_VARIANTS: [&[KeyTiles]; 3] = [&DKDV_32, &DKDV_64, &DKDV_128];
+
+/// dQ kernel variants per head dim (`ATT_DQ_VARIANTS_<hd>` in attention_separate.cu).
+const DQ_VARIANTS: [[QueryTiles; 4]; 3] = [
+    [q(4, 1, 64), q(8, 1, 64), q(4, 2, 64), q(4, 1, 128)],
+    [q(4, 1, 64), q(8, 1, 64), q(4, 2, 64), q(4, 1, 128)],
+    [q(4, 1, 64), q(8, 1, 64), q(4, 1, 128), q(8, 1, 128)],
+];
+
+/// Query rows per block of the fused backward's variants.
+pub const FUSED_QUERY_ROWS: [usize; 2] = [64, 32];
+
+fn hd_index(head_dim: usize) -> Option<usize> {
+    super::HEAD_DIMS.iter().position(|&h| h == head_dim)
+}
+
+/// The forward tiles compiled for `head_dim` (empty for an unsupported head dim).
+pub fn forward_variants(head_dim: usize) -> &'static [QueryTiles] {
+    hd_index(head_dim).map_or(&[], |i| &FORWARD_VARIANTS[i])
+}
+
+/// The dK/dV kernel tiles compiled for `head_dim`.
+pub fn dkdv_variants(head_dim: usize) -> &'static [KeyTiles] {
+    hd_index(head_dim).map_or(&[], |i| DKDV_VARIANTS[i])
+}
+
+/// The dQ kernel tiles compiled for `head_dim`.
+pub fn dq_variants(head_dim: usize) -> &'static [QueryTiles] {
+    hd_index(head_dim).map_or(&[], |i| &DQ_VARIANTS[i])
+}
+
+/// Every backward organisation compiled for `head_dim`: the fused kernel's query rows and every pair of
+/// dK/dV and dQ variants.
+pub fn backward_variants(head_dim: usize) -> Vec<BackwardKernels> {
+    let mut v: Vec<BackwardKernels> = FUSED_QUERY_ROWS
+        .iter()
+        .map(|&query_rows| BackwardKernels::Fused { query_rows })
+        .collect();
+    for &dkdv in dkdv_variants(head_dim) {
+        for &dq in dq_variants(head_dim) {
+            v.push(BackwardKernels::Separate { dkdv, dq });
+        }
+    }
+    v
+}
+
+/// The tiles used when [`super::AttentionTiles`] leaves a choice open, for one head dim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileDefaults {
+    /// The head dim these apply to.
+    pub head_dim: usize,
+    /// Forward tiles.
+    pub forward: QueryTiles,
+    /// Backward with [`super::DqAccumulation::Deterministic`] (the default mode).
+    pub deterministic: BackwardKernels,
+    /// Query rows of the fused backward with [`super::DqAccumulation::Atomic`].
+    pub atomic_query_rows: usize,
+}
+
+/// The defaults per head dim. Edit after `attention_bench --sweep` on the target GPU: the sweep ends by
+/// printing this table's lines for its fastest variants. Every entry must be a compiled variant
+/// ([`forward_variants`], [`backward_variants`]); a unit test checks that.
+///
+/// Current values: not yet measured for the variants added with the separate backward (the forward
+/// with two row tiles per warp, the dK/dV kernels with and without warp pairs, the dQ kernel); chosen by
+/// their shared-memory reads per tensor-core operation (`ldmatrix.x4` per `mma` in the main loops' SASS:
+/// forward 0.25 / 0.25 / 0.38 for hd 32 / 64 / 128 against 0.56 in the first version; dK/dV 0.5 / 0.5 /
+/// 0.31, the last with warp pairs, against 0.56 without; dQ 0.5; docs/attention.md) and register counts
+/// (ptxas for sm_90, no spills), the fused kernel's query rows from the H200 sweep of 2026-12-03
+/// (`docs/results/transformer-h200-1/attention_bench.log`).
+pub const DEFAULT_TILES: [TileDefaults; 3] = [
+    TileDefaults {
+        head_dim: 32,
+        forward: q(4, 2, 64),
+        deterministic: BackwardKernels::Separate {
+            dkdv: k(4, 1, 64),
+            dq: q(4, 1, 64),
+        },
+        atomic_query_rows: 64,
+    },
+    TileDefaults {
+        head_dim: 64,
+        forward: q(4, 2, 64),
+        deterministic: BackwardKernels::Separate {
+            dkdv: k(4, 1, 64),
+            dq: q(4, 1, 64),
+        },
+        atomic_query_rows: 64,
+    },
+    TileDefaults {
+        head_dim: 128,
+        forward: q(4, 2, 32),
+        deterministic: BackwardKernels::Separate {
+            dkdv: KeyTiles::pairs(4, 64),
+            dq: q(4, 1, 64),
+        },
+        atomic_query_rows: 64,
+    },
+];
+
+/// The defaults for `head_dim` (`None` for an unsupported head dim).
+pub fn default_tiles(head_dim: usize) -> Option<&'static TileDefaults> {
+    DEFAULT_TILES.iter().find(|d| d.head_dim == head_dim)
+}
+
+/// Whether `b` is compiled for `head_dim`.
+pub fn is_backward_variant(head_dim: usize, b: &BackwardKernels) -> bool {
+    match b {
+        BackwardKernels::Fused { query_rows } => FUSED_QUERY_ROWS.contains(query_rows),
+        BackwardKernels::Separate { dkdv, dq } => {
+            dkdv_variants(head_dim).contains(dkdv) && dq_variants(head_dim).contains(dq)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_compiled_variants() {
+        for hd in super::super::HEAD_DIMS {
+            let d = default_tiles(hd).unwrap();
+            assert!(forward_variants(hd).contains(&d.forward), "hd {hd}");
+            assert!(is_backward_variant(hd, &d.deterministic), "hd {hd}");
+            assert!(FUSED_QUERY_ROWS.contains(&d.atomic_query_rows), "hd {hd}");
+        }
+        assert_eq!(DEFAULT_TILES.len(), super::super::HEAD_DIMS.len());
+    }
+
+    #[test]
+    fn names_match_the_kernel_names() {
+        assert_eq!(q(4, 2, 64).to_string(), "w4m2n64");
+        assert_eq!(k(8, 1, 32).to_string(), "w8m1q32");
+        assert_eq!(q(4, 2, 64).block_rows(), 128);
+        assert_eq!(k(8, 1, 32).block_keys(), 128);
+        assert_eq!(KeyTiles::pairs(4, 64).to_string(), "p4q64");
+        assert_eq!(KeyTiles::pairs(4, 64).block_keys(), 128);
+        assert_eq!(
+            BackwardKernels::Separate {
+                dkdv: k(4, 1, 64),
+                dq: q(4, 1, 64)
+            }
+            .to_string(),
+            "separate dkdv w4m1q64 dq w4m1n64"
+        );
+    }
+}
