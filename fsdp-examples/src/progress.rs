@@ -78,6 +78,12 @@ impl EpochProgress {
         }
     }
 
+    /// Replaces the bar's prefix (`epoch N` by default; a step-based run says `steps`).
+    pub fn with_prefix(self, prefix: &str) -> Self {
+        self.bar.set_prefix(prefix.to_string());
+        self
+    }
+
     /// Whether the bar is drawn.
     pub fn is_visible(&self) -> bool {
         self.visible
