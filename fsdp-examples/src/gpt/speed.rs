@@ -234,7 +234,7 @@ fn speed_rank<T: Activation>(
     let rank = comm.rank() as u64;
     let gpt = config.model.config(GPT2_PADDED_VOCAB)?;
     let mut model = build_model::<T>(comm, gpt, &config.model, par)?;
-    let mut opt = build_optimizer(&mut model, 1e-4, config.optimizer_states)?;
+    let mut opt = build_optimizer(&mut model, 6e-4, config.optimizer_states)?;
     let (b, t) = (config.batch_size, config.model.seq_len);
     // Random ids of GPT-2's vocabulary (as the peer's randint(0, 50257)), inputs and targets drawn
     // independently, one stream per rank.
