@@ -62,7 +62,13 @@ fn small(precision: GptPrecision, seq_len: usize) -> GptModelChoice {
     }
 }
 
-fn config(data: &Path, model: GptModelChoice, steps: u64, batch: usize, ws: usize) -> GptTrainConfig {
+fn config(
+    data: &Path,
+    model: GptModelChoice,
+    steps: u64,
+    batch: usize,
+    ws: usize,
+) -> GptTrainConfig {
     GptTrainConfig {
         batch_size: batch,
         world_size: ws,
@@ -105,7 +111,10 @@ fn learns_the_slice_and_two_ranks_follow_one() {
     let l2: Vec<f64> = two.step_losses.iter().map(|s| s.1).collect();
     let early = (0..6).map(|s| (l1[s] - l2[s]).abs()).fold(0.0, f64::max);
     eprintln!("largest difference of the training loss over steps 1-6: {early:.2e}");
-    assert!(v1 < entropy && v2 < entropy, "{v1} / {v2} not below {entropy}");
+    assert!(
+        v1 < entropy && v2 < entropy,
+        "{v1} / {v2} not below {entropy}"
+    );
     assert!(first > v1 + 1.0, "the loss did not fall: {first} -> {v1}");
     // Same windows, same initial weights: only the order of the f32 gradient sums differs. The FP8
     // casts turn last-bit differences into rounding flips and training at lr 1e-2 amplifies them:
@@ -204,7 +213,10 @@ fn fp8_gradient_reduction_stays_near_the_exact_one() {
     let (ve, vf) = (final_val(&exact), final_val(&fp8));
     eprintln!("F32 reduction: val {ve:.4}; FP8 E5M2: val {vf:.4}; largest step-loss difference {diff:.3e}");
     assert!(diff > 0.0, "the FP8 reduction changed nothing");
-    assert!(diff < 0.05 && (ve - vf).abs() < 0.03, "{diff} / {ve} vs {vf}");
+    assert!(
+        diff < 0.05 && (ve - vf).abs() < 0.03,
+        "{diff} / {ve} vs {vf}"
+    );
 }
 
 #[test]
@@ -238,7 +250,13 @@ fn export_then_init_from_gives_the_validation_loss_back() {
     names.sort();
     assert!(names.contains(&"wte.weight") && names.contains(&"wpe.weight"));
     assert!(!names.iter().any(|n| n.starts_with("lm_head")), "{names:?}");
-    assert!(names.contains(&"h.1.mlp_proj.weight") || names.iter().any(|n| n.contains("h.1.") && n.ends_with("mlp_proj.weight")), "{names:?}");
+    assert!(
+        names.contains(&"h.1.mlp_proj.weight")
+            || names
+                .iter()
+                .any(|n| n.contains("h.1.") && n.ends_with("mlp_proj.weight")),
+        "{names:?}"
+    );
     assert_eq!(st.tensor("wpe.weight").unwrap().shape(), [32, 64]);
 }
 
@@ -263,7 +281,13 @@ fn bad_flags_are_refused_naming_them() {
     let e = err(&["--batch-size", "0"]);
     assert!(e.contains("--batch-size"), "{e}");
     let slice = committed_shakespeare_slice_dir();
-    let e = err(&["--data", slice.to_str().unwrap(), "--seq-len", "9000", "--compact-vocab"]);
+    let e = err(&[
+        "--data",
+        slice.to_str().unwrap(),
+        "--seq-len",
+        "9000",
+        "--compact-vocab",
+    ]);
     assert!(e.contains("--seq-len 9000"), "{e}");
     let e = err(&["--sample", "100", "--seq-len", "64"]);
     assert!(e.contains("--sample"), "{e}");

@@ -50,7 +50,9 @@ enum DeviceArg {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Train a GPT-2 family model on Shakespeare with FP8 fully sharded data parallelism")]
+#[command(
+    about = "Train a GPT-2 family model on Shakespeare with FP8 fully sharded data parallelism"
+)]
 struct Args {
     /// Model: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-3b [default: tiny on the CPU, gpt2 on a GPU].
     #[arg(long)]
@@ -312,7 +314,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn write_plot(svg: &Path, metrics: &Path, compare: &[PathBuf]) -> Result<(), Box<dyn std::error::Error>> {
+fn write_plot(
+    svg: &Path,
+    metrics: &Path,
+    compare: &[PathBuf],
+) -> Result<(), Box<dyn std::error::Error>> {
     let mut series = vec![PlotSeries::from_file(metrics)?];
     for f in compare {
         series.push(PlotSeries::from_file(f)?);
@@ -322,7 +328,8 @@ fn write_plot(svg: &Path, metrics: &Path, compare: &[PathBuf]) -> Result<(), Box
         title: "GPT on Shakespeare: loss per step".into(),
         ..PlotOptions::default()
     };
-    std::fs::write(svg, render_svg(&series, &options)?).map_err(|e| format!("{}: {e}", svg.display()))?;
+    std::fs::write(svg, render_svg(&series, &options)?)
+        .map_err(|e| format!("{}: {e}", svg.display()))?;
     println!("plot written to {}", svg.display());
     Ok(())
 }

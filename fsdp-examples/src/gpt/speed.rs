@@ -95,12 +95,7 @@ impl SpeedReport {
         let m = &self.memory;
         let mut t = format!(
             "gpt_fsdp --speed: {} ({} params), {} x {} per rank, {} rank(s), {}\n",
-            c.model.preset,
-            self.params,
-            c.batch_size,
-            c.model.seq_len,
-            c.world_size,
-            self.device
+            c.model.preset, self.params, c.batch_size, c.model.seq_len, c.world_size, self.device
         );
         t.push_str("| quantity | value |\n| --- | --- |\n");
         let mut row = |k: &str, v: String| t.push_str(&format!("| {k} | {v} |\n"));
@@ -125,10 +120,22 @@ impl SpeedReport {
             &format!("peak memory (GiB, {})", self.peak_source),
             format!("{:.3}", gib(self.peak_bytes as usize)),
         );
-        row("FP8 weight shards (GiB)", format!("{:.3}", gib(m.fp8_weight_shards)));
-        row("plain parameter shards (GiB)", format!("{:.3}", gib(m.plain_param_shards)));
-        row("gradient shards (GiB)", format!("{:.3}", gib(m.grad_shards)));
-        row("optimizer states (GiB)", format!("{:.3}", gib(m.optimizer_states)));
+        row(
+            "FP8 weight shards (GiB)",
+            format!("{:.3}", gib(m.fp8_weight_shards)),
+        );
+        row(
+            "plain parameter shards (GiB)",
+            format!("{:.3}", gib(m.plain_param_shards)),
+        );
+        row(
+            "gradient shards (GiB)",
+            format!("{:.3}", gib(m.grad_shards)),
+        );
+        row(
+            "optimizer states (GiB)",
+            format!("{:.3}", gib(m.optimizer_states)),
+        );
         row("model state (GiB)", format!("{:.3}", gib(m.model_state())));
         row("last loss", format!("{:.4}", self.loss));
         t
@@ -248,7 +255,9 @@ fn speed_rank<T: Activation>(
     let batch = model.module().batch(&device, &x, &y, b, t)?;
     let scale = 1.0 / model.comm().world_size() as f32;
     let mut step = |model: &mut fsdp_shard::FsdpModel<super::Gpt<T>>| -> Result<(), GptRunError> {
-        model.forward(Mode::Train, |m, ctx| m.forward_with_grad(ctx, &batch, scale))?;
+        model.forward(Mode::Train, |m, ctx| {
+            m.forward_with_grad(ctx, &batch, scale)
+        })?;
         model.backward(|m, ctx| m.backward(ctx, &batch, scale))?;
         step_model(&mut opt, model)?;
         Ok(())

@@ -176,7 +176,10 @@ impl GptTrainConfig {
             ("--eval-every", self.eval_every),
             ("--stop-after-steps", self.stop_after_steps),
             ("--max-val-batches", self.max_val_batches.map(|v| v as u64)),
-            ("--threads-per-rank", self.threads_per_rank.map(|v| v as u64)),
+            (
+                "--threads-per-rank",
+                self.threads_per_rank.map(|v| v as u64),
+            ),
         ] {
             if v == Some(0) {
                 return bad(format!(
@@ -378,9 +381,9 @@ fn run_rank<T: Activation>(
     let recipe = config.model.recipe(&gpt);
     let mut model = build_model::<T>(comm.clone(), gpt.clone(), &config.model, par)?;
     if let Some(path) = &config.init_from {
-        model.import_full(path, false).map_err(|e| {
-            GptRunError::Config(format!("--init-from {}: {e}", path.display()))
-        })?;
+        model
+            .import_full(path, false)
+            .map_err(|e| GptRunError::Config(format!("--init-from {}: {e}", path.display())))?;
     }
     let mut opt = build_optimizer(&mut model, config.lr, config.optimizer_states)?;
     opt.set_schedule(Box::new(peer_schedule(config.steps)?));
@@ -422,7 +425,10 @@ fn run_rank<T: Activation>(
             let carried_step = carried.as_ref().map(|r: &EpochMetrics| u64::from(r.epoch));
             Some(resume_metrics(
                 path,
-                |r| u64::from(r.epoch) < through || (carried_step.is_none() && u64::from(r.epoch) == through),
+                |r| {
+                    u64::from(r.epoch) < through
+                        || (carried_step.is_none() && u64::from(r.epoch) == through)
+                },
                 carried.as_ref(),
             )?)
         }
@@ -477,7 +483,9 @@ fn run_rank<T: Activation>(
                 .module()
                 .batch(&device, &x[mine.clone()], &y[mine.clone()], b, t)?;
             model.sharded_mut().set_grad_sync(micro + 1 == accum);
-            model.forward(Mode::Train, |m, ctx| m.forward_with_grad(ctx, &batch, scale))?;
+            model.forward(Mode::Train, |m, ctx| {
+                m.forward_with_grad(ctx, &batch, scale)
+            })?;
             if read {
                 loss += model.module().loss()?.mean()? / accum as f64;
             }

@@ -2,11 +2,14 @@
 
 use super::{wrap_policy, MnistError, MnistNet, NetConfig};
 use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
-use crate::metrics::{parse_metrics, EpochMetrics, MetricsWriter};
+use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
 pub use crate::run_setup::DeviceChoice;
 use crate::run_setup::{launch_ranks, RankLaunch, RunOutputs};
 use crate::sampler::{DistributedSampler, Remainder};
+use crate::training::{
+    check_resume, resume_metrics, save_run, saved_record, RunSetting, RunSettings,
+};
 use fp8_core::Fp8Format;
 use fp8_kernels::elementwise;
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
@@ -17,7 +20,7 @@ use fsdp_nn::LinearPrecision;
 use fsdp_optim::{
     export_full, step_model, AdamOptions, ExportDtype, FsdpAdam, Optimizer, StatePrecision, StepLr,
 };
-use fsdp_shard::checkpoint::{load_sharded, read_index, save_sharded};
+use fsdp_shard::checkpoint::{load_sharded, read_index};
 use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -86,9 +89,6 @@ pub struct TrainConfig {
     /// the wall time is their sum, not the overlapped step).
     pub profile_sync: bool,
 }
-
-/// The checkpoint key of the metrics line of the epoch an epoch-end checkpoint closes.
-const LAST_EPOCH_KEY: &str = "metrics.last_epoch";
 
 /// Steps run before a `profile_steps` window opens (NVRTC compilation, cuBLASLt plans, pool growth).
 pub const PROFILE_WARMUP_STEPS: usize = 20;
@@ -334,39 +334,35 @@ impl Position {
     }
 }
 
-/// Settings a resumed run must share with the saved one (the data order and numerics depend on them):
-/// `(checkpoint key, flag, value)`.
-fn run_identity(config: &TrainConfig, data: &str) -> Vec<(&'static str, &'static str, String)> {
-    vec![
-        ("seed", "--seed", config.seed.to_string()),
-        (
-            "precision",
-            "--precision",
-            format!("{:?}", config.precision),
-        ),
-        ("batch_size", "--batch-size", config.batch_size.to_string()),
-        ("grad_accum", "--grad-accum", config.grad_accum.to_string()),
-        (
-            "fp8_grad_comm",
-            "--fp8-grad-comm",
-            config.fp8_grad_comm.to_string(),
-        ),
-        (
-            "optimizer_states",
-            "--optimizer-states",
-            config.optimizer_states.name().to_string(),
-        ),
-        ("data", "--data-dir", data.to_string()),
-    ]
-}
-
-/// Settings a resumed run may change (printed and recorded in the metrics when they do).
-fn run_hyperparameters(config: &TrainConfig) -> Vec<(&'static str, &'static str, String)> {
-    vec![
-        ("hyper.lr", "--lr", format!("{}", config.lr)),
-        ("hyper.gamma", "--gamma", format!("{}", config.gamma)),
-        ("hyper.epochs", "--epochs", config.epochs.to_string()),
-    ]
+/// The settings a checkpoint records: those a resumed run must share with the saved one (the data
+/// order and numerics depend on them) and the hyperparameters it may change (printed and recorded in
+/// the metrics when they do).
+fn run_settings(config: &TrainConfig, data: &str) -> RunSettings {
+    RunSettings {
+        binary: "mnist_fsdp",
+        identity: vec![
+            RunSetting::new("seed", "--seed", config.seed),
+            RunSetting::new(
+                "precision",
+                "--precision",
+                format!("{:?}", config.precision),
+            ),
+            RunSetting::new("batch_size", "--batch-size", config.batch_size),
+            RunSetting::new("grad_accum", "--grad-accum", config.grad_accum),
+            RunSetting::new("fp8_grad_comm", "--fp8-grad-comm", config.fp8_grad_comm),
+            RunSetting::new(
+                "optimizer_states",
+                "--optimizer-states",
+                config.optimizer_states.name(),
+            ),
+            RunSetting::new("data", "--data-dir", data),
+        ],
+        hyperparameters: vec![
+            RunSetting::new("hyper.lr", "--lr", config.lr),
+            RunSetting::new("hyper.gamma", "--gamma", config.gamma),
+            RunSetting::new("hyper.epochs", "--epochs", config.epochs),
+        ],
+    }
 }
 
 /// A fingerprint of the training and test data: sizes and a CRC of the labels (changing the dataset under
@@ -376,38 +372,6 @@ pub fn data_fingerprint(train: &MnistDataset, test: &MnistDataset) -> String {
     h.update(train.labels());
     h.update(test.labels());
     format!("{}+{}:{:08x}", train.len(), test.len(), h.finalize())
-}
-
-/// Checks a checkpoint's settings against this run before anything is loaded: a setting the data order
-/// or the numerics depend on must match (the error names the flag and both values); a changed
-/// hyperparameter is accepted and returned as `flag: saved -> now` lines.
-fn check_resume(
-    extra: &BTreeMap<String, String>,
-    config: &TrainConfig,
-    data: &str,
-) -> Result<Vec<String>, MnistError> {
-    for (key, flag, want) in run_identity(config, data) {
-        let have = extra.get(key).ok_or_else(|| {
-            MnistError::Checkpoint(format!(
-                "the checkpoint does not record {flag} (not saved by mnist_fsdp?)"
-            ))
-        })?;
-        if *have != want {
-            return Err(MnistError::Checkpoint(format!(
-                "the checkpoint was saved with {flag} {have}, this run has {flag} {want}; resume with \
-                 the same {flag} (it decides the data order and the numerics)"
-            )));
-        }
-    }
-    let mut changed = Vec::new();
-    for (key, flag, now) in run_hyperparameters(config) {
-        if let Some(saved) = extra.get(key) {
-            if *saved != now {
-                changed.push(format!("{flag}: {saved} -> {now}"));
-            }
-        }
-    }
-    Ok(changed)
 }
 
 /// Makes `slot` a device buffer holding `data` (reallocated only when the length changes).
@@ -552,20 +516,8 @@ fn save(
     data_id: &str,
     epoch_record: Option<&EpochMetrics>,
 ) -> Result<(), MnistError> {
-    let mut extra = pos.to_extra();
-    if let Some(r) = epoch_record {
-        // The epoch's metrics line travels with its checkpoint, so a resume can write it if a crash came
-        // between the save and the line.
-        extra.insert(LAST_EPOCH_KEY.into(), r.to_json_line()?);
-    }
-    for (k, _, v) in run_identity(config, data_id)
-        .into_iter()
-        .chain(run_hyperparameters(config))
-    {
-        extra.insert(k.to_string(), v);
-    }
-    extra.extend(model.export_module_state()?);
-    save_sharded(dir, model.sharded(), Some(opt.as_state()), &extra)?;
+    let settings = run_settings(config, data_id);
+    save_run(dir, model, opt, pos.to_extra(), &settings, epoch_record)?;
     Ok(())
 }
 
@@ -673,7 +625,8 @@ fn run_rank(
     if let Some(dir) = &config.resume {
         // The settings first, so a mismatch names its flag instead of failing inside the load.
         let (_, saved) = read_index(dir)?;
-        resumed_changes = check_resume(&saved, config, data_id)?;
+        resumed_changes =
+            check_resume(&saved, &run_settings(config, data_id)).map_err(MnistError::Checkpoint)?;
         if lead && config.print {
             for c in &resumed_changes {
                 println!("resuming with a changed setting: {c}");
@@ -702,18 +655,9 @@ fn run_rank(
         // and the line leaves neither a gap nor a duplicate); after a mid-epoch checkpoint, to the epochs
         // completed before it.
         (Some(path), true) if config.resume.is_some() => {
-            let last = resumed_extra
-                .get(LAST_EPOCH_KEY)
-                .filter(|_| pos.batch == 0)
-                .map(|line| parse_metrics(line, "the checkpoint's last metrics line"))
-                .transpose()?
-                .and_then(|mut v| v.pop());
+            let last = saved_record(&resumed_extra)?.filter(|_| pos.batch == 0);
             let through = pos.epoch.saturating_sub(if last.is_some() { 2 } else { 1 });
-            let mut w = MetricsWriter::resume(path, through)?;
-            if let Some(r) = &last {
-                w.write(r)?;
-            }
-            Some(w)
+            Some(resume_metrics(path, |m| m.epoch <= through, last.as_ref())?)
         }
         (Some(path), true) => Some(MetricsWriter::create(path)?),
         _ => None,
