@@ -445,7 +445,7 @@ fn run_rank<T: Activation>(
         ProgressMode::Hidden
     };
     let mut progress =
-        EpochProgress::new(1, remaining * tokens_per_step, mode).with_prefix("tokens");
+        EpochProgress::new(1, remaining * tokens_per_step, mode).with_labels("train", "tokens");
     // Reading the loss waits for the device: on CUDA only at validation points and, with a visible
     // bar, every 10th step.
     let read_every = match (device.is_cuda(), progress.is_visible()) {
