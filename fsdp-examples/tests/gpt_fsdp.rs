@@ -294,3 +294,52 @@ fn bad_flags_are_refused_naming_them() {
     let e = err(&["--data", "/nonexistent-gpt-data"]);
     assert!(e.contains("fetch-shakespeare"), "{e}");
 }
+
+/// On a GPU (skipped without one): the learning run on CUDA ends near the CPU run, and `--speed` on the
+/// tiny preset reports a step time, a pool peak and the model state.
+#[test]
+fn cuda_run_and_speed_line() {
+    let (dev, why) = fp8_kernels::Device::auto();
+    if !dev.is_cuda() {
+        eprintln!(
+            "SKIPPED: no usable GPU ({})",
+            why.map(|e| e.to_string()).unwrap_or_default()
+        );
+        return;
+    }
+    let (data, entropy) = data_dir();
+    let mk = |device| GptTrainConfig {
+        eval_every: Some(40),
+        lr: 1e-2,
+        device,
+        ..config(&data, small(GptPrecision::Fp8, 32), 40, 16, 1)
+    };
+    let (cpu, _) = run(&mk(DeviceChoice::Cpu));
+    let (gpu, secs) = run(&mk(DeviceChoice::Cuda));
+    let (vc, vg) = (final_val(&cpu), final_val(&gpu));
+    eprintln!("validation after 40 steps: CPU {vc:.4}, CUDA {vg:.4} ({secs:.1} s)");
+    assert!(vg < entropy, "{vg} not below {entropy}");
+    assert!((vc - vg).abs() < 0.1, "CUDA {vg} vs CPU {vc}");
+    let report = fsdp_examples::gpt::speed(&fsdp_examples::gpt::SpeedConfig {
+        model: GptModelChoice {
+            preset: "tiny".into(),
+            d_model: None,
+            layers: None,
+            heads: None,
+            ..small(GptPrecision::Fp8, 256)
+        },
+        batch_size: 4,
+        optimizer_states: fsdp_optim::StatePrecision::default(),
+        world_size: 1,
+        device: DeviceChoice::Cuda,
+        threads_per_rank: None,
+        warmup_steps: 2,
+        timed_steps: 3,
+    })
+    .unwrap();
+    println!("{}", report.table());
+    println!("{}", report.json());
+    assert!(report.median_step() > 0.0 && report.tokens_per_sec() > 0.0);
+    assert!(report.peak_bytes > report.memory.model_state() as u64);
+    assert!(report.loss.is_finite());
+}
