@@ -402,6 +402,12 @@ fn run_rank<T: Activation>(
                 println!("resuming with a changed setting: {c}");
             }
         }
+        // The optimizer checks the schedule it loads against its own: load under the saved one.
+        let saved_steps = saved
+            .get("hyper.steps")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(config.steps);
+        opt.set_schedule(Box::new(peer_schedule(saved_steps)?));
         let loaded = load_sharded(dir, model.sharded_mut(), Some(opt.as_state_mut()))?;
         if loaded.saved_world_size != ws {
             return Err(GptRunError::Checkpoint(format!(
