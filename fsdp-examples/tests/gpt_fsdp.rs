@@ -335,6 +335,7 @@ fn cuda_run_and_speed_line() {
         threads_per_rank: None,
         warmup_steps: 2,
         timed_steps: 3,
+        profile: true,
     })
     .unwrap();
     println!("{}", report.table());
@@ -342,4 +343,5 @@ fn cuda_run_and_speed_line() {
     assert!(report.median_step() > 0.0 && report.tokens_per_sec() > 0.0);
     assert!(report.peak_bytes > report.memory.model_state() as u64);
     assert!(report.loss.is_finite());
+    assert!(report.profile.is_some(), "no phase profile");
 }

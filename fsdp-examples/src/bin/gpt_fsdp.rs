@@ -155,6 +155,10 @@ struct Args {
     /// Timed steps of --speed.
     #[arg(long, default_value_t = 20)]
     speed_steps: usize,
+    /// With --speed: also time the forward, backward and optimizer phases of the timed steps (CUDA
+    /// events on a GPU, host time on the CPU) and print a table.
+    #[arg(long, requires = "speed")]
+    profile: bool,
     /// CPU threads per rank [default: cores / ranks].
     #[arg(long)]
     threads_per_rank: Option<usize>,
@@ -223,6 +227,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             threads_per_rank: args.threads_per_rank,
             warmup_steps: 5,
             timed_steps: args.speed_steps,
+            profile: args.profile,
         })?;
         print!("{}", report.table());
         println!("{}", report.json());

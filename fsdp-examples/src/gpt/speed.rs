@@ -8,6 +8,9 @@ use super::run::{build_model, build_optimizer, GptModelChoice, GptRunError};
 use super::GPT2_PADDED_VOCAB;
 use crate::data::tokens::GPT2_VOCAB_SIZE;
 use crate::run_setup::{launch_ranks, DeviceChoice, RankLaunch};
+use crate::training::profile::{
+    finish_profiled_step, mark, Phase, ProfiledStep, StepProfile, StepProfiler,
+};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{CpuParallelism, Device};
 use fsdp_comm::Communicator;
@@ -37,6 +40,8 @@ pub struct SpeedConfig {
     pub warmup_steps: usize,
     /// Timed steps.
     pub timed_steps: usize,
+    /// Also time the phases of the timed steps (forward, backward, optimizer) with CUDA events.
+    pub profile: bool,
 }
 
 /// What a speed run measured (rank 0's view).
@@ -67,6 +72,8 @@ pub struct SpeedReport {
     pub device: String,
     /// The last step's loss on rank 0.
     pub loss: f64,
+    /// Phase timings of the timed steps (with `profile`).
+    pub profile: Option<StepProfile>,
 }
 
 impl SpeedReport {
@@ -138,6 +145,9 @@ impl SpeedReport {
         );
         row("model state (GiB)", format!("{:.3}", gib(m.model_state())));
         row("last loss", format!("{:.4}", self.loss));
+        if let Some(p) = &self.profile {
+            t.push_str(&p.table());
+        }
         t
     }
 
@@ -174,11 +184,17 @@ impl SpeedReport {
                 "total": m.model_state(),
             },
             "loss": self.loss,
+            "profile_ms": self.profile.as_ref().map(|p| p
+                .phases
+                .iter()
+                .map(|ph| (ph.phase.name().to_string(), serde_json::json!({"gpu": ph.gpu_ms, "host": ph.host_ms})))
+                .collect::<serde_json::Map<_, _>>()),
         })
     }
 }
 
 struct RankSpeed {
+    profile: Option<StepProfile>,
     times: Vec<f64>,
     peak: u64,
     memory: MemoryReport,
@@ -225,6 +241,7 @@ pub fn speed(config: &SpeedConfig) -> Result<SpeedReport, GptRunError> {
         optimizer: first.optimizer,
         device,
         loss: first.loss,
+        profile: first.profile,
         config: config.clone(),
     })
 }
@@ -254,29 +271,45 @@ fn speed_rank<T: Activation>(
     let (x, y) = (ids(b * t), ids(b * t));
     let batch = model.module().batch(&device, &x, &y, b, t)?;
     let scale = 1.0 / model.comm().world_size() as f32;
-    let mut step = |model: &mut fsdp_shard::FsdpModel<super::Gpt<T>>| -> Result<(), GptRunError> {
+    let mut step = |model: &mut fsdp_shard::FsdpModel<super::Gpt<T>>,
+                    prof: &mut Option<ProfiledStep>|
+     -> Result<(), GptRunError> {
+        // The batch is on the device already: the data phase is empty.
+        mark(prof, Phase::Data)?;
         model.forward(Mode::Train, |m, ctx| {
             m.forward_with_grad(ctx, &batch, scale)
         })?;
+        mark(prof, Phase::Forward)?;
         model.backward(|m, ctx| m.backward(ctx, &batch, scale))?;
+        mark(prof, Phase::Backward)?;
         step_model(&mut opt, model)?;
+        mark(prof, Phase::Optimizer)?;
         Ok(())
     };
     for _ in 0..config.warmup_steps {
-        step(&mut model)?;
+        step(&mut model, &mut None)?;
     }
     device.synchronize()?;
     if let Device::Cuda(c) = &device {
         c.reset_pool_high_water()?;
     }
     fp8_kernels::device::reset_host_buffer_peak();
+    let mut profiler = config
+        .profile
+        .then(|| StepProfiler::new(&device, config.timed_steps, config.warmup_steps, false));
+    let mut profile = None;
     let mut times = Vec::with_capacity(config.timed_steps);
     for _ in 0..config.timed_steps {
         device.synchronize()?;
         let t0 = Instant::now();
-        step(&mut model)?;
+        let mut prof = match profiler.as_mut() {
+            Some(p) => p.begin()?,
+            None => None,
+        };
+        step(&mut model, &mut prof)?;
         device.synchronize()?;
         times.push(t0.elapsed().as_secs_f64());
+        finish_profiled_step(&mut profiler, prof, &mut profile, false)?;
     }
     let peak = match &device {
         Device::Cuda(c) => c.pool_memory()?.1,
@@ -285,6 +318,7 @@ fn speed_rank<T: Activation>(
     let loss = model.module().loss()?.mean()?;
     let memory = opt.memory(model.sharded())?;
     Ok(RankSpeed {
+        profile,
         times,
         peak,
         memory,

@@ -10,6 +10,8 @@
 //! also wrote a metrics line carries that line ([`LAST_RECORD_KEY`]): the line is written after the
 //! checkpoint, so a crash between the two is repaired on resume, never duplicated.
 
+pub mod profile;
+
 use crate::metrics::{parse_metrics, EpochMetrics, MetricsError, MetricsWriter};
 use fsdp_optim::Optimizer;
 use fsdp_shard::checkpoint::save_sharded;
