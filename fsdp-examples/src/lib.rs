@@ -4,7 +4,10 @@
 //! - [`data`]: IDX files (plain or gzip), MNIST CSV, [`data::MnistDataset`] with PyTorch-style
 //!   normalisation and NCHW batch extraction. `scripts/fetch-mnist.sh` downloads the full MNIST; a real
 //!   subset is committed in this crate's `testdata/`.
-//! - [`gpt`]: the GPT-2 family language model ([`gpt::Gpt`], presets, FLOPs per token).
+//! - [`gpt`]: the GPT-2 family language model ([`gpt::Gpt`], presets, FLOPs per token) and the
+//!   `gpt_fsdp` runs ([`gpt::train`], [`gpt::speed`]).
+//! - [`training`]: what every training loop shares: checkpoints with the run's position and settings
+//!   checked on resume, metrics files cut back to the checkpoint.
 //! - [`sampler`]: [`sampler::DistributedSampler`], one seeded shuffle per epoch with the same global
 //!   order for every world size.
 //! - [`metrics`]: [`metrics::EpochMetrics`] as JSON lines, and [`metrics::render_svg`] to overlay runs.
@@ -55,3 +58,4 @@ pub mod mnist;
 pub mod progress;
 pub mod run_setup;
 pub mod sampler;
+pub mod training;

@@ -47,6 +47,7 @@ pub struct EpochProgress {
     samples: u64,
     loss_sum: f64,
     loss_samples: u64,
+    unit: &'static str,
 }
 
 impl EpochProgress {
@@ -75,7 +76,16 @@ impl EpochProgress {
             samples: 0,
             loss_sum: 0.0,
             loss_samples: 0,
+            unit: "samples",
         }
+    }
+
+    /// Replaces the bar's prefix (`epoch N` by default) and the name of what it counts (`samples` by
+    /// default; a language model counts `tokens`).
+    pub fn with_labels(mut self, prefix: &str, unit: &'static str) -> Self {
+        self.bar.set_prefix(prefix.to_string());
+        self.unit = unit;
+        self
     }
 
     /// Whether the bar is drawn.
@@ -95,11 +105,12 @@ impl EpochProgress {
         if self.visible {
             let rate = self.samples_per_sec();
             self.bar.set_message(if batch_loss.is_finite() {
-                format!("loss {:.4} {rate:.0} samples/s", self.mean_loss())
+                format!("loss {:.4} {rate:.0} {}/s", self.mean_loss(), self.unit)
             } else {
                 format!(
-                    "loss {batch_loss} (mean {:.4}) {rate:.0} samples/s",
-                    self.mean_loss()
+                    "loss {batch_loss} (mean {:.4}) {rate:.0} {}/s",
+                    self.mean_loss(),
+                    self.unit
                 )
             });
             self.bar.inc(samples);

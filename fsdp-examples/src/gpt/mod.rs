@@ -46,8 +46,17 @@
 //! ```
 
 mod model;
+mod run;
+mod speed;
+mod train;
 
 pub use model::{Gpt, Sampling};
+pub use run::{
+    build_model, build_optimizer, peer_adamw_options, peer_schedule, GptModelChoice, GptPrecision,
+    GptRunError,
+};
+pub use speed::{speed, SpeedConfig, SpeedReport};
+pub use train::{train, EvalPoint, GptTrainConfig, GptTrainReport, SAMPLE_PROMPT};
 
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::layer_norm::NormKind;

@@ -53,6 +53,9 @@ pub enum MnistError {
     /// The sampler refused its arguments.
     #[error(transparent)]
     Sampler(#[from] SamplerError),
+    /// Saving a checkpoint failed.
+    #[error(transparent)]
+    Training(#[from] crate::training::TrainingError),
     /// A checkpoint does not fit this run.
     #[error("checkpoint: {0}")]
     Checkpoint(String),

@@ -2,22 +2,27 @@
 
 use super::{wrap_policy, MnistError, MnistNet, NetConfig};
 use crate::data::{MnistDataset, MnistSplit, MNIST_COLS, MNIST_ROWS};
-use crate::metrics::{parse_metrics, EpochMetrics, MetricsWriter};
+use crate::metrics::{EpochMetrics, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
 pub use crate::run_setup::DeviceChoice;
 use crate::run_setup::{launch_ranks, RankLaunch, RunOutputs};
 use crate::sampler::{DistributedSampler, Remainder};
+use crate::training::profile::{finish_profiled_step, mark, StepProfiler};
+pub use crate::training::profile::{Phase, PhaseTiming, StepProfile, PROFILE_WARMUP_STEPS};
+use crate::training::{
+    check_resume, resume_metrics, save_run, saved_record, RunSetting, RunSettings,
+};
 use fp8_core::Fp8Format;
 use fp8_kernels::elementwise;
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
 use fp8_kernels::softmax::nll_stat;
-use fp8_kernels::{Buffer, CpuParallelism, Device, Element, GpuEvent};
+use fp8_kernels::{Buffer, CpuParallelism, Device, Element};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::LinearPrecision;
 use fsdp_optim::{
     export_full, step_model, AdamOptions, ExportDtype, FsdpAdam, Optimizer, StatePrecision, StepLr,
 };
-use fsdp_shard::checkpoint::{load_sharded, read_index, save_sharded};
+use fsdp_shard::checkpoint::{load_sharded, read_index};
 use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -86,12 +91,6 @@ pub struct TrainConfig {
     /// the wall time is their sum, not the overlapped step).
     pub profile_sync: bool,
 }
-
-/// The checkpoint key of the metrics line of the epoch an epoch-end checkpoint closes.
-const LAST_EPOCH_KEY: &str = "metrics.last_epoch";
-
-/// Steps run before a `profile_steps` window opens (NVRTC compilation, cuBLASLt plans, pool growth).
-pub const PROFILE_WARMUP_STEPS: usize = 20;
 
 impl Default for TrainConfig {
     fn default() -> Self {
@@ -334,39 +333,35 @@ impl Position {
     }
 }
 
-/// Settings a resumed run must share with the saved one (the data order and numerics depend on them):
-/// `(checkpoint key, flag, value)`.
-fn run_identity(config: &TrainConfig, data: &str) -> Vec<(&'static str, &'static str, String)> {
-    vec![
-        ("seed", "--seed", config.seed.to_string()),
-        (
-            "precision",
-            "--precision",
-            format!("{:?}", config.precision),
-        ),
-        ("batch_size", "--batch-size", config.batch_size.to_string()),
-        ("grad_accum", "--grad-accum", config.grad_accum.to_string()),
-        (
-            "fp8_grad_comm",
-            "--fp8-grad-comm",
-            config.fp8_grad_comm.to_string(),
-        ),
-        (
-            "optimizer_states",
-            "--optimizer-states",
-            config.optimizer_states.name().to_string(),
-        ),
-        ("data", "--data-dir", data.to_string()),
-    ]
-}
-
-/// Settings a resumed run may change (printed and recorded in the metrics when they do).
-fn run_hyperparameters(config: &TrainConfig) -> Vec<(&'static str, &'static str, String)> {
-    vec![
-        ("hyper.lr", "--lr", format!("{}", config.lr)),
-        ("hyper.gamma", "--gamma", format!("{}", config.gamma)),
-        ("hyper.epochs", "--epochs", config.epochs.to_string()),
-    ]
+/// The settings a checkpoint records: those a resumed run must share with the saved one (the data
+/// order and numerics depend on them) and the hyperparameters it may change (printed and recorded in
+/// the metrics when they do).
+fn run_settings(config: &TrainConfig, data: &str) -> RunSettings {
+    RunSettings {
+        binary: "mnist_fsdp",
+        identity: vec![
+            RunSetting::new("seed", "--seed", config.seed),
+            RunSetting::new(
+                "precision",
+                "--precision",
+                format!("{:?}", config.precision),
+            ),
+            RunSetting::new("batch_size", "--batch-size", config.batch_size),
+            RunSetting::new("grad_accum", "--grad-accum", config.grad_accum),
+            RunSetting::new("fp8_grad_comm", "--fp8-grad-comm", config.fp8_grad_comm),
+            RunSetting::new(
+                "optimizer_states",
+                "--optimizer-states",
+                config.optimizer_states.name(),
+            ),
+            RunSetting::new("data", "--data-dir", data),
+        ],
+        hyperparameters: vec![
+            RunSetting::new("hyper.lr", "--lr", config.lr),
+            RunSetting::new("hyper.gamma", "--gamma", config.gamma),
+            RunSetting::new("hyper.epochs", "--epochs", config.epochs),
+        ],
+    }
 }
 
 /// A fingerprint of the training and test data: sizes and a CRC of the labels (changing the dataset under
@@ -376,38 +371,6 @@ pub fn data_fingerprint(train: &MnistDataset, test: &MnistDataset) -> String {
     h.update(train.labels());
     h.update(test.labels());
     format!("{}+{}:{:08x}", train.len(), test.len(), h.finalize())
-}
-
-/// Checks a checkpoint's settings against this run before anything is loaded: a setting the data order
-/// or the numerics depend on must match (the error names the flag and both values); a changed
-/// hyperparameter is accepted and returned as `flag: saved -> now` lines.
-fn check_resume(
-    extra: &BTreeMap<String, String>,
-    config: &TrainConfig,
-    data: &str,
-) -> Result<Vec<String>, MnistError> {
-    for (key, flag, want) in run_identity(config, data) {
-        let have = extra.get(key).ok_or_else(|| {
-            MnistError::Checkpoint(format!(
-                "the checkpoint does not record {flag} (not saved by mnist_fsdp?)"
-            ))
-        })?;
-        if *have != want {
-            return Err(MnistError::Checkpoint(format!(
-                "the checkpoint was saved with {flag} {have}, this run has {flag} {want}; resume with \
-                 the same {flag} (it decides the data order and the numerics)"
-            )));
-        }
-    }
-    let mut changed = Vec::new();
-    for (key, flag, now) in run_hyperparameters(config) {
-        if let Some(saved) = extra.get(key) {
-            if *saved != now {
-                changed.push(format!("{flag}: {saved} -> {now}"));
-            }
-        }
-    }
-    Ok(changed)
 }
 
 /// Makes `slot` a device buffer holding `data` (reallocated only when the length changes).
@@ -552,20 +515,8 @@ fn save(
     data_id: &str,
     epoch_record: Option<&EpochMetrics>,
 ) -> Result<(), MnistError> {
-    let mut extra = pos.to_extra();
-    if let Some(r) = epoch_record {
-        // The epoch's metrics line travels with its checkpoint, so a resume can write it if a crash came
-        // between the save and the line.
-        extra.insert(LAST_EPOCH_KEY.into(), r.to_json_line()?);
-    }
-    for (k, _, v) in run_identity(config, data_id)
-        .into_iter()
-        .chain(run_hyperparameters(config))
-    {
-        extra.insert(k.to_string(), v);
-    }
-    extra.extend(model.export_module_state()?);
-    save_sharded(dir, model.sharded(), Some(opt.as_state()), &extra)?;
+    let settings = run_settings(config, data_id);
+    save_run(dir, model, opt, pos.to_extra(), &settings, epoch_record)?;
     Ok(())
 }
 
@@ -673,7 +624,8 @@ fn run_rank(
     if let Some(dir) = &config.resume {
         // The settings first, so a mismatch names its flag instead of failing inside the load.
         let (_, saved) = read_index(dir)?;
-        resumed_changes = check_resume(&saved, config, data_id)?;
+        resumed_changes =
+            check_resume(&saved, &run_settings(config, data_id)).map_err(MnistError::Checkpoint)?;
         if lead && config.print {
             for c in &resumed_changes {
                 println!("resuming with a changed setting: {c}");
@@ -702,18 +654,9 @@ fn run_rank(
         // and the line leaves neither a gap nor a duplicate); after a mid-epoch checkpoint, to the epochs
         // completed before it.
         (Some(path), true) if config.resume.is_some() => {
-            let last = resumed_extra
-                .get(LAST_EPOCH_KEY)
-                .filter(|_| pos.batch == 0)
-                .map(|line| parse_metrics(line, "the checkpoint's last metrics line"))
-                .transpose()?
-                .and_then(|mut v| v.pop());
+            let last = saved_record(&resumed_extra)?.filter(|_| pos.batch == 0);
             let through = pos.epoch.saturating_sub(if last.is_some() { 2 } else { 1 });
-            let mut w = MetricsWriter::resume(path, through)?;
-            if let Some(r) = &last {
-                w.write(r)?;
-            }
-            Some(w)
+            Some(resume_metrics(path, |m| m.epoch <= through, last.as_ref())?)
         }
         (Some(path), true) => Some(MetricsWriter::create(path)?),
         _ => None,
@@ -728,7 +671,7 @@ fn run_rank(
     let mut profiler = config
         .profile_steps
         .filter(|&n| n > 0)
-        .map(|n| StepProfiler::new(&device, n, config.profile_sync));
+        .map(|n| StepProfiler::new(&device, n, PROFILE_WARMUP_STEPS, config.profile_sync));
     let mut profile = None;
     let mut steps_run = 0usize;
     let mut step_losses = Vec::new();
@@ -925,244 +868,4 @@ fn run_rank(
         profile,
         step_losses,
     })
-}
-
-/// A phase of a training batch, as timed by [`TrainConfig::profile_steps`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// Batch assembly: gather on the device (GPU) or fill and upload (CPU).
-    Data,
-    /// Forward pass with the loss (gathers of the units included) and the loss accumulation.
-    Forward,
-    /// Backward pass with the gradient reductions.
-    Backward,
-    /// The optimizer step (FP8 weight re-cast and zeroed gradients included).
-    Optimizer,
-}
-
-impl Phase {
-    /// Every phase, in step order.
-    pub const ALL: [Phase; 4] = [
-        Phase::Data,
-        Phase::Forward,
-        Phase::Backward,
-        Phase::Optimizer,
-    ];
-
-    /// The phase's name in the table.
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::Data => "data",
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::Optimizer => "optimizer",
-        }
-    }
-}
-
-/// Time of one phase, per batch of the profiled window.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseTiming {
-    /// The phase.
-    pub phase: Phase,
-    /// Milliseconds of the compute stream between the events around the phase (GPU only). This includes
-    /// idle time while the GPU waits for the host to queue work, so GPU time close to host time means
-    /// the phase is bound by the host (launch overhead, host reads), not by the kernels.
-    pub gpu_ms: Option<f64>,
-    /// Milliseconds the host spent queuing (GPU) or running (CPU) the phase.
-    pub host_ms: f64,
-}
-
-/// Phase timings of a profiled window of training batches.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepProfile {
-    /// Batches timed.
-    pub batches: usize,
-    /// One entry per [`Phase`], in step order.
-    pub phases: Vec<PhaseTiming>,
-    /// Wall-clock milliseconds per batch over the window, up to the end of the last batch's GPU work.
-    pub wall_ms: f64,
-}
-
-impl StepProfile {
-    /// The table printed by `mnist_fsdp --profile`.
-    pub fn table(&self) -> String {
-        let mut t = format!(
-            "Profile of {} training batches (after {PROFILE_WARMUP_STEPS} warm-up), ms per batch:\n",
-            self.batches
-        );
-        t.push_str(&format!("  {:<12} {:>10} {:>10}\n", "phase", "gpu", "host"));
-        let (mut g, mut h) = (0.0, 0.0);
-        let gpu = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
-        for p in &self.phases {
-            t.push_str(&format!(
-                "  {:<12} {:>10} {:>10.3}\n",
-                p.phase.name(),
-                gpu(p.gpu_ms),
-                p.host_ms
-            ));
-            g += p.gpu_ms.unwrap_or(0.0);
-            h += p.host_ms;
-        }
-        let any_gpu = self.phases.iter().any(|p| p.gpu_ms.is_some());
-        t.push_str(&format!(
-            "  {:<12} {:>10} {:>10.3}\n",
-            "sum",
-            gpu(any_gpu.then_some(g)),
-            h
-        ));
-        t.push_str(&format!("  {:<12} {:>21.3}\n", "wall", self.wall_ms));
-        t
-    }
-}
-
-/// The events and host times of one profiled batch.
-struct ProfiledStep {
-    cuda: Option<fp8_kernels::CudaDevice>,
-    sync: bool,
-    events: Vec<(Phase, GpuEvent)>,
-    begin: Option<GpuEvent>,
-    last_host: Instant,
-    host_ms: [f64; 5],
-}
-
-/// Collects [`ProfiledStep`]s until the window is full; reads the events only then (one wait).
-struct StepProfiler {
-    cuda: Option<fp8_kernels::CudaDevice>,
-    sync: bool,
-    target: usize,
-    started: Option<Instant>,
-    steps: Vec<ProfiledStep>,
-    complete: bool,
-}
-
-impl StepProfiler {
-    fn new(device: &Device, target: usize, sync: bool) -> Self {
-        StepProfiler {
-            cuda: device.as_cuda("profile").ok().cloned(),
-            sync,
-            target,
-            started: None,
-            steps: Vec::with_capacity(target),
-            complete: false,
-        }
-    }
-
-    /// Starts timing a batch, or `None` once the window is complete.
-    fn begin(&mut self) -> Result<Option<ProfiledStep>, MnistError> {
-        if self.complete {
-            return Ok(None);
-        }
-        if let (Some(c), true) = (&self.cuda, self.sync) {
-            wait_for_device(c)?;
-        }
-        let now = Instant::now();
-        self.started.get_or_insert(now);
-        let begin = match &self.cuda {
-            Some(c) => Some(c.record_compute_timed()?),
-            None => None,
-        };
-        Ok(Some(ProfiledStep {
-            cuda: self.cuda.clone(),
-            sync: self.sync,
-            events: Vec::with_capacity(Phase::ALL.len()),
-            begin,
-            last_host: now,
-            host_ms: [0.0; 5],
-        }))
-    }
-
-    /// Adds a finished batch; returns the profile when the window is complete.
-    fn add(&mut self, step: ProfiledStep) -> Result<Option<StepProfile>, MnistError> {
-        self.steps.push(step);
-        if self.steps.len() < self.target {
-            return Ok(None);
-        }
-        self.complete = true;
-        if let Some(c) = &self.cuda {
-            c.stream()
-                .synchronize()
-                .map_err(fp8_kernels::KernelError::from)?;
-        }
-        let n = self.steps.len();
-        let wall_ms = self
-            .started
-            .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3)
-            / n as f64;
-        let mut gpu = [0f64; 5];
-        let mut host = [0f64; 5];
-        for st in &self.steps {
-            for (h, v) in host.iter_mut().zip(st.host_ms) {
-                *h += v;
-            }
-            let mut prev = st.begin.as_ref();
-            for (phase, ev) in &st.events {
-                if let Some(p) = prev {
-                    gpu[*phase as usize] += f64::from(p.elapsed_ms(ev)?);
-                }
-                prev = Some(ev);
-            }
-        }
-        let on_gpu = self.cuda.is_some();
-        let phases = Phase::ALL
-            .iter()
-            .map(|&p| PhaseTiming {
-                phase: p,
-                gpu_ms: on_gpu.then_some(gpu[p as usize] / n as f64),
-                host_ms: host[p as usize] / n as f64,
-            })
-            .collect();
-        self.steps.clear();
-        Ok(Some(StepProfile {
-            batches: n,
-            phases,
-            wall_ms,
-        }))
-    }
-}
-
-/// Ends `phase` of a profiled batch (a no-op when the batch is not profiled).
-fn mark(step: &mut Option<ProfiledStep>, phase: Phase) -> Result<(), MnistError> {
-    let Some(st) = step.as_mut() else {
-        return Ok(());
-    };
-    let now = Instant::now();
-    st.host_ms[phase as usize] += (now - st.last_host).as_secs_f64() * 1e3;
-    st.last_host = now;
-    if let Some(c) = &st.cuda {
-        st.events.push((phase, c.record_compute_timed()?));
-        if st.sync {
-            wait_for_device(c)?;
-            // The wait is neither this phase's nor the next one's host time.
-            st.last_host = Instant::now();
-        }
-    }
-    Ok(())
-}
-
-/// Waits for every stream of the device (compute and communication).
-fn wait_for_device(c: &fp8_kernels::CudaDevice) -> Result<(), MnistError> {
-    c.context()
-        .synchronize()
-        .map_err(fp8_kernels::KernelError::from)?;
-    Ok(())
-}
-
-/// Hands a profiled batch to the profiler; prints the table on completion when `print`.
-fn finish_profiled_step(
-    profiler: &mut Option<StepProfiler>,
-    step: Option<ProfiledStep>,
-    out: &mut Option<StepProfile>,
-    print: bool,
-) -> Result<(), MnistError> {
-    let (Some(p), Some(st)) = (profiler.as_mut(), step) else {
-        return Ok(());
-    };
-    if let Some(done) = p.add(st)? {
-        if print {
-            println!("{}", done.table());
-        }
-        *out = Some(done);
-    }
-    Ok(())
 }
