@@ -22,6 +22,7 @@ use fsdp_examples::gpt::{
     train, Fp8Layers, GptModelChoice, GptPrecision, GptTrainConfig, GptTrainReport,
 };
 use fsdp_examples::run_setup::DeviceChoice;
+use fsdp_shard::GradDtype;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -58,6 +59,7 @@ fn small(precision: GptPrecision, seq_len: usize) -> GptModelChoice {
         precision,
         fp8_layers: Fp8Layers::All,
         fp8_grad_comm: false,
+        grad_shards: GradDtype::F32,
         seed: 1,
     }
 }
@@ -186,15 +188,16 @@ fn resuming_is_bitwise_the_run_that_did_not_stop() {
 }
 
 #[test]
-fn fp8_gradient_reduction_stays_near_the_exact_one() {
+fn fp8_gradient_reduction_and_bf16_shards_stay_near_the_exact_ones() {
     let (data, _) = data_dir();
-    let mk = |fp8_grad_comm| GptTrainConfig {
+    let mk = |fp8_grad_comm, grad_shards| GptTrainConfig {
         eval_every: Some(10),
         max_val_batches: Some(4),
         ..config(
             &data,
             GptModelChoice {
                 fp8_grad_comm,
+                grad_shards,
                 ..small(GptPrecision::Fp8, 32)
             },
             10,
@@ -202,8 +205,23 @@ fn fp8_gradient_reduction_stays_near_the_exact_one() {
             2,
         )
     };
-    let (exact, _) = run(&mk(false));
-    let (fp8, _) = run(&mk(true));
+    let (exact, _) = run(&mk(false, GradDtype::F32));
+    let (fp8, _) = run(&mk(true, GradDtype::F32));
+    // BF16 gradient shards (one rounding per reduction) stay near the F32 shards too.
+    let (half, _) = run(&mk(false, GradDtype::Bf16));
+    let diff_half = exact
+        .step_losses
+        .iter()
+        .zip(&half.step_losses)
+        .map(|(a, b)| (a.1 - b.1).abs())
+        .fold(0.0, f64::max);
+    let vh = final_val(&half);
+    eprintln!("BF16 gradient shards: val {vh:.4}; largest step-loss difference {diff_half:.3e}");
+    assert!(diff_half > 0.0, "BF16 gradient shards changed nothing");
+    assert!(
+        diff_half < 0.05 && (final_val(&exact) - vh).abs() < 0.03,
+        "{diff_half} / {vh}"
+    );
     let diff = exact
         .step_losses
         .iter()

@@ -173,3 +173,4 @@ extern "C" __global__ void add_at_bf16_to_bf16(u16* dst, u64 offset, const u16* 
     }
 ELEMENTWISE_ENTRIES(f32, TF32)
 ELEMENTWISE_ENTRIES(bf16, TBF16)
+ELEMENTWISE_ENTRIES(f16, TF16)

@@ -13,6 +13,7 @@ use fsdp_examples::gpt::{
 use fsdp_examples::metrics::{render_svg, PlotKind, PlotOptions, PlotSeries};
 use fsdp_examples::progress::ProgressMode;
 use fsdp_examples::run_setup::{DeviceChoice, RunOutputs};
+use fsdp_shard::GradDtype;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum PrecisionArg {
@@ -47,6 +48,12 @@ enum DeviceArg {
     Auto,
     Cpu,
     Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum GradShardsArg {
+    F32,
+    Bf16,
 }
 
 #[derive(Parser, Debug)]
@@ -90,6 +97,9 @@ struct Args {
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     #[arg(long)]
     fp8_grad_comm: bool,
+    /// Storage of the reduced gradient shards (bf16: half the bytes, one rounding per reduction).
+    #[arg(long, value_enum, default_value_t = GradShardsArg::F32)]
+    grad_shards: GradShardsArg,
     /// Optimizer states of the FP8 weights.
     #[arg(long, value_enum, default_value_t = StatesArg::Low)]
     optimizer_states: StatesArg,
@@ -211,6 +221,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             Fp8LayersArg::None => Fp8Layers::None,
         },
         fp8_grad_comm: args.fp8_grad_comm,
+        grad_shards: match args.grad_shards {
+            GradShardsArg::F32 => GradDtype::F32,
+            GradShardsArg::Bf16 => GradDtype::Bf16,
+        },
         seed: args.seed,
     };
     let optimizer_states = match args.optimizer_states {

@@ -11,7 +11,7 @@ use fp8_kernels::CpuParallelism;
 use fsdp_comm::Communicator;
 use fsdp_nn::{Activation, LinearPrecision};
 use fsdp_optim::{AdamOptions, FsdpAdamW, StatePrecision, WarmupCosine};
-use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction};
+use fsdp_shard::{FsdpConfig, FsdpModel, GradDtype, GradReduction};
 use std::sync::Arc;
 
 /// Everything that can stop a `gpt_fsdp` run.
@@ -97,6 +97,9 @@ pub struct GptModelChoice {
     pub fp8_layers: Fp8Layers,
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     pub fp8_grad_comm: bool,
+    /// Storage of the reduced gradient shards: F32 (exact, the peer's) or BF16 (half the bytes; one
+    /// rounding per reduction, see [`GradDtype`]).
+    pub grad_shards: GradDtype,
     /// Seed of the initial weights.
     pub seed: u64,
 }
@@ -165,6 +168,7 @@ impl GptModelChoice {
         } else {
             "F32 gradient reduce-scatter"
         };
+        let comm = format!("{comm}, {} gradient shards", self.grad_shards.name().to_uppercase());
         match self.precision {
             GptPrecision::Fp32 => format!("F32 linears, F32 activations; {comm}"),
             GptPrecision::Bf16 => format!("BF16 linears, BF16 activations; {comm}"),
@@ -187,6 +191,7 @@ impl GptModelChoice {
             } else {
                 GradReduction::F32
             },
+            grad_dtype: self.grad_shards,
             ..FsdpConfig::default()
         }
     }

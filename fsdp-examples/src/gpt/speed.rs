@@ -172,6 +172,7 @@ impl SpeedReport {
             "fp8_layers_choice": format!("{:?}", c.model.fp8_layers).to_lowercase(),
             "recipe": self.recipe,
             "fp8_grad_comm": c.model.fp8_grad_comm,
+            "grad_shards": c.model.grad_shards.name(),
             "optimizer": self.optimizer,
             "device": self.device,
             "warmup": c.warmup_steps,

@@ -228,6 +228,7 @@ impl GptTrainConfig {
                     format!("{:?}", m.fp8_layers).to_lowercase(),
                 ),
                 RunSetting::new("fp8_grad_comm", "--fp8-grad-comm", m.fp8_grad_comm),
+                RunSetting::new("grad_shards", "--grad-shards", m.grad_shards.name()),
                 RunSetting::new("batch_size", "--batch-size", self.batch_size),
                 RunSetting::new("grad_accum", "--grad-accum", self.grad_accum),
                 RunSetting::new(
