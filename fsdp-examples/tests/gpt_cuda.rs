@@ -4,8 +4,13 @@
 //! activations with BF16/F32 linears; and two CUDA runs give the same bits.
 //!
 //! Tolerances (stated, per parameter): relative L2 error of every gradient against the CPU's at most
-//! 5e-2 (BF16 + FP8) or 2e-2 (F32 activations), and the mean loss within 1e-2 (BF16 + FP8) or 2e-3 (F32)
-//! absolute. The two devices differ by accumulation order (cuBLASLt against the CPU GEMM), by the flash
+//! 5e-2 (BF16 + FP8, BF16) or 2e-2 (F32 activations), and the mean loss within 1e-2 (BF16 + FP8) or 2e-3
+//! (F32) absolute. With FP8 linears a gradient may also differ by up to twice the FP8 quantization's own
+//! effect on it (the relative L2 distance between the CPU's FP8 gradient and the CPU's gradient of the
+//! same model with BF16 linears): an E5M2 gradient code that flips between neighbours moves by a quarter
+//! of its value, so devices that differ in the last bits upstream differ by a share of the quantization
+//! noise downstream, never by more than the two quantizations' noise together. A wrong kernel gives
+//! errors of order 1. The two devices differ by accumulation order (cuBLASLt against the CPU GEMM), by the flash
 //! attention's BF16 probabilities (about 3e-3 relative L2 against the CPU's exact F32 softmax,
 //! `docs/attention.md`), and by the FP8 and BF16 rounding flips these cause downstream; every other kernel
 //! (embedding, norms, casts, cross-entropy) agrees bit for bit given equal inputs.
@@ -87,15 +92,32 @@ fn compare<T: Activation>(what: &str, config: GptConfig, grad_tol: f64, loss_tol
             return false;
         }
     };
-    let mut cpu = one_rank::<T>(config);
+    let fp8 = config.fp8 != Fp8Layers::None;
+    let mut cpu = one_rank::<T>(config.clone());
     let (loss_c, grads_c) = step(&mut cpu);
     let (loss_g, grads_g) = step(&mut gpu);
+    // The FP8 quantization's own effect per gradient: the same model with BF16 linears on the CPU.
+    let noise: Vec<f64> = if fp8 {
+        let mut plain = one_rank::<T>(GptConfig {
+            fp8: Fp8Layers::None,
+            ..config
+        });
+        let (_, grads_p) = step(&mut plain);
+        grads_c
+            .iter()
+            .zip(&grads_p)
+            .map(|((_, c), (_, p))| rel_l2(c, p))
+            .collect()
+    } else {
+        vec![0.0; grads_c.len()]
+    };
     println!("{what}: loss CPU {loss_c:.6}, CUDA {loss_g:.6}");
     let mut worst = 0f64;
-    for ((name, c), (_, g)) in grads_c.iter().zip(&grads_g) {
+    for (((name, c), (_, g)), q) in grads_c.iter().zip(&grads_g).zip(&noise) {
         let e = rel_l2(g, c);
-        worst = worst.max(e);
-        println!("{what}: {name:24} relative L2 error {e:.3e}");
+        let bound = grad_tol.max(2.0 * q);
+        worst = worst.max(e / bound);
+        println!("{what}: {name:24} relative L2 error {e:.3e} (FP8 noise {q:.3e}, bound {bound:.3e})");
         assert!(
             g.iter().all(|v| v.is_finite()),
             "{what}: {name} not finite on CUDA"
@@ -106,8 +128,8 @@ fn compare<T: Activation>(what: &str, config: GptConfig, grad_tol: f64, loss_tol
         "{what}: loss {loss_c} vs {loss_g}"
     );
     assert!(
-        worst <= grad_tol,
-        "{what}: worst gradient error {worst:e} > {grad_tol:e}"
+        worst <= 1.0,
+        "{what}: worst gradient error / bound {worst:.3} > 1"
     );
     // A second CUDA step on the same weights gives the same bits (deterministic kernels).
     let (loss_2, grads_2) = step(&mut gpu);

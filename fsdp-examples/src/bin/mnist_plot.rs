@@ -1,11 +1,12 @@
-//! Overlays the train loss and test accuracy of several metrics files (JSON lines, one record per epoch)
-//! in one SVG; each run is labelled by its file name without extension.
+//! Overlays several metrics files (JSON lines) in one SVG: MNIST's train loss and test accuracy per epoch,
+//! or with `--kind lm` gpt_fsdp's train and validation loss per step; each run is labelled by its file
+//! name without extension.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use fsdp_examples::metrics::{render_svg, PlotOptions, PlotSeries};
+use fsdp_examples::metrics::{render_svg, PlotKind, PlotOptions, PlotSeries};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -18,9 +19,19 @@ struct Args {
     /// The SVG file to write.
     #[arg(short, long, default_value = "mnist-metrics.svg")]
     out: PathBuf,
-    /// Plot title (empty for none).
-    #[arg(long, default_value = "MNIST: train loss and test accuracy per epoch")]
-    title: String,
+    /// Plot title (empty for none) [default: one naming the kind's quantities].
+    #[arg(long)]
+    title: Option<String>,
+    /// What the files hold: MNIST epochs, or language-model steps (gpt_fsdp --metrics: train and
+    /// validation loss per step).
+    #[arg(long, value_enum, default_value_t = KindArg::Mnist)]
+    kind: KindArg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum KindArg {
+    Mnist,
+    Lm,
 }
 
 fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -29,14 +40,30 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .map(PlotSeries::from_file)
         .collect::<Result<Vec<_>, _>>()?;
+    let (kind, title) = match args.kind {
+        KindArg::Mnist => (
+            PlotKind::default(),
+            "MNIST: train loss and test accuracy per epoch",
+        ),
+        KindArg::Lm => (PlotKind::LanguageModel, "GPT on Shakespeare: loss per step"),
+    };
     let options = PlotOptions {
-        title: args.title.clone(),
+        kind,
+        title: args.title.clone().unwrap_or_else(|| title.to_string()),
         ..PlotOptions::default()
     };
     let svg = render_svg(&series, &options)?;
     std::fs::write(&args.out, svg).map_err(|e| format!("{}: {e}", args.out.display()))?;
     for s in &series {
         match s.epochs.iter().max_by_key(|m| m.epoch) {
+            Some(last) if args.kind == KindArg::Lm => println!(
+                "{}: {} records, last: step {} train loss {:.4} validation loss {:.4}",
+                s.label,
+                s.epochs.len(),
+                last.epoch,
+                last.train_loss,
+                last.test_loss
+            ),
             Some(last) => println!(
                 "{}: {} epochs, last: epoch {} train loss {:.4} test accuracy {:.2}%",
                 s.label,
