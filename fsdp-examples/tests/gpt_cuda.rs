@@ -117,7 +117,9 @@ fn compare<T: Activation>(what: &str, config: GptConfig, grad_tol: f64, loss_tol
         let e = rel_l2(g, c);
         let bound = grad_tol.max(2.0 * q);
         worst = worst.max(e / bound);
-        println!("{what}: {name:24} relative L2 error {e:.3e} (FP8 noise {q:.3e}, bound {bound:.3e})");
+        println!(
+            "{what}: {name:24} relative L2 error {e:.3e} (FP8 noise {q:.3e}, bound {bound:.3e})"
+        );
         assert!(
             g.iter().all(|v| v.is_finite()),
             "{what}: {name} not finite on CUDA"

@@ -168,7 +168,10 @@ impl GptModelChoice {
         } else {
             "F32 gradient reduce-scatter"
         };
-        let comm = format!("{comm}, {} gradient shards", self.grad_shards.name().to_uppercase());
+        let comm = format!(
+            "{comm}, {} gradient shards",
+            self.grad_shards.name().to_uppercase()
+        );
         match self.precision {
             GptPrecision::Fp32 => format!("F32 linears, F32 activations; {comm}"),
             GptPrecision::Bf16 => format!("BF16 linears, BF16 activations; {comm}"),
