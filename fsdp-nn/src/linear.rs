@@ -1,5 +1,8 @@
 //! Fully connected layer `y = x W^T (+ b)` in FP8, BF16 or F32.
 //!
+//! One file (over 800 lines) on purpose: the three precisions share the layer's state and saved
+//! tensors, and each forward sits beside its backward so the pair can be read together.
+//!
 //! # FP8 recipe (E4M3 forward, E5M2 gradients, f32 accumulation)
 //! - forward: `x` is cast to E4M3 with the input meta's scale (delayed scaling by default: the scale
 //!   comes from the amax history; the cast records this step's amax in the meta's pending slot), which

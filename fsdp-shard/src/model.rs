@@ -12,6 +12,9 @@
 //! - while gathered: the full flat buffers and each parameter cut out of them.
 //!
 //! Master weights of FP8 parameters are not here: the optimizer owns them, once.
+//!
+//! One file (over 800 lines) on purpose: gather, release and reduce act on the same per-unit buffers and
+//! their invariants (what is live when) are checked in one place.
 
 use crate::grad::{GradReducer, GradReduction};
 use crate::layout::{ModelLayout, ParamGroup, ParamKind};

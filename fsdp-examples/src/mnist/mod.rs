@@ -9,6 +9,7 @@
 //!
 //! See `docs/mnist.md` for usage, hyperparameters and measured results.
 
+mod batches;
 mod net;
 mod train;
 
