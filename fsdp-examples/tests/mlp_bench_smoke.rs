@@ -62,6 +62,30 @@ fn fp8_reduction_and_recompute_on_two_ranks_train() {
     assert!((a - a1).abs() < 1e-6 * a1.max(1.0), "{a} vs {a1}");
 }
 
+/// Sizes that overflow or cannot fit, and zero counts, are refused up front with a message naming the
+/// cause (exit 1), never a panic (101), an abort (134) or a run.
+#[test]
+fn bad_sizes_and_counts_are_refused_before_any_work() {
+    for (args, expect) in [
+        (&["--d", "18446744073709551615"][..], "overflow"),
+        (
+            &["--d", "65536", "--blocks", "64"][..],
+            "choose smaller sizes",
+        ),
+        (&["--threads", "0"][..], "--threads must be at least 1"),
+        (&["--steps", "0"][..], "--steps must be at least 1"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mlp_bench"))
+            .args(["--device", "cpu"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn binary_prints_a_consistent_json_line() {
     let run = |mode: &str| -> serde_json::Value {
