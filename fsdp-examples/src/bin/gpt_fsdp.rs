@@ -123,7 +123,8 @@ struct Args {
     /// Validate every N steps [default: steps / 10].
     #[arg(long)]
     eval_every: Option<u64>,
-    /// Validate on at most N batches (all by default, as the peer).
+    /// Validate on at most N batches [default: all on a GPU, as the peer; 32 on the CPU, where a full
+    /// pass over val.bin takes minutes].
     #[arg(long)]
     max_val_batches: Option<usize>,
     /// Save a sharded checkpoint here at the end (and with --save-every).
@@ -176,6 +177,9 @@ struct Args {
     #[arg(long)]
     no_progress: bool,
 }
+
+/// Validation batches on the CPU unless `--max-val-batches` says otherwise.
+const CPU_VAL_BATCHES: usize = 32;
 
 fn device_choice(arg: DeviceArg) -> DeviceChoice {
     match arg {
@@ -265,6 +269,18 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     };
+    // The full validation set is the peer's, but on the CPU it costs minutes per evaluation.
+    let max_val_batches = match (args.max_val_batches, on_cpu) {
+        (Some(n), _) => Some(n),
+        (None, true) => {
+            eprintln!(
+                "validating on the first {CPU_VAL_BATCHES} batches of val.bin on the CPU \
+                 (--max-val-batches N to change)"
+            );
+            Some(CPU_VAL_BATCHES)
+        }
+        (None, false) => None,
+    };
     let config = GptTrainConfig {
         batch_size: args.batch_size,
         grad_accum: args.grad_accum,
@@ -275,7 +291,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         data_dir,
         compact_vocab: args.compact_vocab,
         eval_every: args.eval_every,
-        max_val_batches: args.max_val_batches,
+        max_val_batches,
         save: args.save.clone(),
         save_every: args.save_every,
         resume: args.resume.clone(),
