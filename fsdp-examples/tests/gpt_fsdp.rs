@@ -58,6 +58,7 @@ fn small(precision: GptPrecision, seq_len: usize) -> GptModelChoice {
         seq_len,
         precision,
         fp8_layers: Fp8Layers::All,
+        fp8_auto_threshold: fsdp_examples::gpt::DEFAULT_FP8_AUTO_THRESHOLD,
         fp8_grad_comm: false,
         grad_shards: GradDtype::F32,
         seed: 1,
@@ -311,6 +312,17 @@ fn bad_flags_are_refused_naming_them() {
     assert!(e.contains("--sample"), "{e}");
     let e = err(&["--data", "/nonexistent-gpt-data"]);
     assert!(e.contains("fetch-shakespeare"), "{e}");
+    // The FP8 crossover: a positive integer, and only where it decides something.
+    for bad in ["0", "-5", "big"] {
+        let flag = format!("--fp8-auto-threshold={bad}");
+        let e = err(&["--fp8-layers", "auto", &flag]);
+        assert!(e.contains("--fp8-auto-threshold"), "{bad}: {e}");
+    }
+    let e = err(&["--fp8-auto-threshold", "512"]);
+    assert!(
+        e.contains("--fp8-auto-threshold") && e.contains("--fp8-layers auto"),
+        "{e}"
+    );
 }
 
 /// On a GPU (skipped without one): the learning run on CUDA ends near the CPU run, and `--speed` on the

@@ -9,6 +9,7 @@ use clap::{Parser, ValueEnum};
 use fsdp_examples::data::tokens::{committed_shakespeare_slice_dir, DEFAULT_SHAKESPEARE_DIR};
 use fsdp_examples::gpt::{
     speed, train, Fp8Layers, GptModelChoice, GptPrecision, GptTrainConfig, SpeedConfig,
+    DEFAULT_FP8_AUTO_THRESHOLD,
 };
 use fsdp_examples::metrics::{render_svg, PlotKind, PlotOptions, PlotSeries};
 use fsdp_examples::progress::ProgressMode;
@@ -94,6 +95,11 @@ struct Args {
     /// Which block linears run in FP8 with --precision fp8 (auto: those large enough to pay).
     #[arg(long, value_enum, default_value_t = Fp8LayersArg::All)]
     fp8_layers: Fp8LayersArg,
+    /// With --fp8-layers auto: a block linear in -> out runs in FP8 when in*out/(in+out) >= N (a
+    /// positive integer) [default: DEFAULT_FP8_AUTO_THRESHOLD, 1024; the `linear_crossover` example
+    /// measures it].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    fp8_auto_threshold: Option<u64>,
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     #[arg(long)]
     fp8_grad_comm: bool,
@@ -200,6 +206,14 @@ fn device_choice(arg: DeviceArg) -> DeviceChoice {
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    if args.fp8_auto_threshold.is_some() && args.fp8_layers != Fp8LayersArg::Auto {
+        return Err("--fp8-auto-threshold decides nothing without --fp8-layers auto".into());
+    }
+    let fp8_auto_threshold = match args.fp8_auto_threshold {
+        None => DEFAULT_FP8_AUTO_THRESHOLD,
+        Some(n) => usize::try_from(n)
+            .map_err(|_| format!("--fp8-auto-threshold {n} does not fit this machine's usize"))?,
+    };
     if let Some(plot) = &args.plot {
         RunOutputs::prepare(None, &[("--plot", plot.as_path())])?;
     }
@@ -224,6 +238,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             Fp8LayersArg::Auto => Fp8Layers::Auto,
             Fp8LayersArg::None => Fp8Layers::None,
         },
+        fp8_auto_threshold,
         fp8_grad_comm: args.fp8_grad_comm,
         grad_shards: match args.grad_shards {
             GradShardsArg::F32 => GradDtype::F32,

@@ -45,6 +45,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod crossover;
 mod model;
 mod run;
 mod speed;
@@ -83,8 +84,16 @@ pub const PRESETS: [(&str, usize, usize, usize); 6] = [
 /// faster GEMM pays for the casts. 1024 puts the crossover at square 2048 x 2048 weights, where an FP8
 /// GEMM was measured 1.09x a BF16 one on the H200 (`shared/DESIGN.md`): every linear of gpt2 (d = 768)
 /// stays BF16, every linear of gpt-3b (d = 2560) is FP8, gpt2-xl (d = 1600) has FP8 `c_attn`, `c_fc`,
-/// `mlp_proj` and a BF16 `attn_proj`. A first guess, to be replaced by a measured value.
+/// `mlp_proj` and a BF16 `attn_proj`. A first guess, to be replaced by a measured value: the
+/// `linear_crossover` example measures it (see [`crossover`] and `docs/gpt.md`); `gpt_fsdp` takes another
+/// value with `--fp8-auto-threshold`.
 pub const DEFAULT_FP8_AUTO_THRESHOLD: usize = 1024;
+
+/// The quantity [`Fp8Layers::Auto`] compares with its threshold for a linear `inf -> outf`:
+/// `inf * outf / (inf + outf)` in integers (rounded down; 0 when both are 0).
+pub fn fp8_auto_ratio(inf: usize, outf: usize) -> usize {
+    (inf * outf).checked_div(inf + outf).unwrap_or(0)
+}
 
 /// Which linears run in FP8; the others run in BF16 (or F32 with `f32` activations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -215,7 +224,7 @@ impl GptConfig {
         match self.fp8 {
             Fp8Layers::All => LinearPrecision::Fp8,
             Fp8Layers::None => float,
-            Fp8Layers::Auto if inf * outf / (inf + outf) >= self.fp8_auto_threshold => {
+            Fp8Layers::Auto if fp8_auto_ratio(inf, outf) >= self.fp8_auto_threshold => {
                 LinearPrecision::Fp8
             }
             Fp8Layers::Auto => float,

@@ -95,6 +95,8 @@ pub struct GptModelChoice {
     pub precision: GptPrecision,
     /// Which linears run in FP8 with [`GptPrecision::Fp8`].
     pub fp8_layers: Fp8Layers,
+    /// The crossover of [`Fp8Layers::Auto`] ([`super::DEFAULT_FP8_AUTO_THRESHOLD`] by default).
+    pub fp8_auto_threshold: usize,
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     pub fp8_grad_comm: bool,
     /// Storage of the reduced gradient shards: F32 (exact, the peer's) or BF16 (half the bytes; one
@@ -114,6 +116,7 @@ impl GptModelChoice {
         c.heads = self.heads.unwrap_or(c.heads);
         c.vocab = vocab;
         c.seed = self.seed;
+        c.fp8_auto_threshold = self.fp8_auto_threshold;
         c.fp8 = match self.precision {
             GptPrecision::Fp8 => self.fp8_layers,
             GptPrecision::Bf16 | GptPrecision::Fp32 => Fp8Layers::None,
