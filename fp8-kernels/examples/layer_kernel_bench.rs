@@ -16,15 +16,16 @@
 //! little-endian files plus `manifest.json` into DIR (on the GPU when there is one, else on the CPU), for
 //! `scripts/check_layers_vs_torch.py DIR`, which compares them with PyTorch.
 //!
-//! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096,8192]` (chunk sizes in tokens; each
-//! must divide the token count) or `layer_kernel_bench --export DIR`.
+//! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096,8192] [--sweep]` (chunk sizes in tokens;
+//! each must divide the token count; `--sweep` also times every `NormLaunch` choice of the LayerNorm rows)
+//! or `layer_kernel_bench --export DIR`.
 
 use fp8_core::Fp8Format;
 use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
 use fp8_kernels::gemm::{gemm_bf16, GemmSpec, Transpose};
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormSpec,
-    NormStats,
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormLaunch,
+    NormSpec, NormStats,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, CudaDevice, Device, Element, KernelError};
@@ -75,6 +76,7 @@ fn layer_norm_rows(
     dev: &CudaDevice,
     iters: usize,
     copy_tbs: f64,
+    sweep: bool,
     out: &mut Vec<Row>,
 ) -> Result<(), KernelError> {
     // (rows, d, peer forward µs, peer backward µs)
@@ -163,6 +165,62 @@ fn layer_norm_rows(
                 ceiling_us(6.0 * n as f64)
             ),
         });
+        if sweep {
+            // Every launch choice of the two timed kernels (results are the same bits; layer_norm_cuda).
+            let mut line = format!("sweep fwd fp8 [{rows}, {d}] µs:");
+            for nv in [0u32, 4, 8, 12, 16] {
+                for tile in [8usize, 16, 32] {
+                    let launch = NormLaunch {
+                        vectors_per_lane: Some(nv),
+                        tile_rows: Some(tile),
+                    };
+                    let sp = spec.with_launch(launch);
+                    let ms = time_ms(dev, iters, || {
+                        norm_forward_fp8(
+                            &sp,
+                            &x,
+                            &w,
+                            None,
+                            &mut stats,
+                            Fp8NormOutput {
+                                format: Fp8Format::E4M3,
+                                scale: &scale,
+                                codes: &mut q,
+                                codes_t: &mut qt,
+                                amax: Some(AmaxSlot::first(&mut amax)),
+                            },
+                        )
+                    })?;
+                    line += &format!(" nv{nv}/t{tile} {:.1}", ms * 1e3);
+                }
+            }
+            println!("{line}");
+            let mut line = format!("sweep bwd [{rows}, {d}] µs:");
+            for nv in [0u32, 4, 8, 12, 16] {
+                let sp = spec.with_launch(NormLaunch {
+                    vectors_per_lane: Some(nv),
+                    tile_rows: None,
+                });
+                let ms = time_ms(dev, iters, || {
+                    norm_backward(
+                        &sp,
+                        &x,
+                        &w,
+                        &stats,
+                        &dy,
+                        NormGrads {
+                            dx: &mut dx,
+                            dx_mode: GradMode::Overwrite,
+                            dweight: &mut dw,
+                            dbias: None,
+                            param_mode: GradMode::Overwrite,
+                        },
+                    )
+                })?;
+                line += &format!(" nv{nv} {:.1}", ms * 1e3);
+            }
+            println!("{line}");
+        }
     }
     Ok(())
 }
@@ -334,7 +392,7 @@ fn lm_head_rows(
     Ok(())
 }
 
-fn bench(iters: usize, chunks: &[usize]) -> Result<(), KernelError> {
+fn bench(iters: usize, chunks: &[usize], sweep: bool) -> Result<(), KernelError> {
     let gpu = Device::cuda(0)?;
     let dev = gpu.as_cuda("layer_kernel_bench")?.clone();
     dev.require_fp8()?;
@@ -353,7 +411,7 @@ fn bench(iters: usize, chunks: &[usize]) -> Result<(), KernelError> {
     drop((big, big2));
     println!("device copy: {copy_tbs:.2} TB/s (read + write)");
     let mut rows = Vec::new();
-    layer_norm_rows(&gpu, &dev, iters, copy_tbs, &mut rows)?;
+    layer_norm_rows(&gpu, &dev, iters, copy_tbs, sweep, &mut rows)?;
     lm_head_rows(&gpu, &dev, iters, chunks, &mut rows)?;
     println!(
         "\n{:<52} {:>10} {:>10} {:>7} {:>7}  notes",
@@ -548,7 +606,7 @@ fn export(dir: &Path) -> Result<(), String> {
 }
 
 fn usage() -> ExitCode {
-    eprintln!("usage: layer_kernel_bench [--iters N] [--chunks N,N,...] | --export DIR");
+    eprintln!("usage: layer_kernel_bench [--iters N] [--chunks N,N,...] [--sweep] | --export DIR");
     ExitCode::from(2)
 }
 
@@ -557,8 +615,14 @@ fn main() -> ExitCode {
     let mut iters = 20usize;
     let mut chunks = vec![1024usize, 2048, 4096, 8192];
     let mut export_dir = None;
+    let mut sweep = false;
     let mut i = 0;
     while i < args.len() {
+        if args[i] == "--sweep" {
+            sweep = true;
+            i += 1;
+            continue;
+        }
         let value = args.get(i + 1);
         match (args[i].as_str(), value) {
             ("--iters", Some(v)) => match v.parse::<usize>() {
@@ -583,7 +647,7 @@ fn main() -> ExitCode {
             }
         };
     }
-    match bench(iters, &chunks) {
+    match bench(iters, &chunks, sweep) {
         Ok(()) => ExitCode::SUCCESS,
         Err(KernelError::CudaUnavailable(why)) => {
             println!("no GPU bench run: CUDA is not available ({why})");

@@ -1,13 +1,14 @@
 //! LayerNorm / RMSNorm on CUDA against the CPU reference, bit for bit, on random inputs of shapes that take
-//! every kernel path (register-held rows of 4 and 16 vectors per lane, re-read rows for d not a multiple of
-//! 8 and for d > 4096, 16-byte and byte-wise transposed stores, one and several parameter chunks), both
-//! element types, both norms, with and without bias, overwrite and accumulate; and CUDA run twice gives the
-//! same bits. Prints `SKIPPED: <reason>` and passes where no GPU can be opened.
+//! every kernel path (register-held rows of 4 to 16 vectors per lane, re-read rows for d not a multiple of
+//! 8 and for d > 4096, 16-byte and byte-wise transposed stores, one and several parameter chunks and
+//! groups, the backward's staging in shared and in global memory), both element types, both norms, with and
+//! without bias, overwrite and accumulate; CUDA run twice gives the same bits; and every launch choice
+//! (`NormLaunch`) gives the same bits. Prints `SKIPPED: <reason>` and passes where no GPU can be opened.
 
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
-    NormSpec, NormStats, MAX_FP8_ROW,
+    NormLaunch, NormSpec, NormStats, MAX_FP8_ROW,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, Device, FloatElement};
@@ -45,6 +46,7 @@ struct Outputs {
     db: Vec<u32>,
 }
 
+#[derive(Clone)]
 struct Inputs {
     spec: NormSpec,
     x: Vec<f32>,
@@ -247,6 +249,7 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
         (33, 2560, false),   // rows not a multiple of 16: byte-wise transposed stores
         (3, 70_000, false),  // wider than the FP8 output allows: plain forward and backward only
         (1000, 8, false),    // many parameter chunks of short rows
+        (20000, 64, false),  // more than 32 x 32 chunks: groups of more than 32 chunks
     ];
     let mut ok = true;
     let mut seed = 1;
@@ -258,6 +261,7 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
                 rows,
                 d,
                 eps: 1e-5,
+                launch: NormLaunch::default(),
             };
             let c = inputs(spec, bias, nan, seed);
             seed += 1;
@@ -271,4 +275,57 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
         }
     }
     assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}
+
+#[test]
+fn every_launch_choice_gives_the_same_bits() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED: {e}");
+            return;
+        }
+    };
+    let mut ok = true;
+    let mut seed = 100;
+    for (rows, d) in [(8192, 2560), (2048, 768), (40, 1000)] {
+        for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+            let c = inputs(
+                NormSpec::layer_norm(rows, d),
+                kind == NormKind::LayerNorm,
+                false,
+                seed,
+            );
+            let c = Inputs {
+                spec: NormSpec { kind, ..c.spec },
+                ..c
+            };
+            seed += 1;
+            let cpu = run::<bf16, bf16>(&Device::cpu(), &c);
+            let nvs = [Some(0), Some(4), Some(8), Some(12), Some(16)].map(|nv| (nv, None));
+            let tiles = [Some(8), Some(16), Some(32)].map(|t| (None, t));
+            for (nv, tile) in nvs.into_iter().chain(tiles) {
+                {
+                    let launch = NormLaunch {
+                        vectors_per_lane: nv,
+                        tile_rows: tile,
+                    };
+                    let ci = Inputs {
+                        spec: c.spec.with_launch(launch),
+                        ..c.clone()
+                    };
+                    let g = run::<bf16, bf16>(&gpu, &ci);
+                    if g != cpu {
+                        println!(
+                            "MISMATCH {kind:?} [{rows}, {d}] {launch:?}: {}",
+                            differences(&g, &cpu)
+                        );
+                        ok = false;
+                    }
+                }
+            }
+            println!("ok {kind:?} [{rows}, {d}]: every launch choice");
+        }
+    }
+    assert!(ok, "a launch choice changed the results (see above)");
 }

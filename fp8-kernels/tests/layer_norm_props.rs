@@ -133,6 +133,7 @@ fn spec(c: &Case) -> NormSpec {
         rows: c.rows,
         d: c.d,
         eps: c.eps,
+        launch: Default::default(),
     }
 }
 
@@ -440,6 +441,7 @@ fn finite_difference_check(kind: NormKind, rows: usize, d: usize, seed: u64) {
         rows,
         d,
         eps: eps as f32,
+        launch: Default::default(),
     };
     let (xb, wb, bb) = (
         dev.upload(&x).unwrap(),
@@ -517,10 +519,10 @@ fn backward_matches_finite_differences() {
 }
 
 #[test]
-fn parameter_sums_use_two_levels_on_tall_inputs() {
-    // 1000 rows: chunks of 32 rows (param_chunk), so the second level runs; compare with the documented
-    // order computed here directly.
-    let (rows, d) = (1000, 24);
+fn parameter_sums_use_three_levels_on_tall_inputs() {
+    // 1061 rows: 67 chunks of 16 rows in groups of 32 chunks (3 groups, the last short, the last chunk
+    // short), so every level runs; compare with the documented order computed here directly.
+    let (rows, d) = (1061, 24);
     let mut rng = fp8_kernels::rng::SplitMix64::new(9);
     let x: Vec<f32> = (0..rows * d).map(|_| rng.uniform_f32() * 4.0).collect();
     let g: Vec<f32> = (0..rows * d).map(|_| rng.uniform_f32()).collect();
@@ -553,20 +555,34 @@ fn parameter_sums_use_two_levels_on_tall_inputs() {
     )
     .unwrap();
     let (mean, rstd) = (stats.mean.to_vec().unwrap(), stats.rstd.to_vec().unwrap());
-    let chunk = fp8_kernels::layer_norm::param_chunk(rows);
-    assert_eq!(chunk, 32);
+    let order = fp8_kernels::layer_norm::param_order(rows);
+    assert_eq!((order.chunks, order.group, order.groups), (67, 32, 3));
+    let big = fp8_kernels::layer_norm::param_order(20_000);
+    assert_eq!((big.chunks, big.group, big.groups), (1250, 40, 32));
+    let chunk = fp8_kernels::layer_norm::PARAM_CHUNK_ROWS;
     let dw = dw.to_vec().unwrap();
+    let mut differs_from_one_chain = 0;
     for c in 0..d {
         let mut total = 0.0f32;
-        for k in 0..rows.div_ceil(chunk) {
-            let mut p = 0.0f32;
-            for r in k * chunk..((k + 1) * chunk).min(rows) {
-                p += g[r * d + c] * ((x[r * d + c] - mean[r]) * rstd[r]);
+        let mut plain = 0.0f32;
+        for gi in 0..order.groups {
+            let mut gsum = 0.0f32;
+            for k in gi * order.group..((gi + 1) * order.group).min(order.chunks) {
+                let mut p = 0.0f32;
+                for r in k * chunk..((k + 1) * chunk).min(rows) {
+                    let v = g[r * d + c] * ((x[r * d + c] - mean[r]) * rstd[r]);
+                    p += v;
+                    plain += v;
+                }
+                gsum = if k == gi * order.group { p } else { gsum + p };
             }
-            total = if k == 0 { p } else { total + p };
+            total = if gi == 0 { gsum } else { total + gsum };
         }
         assert_eq!(dw[c].to_bits(), total.to_bits(), "column {c}");
+        differs_from_one_chain += usize::from(plain.to_bits() != total.to_bits());
     }
+    // The levels change the rounding: a single chain over the rows would differ somewhere.
+    assert!(differs_from_one_chain > 0);
 }
 
 #[test]

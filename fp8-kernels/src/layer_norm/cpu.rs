@@ -2,7 +2,7 @@
 //! CUDA kernels are tested against. Every value is computed with the operations, and every sum in the
 //! order, of `layer_norm.cu`, so the two agree bit for bit.
 
-use super::{param_chunk, NormKind, NormSpec};
+use super::{param_order, NormKind, NormSpec, PARAM_CHUNK_ROWS};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
 use rayon::prelude::*;
@@ -203,9 +203,9 @@ pub(crate) fn backward_dx<T: FloatElement, G: FloatElement>(
     });
 }
 
-/// Backward, parameters: `dw[c] = sum_r dy xhat`, `db[c] = sum_r dy`, rows in chunks of
-/// [`param_chunk`]`(rows)` summed in row order from zero, chunk sums added in chunk order starting from
-/// the first; the totals overwrite or are added to `dw` / `db`.
+/// Backward, parameters: `dw[c] = sum_r dy xhat`, `db[c] = sum_r dy` in the three levels of
+/// [`param_order`]`(rows)` (chunks of [`PARAM_CHUNK_ROWS`] rows from zero, chunk sums per group from the
+/// group's first, group sums from the first); the totals overwrite or are added to `dw` / `db`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_params<T: FloatElement, G: FloatElement>(
     spec: &NormSpec,
@@ -218,34 +218,42 @@ pub(crate) fn backward_params<T: FloatElement, G: FloatElement>(
     accumulate: bool,
 ) {
     let (rows, d) = (spec.rows, spec.d);
-    let chunk = param_chunk(rows);
-    let chunks = rows.div_ceil(chunk).max(1);
+    let order = param_order(rows);
     const BAND: usize = 64;
+    // Sums of one chunk (rows in order from zero) over a band of columns.
+    let chunk_sums = |k: usize, c0: usize, width: usize, pw: &mut [f32], pb: &mut [f32]| {
+        pw.fill(0.0);
+        pb.fill(0.0);
+        for r in k * PARAM_CHUNK_ROWS..((k + 1) * PARAM_CHUNK_ROWS).min(rows) {
+            let (mu, rs) = (mean[r], rstd[r]);
+            for i in 0..width {
+                let at = r * d + c0 + i;
+                let g = dy[at].to_f32();
+                let xh = (x[at].to_f32() - mu) * rs;
+                pw[i] += g * xh;
+                pb[i] += g;
+            }
+        }
+    };
+    // `acc = first ? v : acc + v`, elementwise.
+    let fold = |acc: &mut [f32], v: &[f32], first: bool| {
+        for (a, &b) in acc.iter_mut().zip(v) {
+            *a = if first { b } else { *a + b };
+        }
+    };
     let band_sums = |c0: usize, width: usize| -> (Vec<f32>, Vec<f32>) {
         let (mut tw, mut tb) = (vec![0.0f32; width], vec![0.0f32; width]);
+        let (mut gw, mut gb) = (vec![0.0f32; width], vec![0.0f32; width]);
         let (mut pw, mut pb) = (vec![0.0f32; width], vec![0.0f32; width]);
-        for k in 0..chunks {
-            pw.fill(0.0);
-            pb.fill(0.0);
-            for r in k * chunk..((k + 1) * chunk).min(rows) {
-                let (mu, rs) = (mean[r], rstd[r]);
-                for i in 0..width {
-                    let at = r * d + c0 + i;
-                    let g = dy[at].to_f32();
-                    let xh = (x[at].to_f32() - mu) * rs;
-                    pw[i] += g * xh;
-                    pb[i] += g;
-                }
+        for gi in 0..order.groups {
+            let (k0, k1) = (gi * order.group, ((gi + 1) * order.group).min(order.chunks));
+            for k in k0..k1 {
+                chunk_sums(k, c0, width, &mut pw, &mut pb);
+                fold(&mut gw, &pw, k == k0);
+                fold(&mut gb, &pb, k == k0);
             }
-            if k == 0 {
-                tw.copy_from_slice(&pw);
-                tb.copy_from_slice(&pb);
-            } else {
-                for i in 0..width {
-                    tw[i] += pw[i];
-                    tb[i] += pb[i];
-                }
-            }
+            fold(&mut tw, &gw, gi == 0);
+            fold(&mut tb, &gb, gi == 0);
         }
         (tw, tb)
     };

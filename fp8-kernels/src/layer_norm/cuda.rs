@@ -1,18 +1,21 @@
 //! Launches of the LayerNorm / RMSNorm kernels (`layer_norm.cu`). Arguments were validated by `mod.rs`.
 
 use super::{
-    param_chunk, Fp8NormOutput, NormGrads, NormKind, NormSpec, NormStats,
+    param_order, Fp8NormOutput, NormGrads, NormKind, NormSpec, NormStats,
     LAYER_NORM_BACKWARD_MODULE, LAYER_NORM_FORWARD_MODULE,
 };
 use crate::cast::{format_name, FloatElement};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::launch::{function, grid_1d, sm_count};
+use crate::launch::{function, sm_count};
 use crate::{Buffer, CudaDevice, DType, KernelError};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-/// Threads per block of every norm kernel (the kernels assume it: 8 warps).
+/// Threads per block of the forward kernels (they assume it: 8 warps), and the most for the backward.
 const THREADS: u32 = 256;
+/// Dynamic shared memory per block the fused backward stages in (above 48 KiB is an opt-in on sm_90);
+/// about half an SM's, so two blocks fit.
+const STAGE_BYTES_MAX: usize = 110 * 1024;
 /// Shared memory the FP8 kernel may use for its code tile (an opt-in above 48 KiB on sm_90).
 const TILE_BYTES_MAX: usize = 96 * 1024;
 /// Bytes of padding per tile row (`LN_TILE_PAD` in the kernel).
@@ -20,16 +23,25 @@ const TILE_PAD: usize = 16;
 /// A null device pointer (no bias, no amax).
 const NULL_PTR: u64 = 0;
 
-/// The register bound of the row kernels: vectors of 8 elements per lane kept in registers (4 or 16), or 0
-/// to re-read rows from memory. Register-held variants exist for bf16 rows whose length is a multiple of
-/// 8 (`all_bf16`); everything else uses 0. Results do not depend on it.
-fn vectors_per_lane(d: usize, all_bf16: bool) -> u32 {
-    if !all_bf16 || d % 8 != 0 {
+/// The register bound of the row kernels: vectors of 8 elements per lane kept in registers (4, 8, 12 or
+/// 16), or 0 to re-read rows from memory. Register-held variants exist for bf16 rows whose length is a
+/// multiple of 8 (`all_bf16`); everything else uses 0. The smallest bound that holds the row, unless the
+/// launch names one (a named bound too small for the row, or one without a kernel, falls back to 0).
+/// Results do not depend on it.
+fn vectors_per_lane(spec: &NormSpec, all_bf16: bool) -> u32 {
+    if !all_bf16 || spec.d % 8 != 0 {
         return 0;
     }
-    match d.div_ceil(8).div_ceil(32) {
+    let need = spec.d.div_ceil(8).div_ceil(32);
+    let chosen = spec.launch.vectors_per_lane.unwrap_or(match need {
         0..=4 => 4,
-        5..=16 => 16,
+        5..=8 => 8,
+        9..=12 => 12,
+        13..=16 => 16,
+        _ => 0,
+    });
+    match chosen {
+        4 | 8 | 12 | 16 if chosen as usize >= need => chosen,
         _ => 0,
     }
 }
@@ -63,7 +75,7 @@ pub(super) fn forward<T: FloatElement>(
     if spec.rows == 0 {
         return Ok(());
     }
-    let nv = vectors_per_lane(spec.d, T::DTYPE == DType::BF16);
+    let nv = vectors_per_lane(spec, T::DTYPE == DType::BF16);
     let f = function(
         dev,
         &LAYER_NORM_FORWARD_MODULE,
@@ -114,10 +126,19 @@ pub(super) fn forward_fp8<T: FloatElement>(
     if spec.rows == 0 {
         return Ok(());
     }
-    let nv = vectors_per_lane(spec.d, T::DTYPE == DType::BF16);
+    let nv = vectors_per_lane(spec, T::DTYPE == DType::BF16);
     let name = format!("ln_fwd_fp8_{}_{}_nv{nv}", T::NAME, format_name(out.format));
     let f = function(dev, &LAYER_NORM_FORWARD_MODULE, &name)?;
-    let tr = tile_rows(spec.d);
+    let tr = match spec.launch.tile_rows {
+        Some(t) if t.is_power_of_two() && t <= 32 => t,
+        Some(t) => {
+            return Err(KernelError::InvalidArgument {
+                what: WHAT,
+                detail: format!("tile of {t} rows (a power of two up to 32)"),
+            })
+        }
+        None => tile_rows(spec.d),
+    };
     let smem = tr * (spec.d + TILE_PAD);
     if smem > TILE_BYTES_MAX {
         return Err(KernelError::InvalidArgument {
@@ -195,107 +216,127 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "norm_backward";
     let (rows, d, rms) = (spec.rows as i32, spec.d as i32, rms_flag(spec));
-    if spec.rows > 0 {
-        let all_bf16 = T::DTYPE == DType::BF16 && G::DTYPE == DType::BF16;
-        let nv = vectors_per_lane(spec.d, all_bf16);
-        let f = function(
-            dev,
-            &LAYER_NORM_BACKWARD_MODULE,
-            &format!("ln_bwd_dx_{}_{}_nv{nv}", T::NAME, G::NAME),
+    let all_bf16 = T::DTYPE == DType::BF16 && G::DTYPE == DType::BF16;
+    let nv = vectors_per_lane(spec, all_bf16);
+    let f = function(
+        dev,
+        &LAYER_NORM_BACKWARD_MODULE,
+        &format!("ln_bwd_{}_{}_nv{nv}", T::NAME, G::NAME),
+    )?;
+    let order = param_order(spec.rows);
+    let has_bias = grads.dbias.is_some();
+    let planes = if has_bias { 2 } else { 1 };
+    // Staging of `warps` rows plus the running sums, per block: (warps + 1) * planes * d floats.
+    let stage_bytes = |warps: usize| (warps + 1) * planes * spec.d * 4;
+    let warps = [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|&w| stage_bytes(w) <= STAGE_BYTES_MAX);
+    let sms = sm_count(dev)? as usize;
+    let stream = dev.stream();
+    // Rows too wide for shared memory stage in global memory, one warp per block, two blocks per SM.
+    let (warps, grid, smem, mut gstage) = match warps {
+        Some(w) => {
+            let per_sm = ((220 * 1024) / (stage_bytes(w) + 1024)).clamp(1, 8);
+            (w, order.chunks.min(sms * per_sm), stage_bytes(w), None)
+        }
+        None => {
+            let grid = order.chunks.min(sms * 2);
+            // SAFETY: the kernel writes every staged element before reading it (the running sums are
+            // reset per chunk, a staged row is written by its warp before the barrier that precedes
+            // the reads).
+            let g = unsafe { stream.alloc::<f32>(grid * stage_bytes(1) / 4) }?;
+            (1, grid, 0, Some(g))
+        }
+    };
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
         )?;
-        let cfg = row_launch(dev, spec.rows)?;
-        let acc = grads.dx_mode.flag() as i32;
-        let mut b = dev.stream().launch_builder(&f);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (grid as u32, 1, 1),
+        block_dim: (32 * warps as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let acc_dx = grads.dx_mode.flag() as i32;
+    let acc_param = grads.param_mode.flag() as i32;
+    // With more than one chunk the kernel writes chunk partials, combined by `ln_param_reduce`.
+    let partials = order.chunks > 1;
+    // SAFETY: every element of the partial buffers is written by the backward kernel below (one value per
+    // chunk and column) before `ln_param_reduce` reads it, in stream order.
+    let mut pw = if partials {
+        Some(unsafe { stream.alloc::<f32>(order.chunks * spec.d) }?)
+    } else {
+        None
+    };
+    // SAFETY: as above (allocated only when there is a bias gradient).
+    let mut pb = if partials && has_bias {
+        Some(unsafe { stream.alloc::<f32>(order.chunks * spec.d) }?)
+    } else {
+        None
+    };
+    let NormGrads {
+        dx,
+        dweight,
+        mut dbias,
+        ..
+    } = grads;
+    {
+        let mut b = stream.launch_builder(&f);
         b.arg(cs(x, WHAT)?)
             .arg(cs(weight, WHAT)?)
             .arg(cs(dy, WHAT)?)
             .arg(cs(&stats.mean, WHAT)?)
             .arg(cs(&stats.rstd, WHAT)?)
-            .arg(cs_mut(grads.dx, WHAT)?)
-            .arg(&rows)
-            .arg(&d)
-            .arg(&rms)
-            .arg(&acc);
-        // SAFETY: `ln_bwd_dx_<T>_<G>_nv<NV>(const T* x, const T* w, const G* dy, const float* mean,
-        // const float* rstd, G* dx, int rows, int d, int rms, int accumulate)` with 256 threads; x, dy and
-        // dx hold rows*d elements, w d, mean and rstd rows (checked by the caller).
-        unsafe { b.launch(cfg) }?;
-    }
-
-    let sms = sm_count(dev)?;
-    let chunk = param_chunk(spec.rows);
-    let chunks = spec.rows.div_ceil(chunk).max(1);
-    let acc = grads.param_mode.flag() as i32;
-    let f = function(
-        dev,
-        &LAYER_NORM_BACKWARD_MODULE,
-        &format!("ln_bwd_params_{}_{}", T::NAME, G::NAME),
-    )?;
-    let items = (chunks * spec.d.div_ceil(2)) as u64;
-    let cfg = grid_1d(sms, items, 8);
-    let ch = chunk as i32;
-    let has_bias = grads.dbias.is_some();
-    let stream = dev.stream();
-    if chunks == 1 {
-        let mut b = stream.launch_builder(&f);
-        b.arg(cs(x, WHAT)?)
-            .arg(cs(dy, WHAT)?)
-            .arg(cs(&stats.mean, WHAT)?)
-            .arg(cs(&stats.rstd, WHAT)?)
-            .arg(cs_mut(grads.dweight, WHAT)?);
-        match grads.dbias {
-            Some(db) => b.arg(cs_mut(db, WHAT)?),
-            None => b.arg(&NULL_PTR),
-        };
-        b.arg(&rows).arg(&d).arg(&ch).arg(&acc);
-        // SAFETY: `ln_bwd_params_<T>_<G>(const T* x, const G* dy, const float* mean, const float* rstd,
-        // float* dw, float* db or null, int rows, int d, int chunk, int accumulate)`; with one chunk it
-        // writes dw and db (d elements each); x and dy hold rows*d elements, mean and rstd rows.
-        unsafe { b.launch(cfg) }?;
-        return Ok(());
-    }
-    // SAFETY: every element of the partial buffers is written by `ln_bwd_params_*` below (one value per
-    // chunk and column) before `ln_param_sum` reads it, in stream order.
-    let mut pw = unsafe { stream.alloc::<f32>(chunks * spec.d) }?;
-    // SAFETY: as above (allocated only when there is a bias gradient).
-    let mut pb = if has_bias {
-        Some(unsafe { stream.alloc::<f32>(chunks * spec.d) }?)
-    } else {
-        None
-    };
-    {
-        let mut b = stream.launch_builder(&f);
-        b.arg(cs(x, WHAT)?)
-            .arg(cs(dy, WHAT)?)
-            .arg(cs(&stats.mean, WHAT)?)
-            .arg(cs(&stats.rstd, WHAT)?)
-            .arg(&mut pw);
-        match pb.as_mut() {
+            .arg(cs_mut(dx, WHAT)?);
+        match pw.as_mut() {
             Some(p) => b.arg(p),
+            None => b.arg(cs_mut(dweight, WHAT)?),
+        };
+        match (pb.as_mut(), dbias.as_deref_mut()) {
+            (Some(p), _) => b.arg(p),
+            (None, Some(db)) => b.arg(cs_mut(db, WHAT)?),
+            (None, None) => b.arg(&NULL_PTR),
+        };
+        match gstage.as_mut() {
+            Some(g) => b.arg(g),
             None => b.arg(&NULL_PTR),
         };
-        b.arg(&rows).arg(&d).arg(&ch).arg(&acc);
-        // SAFETY: as above, with more than one chunk the kernel writes the partial buffers
-        // (chunks * d elements each).
+        b.arg(&rows).arg(&d).arg(&rms).arg(&acc_dx).arg(&acc_param);
+        // SAFETY: `ln_bwd_<T>_<G>_nv<NV>(const T* x, const T* w, const G* dy, const float* mean,
+        // const float* rstd, G* dx, float* dw, float* db or null, float* gstage or null, int rows, int d,
+        // int rms, int acc_dx, int acc_param)` with 32 * warps threads (at most 256) and
+        // (warps + 1) * planes * d floats of dynamic shared memory (allowed above), or that much per block
+        // in `gstage` (allocated for the grid); x, dy and dx hold rows*d elements, w d, mean and rstd rows
+        // (checked by the caller); dw and db hold d elements, or chunks * d when they are the partials.
         unsafe { b.launch(cfg) }?;
     }
-    let g = function(dev, &LAYER_NORM_BACKWARD_MODULE, "ln_param_sum")?;
-    let cfg = grid_1d(sms, spec.d as u64, 8);
-    let k = chunks as i32;
+    let Some(pw) = pw else {
+        return Ok(());
+    };
+    let g = function(dev, &LAYER_NORM_BACKWARD_MODULE, "ln_param_reduce")?;
+    let cfg = LaunchConfig {
+        grid_dim: (spec.d.div_ceil(32) as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (chunks, group) = (order.chunks as i32, order.group as i32);
     let mut b = stream.launch_builder(&g);
     b.arg(&pw);
     match pb.as_ref() {
         Some(p) => b.arg(p),
         None => b.arg(&NULL_PTR),
     };
-    b.arg(cs_mut(grads.dweight, WHAT)?);
-    match grads.dbias {
+    b.arg(cs_mut(dweight, WHAT)?);
+    match dbias {
         Some(db) => b.arg(cs_mut(db, WHAT)?),
         None => b.arg(&NULL_PTR),
     };
-    b.arg(&k).arg(&d).arg(&acc);
-    // SAFETY: `ln_param_sum(const float* pw, const float* pb or null, float* dw, float* db or null,
-    // int chunks, int d, int accumulate)`; the partials hold chunks * d elements, dw and db d.
+    b.arg(&chunks).arg(&d).arg(&group).arg(&acc_param);
+    // SAFETY: `ln_param_reduce(const float* pw, const float* pb or null, float* dw, float* db or null,
+    // int chunks, int d, int group, int accumulate)` with 1024 threads and one block per 32 columns; the
+    // partials hold chunks * d elements, dw and db d; group * 32 >= chunks (param_order).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }

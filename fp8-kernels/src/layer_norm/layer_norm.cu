@@ -314,149 +314,176 @@ __device__ void ln_fwd_fp8_impl(const typename E::T* x, const typename E::T* w, 
     block_amax_commit(mbits, amax == nullptr ? nullptr : amax + slot);
 }
 
-// ---- backward: dx (one warp per row) ----
+// ---- backward, fused: dx and the chunk sums of dweight / dbias ----
 // g = dy * w, xhat = (x - mean) * rstd, c1 = sum(g * xhat) / d, c2 = sum(g) / d (0 for RMSNorm),
 // dx = (g - c2 - xhat * c1) * rstd, optionally added to the dx already stored.
+// Parameter sums (mod.rs: ParamOrder): block-stride over chunks of LN_PARAM_CHUNK rows. The block's W warps
+// take the chunk's rows in groups of W consecutive rows (warp i row g0 + i), each computing its row's dx as
+// one warp per row and staging dy * xhat (and dy when there is a bias) in f32; after a barrier, thread t adds
+// the group's staged rows in row order into the running sums of its columns c = t, t + blockDim, ...
+// (started from zero per chunk). So each column's chunk sum runs over the chunk's rows in row order, and
+// x and dy are read once. With one chunk the sums are the result (overwriting or added); otherwise they are
+// the chunk's partial sums, which ln_param_reduce combines. The staging and the running sums live in
+// dynamic shared memory, or in `gstage` (a per-block slice of global memory) when the row is too wide.
+#define LN_PARAM_CHUNK 16
+
 template <class E, class G, int NV>
-__device__ void ln_bwd_dx_impl(const typename E::T* x, const typename E::T* w, const typename G::T* dy,
-                               const float* mean_in, const float* rstd_in, typename G::T* dx, int rows, int d, int rms,
-                               int accumulate) {
-    const int lane = threadIdx.x & 31;
-    const u64 warp = global_thread() >> 5, nwarps = grid_threads() >> 5;
+__device__ void ln_bwd_impl(const typename E::T* x, const typename E::T* w, const typename G::T* dy,
+                            const float* mean_in, const float* rstd_in, typename G::T* dx, float* dw, float* db,
+                            float* gstage, int rows, int d, int rms, int acc_dx, int acc_param) {
+    extern __shared__ __align__(16) float ln_stage_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const bool bias = db != nullptr;
+    const int nb = bias ? 2 : 1;
+    float* base = gstage != nullptr ? gstage + (u64)blockIdx.x * (u64)(nw + 1) * nb * d : ln_stage_smem;
+    float* stw = base;                        // [nw][d]: dy * xhat of the group's rows
+    float* stb = base + (u64)nw * d;          // [nw][d]: dy (bias only)
+    float* accw = base + (u64)nb * nw * d;    // [d]: running chunk sums of dweight
+    float* accb = accw + d;                   // [d]: of dbias (bias only)
     const bool vec =
         NV > 0 || ((d & 7) == 0 && ln_aligned16(x) && ln_aligned16(w) && ln_aligned16(dy) && ln_aligned16(dx));
     const int nvec = (d + 7) >> 3;
-    for (u64 r = warp; r < (u64)rows; r += nwarps) {
-        const typename E::T* xrow = x + r * d;
-        const typename G::T* grow = dy + r * d;
-        RowCache<E, NV> cx;
-        RowCache<G, NV> cg;
-        cx.fill(xrow, lane, d, vec);
-        cg.fill(grow, lane, d, vec);
-        const float mean = mean_in[r], rstd = rstd_in[r];
-        float sa = 0.0f, sb = 0.0f;
-        lane_vectors<NV>(lane, nvec, [&](int k, int j) {
-            float xv[8], gv[8], wv[8];
-            cx.get(k, xrow, j, d, vec, xv);
-            cg.get(k, grow, j, d, vec, gv);
-            Raw8<E> rw;
-            ln_load<E>(rw, w, j, d, vec);
-            rw.get(wv);
-            const int n = min(8, d - 8 * j);
+    const int chunks = rows == 0 ? 1 : (rows + LN_PARAM_CHUNK - 1) / LN_PARAM_CHUNK;
+    for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+        const int r0 = k * LN_PARAM_CHUNK, r1 = min(rows, r0 + LN_PARAM_CHUNK);
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            accw[c] = 0.0f;
+            if (bias) accb[c] = 0.0f;
+        }
+        for (int g0 = r0; g0 < r1; g0 += nw) {
+            const int gn = min(nw, r1 - g0);
+            if (warp < gn) {
+                const u64 r = (u64)(g0 + warp);
+                const typename E::T* xrow = x + r * d;
+                const typename G::T* grow = dy + r * d;
+                RowCache<E, NV> cx;
+                RowCache<G, NV> cg;
+                cx.fill(xrow, lane, d, vec);
+                cg.fill(grow, lane, d, vec);
+                const float mean = mean_in[r], rstd = rstd_in[r];
+                float sa = 0.0f, sb = 0.0f;
+                lane_vectors<NV>(lane, nvec, [&](int kk, int j) {
+                    float xv[8], gv[8], wv[8];
+                    cx.get(kk, xrow, j, d, vec, xv);
+                    cg.get(kk, grow, j, d, vec, gv);
+                    Raw8<E> rw;
+                    ln_load<E>(rw, w, j, d, vec);
+                    rw.get(wv);
+                    const int n = min(8, d - 8 * j);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                if (e < n) {
-                    const float g = mul_rn(gv[e], wv[e]);
-                    const float xh = mul_rn(add_rn(xv[e], -mean), rstd);
-                    sa = add_rn(sa, g);
-                    sb = add_rn(sb, mul_rn(g, xh));
+                    for (int e = 0; e < 8; ++e) {
+                        if (e < n) {
+                            const float g = mul_rn(gv[e], wv[e]);
+                            const float xh = mul_rn(add_rn(xv[e], -mean), rstd);
+                            sa = add_rn(sa, g);
+                            sb = add_rn(sb, mul_rn(g, xh));
+                        }
+                    }
+                });
+                const float c1 = div_rn(ln_warp_sum(sb), (float)d);
+                const float suma = ln_warp_sum(sa);
+                const float c2 = rms ? 0.0f : div_rn(suma, (float)d);
+                typename G::T* drow = dx + r * d;
+                float* sw = stw + (u64)warp * d;
+                float* sbias = stb + (u64)warp * d;
+                lane_vectors<NV>(lane, nvec, [&](int kk, int j) {
+                    float xv[8], gv[8], wv[8], o[8], p[8];
+                    cx.get(kk, xrow, j, d, vec, xv);
+                    cg.get(kk, grow, j, d, vec, gv);
+                    Raw8<E> rw;
+                    ln_load<E>(rw, w, j, d, vec);
+                    rw.get(wv);
+                    float old[8];
+                    if (acc_dx) {
+                        Raw8<G> ro;
+                        ln_load<G>(ro, drow, j, d, vec);
+                        ro.get(old);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float g = mul_rn(gv[e], wv[e]);
+                        const float xh = mul_rn(add_rn(xv[e], -mean), rstd);
+                        float v = mul_rn(add_rn(add_rn(g, -c2), -mul_rn(xh, c1)), rstd);
+                        if (acc_dx) v = add_rn(old[e], v);
+                        o[e] = v;
+                        p[e] = mul_rn(gv[e], xh);
+                    }
+                    ln_store<G>(drow, j, d, vec, o);
+                    if (vec) {
+                        *reinterpret_cast<float4*>(sw + 8 * j) = make_float4(p[0], p[1], p[2], p[3]);
+                        *reinterpret_cast<float4*>(sw + 8 * j + 4) = make_float4(p[4], p[5], p[6], p[7]);
+                        if (bias) {
+                            *reinterpret_cast<float4*>(sbias + 8 * j) = make_float4(gv[0], gv[1], gv[2], gv[3]);
+                            *reinterpret_cast<float4*>(sbias + 8 * j + 4) = make_float4(gv[4], gv[5], gv[6], gv[7]);
+                        }
+                    } else {
+                        const int n = min(8, d - 8 * j);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            if (e < n) {
+                                sw[8 * j + e] = p[e];
+                                if (bias) sbias[8 * j + e] = gv[e];
+                            }
+                        }
+                    }
+                });
+            }
+            __syncthreads();
+            for (int c = threadIdx.x; c < d; c += blockDim.x) {
+                float a = accw[c];
+                for (int i = 0; i < gn; ++i) a = add_rn(a, stw[(u64)i * d + c]);
+                accw[c] = a;
+                if (bias) {
+                    float b = accb[c];
+                    for (int i = 0; i < gn; ++i) b = add_rn(b, stb[(u64)i * d + c]);
+                    accb[c] = b;
                 }
             }
-        });
-        const float c1 = div_rn(ln_warp_sum(sb), (float)d);
-        const float suma = ln_warp_sum(sa);
-        const float c2 = rms ? 0.0f : div_rn(suma, (float)d);
-        typename G::T* drow = dx + r * d;
-        lane_vectors<NV>(lane, nvec, [&](int k, int j) {
-            float xv[8], gv[8], wv[8], o[8];
-            cx.get(k, xrow, j, d, vec, xv);
-            cg.get(k, grow, j, d, vec, gv);
-            Raw8<E> rw;
-            ln_load<E>(rw, w, j, d, vec);
-            rw.get(wv);
-            float old[8];
-            if (accumulate) {
-                Raw8<G> ro;
-                ln_load<G>(ro, drow, j, d, vec);
-                ro.get(old);
-            }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float g = mul_rn(gv[e], wv[e]);
-                const float xh = mul_rn(add_rn(xv[e], -mean), rstd);
-                float v = mul_rn(add_rn(add_rn(g, -c2), -mul_rn(xh, c1)), rstd);
-                if (accumulate) v = add_rn(old[e], v);
-                o[e] = v;
-            }
-            ln_store<G>(drow, j, d, vec, o);
-        });
-    }
-}
-
-// ---- backward: dweight = sum_r dy * xhat, dbias = sum_r dy, in two fixed levels ----
-// Thread item (chunk k, column pair c0 = 2 j) sums rows [k chunk, (k+1) chunk) in row order from zero (two
-// columns per thread keep the loads coalesced while giving many threads; the order per column is the
-// same whatever a thread covers). With one chunk it writes (or adds to) the result; otherwise it writes
-// partial[k d + c], and ln_param_sum adds the partials in chunk order starting from chunk 0's.
-template <class E>
-__device__ __forceinline__ void ln_load2(const typename E::T* p, u64 i, int n, bool pair, float (&v)[2]) {
-    if constexpr (sizeof(typename E::T) == 4) {
-        if (pair && n == 2) {
-            const float2 f = *reinterpret_cast<const float2*>(p + i);
-            v[0] = f.x;
-            v[1] = f.y;
-            return;
+            __syncthreads();
         }
-    } else {
-        if (pair && n == 2) {
-            const u32 w = *reinterpret_cast<const u32*>(p + i);
-            v[0] = bf16_to_f32((u16)(w & 0xFFFFu));
-            v[1] = bf16_to_f32((u16)(w >> 16));
-            return;
-        }
-    }
-    v[0] = E::load(p, i);
-    v[1] = n > 1 ? E::load(p, i + 1) : 0.0f;
-}
-
-template <class E, class G>
-__device__ void ln_bwd_params_impl(const typename E::T* x, const typename G::T* dy, const float* mean_in,
-                                   const float* rstd_in, float* dw, float* db, int rows, int d, int chunk,
-                                   int accumulate) {
-    const int npair = (d + 1) >> 1;
-    const int chunks = rows == 0 ? 1 : (rows + chunk - 1) / chunk;
-    // Rows of even length start at even elements: 4- (bf16) or 8-byte (f32) aligned pairs.
-    const bool pair = (d & 1) == 0 && (((unsigned long long)x | (unsigned long long)dy) & 7) == 0;
-    const u64 items = (u64)chunks * npair;
-    for (u64 it = global_thread(); it < items; it += grid_threads()) {
-        const int k = (int)(it / npair), c0 = 2 * (int)(it % npair);
-        const int n = min(2, d - c0);
-        float aw[2] = {0.0f, 0.0f}, ab[2] = {0.0f, 0.0f};
-        const int r1 = min(rows, (k + 1) * chunk);
-        // Unrolled so the loads of several rows are in flight; the sums still run in row order.
-#pragma unroll 4
-        for (int r = k * chunk; r < r1; ++r) {
-            float xv[2], gv[2];
-            ln_load2<E>(x, (u64)r * d + c0, n, pair, xv);
-            ln_load2<G>(dy, (u64)r * d + c0, n, pair, gv);
-            const float mean = mean_in[r], rstd = rstd_in[r];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float xh = mul_rn(add_rn(xv[e], -mean), rstd);
-                aw[e] = add_rn(aw[e], mul_rn(gv[e], xh));
-                ab[e] = add_rn(ab[e], gv[e]);
+        // Each thread writes the columns it summed (no barrier needed before the next chunk's reset).
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            if (chunks == 1) {
+                dw[c] = acc_param ? add_rn(dw[c], accw[c]) : accw[c];
+                if (bias) db[c] = acc_param ? add_rn(db[c], accb[c]) : accb[c];
+            } else {
+                dw[(u64)k * d + c] = accw[c];
+                if (bias) db[(u64)k * d + c] = accb[c];
             }
-        }
-        const u64 base = chunks == 1 ? (u64)c0 : (u64)k * d + c0;
-        const bool add = chunks == 1 && accumulate;
-        for (int e = 0; e < n; ++e) {
-            dw[base + e] = add ? add_rn(dw[base + e], aw[e]) : aw[e];
-            if (db != nullptr) db[base + e] = add ? add_rn(db[base + e], ab[e]) : ab[e];
         }
     }
 }
 
 #ifndef LN_BUILD_FORWARD
-extern "C" __global__ void ln_param_sum(const float* pw, const float* pb, float* dw, float* db, int chunks, int d,
-                                        int accumulate) {
-    for (u64 c = global_thread(); c < (u64)d; c += grid_threads()) {
-        // Both chains in one unrolled loop so their loads overlap (few threads, long chains).
-        const bool bias = db != nullptr;
-        float sw = pw[c], sb = bias ? pb[c] : 0.0f;
+// Combines the chunk partials [chunks][d] (mod.rs: ParamOrder): block x covers 32 columns (lane = column),
+// warp i the group i: the sum of chunks [i group, (i + 1) group) in chunk order from the group's first; then
+// lane c of warp 0 adds the group sums in group order from the first and writes (or adds to) the result.
+// 1024 threads (32 groups at most).
+extern "C" __global__ void __launch_bounds__(1024)
+    ln_param_reduce(const float* pw, const float* pb, float* dw, float* db, int chunks, int d, int group,
+                    int accumulate) {
+    __shared__ float gw[32][33], gb[32][33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + lane;
+    const int groups = (chunks + group - 1) / group;
+    const bool bias = db != nullptr;
+    if (c < d && warp < groups) {
+        const int k0 = warp * group, k1 = min(chunks, k0 + group);
+        float sw = pw[(u64)k0 * d + c], sb = bias ? pb[(u64)k0 * d + c] : 0.0f;
 #pragma unroll 8
-        for (int k = 1; k < chunks; ++k) {
+        for (int k = k0 + 1; k < k1; ++k) {
             sw = add_rn(sw, pw[(u64)k * d + c]);
             if (bias) sb = add_rn(sb, pb[(u64)k * d + c]);
+        }
+        gw[warp][lane] = sw;
+        gb[warp][lane] = sb;
+    }
+    __syncthreads();
+    if (warp == 0 && c < d) {
+        float sw = gw[0][lane], sb = gb[0][lane];
+        for (int i = 1; i < groups; ++i) {
+            sw = add_rn(sw, gw[i][lane]);
+            sb = add_rn(sb, gb[i][lane]);
         }
         dw[c] = accumulate ? add_rn(dw[c], sw) : sw;
         if (bias) db[c] = accumulate ? add_rn(db[c], sb) : sb;
@@ -464,7 +491,7 @@ extern "C" __global__ void ln_param_sum(const float* pw, const float* pb, float*
 }
 #endif
 
-// Entry points. The register-held variants (NV = 4, 16) exist for bf16, the training type; f32 and mixed
+// Entry points. The register-held variants (NV = 4, 8, 12, 16) exist for bf16, the training type; f32 and mixed
 // types use the re-reading variant (NV = 0), which gives the same results. The crate builds two modules
 // from this file: LN_BUILD_FORWARD (forward entries only) and LN_BUILD_BACKWARD (backward only), so a
 // process compiles only what it uses; with neither defined, everything is compiled.
@@ -484,30 +511,24 @@ extern "C" __global__ void ln_param_sum(const float* pw, const float* pb, float*
 LN_FWD_ENTRIES(f32, TF32, 0)
 LN_FWD_ENTRIES(bf16, TBF16, 0)
 LN_FWD_ENTRIES(bf16, TBF16, 4)
+LN_FWD_ENTRIES(bf16, TBF16, 8)
+LN_FWD_ENTRIES(bf16, TBF16, 12)
 LN_FWD_ENTRIES(bf16, TBF16, 16)
 #endif
 
 #ifndef LN_BUILD_FORWARD
-#define LN_BWD_DX_ENTRY(XN, E, GN, G, NV)                                                                            \
-    extern "C" __global__ void __launch_bounds__(LN_THREADS) ln_bwd_dx_##XN##_##GN##_nv##NV(                       \
-        const E::T* x, const E::T* w, const G::T* dy, const float* mean, const float* rstd, G::T* dx, int rows,     \
-        int d, int rms, int accumulate) {                                                                           \
-        ln_bwd_dx_impl<E, G, NV>(x, w, dy, mean, rstd, dx, rows, d, rms, accumulate);                               \
+#define LN_BWD_ENTRY(XN, E, GN, G, NV)                                                                               \
+    extern "C" __global__ void __launch_bounds__(LN_THREADS) ln_bwd_##XN##_##GN##_nv##NV(                          \
+        const E::T* x, const E::T* w, const G::T* dy, const float* mean, const float* rstd, G::T* dx, float* dw,    \
+        float* db, float* gstage, int rows, int d, int rms, int acc_dx, int acc_param) {                          \
+        ln_bwd_impl<E, G, NV>(x, w, dy, mean, rstd, dx, dw, db, gstage, rows, d, rms, acc_dx, acc_param);          \
     }
-#define LN_BWD_PARAMS_ENTRY(XN, E, GN, G)                                                                            \
-    extern "C" __global__ void ln_bwd_params_##XN##_##GN(const E::T* x, const G::T* dy, const float* mean,           \
-                                                         const float* rstd, float* dw, float* db, int rows, int d,  \
-                                                         int chunk, int accumulate) {                               \
-        ln_bwd_params_impl<E, G>(x, dy, mean, rstd, dw, db, rows, d, chunk, accumulate);                            \
-    }
-LN_BWD_DX_ENTRY(f32, TF32, f32, TF32, 0)
-LN_BWD_DX_ENTRY(f32, TF32, bf16, TBF16, 0)
-LN_BWD_DX_ENTRY(bf16, TBF16, f32, TF32, 0)
-LN_BWD_DX_ENTRY(bf16, TBF16, bf16, TBF16, 0)
-LN_BWD_DX_ENTRY(bf16, TBF16, bf16, TBF16, 4)
-LN_BWD_DX_ENTRY(bf16, TBF16, bf16, TBF16, 16)
-LN_BWD_PARAMS_ENTRY(f32, TF32, f32, TF32)
-LN_BWD_PARAMS_ENTRY(f32, TF32, bf16, TBF16)
-LN_BWD_PARAMS_ENTRY(bf16, TBF16, f32, TF32)
-LN_BWD_PARAMS_ENTRY(bf16, TBF16, bf16, TBF16)
+LN_BWD_ENTRY(f32, TF32, f32, TF32, 0)
+LN_BWD_ENTRY(f32, TF32, bf16, TBF16, 0)
+LN_BWD_ENTRY(bf16, TBF16, f32, TF32, 0)
+LN_BWD_ENTRY(bf16, TBF16, bf16, TBF16, 0)
+LN_BWD_ENTRY(bf16, TBF16, bf16, TBF16, 4)
+LN_BWD_ENTRY(bf16, TBF16, bf16, TBF16, 8)
+LN_BWD_ENTRY(bf16, TBF16, bf16, TBF16, 12)
+LN_BWD_ENTRY(bf16, TBF16, bf16, TBF16, 16)
 #endif

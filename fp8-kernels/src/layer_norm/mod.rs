@@ -16,9 +16,11 @@
 //! - Backward: `g = dy * w`, `xhat = (x - mean) * rstd`, `c1 = sum(g * xhat) / d` and, for LayerNorm,
 //!   `c2 = sum(g) / d` (warp order; `c2 = 0` for RMSNorm); `dx = (g - c2 - xhat * c1) * rstd`, or with
 //!   [`GradMode::Accumulate`] `dx = G(dx_old + that)` (one rounding to the gradient type `G`).
-//! - `dweight[c] = sum_r dy * xhat`, `dbias[c] = sum_r dy`: rows in chunks of [`param_chunk`]`(rows)`,
-//!   each chunk summed in row order from zero, chunk sums added in chunk order starting from the first;
-//!   the totals overwrite or are added to the f32 outputs.
+//! - `dweight[c] = sum_r dy * xhat`, `dbias[c] = sum_r dy` in three fixed levels ([`ParamOrder`]): rows in
+//!   chunks of [`PARAM_CHUNK_ROWS`], each chunk summed in row order from zero; chunk sums in groups of
+//!   `group` consecutive chunks, each group summed in chunk order from its first; group sums added in group
+//!   order from the first. The totals overwrite or are added to the f32 outputs. (Short chunks give the
+//!   GPU one chunk per block with x and dy read once; at most 32 groups keep the last two levels short.)
 //!
 //! CPU (rayon) and CUDA perform exactly these operations in this order, so all outputs agree bit for bit.
 //! Element types: `T` (x, weight, bias, y) and `G` (dy, dx) are each f32 or bf16.
@@ -85,6 +87,8 @@ pub struct NormSpec {
     pub d: usize,
     /// Added to the variance (finite, >= 0).
     pub eps: f32,
+    /// CUDA launch choices (speed only; the CPU ignores them).
+    pub launch: NormLaunch,
 }
 
 impl NormSpec {
@@ -95,6 +99,7 @@ impl NormSpec {
             rows,
             d,
             eps: DEFAULT_EPS,
+            launch: NormLaunch::default(),
         }
     }
 
@@ -109,6 +114,11 @@ impl NormSpec {
     /// The same with another eps.
     pub fn with_eps(self, eps: f32) -> Self {
         NormSpec { eps, ..self }
+    }
+
+    /// The same with other CUDA launch choices (results unchanged).
+    pub fn with_launch(self, launch: NormLaunch) -> Self {
+        NormSpec { launch, ..self }
     }
 
     /// Checks the constants and returns `rows * d`.
@@ -202,14 +212,42 @@ pub struct NormGrads<'a, G: FloatElement> {
     pub param_mode: GradMode,
 }
 
-/// Rows per chunk of the parameter-gradient sums: `ceil(sqrt(rows))`, at least 16, so both levels of the
-/// sum are short.
-pub fn param_chunk(rows: usize) -> usize {
-    let mut c = (rows as f64).sqrt() as usize;
-    while c * c < rows {
-        c += 1;
+/// Rows per chunk of the parameter-gradient sums (`LN_PARAM_CHUNK` in the kernel).
+pub const PARAM_CHUNK_ROWS: usize = 16;
+
+/// The order of the parameter-gradient column sums for a given number of rows: `chunks` chunks of
+/// [`PARAM_CHUNK_ROWS`] rows (the last may be shorter), in `groups` groups of `group` chunks (the last may
+/// be shorter). `group` is at least 32 and large enough that there are at most 32 groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamOrder {
+    /// Chunks of rows (at least 1).
+    pub chunks: usize,
+    /// Chunks per group.
+    pub group: usize,
+    /// Groups (at most 32).
+    pub groups: usize,
+}
+
+/// The [`ParamOrder`] of `rows` rows.
+pub fn param_order(rows: usize) -> ParamOrder {
+    let chunks = rows.div_ceil(PARAM_CHUNK_ROWS).max(1);
+    let group = chunks.div_ceil(32).max(32);
+    ParamOrder {
+        chunks,
+        group,
+        groups: chunks.div_ceil(group),
     }
-    c.max(16)
+}
+
+/// How the CUDA kernels are launched: a choice of speed only, results are the same bit for bit (tested).
+/// `None` fields are chosen from the shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NormLaunch {
+    /// Vectors of 8 elements per lane held in registers by the row kernels (0, 4, 8, 12 or 16; bf16 rows
+    /// of a multiple of 8 only, others always re-read): more registers per thread, fewer resident warps.
+    pub vectors_per_lane: Option<u32>,
+    /// Rows per block tile of the FP8 forward (a power of two up to 32).
+    pub tile_rows: Option<usize>,
 }
 
 fn bad(what: &'static str, detail: String) -> KernelError {
