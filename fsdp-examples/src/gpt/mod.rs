@@ -79,15 +79,16 @@ pub const PRESETS: [(&str, usize, usize, usize); 6] = [
 ];
 
 /// The default crossover of [`Fp8Layers::Auto`]: a linear `in -> out` runs in FP8 when
-/// `in * out / (in + out) >= 1024`. The ratio is the GEMM's flops per byte of the two activation casts
+/// `k = in * out / (in + out) >= 1200`. `k` is the GEMM's flops per element of the two activation casts
 /// FP8 adds (`2 tokens in out` flops against `tokens (in + out)` cast elements), so it says whether the
-/// faster GEMM pays for the casts. 1024 puts the crossover at square 2048 x 2048 weights, where an FP8
-/// GEMM was measured 1.09x a BF16 one on the H200 (`shared/DESIGN.md`): every linear of gpt2 (d = 768)
-/// stays BF16, every linear of gpt-3b (d = 2560) is FP8, gpt2-xl (d = 1600) has FP8 `c_attn`, `c_fc`,
-/// `mlp_proj` and a BF16 `attn_proj`. A first guess, to be replaced by a measured value: the
-/// `linear_crossover` example measures it (see [`crossover`] and `docs/gpt.md`); `gpt_fsdp` takes another
-/// value with `--fp8-auto-threshold`.
-pub const DEFAULT_FP8_AUTO_THRESHOLD: usize = 1024;
+/// faster GEMM pays for the casts. The value is measured: `linear_crossover` on the H200 (2026-12-03,
+/// `docs/results/transformer-h200-2/`) timed one training step (forward, backward, AdamW with the FP8
+/// weight re-quantization) of each block linear of the five GPT widths at 4096, 8192 and 16384 tokens;
+/// with `c_attn` and `c_fc` fed by their LayerNorm as in the model, FP8 was faster for every linear with
+/// `k >= 1200` at every token count (and at `k >= 800` from 8192 tokens). So gpt2 .. gpt2-large stay BF16,
+/// gpt2-xl (d = 1600) has FP8 `c_attn`, `c_fc`, `mlp_proj` and a BF16 `attn_proj`, gpt-3b is all FP8.
+/// `gpt_fsdp --fp8-auto-threshold` takes another value.
+pub const DEFAULT_FP8_AUTO_THRESHOLD: usize = 1200;
 
 /// The quantity [`Fp8Layers::Auto`] compares with its threshold for a linear `inf -> outf`:
 /// `inf * outf / (inf + outf)` in integers (rounded down; 0 when both are 0).
