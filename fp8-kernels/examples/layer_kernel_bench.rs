@@ -17,11 +17,15 @@
 //! `scripts/check_layers_vs_torch.py DIR`, which compares them with PyTorch.
 //!
 //! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096,8192] [--sweep]` (chunk sizes in tokens;
-//! each must divide the token count; `--sweep` also times every `NormLaunch` choice of the LayerNorm rows)
+//! each must divide the token count; `--sweep` also times every `NormLaunch` choice of the LayerNorm rows and
+//! every `CrossEntropyLaunch` choice of the CE kernel per chunk)
 //! or `layer_kernel_bench --export DIR`.
 
 use fp8_core::Fp8Format;
-use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+use fp8_kernels::cross_entropy::{
+    cross_entropy, cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs,
+    CrossEntropySpec,
+};
 use fp8_kernels::gemm::{gemm_bf16, GemmSpec, Transpose};
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormLaunch,
@@ -308,6 +312,7 @@ fn lm_head_rows(
     dev: &CudaDevice,
     iters: usize,
     chunks: &[usize],
+    sweep: bool,
     out: &mut Vec<Row>,
 ) -> Result<(), KernelError> {
     // (tokens, d, vocab, peer ms, peer extra GiB)
@@ -370,6 +375,36 @@ fn lm_head_rows(
                 )
             })?;
             let ce_bytes = 4.0 * (chunk * vocab) as f64;
+            if sweep {
+                // Every launch choice of the CE kernel alone (same bits; cross_entropy_cuda): re-reading the
+                // row in the second pass, or holding 8 / 16 vectors per thread in registers.
+                let mut line = format!("sweep ce [{chunk}, {vocab}] µs:");
+                for (name, nv) in [("reread", 0u32), ("cached8", 8), ("cached16", 16)] {
+                    let launch = CrossEntropyLaunch {
+                        vectors_per_thread: Some(nv),
+                    };
+                    let ms = time_ms(dev, iters, || {
+                        cross_entropy_with_launch(
+                            &ce,
+                            launch,
+                            &mut ws.logits,
+                            &head.targets,
+                            CrossEntropyOutputs {
+                                lse: &mut ws.lse,
+                                loss: &mut ws.loss,
+                                loss_sum: &mut ws.sum,
+                                invalid_targets: &mut ws.invalid,
+                            },
+                        )
+                    })?;
+                    line += &format!(
+                        " {name} {:.1} ({:.2} TB/s)",
+                        ms * 1e3,
+                        ce_bytes / (ms * 1e-3) / 1e12
+                    );
+                }
+                println!("{line}");
+            }
             let flops = 6.0 * tokens as f64 * d as f64 * vocab as f64;
             out.push(Row {
                 what: format!("LM head + CE fwd+bwd {tokens}x{d}x{vocab}, chunk {chunk}"),
@@ -412,7 +447,7 @@ fn bench(iters: usize, chunks: &[usize], sweep: bool) -> Result<(), KernelError>
     println!("device copy: {copy_tbs:.2} TB/s (read + write)");
     let mut rows = Vec::new();
     layer_norm_rows(&gpu, &dev, iters, copy_tbs, sweep, &mut rows)?;
-    lm_head_rows(&gpu, &dev, iters, chunks, &mut rows)?;
+    lm_head_rows(&gpu, &dev, iters, chunks, sweep, &mut rows)?;
     println!(
         "\n{:<52} {:>10} {:>10} {:>7} {:>7}  notes",
         "kernel", "ours", "peer", "ratio", "target"

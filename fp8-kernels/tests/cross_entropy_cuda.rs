@@ -1,10 +1,13 @@
 //! Cross-entropy on CUDA against the CPU reference, bit for bit (log-sum-exp, loss, in-place gradient,
 //! loss sum, invalid-target count), on random logits of GPT-2 vocabulary rows and awkward shapes (vocab
 //! not a multiple of 8, tiny vocab, chunks at a row offset, ignored and out-of-range targets, a NaN logit),
-//! f32 and bf16; and CUDA run twice gives the same bits. Prints `SKIPPED: <reason>` and passes where no GPU
+//! f32 and bf16; and CUDA run twice gives the same bits. The bf16 register-held variants (8 and 16 vectors per
+//! thread) and the re-reading kernel, each forced, give the CPU's bits too. Prints `SKIPPED: <reason>` and passes where no GPU
 //! can be opened.
 
-use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+use fp8_kernels::cross_entropy::{
+    cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
+};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
@@ -52,7 +55,7 @@ fn case(rows: usize, vocab: usize, spread: f32, seed: u64) -> Case {
     }
 }
 
-fn run<T: FloatElement>(dev: &Device, c: &Case) -> Outputs {
+fn run<T: FloatElement>(dev: &Device, c: &Case, launch: CrossEntropyLaunch) -> Outputs {
     let tg = dev.upload(&c.targets).unwrap();
     let mut lse = dev.zeros::<f32>(c.rows).unwrap();
     let mut loss = dev.zeros::<f32>(c.rows).unwrap();
@@ -74,8 +77,9 @@ fn run<T: FloatElement>(dev: &Device, c: &Case) -> Outputs {
             ignore_index: c.ignore_index,
             grad_scale: c.grad.then_some(1.0 / c.rows as f32),
         };
-        cross_entropy(
+        cross_entropy_with_launch(
             &spec,
+            launch,
             &mut lg,
             &tg,
             CrossEntropyOutputs {
@@ -124,9 +128,18 @@ fn differences(a: &Outputs, b: &Outputs) -> String {
 }
 
 fn compare<T: FloatElement>(gpu: &Device, c: &Case, what: &str) -> bool {
-    let cpu = run::<T>(&Device::cpu(), c);
-    let g1 = run::<T>(gpu, c);
-    let g2 = run::<T>(gpu, c);
+    compare_launch::<T>(gpu, c, CrossEntropyLaunch::default(), what)
+}
+
+fn compare_launch<T: FloatElement>(
+    gpu: &Device,
+    c: &Case,
+    launch: CrossEntropyLaunch,
+    what: &str,
+) -> bool {
+    let cpu = run::<T>(&Device::cpu(), c, CrossEntropyLaunch::default());
+    let g1 = run::<T>(gpu, c, launch);
+    let g2 = run::<T>(gpu, c, launch);
     let mut ok = true;
     if cpu != g1 {
         println!("MISMATCH {what}: CUDA vs CPU: {}", differences(&g1, &cpu));
@@ -180,4 +193,51 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
         ok &= compare::<f32>(&gpu, c, &format!("{what} [{}, {}] f32", c.rows, c.vocab));
     }
     assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}
+
+#[test]
+fn register_and_reread_kernels_match_cpu_bitwise() {
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("SKIPPED: {e}");
+            return;
+        }
+    };
+    // More rows than resident blocks (grid-stride loop), vocabularies the 16-vector cache holds whole
+    // (50304, 1000, 65536), in part (65544; and 50304 for the 8-vector kernel) or not at all (50257 is not
+    // a multiple of 8, so every kernel re-reads it).
+    let mut cases = vec![
+        ("LM-head chunk", case(300, 50304, 8.0, 11)),
+        ("vocab 50257 (odd)", case(9, 50257, 8.0, 12)),
+        ("vocab 1000", case(33, 1000, 30.0, 13)),
+        ("vocab 65536", case(5, 65536, 8.0, 14)),
+        ("vocab 65544", case(4, 65544, 8.0, 15)),
+        ("vocab 32768, loss only", {
+            let mut c = case(6, 32768, 8.0, 16);
+            c.grad = false;
+            c
+        }),
+    ];
+    let mut special = case(6, 4096, 8.0, 17);
+    special.ignore_index = Some(-100);
+    special.targets[1] = -100;
+    special.targets[2] = 4096;
+    special.logits[4 * 4096 + 3] = f32::NAN;
+    cases.push(("ignored, invalid targets and a NaN", special));
+    let mut ok = true;
+    for (what, c) in &cases {
+        for vectors in [None, Some(0), Some(8), Some(16)] {
+            let launch = CrossEntropyLaunch {
+                vectors_per_thread: vectors,
+            };
+            ok &= compare_launch::<bf16>(
+                &gpu,
+                c,
+                launch,
+                &format!("{what} [{}, {}] bf16 {vectors:?}", c.rows, c.vocab),
+            );
+        }
+    }
+    assert!(ok, "a CUDA launch choice differs from the CPU (see above)");
 }

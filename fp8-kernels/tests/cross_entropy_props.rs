@@ -1,10 +1,11 @@
 //! The CPU cross-entropy (the reference of the CUDA kernel) against a plain f64 implementation on random
 //! shapes and logits; its exp and log against f64; the gradient against central finite differences of the
-//! f64 mean loss; chunking with row offsets; ignored and invalid targets; argument errors.
+//! f64 mean loss; chunking with row offsets; ignored and invalid targets; argument errors (launch choices
+//! included).
 
 use fp8_kernels::cross_entropy::{
-    check_targets, cross_entropy, exp_fixed, ln_fixed, loss_sum, CrossEntropyOutputs,
-    CrossEntropySpec,
+    check_targets, cross_entropy, cross_entropy_with_launch, exp_fixed, ln_fixed, loss_sum,
+    CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
 };
 use fp8_kernels::{Buffer, DType, Device, FloatElement};
 use half::bf16;
@@ -310,4 +311,52 @@ fn invalid_arguments_are_errors() {
         ..CrossEntropySpec::new(2, 10, 0.5)
     };
     assert!(call(off, &mut logits).is_err(), "rows 1..3 of 2 targets");
+}
+
+/// Register-held variants exist for bf16 with 8 or 16 vectors per thread only; valid choices leave the CPU
+/// results unchanged.
+#[test]
+fn launch_choices_are_checked() {
+    fn call<T: FloatElement>(vectors: Option<u32>) -> Result<Vec<u32>, fp8_kernels::KernelError> {
+        let dev = Device::cpu();
+        let host: Vec<T> = (0..32).map(|i| T::from_f32(i as f32 * 0.25)).collect();
+        let mut logits = dev.upload(&host).unwrap();
+        let targets = dev.upload(&[3i32, 7]).unwrap();
+        let mut lse = dev.zeros::<f32>(2).unwrap();
+        let mut loss = dev.zeros::<f32>(2).unwrap();
+        let mut sum = dev.zeros::<f32>(1).unwrap();
+        let mut invalid = dev.zeros::<u32>(1).unwrap();
+        cross_entropy_with_launch(
+            &CrossEntropySpec::new(2, 16, 0.5),
+            CrossEntropyLaunch {
+                vectors_per_thread: vectors,
+            },
+            &mut logits,
+            &targets,
+            CrossEntropyOutputs {
+                lse: &mut lse,
+                loss: &mut loss,
+                loss_sum: &mut sum,
+                invalid_targets: &mut invalid,
+            },
+        )?;
+        Ok(logits
+            .to_vec()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32().to_bits())
+            .chain(lse.to_vec().unwrap().iter().map(|v| v.to_bits()))
+            .collect())
+    }
+    let base = call::<bf16>(None).unwrap();
+    for ok in [Some(0), Some(8), Some(16)] {
+        assert_eq!(call::<bf16>(ok).unwrap(), base, "bf16 {ok:?}");
+    }
+    for bad in [Some(4), Some(12), Some(32)] {
+        assert!(call::<bf16>(bad).is_err(), "bf16 {bad:?}");
+    }
+    assert!(call::<f32>(Some(0)).is_ok());
+    for bad in [Some(8), Some(16)] {
+        assert!(call::<f32>(bad).is_err(), "f32 {bad:?}");
+    }
 }

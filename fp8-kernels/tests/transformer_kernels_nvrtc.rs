@@ -153,7 +153,12 @@ fn cross_entropy_module_compiles_for_sm90() {
     let Some(ptx) = compile(&CROSS_ENTROPY_MODULE) else {
         return;
     };
-    for name in ["cross_entropy_f32", "cross_entropy_bf16"] {
+    for name in [
+        "cross_entropy_f32",
+        "cross_entropy_bf16",
+        "cross_entropy_bf16_nv8",
+        "cross_entropy_bf16_nv16",
+    ] {
         let body = entry(&ptx, name);
         assert!(body.contains("fma.rn.f32"), "{name}: polynomial exp");
         assert!(

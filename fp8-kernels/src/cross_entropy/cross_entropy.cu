@@ -9,8 +9,14 @@
 // s = s * exp(m - vm) and m = vm, then s = s + exp(x - m) for each element in order. Pairs are combined by
 // (m, s) + (m2, s2) = (M, s exp(m - M) + s2 exp(m2 - M)), M = m2 > m ? m2 : m: a butterfly (xor 16 .. 1)
 // within each warp, then every warp combines the 16 warp results (lanes 16..31 holding the identity
-// (lowest, 0)) with the same butterfly. lse = M + log(S). The second pass rereads the row (mostly from L2)
-// and writes (exp(x - lse) - [e == target]) * grad_scale.
+// (lowest, 0)) with the same butterfly. lse = M + log(S). The second pass writes
+// (exp(x - lse) - [e == target]) * grad_scale over the row.
+//
+// Register variants (template NV > 0, bf16 rows of a multiple of 8 at a 16-byte aligned address): a thread
+// loads its first NV vectors (j = tid + k * CE_THREADS, k < NV) as raw 16-byte words up front, all loads in
+// flight, unpacks them in order in the first pass and again in the second, so those vectors are read from
+// memory once; vectors beyond NV * CE_THREADS (and every vector when NV = 0 or the row is not vectorisable)
+// are read in each pass as before. The arithmetic and its order are the same in every variant.
 
 #define CE_THREADS 512
 #define CE_WARPS (CE_THREADS / 32)
@@ -110,13 +116,24 @@ __device__ __forceinline__ void ce_load(const typename E::T* row, int j, int voc
     }
 }
 
-template <class E>
+// The raw 16-byte words of vector j of a row (8 bf16), loaded once and unpacked on use: 4 registers per
+// cached vector instead of 8.
+__device__ __forceinline__ void ce_unpack_bf16(const uint4& w, float (&v)[8]) {
+    u16 h[8];
+    unpack_u16x8(w, h);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = bf16_to_f32(h[k]);
+}
+
+template <class E, int NV>
 __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_out, float* loss_out, u32* invalid,
                         int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
                         int write_grad) {
     __shared__ float warp_m[CE_WARPS], warp_s[CE_WARPS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nvec = (vocab + 7) >> 3;
+    // Vectors re-read per step beyond the cached ones: fewer when the cache holds the registers.
+    constexpr int U = NV == 0 ? 4 : NV <= 8 ? 2 : 1;
     const bool vec = (vocab & 7) == 0 && (((unsigned long long)logits & 15) == 0);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         typename E::T* row = logits + (u64)r * vocab;
@@ -139,15 +156,37 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
             for (int q = 0; q < 8; ++q)
                 if (q < n) s = __fadd_rn(s, ce_exp(__fadd_rn(v[q], -m)));
         };
+        // The thread's first NV vectors (bf16 only), all loads issued before any is consumed.
+        uint4 raw[NV > 0 ? NV : 1];
         int j = tid;
+        if constexpr (NV > 0) {
+            static_assert(sizeof(typename E::T) == 2, "the register variants hold bf16 words");
+            if (vec) {
+#pragma unroll
+                for (int k = 0; k < NV; ++k) {
+                    const int jk = tid + k * CE_THREADS;
+                    if (jk < nvec) raw[k] = *reinterpret_cast<const uint4*>(row + (u64)8 * jk);
+                }
+#pragma unroll
+                for (int k = 0; k < NV; ++k) {
+                    const int jk = tid + k * CE_THREADS;
+                    if (jk < nvec) {
+                        float v[8];
+                        ce_unpack_bf16(raw[k], v);
+                        consume(v, 8);
+                    }
+                }
+                j = tid + NV * CE_THREADS;
+            }
+        }
         if (vec) {
-            // Four 16-byte loads in flight per thread; the vectors are then consumed in order.
-            for (; j + 3 * CE_THREADS < nvec; j += 4 * CE_THREADS) {
-                float v[4][8];
+            // U 16-byte loads in flight per thread; the vectors are then consumed in order.
+            for (; j + (U - 1) * CE_THREADS < nvec; j += U * CE_THREADS) {
+                float v[U][8];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) E::load8(row, (u64)8 * (j + u * CE_THREADS), v[u]);
+                for (int u = 0; u < U; ++u) E::load8(row, (u64)8 * (j + u * CE_THREADS), v[u]);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) consume(v[u], 8);
+                for (int u = 0; u < U; ++u) consume(v[u], 8);
             }
         }
         for (; j < nvec; j += CE_THREADS) {
@@ -189,13 +228,27 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
                 }
             };
             int jj = tid;
+            if constexpr (NV > 0) {
+                if (vec) {
+#pragma unroll
+                    for (int k = 0; k < NV; ++k) {
+                        const int jk = tid + k * CE_THREADS;
+                        if (jk < nvec) {
+                            float v[8];
+                            ce_unpack_bf16(raw[k], v);
+                            gradient(jk, v);
+                        }
+                    }
+                    jj = tid + NV * CE_THREADS;
+                }
+            }
             if (vec) {
-                for (; jj + 3 * CE_THREADS < nvec; jj += 4 * CE_THREADS) {
-                    float v[4][8];
+                for (; jj + (U - 1) * CE_THREADS < nvec; jj += U * CE_THREADS) {
+                    float v[U][8];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) E::load8(row, (u64)8 * (jj + u * CE_THREADS), v[u]);
+                    for (int u = 0; u < U; ++u) E::load8(row, (u64)8 * (jj + u * CE_THREADS), v[u]);
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) gradient(jj + u * CE_THREADS, v[u]);
+                    for (int u = 0; u < U; ++u) gradient(jj + u * CE_THREADS, v[u]);
                 }
             }
             for (; jj < nvec; jj += CE_THREADS) {
@@ -208,17 +261,25 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CE_THREADS)
-    cross_entropy_f32(float* logits, const int* targets, float* lse, float* loss, u32* invalid, int offset, int rows,
-                      int vocab, float grad_scale, int ignore_index, int has_ignore, int write_grad) {
-    ce_impl<TF32>(logits, targets, lse, loss, invalid, offset, rows, vocab, grad_scale, ignore_index, has_ignore,
-                  write_grad);
+#define CE_ARGS                                                                                                 \
+    const int *targets, float *lse, float *loss, u32 *invalid, int offset, int rows, int vocab, float grad_scale, \
+        int ignore_index, int has_ignore, int write_grad
+#define CE_PASS targets, lse, loss, invalid, offset, rows, vocab, grad_scale, ignore_index, has_ignore, write_grad
+
+// Re-reading entries: at most 4 blocks of 512 per SM (32 registers).
+extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_f32(float* logits, CE_ARGS) {
+    ce_impl<TF32, 0>(logits, CE_PASS);
 }
-extern "C" __global__ void __launch_bounds__(CE_THREADS)
-    cross_entropy_bf16(u16* logits, const int* targets, float* lse, float* loss, u32* invalid, int offset, int rows,
-                       int vocab, float grad_scale, int ignore_index, int has_ignore, int write_grad) {
-    ce_impl<TBF16>(logits, targets, lse, loss, invalid, offset, rows, vocab, grad_scale, ignore_index, has_ignore,
-                   write_grad);
+extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_bf16(u16* logits, CE_ARGS) {
+    ce_impl<TBF16, 0>(logits, CE_PASS);
+}
+// Register entries (bf16): 8 vectors per thread (rows up to 32768 cached whole, longer ones in part) at 2 blocks
+// per SM, 16 vectors (rows up to 65536) at 1 block per SM.
+extern "C" __global__ void __launch_bounds__(CE_THREADS, 2) cross_entropy_bf16_nv8(u16* logits, CE_ARGS) {
+    ce_impl<TBF16, 8>(logits, CE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(CE_THREADS, 1) cross_entropy_bf16_nv16(u16* logits, CE_ARGS) {
+    ce_impl<TBF16, 16>(logits, CE_PASS);
 }
 
 // acc[0] += the sum of loss[offset .. offset + n]: thread t adds loss[t], loss[t + 256], ... from zero, warps combine by a

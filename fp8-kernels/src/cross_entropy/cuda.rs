@@ -1,22 +1,38 @@
 //! Launches of the cross-entropy kernels (`cross_entropy.cu`). Arguments were validated by `mod.rs`.
 
-use super::{CrossEntropyOutputs, CrossEntropySpec, CROSS_ENTROPY_MODULE};
+use super::{CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec, CROSS_ENTROPY_MODULE};
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::launch::{function, sm_count};
-use crate::{Buffer, CudaDevice, KernelError};
+use crate::{Buffer, CudaDevice, DType, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Threads per row (`CE_THREADS`).
 const THREADS: u32 = 512;
 /// Threads of the loss-sum kernel (`CE_SUM_THREADS`).
 const SUM_THREADS: u32 = 256;
-/// Row blocks resident per SM (2048 threads).
+/// Row blocks launched per SM for the re-reading kernels (2048 threads; ptxas gives them 50 to 58 registers,
+/// so 2 are resident and the rest wait).
 const BLOCKS_PER_SM: u64 = 4;
+/// Classes per row the 16-vector register kernel holds whole (16 vectors of 8 per thread).
+const NV16_VOCAB: usize = 16 * 8 * THREADS as usize;
+
+/// Vectors per thread held in registers: the forced choice, else 16 for bf16 rows of a multiple of 8 that
+/// fit, else 0.
+fn vectors_per_thread<T: FloatElement>(spec: &CrossEntropySpec, launch: CrossEntropyLaunch) -> u32 {
+    launch.vectors_per_thread.unwrap_or(
+        if T::DTYPE == DType::BF16 && spec.vocab % 8 == 0 && spec.vocab <= NV16_VOCAB {
+            16
+        } else {
+            0
+        },
+    )
+}
 
 pub(super) fn cross_entropy<T: FloatElement>(
     dev: &CudaDevice,
     spec: &CrossEntropySpec,
+    launch: CrossEntropyLaunch,
     logits: &mut Buffer<T>,
     targets: &Buffer<i32>,
     out: CrossEntropyOutputs<'_>,
@@ -25,12 +41,13 @@ pub(super) fn cross_entropy<T: FloatElement>(
     if spec.rows == 0 {
         return Ok(());
     }
-    let f = function(
-        dev,
-        &CROSS_ENTROPY_MODULE,
-        &format!("cross_entropy_{}", T::NAME),
-    )?;
-    let blocks = (spec.rows as u64).min(sm_count(dev)? as u64 * BLOCKS_PER_SM);
+    // The register kernels are declared for 2 (8 vectors) and 1 (16 vectors) resident blocks per SM.
+    let (name, per_sm) = match vectors_per_thread::<T>(spec, launch) {
+        0 => (format!("cross_entropy_{}", T::NAME), BLOCKS_PER_SM),
+        n => (format!("cross_entropy_{}_nv{n}", T::NAME), 16 / n as u64),
+    };
+    let f = function(dev, &CROSS_ENTROPY_MODULE, &name)?;
+    let blocks = (spec.rows as u64).min(sm_count(dev)? as u64 * per_sm);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -56,11 +73,11 @@ pub(super) fn cross_entropy<T: FloatElement>(
             .arg(&ignore)
             .arg(&has_ignore)
             .arg(&write_grad);
-        // SAFETY: `cross_entropy_<T>(T* logits, const int* targets, float* lse, float* loss, u32* invalid,
-        // int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
-        // int write_grad)` with 512 threads; logits hold rows*vocab elements, targets, lse and loss at least
-        // offset + rows, invalid at least one (checked by the caller). Targets outside 0..vocab are never
-        // used as indices.
+        // SAFETY: `cross_entropy_<T>[_nv8|_nv16](T* logits, const int* targets, float* lse, float* loss,
+        // u32* invalid, int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
+        // int write_grad)` with 512 threads (the nv entries exist for bf16 only, checked by the caller);
+        // logits hold rows*vocab elements, targets, lse and loss at least offset + rows, invalid at least
+        // one (checked by the caller). Targets outside 0..vocab are never used as indices.
         unsafe { b.launch(cfg) }?;
     }
     let g = function(dev, &CROSS_ENTROPY_MODULE, "cross_entropy_loss_sum")?;

@@ -16,7 +16,9 @@
 //!   the invalid-target counter, gets loss NaN and a zero gradient, and its logits are never indexed by
 //!   that target (no wild read). Check targets when a batch is built ([`check_targets`]).
 //! - Gradient (when `grad_scale` is given): `g = exp(x - lse)`, minus 1 at the target, times
-//!   `grad_scale`, rounded to the logits' type, written over the logits. The second pass rereads the row.
+//!   `grad_scale`, rounded to the logits' type, written over the logits. The second pass rereads the row,
+//!   or, for bf16 rows that fit (see [`CrossEntropyLaunch`]), reuses the values the first pass held in
+//!   registers.
 //! - `loss_sum[0] += sum of the chunk's losses` in a fixed order (256 strided partial sums, butterflies),
 //!   so accumulating chunk after chunk on one stream is deterministic.
 //!
@@ -73,6 +75,17 @@ impl CrossEntropySpec {
     }
 }
 
+/// How the CUDA kernel is launched: a choice of speed only, results are the same bit for bit (tested). The
+/// CPU ignores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CrossEntropyLaunch {
+    /// Vectors of 8 logits per thread held in registers between the two passes (0, 8 or 16; bf16 only).
+    /// `None` chooses 16 for bf16 rows of a multiple of 8 classes up to 65536 (the row is read once), else
+    /// 0 (each pass reads the row). With 8 or 16, vectors beyond 8 * 512 * n of a row, and every vector of
+    /// rows that are not 16-byte vectorisable (vocab not a multiple of 8), are still read in each pass.
+    pub vectors_per_thread: Option<u32>,
+}
+
 /// The outputs of [`cross_entropy`] besides the gradient.
 #[derive(Debug)]
 pub struct CrossEntropyOutputs<'a> {
@@ -120,7 +133,31 @@ pub fn cross_entropy<T: FloatElement>(
     targets: &Buffer<i32>,
     out: CrossEntropyOutputs<'_>,
 ) -> Result<(), KernelError> {
+    cross_entropy_with_launch(spec, CrossEntropyLaunch::default(), logits, targets, out)
+}
+
+/// [`cross_entropy`] with explicit CUDA launch choices (results unchanged; for benchmarks and tests).
+pub fn cross_entropy_with_launch<T: FloatElement>(
+    spec: &CrossEntropySpec,
+    launch: CrossEntropyLaunch,
+    logits: &mut Buffer<T>,
+    targets: &Buffer<i32>,
+    out: CrossEntropyOutputs<'_>,
+) -> Result<(), KernelError> {
     const WHAT: &str = "cross_entropy";
+    match launch.vectors_per_thread {
+        None | Some(0) => {}
+        Some(8 | 16) if T::DTYPE == DType::BF16 => {}
+        Some(n) => {
+            return Err(bad(
+                WHAT,
+                format!(
+                    "{n} vectors per thread for {} logits (0, or 8 or 16 for bf16)",
+                    T::DTYPE
+                ),
+            ))
+        }
+    }
     match T::DTYPE {
         DType::F32 | DType::BF16 => {}
         other => return Err(bad(WHAT, format!("logits of {other} (f32 or bf16 only)"))),
@@ -196,7 +233,7 @@ pub fn cross_entropy<T: FloatElement>(
             *cnt = cnt.wrapping_add(invalid);
             Ok(())
         }
-        Some(dev) => cuda::cross_entropy(&dev, spec, logits, targets, out),
+        Some(dev) => cuda::cross_entropy(&dev, spec, launch, logits, targets, out),
     }
 }
 
