@@ -92,11 +92,13 @@ struct TBF16 {
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = bf16_to_f32(h[k]);
     }
+    // Pairs rounded by one cvt.rn.bf16x2.f32 each (the same rounding as f32_to_bf16, half the conversion
+    // instructions): the value of the first operand goes to the upper half, so element 2k + 1 comes first.
     static __device__ __forceinline__ void store8(u16* p, u64 i, const float (&v)[8]) {
-        u16 h[8];
+        u32 w[4];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) h[k] = f32_to_bf16(v[k]);
-        *reinterpret_cast<uint4*>(p + i) = pack_u16x8(h);
+        for (int k = 0; k < 4; ++k) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(v[2 * k + 1]), "f"(v[2 * k]));
+        *reinterpret_cast<uint4*>(p + i) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 };
 struct TF16 {

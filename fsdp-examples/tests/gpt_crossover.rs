@@ -207,11 +207,15 @@ fn the_threshold_reaches_the_model() {
     );
     let c = choice(DEFAULT_FP8_AUTO_THRESHOLD);
     assert!(c.fp8_linears(&c.config(256).unwrap()).is_empty());
+    // The measured default: gpt-3b's attn_proj (k = 1280) is FP8, a 2048 x 2048 linear (k = 1024) is not.
+    let config = c.config(256).unwrap();
     assert_eq!(
-        c.config(256)
-            .unwrap()
-            .linear_precision::<half::bf16>(2048, 2048),
+        config.linear_precision::<half::bf16>(2560, 2560),
         LinearPrecision::Fp8
+    );
+    assert_eq!(
+        config.linear_precision::<half::bf16>(2048, 2048),
+        LinearPrecision::Bf16
     );
 }
 

@@ -30,14 +30,21 @@
 #define CE_LN2_LO CE_F(0xB95E8083)  // -2.12194440e-4
 #define CE_SQRTH CE_F(0x3F3504F3)   // 0.70710678
 
-// exp(x): Cody-Waite reduction by ln 2 (k = rint(x log2 e)), Cephes' degree-5 polynomial on [-ln2/2, ln2/2]
-// (about 1 ulp), then y * 2^k rounded once: y * 2^(k -+ 64) is exact and the multiplication by 2^(+-64)
-// rounds (k is in -150..128 after the clamp). Only fma/mul/add with round-to-nearest. The clamp is two
-// selects that keep NaN, and __float2int_rz(NaN) is 0, so NaN propagates without a test.
+// exp(x) for x <= 0 (or NaN), the only arguments the kernel takes: differences to a running max, or to
+// lse >= max. Cody-Waite reduction by ln 2 (k = rint(x log2 e)), Cephes' degree-5 polynomial on
+// [-ln2/2, ln2/2] (about 1 ulp), then y * 2^k rounded once: y * 2^(k + 64) is exact and the multiplication
+// by 2^-64 rounds (k is in -150..0 after the clamp). Only fma/mul/add with round-to-nearest. On x <= 0 this
+// is exactly cpu.rs's ce_exp, which also handles x > 0 (its upper clamp and 2^(k - 64) branch never apply
+// here, so the kernel leaves them out). The clamp is a select that keeps NaN; a NaN makes y NaN, and so the
+// result, whatever k comes out as.
+// rint(t) is (t + 1.5 * 2^23) - 1.5 * 2^23 (exact, ties to even, for |t| < 2^22; here |t| <= 151) and k is
+// read from the bits of the shifted sum: the same values as rintf and a float-to-int conversion, without
+// the conversion instructions, which run at a quarter of the FMA rate and dominated this compute-bound
+// kernel (two per exp, two exps per logit).
 __device__ __forceinline__ float ce_exp(float x) {
     x = x < -104.0f ? -104.0f : x;
-    x = x > 89.0f ? 89.0f : x;
-    const float kf = rintf(__fmul_rn(x, CE_LOG2E));
+    const float shifted = __fadd_rn(__fmul_rn(x, CE_LOG2E), 12582912.0f);
+    const float kf = __fadd_rn(shifted, -12582912.0f);
     float r = __fmaf_rn(-kf, CE_LN2_HI, x);
     r = __fmaf_rn(-kf, CE_LN2_LO, r);
     float p = CE_F(0x39506967);          // 1.9875691500e-4
@@ -47,10 +54,9 @@ __device__ __forceinline__ float ce_exp(float x) {
     p = __fmaf_rn(p, r, CE_F(0x3E2AAAAA));  // 1.6666665459e-1
     p = __fmaf_rn(p, r, CE_F(0x3F000000));  // 5.0000001201e-1
     const float y = __fadd_rn(__fmaf_rn(p, __fmul_rn(r, r), r), 1.0f);
-    const int k = __float2int_rz(kf);
-    const bool high = k > 63;
-    const int k2 = high ? k - 64 : k + 64;
-    return __fmul_rn(__fmul_rn(y, __int_as_float((k2 + 127) << 23)), high ? CE_F(0x5F800000) : CE_F(0x1F800000));
+    const int k = __float_as_int(shifted) - 0x4B400000;
+    const float scale = __int_as_float((int)((unsigned)(k + 64 + 127) << 23));
+    return __fmul_rn(__fmul_rn(y, scale), CE_F(0x1F800000));
 }
 
 // log(x): x = m 2^e with m in [sqrt(1/2), sqrt(2)), Cephes' logf polynomial in m - 1.
@@ -133,7 +139,7 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nvec = (vocab + 7) >> 3;
     // Vectors re-read per step beyond the cached ones: fewer when the cache holds the registers.
-    constexpr int U = NV == 0 ? 4 : NV <= 8 ? 2 : 1;
+    constexpr int U = NV == 0 ? 4 : 1;
     const bool vec = (vocab & 7) == 0 && (((unsigned long long)logits & 15) == 0);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         typename E::T* row = logits + (u64)r * vocab;

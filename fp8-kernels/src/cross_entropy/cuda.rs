@@ -4,7 +4,7 @@ use super::{CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec, CROSS_ENT
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::launch::{function, sm_count};
-use crate::{Buffer, CudaDevice, DType, KernelError};
+use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Threads per row (`CE_THREADS`).
@@ -14,19 +14,13 @@ const SUM_THREADS: u32 = 256;
 /// Row blocks launched per SM for the re-reading kernels (2048 threads; ptxas gives them 50 to 58 registers,
 /// so 2 are resident and the rest wait).
 const BLOCKS_PER_SM: u64 = 4;
-/// Classes per row the 16-vector register kernel holds whole (16 vectors of 8 per thread).
-const NV16_VOCAB: usize = 16 * 8 * THREADS as usize;
 
-/// Vectors per thread held in registers: the forced choice, else 16 for bf16 rows of a multiple of 8 that
-/// fit, else 0.
-fn vectors_per_thread<T: FloatElement>(spec: &CrossEntropySpec, launch: CrossEntropyLaunch) -> u32 {
-    launch.vectors_per_thread.unwrap_or(
-        if T::DTYPE == DType::BF16 && spec.vocab % 8 == 0 && spec.vocab <= NV16_VOCAB {
-            16
-        } else {
-            0
-        },
-    )
+/// Vectors per thread held in registers: the forced choice, else 0 (re-read). Re-reading is the default
+/// because on the H200 (`layer_kernel_bench --sweep`, 2026-12-03) the register kernels were slower at every
+/// chunk (8192 x 50304: 1.06 ms re-reading, 1.12 ms holding 8, 1.38 ms holding 16 vectors): the kernel is
+/// bound by its arithmetic, not by the second read, and the registers cost resident warps.
+fn vectors_per_thread(launch: CrossEntropyLaunch) -> u32 {
+    launch.vectors_per_thread.unwrap_or(0)
 }
 
 pub(super) fn cross_entropy<T: FloatElement>(
@@ -42,7 +36,7 @@ pub(super) fn cross_entropy<T: FloatElement>(
         return Ok(());
     }
     // The register kernels are declared for 2 (8 vectors) and 1 (16 vectors) resident blocks per SM.
-    let (name, per_sm) = match vectors_per_thread::<T>(spec, launch) {
+    let (name, per_sm) = match vectors_per_thread(launch) {
         0 => (format!("cross_entropy_{}", T::NAME), BLOCKS_PER_SM),
         n => (format!("cross_entropy_{}_nv{n}", T::NAME), 16 / n as u64),
     };
