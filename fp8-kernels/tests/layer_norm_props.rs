@@ -640,3 +640,41 @@ fn invalid_arguments_are_errors() {
     };
     assert!(norm_backward(&ok, &x, &w, &stats, &x, grads).is_err());
 }
+
+#[test]
+fn the_mean_of_offset_rows_is_correctly_rounded() {
+    // Rows of bf16 values around 40 (a residual stream with a large offset): bf16 values there are
+    // multiples of 1/4, so the f32 sum of 768 of them is exact and only the division rounds: the mean is
+    // within half an ulp of the exact (f64) one. (Outputs near zero in such rows still carry that half
+    // ulp of `x - mean`, as PyTorch's do: check_layers_vs_torch reports them in BF16 steps.)
+    let (rows, d) = (256, 768);
+    let mut rng = fp8_kernels::rng::SplitMix64::new(21);
+    let x: Vec<bf16> = (0..rows * d)
+        .map(|_| bf16::from_f32(40.0 + rng.uniform_f32() * 3.0))
+        .collect();
+    let w = vec![bf16::ONE; d];
+    let dev = Device::cpu();
+    let (xb, wb) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+    let mut stats = NormStats::new(&dev, rows).unwrap();
+    let mut y = dev.zeros::<bf16>(rows * d).unwrap();
+    norm_forward(
+        &NormSpec::layer_norm(rows, d),
+        &xb,
+        &wb,
+        None,
+        &mut stats,
+        &mut y,
+    )
+    .unwrap();
+    let mean = stats.mean.to_vec().unwrap();
+    let ulp = f64::from(f32::EPSILON) * 32.0; // the ulp of values in [32, 64)
+    for (r, &m) in mean.iter().enumerate() {
+        let exact = x[r * d..(r + 1) * d]
+            .iter()
+            .map(|v| f64::from(v.to_f32()))
+            .sum::<f64>()
+            / d as f64;
+        let off = (f64::from(m) - exact).abs() / ulp;
+        assert!(off <= 0.5, "row {r}: mean off by {off} ulp");
+    }
+}
