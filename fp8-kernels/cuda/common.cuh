@@ -161,15 +161,17 @@ __device__ __forceinline__ int abs_bits_no_nan(float v) {
 }
 
 // Block-wide max of non-negative int bits, then one atomicMax into *dst (as int: non-negative floats order
-// like integers). Every thread of the block must call it. blockDim.x must be a multiple of 32, <= 1024.
+// like integers). Every thread of the block must call it. Any block shape whose thread count is a multiple
+// of 32, <= 1024 (threads are numbered x fastest).
 __device__ __forceinline__ void block_amax_commit(int m, float* dst) {
     __shared__ int warp_max[32];
     m = __reduce_max_sync(0xFFFFFFFFu, m);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int flat = threadIdx.y * blockDim.x + threadIdx.x;
+    const int lane = flat & 31, warp = flat >> 5;
     if (lane == 0) warp_max[warp] = m;
     __syncthreads();
     if (warp == 0) {
-        const int nw = (blockDim.x + 31) >> 5;
+        const int nw = (blockDim.x * blockDim.y + 31) >> 5;
         int v = lane < nw ? warp_max[lane] : 0;
         v = __reduce_max_sync(0xFFFFFFFFu, v);
         if (lane == 0 && dst != nullptr) atomicMax(reinterpret_cast<int*>(dst), v);
@@ -283,3 +285,51 @@ struct CastValue {
         E::load8(x, i, h);
     }
 };
+
+// ---- FP8 cast + transpose over 32x32 tiles, any shape: block (32, 8) ----
+// Each tile's codes go through a shared tile; thread (x, y) covers rows y, y + 8, ... of the tile, then
+// writes column elements of the transposed tile. The value of element i is VAL::value(x, dy, i), as in
+// cast_transpose64. `m` accumulates the |value| bits for the caller's block amax.
+#define CT32 32
+template <class E, int FMT, class VAL>
+__device__ void cast_transpose32(const typename E::T* x, const typename E::T* dy, u8* y, u8* yt, float s, int& m,
+                                 int rows, int cols, const VAL& val) {
+    __shared__ u8 tile[CT32][CT32 + 4];
+    const int tiles_c = (cols + CT32 - 1) / CT32;
+    const int tiles_r = (rows + CT32 - 1) / CT32;
+    for (int t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
+        const int r0 = (t / tiles_c) * CT32, c0 = (t % tiles_c) * CT32;
+        for (int k = threadIdx.y; k < CT32; k += blockDim.y) {
+            const int r = r0 + k, c = c0 + threadIdx.x;
+            u8 code = 0;
+            if (r < rows && c < cols) {
+                const u64 i = (u64)r * cols + c;
+                const float h = val.value(x, dy, i);
+                m = max(m, abs_bits_no_nan(h));
+                code = (u8)(fp8x2<FMT>(mul_rn(h, s), 0.0f) & 0xFF);
+                if (y != nullptr) y[i] = code;
+            }
+            tile[k][threadIdx.x] = code;
+        }
+        __syncthreads();
+        for (int k = threadIdx.y; k < CT32; k += blockDim.y) {
+            const int c = c0 + k, r = r0 + threadIdx.x;
+            if (r < rows && c < cols) yt[(u64)c * rows + r] = tile[threadIdx.x][k];
+        }
+        __syncthreads();
+    }
+}
+
+// The FP8 cast + transpose of the cast and fused-GELU families: x [rows, cols] -> y = codes [rows, cols]
+// (skipped when null), yt = codes of the transpose [cols, rows], the amax of the values into amax[slot]
+// (when not null). A one-dimensional block selects the vectorised 64x64 path (the caller launches it for
+// shapes in multiples of 64), the (32, 8) block the 32x32 tiles.
+template <class E, int FMT, class VAL>
+__device__ void cast_transpose_values(const typename E::T* x, const typename E::T* dy, u8* y, u8* yt,
+                                      const float* scale, float* amax, int slot, int rows, int cols, const VAL& val) {
+    const float s = *scale;
+    int m = 0;
+    if (blockDim.y == 1) cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, val);
+    else cast_transpose32<E, FMT>(x, dy, y, yt, s, m, rows, cols, val);
+    block_amax_commit(m, amax == nullptr ? nullptr : amax + slot);
+}

@@ -115,55 +115,11 @@ __device__ void dequant_impl(const u8* q, typename Out::T* y, const float* scale
 }
 
 // ---- cast + transpose: x [rows, cols] row-major -> yt [cols, rows] (and optionally y [rows, cols]) ----
-#define CT_TILE 32
+// The tiles and the amax are common.cuh's cast_transpose_values, shared with the fused GELU casts.
 template <class In, int FMT>
 __device__ void cast_transpose_impl(const typename In::T* x, u8* y, u8* yt, const float* scale, float* amax, int slot,
                                     int rows, int cols) {
-    __shared__ u8 tile[CT_TILE][CT_TILE + 4];
-    const float s = *scale;
-    int m = 0;
-    const int tiles_c = (cols + CT_TILE - 1) / CT_TILE;
-    const int tiles_r = (rows + CT_TILE - 1) / CT_TILE;
-    // A one-dimensional block selects the vectorised 64x64 path (the caller launches it for shapes in
-    // multiples of 64); the (32, 8) block walks 32x32 tiles element by element.
-    if (blockDim.y == 1) {
-        cast_transpose64<In, FMT>(x, nullptr, y, yt, s, m, rows, cols, CastValue<In>());
-    } else {
-    for (int t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
-        const int r0 = (t / tiles_c) * CT_TILE, c0 = (t % tiles_c) * CT_TILE;
-        // threads: (32, 8); each covers 4 rows of the tile.
-        for (int k = threadIdx.y; k < CT_TILE; k += blockDim.y) {
-            const int r = r0 + k, c = c0 + threadIdx.x;
-            u8 code = 0;
-            if (r < rows && c < cols) {
-                const u64 i = (u64)r * cols + c;
-                const float v = In::load(x, i);
-                m = max(m, abs_bits_no_nan(v));
-                code = (u8)(fp8x2<FMT>(mul_rn(v, s), 0.0f) & 0xFF);
-                if (y != nullptr) y[i] = code;
-            }
-            tile[k][threadIdx.x] = code;
-        }
-        __syncthreads();
-        for (int k = threadIdx.y; k < CT_TILE; k += blockDim.y) {
-            const int c = c0 + k, r = r0 + threadIdx.x;
-            if (r < rows && c < cols) yt[(u64)c * rows + r] = tile[threadIdx.x][k];
-        }
-        __syncthreads();
-    }
-    }
-    // block_amax_commit wants a 1-D view of the block.
-    const int flat = threadIdx.y * blockDim.x + threadIdx.x;
-    __shared__ int wm[32];
-    m = __reduce_max_sync(0xFFFFFFFFu, m);
-    if ((flat & 31) == 0) wm[flat >> 5] = m;
-    __syncthreads();
-    if (flat < 32) {
-        const int nw = (blockDim.x * blockDim.y + 31) >> 5;
-        int v = flat < nw ? wm[flat] : 0;
-        v = __reduce_max_sync(0xFFFFFFFFu, v);
-        if (flat == 0 && amax != nullptr) atomicMax(reinterpret_cast<int*>(amax + slot), v);
-    }
+    cast_transpose_values<In, FMT>(x, nullptr, y, yt, scale, amax, slot, rows, cols, CastValue<In>());
 }
 
 // ---- conversions between f32, bf16, f16 ----

@@ -42,57 +42,15 @@ struct GeluGradValue {
 
 // x [rows, cols] row-major -> y = codes [rows, cols], yt = codes of the transpose [cols, rows], amax into
 // amax[slot]. dy == nullptr: value = gelu(x); otherwise value = gelu'(x) * dy. The value is rounded to the
-// element type before the amax and the cast, as the unfused path stores it. Tiles and the amax reduction
-// are those of cast_transpose_impl (block (32, 8)).
-#define FG_TILE 32
+// element type before the amax and the cast, as the unfused path stores it. Tiles and the amax are
+// common.cuh's cast_transpose_values, as in the plain cast.
 template <class E, int FMT>
 __device__ void gelu_cast_transpose_impl(const typename E::T* x, const typename E::T* dy, u8* y, u8* yt,
                                          const float* scale, float* amax, int slot, int rows, int cols, int exact) {
-    __shared__ u8 tile[FG_TILE][FG_TILE + 4];
-    const float s = *scale;
-    int m = 0;
-    const int tiles_c = (cols + FG_TILE - 1) / FG_TILE;
-    const int tiles_r = (rows + FG_TILE - 1) / FG_TILE;
-    // A one-dimensional block selects the vectorised 64x64 path of common.cuh (shapes in multiples of 64).
-    if (blockDim.y == 1) {
-        if (dy == nullptr) cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, GeluValue<E>{exact});
-        else cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, GeluGradValue<E>{exact});
-    } else {
-    for (int t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
-        const int r0 = (t / tiles_c) * FG_TILE, c0 = (t % tiles_c) * FG_TILE;
-        for (int k = threadIdx.y; k < FG_TILE; k += blockDim.y) {
-            const int r = r0 + k, c = c0 + threadIdx.x;
-            u8 code = 0;
-            if (r < rows && c < cols) {
-                const u64 i = (u64)r * cols + c;
-                const float v = E::load(x, i);
-                const float h = dy == nullptr ? round_through<E>(gelu_value(v, exact))
-                                              : round_through<E>(mul_rn(gelu_slope(v, exact), E::load(dy, i)));
-                m = max(m, abs_bits_no_nan(h));
-                code = (u8)(fp8x2<FMT>(mul_rn(h, s), 0.0f) & 0xFF);
-                y[i] = code;
-            }
-            tile[k][threadIdx.x] = code;
-        }
-        __syncthreads();
-        for (int k = threadIdx.y; k < FG_TILE; k += blockDim.y) {
-            const int c = c0 + k, r = r0 + threadIdx.x;
-            if (r < rows && c < cols) yt[(u64)c * rows + r] = tile[threadIdx.x][k];
-        }
-        __syncthreads();
-    }
-    }
-    const int flat = threadIdx.y * blockDim.x + threadIdx.x;
-    __shared__ int wm[32];
-    m = __reduce_max_sync(0xFFFFFFFFu, m);
-    if ((flat & 31) == 0) wm[flat >> 5] = m;
-    __syncthreads();
-    if (flat < 32) {
-        const int nw = (blockDim.x * blockDim.y + 31) >> 5;
-        int v = flat < nw ? wm[flat] : 0;
-        v = __reduce_max_sync(0xFFFFFFFFu, v);
-        if (flat == 0 && amax != nullptr) atomicMax(reinterpret_cast<int*>(amax + slot), v);
-    }
+    if (dy == nullptr)
+        cast_transpose_values<E, FMT>(x, dy, y, yt, scale, amax, slot, rows, cols, GeluValue<E>{exact});
+    else
+        cast_transpose_values<E, FMT>(x, dy, y, yt, scale, amax, slot, rows, cols, GeluGradValue<E>{exact});
 }
 
 #define GELU_CAST_ENTRY(NAME, E, FNAME, FMT)                                                                      \
