@@ -20,40 +20,19 @@
 //! and 2 timed steps unless given) on the CPU: that exercises the code, its numbers say nothing about
 //! a GPU. On the GPU machine source `cuda-env.sh` first.
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use fp8_kernels::Device;
 use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
+use fsdp_examples::cli::{DeviceArg, GradShardsArg, StatesArg};
 use fsdp_examples::gpt::crossover::{
     combined_threshold, crossover_of, measure, CaseSet, Crossover, CrossoverConfig, CrossoverRow,
     StepTimes, GPU_TOKENS, GPU_WIDTHS,
 };
 use fsdp_examples::gpt::DEFAULT_FP8_AUTO_THRESHOLD;
-use fsdp_optim::StatePrecision;
-use fsdp_shard::GradDtype;
+use fsdp_examples::run_setup::DeviceChoice;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum DeviceArg {
-    Auto,
-    Cpu,
-    Cuda,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum StatesArg {
-    /// F16 master, FP8 E4M3 first moment, F16 second moment of the FP8 weight (gpt_fsdp's default).
-    Low,
-    /// F32 master and moments.
-    F32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum GradShardsArg {
-    F32,
-    Bf16,
-}
 
 /// FP8/BF16 crossover of the GPT block linears (one linear per measurement, one GPU).
 #[derive(Parser, Debug)]
@@ -83,18 +62,11 @@ struct Args {
 }
 
 fn comm_for(arg: DeviceArg) -> Result<Arc<dyn Communicator>, Box<dyn std::error::Error>> {
-    let cuda = match arg {
-        DeviceArg::Cpu => false,
-        DeviceArg::Cuda => true,
-        DeviceArg::Auto => {
-            let (d, why) = Device::auto();
-            if let Some(why) = why {
-                println!("no usable GPU ({why}): tiny shapes on the CPU");
-            }
-            d.is_cuda()
-        }
-    };
-    if cuda {
+    let (device, why) = arg.resolve();
+    if let Some(why) = why {
+        println!("no usable GPU ({why}): tiny shapes on the CPU");
+    }
+    if device == DeviceChoice::Cuda {
         if let Device::Cuda(c) = Device::cuda(0)? {
             c.require_fp8()?;
         }
@@ -202,14 +174,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             None if on_cuda => 20,
             None => 2,
         },
-        states: match args.states {
-            StatesArg::Low => StatePrecision::LowPrecision,
-            StatesArg::F32 => StatePrecision::F32,
-        },
-        grad_shards: match args.grad_shards {
-            GradShardsArg::F32 => GradDtype::F32,
-            GradShardsArg::Bf16 => GradDtype::Bf16,
-        },
+        states: args.states.into(),
+        grad_shards: args.grad_shards.into(),
     };
     println!(
         "linear_crossover on {}: tokens {:?}, widths {:?}, {} warm-up + median of {} steps ({}), \

@@ -1,6 +1,8 @@
 //! Examples and their building blocks for fp8-fsdp: the MNIST data pipeline, a distributed sampler,
 //! per-epoch metrics with an SVG plot, and a terminal progress bar.
 //!
+//! - [`cli`]: the flag values the example binaries share (`--device`, `--precision`,
+//!   `--optimizer-states`, `--export-dtype`, `--grad-shards`) with their conversions to library types.
 //! - [`data`]: IDX files (plain or gzip), MNIST CSV, [`data::MnistDataset`] with PyTorch-style
 //!   normalisation and NCHW batch extraction. `scripts/fetch-mnist.sh` downloads the full MNIST; a real
 //!   subset is committed in this crate's `testdata/`.
@@ -50,6 +52,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod cli;
 pub mod data;
 pub mod gpt;
 pub mod metrics;

@@ -6,55 +6,21 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
+use fsdp_examples::cli::{DeviceArg, ExportArg, GradShardsArg, PrecisionArg, StatesArg};
 use fsdp_examples::data::tokens::{committed_shakespeare_slice_dir, DEFAULT_SHAKESPEARE_DIR};
 use fsdp_examples::gpt::{
-    speed, train, Fp8Layers, GptModelChoice, GptPrecision, GptTrainConfig, SpeedConfig,
+    speed, train, Fp8Layers, GptModelChoice, GptTrainConfig, SpeedConfig,
     DEFAULT_FP8_AUTO_THRESHOLD,
 };
 use fsdp_examples::metrics::{render_svg, PlotKind, PlotOptions, PlotSeries};
 use fsdp_examples::progress::ProgressMode;
 use fsdp_examples::run_setup::{DeviceChoice, RunOutputs};
-use fsdp_shard::GradDtype;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum PrecisionArg {
-    Fp8,
-    Bf16,
-    Fp32,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Fp8LayersArg {
     All,
     Auto,
     None,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum StatesArg {
-    /// F16 master, FP8 E4M3 first moment, F16 second moment of the FP8 weights (MS-AMP's recipe).
-    Low,
-    /// F32 master and moments (the peer's).
-    F32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum ExportArg {
-    F32,
-    Bf16,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum DeviceArg {
-    Auto,
-    Cpu,
-    Cuda,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum GradShardsArg {
-    F32,
-    Bf16,
 }
 
 #[derive(Parser, Debug)]
@@ -188,21 +154,11 @@ struct Args {
 const CPU_VAL_BATCHES: usize = 32;
 
 fn device_choice(arg: DeviceArg) -> DeviceChoice {
-    match arg {
-        DeviceArg::Cpu => DeviceChoice::Cpu,
-        DeviceArg::Cuda => DeviceChoice::Cuda,
-        DeviceArg::Auto => {
-            let (d, why) = fp8_kernels::Device::auto();
-            if let Some(why) = why {
-                eprintln!("no usable GPU ({why}); running on the CPU");
-            }
-            if d.is_cuda() {
-                DeviceChoice::Cuda
-            } else {
-                DeviceChoice::Cpu
-            }
-        }
+    let (device, why) = arg.resolve();
+    if let Some(why) = why {
+        eprintln!("no usable GPU ({why}); running on the CPU");
     }
+    device
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -228,11 +184,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         layers: args.layers,
         heads: args.heads,
         seq_len: args.seq_len.unwrap_or(if on_cpu { 64 } else { 512 }),
-        precision: match args.precision {
-            PrecisionArg::Fp8 => GptPrecision::Fp8,
-            PrecisionArg::Bf16 => GptPrecision::Bf16,
-            PrecisionArg::Fp32 => GptPrecision::Fp32,
-        },
+        precision: args.precision.into(),
         fp8_layers: match args.fp8_layers {
             Fp8LayersArg::All => Fp8Layers::All,
             Fp8LayersArg::Auto => Fp8Layers::Auto,
@@ -240,16 +192,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         fp8_auto_threshold,
         fp8_grad_comm: args.fp8_grad_comm,
-        grad_shards: match args.grad_shards {
-            GradShardsArg::F32 => GradDtype::F32,
-            GradShardsArg::Bf16 => GradDtype::Bf16,
-        },
+        grad_shards: args.grad_shards.into(),
         seed: args.seed,
     };
-    let optimizer_states = match args.optimizer_states {
-        StatesArg::Low => fsdp_optim::StatePrecision::LowPrecision,
-        StatesArg::F32 => fsdp_optim::StatePrecision::F32,
-    };
+    let optimizer_states = args.optimizer_states.into();
     if args.speed {
         let report = speed(&SpeedConfig {
             model,
@@ -313,10 +259,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         stop_after_steps: args.stop_after_steps,
         metrics: args.metrics.clone(),
         export: args.export.clone(),
-        export_dtype: match args.export_dtype {
-            ExportArg::F32 => fsdp_optim::ExportDtype::F32,
-            ExportArg::Bf16 => fsdp_optim::ExportDtype::Bf16,
-        },
+        export_dtype: args.export_dtype.into(),
         init_from: args.init_from.clone(),
         sample: args.sample,
         progress: if args.no_progress {

@@ -9,8 +9,9 @@ use clap::{Parser, ValueEnum};
 use fp8_core::Fp8Format;
 use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
+use fsdp_examples::cli::GradShardsArg;
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
-use fsdp_shard::{GradDtype, GradReduction};
+use fsdp_shard::GradReduction;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,12 +34,6 @@ enum Reduction {
     Bf16,
     Fp8E4m3,
     Fp8E5m2,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum GradShards {
-    F32,
-    Bf16,
 }
 
 /// MLP-stack FSDP benchmark (BF16 vs FP8).
@@ -68,7 +63,7 @@ struct Args {
     grad_reduction: Reduction,
     /// fp8 mode: storage of the reduced gradient shards (bf16 mode keeps F32).
     #[arg(long, value_enum, default_value = "bf16")]
-    grad_shards: GradShards,
+    grad_shards: GradShardsArg,
     /// fp8 mode: recompute each block in the backward instead of keeping its activations.
     #[arg(long)]
     recompute: bool,
@@ -191,10 +186,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Reduction::Fp8E4m3 => GradReduction::Fp8(Fp8Format::E4M3),
             Reduction::Fp8E5m2 => GradReduction::Fp8(Fp8Format::E5M2),
         },
-        grad_dtype: match args.grad_shards {
-            GradShards::F32 => GradDtype::F32,
-            GradShards::Bf16 => GradDtype::Bf16,
-        },
+        grad_dtype: args.grad_shards.into(),
         recompute: args.recompute,
         fused: !args.unfused,
         recompute_gelu: !args.keep_gelu_input,

@@ -7,42 +7,14 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use fsdp_examples::cli::{DeviceArg, ExportArg, PrecisionArg, StatesArg};
 use fsdp_examples::data::{
     check_mnist_files, committed_subset_dir, DEFAULT_MNIST_DIR, FETCH_COMMAND,
 };
 use fsdp_examples::metrics::{render_svg, PlotOptions, PlotSeries};
 use fsdp_examples::mnist::{train, DeviceChoice, TrainConfig, TrainReport};
 use fsdp_examples::progress::ProgressMode;
-use fsdp_nn::LinearPrecision;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum PrecisionArg {
-    Fp8,
-    Bf16,
-    Fp32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum StatesArg {
-    /// F16 master, FP8 E4M3 first moment, F16 second moment (MS-AMP's recipe).
-    Low,
-    /// F32 master and moments.
-    F32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum ExportArg {
-    F32,
-    Bf16,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum DeviceArg {
-    Auto,
-    Cpu,
-    Cuda,
-}
 
 #[derive(Parser, Debug)]
 #[command(about = "Train the reference MNIST CNN with FP8 fully sharded data parallelism")]
@@ -175,21 +147,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(plot) = &args.plot {
         fsdp_examples::run_setup::RunOutputs::prepare(None, &[("--plot", plot.as_path())])?;
     }
-    let device = match args.device {
-        DeviceArg::Cpu => DeviceChoice::Cpu,
-        DeviceArg::Cuda => DeviceChoice::Cuda,
-        DeviceArg::Auto => {
-            let (d, why) = fp8_kernels::Device::auto();
-            if let Some(why) = why {
-                eprintln!("no usable GPU ({why}); training on the CPU");
-            }
-            if d.is_cuda() {
-                DeviceChoice::Cuda
-            } else {
-                DeviceChoice::Cpu
-            }
-        }
-    };
+    let (device, why) = args.device.resolve();
+    if let Some(why) = why {
+        eprintln!("no usable GPU ({why}); training on the CPU");
+    }
     let on_cpu = device == DeviceChoice::Cpu;
     let data_dir = if args.subset {
         committed_subset_dir()
@@ -216,16 +177,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         lr: args.lr,
         gamma: args.gamma,
         seed: args.seed,
-        precision: match args.precision {
-            PrecisionArg::Fp8 => LinearPrecision::Fp8,
-            PrecisionArg::Bf16 => LinearPrecision::Bf16,
-            PrecisionArg::Fp32 => LinearPrecision::F32,
-        },
+        precision: args.precision.into(),
         fp8_grad_comm: args.fp8_grad_comm,
-        optimizer_states: match args.optimizer_states {
-            StatesArg::Low => fsdp_optim::StatePrecision::LowPrecision,
-            StatesArg::F32 => fsdp_optim::StatePrecision::F32,
-        },
+        optimizer_states: args.optimizer_states.into(),
         grad_accum: args.grad_accum,
         world_size: args.world_size.unwrap_or(if on_cpu { 2 } else { 1 }),
         device,
@@ -235,10 +189,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         resume: args.resume.clone(),
         metrics: args.metrics.clone(),
         export: args.export.clone(),
-        export_dtype: match args.export_dtype {
-            ExportArg::F32 => fsdp_optim::ExportDtype::F32,
-            ExportArg::Bf16 => fsdp_optim::ExportDtype::Bf16,
-        },
+        export_dtype: args.export_dtype.into(),
         limit_batches: args.limit_batches,
         stop_after_steps: args.stop_after_steps,
         progress: if args.no_progress {
