@@ -75,6 +75,82 @@ struct Row {
     note: String,
 }
 
+/// One LayerNorm shape's device tensors, and its two timed calls (so the table rows and the launch sweep
+/// time the same work).
+struct NormBench {
+    x: Buffer<bf16>,
+    w: Buffer<bf16>,
+    dy: Buffer<bf16>,
+    scale: Buffer<f32>,
+    stats: NormStats,
+    q: Buffer<u8>,
+    qt: Buffer<u8>,
+    amax: Buffer<f32>,
+    y: Buffer<bf16>,
+    dx: Buffer<bf16>,
+    dw: Buffer<f32>,
+}
+
+impl NormBench {
+    fn new(gpu: &Device, rows: usize, d: usize) -> Result<Self, KernelError> {
+        let n = rows * d;
+        Ok(NormBench {
+            x: gpu.upload(&random_bf16(n, 2.0, 1))?,
+            w: gpu.upload(&random_bf16(d, 1.0, 2))?,
+            dy: gpu.upload(&random_bf16(n, 1.0, 3))?,
+            scale: gpu.upload(&[64.0f32])?,
+            stats: NormStats::new(gpu, rows)?,
+            q: gpu.zeros(n)?,
+            qt: gpu.zeros(n)?,
+            amax: gpu.zeros(1)?,
+            y: gpu.zeros(n)?,
+            dx: gpu.zeros(n)?,
+            dw: gpu.zeros(d)?,
+        })
+    }
+
+    /// LayerNorm fused with the E4M3 cast, both code layouts and the amax.
+    fn forward_fp8(&mut self, spec: &NormSpec) -> Result<(), KernelError> {
+        norm_forward_fp8(
+            spec,
+            &self.x,
+            &self.w,
+            None,
+            &mut self.stats,
+            Fp8NormOutput {
+                format: Fp8Format::E4M3,
+                scale: &self.scale,
+                codes: &mut self.q,
+                codes_t: &mut self.qt,
+                amax: Some(AmaxSlot::first(&mut self.amax)),
+            },
+        )
+    }
+
+    /// LayerNorm with a bf16 output.
+    fn forward(&mut self, spec: &NormSpec) -> Result<(), KernelError> {
+        norm_forward(spec, &self.x, &self.w, None, &mut self.stats, &mut self.y)
+    }
+
+    /// The backward: dx and dweight.
+    fn backward(&mut self, spec: &NormSpec) -> Result<(), KernelError> {
+        norm_backward(
+            spec,
+            &self.x,
+            &self.w,
+            &self.stats,
+            &self.dy,
+            NormGrads {
+                dx: &mut self.dx,
+                dx_mode: GradMode::Overwrite,
+                dweight: &mut self.dw,
+                dbias: None,
+                param_mode: GradMode::Overwrite,
+            },
+        )
+    }
+}
+
 fn layer_norm_rows(
     gpu: &Device,
     dev: &CudaDevice,
@@ -87,34 +163,10 @@ fn layer_norm_rows(
     for (rows, d, peer_fwd, peer_bwd) in [(16384, 768, 95.0, 309.0), (8192, 2560, 203.0, 306.0)] {
         let n = rows * d;
         let spec = NormSpec::layer_norm(rows, d);
-        let x = gpu.upload(&random_bf16(n, 2.0, 1))?;
-        let w = gpu.upload(&random_bf16(d, 1.0, 2))?;
-        let dy = gpu.upload(&random_bf16(n, 1.0, 3))?;
-        let scale = gpu.upload(&[64.0f32])?;
-        let mut stats = NormStats::new(gpu, rows)?;
-        let (mut q, mut qt) = (gpu.zeros::<u8>(n)?, gpu.zeros::<u8>(n)?);
-        let mut amax = gpu.zeros::<f32>(1)?;
-        let mut y = gpu.zeros::<bf16>(n)?;
-        let mut dx = gpu.zeros::<bf16>(n)?;
-        let mut dw = gpu.zeros::<f32>(d)?;
+        let mut b = NormBench::new(gpu, rows, d)?;
         let ceiling_us = |bytes: f64| bytes / (copy_tbs * 1e12) * 1e6;
 
-        let ms = time_ms(dev, iters, || {
-            norm_forward_fp8(
-                &spec,
-                &x,
-                &w,
-                None,
-                &mut stats,
-                Fp8NormOutput {
-                    format: Fp8Format::E4M3,
-                    scale: &scale,
-                    codes: &mut q,
-                    codes_t: &mut qt,
-                    amax: Some(AmaxSlot::first(&mut amax)),
-                },
-            )
-        })?;
+        let ms = time_ms(dev, iters, || b.forward_fp8(&spec))?;
         out.push(Row {
             what: format!("LayerNorm + E4M3 + amax fwd [{rows}, {d}]"),
             ours: ms * 1e3,
@@ -127,9 +179,7 @@ fn layer_norm_rows(
                 ceiling_us(4.0 * n as f64)
             ),
         });
-        let ms = time_ms(dev, iters, || {
-            norm_forward(&spec, &x, &w, None, &mut stats, &mut y)
-        })?;
+        let ms = time_ms(dev, iters, || b.forward(&spec))?;
         out.push(Row {
             what: format!("LayerNorm fwd, bf16 out [{rows}, {d}]"),
             ours: ms * 1e3,
@@ -141,22 +191,7 @@ fn layer_norm_rows(
                 ceiling_us(4.0 * n as f64)
             ),
         });
-        let ms = time_ms(dev, iters, || {
-            norm_backward(
-                &spec,
-                &x,
-                &w,
-                &stats,
-                &dy,
-                NormGrads {
-                    dx: &mut dx,
-                    dx_mode: GradMode::Overwrite,
-                    dweight: &mut dw,
-                    dbias: None,
-                    param_mode: GradMode::Overwrite,
-                },
-            )
-        })?;
+        let ms = time_ms(dev, iters, || b.backward(&spec))?;
         out.push(Row {
             what: format!("LayerNorm bwd (dx, dw) [{rows}, {d}]"),
             ours: ms * 1e3,
@@ -174,27 +209,11 @@ fn layer_norm_rows(
             let mut line = format!("sweep fwd fp8 [{rows}, {d}] µs:");
             for nv in [0u32, 4, 8, 12, 16] {
                 for tile in [8usize, 16, 32] {
-                    let launch = NormLaunch {
+                    let sp = spec.with_launch(NormLaunch {
                         vectors_per_lane: Some(nv),
                         tile_rows: Some(tile),
-                    };
-                    let sp = spec.with_launch(launch);
-                    let ms = time_ms(dev, iters, || {
-                        norm_forward_fp8(
-                            &sp,
-                            &x,
-                            &w,
-                            None,
-                            &mut stats,
-                            Fp8NormOutput {
-                                format: Fp8Format::E4M3,
-                                scale: &scale,
-                                codes: &mut q,
-                                codes_t: &mut qt,
-                                amax: Some(AmaxSlot::first(&mut amax)),
-                            },
-                        )
-                    })?;
+                    });
+                    let ms = time_ms(dev, iters, || b.forward_fp8(&sp))?;
                     line += &format!(" nv{nv}/t{tile} {:.1}", ms * 1e3);
                 }
             }
@@ -205,22 +224,7 @@ fn layer_norm_rows(
                     vectors_per_lane: Some(nv),
                     tile_rows: None,
                 });
-                let ms = time_ms(dev, iters, || {
-                    norm_backward(
-                        &sp,
-                        &x,
-                        &w,
-                        &stats,
-                        &dy,
-                        NormGrads {
-                            dx: &mut dx,
-                            dx_mode: GradMode::Overwrite,
-                            dweight: &mut dw,
-                            dbias: None,
-                            param_mode: GradMode::Overwrite,
-                        },
-                    )
-                })?;
+                let ms = time_ms(dev, iters, || b.backward(&sp))?;
                 line += &format!(" nv{nv} {:.1}", ms * 1e3);
             }
             println!("{line}");

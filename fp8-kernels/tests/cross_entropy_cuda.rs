@@ -55,6 +55,18 @@ fn case(rows: usize, vocab: usize, spread: f32, seed: u64) -> Case {
     }
 }
 
+/// Six rows of `vocab` classes with PyTorch's ignore index on row 1, a target out of range on row 2, a
+/// negative one on row 3 and a NaN logit on row 4 (that row's outputs are NaN).
+fn special_case(vocab: usize, seed: u64) -> Case {
+    let mut c = case(6, vocab, 8.0, seed);
+    c.ignore_index = Some(-100);
+    c.targets[1] = -100;
+    c.targets[2] = vocab as i32;
+    c.targets[3] = -7;
+    c.logits[4 * vocab + 3] = f32::NAN;
+    c
+}
+
 fn run<T: FloatElement>(dev: &Device, c: &Case, launch: CrossEntropyLaunch) -> Outputs {
     let tg = dev.upload(&c.targets).unwrap();
     let mut lse = dev.zeros::<f32>(c.rows).unwrap();
@@ -180,13 +192,7 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
             c
         }),
     ];
-    let mut special = case(6, 640, 8.0, 7);
-    special.ignore_index = Some(-100);
-    special.targets[1] = -100; // ignored
-    special.targets[2] = 640; // out of range
-    special.targets[3] = -7; // negative
-    special.logits[4 * 640 + 3] = f32::NAN; // a NaN logit: that row's outputs are NaN
-    cases.push(("ignored, invalid targets and a NaN", special));
+    cases.push(("ignored, invalid targets and a NaN", special_case(640, 7)));
     let mut ok = true;
     for (what, c) in &cases {
         ok &= compare::<bf16>(&gpu, c, &format!("{what} [{}, {}] bf16", c.rows, c.vocab));
@@ -219,12 +225,7 @@ fn register_and_reread_kernels_match_cpu_bitwise() {
             c
         }),
     ];
-    let mut special = case(6, 4096, 8.0, 17);
-    special.ignore_index = Some(-100);
-    special.targets[1] = -100;
-    special.targets[2] = 4096;
-    special.logits[4 * 4096 + 3] = f32::NAN;
-    cases.push(("ignored, invalid targets and a NaN", special));
+    cases.push(("ignored, invalid targets and a NaN", special_case(4096, 17)));
     let mut ok = true;
     for (what, c) in &cases {
         for vectors in [None, Some(0), Some(8), Some(16)] {

@@ -47,6 +47,12 @@ fn vectors_per_lane(spec: &NormSpec, all_bf16: bool) -> u32 {
     }
 }
 
+/// Blocks resident per SM as bounded by `smem` bytes of dynamic shared memory each (about 220 KiB usable
+/// per SM, 1 KiB reserved per block), between 1 and 8: the grid size of the shared-memory kernels.
+fn blocks_per_sm(smem: usize) -> usize {
+    ((220 * 1024) / (smem + 1024)).clamp(1, 8)
+}
+
 /// One warp per row, grid-stride over rows.
 fn row_launch(dev: &CudaDevice, rows: usize) -> Result<LaunchConfig, KernelError> {
     let warps_per_block = (THREADS / 32) as usize;
@@ -156,8 +162,7 @@ pub(super) fn forward_fp8<T: FloatElement>(
         )?;
     }
     let tiles = spec.rows.div_ceil(tr) as u64;
-    // Blocks resident per SM are bounded by the tile's shared memory (about 220 KiB usable per SM).
-    let per_sm = ((220 * 1024) / (smem + 1024)).clamp(1, 8) as u64;
+    let per_sm = blocks_per_sm(smem) as u64;
     let cfg = LaunchConfig {
         grid_dim: (tiles.min(sm_count(dev)? as u64 * per_sm) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -239,7 +244,7 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
     // Rows too wide for shared memory stage in global memory, one warp per block, two blocks per SM.
     let (warps, grid, smem, mut gstage) = match warps {
         Some(w) => {
-            let per_sm = ((220 * 1024) / (stage_bytes(w) + 1024)).clamp(1, 8);
+            let per_sm = blocks_per_sm(stage_bytes(w));
             (w, order.chunks.min(sms * per_sm), stage_bytes(w), None)
         }
         None => {
