@@ -886,3 +886,60 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome, CommError> {
         master_port: port,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh_true() -> Vec<OsString> {
+        vec!["sh".into(), "-c".into(), "true".into()]
+    }
+
+    #[test]
+    fn cpu_ranks_are_capped_at_four_per_core() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cap = nproc_cap(RankDevice::Cpu).unwrap();
+        assert_eq!(cap.device, RankDevice::Cpu);
+        assert_eq!(cap.max, CPU_RANKS_PER_CORE * cores);
+        assert!(cap.reason.contains("--device cpu"), "{}", cap.reason);
+        assert!(LaunchConfig::new(cap.max, sh_true()).check().is_ok());
+        let e = LaunchConfig::new(cap.max + 1, sh_true())
+            .check()
+            .unwrap_err();
+        assert!(
+            e.to_string().contains(&format!(
+                "--nproc {} exceeds the limit of {}",
+                cap.max + 1,
+                cap.max
+            )),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn auto_counts_gpus_when_the_driver_shows_some() {
+        let cap = nproc_cap(RankDevice::Auto).unwrap();
+        match visible_cuda_gpus() {
+            Ok(n) if n > 0 => assert_eq!((cap.device, cap.max), (RankDevice::Cuda, n)),
+            _ => assert_eq!(cap.device, RankDevice::Cpu),
+        }
+    }
+
+    #[test]
+    fn a_kill_grace_beyond_the_limit_is_refused_before_its_deadline_overflows() {
+        let mut cfg = LaunchConfig::new(1, sh_true());
+        cfg.kill_grace = MAX_KILL_GRACE;
+        assert!(cfg.check().is_ok());
+        cfg.kill_grace = Duration::MAX;
+        let e = launch(&cfg).unwrap_err();
+        assert!(e.to_string().contains("--kill-grace"), "{e}");
+    }
+
+    #[test]
+    fn no_command_and_no_ranks_are_refused() {
+        let e = LaunchConfig::new(1, Vec::new()).check().unwrap_err();
+        assert!(e.to_string().contains("no command"), "{e}");
+        let e = LaunchConfig::new(0, sh_true()).check().unwrap_err();
+        assert!(e.to_string().contains("--nproc must be at least 1"), "{e}");
+    }
+}
