@@ -54,12 +54,12 @@ def load_split(directory, split):
     return images, labels
 
 
-def write_csv(idx_dir, csv_dir):
+def write_csv(idx_dir, csv_dir, counts=COUNTS):
     os.makedirs(csv_dir, exist_ok=True)
     for split in ("train", "test"):
         images, labels = load_split(idx_dir, split)
-        if len(labels) != COUNTS[split]:
-            raise ValueError(f"{idx_dir}: {len(labels)} {split} digits, expected {COUNTS[split]}")
+        if len(labels) != counts[split]:
+            raise ValueError(f"{idx_dir}: {len(labels)} {split} digits, expected {counts[split]}")
         table = np.concatenate([labels[:, None], images.reshape(len(labels), -1).astype(np.int64)], axis=1)
         header = ",".join(["label"] + [f"pixel{i}" for i in range(784)])
         np.savetxt(os.path.join(csv_dir, f"mnist_{split}.csv"), table, fmt="%d", delimiter=",",
