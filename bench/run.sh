@@ -186,24 +186,23 @@ cmd_pack() {
   # Which binaries: the language-model one by name, with its fallback.
   local bins="" examples="" b have_bins
   have_bins=$(workspace_bins) || die "cargo metadata failed"
-  for t in $tables; do
-    for b in $(binaries_of "$t"); do
-      case $b in
-        LM)
-          if grep -qx "$LM_BIN" <<< "$have_bins"; then
-            b=$LM_BIN
-          elif grep -qx "$LM_FALLBACK" <<< "$have_bins"; then
-            echo "pack: no $LM_BIN binary in the workspace; packing $LM_FALLBACK"
-            b=$LM_FALLBACK
-          else
-            die "neither $LM_BIN nor $LM_FALLBACK is a binary of the workspace"
-          fi
-          bins="$bins $b"
-          ;;
-        example:*) examples="$examples ${b#example:}" ;;
-        *) bins="$bins $b" ;;
-      esac
-    done
+  local wanted
+  wanted=$(for t in $tables; do binaries_of "$t"; done | tr ' ' '\n' | awk 'NF && !seen[$0]++')
+  for b in $wanted; do
+    case $b in
+      LM)
+        if grep -qx "$LM_BIN" <<< "$have_bins"; then
+          bins="$bins $LM_BIN"
+        elif grep -qx "$LM_FALLBACK" <<< "$have_bins"; then
+          echo "pack: no $LM_BIN binary in the workspace; packing $LM_FALLBACK"
+          bins="$bins $LM_FALLBACK"
+        else
+          die "neither $LM_BIN nor $LM_FALLBACK is a binary of the workspace"
+        fi
+        ;;
+      example:*) examples="$examples ${b#example:}" ;;
+      *) bins="$bins $b" ;;
+    esac
   done
   mkdir -p "$PACK/bin" "$PACK/peers"
   local args=()
