@@ -58,6 +58,13 @@ class Run:
         found = [o for o in self.objects() if key in o]
         return found[-1] if found else None
 
+    def last_line(self):
+        lines = [l.strip() for l in self.text.splitlines() if l.strip()]
+        return lines[-1][:100] if lines else "(empty log)"
+
+    def no_figures(self):
+        return f"no figures in the log (last line: {self.last_line()})"
+
     def status(self):
         """None when the run gave its figures, else what to write in its cell."""
         if self.rc == "skip":
@@ -178,7 +185,7 @@ def lm_cell(run):
         return bad, None
     rec = run.last("tokens_per_s")
     if rec is None:
-        return "no figures in the log", None
+        return run.no_figures(), None
     return f"{kilo(rec['tokens_per_s'])} tok/s, {rec['peak_GiB']:.2f} GiB", rec
 
 
@@ -224,7 +231,7 @@ def mlp_cell(run):
         return bad, None
     rec = run.last("step_s")
     if rec is None:
-        return "no figures in the log", None
+        return run.no_figures(), None
     return f"{rec['step_s']:.4f} s, {rec['peak_GiB']:.2f} GiB", rec
 
 
@@ -400,8 +407,10 @@ def summarize_layers(runs):
     for op, what in (("rmsnorm_e4m3_fwd", "RMSNorm + E4M3 + amax fwd"), ("rmsnorm_bwd", "RMSNorm bwd")):
         for p in peer_records(peer, op):
             krows.append([f"{what} [{p['rows']}, {p['d']}]", "-", f"{p['s'] * 1e6:.1f} µs", "-", "PyTorch only"])
-    if lkb is not None and lkb.status():
-        krows.append(["layer_kernel_bench", lkb.status(), "", "", ""])
+    for name, run, found in (("layer_kernel_bench", lkb, LN_FWD.search(text) or LM_HEAD.search(text)),
+                             ("attention_bench", att, ours_att)):
+        if run is not None and (run.status() or not found):
+            sections.append(f"{name}: {run.status() or run.no_figures()}")
     sections.append("### Norms and LM head, time (lower is better; ratio = ours / PyTorch compiled)\n\n" + table(
         ["kernel", "ours", "PyTorch compiled", "ratio", "memory"], krows))
     if peer is not None and peer.status():
@@ -474,10 +483,10 @@ def summarize_kernels(runs):
                      ("bf16", "fp8_tensor", "fp8_rowwise", "fp8_block_1x128_128x128", "fp8_block_1x128_1x128")]
             blocks.append([" x ".join(str(s) for s in shape), f"{f8:.0f}" if f8 else "-"] + cells)
     text = table(["kernel", "ours", "PyTorch", "ours / PyTorch"], out)
-    for name, run in (("kernel_bench", kb), ("gemm_bench", gb), ("peer_kernels.py", pk),
-                      ("peer_blockwise_gemm.py", pb)):
-        if run is not None and run.status():
-            text += f"\n\n{name}: {run.status()}"
+    for name, run, found in (("kernel_bench", kb, ours), ("gemm_bench", gb, gemms), ("peer_kernels.py", pk, peer),
+                             ("peer_blockwise_gemm.py", pb, blocks)):
+        if run is not None and (run.status() or not found):
+            text += f"\n\n{name}: {run.status() or run.no_figures()}"
     if blocks:
         text += ("\n\n### FP8 GEMM recipes through PyTorch (TFLOP/s)\n\n" + table(
             ["M x K x N", "ours per-tensor", "BF16", "per-tensor", "rowwise", "1x128 x 128x128", "1x128 x 1x128"],

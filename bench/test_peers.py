@@ -11,13 +11,12 @@ import importlib.util
 import json
 import math
 import os
+import random
 import struct
 import subprocess
 import sys
 import tempfile
 import unittest
-
-import numpy as np
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 PEERS = os.path.join(BENCH, "peers")
@@ -27,7 +26,10 @@ sys.path.insert(0, PEERS)
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_TRANSFORMERS = HAVE_TORCH and importlib.util.find_spec("transformers") is not None
 HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
+HAVE_NUMPY = importlib.util.find_spec("numpy") is not None
 needs_torch = unittest.skipUnless(HAVE_TORCH, "PyTorch is not installed")
+if HAVE_NUMPY:
+    import numpy as np
 
 if HAVE_TORCH:
     import torch
@@ -57,7 +59,7 @@ def sharpen(model):
 def write_llmc(path, tokens, magic=20240520):
     with open(path, "wb") as f:
         f.write(struct.pack("<256i", magic, 1, len(tokens), *([0] * 253)))
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+        f.write(struct.pack(f"<{len(tokens)}H", *tokens))
 
 
 @needs_torch
@@ -195,6 +197,7 @@ class OutOfMemory(unittest.TestCase):
         self.assertFalse(lm_common.is_out_of_memory(ValueError("shape mismatch")))
 
 
+@unittest.skipUnless(HAVE_NUMPY, "numpy is not installed")
 class MnistFiles(unittest.TestCase):
     def test_idx_plain_and_gz_read_and_convert_to_csv(self):
         import mnist_data
@@ -245,9 +248,9 @@ class CpuRuns(unittest.TestCase):
 
     def test_llama_train_validates_every_tenth_and_ends_with_the_summary(self):
         with tempfile.TemporaryDirectory() as tmp:
-            rng = np.random.default_rng(0)
-            write_llmc(os.path.join(tmp, "train.bin"), rng.integers(0, 50257, 4000))
-            write_llmc(os.path.join(tmp, "val.bin"), rng.integers(0, 50257, 200))
+            rng = random.Random(0)
+            write_llmc(os.path.join(tmp, "train.bin"), [rng.randrange(50257) for _ in range(4000)])
+            write_llmc(os.path.join(tmp, "val.bin"), [rng.randrange(50257) for _ in range(200)])
             lines = self.run_peer("peer_llama.py", "train", "bf16", "llama-tiny", "2", "16", "10", tmp, port=29614)
         self.assertEqual([l["step"] for l in lines[:-1]], list(range(1, 11)))
         summary = lines[-1]
