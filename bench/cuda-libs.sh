@@ -7,9 +7,13 @@ bench_cuda_link_dir=/tmp/bench-cuda-links
 mkdir -p "$bench_cuda_link_dir"
 bench_cuda_dirs=""
 bench_cuda_roots="/usr/local/nvidia /usr/local/cuda /usr/local/cuda-13.0 /usr/lib/x86_64-linux-gnu /opt"
-# PyTorch's own site-packages hold the nvidia-* wheels' libraries.
-bench_cuda_site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
+# The site-packages folder that holds PyTorch also holds the nvidia-* wheels' libraries (NCCL among them);
+# found without importing torch. /usr/local last, for whatever the roots above missed.
+bench_cuda_site=$(python3 -c 'import importlib.util, os
+spec = importlib.util.find_spec("torch")
+print(os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else "")' 2>/dev/null || true)
 [ -n "$bench_cuda_site" ] && [ -d "$bench_cuda_site/nvidia" ] && bench_cuda_roots="$bench_cuda_roots $bench_cuda_site/nvidia"
+bench_cuda_roots="$bench_cuda_roots /usr/local"
 for bench_cuda_lib in libcuda.so.1 libnvrtc.so.13 libnvrtc-builtins.so.13.0 libcublasLt.so.13 libcublas.so.13 \
     libnccl.so.2 libcudart.so.13; do
   # shellcheck disable=SC2086 # the roots are a word list on purpose

@@ -6,15 +6,12 @@ the time budget, the tarball and its extraction into docs/results/.
 Run: python3 bench/test_run_sh.py   (or python3 -m unittest discover -s bench)
 """
 import glob
-import json
 import os
 import shutil
 import stat
 import subprocess
-import sys
 import tarfile
 import tempfile
-import textwrap
 import unittest
 
 BENCH = os.path.dirname(os.path.abspath(__file__))

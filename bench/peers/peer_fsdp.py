@@ -14,8 +14,6 @@
 # Env: COMPILE=1 compiles each block; MASTER_PORT (default 29511). Out of GPU memory: {"error": "OOM", ...},
 #   exit status 3.
 # Prints one JSON line: mode, compile, d, layers, tokens, params, step_s, TFLOPs, peak_GiB.
-import json
-import os
 import sys
 import time
 

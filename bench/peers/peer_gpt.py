@@ -28,7 +28,6 @@
 # The last JSON line is the summary: peer, mode, compile, ac, preset, vocab, params, batch, seq, world, then
 #   step_s, tokens_per_s, model_TFLOPs, peak_GiB (speed) or steps, seed, final_val_loss, elapsed_s, peak_GiB.
 # `build_model(preset, seq)` can be imported without a GPU or NCCL.
-import json
 import os
 import sys
 

@@ -18,29 +18,26 @@ GEMM_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 28672), (20
 E4M3_MAX = 448.0
 
 
-def main():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    result = {}
-
+def copy_tbps():
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     seconds = event_seconds(lambda: dst.copy_(src), iters=50, warmup=10)
-    result["copy_TBps"] = 2 * src.numel() * src.element_size() / seconds / 1e12
-    del src, dst
+    return 2 * src.numel() * src.element_size() / seconds / 1e12
 
+
+def gemm_figures(m, k, n):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    bf16_s = event_seconds(lambda: a @ b.t(), iters=50, warmup=10)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     one = torch.tensor(1.0, device="cuda")
-    for m, k, n in GEMM_SHAPES:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        bf16_s = event_seconds(lambda: a @ b.t(), iters=50, warmup=10)
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-        fp8_s = event_seconds(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
-                                                       out_dtype=torch.bfloat16), iters=50, warmup=10)
-        flops = 2 * m * k * n
-        result[f"gemm_{m}x{k}x{n}"] = {"bf16_TFLOPs": flops / bf16_s / 1e12, "fp8_TFLOPs": flops / fp8_s / 1e12,
-                                       "fp8_speedup": bf16_s / fp8_s}
-        del a, b, a8, b8
+    fp8_s = event_seconds(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                          iters=50, warmup=10)
+    flops = 2 * m * k * n
+    return {"bf16_TFLOPs": flops / bf16_s / 1e12, "fp8_TFLOPs": flops / fp8_s / 1e12, "fp8_speedup": bf16_s / fp8_s}
 
+
+def cast_figures():
     x = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)
 
     def cast_current_scaling():
@@ -49,15 +46,24 @@ def main():
         return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), amax
 
     counted_bytes = x.numel() * 3
-    result["cast_eager_GBps"] = counted_bytes / event_seconds(cast_current_scaling, iters=20, warmup=10) / 1e9
+    out = {"cast_eager_GBps": counted_bytes / event_seconds(cast_current_scaling, iters=20, warmup=10) / 1e9}
     try:
         compiled = torch.compile(cast_current_scaling)
-        result["cast_compiled_GBps"] = counted_bytes / event_seconds(compiled, iters=20, warmup=10) / 1e9
+        out["cast_compiled_GBps"] = counted_bytes / event_seconds(compiled, iters=20, warmup=10) / 1e9
     except Exception as exc:  # noqa: BLE001 - a failed compile is reported, the rest still measured
-        result["cast_compiled_error"] = str(exc)[:200]
+        out["cast_compiled_error"] = str(exc)[:200]
     x8 = x.to(torch.float8_e4m3fn)
-    result["dequant_eager_GBps"] = counted_bytes / event_seconds(lambda: x8.to(torch.bfloat16) * 0.5,
-                                                                 iters=20, warmup=10) / 1e9
+    out["dequant_eager_GBps"] = counted_bytes / event_seconds(lambda: x8.to(torch.bfloat16) * 0.5,
+                                                              iters=20, warmup=10) / 1e9
+    return out
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = {"copy_TBps": copy_tbps()}
+    for m, k, n in GEMM_SHAPES:
+        result[f"gemm_{m}x{k}x{n}"] = gemm_figures(m, k, n)
+    result.update(cast_figures())
     result["device"] = torch.cuda.get_device_name()
     result["torch"] = torch.__version__
     print(json.dumps(result))
