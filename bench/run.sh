@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The benchmark tables: our binaries and their PyTorch peers (bench/peers/) measured in the same run.
 #
-#   bench/run.sh pack NAME [--external DIR]   here: build what table NAME needs (cargo --release), copy it
-#                                             stripped with the peer scripts into .bench/, fetch the torchao
-#                                             wheel into .whl/ and the MNIST files into .bench/mnist/ if missing
+#   bench/run.sh pack NAME [--external DIR]   here: build what table NAME (or all) needs (cargo --release),
+#                                             copy it stripped with the peer scripts into .bench/ (replacing what
+#                                             an earlier pack put there), fetch the torchao wheel into .whl/ and
+#                                             the MNIST files into .bench/mnist/ if missing
 #   bash bench/run.sh NAME [ROW[,ROW...]]     on the GPU machine: run the table (or the rows named), write every
 #                                             log, the commands, the machine's facts and summary.md into a results
 #                                             folder, and tar it as $OUT/<date>-<label>.tar.gz
 #   bench/run.sh unpack FILE                  here: extract that tarball into docs/results/<date>-<label>/
 #
 # Tables and rows (estimated seconds on one H200, ours + the two peers, compile included; about 1.6x that
-# with the external peers beside ours). One call of the device tool runs at most 600 s, so run the tables
+# with the external peers beside ours). Where one command may run at most 600 s (a lent GPU machine), run the tables
 # marked "by row" one ROW per call:
 #   gpt      by row   gpt2 (16 x 1024, ~200 s), gpt2-xl (8 x 1024, ~250 s), gpt-3b (4 x 2048, ~250 s),
 #                     gpt-6.7b (d 4096, 32 layers, 32 heads, 1 x 8192: ours and the BF16 peer only, ~300 s)
@@ -204,6 +205,8 @@ cmd_pack() {
       *) bins="$bins $b" ;;
     esac
   done
+  # What is packed is what the next run runs: binaries, peers and external peers of earlier packs go.
+  rm -rf "${PACK:?}/bin" "${PACK:?}/peers" "${PACK:?}/external" "${PACK:?}/PACKED.tsv"
   mkdir -p "$PACK/bin" "$PACK/peers"
   local args=()
   for b in $bins; do args+=(--bin "$b"); done
@@ -229,7 +232,6 @@ cmd_pack() {
   cp bench/peers/*.py "$PACK/peers/"
   record_packed "peers" "$commit"
   if [ -n "$external" ]; then
-    rm -rf "$PACK/external"
     mkdir -p "$PACK/external"
     cp "$external"/peer_*.py "$PACK/external/" || die "no peer_*.py in $external"
     record_packed "external" "from $(basename "$external")"
@@ -528,7 +530,7 @@ cmd_table() {
     local wheel
     wheel=$(compgen -G "$WHEELS/torchao-$TORCHAO_VERSION-*.whl" | head -n 1)
     if [ -n "$wheel" ]; then
-      python3 -m pip install -q --no-index --no-deps --target "$WORK/bench-site" "$wheel" > /dev/null 2>&1 ||
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/bench-site" "$wheel" > /dev/null 2>&1 ||
         echo "bench/run.sh: torchao did not install; the fp8 peers will fail" >&2
       export PYTHONPATH=$WORK/bench-site${PYTHONPATH:+:$PYTHONPATH}
     else
