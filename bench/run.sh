@@ -11,8 +11,8 @@
 #   bench/run.sh unpack FILE                  here: extract that tarball into docs/results/<date>-<label>/
 #
 # Tables and rows (estimated seconds on one H200, ours + the two peers, compile included; about 1.6x that
-# with the external peers beside ours). Where one command may run at most 600 s (a lent GPU machine), run the tables
-# marked "by row" one ROW per call:
+# with the external peers beside ours). Where one command may run at most 600 s (a lent GPU machine), run
+# the tables marked "by row" one ROW per call:
 #   gpt      by row   gpt2 (16 x 1024, ~200 s), gpt2-xl (8 x 1024, ~250 s), gpt-3b (4 x 2048, ~250 s),
 #                     gpt-6.7b (d 4096, 32 layers, 32 heads, 1 x 8192: ours and the BF16 peer only, ~300 s)
 #   llama    by row   llama-1b (4 x 4096), llama-3b (2 x 4096), llama-8b (1 x 8192, peers with AC=full),
@@ -31,7 +31,7 @@
 #   BENCH_BUDGET_S     seconds the whole run may take; each run's timeout is cut to what is left, a run that
 #                      no longer fits is recorded as skipped, and the tarball is rewritten after every run, so a
 #                      call killed at its limit still returns what finished (default 570 when $OUT is set, as
-#                      under the device tool; otherwise no limit)
+#                      on a lent GPU machine; otherwise no limit)
 #   BENCH_OURS_FLAGS   extra flags appended to our binary's command (e.g. a recompute option)
 #   MNIST_EPOCHS       epochs of the mnist table (default 14)
 #   OUT                where the tarball goes (default .bench/out)
