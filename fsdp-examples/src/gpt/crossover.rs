@@ -404,10 +404,7 @@ impl Subject {
     }
 
     fn backward(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<bf16>) -> Result<(), NnError> {
-        let dh = self
-            .linear
-            .backward(ctx, dy, true)?
-            .ok_or_else(|| NnError::usage("linear_crossover", "no input gradient"))?;
+        let dh = self.linear.backward(ctx, dy)?;
         if let Some(n) = &mut self.norm {
             let x = self
                 .x
@@ -462,7 +459,9 @@ fn time_case(
     precision: LinearPrecision,
 ) -> Result<Vec<StepTimes>, GptRunError> {
     let seed = 17 + case.d as u64;
-    let linear = Linear::<bf16>::new(case.inf, case.outf, precision, seed)?
+    let linear = Linear::<bf16>::new(case.inf, case.outf)?
+        .with_precision(precision)?
+        .with_seed(seed)
         .without_bias()
         .with_init(WeightInit::Normal(0.02));
     let norm = match case.feed {

@@ -126,12 +126,12 @@ impl<T: Activation> Gpt<T> {
         let head = if c.tie_embeddings {
             LmHead::tied(d, c.vocab)?
         } else {
-            LmHead::new(d, c.vocab, s(WTE_STREAM))?
+            LmHead::new(d, c.vocab)?.with_seed(s(WTE_STREAM))
         }
         .with_chunk(c.head_chunk)?;
         Ok(Gpt {
-            wte: Embedding::new(c.vocab, d, s(WTE_STREAM))?,
-            wpe: Embedding::new(c.seq_len, d, s(WPE_STREAM))?,
+            wte: Embedding::new(c.vocab, d)?.with_seed(s(WTE_STREAM)),
+            wpe: Embedding::new(c.seq_len, d)?.with_seed(s(WPE_STREAM)),
             h,
             ln_f: Norm::of_kind(c.norm, d)?,
             head,
@@ -241,10 +241,7 @@ impl<T: Activation> Gpt<T> {
             .ok_or_else(|| GptError::Config("no gradient from ln_f".into()))?;
         drop((x, dy));
         for block in self.h.iter_mut().rev() {
-            dx = block
-                .layer()
-                .backward(ctx, dx, true)?
-                .ok_or_else(|| GptError::Config("no gradient from a block".into()))?;
+            dx = block.layer().backward(ctx, dx)?;
         }
         self.wte.backward(ctx, &dx, batch, Some(&self.wpe))?;
         Ok(())

@@ -47,17 +47,25 @@ impl MnistNet {
             |layer: u64| stream_seed(config.seed, 1000 + layer * 64 + config.rank as u64);
         let p = config.precision;
         let body = Sequential::new()
-            .push("conv1", Conv2d::new(1, 32, 3, s(1))?)
+            .push("conv1", Conv2d::new(1, 32, 3)?.with_seed(s(1)))
             .push("relu1", Relu::new())
-            .push("conv2", Conv2d::new(32, 64, 3, s(2))?)
+            .push("conv2", Conv2d::new(32, 64, 3)?.with_seed(s(2)))
             .push("relu2", Relu::new())
             .push("pool", MaxPool2d::new(2, 2)?)
             .push("drop1", Dropout::new(0.25, drop_seed(1))?)
             .push("flatten", Flatten::new())
-            .push("fc1", Linear::new(9216, 128, p, s(3))?)
+            .push(
+                "fc1",
+                Linear::new(9216, 128)?.with_precision(p)?.with_seed(s(3)),
+            )
             .push("relu3", Relu::new())
             .push("drop2", Dropout::new(0.5, drop_seed(2))?)
-            .push("fc2", Linear::new(128, MNIST_CLASSES, p, s(4))?);
+            .push(
+                "fc2",
+                Linear::new(128, MNIST_CLASSES)?
+                    .with_precision(p)?
+                    .with_seed(s(4)),
+            );
         Ok(MnistNet {
             body,
             loss: LogSoftmaxNll::new(MNIST_CLASSES)?,
@@ -88,7 +96,7 @@ impl MnistNet {
         grad_scale: f32,
     ) -> Result<(), MnistError> {
         let d = self.loss.backward(ctx, labels, grad_scale)?;
-        self.body.backward(ctx, d, false)?;
+        self.body.backward_params(ctx, d)?;
         Ok(())
     }
 
