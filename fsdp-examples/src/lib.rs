@@ -12,7 +12,7 @@
 //!   checked on resume, metrics files cut back to the checkpoint.
 //! - [`sampler`]: [`sampler::DistributedSampler`], one seeded shuffle per epoch with the same global
 //!   order for every world size.
-//! - [`metrics`]: [`metrics::EpochMetrics`] as JSON lines, and [`metrics::render_svg`] to overlay runs.
+//! - [`metrics`]: [`metrics::MetricsRecord`] as JSON lines, and [`metrics::render_svg`] to overlay runs.
 //! - [`progress`]: [`progress::EpochProgress`], hidden when the output is not a terminal.
 //!
 //! Two ranks split one epoch of a tiny dataset written to and read back from an IDX file:

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_examples::metrics::{
-    parse_metrics, read_metrics, render_svg, EpochMetrics, MetricsError, MetricsWriter,
+    parse_metrics, read_metrics, render_svg, MetricsRecord, MetricsError, MetricsWriter,
     PlotOptions, PlotSeries,
 };
 use proptest::prelude::*;
@@ -21,12 +21,12 @@ fn scratch_dir(name: &str) -> PathBuf {
 }
 
 /// A plausible run: loss falling and accuracy rising towards `final_acc`.
-fn fake_run(epochs: u32, final_acc: f64, loss_scale: f64) -> Vec<EpochMetrics> {
+fn fake_run(epochs: u32, final_acc: f64, loss_scale: f64) -> Vec<MetricsRecord> {
     (1..=epochs)
         .map(|e| {
             let t = f64::from(e);
             let correct = ((final_acc - 1.5 / t) * 100.0).round() as u64;
-            let mut m = EpochMetrics::new(
+            let mut m = MetricsRecord::new(
                 e,
                 loss_scale / t,
                 0.8 * loss_scale / t,
@@ -56,10 +56,10 @@ proptest! {
             0..6,
         )
     ) {
-        let records: Vec<EpochMetrics> = records
+        let records: Vec<MetricsRecord> = records
             .into_iter()
             .map(|(e, tl, vl, c, s, sps, lr)| {
-                let mut m = EpochMetrics::new(e, tl, vl, c, 10_000, s, sps);
+                let mut m = MetricsRecord::new(e, tl, vl, c, 10_000, s, sps);
                 m.lr = lr;
                 m
             })
@@ -72,16 +72,16 @@ proptest! {
 
 #[test]
 fn accuracy_is_derived_in_percent() {
-    let m = EpochMetrics::new(3, 0.1, 0.05, 9_876, 10_000, 1.0, 1.0);
+    let m = MetricsRecord::new(3, 0.1, 0.05, 9_876, 10_000, 1.0, 1.0);
     assert!((m.test_accuracy - 98.76).abs() < 1e-12);
-    assert!(EpochMetrics::new(1, 0.1, 0.1, 0, 0, 1.0, 1.0)
+    assert!(MetricsRecord::new(1, 0.1, 0.1, 0, 0, 1.0, 1.0)
         .test_accuracy
         .is_nan());
 }
 
 #[test]
 fn non_finite_values_survive_as_null() {
-    let mut m = EpochMetrics::new(2, f64::NAN, f64::INFINITY, 980, 1000, 1.0, 2.0);
+    let mut m = MetricsRecord::new(2, f64::NAN, f64::INFINITY, 980, 1000, 1.0, 2.0);
     m.extra
         .insert("precision".into(), serde_json::Value::from("fp8"));
     let line = m.to_json_line().unwrap();

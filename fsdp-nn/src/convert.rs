@@ -149,6 +149,46 @@ pub fn convert_to_fp8(
     Ok(pass.converted)
 }
 
+/// Sets every linear of `module` to `precision` (a BF16 or F32 run of a model written in another float
+/// precision), before the model is wrapped.
+pub fn set_linear_precision(
+    module: &mut dyn Module,
+    precision: LinearPrecision,
+) -> Result<(), NnError> {
+    struct Setter {
+        path: ModulePath,
+        precision: LinearPrecision,
+        error: Option<NnError>,
+    }
+    impl Visitor for Setter {
+        fn path(&mut self) -> &mut ModulePath {
+            &mut self.path
+        }
+        fn param(&mut self, _: &str, _: &ParamDecl<'_>, _: &mut ParamId) -> Result<(), ShardError> {
+            Ok(())
+        }
+        fn module(&mut self, module: &mut dyn Module) -> Result<(), ShardError> {
+            let p = self.precision;
+            if let Some(Err(e)) = with_linear(module, |l: &mut dyn LinearSetup| l.set(p)) {
+                let message = e.to_string();
+                self.error = Some(e);
+                return Err(ShardError::InvalidModel(message));
+            }
+            Ok(())
+        }
+    }
+    let mut s = Setter {
+        path: ModulePath::root(),
+        precision,
+        error: None,
+    };
+    let r = s.module(module).and_then(|()| module.visit(&mut s));
+    if let Some(e) = s.error {
+        return Err(e);
+    }
+    Ok(r?)
+}
+
 /// The linears of `module` in visit order: `(path, in, out, precision)` (e.g. for a run's summary).
 pub fn linear_precisions(
     module: &mut dyn Module,
@@ -188,6 +228,7 @@ trait LinearSetup {
     fn out_features(&self) -> usize;
     fn precision(&self) -> LinearPrecision;
     fn convert(&mut self, recipe: &Fp8Recipe) -> Result<(), NnError>;
+    fn set(&mut self, precision: LinearPrecision) -> Result<(), NnError>;
 }
 
 impl<T: Activation> LinearSetup for Linear<T> {
@@ -204,6 +245,9 @@ impl<T: Activation> LinearSetup for Linear<T> {
         self.set_precision(LinearPrecision::Fp8)?;
         self.set_fp8_recipe(recipe);
         Ok(())
+    }
+    fn set(&mut self, precision: LinearPrecision) -> Result<(), NnError> {
+        self.set_precision(precision)
     }
 }
 

@@ -68,7 +68,7 @@ pub use attention::{CausalSelfAttention, KvCache};
 pub use block::{BlockConfig, TransformerBlock};
 pub use conv::Conv2d;
 pub use convert::{
-    convert_to_fp8, fp8_auto_ratio, linear_precisions, Fp8Filter, LinearInfo,
+    convert_to_fp8, fp8_auto_ratio, linear_precisions, set_linear_precision, Fp8Filter, LinearInfo,
     DEFAULT_FP8_AUTO_THRESHOLD,
 };
 pub use dropout::Dropout;

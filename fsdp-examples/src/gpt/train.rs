@@ -15,7 +15,7 @@ use super::{Gpt, Sampling, GPT2_PADDED_VOCAB};
 use crate::data::tokens::{
     Gpt2Bpe, TokenFile, TrainWindowSampler, ValidationWindows, GPT2_VOCAB_SIZE,
 };
-use crate::metrics::{EpochMetrics, MetricsWriter};
+use crate::metrics::{MetricsRecord, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
 use crate::run_setup::{launch_ranks, DeviceChoice, RankLaunch, RunOutputs};
 use crate::training::{
@@ -429,7 +429,7 @@ fn run_rank<T: Activation>(
     let mut writer = match (&config.metrics, rank == 0) {
         (Some(path), true) if config.resume.is_some() => {
             let through = pos.step;
-            let carried_step = carried.as_ref().map(|r: &EpochMetrics| u64::from(r.epoch));
+            let carried_step = carried.as_ref().map(|r: &MetricsRecord| u64::from(r.epoch));
             Some(resume_metrics(
                 path,
                 |r| {
@@ -571,8 +571,8 @@ fn run_rank<T: Activation>(
 
 /// The metrics line of a validation point (`epoch` holds the step, `test_loss` the validation loss,
 /// `samples_per_sec` the training tokens per second).
-fn metrics_record(point: &EvalPoint, config: &GptTrainConfig, recipe: &str) -> EpochMetrics {
-    let mut r = EpochMetrics::new(
+fn metrics_record(point: &EvalPoint, config: &GptTrainConfig, recipe: &str) -> MetricsRecord {
+    let mut r = MetricsRecord::new(
         u32::try_from(point.step).unwrap_or(u32::MAX),
         point.train_loss,
         point.val_loss,

@@ -3,7 +3,7 @@
 use super::batches::Batches;
 use super::{wrap_policy, MnistError, MnistNet, NetConfig};
 use crate::data::{MnistDataset, MnistSplit};
-use crate::metrics::{EpochMetrics, MetricsWriter};
+use crate::metrics::{MetricsRecord, MetricsWriter};
 use crate::progress::{EpochProgress, ProgressMode};
 pub use crate::run_setup::DeviceChoice;
 use crate::run_setup::{launch_ranks, RankLaunch, RunOutputs};
@@ -129,7 +129,7 @@ impl Default for TrainConfig {
 #[derive(Debug, Clone)]
 pub struct TrainReport {
     /// One record per epoch run by this invocation.
-    pub epochs: Vec<EpochMetrics>,
+    pub epochs: Vec<MetricsRecord>,
     /// Memory held per rank at the end, by category (optimizer states included).
     pub memory: Vec<MemoryReport>,
     /// Every parameter at the end, gathered and as F32 (FP8 weights decoded), in declaration order, with
@@ -265,7 +265,7 @@ pub fn train(config: &TrainConfig) -> Result<TrainReport, MnistError> {
 }
 
 struct RankOutcome {
-    records: Vec<EpochMetrics>,
+    records: Vec<MetricsRecord>,
     memory: MemoryReport,
     params: Vec<(String, Vec<f32>)>,
     steps: u64,
@@ -380,7 +380,7 @@ fn save(
     pos: Position,
     config: &TrainConfig,
     data_id: &str,
-    epoch_record: Option<&EpochMetrics>,
+    epoch_record: Option<&MetricsRecord>,
 ) -> Result<(), MnistError> {
     let settings = run_settings(config, data_id);
     save_run(dir, model, opt, pos.to_extra(), &settings, epoch_record)?;
@@ -660,7 +660,7 @@ fn run_rank(
         )?;
         let seconds = started.elapsed().as_secs_f64();
         let test_loss = test_loss_sum / count.max(1) as f64;
-        let mut record = EpochMetrics::new(
+        let mut record = MetricsRecord::new(
             epoch,
             train_loss,
             test_loss,
