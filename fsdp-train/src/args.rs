@@ -51,6 +51,8 @@ pub struct TaskDefaults {
     pub lengths: (bool, bool),
     /// The linears in FP8 without `--fp8-layers`.
     pub fp8_layers: Fp8Filter,
+    /// Ranks without `--world-size`.
+    pub world_size: usize,
 }
 
 impl TaskDefaults {
@@ -65,6 +67,7 @@ impl TaskDefaults {
             length,
             lr,
             fp8_layers: Fp8Filter::All,
+            world_size: 1,
         }
     }
 }
@@ -135,9 +138,9 @@ pub struct TrainArgs {
     /// Optimizer states of the FP8 weights.
     #[arg(long, value_enum, default_value_t = StatesArg::Low)]
     pub optimizer_states: StatesArg,
-    /// Ranks: threads on the CPU; on CUDA the launcher's process count.
-    #[arg(long, default_value_t = 1)]
-    pub world_size: usize,
+    /// Ranks: threads on the CPU; on CUDA the launcher's process count [default: the program's].
+    #[arg(long)]
+    pub world_size: Option<usize>,
     /// Where to run.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
@@ -289,7 +292,7 @@ impl TrainArgs {
         c.fp8_grad_comm = self.fp8_grad_comm;
         c.grad_shards = self.grad_shards.into();
         c.optimizer_states = self.optimizer_states.into();
-        c.world_size = self.world_size;
+        c.world_size = self.world_size.unwrap_or(defaults.world_size);
         c.device = self.device.into();
         c.threads_per_rank = self.threads_per_rank;
         c.eval_every = self.eval_every;

@@ -302,7 +302,9 @@ impl Trainer {
         let mut data = task.data(env).map_err(TrainError::task)?;
         let batch = task.speed_batch(&mut data, env).map_err(TrainError::task)?;
         let units = task.batch_weight(&batch);
-        model.set_grad_divisor(env.world_size as f32)?;
+        if !task.averages_in_loss() {
+            model.set_grad_divisor(env.world_size as f32)?;
+        }
         let mut step = |model: &mut fsdp_shard::FsdpModel<T::Model>,
                         prof: &mut Option<crate::profile::ProfiledStep>|
          -> Result<(), TrainError> {

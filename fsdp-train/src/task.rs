@@ -9,6 +9,7 @@ use fp8_kernels::{Buffer, CpuParallelism, Device};
 use fsdp_comm::Communicator;
 use fsdp_optim::{LrSchedule, Optimizer, StatePrecision};
 use fsdp_shard::{FsdpModel, Module, WrapPolicy};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// One rank as a task sees it.
@@ -62,6 +63,9 @@ pub struct BatchIndex {
     pub epoch: u32,
     /// The micro-batch of this rank within the epoch (0-based; with endless data, since the start).
     pub index: u64,
+    /// Micro-batches in the optimizer step this one belongs to (fewer than `--grad-accum` at the end of
+    /// an epoch).
+    pub step_micro_batches: u64,
 }
 
 /// The optimizer a run asks for (the task builds its own kind, e.g. AdamW with its betas).
@@ -172,6 +176,21 @@ pub trait TrainTask: Sync {
     /// This rank's data.
     fn data(&self, env: &RankEnv) -> Result<Self::Data, Self::Error>;
 
+    /// The data's own state a checkpoint keeps (e.g. a sampler's position), as key/values (keys
+    /// starting with `data.`); the default keeps nothing (batches are a function of their index).
+    fn data_state(&self, _data: &Self::Data) -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+
+    /// Restores what [`TrainTask::data_state`] saved.
+    fn load_data_state(
+        &self,
+        _data: &mut Self::Data,
+        _saved: &BTreeMap<String, String>,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
     /// Micro-batches of this rank in `epoch` (`None`: endless data, for runs counted in steps).
     fn epoch_batches(
         &self,
@@ -180,13 +199,24 @@ pub trait TrainTask: Sync {
         epoch: u32,
     ) -> Result<Option<u64>, Self::Error>;
 
-    /// The micro-batch `at` of this rank.
+    /// The micro-batch `at` of this rank. The Trainer asks for them in order, from where a resumed
+    /// checkpoint left off.
     fn batch(
         &self,
         data: &mut Self::Data,
         env: &RankEnv,
         at: BatchIndex,
     ) -> Result<Self::Batch, Self::Error>;
+
+    /// Whether the task averages over ranks and micro-batches itself, scaling its loss gradient by
+    /// `1 / (world_size * step_micro_batches)` (then the reduction only sums). The default, `false`,
+    /// leaves the averaging to the reduction, which divides the summed gradients: a model's backward
+    /// then has no factor of its own. (The MNIST example scales its loss, which keeps its recorded
+    /// numerics bit for bit: with delayed FP8 scaling the first steps' E5M2 gradient casts round
+    /// differently when the values are halved.)
+    fn averages_in_loss(&self) -> bool {
+        false
+    }
 
     /// The samples (or tokens) the micro-batch counts; equal on every rank.
     fn batch_weight(&self, batch: &Self::Batch) -> u64;
@@ -252,7 +282,15 @@ pub trait TrainTask: Sync {
         data: &mut Self::Data,
         env: &RankEnv,
     ) -> Result<Self::Batch, Self::Error> {
-        self.batch(data, env, BatchIndex { epoch: 1, index: 0 })
+        self.batch(
+            data,
+            env,
+            BatchIndex {
+                epoch: 1,
+                index: 0,
+                step_micro_batches: 1,
+            },
+        )
     }
 
     /// Model FLOPs of a training step per [`TrainTask::unit`] (for the speed line's model TFLOP/s).

@@ -571,6 +571,8 @@ impl Trainer {
                 )));
             }
             pos = Position::from_extra(&loaded.extra)?;
+            task.load_data_state(&mut data, &loaded.extra)
+                .map_err(TrainError::task)?;
             carried = saved_record(&loaded.extra)?;
             let at = opt.schedule_position();
             Self::set_schedule(task, opt.as_mut(), &self.plan(total_steps))?;
@@ -770,7 +772,11 @@ impl Trainer {
                     Some(p) if st.steps_run >= PROFILE_WARMUP_STEPS => p.begin()?,
                     _ => None,
                 };
-                model.set_grad_divisor((ws as u64 * micro_count) as f32)?;
+                model.set_grad_divisor(if task.averages_in_loss() {
+                    1.0
+                } else {
+                    (ws as u64 * micro_count) as f32
+                })?;
                 let (mut step_sum, mut step_weight) = (0.0f64, 0u64);
                 for micro in 0..micro_count {
                     let batch = task
@@ -780,6 +786,7 @@ impl Trainer {
                             BatchIndex {
                                 epoch,
                                 index: pos.batch + micro,
+                                step_micro_batches: micro_count,
                             },
                         )
                         .map_err(TrainError::task)?;
@@ -901,7 +908,17 @@ impl Trainer {
                     &c.save,
                     periodic || stopping || run_end || (epoch_end && n.is_some()),
                 ) {
-                    self.save(dir, model, opt, pos, st, settings, total_steps, record.as_ref())?;
+                    let data_state = task.data_state(data);
+                    self.save(
+                        dir,
+                        model,
+                        opt,
+                        pos,
+                        st,
+                        (settings, data_state),
+                        total_steps,
+                        record.as_ref(),
+                    )?;
                 }
                 if let (Some(w), Some(r)) = (writer.as_deref_mut(), &record) {
                     w.write(r)?;
@@ -1056,7 +1073,7 @@ impl Trainer {
         opt: &dyn Optimizer,
         pos: &mut Position,
         st: &LoopState,
-        settings: &RunSettings,
+        (settings, data_state): (&RunSettings, BTreeMap<String, String>),
         total_steps: u64,
         record: Option<&MetricsRecord>,
     ) -> Result<(), TrainError> {
@@ -1070,6 +1087,7 @@ impl Trainer {
             extra.insert(crate::settings::LAST_RECORD_KEY.into(), r.to_json_line()?);
         }
         extra.extend(settings.to_extra());
+        extra.extend(data_state);
         extra.insert(PLAN_STEPS_KEY.into(), total_steps.to_string());
         if let RunLength::Epochs(e) = self.config.length {
             extra.insert(PLAN_EPOCHS_KEY.into(), e.to_string());

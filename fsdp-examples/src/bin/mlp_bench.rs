@@ -9,7 +9,7 @@ use clap::{Parser, ValueEnum};
 use fp8_core::Fp8Format;
 use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
-use fsdp_examples::cli::GradShardsArg;
+use fsdp_train::GradShardsArg;
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
 use std::process::ExitCode;

@@ -238,6 +238,7 @@ impl MlpBench {
                 BenchMode::Bf16 => GradDtype::F32,
                 BenchMode::Fp8 => config.grad_dtype,
             },
+            ..FsdpConfig::default()
         };
         let stack = MlpStack::new(&config)?;
         let mut model = FsdpModel::new(stack, comm, WrapPolicy::ChildrenOf("h".into()), fsdp)?;

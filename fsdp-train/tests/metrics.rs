@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use fsdp_examples::metrics::{
+use fsdp_train::metrics::{
     parse_metrics, read_metrics, render_svg, MetricsRecord, MetricsError, MetricsWriter,
     PlotOptions, PlotSeries,
 };
