@@ -2,18 +2,15 @@
 //! crossover, FP8 always faster, never faster, noise below the crossover, ties, shared k), the measured
 //! shapes, the threshold reaching the model, and one tiny CPU measurement through the real layers.
 
+use fp8_core::Fp8Recipe;
 use fp8_kernels::Device;
 use fsdp_comm::{Communicator, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
 use fsdp_examples::gpt::crossover::{
     combined_threshold, crossover_cases, crossover_of, measure, pick_crossover, BlockLinear,
     CaseSet, Crossover, CrossoverConfig, Feed, KTiming, GPU_WIDTHS,
 };
-use fp8_core::Fp8Recipe;
 use fsdp_examples::gpt::{Gpt, GptConfig};
-use fsdp_nn::{
-    convert_to_fp8, fp8_auto_ratio, Fp8Filter, LinearInfo,
-    DEFAULT_FP8_AUTO_THRESHOLD,
-};
+use fsdp_nn::{convert_to_fp8, fp8_auto_ratio, Fp8Filter, LinearInfo, DEFAULT_FP8_AUTO_THRESHOLD};
 use fsdp_optim::StatePrecision;
 use fsdp_shard::GradDtype;
 use std::sync::Arc;

@@ -84,8 +84,3 @@ pub use norm::Norm;
 pub use pool::MaxPool2d;
 pub use tensor::{Shape, Tensor, MAX_RANK};
 pub use tokens::TokenBatch;
-
-// The guide `docs/your-model.md` is compiled and run as a doctest of this crate.
-#[doc = include_str!("../../docs/your-model.md")]
-#[cfg(doctest)]
-pub struct YourModelGuide;

@@ -404,7 +404,6 @@ impl From<PrecisionArg> for LinearPrecision {
     }
 }
 
-
 /// `--optimizer-states`: the optimizer states of the FP8 weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StatesArg {

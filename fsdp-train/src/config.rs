@@ -185,7 +185,10 @@ impl TrainConfig {
             ("--stop-after-steps", self.stop_after_steps),
             ("--log-every", self.log_every),
             ("--profile-steps", self.profile_steps.map(|v| v as u64)),
-            ("--threads-per-rank", self.threads_per_rank.map(|v| v as u64)),
+            (
+                "--threads-per-rank",
+                self.threads_per_rank.map(|v| v as u64),
+            ),
             ("--max-skipped-steps", Some(self.max_skipped_steps)),
         ] {
             if v == Some(0) {
@@ -199,7 +202,9 @@ impl TrainConfig {
             return bad("--save-every needs --save".into());
         }
         if self.overwrite && self.save.is_none() {
-            return bad("--overwrite needs --save (it allows replacing the checkpoint there)".into());
+            return bad(
+                "--overwrite needs --save (it allows replacing the checkpoint there)".into(),
+            );
         }
         if self.fp8_grad_comm && self.precision != Precision::Fp8 {
             return bad(format!(
@@ -208,8 +213,7 @@ impl TrainConfig {
                 self.precision.name()
             ));
         }
-        if self.precision != Precision::Fp8 && !matches!(self.fp8_layers, fsdp_nn::Fp8Filter::All)
-        {
+        if self.precision != Precision::Fp8 && !matches!(self.fp8_layers, fsdp_nn::Fp8Filter::All) {
             return bad(format!(
                 "--fp8-layers chooses linears for FP8; with --precision {} none are (drop the flag or \
                  use --precision fp8)",

@@ -136,3 +136,8 @@ pub use trainer::{
     available_bytes, eval_forward, evaluate_sums, StopReason, TrainReport, Trainer,
     PROFILE_WARMUP_STEPS,
 };
+
+// The guide `docs/your-model.md` is compiled and run as a doctest of this crate.
+#[doc = include_str!("../../docs/your-model.md")]
+#[cfg(doctest)]
+pub struct YourModelGuide;

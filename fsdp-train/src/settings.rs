@@ -8,7 +8,6 @@
 //! also wrote a metrics line carries that line ([`LAST_RECORD_KEY`]): the line is written after the
 //! checkpoint, so a crash between the two is repaired on resume, never duplicated.
 
-
 use crate::metrics::{parse_metrics, MetricsError, MetricsRecord, MetricsWriter};
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -97,8 +97,7 @@ impl SpeedReport {
 
     /// Model TFLOP/s (the peers' formula), when the task knows its FLOPs.
     pub fn model_tflops(&self) -> Option<f64> {
-        self.flops_per_unit
-            .map(|f| self.units_per_sec() * f / 1e12)
+        self.flops_per_unit.map(|f| self.units_per_sec() * f / 1e12)
     }
 
     /// The human table.
@@ -130,7 +129,10 @@ impl SpeedReport {
             "median step (s)",
             format!("{:.4} (of {})", self.median_step(), self.step_times.len()),
         );
-        row(&format!("{}/s", self.unit), format!("{:.0}", self.units_per_sec()));
+        row(
+            &format!("{}/s", self.unit),
+            format!("{:.0}", self.units_per_sec()),
+        );
         if let Some(tf) = self.model_tflops() {
             row("model TFLOP/s", format!("{tf:.1}"));
         }
@@ -146,7 +148,10 @@ impl SpeedReport {
             "plain parameter shards (GiB)",
             format!("{:.3}", gib(m.plain_param_shards)),
         );
-        row("gradient shards (GiB)", format!("{:.3}", gib(m.grad_shards)));
+        row(
+            "gradient shards (GiB)",
+            format!("{:.3}", gib(m.grad_shards)),
+        );
         row(
             "optimizer states (GiB)",
             format!("{:.3}", gib(m.optimizer_states)),
@@ -325,9 +330,9 @@ impl Trainer {
             cu.reset_pool_high_water()?;
         }
         fp8_kernels::device::reset_host_buffer_peak();
-        let mut profiler = options.profile.then(|| {
-            StepProfiler::new(&device, options.timed_steps, options.warmup_steps, false)
-        });
+        let mut profiler = options
+            .profile
+            .then(|| StepProfiler::new(&device, options.timed_steps, options.warmup_steps, false));
         let mut profile = None;
         let mut times = Vec::with_capacity(options.timed_steps);
         for _ in 0..options.timed_steps {

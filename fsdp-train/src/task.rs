@@ -5,9 +5,10 @@
 
 use crate::metrics::MetricsRecord;
 use crate::settings::RunSetting;
+use crate::TrainError;
 use fp8_kernels::{Buffer, CpuParallelism, Device};
 use fsdp_comm::Communicator;
-use fsdp_optim::{LrSchedule, Optimizer, StatePrecision};
+use fsdp_optim::{AdamOptions, FsdpAdamW, LrSchedule, Optimizer, StatePrecision};
 use fsdp_shard::{FsdpModel, Module, WrapPolicy};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -121,8 +122,9 @@ pub trait TrainTask: Sync {
     type Data;
     /// One micro-batch of one rank, ready for the forward.
     type Batch;
-    /// The task's error.
-    type Error: std::error::Error + Send + Sync + 'static;
+    /// The task's error ([`TrainError`] itself serves: it takes every library error and a task's own
+    /// through [`TrainError::task`]).
+    type Error: std::error::Error + Send + Sync + From<TrainError> + 'static;
 
     /// The program's name: it names the run in messages and is recorded in checkpoints.
     fn name(&self) -> &str;
@@ -147,15 +149,29 @@ pub trait TrainTask: Sync {
     /// dropout streams), in the activations' float precision.
     fn build_model(&self, env: &RankEnv) -> Result<Self::Model, Self::Error>;
 
-    /// How parameters are grouped into FSDP units.
-    fn wrap_policy(&self) -> WrapPolicy;
+    /// How parameters are grouped into FSDP units (default: one unit per module that declares
+    /// parameters of its own).
+    fn wrap_policy(&self) -> WrapPolicy {
+        WrapPolicy::PerModule
+    }
 
-    /// The optimizer of the wrapped model.
+    /// The optimizer of the wrapped model (default: AdamW with PyTorch's defaults at the run's learning
+    /// rate and state precision).
     fn optimizer(
         &self,
         model: &mut FsdpModel<Self::Model>,
         choice: &OptimizerChoice,
-    ) -> Result<Box<dyn Optimizer>, Self::Error>;
+    ) -> Result<Box<dyn Optimizer>, Self::Error> {
+        let options = AdamOptions {
+            lr: choice.lr,
+            state_precision: choice.states,
+            ..AdamOptions::adamw()
+        };
+        match FsdpAdamW::for_model(model, options) {
+            Ok(opt) => Ok(Box::new(opt)),
+            Err(e) => Err(TrainError::from(e).into()),
+        }
+    }
 
     /// The learning-rate schedule of a run (`None`: constant).
     fn schedule(&self, _plan: &SchedulePlan) -> Result<Option<Box<dyn LrSchedule>>, Self::Error> {
@@ -191,13 +207,15 @@ pub trait TrainTask: Sync {
         Ok(())
     }
 
-    /// Micro-batches of this rank in `epoch` (`None`: endless data, for runs counted in steps).
+    /// Micro-batches of this rank in `epoch` (default `None`: endless data, for runs counted in steps).
     fn epoch_batches(
         &self,
-        data: &mut Self::Data,
-        env: &RankEnv,
-        epoch: u32,
-    ) -> Result<Option<u64>, Self::Error>;
+        _data: &mut Self::Data,
+        _env: &RankEnv,
+        _epoch: u32,
+    ) -> Result<Option<u64>, Self::Error> {
+        Ok(None)
+    }
 
     /// The micro-batch `at` of this rank. The Trainer asks for them in order, from where a resumed
     /// checkpoint left off.
@@ -239,13 +257,19 @@ pub trait TrainTask: Sync {
         batch: &Self::Batch,
     ) -> Result<(), Self::Error>;
 
-    /// Evaluates the model (collective: every rank calls it; see [`crate::evaluate_sums`]).
+    /// Evaluates the model (collective: every rank calls it; see [`crate::evaluate_sums`]). The default
+    /// has no evaluation set: its loss is NaN.
     fn evaluate(
         &self,
-        model: &mut FsdpModel<Self::Model>,
-        data: &mut Self::Data,
-        env: &RankEnv,
-    ) -> Result<Evaluation, Self::Error>;
+        _model: &mut FsdpModel<Self::Model>,
+        _data: &mut Self::Data,
+        _env: &RankEnv,
+    ) -> Result<Evaluation, Self::Error> {
+        Ok(Evaluation {
+            loss: f64::NAN,
+            ..Evaluation::default()
+        })
+    }
 
     /// The lines printed at an evaluation point (rank 0); the default names the step, the losses,
     /// the learning rate and the rate.
@@ -262,7 +286,11 @@ pub trait TrainTask: Sync {
         if let Some(lr) = record.lr {
             line.push_str(&format!(", lr {lr:.3e}"));
         }
-        line.push_str(&format!(", {:.0} {}/s", record.samples_per_sec, self.unit()));
+        line.push_str(&format!(
+            ", {:.0} {}/s",
+            record.samples_per_sec,
+            self.unit()
+        ));
         vec![line]
     }
 

@@ -7,7 +7,7 @@ use crate::progress::{EpochProgress, ProgressMode};
 use crate::settings::{check_resume, resume_metrics, saved_record, RunSetting, RunSettings};
 use crate::setup::{launch_ranks, RankLaunch, RunOutputs};
 use crate::task::{
-    BatchIndex, LossKind, OptimizerChoice, RankEnv, SchedulePlan, ScheduleClock, TrainTask,
+    BatchIndex, LossKind, OptimizerChoice, RankEnv, ScheduleClock, SchedulePlan, TrainTask,
 };
 use crate::{signal, TrainError};
 use fp8_core::Fp8Format;
@@ -221,7 +221,10 @@ impl Trainer {
         } else {
             "F32 gradient reduce-scatter"
         };
-        let comm = format!("{comm}, {} gradient shards", c.grad_shards.name().to_uppercase());
+        let comm = format!(
+            "{comm}, {} gradient shards",
+            c.grad_shards.name().to_uppercase()
+        );
         match c.precision {
             Precision::Fp8 => format!(
                 "FP8 linears ({}): {}; FP8 weight all-gather; {comm}",
@@ -333,14 +336,12 @@ impl Trainer {
     fn check_inputs<T: TrainTask>(&self, _task: &T) -> Result<(), TrainError> {
         let c = &self.config;
         if let Some(p) = &c.init_from {
-            std::fs::metadata(p).map_err(|e| {
-                TrainError::Config(format!("--init-from {}: {e}", p.display()))
-            })?;
+            std::fs::metadata(p)
+                .map_err(|e| TrainError::Config(format!("--init-from {}: {e}", p.display())))?;
         }
         if let Some(dir) = &c.resume {
-            read_index(dir).map_err(|e| {
-                TrainError::Checkpoint(format!("--resume {}: {e}", dir.display()))
-            })?;
+            read_index(dir)
+                .map_err(|e| TrainError::Checkpoint(format!("--resume {}: {e}", dir.display())))?;
         }
         Ok(())
     }
@@ -430,11 +431,7 @@ impl Trainer {
     }
 
     /// The wrapped model: built by the task, converted to the run's precision, sharded.
-    fn build<T: TrainTask>(
-        &self,
-        task: &T,
-        env: &RankEnv,
-    ) -> Result<Built<T::Model>, TrainError> {
+    fn build<T: TrainTask>(&self, task: &T, env: &RankEnv) -> Result<Built<T::Model>, TrainError> {
         let c = &self.config;
         let mut module = task.build_model(env).map_err(TrainError::task)?;
         match c.precision {
@@ -519,9 +516,9 @@ impl Trainer {
         let settings = self.settings(task);
         let (mut model, linears) = self.build(task, env)?;
         if let Some(path) = &c.init_from {
-            model.import_full(path, false).map_err(|e| {
-                TrainError::Config(format!("--init-from {}: {e}", path.display()))
-            })?;
+            model
+                .import_full(path, false)
+                .map_err(|e| TrainError::Config(format!("--init-from {}: {e}", path.display())))?;
         }
         let mut opt = task
             .optimizer(
@@ -635,9 +632,9 @@ impl Trainer {
             step_losses: Vec::new(),
             records: Vec::new(),
             profile: None,
-            profiler: c.profile_steps.map(|n| {
-                StepProfiler::new(&device, n, PROFILE_WARMUP_STEPS, c.profile_sync)
-            }),
+            profiler: c
+                .profile_steps
+                .map(|n| StepProfiler::new(&device, n, PROFILE_WARMUP_STEPS, c.profile_sync)),
             steps_run: 0,
             skipped: SkipWatch::default(),
             changes,
@@ -751,7 +748,11 @@ impl Trainer {
             // The bar's total is only its scale; the weight of a batch is known once it is made.
             let mut progress =
                 EpochProgress::new(epoch, remaining_units, mode).with_labels(&label, "batches");
-            let show_every = if progress.is_visible() { check_every } else { u64::MAX };
+            let show_every = if progress.is_visible() {
+                check_every
+            } else {
+                u64::MAX
+            };
             let mut shown = f64::NAN;
             loop {
                 let in_epoch = match n {
@@ -812,12 +813,7 @@ impl Trainer {
                         };
                         elementwise::axpy(a, loss.values, acc)?;
                         if read {
-                            let v = loss
-                                .values
-                                .to_vec()?
-                                .first()
-                                .copied()
-                                .unwrap_or(f32::NAN);
+                            let v = loss.values.to_vec()?.first().copied().unwrap_or(f32::NAN);
                             if !cuda {
                                 st.step_losses.push(match loss.kind {
                                     LossKind::Mean => v,
@@ -892,7 +888,17 @@ impl Trainer {
                     let lr = opt.current_lr();
                     let train_secs = since_point.0.elapsed().as_secs_f64();
                     let r = self.evaluation_point(
-                        task, env, model, data, st, pos, epoch, s, lr, train_secs, since_point.1,
+                        task,
+                        env,
+                        model,
+                        data,
+                        st,
+                        pos,
+                        epoch,
+                        s,
+                        lr,
+                        train_secs,
+                        since_point.1,
                     )?;
                     if lead {
                         for line in task.report_lines(&r) {
@@ -1055,10 +1061,8 @@ impl Trainer {
             r.extra.entry(k).or_insert(v);
         }
         if !st.changes.is_empty() {
-            r.extra.insert(
-                "resumed_changes".into(),
-                st.changes.join("; ").into(),
-            );
+            r.extra
+                .insert("resumed_changes".into(), st.changes.join("; ").into());
             st.changes.clear();
         }
         Ok(r)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_train::metrics::{
-    parse_metrics, read_metrics, render_svg, MetricsRecord, MetricsError, MetricsWriter,
+    parse_metrics, read_metrics, render_svg, MetricsError, MetricsRecord, MetricsWriter,
     PlotOptions, PlotSeries,
 };
 use proptest::prelude::*;

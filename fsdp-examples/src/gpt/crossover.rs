@@ -31,10 +31,10 @@
 
 use super::GptError;
 use crate::lm::peer_adamw_options;
-use fsdp_nn::fp8_auto_ratio;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, CudaDevice, Device, GpuEvent};
 use fsdp_comm::Communicator;
+use fsdp_nn::fp8_auto_ratio;
 use fsdp_nn::{Layer, Linear, LinearPrecision, NnError, Norm, Shape, Tensor, WeightInit};
 use fsdp_optim::{step_model, FsdpAdamW, StatePrecision};
 use fsdp_shard::{

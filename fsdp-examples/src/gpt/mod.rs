@@ -110,7 +110,7 @@ pub struct GptConfig {
     pub norm: NormKind,
     /// Tokens per chunk of the LM head.
     pub head_chunk: usize,
-    /// Seed of an untied head and its table (both drawn from it, so they start equal); the other
+    /// Seed of `wte` and of an untied head (both drawn from it, so they start equal); the other
     /// parameters draw from the sharded model's seed and their names.
     pub seed: u64,
     /// The attention kernels' configuration (deterministic backward by default).

@@ -5,8 +5,8 @@ use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::Device;
 use fsdp_nn::init::stream_seed;
 use fsdp_nn::{
-    Activation, BlockConfig, Embedding, KvCache, Layer, LmHead, LossStats,
-    NnError, Norm, Recompute, Tensor, TokenBatch, TransformerBlock,
+    Activation, BlockConfig, Embedding, KvCache, Layer, LmHead, LossStats, NnError, Norm,
+    Recompute, Tensor, TokenBatch, TransformerBlock,
 };
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 use half::bf16;
@@ -94,8 +94,8 @@ impl<T: Activation> std::fmt::Debug for Gpt<T> {
 impl<T: Activation> Gpt<T> {
     /// The model `config` describes: every 2-D parameter `N(0, 0.02^2)` except `attn_proj` and
     /// `mlp_proj`, `N(0, (0.02 / sqrt(2 L))^2)`; norm weights 1; each drawn from its own seed (the sharded
-    /// model's seed and the parameter's name), an untied head and `wte` from `config.seed` (so they start
-    /// equal).
+    /// model's seed and the parameter's name), but `wte` and an untied head from `config.seed` (so a tied
+    /// and an untied model start equal).
     pub fn new(config: GptConfig) -> Result<Self, GptError> {
         config.validate()?;
         let c = &config;
@@ -122,13 +122,8 @@ impl<T: Activation> Gpt<T> {
             LmHead::new(d, c.vocab)?.with_seed(s(WTE_STREAM))
         }
         .with_chunk(c.head_chunk)?;
-        let wte = Embedding::new(c.vocab, d)?;
         Ok(Gpt {
-            wte: if c.tie_embeddings {
-                wte
-            } else {
-                wte.with_seed(s(WTE_STREAM))
-            },
+            wte: Embedding::new(c.vocab, d)?.with_seed(s(WTE_STREAM)),
             wpe: Embedding::new(c.seq_len, d)?,
             h,
             ln_f: Norm::of_kind(c.norm, d)?,

@@ -54,6 +54,8 @@ pub struct LmSpec {
     pub seq_len: usize,
     /// Recompute each block in the backward.
     pub recompute_blocks: bool,
+    /// Seed of the embedding table (the other parameters draw from the run's seed and their names).
+    pub seed: u64,
 }
 
 impl LmSpec {
@@ -79,6 +81,7 @@ impl LmSpec {
             vocab: GPT2_PADDED_VOCAB,
             seq_len,
             recompute_blocks: false,
+            seed: 1,
         };
         spec.validate()?;
         Ok(spec)
@@ -121,6 +124,7 @@ impl LmSpec {
         GptConfig {
             vocab: self.vocab,
             recompute_blocks: self.recompute_blocks,
+            seed: self.seed,
             ..GptConfig::new(self.d_model, self.layers, self.heads, self.seq_len)
         }
     }

@@ -87,9 +87,8 @@ struct Tokens {
 impl Tokens {
     fn load(o: &LmOptions) -> Result<Self, TrainError> {
         let open = |name: &str| {
-            TokenFile::open(o.data_dir.join(name), GPT2_VOCAB_SIZE).map_err(|e| {
-                TrainError::Config(format!("--data {}: {e}", o.data_dir.display()))
-            })
+            TokenFile::open(o.data_dir.join(name), GPT2_VOCAB_SIZE)
+                .map_err(|e| TrainError::Config(format!("--data {}: {e}", o.data_dir.display())))
         };
         let (train, val) = (open("train.bin")?, open("val.bin")?);
         let mut h = crc32fast::Hasher::new();
@@ -185,6 +184,7 @@ impl<M: LanguageModel> LmTask<M> {
         )
         .map_err(|e| TrainError::Config(e.to_string()))?;
         spec.recompute_blocks = options.recompute_blocks;
+        spec.seed = options.seed;
         if options.batch_size == 0 {
             return Err(TrainError::Config(
                 "--batch-size must be at least 1 (0 would silently do nothing)".into(),
@@ -320,7 +320,11 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
             RunSetting::new("heads", "--heads", s.heads),
             RunSetting::new("seq_len", "--seq-len", s.seq_len),
             RunSetting::new("batch_size", "--batch-size", self.options.batch_size),
-            RunSetting::new("compact_vocab", "--compact-vocab", self.options.compact_vocab),
+            RunSetting::new(
+                "compact_vocab",
+                "--compact-vocab",
+                self.options.compact_vocab,
+            ),
             RunSetting::new("data", "--data", &self.tokens.id),
         ]
     }
@@ -372,7 +376,10 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
             .and_then(|x| x.checked_add(v.checked_mul(d)?))
             .ok_or_else(over)?;
         let state = params.checked_mul(8).ok_or_else(over)? / world_size.max(1) as u64;
-        let unit = d.checked_mul(d).and_then(|x| x.checked_mul(12 * 4)).ok_or_else(over)?;
+        let unit = d
+            .checked_mul(d)
+            .and_then(|x| x.checked_mul(12 * 4))
+            .ok_or_else(over)?;
         let acts = tokens
             .checked_mul(d)
             .and_then(|x| x.checked_mul(l))
@@ -499,14 +506,8 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
                 let n = val
                     .fill_batch(&self.tokens.val, i, &mut x, &mut y)
                     .map_err(TrainError::task)?;
-                let batch = TokenBatch::new(
-                    &device,
-                    &x[..n * t],
-                    &y[..n * t],
-                    n,
-                    t,
-                    self.spec.vocab,
-                )?;
+                let batch =
+                    TokenBatch::new(&device, &x[..n * t], &y[..n * t], n, t, self.spec.vocab)?;
                 model
                     .forward(Mode::Eval, |m, ctx| m.forward(ctx, &batch))
                     .map_err(model_err)?;
@@ -517,7 +518,10 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
         Ok(Evaluation {
             loss: f64::from(sums[0]) / f64::from(sums[1]).max(1.0),
             correct: None,
-            extra: vec![("val_loss".into(), serde_json::json!(f64::from(sums[0]) / f64::from(sums[1]).max(1.0)))],
+            extra: vec![(
+                "val_loss".into(),
+                serde_json::json!(f64::from(sums[0]) / f64::from(sums[1]).max(1.0)),
+            )],
         })
     }
 
@@ -563,7 +567,10 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
             ("vocab".into(), serde_json::json!(s.vocab)),
             ("batch".into(), serde_json::json!(self.options.batch_size)),
             ("seq".into(), serde_json::json!(s.seq_len)),
-            ("world_size_planned".into(), serde_json::json!(self.world_size)),
+            (
+                "world_size_planned".into(),
+                serde_json::json!(self.world_size),
+            ),
         ]
     }
 }

@@ -5,8 +5,8 @@ use crate::data::{MNIST_CLASSES, MNIST_COLS, MNIST_ROWS};
 use fp8_kernels::Buffer;
 use fsdp_nn::init::stream_seed;
 use fsdp_nn::{
-    Conv2d, Dropout, Flatten, Layer, Linear, LogSoftmaxNll, MaxPool2d, Relu,
-    Sequential, Shape, Tensor,
+    Conv2d, Dropout, Flatten, Layer, Linear, LogSoftmaxNll, MaxPool2d, Relu, Sequential, Shape,
+    Tensor,
 };
 use fsdp_shard::{Ctx, Module, ShardError, Visitor, WrapPolicy};
 
@@ -51,16 +51,10 @@ impl MnistNet {
             .push("pool", MaxPool2d::new(2, 2)?)
             .push("drop1", Dropout::new(0.25, drop_seed(1))?)
             .push("flatten", Flatten::new())
-            .push(
-                "fc1",
-                Linear::new(9216, 128)?.with_seed(s(3)),
-            )
+            .push("fc1", Linear::new(9216, 128)?.with_seed(s(3)))
             .push("relu3", Relu::new())
             .push("drop2", Dropout::new(0.5, drop_seed(2))?)
-            .push(
-                "fc2",
-                Linear::new(128, MNIST_CLASSES)?.with_seed(s(4)),
-            );
+            .push("fc2", Linear::new(128, MNIST_CLASSES)?.with_seed(s(4)));
         Ok(MnistNet {
             body,
             loss: LogSoftmaxNll::new(MNIST_CLASSES)?,

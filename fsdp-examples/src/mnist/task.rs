@@ -202,8 +202,9 @@ impl TrainTask for MnistTask {
         let (rank, ws) = (env.rank, env.world_size);
         let seed = self.options.seed;
         let wrap = |e: MnistError| TrainError::task(e);
-        let train_sampler = DistributedSampler::new(self.train.len(), ws, rank, seed, Remainder::Pad)
-            .map_err(|e| wrap(e.into()))?;
+        let train_sampler =
+            DistributedSampler::new(self.train.len(), ws, rank, seed, Remainder::Pad)
+                .map_err(|e| wrap(e.into()))?;
         let test_sampler = DistributedSampler::new(self.test.len(), ws, rank, seed, Remainder::Pad)
             .map_err(|e| wrap(e.into()))?
             .with_shuffle(false);
@@ -259,9 +260,7 @@ impl TrainTask for MnistTask {
         let rows = data
             .batches
             .get(i)
-            .ok_or_else(|| {
-                TrainError::Config(format!("epoch {} has no batch {i}", at.epoch))
-            })?
+            .ok_or_else(|| TrainError::Config(format!("epoch {} has no batch {i}", at.epoch)))?
             .len();
         let first = i * self.options.batch_size;
         let (images, labels) = data
@@ -284,12 +283,17 @@ impl TrainTask for MnistTask {
         batch.labels.len() as u64
     }
 
-    fn forward(&self, model: &mut FsdpModel<MnistNet>, batch: &MnistBatch) -> Result<(), TrainError> {
+    fn forward(
+        &self,
+        model: &mut FsdpModel<MnistNet>,
+        batch: &MnistBatch,
+    ) -> Result<(), TrainError> {
         let images = batch.images.to_device(model.device())?;
-        model.forward(Mode::Train, |net, ctx| {
-            net.forward(ctx, images, &batch.labels)
-        })
-        .map_err(TrainError::task)?;
+        model
+            .forward(Mode::Train, |net, ctx| {
+                net.forward(ctx, images, &batch.labels)
+            })
+            .map_err(TrainError::task)?;
         Ok(())
     }
 
@@ -300,7 +304,11 @@ impl TrainTask for MnistTask {
         })
     }
 
-    fn backward(&self, model: &mut FsdpModel<MnistNet>, batch: &MnistBatch) -> Result<(), TrainError> {
+    fn backward(
+        &self,
+        model: &mut FsdpModel<MnistNet>,
+        batch: &MnistBatch,
+    ) -> Result<(), TrainError> {
         model
             .backward(|net, ctx| net.backward(ctx, &batch.labels, batch.grad_scale))
             .map_err(TrainError::task)?;
@@ -318,24 +326,32 @@ impl TrainTask for MnistTask {
         let tb = self.options.test_batch_size;
         let chunks = data.test_order.len().div_ceil(tb);
         let device = env.device.clone();
-        let sums = evaluate_sums(model, 0..chunks, |model, ci| -> Result<[f32; 3], TrainError> {
-            let start = ci * tb;
-            let end = (start + tb).min(data.test_order.len());
-            let (images, labels) = data
-                .test_batches
-                .load(&self.test, &data.test_order, start..end, &device)
-                .map_err(TrainError::task)?;
-            let images = images.to_device(&device)?;
-            model
-                .forward(Mode::Eval, |net, ctx| net.forward(ctx, images, labels))
-                .map_err(TrainError::task)?;
-            let stats = model.module().loss_stats().map_err(TrainError::task)?.to_vec()?;
-            if stats[nll_stat::INVALID_LABELS] != 0.0 {
-                return Err(TrainError::Config("test labels outside 0..10".into()));
-            }
-            let n = (end - start) as f32;
-            Ok([stats[nll_stat::MEAN_LOSS] * n, stats[nll_stat::CORRECT], n])
-        })?;
+        let sums = evaluate_sums(
+            model,
+            0..chunks,
+            |model, ci| -> Result<[f32; 3], TrainError> {
+                let start = ci * tb;
+                let end = (start + tb).min(data.test_order.len());
+                let (images, labels) = data
+                    .test_batches
+                    .load(&self.test, &data.test_order, start..end, &device)
+                    .map_err(TrainError::task)?;
+                let images = images.to_device(&device)?;
+                model
+                    .forward(Mode::Eval, |net, ctx| net.forward(ctx, images, labels))
+                    .map_err(TrainError::task)?;
+                let stats = model
+                    .module()
+                    .loss_stats()
+                    .map_err(TrainError::task)?
+                    .to_vec()?;
+                if stats[nll_stat::INVALID_LABELS] != 0.0 {
+                    return Err(TrainError::Config("test labels outside 0..10".into()));
+                }
+                let n = (end - start) as f32;
+                Ok([stats[nll_stat::MEAN_LOSS] * n, stats[nll_stat::CORRECT], n])
+            },
+        )?;
         let count = sums[2] as u64;
         Ok(Evaluation {
             loss: f64::from(sums[0]) / count.max(1) as f64,

@@ -1,7 +1,7 @@
 //! SVG plots of metrics files: one line per run, two panels (train loss and test accuracy per epoch for
 //! a classifier; train and validation loss per step for a language model).
 
-use super::{read_metrics, MetricsRecord, MetricsError};
+use super::{read_metrics, MetricsError, MetricsRecord};
 use std::fmt::Write as _;
 use std::path::Path;
 
