@@ -12,7 +12,7 @@ use proptest::prelude::*;
 fn scratch_dir(name: &str) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
-        "fsdp-examples-{name}-{}-{}",
+        "fsdp-train-{name}-{}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
@@ -184,7 +184,7 @@ fn resume_cuts_the_file_back_to_the_checkpoint() {
     std::fs::write(&path, &bad).unwrap();
     let err = MetricsWriter::resume(&path, 9).unwrap_err();
     assert!(err.to_string().contains("m.jsonl:1:"), "{err}");
-    // A missing file is created; by a step kept in the records' extra fields.
+    // A missing file is created; records kept by their step.
     let fresh = dir.join("new/steps.jsonl");
     MetricsWriter::resume(&fresh, 3).unwrap();
     assert!(read_metrics(&fresh).unwrap().is_empty());
@@ -192,15 +192,11 @@ fn resume_cuts_the_file_back_to_the_checkpoint() {
     let mut w = MetricsWriter::create(&fresh).unwrap();
     for (i, m) in run.iter().enumerate() {
         let mut m = m.clone();
-        m.extra
-            .insert("step".into(), serde_json::json!(100 * (i + 1)));
+        m.step = Some(100 * (i as u64 + 1));
         w.write(&m).unwrap();
     }
     drop(w);
-    let w = MetricsWriter::resume_keeping(&fresh, |m| {
-        m.extra.get("step").and_then(|s| s.as_u64()) <= Some(200)
-    })
-    .unwrap();
+    let w = MetricsWriter::resume_keeping(&fresh, |m| m.step <= Some(200)).unwrap();
     assert_eq!(w.dropped_on_resume(), 2);
     assert_eq!(read_metrics(&fresh).unwrap().len(), 2);
     std::fs::remove_dir_all(dir).unwrap();
@@ -319,39 +315,4 @@ fn empty_input_is_an_error() {
         epochs: vec![],
     };
     assert!(render_svg(&[empty], &PlotOptions::default()).is_err());
-}
-
-#[test]
-fn plot_binary_overlays_files_labelled_by_stem() {
-    let dir = scratch_dir("metrics-plot-bin");
-    for (name, acc) in [("f32.jsonl", 99.2), ("fp8-comm.jsonl", 99.0)] {
-        let mut w = MetricsWriter::create(dir.join(name)).unwrap();
-        for m in fake_run(5, acc, 0.3) {
-            w.write(&m).unwrap();
-        }
-    }
-    let out = dir.join("plot.svg");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_mnist_plot"))
-        .arg(dir.join("f32.jsonl"))
-        .arg(dir.join("fp8-comm.jsonl"))
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(status.status.success(), "{status:?}");
-    let svg = std::fs::read_to_string(&out).unwrap();
-    assert_eq!(polylines(&svg, "f32", "train-loss").len(), 1);
-    assert_eq!(polylines(&svg, "fp8-comm", "test-accuracy").len(), 1);
-    // A bad file is reported with its name and a failing exit status.
-    std::fs::write(dir.join("bad.jsonl"), "{oops\n").unwrap();
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_mnist_plot"))
-        .arg(dir.join("bad.jsonl"))
-        .arg("--out")
-        .arg(dir.join("never.svg"))
-        .output()
-        .unwrap();
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("bad.jsonl:1"));
-    assert!(!dir.join("never.svg").exists());
-    std::fs::remove_dir_all(dir).unwrap();
 }
