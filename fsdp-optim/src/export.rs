@@ -87,8 +87,10 @@ pub fn export_full<M: Module>(
     comm.all_reduce_host_f32(&mut failed, ReduceOp::Sum)?;
     outcome?;
     if failed[0] != 0.0 {
+        // Rank 0's own error (with the operating system's reason) is the one to report.
+        comm.note_failure_caused_by_peer();
         return Err(OptimError::Mismatch(format!(
-            "rank 0 could not write {}",
+            "rank 0 could not write {} (its error says why)",
             path.display()
         )));
     }

@@ -729,7 +729,8 @@ impl<M: Module> FsdpModel<M> {
     /// plain parameters directly, FP8 weights into the master shards the optimizer will take and into
     /// their E4M3 shards, cast with current scaling from the full tensor's amax (the same on every rank,
     /// with no collective). Call it before the optimizer is created. Every parameter must be in the file
-    /// with its shape; with `strict`, the file may hold nothing else. Returns the names loaded.
+    /// with its shape and finite values; with `strict`, the file may hold nothing else. Returns the names
+    /// loaded.
     pub fn import_full(
         &mut self,
         path: &std::path::Path,
@@ -774,6 +775,15 @@ impl<M: Module> FsdpModel<M> {
             }
             let values = tensor_f32(&view)
                 .map_err(|e| ShardError::Checkpoint(format!("{}: {name}: {e}", path.display())))?;
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                let bad = values.iter().filter(|v| !v.is_finite()).count();
+                return Err(ShardError::Checkpoint(format!(
+                    "{}: {name} holds {bad} non-finite value(s) (the first, element {i}, is {}); a \
+                     model cannot start from them",
+                    path.display(),
+                    values[i]
+                )));
+            }
             self.sharded.set_param_full(p, &values, masters)?;
             loaded.push(name.clone());
         }

@@ -435,7 +435,7 @@ fn elapsed_ms(a: &Mark, b: &Mark) -> Result<f64, GptError> {
     match (a, b) {
         (Mark::Event(a), Mark::Event(b)) => Ok(a.elapsed_ms(b)? as f64),
         (Mark::Host(a), Mark::Host(b)) => Ok((*b - *a).as_secs_f64() * 1e3),
-        _ => Err(GptError::Config("timing marks of two clocks".into()).into()),
+        _ => Err(GptError::Config("timing marks of two clocks".into())),
     }
 }
 
@@ -554,8 +554,7 @@ pub fn measure(
         return Err(GptError::Config(format!(
             "the crossover is measured on one rank, not {}",
             comm.world_size()
-        ))
-        .into());
+        )));
     }
     if let Device::Cuda(c) = comm.device() {
         // Keep freed pool memory cached between steps (as the training runs do).

@@ -150,11 +150,20 @@ impl<'a> FileOps<'a> {
         let tmp = temporary_path(path)?;
         self.admit(&|| format!("create {}", tmp.display()))?;
         let mut f = std::fs::File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
-        self.admit(&|| format!("write {} bytes to {}", bytes.len(), tmp.display()))?;
-        f.write_all(bytes).map_err(|e| io_error(&tmp, e))?;
-        self.admit(&|| format!("fsync {}", tmp.display()))?;
-        f.sync_all().map_err(|e| io_error(&tmp, e))?;
+        let written = self
+            .admit(&|| format!("write {} bytes to {}", bytes.len(), tmp.display()))
+            .and_then(|()| f.write_all(bytes).map_err(|e| io_error(&tmp, e)))
+            .and_then(|()| self.admit(&|| format!("fsync {}", tmp.display())))
+            .and_then(|()| f.sync_all().map_err(|e| io_error(&tmp, e)));
         drop(f);
+        if let Err(e) = written {
+            // A full disk or a failing device: leave no partial temporary behind (a crash leaves one,
+            // which the next write of the same path removes).
+            if self.stop.is_none() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            return Err(e);
+        }
         self.admit(&|| format!("rename {} to {}", tmp.display(), path.display()))?;
         std::fs::rename(&tmp, path).map_err(|e| io_error(path, e))?;
         let dir = path

@@ -1,0 +1,366 @@
+//! What a user of the binaries can rely on (the CPU binaries `lm_fsdp` and `mnist_fsdp`): a committed
+//! checkpoint is never overwritten silently; SIGINT / SIGTERM stop cleanly after the current step with a
+//! checkpoint, and the resumed run is bit for bit the run that was not stopped; sizes, threads, head
+//! dims, input paths and flags that cannot apply are refused before any work, naming the flag; weights
+//! that are not finite are refused naming the tensor; a resume names the program that wrote a foreign
+//! checkpoint, accepts a flag equal to the preset's value, and says when there is nothing left to train.
+
+use fsdp_examples::data::tokens::committed_shakespeare_slice_dir;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const LM: &str = env!("CARGO_BIN_EXE_lm_fsdp");
+const MNIST: &str = env!("CARGO_BIN_EXE_mnist_fsdp");
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cli-reliability-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small, fast LM run on the committed slice: d 64, 1 block of 2 heads, sequences of 32.
+fn lm_args() -> Vec<String> {
+    let data = committed_shakespeare_slice_dir();
+    [
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--compact-vocab",
+        "--d-model",
+        "64",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-val-batches",
+        "2",
+        "--threads-per-rank",
+        "1",
+        "--data",
+        data.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn lm(extra: &[&str]) -> Output {
+    Command::new(LM)
+        .args(with(&lm_args(), extra))
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs and expects a refusal whose message holds every one of `words`, within `secs` seconds.
+fn refused(bin: &str, args: &[String], words: &[&str], secs: u64) -> String {
+    let t0 = Instant::now();
+    let o = Command::new(bin).args(args).output().unwrap();
+    let t = text(&o);
+    assert!(!o.status.success(), "{args:?} was accepted:\n{t}");
+    for w in words {
+        assert!(t.contains(w), "{args:?}: no {w:?} in\n{t}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(secs),
+        "{args:?}: refused only after {:?}",
+        t0.elapsed()
+    );
+    t
+}
+
+/// `base` with the flags of `extra` replacing its own (a flag is followed by its value unless the next
+/// token is a flag).
+fn with(base: &[String], extra: &[&str]) -> Vec<String> {
+    let mut v = base.to_vec();
+    for flag in extra.iter().filter(|a| a.starts_with("--")) {
+        v = without(&v, flag);
+    }
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// `base` without `flag` (and its value).
+fn without(base: &[String], flag: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < base.len() {
+        if base[i] == flag {
+            let has_value = base.get(i + 1).is_some_and(|n| !n.starts_with("--"));
+            i += if has_value { 2 } else { 1 };
+            continue;
+        }
+        out.push(base[i].clone());
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn a_committed_checkpoint_is_not_overwritten_silently() {
+    let dir = scratch("overwrite");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let o = lm(&["--steps", "3", "--save", c, "--world-size", "2"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let args = with(
+        &lm_args(),
+        &["--steps", "2", "--save", c, "--world-size", "2"],
+    );
+    refused(
+        LM,
+        &args,
+        &["--save", "step 3", "--resume", "--overwrite"],
+        10,
+    );
+    let o = lm(&[
+        "--steps",
+        "2",
+        "--save",
+        c,
+        "--world-size",
+        "2",
+        "--overwrite",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts a run printing a line per step, waits for `step {at}:`, sends `signal`, and returns the exit
+/// status and the output.
+fn interrupt(args: &[String], at: u64, signal: i32) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(LM)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let mut lines = BufReader::new(stdout).lines();
+    let want = format!("step {at}:");
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.starts_with(&want) {
+            // SAFETY: kill(2) on the child we started; no memory is involved.
+            unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+            break;
+        }
+    }
+    for line in lines {
+        seen.push_str(&line.unwrap());
+        seen.push('\n');
+    }
+    let status = child.wait().unwrap();
+    (status, seen)
+}
+
+#[test]
+fn a_signal_stops_after_the_step_saves_and_the_resume_is_bit_for_bit() {
+    use std::os::unix::process::ExitStatusExt;
+    for (signal, code, name) in [
+        (libc::SIGINT, 130, "SIGINT"),
+        (libc::SIGTERM, 143, "SIGTERM"),
+    ] {
+        let dir = scratch(&format!("signal-{code}"));
+        let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
+        let common = with(
+            &lm_args(),
+            &["--steps", "24", "--world-size", "2", "--log-every", "1"],
+        );
+        let whole = Command::new(LM)
+            .args(with(&common, &["--export", &path("whole.safetensors")]))
+            .output()
+            .unwrap();
+        assert!(whole.status.success(), "{}", text(&whole));
+        let (status, out) = interrupt(&with(&common, &["--save", &path("ckpt")]), 3, signal);
+        assert_eq!(
+            status.code(),
+            Some(code),
+            "{name}: {status:?} {:?}\n{out}",
+            status.signal()
+        );
+        assert!(
+            out.contains(&format!("stopped by {name} after step")) && out.contains("--resume"),
+            "{out}"
+        );
+        let resumed = Command::new(LM)
+            .args(with(
+                &common,
+                &[
+                    "--resume",
+                    &path("ckpt"),
+                    "--save",
+                    &path("ckpt"),
+                    "--export",
+                    &path("parts.safetensors"),
+                ],
+            ))
+            .output()
+            .unwrap();
+        assert!(resumed.status.success(), "{}", text(&resumed));
+        let read = |n: &str| std::fs::read(dir.join(n)).unwrap();
+        assert!(
+            read("whole.safetensors") == read("parts.safetensors"),
+            "{name}: the resumed run's weights differ from the uninterrupted run's"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
+    let base = lm_args();
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--batch-size", "100000000"], &["GiB", "--batch-size"]),
+        (&["--batch-size", "4294967297"], &["--batch-size"]),
+        (&["--batch-size", "18446744073709551615"], &["--batch-size"]),
+        (&["--layers", "100000000"], &["GiB"]),
+        (
+            &["--threads-per-rank", "100000"],
+            &["--threads-per-rank", "limit"],
+        ),
+        (
+            &["--d-model", "65", "--heads", "5"],
+            &["--d-model", "--heads", "head dim"],
+        ),
+        (
+            &["--precision", "fp32", "--fp8-grad-comm"],
+            &["--fp8-grad-comm", "fp32"],
+        ),
+        (
+            &["--precision", "bf16", "--fp8-layers", "auto"],
+            &["--fp8-layers"],
+        ),
+        (
+            &[
+                "--metrics",
+                "/tmp/x.jsonl",
+                "--plot",
+                "/tmp/x.svg",
+                "--compare",
+                "/nonexistent.jsonl",
+            ],
+            &["--compare", "/nonexistent.jsonl"],
+        ),
+        (
+            &["--init-from", "/nonexistent.safetensors"],
+            &["--init-from"],
+        ),
+        (&["--steps", "5", "--epochs", "2"], &["--steps", "--epochs"]),
+        (
+            &["--stop-after-steps", "5", "--steps", "5"],
+            &["--stop-after-steps"],
+        ),
+    ];
+    for (args, words) in cases {
+        refused(LM, &with(&base, args), words, 20);
+    }
+    // MNIST: zero epochs, and no silent nothing.
+    refused(
+        MNIST,
+        &["--subset", "--device", "cpu", "--epochs", "0"].map(String::from),
+        &["--epochs"],
+        10,
+    );
+}
+
+#[test]
+fn weights_that_are_not_finite_are_refused_naming_the_tensor() {
+    let dir = scratch("nan");
+    let good = dir.join("good.safetensors");
+    let o = lm(&["--steps", "1", "--export", good.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let bytes = std::fs::read(&good).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    for (name, _, data) in &mut tensors {
+        if name == "h.0.c_fc.weight" {
+            data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let bad = dir.join("bad.safetensors");
+    std::fs::write(&bad, safetensors::serialize(views, None).unwrap()).unwrap();
+    refused(
+        LM,
+        &with(
+            &lm_args(),
+            &["--steps", "1", "--init-from", bad.to_str().unwrap()],
+        ),
+        &["--init-from", "h.0.c_fc.weight", "non-finite"],
+        20,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn resumes_name_the_writer_accept_preset_values_and_say_when_done() {
+    let dir = scratch("resume");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let o = lm(&["--steps", "2", "--save", c]);
+    assert!(o.status.success(), "{}", text(&o));
+    // --d-model 64 is the run's own value: no change.
+    let o = lm(&[
+        "--steps",
+        "3",
+        "--resume",
+        c,
+        "--save",
+        c,
+        "--d-model",
+        "64",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // At or past --steps: nothing to train, said so, success.
+    let o = lm(&["--steps", "3", "--resume", c]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("nothing to train"), "{}", text(&o));
+    // Another program's checkpoint is named as such.
+    refused(
+        MNIST,
+        &[
+            "--subset",
+            "--device",
+            "cpu",
+            "--limit-batches",
+            "1",
+            "--resume",
+            c,
+        ]
+        .map(String::from),
+        &["written by lm_fsdp", "mnist_fsdp"],
+        20,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
