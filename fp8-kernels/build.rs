@@ -37,6 +37,8 @@ fn lib_name_candidates(lib: &str) -> Vec<String> {
     for v in [major, 12, 11, 10, 9, 1] {
         names.push(format!("lib{lib}.so.{v}"));
     }
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
     names
 }
 
@@ -120,9 +122,9 @@ fn main() {
     match find_library("nvrtc") {
         Some(_) => println!("cargo::rustc-cfg=nvrtc_found"),
         None if required.contains(&"nvrtc") => panic!(
-            "FP8_KERNELS_REQUIRE names nvrtc, but no {} is on LD_LIBRARY_PATH or in the loader's \
-             directories",
-            lib_name_candidates("nvrtc").join(" / ")
+            "FP8_KERNELS_REQUIRE names nvrtc, but no NVRTC library is on LD_LIBRARY_PATH or in the \
+             loader's directories (names tried, as cudarc does: {})",
+            lib_name_candidates("nvrtc").join(", ")
         ),
         None => {}
     }

@@ -387,8 +387,7 @@ proptest! {
     }
 }
 
-/// CUDA against CPU for the fused source cast and the BF16-gradient kernels, bit for bit. Skips without
-/// a GPU.
+/// CUDA against CPU for the fused source cast and the BF16-gradient kernels, bit for bit.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_cast_weight_source_and_bf16_grads_match_cpu() {
@@ -489,7 +488,7 @@ fn cuda_cast_weight_source_and_bf16_grads_match_cpu() {
 }
 
 /// CUDA against CPU on random inputs: statistics (amax and count exact, sum of squares within 1e-6),
-/// control outputs bit for bit. Skips without a GPU.
+/// control outputs bit for bit.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_control_matches_cpu() {

@@ -2,8 +2,8 @@
 //! loss sum, invalid-target count), on random logits of GPT-2 vocabulary rows and awkward shapes (vocab
 //! not a multiple of 8, tiny vocab, chunks at a row offset, ignored and out-of-range targets, a NaN logit),
 //! f32 and bf16; and CUDA run twice gives the same bits. The bf16 register-held variants (8 and 16 vectors per
-//! thread) and the re-reading kernel, each forced, give the CPU's bits too. GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no GPU can
-//! be opened.
+//! thread) and the re-reading kernel, each forced, give the CPU's bits too. GPU tests: ignored unless run
+//! with `--ignored` (`scripts/gpu-tests.sh`), and failing where no GPU can be opened.
 
 use fp8_kernels::cross_entropy::{
     cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,

@@ -3,8 +3,8 @@
 //! 8 and for d > 4096, 16-byte and byte-wise transposed stores, one and several parameter chunks and
 //! groups, the backward's staging in shared and in global memory), both element types, both norms, with and
 //! without bias, overwrite and accumulate; CUDA run twice gives the same bits; and every launch choice
-//! (`NormLaunch`) gives the same bits. GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no GPU can
-//! be opened.
+//! (`NormLaunch`) gives the same bits. GPU tests: ignored unless run with `--ignored`
+//! (`scripts/gpu-tests.sh`), and failing where no GPU can be opened.
 
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{

@@ -281,7 +281,7 @@ fn bad_arguments_are_errors() {
     );
 }
 
-/// CUDA against CPU on random inputs (bitwise). Skips without a GPU.
+/// CUDA against CPU on random inputs (bitwise).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_matches_cpu_bitwise() {
