@@ -36,6 +36,7 @@
 mod error;
 mod format;
 mod qtype;
+mod recipe;
 pub mod reference;
 mod scaling;
 mod tensor;
@@ -43,6 +44,7 @@ mod tensor;
 pub use error::Fp8Error;
 pub use format::Fp8Format;
 pub use qtype::QType;
+pub use recipe::{Fp8Formats, Fp8Recipe};
 pub use scaling::{
     compute_scale, AmaxCompute, ScaleRounding, ScalingMeta, ScalingRecipe, MAX_MARGIN,
     SCALE_EXP_LIMIT,

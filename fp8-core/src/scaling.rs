@@ -102,7 +102,8 @@ impl ScalingRecipe {
         }
     }
 
-    fn validate(&self) -> Result<(), Fp8Error> {
+    /// Checks the margin (0 to [`MAX_MARGIN`]) and the history window (at least 1).
+    pub fn validate(&self) -> Result<(), Fp8Error> {
         let margin = self.margin();
         if !(0..=MAX_MARGIN).contains(&margin) {
             return Err(Fp8Error::InvalidMargin(margin));

@@ -1,10 +1,17 @@
-//! Launching this crate's CUDA kernels: launch shapes, function lookup, and [`launch!`], through which
-//! every kernel launch of the crate goes.
+//! Launching this crate's CUDA kernels: launch shapes, [`Kernel`] (a function of a module, looked up once
+//! per device) and [`launch!`], through which every kernel launch of the crate goes.
 //!
 //! A launch is the one unsafe step of a CUDA kernel call (cudarc cannot check a kernel's parameter list),
 //! so its safety argument is made once, at [`Kernel::launch`] and [`launch!`], and each call site states
-//! the kernel's C signature beside the arguments it passes.
+//! the kernel's C signature beside the arguments it passes. Nothing else in the crate builds a launch
+//! (the test `launches_go_through_launch_macro` reads the sources to keep it so).
+//!
+//! The hot path of a launch does no string work and no driver query: a kernel is named by static pieces
+//! ([`kernel_name!`]), its function comes from the device's cache (one `cuModuleGetFunction` per device
+//! and name, see [`CudaDevice::function`]), and grids are sized by the SM count the device queried when it
+//! was opened ([`CudaDevice::sm_count`]).
 
+use crate::device::{KernelName, LoadedFunction};
 use crate::kernel_source::KernelModule;
 use crate::{CudaDevice, KernelError};
 use cudarc::driver::{
@@ -60,24 +67,6 @@ pub(crate) fn cast_transpose_launch(sm_count: u32, rows: usize, cols: usize) -> 
     }
 }
 
-/// A function of a loaded module, compiling the module on first use.
-pub(crate) fn function(
-    dev: &CudaDevice,
-    module: &KernelModule,
-    name: &str,
-) -> Result<CudaFunction, KernelError> {
-    let m = dev.load_kernel_module(module)?;
-    Ok(m.load_function(name)?)
-}
-
-/// Number of streaming multiprocessors of the device.
-pub(crate) fn sm_count(dev: &CudaDevice) -> Result<u32, KernelError> {
-    let n = dev.context().attribute(
-        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )?;
-    Ok(n.max(1) as u32)
-}
-
 /// An optional buffer passed to a kernel as a pointer that is null when the buffer is absent (`float*
 /// amax` when no amax is wanted): push `&arg.ptr`. While the value lives, the buffer is ordered on the
 /// stream the way cudarc orders a slice argument; keep it until after the launch.
@@ -129,21 +118,35 @@ pub(crate) fn optional_ptr<'a, T>(
 
 /// A kernel of a loaded module, ready to launch on its device's compute stream.
 pub(crate) struct Kernel {
-    function: CudaFunction,
-    stream: Arc<CudaStream>,
+    loaded: Arc<LoadedFunction>,
+    dev: CudaDevice,
 }
 
 impl Kernel {
-    /// Kernel `name` of `module` (compiled for `dev` on first use).
+    /// Kernel `name` of `module` on `dev`: from the device's function cache, looked up (and the module
+    /// compiled) on first use. `module` may be built at run time (the attention tile variants): the cache
+    /// keys it by its name.
     pub(crate) fn new(
         dev: &CudaDevice,
         module: &KernelModule,
-        name: &str,
+        name: impl Into<KernelName>,
     ) -> Result<Self, KernelError> {
         Ok(Kernel {
-            function: function(dev, module, name)?,
-            stream: dev.stream().clone(),
+            loaded: dev.function(module, name.into())?,
+            dev: dev.clone(),
         })
+    }
+
+    /// The cudarc function (for occupancy queries).
+    pub(crate) fn function(&self) -> &CudaFunction {
+        self.loaded.function()
+    }
+
+    /// Lets launches of this kernel use `bytes` of dynamic shared memory (needed above 48 KiB; the
+    /// caller checked [`CudaDevice::shared_memory_per_block_optin`]). One driver call per device and
+    /// kernel for each larger size; none when an earlier call allowed as much.
+    pub(crate) fn allow_dynamic_smem(&self, bytes: usize) -> Result<(), KernelError> {
+        self.loaded.allow_dynamic_smem(self.dev.context(), bytes)
     }
 
     /// `push` itself: gives a closure that pushes this kernel's arguments its type (the lifetime of the
@@ -164,13 +167,23 @@ impl Kernel {
         cfg: LaunchConfig,
         push: impl FnOnce(&mut LaunchArgs<'a>),
     ) -> Result<(), KernelError> {
-        let mut args = self.stream.launch_builder(&self.function);
+        let mut args = self.dev.stream().launch_builder(self.loaded.function());
         push(&mut args);
         // SAFETY: the caller's contract (above) is what cudarc's launch requires.
         unsafe { args.launch(cfg) }?;
         Ok(())
     }
 }
+
+/// A [`KernelName`] joined from pieces, each a `&'static str` or a number (`u32`, `usize`) written in
+/// decimal: `kernel_name!("ln_fwd_", T::NAME, "_nv", nv)` names `ln_fwd_bf16_nv4`. No string is built at
+/// the call; the device's function cache joins the pieces once, when it first looks the kernel up.
+macro_rules! kernel_name {
+    ($($part:expr),+ $(,)?) => {
+        $crate::device::KernelName::from_parts([$($crate::device::NamePart::from($part)),+])
+    };
+}
+pub(crate) use kernel_name;
 
 /// The number of parameters a C signature such as `"scale_<T>(T* x, u64 n, float a)"` declares: the
 /// comma-separated entries between its outermost parentheses (0 for `()`).
@@ -200,42 +213,49 @@ pub(crate) const fn parameter_count(signature: &str) -> usize {
     }
 }
 
-/// Launches kernel `name` of `module` on `dev` (a `&CudaDevice`) with launch configuration `cfg`, passing
-/// the arguments in order; evaluates to `Result<(), KernelError>`:
+/// Launches a kernel with launch configuration `cfg`, passing the arguments in order; evaluates to
+/// `Result<(), KernelError>`. Two forms, one checked path:
 ///
 /// ```ignore
-/// launch!(dev, &CAST_MODULE, name, cfg,
+/// // Kernel `name` of `module` on `dev` (a `&CudaDevice`), from the device's function cache:
+/// launch!(dev, &CAST_MODULE, kernel_name!("convert_", S::NAME, "_", D::NAME), cfg,
 ///     "convert_<S>_<D>(const S* x, D* y, u64 n)",
 ///     [xs, ys, &n])
+/// // A `&Kernel` looked up before (to raise its shared-memory limit or query its occupancy first):
+/// launch!(kernel: &k, cfg, "attn_fwd_<tiles>_hd<HD>(const u16* qkv, ...)", [qkv, ...])
 /// ```
 ///
-/// The signature string is the kernel's declaration in its `.cu` file; the macro checks at compile time
-/// that it declares as many parameters as arguments are passed. Arguments are device slices (`&CudaSlice`
-/// for `const T*`, `&mut CudaSlice` for `T*`) or references to named values (`&n`): a temporary would be
-/// dropped before the launch reads it.
+/// The name is a `&'static str` or a [`kernel_name!`]. The signature string is the kernel's declaration
+/// in its `.cu` file; the macro checks at compile time that it declares as many parameters as arguments
+/// are passed. Arguments are device slices or views (`&CudaSlice` for `const T*`, `&mut CudaSlice` for
+/// `T*`), references to named values (`&n`: a temporary would be dropped before the launch reads it), or
+/// the `&p.ptr` of an [`OptionalPtr`] for a pointer that may be null.
 ///
 /// Safety, stated once for every use: `launch!` is private to this crate, and each use passes the
 /// arguments of the kernel whose signature it states, after the family's `mod.rs` checked every buffer
 /// length against the extent that kernel touches for the given shape (see the validation before each
 /// dispatch), so [`Kernel::launch`]'s contract holds.
 macro_rules! launch {
-    ($dev:expr, $module:expr, $name:expr, $cfg:expr, $signature:literal, [$($arg:expr),* $(,)?]) => {{
+    (kernel: $kernel:expr, $cfg:expr, $signature:literal, [$($arg:expr),* $(,)?]) => {{
         const _: () = assert!(
             $crate::launch::parameter_count($signature) == <[&str]>::len(&[$(stringify!($arg)),*]),
+            "{}",
             concat!("launch!: the arguments do not match ", $signature)
         );
         let cfg: ::cudarc::driver::LaunchConfig = $cfg;
-        let name = $name;
-        match $crate::launch::Kernel::new($dev, $module, ::core::convert::AsRef::<str>::as_ref(&name)) {
+        let kernel: &$crate::launch::Kernel = $kernel;
+        let push = kernel.arguments(|args| {
+            $(::cudarc::driver::PushKernelArg::arg(args, $arg);)*
+        });
+        // SAFETY: see the macro's documentation: the arguments are those of the stated signature, and
+        // the caller validated the buffers against the extents the kernel touches.
+        unsafe { kernel.launch(cfg, push) }
+    }};
+    ($dev:expr, $module:expr, $name:expr, $cfg:expr, $signature:literal, [$($arg:expr),* $(,)?]) => {{
+        let cfg: ::cudarc::driver::LaunchConfig = $cfg;
+        match $crate::launch::Kernel::new($dev, $module, $name) {
             Err(e) => Err(e),
-            Ok(kernel) => {
-                let push = kernel.arguments(|args| {
-                    $(::cudarc::driver::PushKernelArg::arg(args, $arg);)*
-                });
-                // SAFETY: see the macro's documentation: the arguments are those of the stated signature,
-                // and the caller validated the buffers against the extents the kernel touches.
-                unsafe { kernel.launch(cfg, push) }
-            }
+            Ok(kernel) => $crate::launch::launch!(kernel: &kernel, cfg, $signature, [$($arg),*]),
         }
     }};
 }
@@ -255,6 +275,110 @@ mod tests {
             3
         );
         assert_eq!(parameter_count("k(void (*f)(int, int), int n)"), 2);
+    }
+
+    /// The text of each `launch!(...)` invocation in `source` (parentheses matched outside string
+    /// literals).
+    fn launch_invocations(source: &str) -> Vec<&str> {
+        let mut found = Vec::new();
+        let mut rest = source;
+        while let Some(at) = rest.find("launch!(") {
+            let body = &rest[at + "launch!(".len()..];
+            let (mut depth, mut in_string, mut escaped, mut end) = (1, false, false, body.len());
+            for (i, c) in body.char_indices() {
+                match (in_string, c) {
+                    (true, _) if escaped => escaped = false,
+                    (true, '\\') => escaped = true,
+                    (true, '"') => in_string = false,
+                    (true, _) => {}
+                    (false, '"') => in_string = true,
+                    (false, '(') => depth += 1,
+                    (false, ')') => {
+                        depth -= 1;
+                        if depth == 0 {
+                            end = i;
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            found.push(&body[..end]);
+            rest = &body[end..];
+        }
+        found
+    }
+
+    fn rust_sources(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    /// Every kernel launch of the crate goes through `launch!` (this file is the only one that builds a
+    /// launch); functions are looked up and device limits queried only by the device's caches; and no
+    /// `launch!` builds its kernel's name with `format!` (names are `kernel_name!` pieces).
+    #[test]
+    fn launches_go_through_launch_macro() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        rust_sources(&src, &mut files);
+        // (text, the only files allowed to hold it)
+        let confined: [(&str, &[&str]); 5] = [
+            ("launch_builder(", &["launch.rs"]),
+            ("LaunchArgs", &["launch.rs"]),
+            ("load_function(", &["device/mod.rs"]),
+            (".set_attribute(", &["device/functions.rs"]),
+            ("MULTIPROCESSOR_COUNT", &["device/mod.rs"]),
+        ];
+        let (mut launches, mut problems) = (0, Vec::new());
+        for path in &files {
+            let rel = path
+                .strip_prefix(&src)
+                .unwrap()
+                .to_string_lossy()
+                .replace('\\', "/");
+            if rel == "launch.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(path).unwrap();
+            for (needle, allowed) in confined {
+                if text.contains(needle) && !allowed.contains(&rel.as_str()) {
+                    problems.push(format!("{rel}: {needle}"));
+                }
+            }
+            for invocation in launch_invocations(&text) {
+                launches += 1;
+                if invocation.contains("format!") {
+                    problems.push(format!("{rel}: a launch! names its kernel with format!"));
+                }
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "launch plumbing outside launch.rs: {problems:#?}"
+        );
+        // The walk saw the crate's launches (72 when this test was written), so it checks something.
+        assert!(
+            launches >= 70,
+            "only {launches} launch! invocations found under {src:?}"
+        );
+    }
+
+    #[test]
+    fn invocations_are_found_whole() {
+        let text = r#"let a = launch!(dev, &M, "k", cfg, "k(int (*f)(int), char c)", [f, &c])?;
+            launch!(kernel: &k, cfg, "q(const char* s)", [&s]) // ")" in a comment
+            "#;
+        let found = launch_invocations(text);
+        assert_eq!(found.len(), 2);
+        assert!(found[0].ends_with("[f, &c]"), "{}", found[0]);
+        assert!(found[1].ends_with("[&s]"), "{}", found[1]);
     }
 
     #[test]

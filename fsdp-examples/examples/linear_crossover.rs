@@ -23,13 +23,13 @@
 use clap::Parser;
 use fp8_kernels::Device;
 use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
-use fsdp_examples::cli::{DeviceArg, GradShardsArg, StatesArg};
 use fsdp_examples::gpt::crossover::{
     combined_threshold, crossover_of, measure, CaseSet, Crossover, CrossoverConfig, CrossoverRow,
     StepTimes, GPU_TOKENS, GPU_WIDTHS,
 };
-use fsdp_examples::gpt::DEFAULT_FP8_AUTO_THRESHOLD;
-use fsdp_examples::run_setup::DeviceChoice;
+use fsdp_nn::DEFAULT_FP8_AUTO_THRESHOLD;
+use fsdp_train::DeviceChoice;
+use fsdp_train::{DeviceArg, GradShardsArg, StatesArg};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;

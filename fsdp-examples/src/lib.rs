@@ -1,19 +1,17 @@
-//! Examples and their building blocks for fp8-fsdp: the MNIST data pipeline, a distributed sampler,
-//! per-epoch metrics with an SVG plot, and a terminal progress bar.
+//! The models, data and binaries of fp8-fsdp, each a task of the `fsdp_train::Trainer`: a model here is
+//! its layers, its data and its loss, and needs no training loop of its own.
 //!
-//! - [`cli`]: the flag values the example binaries share (`--device`, `--precision`,
-//!   `--optimizer-states`, `--export-dtype`, `--grad-shards`) with their conversions to library types.
 //! - [`data`]: IDX files (plain or gzip), MNIST CSV, [`data::MnistDataset`] with PyTorch-style
-//!   normalisation and NCHW batch extraction. `scripts/fetch-mnist.sh` downloads the full MNIST; a real
-//!   subset is committed in this crate's `testdata/`.
-//! - [`gpt`]: the GPT-2 family language model ([`gpt::Gpt`], presets, FLOPs per token) and the
-//!   `gpt_fsdp` runs ([`gpt::train`], [`gpt::speed`]).
-//! - [`training`]: what every training loop shares: checkpoints with the run's position and settings
-//!   checked on resume, metrics files cut back to the checkpoint.
+//!   normalisation and NCHW batch extraction; tokenised text in llm.c's format (`data::tokens`).
+//!   `scripts/fetch-mnist.sh` downloads the full MNIST; a real subset is committed in this crate's
+//!   `testdata/`.
+//! - [`mnist`]: the reference MNIST net and its task ([`mnist::MnistTask`]); binary `mnist_fsdp`.
+//! - [`gpt`]: the GPT-2 family language model ([`gpt::Gpt`], presets, FLOPs per token).
+//! - [`lm`]: language models on the Trainer ([`lm::LmTask`]: the peer's data, optimizer, schedule and
+//!   validation, sampling); binary `lm_fsdp`.
+//! - [`mlp`]: the MLP-stack benchmark model; binary `mlp_bench`.
 //! - [`sampler`]: [`sampler::DistributedSampler`], one seeded shuffle per epoch with the same global
 //!   order for every world size.
-//! - [`metrics`]: [`metrics::EpochMetrics`] as JSON lines, and [`metrics::render_svg`] to overlay runs.
-//! - [`progress`]: [`progress::EpochProgress`], hidden when the output is not a terminal.
 //!
 //! Two ranks split one epoch of a tiny dataset written to and read back from an IDX file:
 //!
@@ -52,13 +50,9 @@
 //! ```
 #![warn(missing_docs)]
 
-pub mod cli;
 pub mod data;
 pub mod gpt;
-pub mod metrics;
+pub mod lm;
 pub mod mlp;
 pub mod mnist;
-pub mod progress;
-pub mod run_setup;
 pub mod sampler;
-pub mod training;

@@ -2,16 +2,15 @@
 //! crossover, FP8 always faster, never faster, noise below the crossover, ties, shared k), the measured
 //! shapes, the threshold reaching the model, and one tiny CPU measurement through the real layers.
 
+use fp8_core::Fp8Recipe;
 use fp8_kernels::Device;
 use fsdp_comm::{Communicator, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
 use fsdp_examples::gpt::crossover::{
     combined_threshold, crossover_cases, crossover_of, measure, pick_crossover, BlockLinear,
     CaseSet, Crossover, CrossoverConfig, Feed, KTiming, GPU_WIDTHS,
 };
-use fsdp_examples::gpt::{
-    fp8_auto_ratio, Fp8Layers, GptModelChoice, GptPrecision, DEFAULT_FP8_AUTO_THRESHOLD,
-};
-use fsdp_nn::LinearPrecision;
+use fsdp_examples::gpt::{Gpt, GptConfig};
+use fsdp_nn::{convert_to_fp8, fp8_auto_ratio, Fp8Filter, LinearInfo, DEFAULT_FP8_AUTO_THRESHOLD};
 use fsdp_optim::StatePrecision;
 use fsdp_shard::GradDtype;
 use std::sync::Arc;
@@ -181,42 +180,34 @@ fn the_cases_are_the_block_linears_of_each_width() {
 
 #[test]
 fn the_threshold_reaches_the_model() {
-    let choice = |t| GptModelChoice {
-        preset: "tiny".into(),
-        d_model: Some(128),
-        layers: Some(1),
-        heads: Some(4),
-        seq_len: 16,
-        precision: GptPrecision::Fp8,
-        fp8_layers: Fp8Layers::Auto,
-        fp8_auto_threshold: t,
-        fp8_grad_comm: false,
-        grad_shards: GradDtype::F32,
-        seed: 1,
+    let fp8 = |filter: &Fp8Filter| -> Vec<String> {
+        let mut gpt = Gpt::<half::bf16>::new(GptConfig {
+            vocab: 256,
+            ..GptConfig::new(128, 1, 4, 16)
+        })
+        .unwrap();
+        convert_to_fp8(&mut gpt, filter, &Fp8Recipe::default()).unwrap()
     };
     // d 128: k = 96 (c_attn), 64 (attn_proj), 102 (c_fc, mlp_proj).
     assert_eq!(fp8_auto_ratio(128, 512), 102);
-    let c = choice(100);
-    let config = c.config(256).unwrap();
-    assert_eq!(config.fp8_auto_threshold, 100);
-    assert_eq!(c.fp8_linears(&config), ["c_fc", "mlp_proj"]);
-    let c = choice(64);
     assert_eq!(
-        c.fp8_linears(&c.config(256).unwrap()),
-        ["c_attn", "attn_proj", "c_fc", "mlp_proj"]
+        fp8(&Fp8Filter::Auto { threshold: 100 }),
+        ["h.0.c_fc", "h.0.mlp_proj"]
     );
-    let c = choice(DEFAULT_FP8_AUTO_THRESHOLD);
-    assert!(c.fp8_linears(&c.config(256).unwrap()).is_empty());
+    assert_eq!(
+        fp8(&Fp8Filter::Auto { threshold: 64 }),
+        ["h.0.c_attn", "h.0.attn_proj", "h.0.c_fc", "h.0.mlp_proj"]
+    );
+    assert!(fp8(&Fp8Filter::auto()).is_empty());
     // The measured default: gpt-3b's attn_proj (k = 1280) is FP8, a 2048 x 2048 linear (k = 1024) is not.
-    let config = c.config(256).unwrap();
-    assert_eq!(
-        config.linear_precision::<half::bf16>(2560, 2560),
-        LinearPrecision::Fp8
-    );
-    assert_eq!(
-        config.linear_precision::<half::bf16>(2048, 2048),
-        LinearPrecision::Bf16
-    );
+    let at = |i, o| LinearInfo {
+        path: "x",
+        in_features: i,
+        out_features: o,
+    };
+    assert!(Fp8Filter::auto().accepts(&at(2560, 2560)));
+    assert!(!Fp8Filter::auto().accepts(&at(2048, 2048)));
+    assert_eq!(DEFAULT_FP8_AUTO_THRESHOLD, 1200);
 }
 
 #[test]

@@ -1,5 +1,4 @@
-//! GPU check of the GPT model (needs a CUDA GPU and NCCL: ignored unless run with `--ignored`): a
-//! small GPT's forward and backward on CUDA (world size 1, NCCL) against the same model on the CPU, in
+//! GPU check of the GPT model (ignored without a GPU; `scripts/gpu-tests.sh` runs it): a small GPT's forward and backward on CUDA (world size 1, NCCL) against the same model on the CPU, in
 //! the training configuration (BF16 activations, FP8 linears, the flash-attention kernels) and in F32
 //! activations with BF16/F32 linears; and two CUDA runs give the same bits.
 //!
@@ -17,19 +16,19 @@
 
 mod gpt_common;
 
+use fp8_core::Fp8Recipe;
 use fsdp_comm::{Communicator, NcclComm, NcclConfig};
-use fsdp_examples::gpt::{wrap_policy, Fp8Layers, Gpt, GptConfig};
-use fsdp_nn::Activation;
+use fsdp_examples::gpt::{wrap_policy, Gpt, GptConfig};
+use fsdp_nn::{convert_to_fp8, Activation, Fp8Filter};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode};
 use gpt_common::*;
 use half::bf16;
 use std::sync::Arc;
 
 /// d 128 in 4 heads of 32 (and 2 heads of 64), 2 blocks, a vocabulary of 4096, sequences of 64.
-fn config(fp8: Fp8Layers, heads: usize) -> GptConfig {
+fn config(heads: usize) -> GptConfig {
     GptConfig {
         vocab: 4096,
-        fp8,
         head_chunk: 100,
         ..GptConfig::new(128, 2, heads, 64)
     }
@@ -48,7 +47,7 @@ fn step<T: Activation>(model: &mut FsdpModel<Gpt<T>>) -> (f64, Vec<(String, Vec<
         .forward(Mode::Train, |m, ctx| m.forward(ctx, &b))
         .unwrap();
     let loss = model.module().loss().unwrap().mean().unwrap();
-    model.backward(|m, ctx| m.backward(ctx, &b, 1.0)).unwrap();
+    model.backward(|m, ctx| m.backward(ctx, &b)).unwrap();
     let grads = model
         .param_names()
         .unwrap()
@@ -62,16 +61,15 @@ fn step<T: Activation>(model: &mut FsdpModel<Gpt<T>>) -> (f64, Vec<(String, Vec<
     (loss, grads)
 }
 
-fn cuda_model<T: Activation>(config: GptConfig) -> Result<FsdpModel<Gpt<T>>, String> {
+fn cuda_model<T: Activation>(
+    config: GptConfig,
+    fp8: &Fp8Filter,
+) -> Result<FsdpModel<Gpt<T>>, String> {
     let comm = NcclComm::from_env(&NcclConfig::default()).map_err(|e| e.to_string())?;
     let comm: Arc<dyn Communicator> = Arc::new(comm);
-    FsdpModel::new(
-        Gpt::<T>::new(config).unwrap(),
-        comm,
-        wrap_policy(),
-        FsdpConfig::default(),
-    )
-    .map_err(|e| e.to_string())
+    let mut gpt = Gpt::<T>::new(config).unwrap();
+    convert_to_fp8(&mut gpt, fp8, &Fp8Recipe::default()).map_err(|e| e.to_string())?;
+    FsdpModel::new(gpt, comm, wrap_policy(), FsdpConfig::default()).map_err(|e| e.to_string())
 }
 
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
@@ -84,21 +82,21 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-fn compare<T: Activation>(what: &str, config: GptConfig, grad_tol: f64, loss_tol: f64) {
-    let mut gpu = match cuda_model::<T>(config.clone()) {
-        Ok(m) => m,
-        Err(why) => panic!("no usable GPU and NCCL ({why})"),
-    };
-    let fp8 = config.fp8 != Fp8Layers::None;
-    let mut cpu = one_rank::<T>(config.clone());
+fn compare<T: Activation>(
+    what: &str,
+    config: GptConfig,
+    filter: Fp8Filter,
+    grad_tol: f64,
+    loss_tol: f64,
+) {
+    let mut gpu = cuda_model::<T>(config.clone(), &filter).expect("a CUDA GPU with NCCL");
+    let fp8 = !matches!(filter, Fp8Filter::None);
+    let mut cpu = one_rank_with::<T>(config.clone(), &filter);
     let (loss_c, grads_c) = step(&mut cpu);
     let (loss_g, grads_g) = step(&mut gpu);
     // The FP8 quantization's own effect per gradient: the same model with BF16 linears on the CPU.
     let noise: Vec<f64> = if fp8 {
-        let mut plain = one_rank::<T>(GptConfig {
-            fp8: Fp8Layers::None,
-            ..config
-        });
+        let mut plain = one_rank::<T>(config);
         let (_, grads_p) = step(&mut plain);
         grads_c
             .iter()
@@ -145,11 +143,8 @@ fn compare<T: Activation>(what: &str, config: GptConfig, grad_tol: f64, loss_tol
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpt_cuda_matches_cpu() {
-    if let Err(why) = fp8_kernels::Device::cuda(0) {
-        panic!("no usable GPU ({why})");
-    }
-    compare::<bf16>("bf16 + FP8, hd 32", config(Fp8Layers::All, 4), 5e-2, 1e-2);
-    compare::<bf16>("bf16 + FP8, hd 64", config(Fp8Layers::All, 2), 5e-2, 1e-2);
-    compare::<bf16>("bf16, BF16 linears", config(Fp8Layers::None, 4), 5e-2, 1e-2);
-    compare::<f32>("f32, F32 linears", config(Fp8Layers::None, 4), 2e-2, 2e-3);
+    compare::<bf16>("bf16 + FP8, hd 32", config(4), Fp8Filter::All, 5e-2, 1e-2);
+    compare::<bf16>("bf16 + FP8, hd 64", config(2), Fp8Filter::All, 5e-2, 1e-2);
+    compare::<bf16>("bf16, BF16 linears", config(4), Fp8Filter::None, 5e-2, 1e-2);
+    compare::<f32>("f32, F32 linears", config(4), Fp8Filter::None, 2e-2, 2e-3);
 }

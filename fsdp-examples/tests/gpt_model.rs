@@ -4,9 +4,10 @@
 
 mod gpt_common;
 
+use fp8_core::Fp8Recipe;
 use fp8_kernels::rng::SplitMix64;
-use fsdp_examples::gpt::{Fp8Layers, Gpt, GptConfig, Sampling, GPT2_PADDED_VOCAB, PRESETS};
-use fsdp_nn::LinearPrecision;
+use fsdp_examples::gpt::{Gpt, GptConfig, Sampling, GPT2_PADDED_VOCAB, PRESETS};
+use fsdp_nn::{convert_to_fp8, Fp8Filter, LinearPrecision};
 use fsdp_shard::{FsdpModel, Mode, ParamKind};
 use gpt_common::*;
 use half::bf16;
@@ -53,11 +54,9 @@ fn parameter_names_and_shapes_are_the_peers() {
         assert_eq!(ours, peer_parameters(d, layers, 256), "{name}");
         let total: usize = specs.iter().map(|s| s.numel()).sum();
         assert_eq!(total, config.num_params(), "{name}");
-        // Every linear FP8 by default, the rest plain.
+        // Unconverted, every parameter is plain.
         for s in &specs {
-            let fp8 =
-                s.shape.len() == 2 && !s.name.starts_with("wte") && !s.name.starts_with("wpe");
-            assert_eq!(s.kind == ParamKind::Fp8Weight, fp8, "{}", s.name);
+            assert_eq!(s.kind, ParamKind::Plain, "{}", s.name);
             assert_eq!(
                 s.decay,
                 s.shape.len() == 2,
@@ -100,27 +99,24 @@ fn parameter_count_and_flops_are_the_peers_formula() {
 
 #[test]
 fn fp8_layer_choice() {
-    let auto = |preset: &str| GptConfig {
-        fp8: Fp8Layers::Auto,
-        ..GptConfig::preset(preset, 64).unwrap()
+    let fp8 = |preset: &str| -> Vec<String> {
+        let mut gpt = Gpt::<bf16>::new(GptConfig::preset(preset, 64).unwrap()).unwrap();
+        convert_to_fp8(&mut gpt, &Fp8Filter::auto(), &Fp8Recipe::default())
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.starts_with("h.0."))
+            .collect()
     };
     // gpt2: every linear stays BF16; gpt-3b: every linear FP8; gpt2-xl: all but attn_proj.
-    let c = auto("gpt2");
+    assert!(fp8("gpt2").is_empty());
     assert_eq!(
-        c.linear_precision::<bf16>(768, 4 * 768),
-        LinearPrecision::Bf16
+        fp8("gpt-3b"),
+        ["h.0.c_attn", "h.0.attn_proj", "h.0.c_fc", "h.0.mlp_proj"]
     );
-    let c = auto("gpt-3b");
-    for (i, o) in [(2560, 7680), (2560, 2560), (2560, 10240), (10240, 2560)] {
-        assert_eq!(c.linear_precision::<bf16>(i, o), LinearPrecision::Fp8);
-    }
-    let c = auto("gpt2-xl");
-    assert_eq!(
-        c.linear_precision::<bf16>(1600, 1600),
-        LinearPrecision::Bf16
-    );
-    assert_eq!(c.linear_precision::<bf16>(1600, 4800), LinearPrecision::Fp8);
-    let mut model = Gpt::<bf16>::new(c).unwrap();
+    assert_eq!(fp8("gpt2-xl"), ["h.0.c_attn", "h.0.c_fc", "h.0.mlp_proj"]);
+    // The converted model stores exactly those weights as FP8.
+    let mut model = Gpt::<bf16>::new(GptConfig::preset("gpt2-xl", 64).unwrap()).unwrap();
+    convert_to_fp8(&mut model, &Fp8Filter::auto(), &Fp8Recipe::default()).unwrap();
     let specs = fsdp_shard::module::param_specs(&mut model).unwrap();
     for s in specs.iter().filter(|s| s.name.starts_with("h.")) {
         let fp8 = s.name.ends_with("c_attn.weight")
@@ -128,15 +124,12 @@ fn fp8_layer_choice() {
             || s.name.ends_with("mlp_proj.weight");
         assert_eq!(s.kind == ParamKind::Fp8Weight, fp8, "{}", s.name);
     }
-    let none = GptConfig {
-        fp8: Fp8Layers::None,
-        ..GptConfig::preset("tiny", 64).unwrap()
-    };
-    assert_eq!(none.linear_precision::<f32>(128, 128), LinearPrecision::F32);
-    assert_eq!(
-        none.linear_precision::<bf16>(128, 128),
-        LinearPrecision::Bf16
-    );
+    // Unconverted, the linears are the activations' float precision.
+    let mut none = Gpt::<f32>::new(GptConfig::preset("tiny", 64).unwrap()).unwrap();
+    assert!(fsdp_nn::linear_precisions(&mut none)
+        .unwrap()
+        .iter()
+        .all(|l| l.3 == LinearPrecision::F32));
 }
 
 /// Mean and standard deviation.
@@ -150,7 +143,6 @@ fn moments(v: &[f32]) -> (f64, f64) {
 #[test]
 fn initialisation_is_gpt2s() {
     let config = GptConfig {
-        fp8: Fp8Layers::None,
         ..GptConfig::preset("tiny", 64).unwrap()
     };
     let mut model = one_rank::<f32>(config);
@@ -188,7 +180,6 @@ fn small(tie: bool) -> GptConfig {
     GptConfig {
         vocab: 64,
         head_chunk: 5,
-        fp8: Fp8Layers::None,
         tie_embeddings: tie,
         seed: 7,
         ..GptConfig::new(32, 2, 2, 8)
@@ -226,9 +217,7 @@ fn whole_model_finite_differences() {
     model
         .forward(Mode::Train, |m, ctx| m.forward(ctx, &batch))
         .unwrap();
-    model
-        .backward(|m, ctx| m.backward(ctx, &batch, 1.0))
-        .unwrap();
+    model.backward(|m, ctx| m.backward(ctx, &batch)).unwrap();
     let grads: Vec<Vec<f32>> = names.iter().map(|(_, id)| grad(&model, *id)).collect();
     for (k, ((name, id), g)) in names.iter().zip(&grads).enumerate() {
         let p0 = values(&model, *id);
@@ -283,7 +272,7 @@ fn tied_table_gradient_is_the_sum_of_its_two_uses() {
         let b = m.module().batch(&dev, &inputs, &targets, 2, 8).unwrap();
         m.forward(Mode::Train, |g, ctx| g.forward(ctx, &b)).unwrap();
         let loss = m.module().loss().unwrap().sum.to_vec().unwrap()[0];
-        m.backward(|g, ctx| g.backward(ctx, &b, 1.0)).unwrap();
+        m.backward(|g, ctx| g.backward(ctx, &b)).unwrap();
         let names = m.param_names().unwrap();
         let by_name = |n: &str| {
             names
@@ -330,11 +319,14 @@ fn forward_variants_agree() {
     assert!((train - 64f64.ln()).abs() < 0.1, "initial loss {train}");
     let dev = a.device().clone();
     let batch = a.module().batch(&dev, &inputs, &targets, 2, 8).unwrap();
-    a.backward(|m, ctx| m.backward(ctx, &batch, 0.5)).unwrap();
+    // Gradients halved by the reduction, as for the mean over two ranks.
+    a.set_grad_divisor(2.0).unwrap();
+    b.set_grad_divisor(2.0).unwrap();
+    a.backward(|m, ctx| m.backward(ctx, &batch)).unwrap();
     // The head's gradients made in the forward: the same bits everywhere.
-    b.forward(Mode::Train, |m, ctx| m.forward_with_grad(ctx, &batch, 0.5))
+    b.forward(Mode::Train, |m, ctx| m.forward_with_grad(ctx, &batch))
         .unwrap();
-    b.backward(|m, ctx| m.backward(ctx, &batch, 0.5)).unwrap();
+    b.backward(|m, ctx| m.backward(ctx, &batch)).unwrap();
     for (name, id) in a.param_names().unwrap() {
         assert_eq!(grad(&a, id), grad(&b, id), "{name}");
     }
@@ -470,21 +462,20 @@ fn generation_with_the_cache_equals_full_forwards() {
 fn recomputed_blocks_give_the_same_gradients() {
     let inputs = ids(16, 64, 7);
     let targets = ids(16, 64, 8);
-    for fp8 in [Fp8Layers::None, Fp8Layers::All] {
+    for fp8 in [Fp8Filter::None, Fp8Filter::All] {
         let mut out = Vec::new();
         for recompute in [false, true] {
             // One head of 32: the BF16 attention kernels take head dims 32, 64, 128.
             let config = GptConfig {
-                fp8,
                 recompute_blocks: recompute,
                 heads: 1,
                 ..small(true)
             };
-            let mut m = one_rank::<bf16>(config);
+            let mut m = one_rank_with::<bf16>(config, &fp8);
             let dev = m.device().clone();
             let b = m.module().batch(&dev, &inputs, &targets, 2, 8).unwrap();
             m.forward(Mode::Train, |g, ctx| g.forward(ctx, &b)).unwrap();
-            m.backward(|g, ctx| g.backward(ctx, &b, 1.0)).unwrap();
+            m.backward(|g, ctx| g.backward(ctx, &b)).unwrap();
             let grads: Vec<Vec<f32>> = m
                 .param_names()
                 .unwrap()

@@ -2,15 +2,14 @@
 //! file named as PyTorch names the reference net's parameters, read back into a sharded model at another
 //! world size, and written again bit for bit; the FP8 weights the run used are the masters quantized.
 
+use fp8_core::Fp8Recipe;
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_examples::data::committed_subset_dir;
-use fsdp_examples::mnist::{
-    train, wrap_policy, DeviceChoice, MnistError, MnistNet, NetConfig, TrainConfig,
-};
-use fsdp_examples::progress::ProgressMode;
-use fsdp_nn::LinearPrecision;
+use fsdp_examples::mnist::{wrap_policy, MnistError, MnistNet, MnistOptions, MnistTask, NetConfig};
+use fsdp_nn::{convert_to_fp8, Fp8Filter};
 use fsdp_optim::{export_full, AdamOptions, ExportDtype, FsdpAdam, StatePrecision};
 use fsdp_shard::{FsdpConfig, FsdpModel};
+use fsdp_train::{DeviceChoice, RunLength, TrainConfig, Trainer};
 use safetensors::SafeTensors;
 use std::sync::Arc;
 
@@ -37,22 +36,22 @@ fn export_has_pytorch_names_and_round_trips_at_another_world_size() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let first = dir.join("trained.safetensors");
-    let config = TrainConfig {
-        epochs: 1,
+    let task = MnistTask::new(MnistOptions {
         batch_size: 8,
         test_batch_size: 500,
-        world_size: 2,
-        device: DeviceChoice::Cpu,
         data_dir: committed_subset_dir(),
-        progress: ProgressMode::Hidden,
-        print: false,
-        threads_per_rank: Some(1),
         limit_batches: Some(4),
-        optimizer_states: StatePrecision::F32,
-        export: Some(first.clone()),
-        ..TrainConfig::default()
-    };
-    let report = train(&config).unwrap();
+        ..MnistOptions::default()
+    })
+    .unwrap();
+    let mut config = TrainConfig::new(RunLength::Epochs(1));
+    config.world_size = 2;
+    config.device = DeviceChoice::Cpu;
+    config.threads_per_rank = Some(1);
+    config.optimizer_states = StatePrecision::F32;
+    config.export = Some(first.clone());
+    config.collect_params = true;
+    let report = Trainer::new(config).run(&task).unwrap();
     let bytes = std::fs::read(&first).unwrap();
     let exported = tensors(&bytes);
     let names: Vec<&str> = exported.iter().map(|(n, _, _)| n.as_str()).collect();
@@ -95,11 +94,8 @@ fn export_has_pytorch_names_and_round_trips_at_another_world_size() {
     let (src, dst) = (first.clone(), second.clone());
     run_ranks(1, move |comm: ThreadComm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
-        let net = MnistNet::new(NetConfig {
-            precision: LinearPrecision::Fp8,
-            seed: 99,
-            rank: 0,
-        })?;
+        let mut net = MnistNet::new(NetConfig { seed: 99, rank: 0 })?;
+        convert_to_fp8(&mut net, &Fp8Filter::All, &Fp8Recipe::default())?;
         let mut model = FsdpModel::new(net, comm, wrap_policy(), FsdpConfig::default())?;
         let loaded = model.import_full(&src, true)?;
         assert_eq!(loaded.len(), 8);
@@ -120,11 +116,8 @@ fn export_has_pytorch_names_and_round_trips_at_another_world_size() {
     // A file that lacks a parameter, or has one too many in strict mode, is refused naming it.
     let e = run_ranks(1, move |comm: ThreadComm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
-        let net = MnistNet::new(NetConfig {
-            precision: LinearPrecision::Fp8,
-            seed: 1,
-            rank: 0,
-        })?;
+        let mut net = MnistNet::new(NetConfig { seed: 1, rank: 0 })?;
+        convert_to_fp8(&mut net, &Fp8Filter::All, &Fp8Recipe::default())?;
         let mut model = FsdpModel::new(net, comm, wrap_policy(), FsdpConfig::default())?;
         let opt = FsdpAdam::for_model(&mut model, AdamOptions::adam())?;
         drop(opt);

@@ -5,9 +5,8 @@
 //! to an order of operations, a rounding or a data order shows up here as a different bit pattern.
 
 use fsdp_examples::data::committed_subset_dir;
-use fsdp_examples::mnist::{train, DeviceChoice, TrainConfig};
-use fsdp_examples::progress::ProgressMode;
-use fsdp_nn::LinearPrecision;
+use fsdp_examples::mnist::{MnistOptions, MnistTask};
+use fsdp_train::{DeviceChoice, Precision, RunLength, TrainConfig, Trainer};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
@@ -19,22 +18,23 @@ fn golden_path() -> PathBuf {
 }
 
 /// `precision rank step bits` lines of one run.
-fn run(precision: LinearPrecision, name: &str) -> String {
-    let config = TrainConfig {
-        epochs: 1,
+fn run(precision: Precision, name: &str) -> String {
+    let task = MnistTask::new(MnistOptions {
         batch_size: 16,
         test_batch_size: 250,
-        precision,
-        world_size: WORLD_SIZE,
-        device: DeviceChoice::Cpu,
         data_dir: committed_subset_dir(),
-        progress: ProgressMode::Hidden,
-        print: false,
-        threads_per_rank: Some(1),
-        stop_after_steps: Some(STEPS),
-        ..TrainConfig::default()
-    };
-    let report = train(&config).expect("training on the committed subset");
+        ..MnistOptions::default()
+    })
+    .expect("the committed subset");
+    let mut config = TrainConfig::new(RunLength::Epochs(1));
+    config.precision = precision;
+    config.world_size = WORLD_SIZE;
+    config.device = DeviceChoice::Cpu;
+    config.threads_per_rank = Some(1);
+    config.stop_after_steps = Some(STEPS);
+    let report = Trainer::new(config)
+        .run(&task)
+        .expect("training on the committed subset");
     assert_eq!(report.steps, STEPS);
     assert_eq!(report.step_losses.len(), WORLD_SIZE);
     let mut out = String::new();
@@ -50,8 +50,8 @@ fn run(precision: LinearPrecision, name: &str) -> String {
 
 #[test]
 fn fifty_steps_reproduce_the_recorded_losses_bit_for_bit() {
-    let mut now = run(LinearPrecision::Fp8, "fp8");
-    now.push_str(&run(LinearPrecision::F32, "f32"));
+    let mut now = run(Precision::Fp8, "fp8");
+    now.push_str(&run(Precision::Fp32, "f32"));
     let path = golden_path();
     if std::env::var_os("FSDP_WRITE_GOLDEN").is_some() {
         std::fs::write(&path, &now).expect("write the golden file");

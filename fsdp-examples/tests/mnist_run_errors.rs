@@ -5,12 +5,31 @@
 //! CPU run started by a multi-process launcher refuses to run duplicate jobs.
 
 use fsdp_examples::data::committed_subset_dir;
-use fsdp_examples::metrics::read_metrics;
-use fsdp_examples::mnist::{train, DeviceChoice, MnistError, TrainConfig};
-use fsdp_examples::progress::ProgressMode;
-use fsdp_nn::LinearPrecision;
+use fsdp_examples::mnist::{MnistOptions, MnistTask};
 use fsdp_shard::checkpoint::CheckpointLock;
+use fsdp_train::metrics::read_metrics;
+use fsdp_train::{
+    DeviceChoice, Precision, RunLength, TrainConfig, TrainError, TrainReport, Trainer,
+};
 use std::path::PathBuf;
+
+fn train(config: &TrainConfig) -> Result<TrainReport, TrainError> {
+    let task = MnistTask::new(MnistOptions {
+        batch_size: 8,
+        test_batch_size: 500,
+        data_dir: committed_subset_dir(),
+        limit_batches: Some(3),
+        ..MnistOptions::default()
+    })
+    .map_err(TrainError::task)?;
+    Trainer::new(config.clone()).run(&task)
+}
+
+fn epochs(c: &TrainConfig, n: u32) -> TrainConfig {
+    let mut c = c.clone();
+    c.length = RunLength::Epochs(n);
+    c
+}
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("mnist-run-errors-{}-{name}", std::process::id()));
@@ -20,21 +39,13 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn small(dir: &std::path::Path) -> TrainConfig {
-    TrainConfig {
-        epochs: 1,
-        batch_size: 8,
-        test_batch_size: 500,
-        world_size: 2,
-        device: DeviceChoice::Cpu,
-        data_dir: committed_subset_dir(),
-        progress: ProgressMode::Hidden,
-        print: false,
-        threads_per_rank: Some(1),
-        limit_batches: Some(3),
-        save: Some(dir.join("ckpt")),
-        metrics: Some(dir.join("metrics.jsonl")),
-        ..TrainConfig::default()
-    }
+    let mut c = TrainConfig::new(RunLength::Epochs(1));
+    c.world_size = 2;
+    c.device = DeviceChoice::Cpu;
+    c.threads_per_rank = Some(1);
+    c.save = Some(dir.join("ckpt"));
+    c.metrics = Some(dir.join("metrics.jsonl"));
+    c
 }
 
 #[test]
@@ -43,39 +54,28 @@ fn a_resume_with_other_numerics_names_the_flag_and_a_changed_lr_is_recorded() {
     let base = small(&dir);
     train(&base).unwrap();
     let ckpt = base.save.clone();
-    let e = train(&TrainConfig {
-        precision: LinearPrecision::F32,
-        resume: ckpt.clone(),
-        save: None,
-        metrics: None,
-        epochs: 2,
-        ..base.clone()
-    })
-    .unwrap_err()
-    .to_string();
+    let mut other = epochs(&base, 2);
+    other.precision = Precision::Fp32;
+    other.resume = ckpt.clone();
+    other.save = None;
+    other.metrics = None;
+    let e = train(&other).unwrap_err().to_string();
     assert!(
-        e.contains("--precision") && e.contains("Fp8") && e.contains("F32"),
+        e.contains("--precision") && e.contains("fp8") && e.contains("fp32"),
         "{e}"
     );
-    let e = train(&TrainConfig {
-        seed: 7,
-        resume: ckpt.clone(),
-        save: None,
-        metrics: None,
-        epochs: 2,
-        ..base.clone()
-    })
-    .unwrap_err()
-    .to_string();
+    let mut other = epochs(&base, 2);
+    other.seed = 7;
+    other.resume = ckpt.clone();
+    other.save = None;
+    other.metrics = None;
+    let e = train(&other).unwrap_err().to_string();
     assert!(e.contains("--seed 1") && e.contains("--seed 7"), "{e}");
     // A learning rate may change: accepted, and the next epoch's record says so.
-    train(&TrainConfig {
-        lr: 5e-4,
-        resume: ckpt,
-        epochs: 2,
-        ..base.clone()
-    })
-    .unwrap();
+    let mut other = epochs(&base, 2);
+    other.lr = 5e-4;
+    other.resume = ckpt;
+    train(&other).unwrap();
     let m = read_metrics(dir.join("metrics.jsonl")).unwrap();
     assert_eq!(m.iter().map(|r| r.epoch).collect::<Vec<_>>(), [1, 2]);
     let note = m[1].extra.get("resumed_changes").map(|v| v.to_string());
@@ -90,28 +90,22 @@ fn a_resume_with_other_numerics_names_the_flag_and_a_changed_lr_is_recorded() {
 fn zero_counts_are_refused_naming_the_flag() {
     let dir = tmp("zeros");
     let base = small(&dir);
+    let with = |f: &dyn Fn(&mut TrainConfig)| {
+        let mut c = base.clone();
+        f(&mut c);
+        c
+    };
     for (config, flag) in [
         (
-            TrainConfig {
-                threads_per_rank: Some(0),
-                ..base.clone()
-            },
+            with(&|c| c.threads_per_rank = Some(0)),
             "--threads-per-rank",
         ),
         (
-            TrainConfig {
-                stop_after_steps: Some(0),
-                ..base.clone()
-            },
+            with(&|c| c.stop_after_steps = Some(0)),
             "--stop-after-steps",
         ),
-        (
-            TrainConfig {
-                save_every_steps: Some(0),
-                ..base.clone()
-            },
-            "--save-every",
-        ),
+        (with(&|c| c.save_every = Some(0)), "--save-every"),
+        (with(&|c| c.length = RunLength::Epochs(0)), "--epochs"),
     ] {
         let e = train(&config).unwrap_err().to_string();
         assert!(e.contains(flag), "{flag}: {e}");
@@ -127,7 +121,7 @@ fn a_second_writer_is_refused_before_training() {
     let held = CheckpointLock::acquire(&save).unwrap();
     let started = std::time::Instant::now();
     let e = train(&base).unwrap_err();
-    assert!(matches!(e, MnistError::Setup(_)), "{e}");
+    assert!(matches!(e, TrainError::Setup(_)), "{e}");
     assert!(e.to_string().contains("in use"), "{e}");
     assert!(started.elapsed().as_secs() < 5, "refused only after work");
     drop(held);
@@ -137,10 +131,7 @@ fn a_second_writer_is_refused_before_training() {
 #[test]
 fn a_crash_between_checkpoint_and_metrics_line_leaves_one_line_per_epoch() {
     let dir = tmp("metrics");
-    let base = TrainConfig {
-        epochs: 2,
-        ..small(&dir)
-    };
+    let base = epochs(&small(&dir), 2);
     let path = dir.join("metrics.jsonl");
     train(&base).unwrap();
     let full = read_metrics(&path).unwrap();
@@ -149,12 +140,9 @@ fn a_crash_between_checkpoint_and_metrics_line_leaves_one_line_per_epoch() {
     let text = std::fs::read_to_string(&path).unwrap();
     let first = text.lines().next().unwrap().to_string() + "\n";
     std::fs::write(&path, first).unwrap();
-    train(&TrainConfig {
-        epochs: 3,
-        resume: base.save.clone(),
-        ..base.clone()
-    })
-    .unwrap();
+    let mut more = epochs(&base, 3);
+    more.resume = base.save.clone();
+    train(&more).unwrap();
     let after = read_metrics(&path).unwrap();
     assert_eq!(after.iter().map(|r| r.epoch).collect::<Vec<_>>(), [1, 2, 3]);
     assert_eq!(

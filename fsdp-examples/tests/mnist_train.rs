@@ -1,36 +1,46 @@
-//! End-to-end training on the committed MNIST subset (4000 training, 1000 test digits): accuracy on 1 and
-//! 2 thread ranks in FP8 and F32, and bitwise-exact resumption from a sharded checkpoint.
+//! End-to-end training of the MNIST task on the Trainer with the committed subset (4000 training, 1000
+//! test digits): accuracy on 1 and 2 thread ranks in FP8 and F32, and bitwise-exact resumption from a
+//! sharded checkpoint.
 
 use fsdp_examples::data::committed_subset_dir;
-use fsdp_examples::mnist::{train, DeviceChoice, MnistError, TrainConfig, TrainReport};
-use fsdp_examples::progress::ProgressMode;
-use fsdp_nn::LinearPrecision;
+use fsdp_examples::mnist::{MnistOptions, MnistTask};
+use fsdp_train::{
+    DeviceChoice, Precision, RunLength, StopReason, TrainConfig, TrainError, TrainReport, Trainer,
+};
 
-fn subset_config(world_size: usize, precision: LinearPrecision) -> TrainConfig {
-    TrainConfig {
-        epochs: 1,
+fn options(world_size: usize) -> MnistOptions {
+    MnistOptions {
         // Small batches: more steps from the 4000 digits of the subset.
         batch_size: 32 / world_size,
         test_batch_size: 250,
-        precision,
-        world_size,
-        device: DeviceChoice::Cpu,
         data_dir: committed_subset_dir(),
-        progress: ProgressMode::Hidden,
-        print: false,
-        threads_per_rank: Some(1),
-        ..TrainConfig::default()
+        ..MnistOptions::default()
     }
 }
 
-fn accuracy(r: &TrainReport) -> f64 {
-    r.epochs.last().map_or(0.0, |e| e.test_accuracy)
+fn config(world_size: usize, precision: Precision) -> TrainConfig {
+    let mut c = TrainConfig::new(RunLength::Epochs(1));
+    c.precision = precision;
+    c.world_size = world_size;
+    c.device = DeviceChoice::Cpu;
+    c.threads_per_rank = Some(1);
+    c.collect_params = true;
+    c
 }
 
-fn check_accuracy(world_size: usize, precision: LinearPrecision) {
-    let r = train(&subset_config(world_size, precision)).unwrap();
-    assert_eq!(r.epochs.len(), 1);
-    let e = &r.epochs[0];
+fn train(options: MnistOptions, config: TrainConfig) -> Result<TrainReport, TrainError> {
+    let task = MnistTask::new(options).map_err(TrainError::task)?;
+    Trainer::new(config).run(&task)
+}
+
+fn accuracy(r: &TrainReport) -> f64 {
+    r.last().map_or(0.0, |e| e.test_accuracy)
+}
+
+fn check_accuracy(world_size: usize, precision: Precision) {
+    let r = train(options(world_size), config(world_size, precision)).unwrap();
+    assert_eq!(r.records.len(), 1);
+    let e = &r.records[0];
     eprintln!(
         "{world_size} rank(s) {precision:?}: {:.2}% test accuracy, train loss {:.4}",
         e.test_accuracy, e.train_loss
@@ -45,26 +55,28 @@ fn check_accuracy(world_size: usize, precision: LinearPrecision) {
     // Memory is reported for every rank and the shards split the model.
     assert_eq!(r.memory.len(), world_size);
     assert!(r.memory.iter().all(|m| m.optimizer_states > 0));
+    let fp8 = r.fp8_linears().len();
+    assert_eq!(fp8, if precision == Precision::Fp8 { 2 } else { 0 });
 }
 
 #[test]
 fn subset_one_rank_fp8_reaches_90_percent() {
-    check_accuracy(1, LinearPrecision::Fp8);
+    check_accuracy(1, Precision::Fp8);
 }
 
 #[test]
 fn subset_two_ranks_fp8_reaches_90_percent() {
-    check_accuracy(2, LinearPrecision::Fp8);
+    check_accuracy(2, Precision::Fp8);
 }
 
 #[test]
 fn subset_one_rank_f32_reaches_90_percent() {
-    check_accuracy(1, LinearPrecision::F32);
+    check_accuracy(1, Precision::Fp32);
 }
 
 #[test]
 fn subset_two_ranks_f32_reaches_90_percent() {
-    check_accuracy(2, LinearPrecision::F32);
+    check_accuracy(2, Precision::Fp32);
 }
 
 fn bits(params: &[(String, Vec<f32>)]) -> Vec<(String, Vec<u32>)> {
@@ -81,109 +93,95 @@ fn bits(params: &[(String, Vec<f32>)]) -> Vec<(String, Vec<u32>)> {
 fn resumed_run_matches_uninterrupted_run_bitwise() {
     let dir = std::env::temp_dir().join(format!("mnist-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let base = TrainConfig {
-        epochs: 2,
+    let opts = MnistOptions {
         limit_batches: Some(8),
-        grad_accum: 2,
-        ..subset_config(2, LinearPrecision::Fp8)
+        ..options(2)
     };
-    let whole = train(&base).unwrap();
+    let mut base = config(2, Precision::Fp8);
+    base.length = RunLength::Epochs(2);
+    base.grad_accum = 2;
+    let whole = train(opts.clone(), base.clone()).unwrap();
     assert_eq!(whole.steps, 8, "2 epochs of 8 micro-batches, 2 per step");
 
-    let interrupted = train(&TrainConfig {
-        save: Some(dir.clone()),
-        stop_after_steps: Some(6),
-        ..base.clone()
-    })
-    .unwrap();
-    assert!(interrupted.stopped_early);
-    assert_eq!(interrupted.epochs.len(), 1, "stopped during epoch 2");
+    let mut stop = base.clone();
+    stop.save = Some(dir.clone());
+    stop.stop_after_steps = Some(6);
+    let interrupted = train(opts.clone(), stop).unwrap();
+    assert_eq!(interrupted.stop, StopReason::StopAfter);
+    assert_eq!(interrupted.records.len(), 1, "stopped during epoch 2");
     assert_ne!(
         bits(&interrupted.params),
         bits(&whole.params),
         "the interruption happened before the end"
     );
 
-    let resumed = train(&TrainConfig {
-        resume: Some(dir.clone()),
-        ..base.clone()
-    })
-    .unwrap();
+    let mut resume = base.clone();
+    resume.resume = Some(dir.clone());
+    let resumed = train(opts.clone(), resume.clone()).unwrap();
     assert_eq!(resumed.steps, 8);
     assert_eq!(bits(&resumed.params), bits(&whole.params));
-    let (a, b) = (&resumed.epochs[0], &whole.epochs[1]);
+    let (a, b) = (&resumed.records[0], &whole.records[1]);
     assert_eq!(a.epoch, 2);
     assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits());
     assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
     assert_eq!(a.test_correct, b.test_correct);
 
     // Resuming with other settings is refused with a message naming the difference.
-    let err = train(&TrainConfig {
-        resume: Some(dir.clone()),
-        seed: 2,
-        ..base.clone()
-    })
-    .unwrap_err();
+    let mut other = resume.clone();
+    other.seed = 2;
+    let err = train(opts.clone(), other).unwrap_err();
     assert!(
-        matches!(&err, MnistError::Checkpoint(m) if m.contains("seed")),
+        matches!(&err, TrainError::Checkpoint(m) if m.contains("--seed")),
         "{err}"
     );
-    let err = train(&TrainConfig {
-        resume: Some(dir.clone()),
-        world_size: 1,
-        batch_size: 16,
-        ..base
-    })
+    let mut other = resume;
+    other.world_size = 1;
+    let err = train(
+        MnistOptions {
+            batch_size: 16,
+            ..opts
+        },
+        other,
+    )
     .unwrap_err();
-    assert!(err.to_string().contains("world size"), "{err}");
+    assert!(err.to_string().contains("--world-size"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn bad_configuration_and_missing_data_are_errors() {
-    let c = subset_config(1, LinearPrecision::Fp8);
-    assert!(matches!(
-        train(&TrainConfig {
-            batch_size: 0,
-            ..c.clone()
-        }),
-        Err(MnistError::Config(_))
-    ));
-    assert!(matches!(
-        train(&TrainConfig {
-            grad_accum: 0,
-            ..c.clone()
-        }),
-        Err(MnistError::Config(_))
-    ));
-    let err = train(&TrainConfig {
+    let err = MnistTask::new(MnistOptions {
+        batch_size: 0,
+        ..options(1)
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("--batch-size"), "{err}");
+    let mut c = config(1, Precision::Fp8);
+    c.grad_accum = 0;
+    let err = train(options(1), c).unwrap_err();
+    assert!(err.to_string().contains("--grad-accum"), "{err}");
+    let err = MnistTask::new(MnistOptions {
         data_dir: std::env::temp_dir().join("no-mnist-here"),
-        ..c
+        ..options(1)
     })
     .unwrap_err();
     assert!(err.to_string().contains("fetch-mnist.sh"), "{err}");
 }
 
-/// GPU check for the H200 (`cargo test --release -p fsdp-examples --test mnist_train -- --ignored`, or
-/// the built test binary with `--ignored`): the same subset run on CUDA (world size 1, NCCL) reaches the
+/// On a GPU (run by `scripts/gpu-tests.sh`): the same subset run on CUDA (world size 1, NCCL) reaches the
 /// accuracy bar and lands within 2 points of the CPU run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_subset_run_matches_cpu() {
-    if let Err(why) = fp8_kernels::Device::cuda(0) {
-        panic!("no usable GPU ({why})");
-    }
-    let cpu = train(&subset_config(1, LinearPrecision::Fp8)).unwrap();
-    let gpu = train(&TrainConfig {
-        device: DeviceChoice::Cuda,
-        ..subset_config(1, LinearPrecision::Fp8)
-    })
-    .unwrap();
+    let cpu = train(options(1), config(1, Precision::Fp8)).unwrap();
+    let mut c = config(1, Precision::Fp8);
+    c.device = DeviceChoice::Cuda;
+    let gpu = train(options(1), c).unwrap();
     eprintln!(
         "CPU {:.2}%, CUDA {:.2}% ({:.2} s per epoch on CUDA)",
         accuracy(&cpu),
         accuracy(&gpu),
-        gpu.seconds_per_epoch()
+        gpu.last().map_or(f64::NAN, |r| r.seconds)
     );
     assert!(accuracy(&gpu) >= 90.0);
     assert!((accuracy(&gpu) - accuracy(&cpu)).abs() <= 2.0);

@@ -32,7 +32,7 @@ impl<T: Activation> Layer<T> for Relu<T> {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,
@@ -94,7 +94,7 @@ impl<T: Activation> Layer<T> for Gelu<T> {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,

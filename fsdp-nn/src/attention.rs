@@ -128,15 +128,10 @@ pub struct CausalSelfAttention<T: Activation = f32> {
 }
 
 impl<T: Activation> CausalSelfAttention<T> {
-    /// Attention over `d` features in `heads` heads, the two linears in the given precisions, weights
-    /// initialised `N(0, std^2)` (`c_attn`) and `N(0, proj_std^2)` (`attn_proj`) from `seed`.
-    pub fn new(
-        d: usize,
-        heads: usize,
-        precisions: [LinearPrecision; 2],
-        stds: [f64; 2],
-        seed: u64,
-    ) -> Result<Self, NnError> {
+    /// Attention over `d` features in `heads` heads, the two linears in the activations' float precision
+    /// (see [`crate::convert_to_fp8`]), weights initialised `N(0, std^2)` (`c_attn`) and
+    /// `N(0, proj_std^2)` (`attn_proj`) from their own seeds.
+    pub fn new(d: usize, heads: usize, stds: [f64; 2]) -> Result<Self, NnError> {
         if heads == 0 || d % heads != 0 {
             return Err(NnError::usage(
                 "CausalSelfAttention",
@@ -146,16 +141,31 @@ impl<T: Activation> CausalSelfAttention<T> {
         Ok(CausalSelfAttention {
             d,
             heads,
-            c_attn: Linear::new(d, 3 * d, precisions[0], seed)?
+            c_attn: Linear::new(d, 3 * d)?
                 .without_bias()
                 .with_init(WeightInit::Normal(stds[0])),
-            attn_proj: Linear::new(d, d, precisions[1], seed ^ 0xA7)?
+            attn_proj: Linear::new(d, d)?
                 .without_bias()
                 .with_init(WeightInit::Normal(stds[1])),
             config: AttentionConfig::default(),
             workspace: AttentionWorkspace::new(),
             saved: None,
         })
+    }
+
+    /// Both linears in `precision` (a model converts chosen linears with [`crate::convert_to_fp8`]).
+    pub fn with_precision(mut self, precision: LinearPrecision) -> Result<Self, NnError> {
+        self.c_attn.set_precision(precision)?;
+        self.attn_proj.set_precision(precision)?;
+        Ok(self)
+    }
+
+    /// With weights drawn from `seed` (`c_attn`) and a stream derived from it (`attn_proj`) instead of
+    /// their own seeds.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.c_attn = self.c_attn.with_seed(seed);
+        self.attn_proj = self.attn_proj.with_seed(seed ^ 0xA7);
+        self
     }
 
     /// With another attention configuration (kernel family, dQ accumulation, tiles, softmax scale).
@@ -429,7 +439,7 @@ impl<T: Activation> Layer<T> for CausalSelfAttention<T> {
         self.forward_qkv(ctx, shape, qkv)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,

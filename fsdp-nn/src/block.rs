@@ -13,36 +13,11 @@
 use crate::attention::{CausalSelfAttention, KvCache};
 use crate::layer::{Activation, Layer};
 use crate::norm::Norm;
-use crate::{LinearPrecision, Mlp, NnError, Tensor, WeightInit};
+use crate::{Mlp, NnError, Tensor, WeightInit};
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::elementwise as ops;
 use fp8_kernels::layer_norm::NormKind;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
-
-/// The precision of each of a block's four linears.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockPrecisions {
-    /// `c_attn` (d -> 3d).
-    pub c_attn: LinearPrecision,
-    /// `attn_proj` (d -> d).
-    pub attn_proj: LinearPrecision,
-    /// `c_fc` (d -> 4d).
-    pub c_fc: LinearPrecision,
-    /// `mlp_proj` (4d -> d).
-    pub mlp_proj: LinearPrecision,
-}
-
-impl BlockPrecisions {
-    /// Every linear in `p`.
-    pub fn all(p: LinearPrecision) -> Self {
-        BlockPrecisions {
-            c_attn: p,
-            attn_proj: p,
-            c_fc: p,
-            mlp_proj: p,
-        }
-    }
-}
 
 /// How a [`TransformerBlock`] is built.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,14 +30,12 @@ pub struct BlockConfig {
     pub hidden: usize,
     /// LayerNorm or RMSNorm.
     pub norm: NormKind,
-    /// The linears' precisions.
-    pub precisions: BlockPrecisions,
     /// Initial standard deviation of `c_attn` and `c_fc` (GPT-2: 0.02).
     pub init_std: f64,
     /// Initial standard deviation of `attn_proj` and `mlp_proj` (GPT-2: `0.02 / sqrt(2 L)`).
     pub proj_std: f64,
-    /// Seed of the block's weights.
-    pub seed: u64,
+    /// An explicit seed of the block's weights; `None` (the default): each parameter's own seed.
+    pub seed: Option<u64>,
     /// The attention kernels' configuration.
     pub attention: AttentionConfig,
     /// Whether norms write their FP8 linear's input directly (bit-identical; on by default).
@@ -70,18 +43,18 @@ pub struct BlockConfig {
 }
 
 impl BlockConfig {
-    /// GPT-2's block of width `d` with `heads` heads, every linear in `precision`, for a model of
-    /// `layers` blocks (which sets the projections' initial scale).
-    pub fn gpt2(d: usize, heads: usize, layers: usize, precision: LinearPrecision) -> Self {
+    /// GPT-2's block of width `d` with `heads` heads for a model of `layers` blocks (which sets the
+    /// projections' initial scale); its linears in the activations' float precision (a model converts
+    /// chosen linears to FP8 with [`crate::convert_to_fp8`]).
+    pub fn gpt2(d: usize, heads: usize, layers: usize) -> Self {
         BlockConfig {
             d,
             heads,
             hidden: 4 * d,
             norm: NormKind::LayerNorm,
-            precisions: BlockPrecisions::all(precision),
             init_std: 0.02,
             proj_std: 0.02 / (2.0 * layers.max(1) as f64).sqrt(),
-            seed: 0,
+            seed: None,
             attention: AttentionConfig::default(),
             fuse_norm_fp8: true,
         }
@@ -105,25 +78,22 @@ impl<T: Activation> TransformerBlock<T> {
     /// A block as `config` says.
     pub fn new(config: &BlockConfig) -> Result<Self, NnError> {
         let c = config;
-        let p = c.precisions;
-        let seed = |k: u64| crate::init::stream_seed(c.seed, k);
         let norm = |kind| -> Result<Norm<T>, NnError> {
             Ok(Norm::of_kind(kind, c.d)?.fused_fp8(c.fuse_norm_fp8))
         };
-        let attn = CausalSelfAttention::new(
-            c.d,
-            c.heads,
-            [p.c_attn, p.attn_proj],
-            [c.init_std, c.proj_std],
-            seed(1),
-        )?
-        .with_config(c.attention);
-        let mlp = Mlp::with_precisions(c.d, c.hidden, [p.c_fc, p.mlp_proj], seed(2))?
+        let mut attn = CausalSelfAttention::new(c.d, c.heads, [c.init_std, c.proj_std])?
+            .with_config(c.attention);
+        let mut mlp = Mlp::new(c.d, c.hidden)?
             .with_names("c_fc", "mlp_proj")
             .with_init(
                 WeightInit::Normal(c.init_std),
                 WeightInit::Normal(c.proj_std),
             );
+        if let Some(s) = c.seed {
+            let seed = |k: u64| crate::init::stream_seed(s, k);
+            attn = attn.with_seed(seed(1));
+            mlp = mlp.with_seed(seed(2));
+        }
         Ok(TransformerBlock {
             ln_1: norm(c.norm)?,
             attn,
@@ -193,7 +163,7 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         mut dy: Tensor<T>,
@@ -203,17 +173,14 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         let x = self.x.take().ok_or_else(missing)?;
         let x1 = self.x1.take().ok_or_else(missing)?;
         // dy is d(out); the MLP branch's input gradient is added into it: dy becomes d(x1).
-        let dh2 = self
-            .mlp
-            .backward_ref(ctx, &dy, true)?
-            .ok_or_else(|| NnError::usage("TransformerBlock", "no gradient from the MLP"))?;
+        let dh2 = self.mlp.backward_ref(ctx, &dy, true)?.ok_or_else(missing)?;
         self.ln_2.backward_ref(ctx, &x1, &dh2, Some(&mut dy))?;
         drop((dh2, x1));
         // Then the attention branch: dy becomes d(x).
         let dh1 = self
             .attn
             .backward_ref(ctx, &dy, true)?
-            .ok_or_else(|| NnError::usage("TransformerBlock", "no gradient from the attention"))?;
+            .ok_or_else(missing)?;
         self.ln_1.backward_ref(ctx, &x, &dh1, Some(&mut dy))?;
         Ok(need_dx.then_some(dy))
     }

@@ -24,7 +24,8 @@ pub struct Conv2d {
     kernel: usize,
     stride: usize,
     padding: usize,
-    seed: u64,
+    /// An explicit seed; `None`: each parameter's own seed.
+    seed: Option<u64>,
     weight: ParamId,
     bias: ParamId,
     geom: Option<Conv2dGeometry>,
@@ -33,13 +34,8 @@ pub struct Conv2d {
 
 impl Conv2d {
     /// A convolution `in_channels -> out_channels` with a `kernel x kernel` window, stride 1, no padding,
-    /// PyTorch's default initialisation from `seed`.
-    pub fn new(
-        in_channels: usize,
-        out_channels: usize,
-        kernel: usize,
-        seed: u64,
-    ) -> Result<Self, NnError> {
+    /// PyTorch's default initialisation drawn from the parameters' seeds.
+    pub fn new(in_channels: usize, out_channels: usize, kernel: usize) -> Result<Self, NnError> {
         if in_channels == 0 || out_channels == 0 || kernel == 0 {
             return Err(NnError::usage(
                 "Conv2d",
@@ -55,12 +51,19 @@ impl Conv2d {
             kernel,
             stride: 1,
             padding: 0,
-            seed,
+            seed: None,
             weight: ParamId::UNSET,
             bias: ParamId::UNSET,
             geom: None,
             cols: None,
         })
+    }
+
+    /// With initial values drawn from `seed` (the weight from `seed`, the bias from a stream derived
+    /// from it) instead of the parameters' own seeds.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
     }
 
     /// Sets stride and zero padding (both directions).
@@ -123,17 +126,18 @@ impl Module for Conv2d {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         self.name = v.path().module();
         let (oc, k, fan_in, seed) = (self.out_channels, self.kernel, self.patch_len(), self.seed);
-        let w_init = move || kaiming_uniform(oc * fan_in, fan_in, 5f64.sqrt(), seed);
-        let b_init = move || uniform_fan_in(oc, fan_in, seed ^ 0xB1A5);
+        let w_init =
+            move |own: u64| kaiming_uniform(oc * fan_in, fan_in, 5f64.sqrt(), seed.unwrap_or(own));
+        let b_init = move |own: u64| uniform_fan_in(oc, fan_in, seed.map_or(own, |s| s ^ 0xB1A5));
         let shape = [oc, self.in_channels, k, k];
         v.param(
             "weight",
-            &ParamDecl::new(&shape, ParamKind::Plain, &w_init),
+            &ParamDecl::seeded(&shape, ParamKind::Plain, &w_init),
             &mut self.weight,
         )?;
         v.param(
             "bias",
-            &ParamDecl::new(&[oc], ParamKind::Plain, &b_init),
+            &ParamDecl::seeded(&[oc], ParamKind::Plain, &b_init),
             &mut self.bias,
         )
     }
@@ -164,7 +168,7 @@ impl Layer for Conv2d {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor,

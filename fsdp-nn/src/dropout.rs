@@ -77,7 +77,7 @@ impl Layer for Dropout {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor,

@@ -27,13 +27,14 @@ pub struct Embedding {
     rows: usize,
     dim: usize,
     std: f64,
-    seed: u64,
+    /// An explicit seed; `None`: the weight's own seed.
+    seed: Option<u64>,
     weight: ParamId,
 }
 
 impl Embedding {
-    /// A table of `rows` vectors of `dim`, `N(0, 0.02^2)` from `seed`.
-    pub fn new(rows: usize, dim: usize, seed: u64) -> Result<Self, NnError> {
+    /// A table of `rows` vectors of `dim`, `N(0, 0.02^2)` drawn from the weight's seed.
+    pub fn new(rows: usize, dim: usize) -> Result<Self, NnError> {
         if rows == 0 || dim == 0 {
             return Err(NnError::usage(
                 "Embedding",
@@ -45,9 +46,15 @@ impl Embedding {
             rows,
             dim,
             std: 0.02,
-            seed,
+            seed: None,
             weight: ParamId::UNSET,
         })
+    }
+
+    /// With initial values drawn from `seed` instead of the weight's own seed.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
     }
 
     /// With another initial standard deviation.
@@ -233,10 +240,10 @@ impl Module for Embedding {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         self.name = v.path().module();
         let (n, std, seed) = (self.rows * self.dim, self.std, self.seed);
-        let init = move || normal(n, std, seed);
+        let init = move |own: u64| normal(n, std, seed.unwrap_or(own));
         v.param(
             "weight",
-            &ParamDecl::new(&[self.rows, self.dim], ParamKind::Plain, &init),
+            &ParamDecl::seeded(&[self.rows, self.dim], ParamKind::Plain, &init),
             &mut self.weight,
         )
     }

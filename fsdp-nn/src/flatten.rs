@@ -32,7 +32,7 @@ impl<T: Activation> Layer<T> for Flatten {
         x.reshape(Shape::matrix(n, features)?)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         _ctx: &mut Ctx<'_>,
         dy: Tensor<T>,

@@ -44,19 +44,34 @@ impl Activation for bf16 {
 
 /// A module with a forward and a backward over one tensor: what a [`Sequential`] chains.
 ///
-/// `forward` takes its input by value and keeps what its backward needs; `backward` takes the gradient
-/// of its output and returns the gradient of its input when `need_dx` (the first layer of a network
-/// skips that work), after handing its parameters' gradients to the context.
+/// `forward` takes its input by value and keeps what its backward needs. A caller runs the backward with
+/// [`Layer::backward`] (hands the parameters' gradients to the context and returns the input gradient)
+/// or, for the first layer of a network, [`Layer::backward_params`] (the parameters' gradients only,
+/// skipping the input-gradient work). A layer implements both through [`Layer::backward_step`].
 pub trait Layer<T: Activation = f32>: Module {
     /// The forward pass.
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError>;
-    /// The backward pass, after a training forward.
-    fn backward(
+    /// The backward pass as a layer implements it, after a training forward: hands the parameters'
+    /// gradients to the context and returns the input gradient when `need_dx` (`None` otherwise).
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,
         need_dx: bool,
     ) -> Result<Option<Tensor<T>>, NnError>;
+    /// The backward pass: the parameters' gradients go to the context; returns the input gradient.
+    fn backward(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>) -> Result<Tensor<T>, NnError> {
+        self.backward_step(ctx, dy, true)?.ok_or_else(|| {
+            NnError::usage(
+                std::any::type_name::<Self>(),
+                "returned no input gradient although one was asked for",
+            )
+        })
+    }
+    /// The backward pass of a network's first layer: only the parameters' gradients.
+    fn backward_params(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>) -> Result<(), NnError> {
+        self.backward_step(ctx, dy, false).map(drop)
+    }
     /// Frees what the last forward kept for the backward (see [`Recompute`]). Layers that keep nothing
     /// need not implement it.
     fn forget_saved(&mut self) {}
@@ -146,6 +161,10 @@ impl<L: Module> Module for Recompute<L> {
         // Transparent: the inner layer's names are the wrapper's.
         self.inner.visit(v)
     }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        self.inner.as_any_mut()
+    }
 }
 
 impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
@@ -161,7 +180,7 @@ impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,
@@ -176,7 +195,7 @@ impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
         // the first one started with (it leaves them where the first one did), then its backward.
         self.snapshot_counters(true)?;
         drop(self.inner.forward(ctx, *x)?);
-        self.inner.backward(ctx, dy, need_dx)
+        self.inner.backward_step(ctx, dy, need_dx)
     }
 
     fn forget_saved(&mut self) {
@@ -231,10 +250,7 @@ impl<T: Activation> Sequential<T> {
 impl<T: Activation> Module for Sequential<T> {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         for (name, layer) in &mut self.layers {
-            v.path().push(name);
-            let r = layer.visit(v);
-            v.path().pop();
-            r?;
+            v.child(name, layer)?;
         }
         Ok(())
     }
@@ -248,7 +264,7 @@ impl<T: Activation> Layer<T> for Sequential<T> {
         Ok(x)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         mut dy: Tensor<T>,
@@ -257,7 +273,7 @@ impl<T: Activation> Layer<T> for Sequential<T> {
         let n = self.layers.len();
         for (i, (name, layer)) in self.layers.iter_mut().enumerate().rev() {
             let need = i > 0 || need_dx;
-            match layer.backward(ctx, dy, need)? {
+            match layer.backward_step(ctx, dy, need)? {
                 Some(d) => dy = d,
                 None if i == 0 => return Ok(None),
                 None => {

@@ -25,16 +25,16 @@
 //! let losses = run_ranks(2, |comm: ThreadComm| {
 //!     let comm: Arc<dyn Communicator> = Arc::new(comm);
 //!     let net = Sequential::new()
-//!         .push("fc1", Linear::new(8, 16, LinearPrecision::F32, 1)?)
+//!         .push("fc1", Linear::new(8, 16)?.with_precision(LinearPrecision::F32)?.with_seed(1))
 //!         .push("relu", Relu::new())
-//!         .push("fc2", Linear::new(16, 1, LinearPrecision::F32, 2)?);
+//!         .push("fc2", Linear::new(16, 1)?.with_precision(LinearPrecision::F32)?.with_seed(2));
 //!     let mut model = FsdpModel::new(net, comm, WrapPolicy::Single, FsdpConfig::default())?;
 //!     let dev = model.device().clone();
 //!     let x = Tensor::new(dev.upload(&[0.5f32; 32])?, Shape::matrix(4, 8)?)?;
 //!     let y = model.forward(Mode::Train, |net, ctx| net.forward(ctx, x))?;
 //!     // d(sum y)/dy = 1
 //!     let dy = Tensor::new(dev.upload(&[1.0f32; 4])?, y.shape())?;
-//!     model.backward(|net, ctx| net.backward(ctx, dy, false))?;
+//!     model.backward(|net, ctx| net.backward_params(ctx, dy))?;
 //!     Ok::<_, NnError>(y.data().to_vec()?)
 //! })?;
 //! assert_eq!(losses[0], losses[1]); // the same parameters on both ranks
@@ -46,6 +46,7 @@ mod activation;
 mod attention;
 mod block;
 mod conv;
+mod convert;
 mod dropout;
 mod embedding;
 mod error;
@@ -64,8 +65,12 @@ mod tokens;
 
 pub use activation::{Gelu, Relu};
 pub use attention::{CausalSelfAttention, KvCache};
-pub use block::{BlockConfig, BlockPrecisions, TransformerBlock};
+pub use block::{BlockConfig, TransformerBlock};
 pub use conv::Conv2d;
+pub use convert::{
+    convert_to_fp8, fp8_auto_ratio, linear_precisions, set_linear_precision, Fp8Filter, LinearInfo,
+    DEFAULT_FP8_AUTO_THRESHOLD,
+};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use error::NnError;
@@ -79,8 +84,3 @@ pub use norm::Norm;
 pub use pool::MaxPool2d;
 pub use tensor::{Shape, Tensor, MAX_RANK};
 pub use tokens::TokenBatch;
-
-// The guide `docs/your-model.md` is compiled and run as a doctest of this crate.
-#[doc = include_str!("../../docs/your-model.md")]
-#[cfg(doctest)]
-pub struct YourModelGuide;

@@ -24,7 +24,7 @@
 use crate::init::{kaiming_uniform, normal, uniform_fan_in};
 use crate::layer::{Activation, Layer};
 use crate::{NnError, Shape, Tensor};
-use fp8_core::{Fp8Format, QType, ScalingRecipe};
+use fp8_core::{Fp8Format, Fp8Recipe, QType, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
 use fp8_kernels::{
     cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
@@ -51,6 +51,15 @@ pub enum LinearPrecision {
 }
 
 impl LinearPrecision {
+    /// The float precision of activations `T`: F32 for `f32`, BF16 otherwise.
+    pub fn float_for<T: Activation>() -> Self {
+        if T::DTYPE == DType::F32 {
+            LinearPrecision::F32
+        } else {
+            LinearPrecision::Bf16
+        }
+    }
+
     /// The kind of the weight parameter: FP8 weights travel as E4M3, the others as F32.
     pub fn weight_kind(self) -> ParamKind {
         match self {
@@ -99,7 +108,8 @@ pub struct Linear<T: Activation = f32> {
     out_features: usize,
     precision: LinearPrecision,
     has_bias: bool,
-    seed: u64,
+    /// An explicit seed; `None`: each parameter's own seed.
+    seed: Option<u64>,
     init: WeightInit,
     input_recipe: ScalingRecipe,
     grad_recipe: ScalingRecipe,
@@ -120,36 +130,29 @@ pub struct Linear<T: Activation = f32> {
 }
 
 impl<T: Activation> Linear<T> {
-    /// A layer `in_features -> out_features` with a bias, PyTorch's default initialisation from `seed`,
-    /// delayed scaling (window 16) of the FP8 input and output gradient.
-    pub fn new(
-        in_features: usize,
-        out_features: usize,
-        precision: LinearPrecision,
-        seed: u64,
-    ) -> Result<Self, NnError> {
+    /// A layer `in_features -> out_features` with a bias, in the activations' float precision (F32 for
+    /// `f32` activations, BF16 for `bf16`; [`crate::convert_to_fp8`] turns chosen linears of a built
+    /// model into FP8), PyTorch's default initialisation drawn from the parameters' seeds (the model's
+    /// seed and each parameter's name; [`Linear::with_seed`] fixes one instead), and the default FP8
+    /// recipe ([`Fp8Recipe::default`]) should it compute in FP8.
+    pub fn new(in_features: usize, out_features: usize) -> Result<Self, NnError> {
         if in_features == 0 || out_features == 0 {
             return Err(NnError::usage(
                 "Linear",
                 format!("features must be positive ({in_features} -> {out_features})"),
             ));
         }
-        if precision == LinearPrecision::F32 && T::DTYPE != DType::F32 {
-            return Err(NnError::usage(
-                "Linear",
-                "an F32 linear needs f32 activations (use BF16 or FP8 with bf16 activations)",
-            ));
-        }
+        let recipe = Fp8Recipe::default();
         Ok(Linear {
             name: "Linear".into(),
             in_features,
             out_features,
-            precision,
+            precision: LinearPrecision::float_for::<T>(),
             has_bias: true,
-            seed,
+            seed: None,
             init: WeightInit::PyTorchDefault,
-            input_recipe: ScalingRecipe::delayed_default(),
-            grad_recipe: ScalingRecipe::delayed_default(),
+            input_recipe: recipe.activations,
+            grad_recipe: recipe.gradients,
             weight: ParamId::UNSET,
             bias: ParamId::UNSET,
             input_meta: ScalingId::UNSET,
@@ -162,6 +165,39 @@ impl<T: Activation> Linear<T> {
         })
     }
 
+    /// In another precision (an F32 linear needs `f32` activations).
+    pub fn with_precision(mut self, precision: LinearPrecision) -> Result<Self, NnError> {
+        self.set_precision(precision)?;
+        Ok(self)
+    }
+
+    /// Changes the precision of a layer not yet wrapped by a sharded model (the FP8 conversion pass,
+    /// [`crate::convert_to_fp8`]): the precision decides how the weight is stored and gathered, which is
+    /// fixed once the model is wrapped.
+    pub fn set_precision(&mut self, precision: LinearPrecision) -> Result<(), NnError> {
+        if precision == LinearPrecision::F32 && T::DTYPE != DType::F32 {
+            return Err(NnError::usage(
+                &self.name,
+                "an F32 linear needs f32 activations (use BF16 or FP8 with bf16 activations)",
+            ));
+        }
+        if self.weight != ParamId::UNSET && precision != self.precision {
+            return Err(NnError::usage(
+                &self.name,
+                "the precision of a linear is chosen before the model is wrapped (FsdpModel::new)",
+            ));
+        }
+        self.precision = precision;
+        Ok(())
+    }
+
+    /// With initial values drawn from `seed` (the weight from `seed`, the bias from a stream derived from
+    /// it) instead of the parameters' own seeds.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
     /// Without a bias.
     pub fn without_bias(mut self) -> Self {
         self.has_bias = false;
@@ -172,6 +208,18 @@ impl<T: Activation> Linear<T> {
     pub fn with_init(mut self, init: WeightInit) -> Self {
         self.init = init;
         self
+    }
+
+    /// With the scaling of the FP8 input and output gradient of `recipe`.
+    pub fn with_fp8_recipe(mut self, recipe: &Fp8Recipe) -> Self {
+        self.set_fp8_recipe(recipe);
+        self
+    }
+
+    /// Sets the scaling of the FP8 input and output gradient from `recipe` (before the model is wrapped).
+    pub fn set_fp8_recipe(&mut self, recipe: &Fp8Recipe) {
+        self.input_recipe = recipe.activations;
+        self.grad_recipe = recipe.gradients;
     }
 
     /// With other scaling recipes for the FP8 input and output gradient (e.g. current scaling).
@@ -770,27 +818,37 @@ fn to_bf16<T: Activation>(t: Tensor<T>) -> Result<Buffer<bf16>, NnError> {
 }
 
 impl<T: Activation> Module for Linear<T> {
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         self.name = v.path().module();
-        let (inf, outf, seed, init) = (self.in_features, self.out_features, self.seed, self.init);
-        let weight_init = move || match init {
-            WeightInit::PyTorchDefault => kaiming_uniform(outf * inf, inf, 5f64.sqrt(), seed),
-            WeightInit::Normal(std) => normal(outf * inf, std, seed),
+        let (inf, outf, fixed, init) = (self.in_features, self.out_features, self.seed, self.init);
+        let weight_init = move |own: u64| {
+            let seed = fixed.unwrap_or(own);
+            match init {
+                WeightInit::PyTorchDefault => kaiming_uniform(outf * inf, inf, 5f64.sqrt(), seed),
+                WeightInit::Normal(std) => normal(outf * inf, std, seed),
+            }
         };
         let shape = [outf, inf];
         v.param(
             "weight",
-            &ParamDecl::new(&shape, self.precision.weight_kind(), &weight_init),
+            &ParamDecl::seeded(&shape, self.precision.weight_kind(), &weight_init),
             &mut self.weight,
         )?;
         if self.has_bias {
-            let bias_init = move || match init {
-                WeightInit::PyTorchDefault => uniform_fan_in(outf, inf, seed ^ 0xB1A5),
+            // An explicit seed derives the bias's stream from it (as before seeds came from names).
+            let bias_init = move |own: u64| match init {
+                WeightInit::PyTorchDefault => {
+                    uniform_fan_in(outf, inf, fixed.map_or(own, |s| s ^ 0xB1A5))
+                }
                 WeightInit::Normal(_) => vec![0.0; outf],
             };
             v.param(
                 "bias",
-                &ParamDecl::new(&[outf], ParamKind::Plain, &bias_init),
+                &ParamDecl::seeded(&[outf], ParamKind::Plain, &bias_init),
                 &mut self.bias,
             )?;
         }
@@ -825,7 +883,7 @@ impl<T: Activation> Layer<T> for Linear<T> {
         }
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,

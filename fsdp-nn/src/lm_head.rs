@@ -74,7 +74,8 @@ pub struct LmHead<T: Activation = f32> {
     chunk: usize,
     owns_weight: bool,
     std: f64,
-    seed: u64,
+    /// An explicit seed of its own weight; `None`: the weight's own seed.
+    seed: Option<u64>,
     weight: ParamId,
     stats: Option<LossStats>,
     x: Option<Tensor<T>>,
@@ -82,7 +83,7 @@ pub struct LmHead<T: Activation = f32> {
 }
 
 impl<T: Activation> LmHead<T> {
-    fn make(d: usize, vocab: usize, owns_weight: bool, seed: u64) -> Result<Self, NnError> {
+    fn make(d: usize, vocab: usize, owns_weight: bool) -> Result<Self, NnError> {
         if d == 0 || vocab == 0 {
             return Err(NnError::usage("LmHead", format!("d {d}, vocab {vocab}")));
         }
@@ -93,7 +94,7 @@ impl<T: Activation> LmHead<T> {
             chunk: DEFAULT_HEAD_CHUNK,
             owns_weight,
             std: 0.02,
-            seed,
+            seed: None,
             weight: ParamId::UNSET,
             stats: None,
             x: None,
@@ -101,15 +102,21 @@ impl<T: Activation> LmHead<T> {
         })
     }
 
-    /// A head with its own weight `[vocab, d]` (`<path>.weight`), `N(0, 0.02^2)` from `seed`.
-    pub fn new(d: usize, vocab: usize, seed: u64) -> Result<Self, NnError> {
-        Self::make(d, vocab, true, seed)
+    /// A head with its own weight `[vocab, d]` (`<path>.weight`), `N(0, 0.02^2)` drawn from its seed.
+    pub fn new(d: usize, vocab: usize) -> Result<Self, NnError> {
+        Self::make(d, vocab, true)
+    }
+
+    /// With its own weight drawn from `seed` instead of the weight's own seed.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
     }
 
     /// A head using another module's `[vocab, d]` table (set by [`LmHead::set_table`] after the owner's
     /// visit assigned its id).
     pub fn tied(d: usize, vocab: usize) -> Result<Self, NnError> {
-        Self::make(d, vocab, false, 0)
+        Self::make(d, vocab, false)
     }
 
     /// With another initial standard deviation of its own weight.
@@ -380,10 +387,10 @@ impl<T: Activation> Module for LmHead<T> {
             return Ok(());
         }
         let (n, std, seed) = (self.vocab * self.d, self.std, self.seed);
-        let init = move || normal(n, std, seed);
+        let init = move |own: u64| normal(n, std, seed.unwrap_or(own));
         v.param(
             "weight",
-            &ParamDecl::new(&[self.vocab, self.d], ParamKind::Plain, &init),
+            &ParamDecl::seeded(&[self.vocab, self.d], ParamKind::Plain, &init),
             &mut self.weight,
         )
     }

@@ -26,42 +26,49 @@ pub struct Mlp<T: Activation = f32> {
     down: Linear<T>,
     names: [String; 2],
     gelu: Gelu<T>,
-    fused: bool,
+    /// Fuse the GELU with the FP8 casts when both linears are FP8.
+    fuse_gelu: bool,
+    /// Recast the down linear's input in the backward when fused.
     recompute_gelu: bool,
     /// The pre-activation `up(x)`, kept for the backward.
     u: Option<Tensor<T>>,
 }
 
 impl<T: Activation> Mlp<T> {
-    /// An MLP `d -> hidden -> d` in `precision`, weights initialised from `seed` (PyTorch's default
-    /// unless [`Mlp::with_init`]); FP8 fused with GELU and recomputing the GELU cast by default.
-    pub fn new(
-        d: usize,
-        hidden: usize,
-        precision: LinearPrecision,
-        seed: u64,
-    ) -> Result<Self, NnError> {
-        Self::with_precisions(d, hidden, [precision; 2], seed)
-    }
-
-    /// An MLP whose up and down linears have their own precisions (e.g. only the larger GEMMs in FP8).
-    /// The GELU is fused with the FP8 casts only when both are FP8.
-    pub fn with_precisions(
-        d: usize,
-        hidden: usize,
-        precisions: [LinearPrecision; 2],
-        seed: u64,
-    ) -> Result<Self, NnError> {
-        let fp8 = precisions.iter().all(|&p| p == LinearPrecision::Fp8);
+    /// An MLP `d -> hidden -> d` in the activations' float precision (see [`crate::convert_to_fp8`];
+    /// in FP8 the GELU is fused with the casts and recomputed by default), weights initialised by
+    /// PyTorch's default (unless [`Mlp::with_init`]) from their own seeds.
+    pub fn new(d: usize, hidden: usize) -> Result<Self, NnError> {
         Ok(Mlp {
-            up: Linear::new(d, hidden, precisions[0], seed)?.without_bias(),
-            down: Linear::new(hidden, d, precisions[1], seed ^ 0xD0)?.without_bias(),
+            up: Linear::new(d, hidden)?.without_bias(),
+            down: Linear::new(hidden, d)?.without_bias(),
             names: ["c_fc".into(), "c_proj".into()],
             gelu: Gelu::with_approx(GeluApprox::Erf),
-            fused: fp8,
-            recompute_gelu: fp8,
+            fuse_gelu: true,
+            recompute_gelu: true,
             u: None,
         })
+    }
+
+    /// Both linears in `precision`.
+    pub fn with_precision(self, precision: LinearPrecision) -> Result<Self, NnError> {
+        self.with_precisions([precision; 2])
+    }
+
+    /// The up and down linears in their own precisions (e.g. only the larger GEMM in FP8). The GELU is
+    /// fused with the FP8 casts only when both are FP8.
+    pub fn with_precisions(mut self, precisions: [LinearPrecision; 2]) -> Result<Self, NnError> {
+        self.up.set_precision(precisions[0])?;
+        self.down.set_precision(precisions[1])?;
+        Ok(self)
+    }
+
+    /// With weights drawn from `seed` (up) and a stream derived from it (down) instead of their own
+    /// seeds.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.up = self.up.with_seed(seed);
+        self.down = self.down.with_seed(seed ^ 0xD0);
+        self
     }
 
     /// The two linears' names (default `c_fc`, `c_proj`).
@@ -79,18 +86,27 @@ impl<T: Activation> Mlp<T> {
 
     /// FP8 only: GELU fused with the casts (default on). Off: GELU, then the linears' own casts.
     pub fn fused(mut self, on: bool) -> Self {
-        self.fused = on && self.both_fp8();
+        self.fuse_gelu = on;
         self
     }
 
     /// FP8 only: recast the down linear's input in the backward instead of keeping it (default on).
     pub fn recompute_gelu(mut self, on: bool) -> Self {
-        self.recompute_gelu = on && self.both_fp8();
+        self.recompute_gelu = on;
         self
     }
 
-    fn both_fp8(&self) -> bool {
-        self.up.precision() == LinearPrecision::Fp8 && self.down.precision() == LinearPrecision::Fp8
+    /// Whether the GELU runs fused with the FP8 casts: both linears FP8 (decided when the model was
+    /// converted) and fusion on.
+    fn is_fused(&self) -> bool {
+        self.fuse_gelu
+            && self.up.precision() == LinearPrecision::Fp8
+            && self.down.precision() == LinearPrecision::Fp8
+    }
+
+    /// Whether a fused forward recasts the down linear's input in the backward.
+    fn recomputes(&self) -> bool {
+        self.recompute_gelu && self.is_fused()
     }
 
     /// The up linear.
@@ -157,11 +173,11 @@ impl<T: Activation> Mlp<T> {
         ctx: &mut Ctx<'_>,
         u: Tensor<T>,
     ) -> Result<Tensor<T>, NnError> {
-        let y = if self.fused {
+        let y = if self.is_fused() {
             let x_q = self.cast_down_input(ctx, &u)?;
             let out = u.shape().with_last(self.down.out_features())?;
             let y = self.down.forward_fp8_codes(ctx, &x_q, out)?;
-            if self.recompute_gelu || !ctx.is_training() {
+            if self.recomputes() || !ctx.is_training() {
                 self.down.drop_saved();
             }
             y
@@ -189,23 +205,17 @@ impl<T: Activation> Mlp<T> {
         dy: &Tensor<T>,
         need_dx: bool,
     ) -> Result<Option<Tensor<T>>, NnError> {
-        if !self.fused {
+        if !self.is_fused() {
             let dy_copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
-            let da = self
-                .down
-                .backward(ctx, dy_copy, true)?
-                .ok_or_else(|| NnError::usage("Mlp", "no gradient from the down linear"))?;
-            let du = self
-                .gelu
-                .backward(ctx, da, true)?
-                .ok_or_else(|| NnError::usage("Mlp", "no gradient from the GELU"))?;
-            return self.up.backward(ctx, du, need_dx);
+            let da = self.down.backward(ctx, dy_copy)?;
+            let du = self.gelu.backward(ctx, da)?;
+            return self.up.backward_step(ctx, du, need_dx);
         }
         let u = self
             .u
             .take()
             .ok_or_else(|| NnError::usage("Mlp", "backward without a training forward"))?;
-        if self.recompute_gelu {
+        if self.recomputes() {
             // The same scale as in the forward (metas change at the step end): the same codes.
             self.cast_down_input(ctx, &u)?;
         }
@@ -237,7 +247,7 @@ impl<T: Activation> Mlp<T> {
         drop(da);
         let in_shape = u.shape().with_last(self.up.in_features())?;
         drop(u);
-        if self.recompute_gelu {
+        if self.recomputes() {
             self.down.drop_saved();
         }
         self.up.backward_fp8_codes(ctx, &dq, &dt, in_shape, need_dx)
@@ -256,7 +266,7 @@ impl<T: Activation> Layer<T> for Mlp<T> {
         self.forward_ref(ctx, &x)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,
@@ -305,7 +315,7 @@ impl<T: Activation> Layer<T> for MlpBlock<T> {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         mut dy: Tensor<T>,

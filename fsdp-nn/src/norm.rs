@@ -346,7 +346,7 @@ impl<T: Activation> Layer<T> for Norm<T> {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor<T>,

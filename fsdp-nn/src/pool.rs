@@ -76,7 +76,7 @@ impl Layer for MaxPool2d {
         Ok(y)
     }
 
-    fn backward(
+    fn backward_step(
         &mut self,
         ctx: &mut Ctx<'_>,
         dy: Tensor,

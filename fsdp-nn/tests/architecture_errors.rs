@@ -99,7 +99,7 @@ impl Cross {
         ctx.add_grad(self.head.w, &dw)?;
         let mut dh = dx;
         for (i, b) in self.h.iter_mut().enumerate().rev() {
-            match b.backward(ctx, dh, i > 0)? {
+            match b.backward_step(ctx, dh, i > 0)? {
                 Some(d) => dh = d,
                 None => break,
             }
@@ -113,8 +113,12 @@ fn a_parameter_of_a_reduced_unit_used_again_is_an_error() {
     for ranks in [1, 2] {
         let errors = on_ranks(ranks, |comm| {
             let h = vec![
-                Linear::new(D, D, LinearPrecision::F32, 1)?,
-                Linear::new(D, D, LinearPrecision::F32, 2)?,
+                Linear::new(D, D)?
+                    .with_precision(LinearPrecision::F32)?
+                    .with_seed(1),
+                Linear::new(D, D)?
+                    .with_precision(LinearPrecision::F32)?
+                    .with_seed(2),
             ];
             let head = CrossHead {
                 w: ParamId::UNSET,
@@ -153,9 +157,19 @@ fn a_parameter_of_a_reduced_unit_used_again_is_an_error() {
 /// A model of one F32 linear and one FP8 linear.
 fn two_linears() -> Result<Sequential, NnError> {
     Ok(Sequential::new()
-        .push("a", Linear::new(D, D, LinearPrecision::F32, 1)?)
+        .push(
+            "a",
+            Linear::new(D, D)?
+                .with_precision(LinearPrecision::F32)?
+                .with_seed(1),
+        )
         .push("act", Relu::new())
-        .push("b", Linear::new(D, D, LinearPrecision::Fp8, 2)?))
+        .push(
+            "b",
+            Linear::new(D, D)?
+                .with_precision(LinearPrecision::Fp8)?
+                .with_seed(2),
+        ))
 }
 
 fn err<T: std::fmt::Debug, E: std::fmt::Display>(r: Result<T, E>) -> String {
@@ -200,7 +214,9 @@ fn misuse_of_the_pass_context_is_an_error() {
         }));
         assert!(e.contains("scaling meta id"), "{e}");
         // A layer used without being part of the model (its ids were never assigned).
-        let mut stray = Linear::<f32>::new(D, D, LinearPrecision::F32, 3)?;
+        let mut stray = Linear::<f32>::new(D, D)?
+            .with_precision(LinearPrecision::F32)?
+            .with_seed(3);
         let x = Tensor::new(dev.upload(&[0.0f32; 2 * D])?, Shape::matrix(2, D)?)?;
         let e = err(model.forward(Mode::Eval, |_, ctx| stray.forward(ctx, x)));
         assert!(e.contains("not one of this model's parameters"), "{e}");
@@ -229,8 +245,18 @@ fn bad_models_are_errors() {
         assert!(e.contains("declares no parameter"), "{e}");
         // Two layers under one name.
         let dup = Sequential::<f32>::new()
-            .push("fc", Linear::new(D, D, LinearPrecision::F32, 1)?)
-            .push("fc", Linear::new(D, D, LinearPrecision::F32, 2)?);
+            .push(
+                "fc",
+                Linear::new(D, D)?
+                    .with_precision(LinearPrecision::F32)?
+                    .with_seed(1),
+            )
+            .push(
+                "fc",
+                Linear::new(D, D)?
+                    .with_precision(LinearPrecision::F32)?
+                    .with_seed(2),
+            );
         let e = err(FsdpModel::new(
             dup,
             comm.clone(),

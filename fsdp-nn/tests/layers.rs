@@ -88,7 +88,7 @@ fn train_pass<L: Layer>(
     let y = model.forward(Mode::Train, |h, ctx| h.l.forward(ctx, xt))?;
     let dy = Tensor::new(dev.upload(r)?, y.shape())?;
     let dx = model
-        .backward(|h, ctx| h.l.backward(ctx, dy, true))?
+        .backward(|h, ctx| h.l.backward_step(ctx, dy, true))?
         .ok_or("no dx")?;
     Ok((y.data().to_vec()?, y.shape(), dx.data().to_vec()?))
 }
@@ -205,7 +205,7 @@ proptest! {
         let x = values(seed, n * c * h * wd, 1.0);
         let out_len = n * oc * (h - k + 1) * (wd - k + 1);
         let r = f64s(&values(seed ^ 3, out_len, 1.0));
-        let (w, b, y, ys, dx, dw, db) = with_layer(|| Conv2d::new(c, oc, k, seed), |model| {
+        let (w, b, y, ys, dx, dw, db) = with_layer(|| Conv2d::new(c, oc, k).map(|l| l.with_seed(seed)), |model| {
             let (w, b) = (param(model, "l.weight")?, param(model, "l.bias")?);
             let (y, ys, dx) = train_pass(model, &x, &shape, &f32s(&r))?;
             Ok((w, b, y, ys, dx, grad(model, "l.weight")?, grad(model, "l.bias")?))
@@ -231,7 +231,7 @@ proptest! {
         let x = values(seed, tokens * inf, 1.0);
         let r = f64s(&values(seed ^ 3, tokens * outf, 1.0));
         let (w, b, y, dx, dw, db) = with_layer(
-            || Linear::<f32>::new(inf, outf, precision, seed),
+            || Linear::<f32>::new(inf, outf).and_then(|l| l.with_precision(precision)).map(|l| l.with_seed(seed)),
             |model| {
                 let (w, b) = (param(model, "l.weight")?, param(model, "l.bias")?);
                 let (y, _, dx) = train_pass(model, &x, &[tokens, inf], &f32s(&r))?;
@@ -386,7 +386,7 @@ fn backward_after_an_evaluation_forward_is_an_error() {
             let xt = Tensor::new(dev.upload(&x)?, Shape::matrix(2, 4)?)?;
             let y = m.forward(Mode::Eval, |h, ctx| h.l.forward(ctx, xt))?;
             let dy = Tensor::new(dev.upload(&x)?, y.shape())?;
-            Ok(m.backward(|h, ctx| h.l.backward(ctx, dy, true))
+            Ok(m.backward(|h, ctx| h.l.backward_step(ctx, dy, true))
                 .unwrap_err()
                 .to_string())
         },
@@ -447,7 +447,11 @@ fn fp8_linear_tracks_f32_linear() {
     let r = values(14, tokens * outf, 1.0);
     let run = |precision: LinearPrecision| {
         with_layer(
-            || Linear::<f32>::new(inf, outf, precision, 12),
+            || {
+                Linear::<f32>::new(inf, outf)
+                    .and_then(|l| l.with_precision(precision))
+                    .map(|l| l.with_seed(12))
+            },
             |m| {
                 // Two steps: the first uses the initial scale 1, the second the delayed scales.
                 let mut out = (Vec::new(), Vec::new());

@@ -143,7 +143,9 @@ fn fp8_run<T: Activation>(
 ) -> Vec<Fp8Run> {
     on_ranks(ranks, |comm| {
         let rank = comm.rank() as u64;
-        let lin = Linear::<T>::new(inf, outf, LinearPrecision::Fp8, seed)?;
+        let lin = Linear::<T>::new(inf, outf)?
+            .with_precision(LinearPrecision::Fp8)?
+            .with_seed(seed);
         let mut model = FsdpModel::new(lin, comm, WrapPolicy::Single, FsdpConfig::default())?;
         model.set_cpu_parallelism(CpuParallelism::Single);
         let dev = model.device().clone();
@@ -184,7 +186,7 @@ fn fp8_run<T: Activation>(
             let (x_t, x_scale_inv) = (saved.x_t.to_vec()?, saved.x_scale_inv.to_vec()?[0]);
             let dyt = Tensor::new(dev.upload(&to_t::<T>(&dy))?, Shape::matrix(tokens, outf)?)?;
             let dx = model
-                .backward(|lin, ctx| lin.backward(ctx, dyt, true))?
+                .backward(|lin, ctx| lin.backward_step(ctx, dyt, true))?
                 .ok_or("no dx")?;
             let pend = pending(&model)?;
             let grads = grad_shards(model.sharded())?;
@@ -383,7 +385,9 @@ fn check_float_linear(tokens: usize, inf: usize, outf: usize, seed: u64, accumul
     let x0 = values(seed ^ 5, tokens * inf, 1.0);
     let dy0 = values(seed ^ 6, tokens * outf, 1.0);
     let out = on_ranks(1, |comm| {
-        let lin = Linear::<f32>::new(inf, outf, LinearPrecision::F32, seed)?;
+        let lin = Linear::<f32>::new(inf, outf)?
+            .with_precision(LinearPrecision::F32)?
+            .with_seed(seed);
         let mut model = FsdpModel::new(lin, comm, WrapPolicy::Single, FsdpConfig::default())?;
         model.set_cpu_parallelism(CpuParallelism::Single);
         let dev = model.device().clone();
@@ -393,7 +397,7 @@ fn check_float_linear(tokens: usize, inf: usize, outf: usize, seed: u64, accumul
             let y = model.forward(Mode::Train, |lin, ctx| lin.forward(ctx, xt))?;
             let dyt = Tensor::new(dev.upload(dy)?, Shape::matrix(tokens, outf)?)?;
             let dx = model
-                .backward(|lin, ctx| lin.backward(ctx, dyt, true))?
+                .backward(|lin, ctx| lin.backward_step(ctx, dyt, true))?
                 .ok_or("no dx")?;
             Ok((y.data().to_vec()?, dx.data().to_vec()?))
         };
@@ -499,20 +503,31 @@ fn usage(e: NnError) -> String {
 #[test]
 fn linear_shape_errors() {
     // Bad construction.
-    assert!(Linear::<f32>::new(0, 4, LinearPrecision::Fp8, 1).is_err());
-    assert!(Linear::<f32>::new(4, 0, LinearPrecision::F32, 1).is_err());
+    assert!(Linear::<f32>::new(0, 4)
+        .and_then(|l| l.with_precision(LinearPrecision::Fp8))
+        .map(|l| l.with_seed(1))
+        .is_err());
+    assert!(Linear::<f32>::new(4, 0)
+        .and_then(|l| l.with_precision(LinearPrecision::F32))
+        .map(|l| l.with_seed(1))
+        .is_err());
     assert!(
-        Linear::<bf16>::new(4, 3, LinearPrecision::F32, 1).is_err(),
+        Linear::<bf16>::new(4, 3)
+            .and_then(|l| l.with_precision(LinearPrecision::F32))
+            .map(|l| l.with_seed(1))
+            .is_err(),
         "an F32 layer needs f32 activations"
     );
     on_ranks(1, |comm| {
         let dev = Device::cpu();
-        let lin = Linear::<f32>::new(4, 3, LinearPrecision::Fp8, 1)?;
+        let lin = Linear::<f32>::new(4, 3)?
+            .with_precision(LinearPrecision::Fp8)?
+            .with_seed(1);
         let mut model = FsdpModel::new(lin, comm, WrapPolicy::Single, FsdpConfig::default())?;
         // A backward before any forward.
         let dy = Tensor::new(dev.upload(&[0.0f32; 6])?, Shape::matrix(2, 3)?)?;
         let e = model
-            .backward(|lin, ctx| lin.backward(ctx, dy, true))
+            .backward(|lin, ctx| lin.backward_step(ctx, dy, true))
             .unwrap_err();
         assert!(usage(e).contains("before forward"));
         // An input whose last dimension is not the input features.
@@ -526,7 +541,7 @@ fn linear_shape_errors() {
         model.forward(Mode::Train, |lin, ctx| lin.forward(ctx, x))?;
         let dy = Tensor::new(dev.upload(&[0.0f32; 5])?, Shape::matrix(1, 5)?)?;
         let e = model
-            .backward(|lin, ctx| lin.backward(ctx, dy, true))
+            .backward(|lin, ctx| lin.backward_step(ctx, dy, true))
             .unwrap_err();
         assert!(usage(e).contains("output gradient of shape"));
         // The fused-producer entry points check their sizes: codes of the wrong length, an output shape
@@ -555,7 +570,9 @@ fn linear_shape_errors() {
     });
     // The FP8 entry points refuse a float layer.
     on_ranks(1, |comm| {
-        let lin = Linear::<f32>::new(4, 3, LinearPrecision::F32, 1)?;
+        let lin = Linear::<f32>::new(4, 3)?
+            .with_precision(LinearPrecision::F32)?
+            .with_seed(1);
         let mut model = FsdpModel::new(lin, comm, WrapPolicy::Single, FsdpConfig::default())?;
         let e = model.module_mut().fp8_input(&Device::cpu(), 2).unwrap_err();
         assert!(usage(e).contains("needs an FP8 layer"));

@@ -54,7 +54,9 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
         let rank = comm.rank() as u64;
         let mut h: Vec<Box<dyn Layer<bf16>>> = Vec::new();
         for b in 0..BLOCKS {
-            let mlp = Mlp::<bf16>::new(D, 4 * D, LinearPrecision::Fp8, 7 + b as u64)?
+            let mlp = Mlp::<bf16>::new(D, 4 * D)?
+                .with_precision(LinearPrecision::Fp8)?
+                .with_seed(7 + b as u64)
                 .fused(variant.fused)
                 .recompute_gelu(variant.recompute_gelu);
             if variant.recompute_block {
@@ -109,7 +111,7 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
             model.backward(|s, ctx| {
                 let mut dy = dy;
                 for (i, b) in s.h.iter_mut().enumerate().rev() {
-                    match b.backward(ctx, dy, i > 0)? {
+                    match b.backward_step(ctx, dy, i > 0)? {
                         Some(d) => dy = d,
                         None => break,
                     }

@@ -33,7 +33,9 @@ impl NormLinear {
         let norm = Norm::of_kind(kind, 48).unwrap().fused_fp8(fused);
         NormLinear {
             norm: if bias { norm.with_bias() } else { norm },
-            linear: Linear::new(48, 32, LinearPrecision::Fp8, 3)
+            linear: Linear::new(48, 32)
+                .and_then(|l| l.with_precision(LinearPrecision::Fp8))
+                .map(|l| l.with_seed(3))
                 .unwrap()
                 .without_bias(),
         }
@@ -135,7 +137,10 @@ fn fused_norm_refuses_a_mismatched_linear() {
     }
     let mut m = one_rank(Bad {
         norm: Norm::layer_norm(48).unwrap(),
-        linear: Linear::new(32, 16, LinearPrecision::Fp8, 1).unwrap(),
+        linear: Linear::new(32, 16)
+            .and_then(|l| l.with_precision(LinearPrecision::Fp8))
+            .map(|l| l.with_seed(1))
+            .unwrap(),
     });
     let x: Vec<bf16> = vec![bf16::ONE; 4 * 48];
     let x = Tensor::new(

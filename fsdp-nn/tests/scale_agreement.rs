@@ -46,9 +46,19 @@ fn step(ranks: usize, policy: WrapPolicy, gain: impl Fn(usize) -> f32 + Sync) ->
         let counting = CountingComm::new(comm);
         let comm: Arc<dyn Communicator> = counting.clone();
         let net = Sequential::new()
-            .push("fc1", Linear::new(IN, HID, LinearPrecision::Fp8, 1)?)
+            .push(
+                "fc1",
+                Linear::new(IN, HID)?
+                    .with_precision(LinearPrecision::Fp8)?
+                    .with_seed(1),
+            )
             .push("act", Relu::new())
-            .push("fc2", Linear::new(HID, OUT, LinearPrecision::Fp8, 2)?);
+            .push(
+                "fc2",
+                Linear::new(HID, OUT)?
+                    .with_precision(LinearPrecision::Fp8)?
+                    .with_seed(2),
+            );
         let mut model = FsdpModel::new(net, comm, policy.clone(), FsdpConfig::default())?;
         let options = AdamOptions {
             lr: 1e-2,
@@ -65,7 +75,7 @@ fn step(ranks: usize, policy: WrapPolicy, gain: impl Fn(usize) -> f32 + Sync) ->
         )?;
         let y = model.forward(Mode::Train, |net, ctx| net.forward(ctx, x))?;
         let dy = Tensor::new(dev.upload(&values(4, TOKENS * OUT, 1e-2 * g))?, y.shape())?;
-        model.backward(|net, ctx| net.backward(ctx, dy, false))?;
+        model.backward(|net, ctx| net.backward_params(ctx, dy))?;
         let reg = model.scaling();
         let mut qtypes = Vec::new();
         for i in 0..reg.len() {

@@ -8,8 +8,8 @@
 mod transformer_common;
 
 use fsdp_nn::{
-    BlockConfig, CausalSelfAttention, Embedding, Layer, LinearPrecision, LmHead, NnError, Norm,
-    Tensor, TokenBatch, TransformerBlock,
+    BlockConfig, CausalSelfAttention, Embedding, Layer, LmHead, NnError, Norm, Tensor, TokenBatch,
+    TransformerBlock,
 };
 use fsdp_shard::{Ctx, FsdpModel, Mode, Module, ParamId, ShardError, Visitor};
 use transformer_common::*;
@@ -40,7 +40,7 @@ impl<L: Layer<f32>> Probe<L> {
         shape: fsdp_nn::Shape,
     ) -> Result<(), NnError> {
         let dy = Tensor::new(ctx.device().upload(r)?, shape)?;
-        let dx = self.layer.backward(ctx, dy, true)?.expect("asked for dx");
+        let dx = self.layer.backward(ctx, dy)?;
         self.src.backward(ctx, &dx)
     }
 }
@@ -203,8 +203,9 @@ fn norm_accumulate_mode_is_the_residual_gradient() {
 #[test]
 fn attention_backward() {
     // d = 16 in 2 heads of 8; larger weights than GPT-2's so the softmax is far from uniform.
-    let attn =
-        CausalSelfAttention::<f32>::new(16, 2, [LinearPrecision::F32; 2], [0.4, 0.3], 5).unwrap();
+    let attn = CausalSelfAttention::<f32>::new(16, 2, [0.4, 0.3])
+        .unwrap()
+        .with_seed(5);
     check_layer("attention", attn, &[2, 5, 16], &[2, 5, 16], 3e-3);
 }
 
@@ -217,9 +218,9 @@ fn transformer_block_backward() {
         let cfg = BlockConfig {
             init_std: 0.3,
             proj_std: 0.2,
-            seed: 9,
+            seed: Some(9),
             norm,
-            ..BlockConfig::gpt2(16, 2, 2, LinearPrecision::F32)
+            ..BlockConfig::gpt2(16, 2, 2)
         };
         let block = TransformerBlock::<f32>::new(&cfg).unwrap();
         check_layer(
@@ -249,8 +250,14 @@ impl Module for Embed {
 fn embedding_backward() {
     let (vocab, d, seq, batch) = (20, 8, 6, 3);
     let mut model = one_rank(Embed {
-        wte: Embedding::new(vocab, d, 1).unwrap().with_std(0.5),
-        wpe: Embedding::new(seq + 2, d, 2).unwrap().with_std(0.5),
+        wte: Embedding::new(vocab, d)
+            .map(|l| l.with_seed(1))
+            .unwrap()
+            .with_std(0.5),
+        wpe: Embedding::new(seq + 2, d)
+            .map(|l| l.with_seed(2))
+            .unwrap()
+            .with_std(0.5),
     });
     // Repeated ids (7 three times, 0 and 19 at the ends of the table).
     let ids = [7, 3, 7, 0, 19, 7, 1, 2, 3, 4, 5, 6, 19, 18, 17, 16, 15, 14];
@@ -386,7 +393,8 @@ fn head_model(chunk: usize) -> FsdpModel<Head> {
     let (tokens, d, vocab) = (10, 8, 24);
     one_rank(Head {
         src: Source::new(&[tokens, d], uniform(tokens * d, 1.0, 21)),
-        head: LmHead::new(d, vocab, 22)
+        head: LmHead::new(d, vocab)
+            .map(|l| l.with_seed(22))
             .unwrap()
             .with_std(0.5)
             .with_chunk(chunk)

@@ -1,5 +1,7 @@
 //! The `fsdp-run` binary, with `sh -c` children: output prefixes, failure propagation, signal forwarding,
-//! and ranks that die with the launcher.
+//! ranks and the processes they start dying with the launcher, and the refusal of flags this host
+//! cannot honour (each message naming its flag). CPU-only: the sh ranks run with `--device cpu`, so the
+//! GPU count of the machine does not bound them.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,7 +21,16 @@ fn fsdp_run() -> Command {
 #[test]
 fn the_binary_prefixes_output_and_propagates_failure() {
     let out = fsdp_run()
-        .args(["--nproc", "2", "--", "sh", "-c", "echo hello from $RANK"])
+        .args([
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--",
+            "sh",
+            "-c",
+            "echo hello from $RANK",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success());
@@ -31,6 +42,8 @@ fn the_binary_prefixes_output_and_propagates_failure() {
         .args([
             "--nproc",
             "2",
+            "--device",
+            "cpu",
             "--master-port",
             "0",
             "--",
@@ -57,7 +70,7 @@ fn the_binary_forwards_sigterm_to_its_ranks() {
         dir.display()
     );
     let mut child = fsdp_run()
-        .args(["--nproc", "2", "--", "sh", "-c", &script])
+        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -104,7 +117,7 @@ fn ranks_die_when_the_launcher_is_killed() {
     // Each rank records its pid, then becomes a long sleep (exec keeps the pid).
     let script = format!("echo $$ > {}/pid_$RANK; exec sleep 60", dir.display());
     let mut launcher = fsdp_run()
-        .args(["--nproc", "2", "--", "sh", "-c", &script])
+        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -148,4 +161,236 @@ fn ranks_die_when_the_launcher_is_killed() {
     }
     assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The pids written to `dir/<name>` by the ranks, waiting up to 30 s for every file.
+fn wait_for_pids(dir: &std::path::Path, names: &[String]) -> Vec<i32> {
+    let start = Instant::now();
+    loop {
+        let read: Vec<Option<i32>> = names
+            .iter()
+            .map(|n| {
+                std::fs::read_to_string(dir.join(n))
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok())
+            })
+            .collect();
+        if read.iter().all(Option::is_some) {
+            return read.into_iter().flatten().collect();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the ranks did not write {names:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits up to `limit` for `pids` to stop running; SIGKILLs and returns those that did not.
+fn survivors_after(pids: &[i32], limit: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + limit;
+    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+    for &p in &alive {
+        // SAFETY: plain kill(2) of a process this test started (through the launcher); cleanup only.
+        unsafe {
+            libc::kill(p, libc::SIGKILL);
+        }
+    }
+    alive
+}
+
+#[test]
+fn processes_the_ranks_started_die_when_the_launcher_is_killed() {
+    let dir = temp_dir("grandchild");
+    // Each rank (a shell) starts a background sleep (in the rank's process group), records both pids and
+    // waits for the sleep.
+    let script = format!(
+        "sleep 300 & echo $! > {d}/child_$RANK; echo $$ > {d}/rank_$RANK; wait",
+        d = dir.display()
+    );
+    let mut launcher = fsdp_run()
+        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let names: Vec<String> = (0..2)
+        .flat_map(|r| [format!("rank_{r}"), format!("child_{r}")])
+        .collect();
+    let pids = wait_for_pids(&dir, &names);
+    assert!(
+        pids.iter().all(|&p| is_running(p)),
+        "ranks and their children {pids:?} not running"
+    );
+    launcher.kill().unwrap(); // SIGKILL: the launcher runs no cleanup
+    launcher.wait().unwrap();
+    let alive = survivors_after(&pids, Duration::from_secs(5));
+    assert!(
+        alive.is_empty(),
+        "{alive:?} of the ranks and their children {pids:?} outlived the launcher"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn what_a_rank_leaves_behind_in_its_group_ends_with_it() {
+    let dir = temp_dir("leftover");
+    // The rank starts a background sleep and exits at once, successfully.
+    let script = format!(
+        "sleep 300 & echo $! > {}/child_$RANK; exit 0",
+        dir.display()
+    );
+    let start = Instant::now();
+    let out = fsdp_run()
+        .args(["--nproc", "1", "--device", "cpu", "--", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let pids = wait_for_pids(&dir, &["child_0".to_string()]);
+    let alive = survivors_after(&pids, Duration::from_secs(5));
+    assert!(alive.is_empty(), "the rank's child {alive:?} outlived it");
+    // The sleep held the rank's output pipe; ending it lets the launcher finish at once.
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "launcher waited for the leftover"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs the launcher with `args` and returns (exit code, stderr), failing if it takes over 20 s.
+fn refused(args: &[&str]) -> (Option<i32>, String) {
+    let start = Instant::now();
+    let out = fsdp_run().args(args).output().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "fsdp-run {args:?} took {:?} to answer",
+        start.elapsed()
+    );
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
+    let dir = temp_dir("nproc");
+    let started = format!("touch {}/started_$RANK", dir.display());
+    let cores = std::thread::available_parallelism().unwrap().get();
+
+    // The probe's case: the default device (GPUs when the driver shows some, the CPU otherwise).
+    let (code, stderr) = refused(&["--nproc", "100000", "--", "sh", "-c", &started]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--nproc 100000 exceeds the limit of"),
+        "{stderr}"
+    );
+
+    // CPU ranks: 4 per core, and the message says so.
+    let over = (4 * cores + 1).to_string();
+    let (code, stderr) = refused(&[
+        "--nproc", &over, "--device", "cpu", "--", "sh", "-c", &started,
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    let limit = 4 * cores;
+    assert!(
+        stderr.contains(&format!("--nproc {over} exceeds the limit of {limit}:"))
+            && stderr.contains(&format!("4 per core on the {cores} core(s)")),
+        "{stderr}"
+    );
+
+    // CUDA ranks: the visible GPUs, or a refusal naming --device cuda where there are none.
+    let (code, stderr) = refused(&["--nproc", "100000", "--device", "cuda", "--", "true"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    match fsdp_comm::launch::visible_cuda_gpus() {
+        Ok(gpus) if gpus > 0 => assert!(
+            stderr.contains(&format!("--nproc 100000 exceeds the limit of {gpus}:"))
+                && stderr.contains(&format!("shows {gpus} GPU(s)")),
+            "{stderr}"
+        ),
+        _ => assert!(stderr.contains("--device cuda, but"), "{stderr}"),
+    }
+
+    let (code, stderr) = refused(&["--nproc", "0", "--", "true"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--nproc must be at least 1"), "{stderr}");
+    for bad in ["-1", "two"] {
+        let (code, stderr) = refused(&["--nproc", bad, "--", "true"]);
+        assert_eq!(code, Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!("invalid value '{bad}' for '--nproc")),
+            "{stderr}"
+        );
+    }
+
+    // Not one rank was started by any of these.
+    let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert!(leftovers.is_empty(), "ranks started: {leftovers:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_numbers_and_addresses_are_refused_naming_their_flag() {
+    for bad in ["1e300", "-1", "nan", "inf", "soon"] {
+        let (code, stderr) = refused(&["--nproc", "1", "--kill-grace", bad, "--", "true"]);
+        assert_eq!(code, Some(2), "--kill-grace {bad}: {stderr}");
+        assert!(
+            stderr.contains(&format!("invalid value '{bad}' for '--kill-grace"))
+                && stderr.contains("3600"),
+            "{stderr}"
+        );
+    }
+    let (code, stderr) = refused(&["--nproc", "1", "--master-port", "70000", "--", "true"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("invalid value '70000' for '--master-port"),
+        "{stderr}"
+    );
+
+    // A port something else listens on: rank 0 could not serve the rendezvous there.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let (code, stderr) = refused(&[
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--master-port",
+        &port,
+        "--",
+        "true",
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--master-port {port}: rank 0 could not listen")),
+        "{stderr}"
+    );
+    drop(busy);
+
+    // An address of another host (TEST-NET-1, reserved for documentation).
+    let (code, stderr) = refused(&[
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--master-addr",
+        "192.0.2.1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--master-addr 192.0.2.1: cannot listen"),
+        "{stderr}"
+    );
+
+    let (code, stderr) = refused(&["--nproc", "1", "--device", "gpu", "--", "true"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("invalid value 'gpu' for '--device"),
+        "{stderr}"
+    );
 }

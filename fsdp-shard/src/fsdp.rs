@@ -451,9 +451,10 @@ impl<M: Module> FsdpModel<M> {
             device: &device,
             scaling: &mut scaling,
         })?;
+        let seed = config.init_seed;
         let (sharded, masters) =
             ShardedModel::with_unit_init(layout.clone(), comm, config, &mut |wanted| {
-                initial_values(&mut module, wanted)
+                initial_values(&mut module, wanted, seed)
             })?;
         let schedule = Schedule::new(layout.units.len(), layout.root_unit());
         Ok(FsdpModel {
@@ -655,6 +656,45 @@ impl<M: Module> FsdpModel<M> {
             out: &mut copy,
             load: true,
         })
+    }
+
+    /// Whether the next backwards reduce their gradients (the default) or keep them in the full
+    /// buffers for the next micro-batch (no-sync accumulation; see [`ShardedModel::set_grad_sync`]).
+    pub fn set_grad_sync(&mut self, sync: bool) {
+        self.sharded.set_grad_sync(sync);
+    }
+
+    /// Divides every following gradient reduction by `divisor` (see [`FsdpConfig::grad_divisor`]): pass
+    /// `world_size * micro_batches` for the mean over a global batch.
+    pub fn set_grad_divisor(&mut self, divisor: f32) -> Result<(), ShardError> {
+        self.sharded.set_grad_divisor(divisor)
+    }
+
+    /// Saves a sharded checkpoint of the model (its shards and its module state: FP8 scaling metas and
+    /// counters), the optimizer's `state` and the caller's key/values `extra` into `dir`
+    /// (crash-consistent, see [`crate::checkpoint::save_sharded`]). Collective: every rank calls it.
+    pub fn save_checkpoint(
+        &mut self,
+        dir: &std::path::Path,
+        state: Option<&dyn crate::ShardedState>,
+        extra: &BTreeMap<String, String>,
+    ) -> Result<(), ShardError> {
+        let mut all = extra.clone();
+        all.extend(self.export_module_state()?);
+        crate::checkpoint::save_sharded(dir, &self.sharded, state, &all)
+    }
+
+    /// Loads what [`FsdpModel::save_checkpoint`] wrote (at any world size: shards are resharded) into the
+    /// model and the optimizer's `state`, restores the module state, and returns the checkpoint's key/values
+    /// with the saved world size.
+    pub fn load_checkpoint(
+        &mut self,
+        dir: &std::path::Path,
+        state: Option<&mut dyn crate::ShardedState>,
+    ) -> Result<crate::checkpoint::LoadedCheckpoint, ShardError> {
+        let loaded = crate::checkpoint::load_sharded(dir, &mut self.sharded, state)?;
+        self.import_module_state(&loaded.extra)?;
+        Ok(loaded)
     }
 
     /// Every parameter gathered as F32 (FP8 weights decoded with their scale), by name in visit order.

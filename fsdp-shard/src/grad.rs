@@ -12,7 +12,7 @@
 
 use crate::ShardError;
 use fp8_core::Fp8Format;
-use fp8_kernels::elementwise::add_at;
+use fp8_kernels::elementwise::{add_at, scale};
 use fp8_kernels::reduce::finite_amax_count;
 use fp8_kernels::{
     add_decoded_fp8, cast_to_fp8, convert, scale_from_amax, Buffer, Device, Element, FloatElement,
@@ -123,15 +123,26 @@ impl GradReducer {
         Some((self.scale.as_ref()?, self.scale_inv.as_ref()?))
     }
 
-    /// Reduce-scatters `full` (length `world_size * shard.len()`) and adds this rank's reduced chunk to `shard`
-    /// (F32, or BF16: the chunk is added in f32 and the sum rounded once to BF16).
+    /// Reduce-scatters `full` (length `world_size * shard.len()`) and adds this rank's reduced chunk,
+    /// divided by `divisor`, to `shard` (F32, or BF16: the chunk is added in f32 and the sum rounded once
+    /// to BF16). `full` is scratch afterwards (it may be scaled in place). A divisor of 1 costs nothing;
+    /// another one costs one pass over the smallest buffer that still gives one rounding: the received
+    /// chunk (F32), the full buffer before its BF16 rounding (BF16 wire), or the FP8 decode scale (FP8
+    /// wire). For a power of two the result is bitwise the sum of pre-divided gradients.
     pub fn reduce_scatter_add<D: FloatElement>(
         &mut self,
         comm: &dyn Communicator,
         mode: GradReduction,
-        full: &Buffer<f32>,
+        full: &mut Buffer<f32>,
         shard: &mut Buffer<D>,
+        divisor: f32,
     ) -> Result<(), ShardError> {
+        if !(divisor.is_finite() && divisor > 0.0) {
+            return Err(ShardError::InvalidArgument(format!(
+                "gradient divisor {divisor}: it must be finite and positive"
+            )));
+        }
+        let alpha = 1.0 / divisor;
         let ws = comm.world_size();
         if full.len() != shard.len() * ws {
             return Err(ShardError::InvalidArgument(format!(
@@ -147,14 +158,23 @@ impl GradReducer {
             GradReduction::F32 if ws == 1 => {
                 // One rank: the sum reduce-scatter is the identity, so the full buffer is added directly
                 // (the same values; no receive buffer the size of the unit, no copy).
+                if alpha != 1.0 {
+                    scale(full, alpha)?;
+                }
                 add_at(shard, 0, full)?;
             }
             GradReduction::F32 => {
                 let part = reuse(&dev, &mut s.part_f32, n)?;
-                comm.reduce_scatter(full.into(), (&mut *part).into(), ReduceOp::Sum)?;
+                comm.reduce_scatter((&*full).into(), (&mut *part).into(), ReduceOp::Sum)?;
+                if alpha != 1.0 {
+                    scale(part, alpha)?;
+                }
                 add_at(shard, 0, part)?;
             }
             GradReduction::Bf16 => {
+                if alpha != 1.0 {
+                    scale(full, alpha)?;
+                }
                 let wire = reuse(&dev, &mut s.wire_bf16, full.len())?;
                 convert(full, wire)?;
                 let part = reuse(&dev, &mut s.part_bf16, n)?;
@@ -170,18 +190,28 @@ impl GradReducer {
                 // 2. one all-reduce MAX on the device buffer: every rank gets the same scale;
                 comm.all_reduce_in_place(RecvBuf::F32(amax), ReduceOp::Max)?;
                 // 3. scale with the world pre-scale folded in, computed where the amax is;
-                let scale = scalar(&dev, &mut self.scale)?;
+                let scale_buf = scalar(&dev, &mut self.scale)?;
                 let scale_inv = scalar(&dev, &mut self.scale_inv)?;
-                scale_from_amax(amax, format, world_prescale_margin(ws), scale, scale_inv)?;
+                scale_from_amax(
+                    amax,
+                    format,
+                    world_prescale_margin(ws),
+                    scale_buf,
+                    scale_inv,
+                )?;
                 // 4. cast, FP8 sum reduce-scatter, decode + add.
                 let wire = reuse(&dev, &mut s.wire_u8, full.len())?;
-                cast_to_fp8(full, format, scale, wire, None)?;
+                cast_to_fp8(full, format, scale_buf, wire, None)?;
                 let part = reuse(&dev, &mut s.part_u8, n)?;
                 comm.reduce_scatter(
                     SendBuf::fp8(wire, format),
                     RecvBuf::Fp8(part, format),
                     ReduceOp::Sum,
                 )?;
+                if alpha != 1.0 {
+                    // The divisor folds into the decode scale (one element).
+                    scale(scale_inv, alpha)?;
+                }
                 add_decoded_fp8(shard, part, format, scale_inv)?;
             }
         }

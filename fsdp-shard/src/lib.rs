@@ -43,6 +43,8 @@ pub use layout::{
 };
 pub use memory::MemoryReport;
 pub use model::{FsdpConfig, GatheredParam, GradDtype, GradShard, ShardedModel, UnitShards};
-pub use module::{Module, ModulePath, ParamDecl, ParamId, ScalingDecl, ScalingId, Visitor};
+pub use module::{
+    param_seed, Module, ModulePath, ParamDecl, ParamId, ParamInit, ScalingDecl, ScalingId, Visitor,
+};
 pub use scaling::{ScalingRegistry, ScalingState, ScalingUse};
 pub use state::{ShardedState, StateShard};

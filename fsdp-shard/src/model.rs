@@ -42,6 +42,15 @@ pub struct FsdpConfig {
     pub weight_margin: i32,
     /// Storage type of the reduced gradient shards (both groups).
     pub grad_dtype: GradDtype,
+    /// Every reduced gradient is divided by this before it is added to the shards: 1 keeps the sum over
+    /// the ranks; `world_size * micro_batches` makes the shards hold the mean gradient of the global
+    /// batch, so a model's backward needs no `1 / (world_size * micro_batches)` factor of its own
+    /// ([`ShardedModel::set_grad_divisor`] changes it between steps, as a trainer does when the last step
+    /// of an epoch has fewer micro-batches).
+    pub grad_divisor: f32,
+    /// The model's seed: a parameter declared with [`crate::ParamDecl::seeded`] draws its initial values
+    /// from [`crate::module::param_seed`] of this seed and its dotted name.
+    pub init_seed: u64,
 }
 
 /// Storage type of the reduced gradient shards.
@@ -118,6 +127,8 @@ impl Default for FsdpConfig {
             grad_reduction: GradReduction::F32,
             weight_margin: 0,
             grad_dtype: GradDtype::F32,
+            grad_divisor: 1.0,
+            init_seed: 0,
         }
     }
 }
@@ -256,6 +267,12 @@ impl ShardedModel {
         config: FsdpConfig,
         init_unit: &mut UnitInit<'_>,
     ) -> Result<(Self, Vec<Vec<f32>>), ShardError> {
+        if !(config.grad_divisor.is_finite() && config.grad_divisor > 0.0) {
+            return Err(ShardError::InvalidArgument(format!(
+                "gradient divisor {}: it must be finite and positive",
+                config.grad_divisor
+            )));
+        }
         let device = comm.device().clone();
         let (rank, ws) = (comm.rank(), comm.world_size());
         let mut units = Vec::with_capacity(layout.units.len());
@@ -642,6 +659,22 @@ impl ShardedModel {
         self.sync_grads = sync;
     }
 
+    /// Sets [`FsdpConfig::grad_divisor`] for the following reductions (finite and positive).
+    pub fn set_grad_divisor(&mut self, divisor: f32) -> Result<(), ShardError> {
+        if !(divisor.is_finite() && divisor > 0.0) {
+            return Err(ShardError::InvalidArgument(format!(
+                "gradient divisor {divisor}: it must be finite and positive"
+            )));
+        }
+        self.config.grad_divisor = divisor;
+        Ok(())
+    }
+
+    /// Whether gradients are reduced at the end of each backward ([`ShardedModel::set_grad_sync`]).
+    pub fn grad_sync(&self) -> bool {
+        self.sync_grads
+    }
+
     /// Reduce-scatters unit `u`'s full gradients into this rank's gradient shards (adding to what they hold)
     /// and frees the full buffers. In no-sync mode it only keeps them for the next micro-batch.
     pub fn reduce_grads(&mut self, u: usize) -> Result<(), ShardError> {
@@ -653,7 +686,7 @@ impl ShardedModel {
             .get_mut(u)
             .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
         for g in ParamGroup::ALL {
-            if let Some(full) = shards.full_grads[g as usize].take() {
+            if let Some(mut full) = shards.full_grads[g as usize].take() {
                 // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
                 let mode = if g == ParamGroup::Fp8 {
                     self.config.grad_reduction
@@ -664,14 +697,16 @@ impl ShardedModel {
                     GradDtype::F32 => self.reducer.reduce_scatter_add(
                         self.comm.as_ref(),
                         mode,
-                        &full,
+                        &mut full,
                         &mut shards.grads[g as usize],
+                        self.config.grad_divisor,
                     )?,
                     GradDtype::Bf16 => self.reducer.reduce_scatter_add(
                         self.comm.as_ref(),
                         mode,
-                        &full,
+                        &mut full,
                         &mut shards.grads_bf16[g as usize],
+                        self.config.grad_divisor,
                     )?,
                 }
             }

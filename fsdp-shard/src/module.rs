@@ -106,8 +106,43 @@ impl Default for ScalingId {
     }
 }
 
+/// How a parameter's initial values are made (row-major f32; called once, when the model is built, the
+/// same on every rank).
+#[derive(Clone, Copy)]
+pub enum ParamInit<'a> {
+    /// Values that need no randomness (ones, zeros) or a layer's own explicit seed.
+    Fixed(&'a dyn Fn() -> Vec<f32>),
+    /// Values drawn from the parameter's seed ([`param_seed`] of the model's seed and the parameter's
+    /// dotted name), so two parameters never share a stream and the values do not depend on the order in
+    /// which layers were built.
+    Seeded(&'a dyn Fn(u64) -> Vec<f32>),
+}
+
+impl ParamInit<'_> {
+    /// The values, `seed` being the parameter's seed.
+    pub fn values(&self, seed: u64) -> Vec<f32> {
+        match self {
+            ParamInit::Fixed(f) => f(),
+            ParamInit::Seeded(f) => f(seed),
+        }
+    }
+}
+
+/// The seed of parameter `name` in a model seeded with `model_seed`: a hash of the dotted name (FNV-1a)
+/// mixed with the seed (SplitMix64's finaliser). Stable across builds and platforms.
+pub fn param_seed(model_seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let mut z = model_seed ^ h;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// A parameter as a module declares it: shape, kind, whether weight decay applies, and how to make its
-/// initial values (row-major f32; called once, when the model is built, the same on every rank).
+/// initial values.
 pub struct ParamDecl<'a> {
     /// Shape (row-major).
     pub shape: &'a [usize],
@@ -117,17 +152,28 @@ pub struct ParamDecl<'a> {
     /// (two or more dimensions) decay, vectors (biases, norm weights) do not.
     pub decay: bool,
     /// The initial values.
-    pub init: &'a dyn Fn() -> Vec<f32>,
+    pub init: ParamInit<'a>,
 }
 
 impl<'a> ParamDecl<'a> {
-    /// A parameter with the default decay rule (matrices decay, vectors do not).
+    /// A parameter with fixed initial values (no seed) and the default decay rule (matrices decay,
+    /// vectors do not).
     pub fn new(shape: &'a [usize], kind: ParamKind, init: &'a dyn Fn() -> Vec<f32>) -> Self {
         ParamDecl {
             shape,
             kind,
             decay: shape.len() >= 2,
-            init,
+            init: ParamInit::Fixed(init),
+        }
+    }
+
+    /// A parameter whose initial values are drawn from its own seed (see [`ParamInit::Seeded`]).
+    pub fn seeded(shape: &'a [usize], kind: ParamKind, init: &'a dyn Fn(u64) -> Vec<f32>) -> Self {
+        ParamDecl {
+            shape,
+            kind,
+            decay: shape.len() >= 2,
+            init: ParamInit::Seeded(init),
         }
     }
 
@@ -214,13 +260,20 @@ pub trait Visitor {
     fn counter(&mut self, _local: &str, _value: &mut u64) -> Result<(), ShardError> {
         Ok(())
     }
+
+    /// Called by [`Visitor::child`] with each child module (the path already entered) before the child
+    /// declares itself: the hook of a pass that acts on modules of a type rather than on declarations
+    /// (the FP8 conversion of linears finds them here through [`Module::as_any_mut`]).
+    fn module(&mut self, _module: &mut dyn Module) -> Result<(), ShardError> {
+        Ok(())
+    }
 }
 
 impl dyn Visitor + '_ {
     /// Visits child module `name` of the current module.
     pub fn child(&mut self, name: &str, module: &mut dyn Module) -> Result<(), ShardError> {
         self.path().push(name);
-        let r = module.visit(self);
+        let r = self.module(module).and_then(|()| module.visit(self));
         self.path().pop();
         r
     }
@@ -233,6 +286,12 @@ impl dyn Visitor + '_ {
 pub trait Module {
     /// Declares everything the module holds to `v`, children included (see [`Visitor::child`]).
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError>;
+
+    /// The module as [`std::any::Any`], for a pass that changes modules of one type before the model is
+    /// wrapped (see [`Visitor::module`]); `None` (the default) for modules no pass looks for.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 impl<M: Module> Module for Vec<M> {
@@ -248,6 +307,10 @@ impl<M: Module> Module for Vec<M> {
 impl<M: Module + ?Sized> Module for Box<M> {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         (**self).visit(v)
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        (**self).as_any_mut()
     }
 }
 
@@ -307,13 +370,16 @@ pub fn param_specs(module: &mut dyn Module) -> Result<Vec<ParamSpec>, ShardError
 }
 
 /// The initial values of the parameters with indices `wanted` (in that order), made by visiting the
-/// module (the `init` of each declaration is called only for those). Each must have its shape's size.
+/// module (the `init` of each declaration is called only for those, seeded ones with
+/// [`param_seed`]`(model_seed, name)`). Each must have its shape's size.
 pub fn initial_values(
     module: &mut dyn Module,
     wanted: &[usize],
+    model_seed: u64,
 ) -> Result<Vec<Vec<f32>>, ShardError> {
     struct InitValues<'a> {
         path: ModulePath,
+        model_seed: u64,
         wanted: &'a [usize],
         out: Vec<Option<Vec<f32>>>,
         next: usize,
@@ -331,7 +397,8 @@ pub fn initial_values(
             let i = self.next;
             self.next += 1;
             if let Some(k) = self.wanted.iter().position(|&w| w == i) {
-                let values = (decl.init)();
+                let name = self.path.member(local);
+                let values = decl.init.values(param_seed(self.model_seed, &name));
                 let numel: usize = decl.shape.iter().product();
                 if values.len() != numel {
                     return Err(ShardError::InvalidModel(format!(
@@ -348,6 +415,7 @@ pub fn initial_values(
     }
     let mut v = InitValues {
         path: ModulePath::root(),
+        model_seed,
         wanted,
         out: vec![None; wanted.len()],
         next: 0,
@@ -431,7 +499,7 @@ mod tests {
         assert_eq!(names, ["0.w", "1.w"]);
         assert_eq!(specs[1].module, "1");
         assert_eq!(
-            initial_values(&mut blocks, &[1]).unwrap(),
+            initial_values(&mut blocks, &[1], 0).unwrap(),
             vec![vec![0.0, 1.0, 2.0]]
         );
         assert!(!specs[0].decay, "vectors do not decay by default");
@@ -465,7 +533,7 @@ mod tests {
         }
         let mut wrong = Wrong(ParamId::UNSET);
         param_specs(&mut wrong).unwrap();
-        let e = initial_values(&mut wrong, &[0]).unwrap_err();
+        let e = initial_values(&mut wrong, &[0], 0).unwrap_err();
         assert!(e.to_string().contains("w"), "{e}");
     }
 }

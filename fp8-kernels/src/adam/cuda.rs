@@ -6,7 +6,9 @@ use super::control::{AdamControlParams, MasterSource, SlotScales};
 use super::{AdamGrad, AmaxSlots, Coefficients, LowPrecisionAdamState, WeightDecay};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::ADAM_MODULE;
-use crate::launch::{grid_1d, launch, one_block, optional_ptr, optional_ptr_mut, sm_count, BLOCK};
+use crate::launch::{
+    grid_1d, kernel_name, launch, one_block, optional_ptr, optional_ptr_mut, BLOCK,
+};
 use crate::{Buffer, CudaDevice, DType, Device, KernelError};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use std::ops::Range;
@@ -25,7 +27,7 @@ fn same(what: &'static str, dev: &CudaDevice, d: Device) -> Result<(), KernelErr
 /// A grid-stride launch over `n` elements taken `per_thread` at a time.
 fn grid(dev: &CudaDevice, n: usize, per_thread: u64) -> Result<LaunchConfig, KernelError> {
     Ok(grid_1d(
-        sm_count(dev)?,
+        dev.sm_count(),
         (n as u64).div_ceil(per_thread),
         BLOCKS_PER_SM,
     ))
@@ -84,7 +86,7 @@ pub(super) fn adam_f32<G: AdamGrad>(
         Coefficients::Host(c) => launch!(
             dev,
             &ADAM_MODULE,
-            format!("adam_f32_g_{g}"),
+            kernel_name!("adam_f32_g_", g),
             cfg,
             "adam_f32_g_<G>(float* master, float* m, float* v, const G* grad, u64 offset, u64 n, AdamCoef c, \
              float* amax, u64 slot)",
@@ -95,7 +97,7 @@ pub(super) fn adam_f32<G: AdamGrad>(
             launch!(
                 dev,
                 &ADAM_MODULE,
-                format!("adam_f32_ctl_g_{g}"),
+                kernel_name!("adam_f32_ctl_g_", g),
                 cfg,
                 "adam_f32_ctl_g_<G>(float* master, float* m, float* v, const G* grad, u64 offset, u64 n, \
                  const float* coef, float* amax, u64 slot)",
@@ -150,7 +152,7 @@ pub(super) fn adam_low_precision<G: AdamGrad>(
         Coefficients::Host(c) => launch!(
             dev,
             &ADAM_MODULE,
-            format!("adam_lp_g_{g}"),
+            kernel_name!("adam_lp_g_", g),
             cfg,
             "adam_lp_g_<G>(u16* master, u8* m, u16* v, const G* grad, u64 offset, u64 n, AdamCoef c, \
              const float* scales, u64 sbase, float* amax, u64 abase)",
@@ -161,7 +163,7 @@ pub(super) fn adam_low_precision<G: AdamGrad>(
             launch!(
                 dev,
                 &ADAM_MODULE,
-                format!("adam_lp_ctl_g_{g}"),
+                kernel_name!("adam_lp_ctl_g_", g),
                 cfg,
                 "adam_lp_ctl_g_<G>(u16* master, u8* m, u16* v, const G* grad, u64 offset, u64 n, \
                  const float* coef, const float* scales, u64 sbase, float* amax, u64 abase)",

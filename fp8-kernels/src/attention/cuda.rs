@@ -5,13 +5,13 @@
 //! file turns a validated call into grids, shared-memory sizes and kernel arguments.
 
 use super::{
-    attention_module, kernel_module, AttentionKernel, AttentionShape, BackwardKernels,
-    DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles, ResolvedConfig, TensorKernel,
+    attention_module, kernel_entry, kernel_module, AttentionKernel, AttentionShape,
+    BackwardKernels, DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles,
+    ResolvedConfig, TensorKernel,
 };
-use crate::launch::{function, sm_count};
+use crate::launch::{kernel_name, launch, Kernel};
 use crate::{CudaDevice, KernelError};
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
 /// Key rows per block of the fused backward.
@@ -52,18 +52,16 @@ pub(super) fn dq_smem_bytes(head_dim: usize, t: &QueryTiles) -> usize {
     (2 * t.block_rows() + 4 * t.key_rows) * (head_dim + 8) * 2
 }
 
-/// Raises the function's dynamic shared-memory limit to `bytes` (needed above 48 KiB), after checking
+/// Raises the kernel's dynamic shared-memory limit to `bytes` (needed above 48 KiB), after checking
 /// that the GPU allows that much per block.
 fn allow_dynamic_smem(
     dev: &CudaDevice,
-    f: &CudaFunction,
+    kernel: &Kernel,
     bytes: usize,
     what: &'static str,
 ) -> Result<(), KernelError> {
-    let limit = dev
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-    if bytes > limit.max(0) as usize {
+    let limit = dev.shared_memory_per_block_optin();
+    if bytes > limit {
         return Err(bad(
             what,
             format!(
@@ -72,12 +70,7 @@ fn allow_dynamic_smem(
             ),
         ));
     }
-    dev.context().bind_to_thread()?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        bytes as i32,
-    )?;
-    Ok(())
+    kernel.allow_dynamic_smem(bytes)
 }
 
 fn require_tensor_cores(dev: &CudaDevice, what: &'static str) -> Result<(), KernelError> {
@@ -122,31 +115,25 @@ pub(super) fn forward(
     let hd = shape.head_dim;
     match cfg.kernel {
         AttentionKernel::Simple => {
-            let f = function(
+            // qkv of B*T*3*H*HD, out of B*T*H*HD and lse of B*H*T elements (checked by the caller); bf16
+            // is a 16-bit word on both sides; grid-stride over the B*H*T rows.
+            launch!(
                 dev,
                 attention_module(hd, KernelFamily::Simple),
-                &format!("attn_fwd_simple_hd{hd}"),
+                kernel_name!("attn_fwd_simple_hd", hd),
+                row_grid(shape),
+                "attn_fwd_simple_hd<HD>(const u16* qkv, u16* out, float* lse, int B, int T, int H, \
+                 float scale)",
+                [qkv, out, lse, &b, &t, &h, &cfg.scale]
             )?;
-            let mut l = dev.stream().launch_builder(&f);
-            l.arg(qkv)
-                .arg(out)
-                .arg(lse)
-                .arg(&b)
-                .arg(&t)
-                .arg(&h)
-                .arg(&cfg.scale);
-            // SAFETY: attn_fwd_simple_hd<HD>(const u16* qkv, u16* out, float* lse, int B, int T, int H,
-            // float scale) with qkv of B*T*3*H*HD, out of B*T*H*HD and lse of B*H*T elements (checked by
-            // the caller); bf16 is a 16-bit word on both sides; grid-stride over the B*H*T rows.
-            unsafe { l.launch(row_grid(shape)) }?;
         }
         AttentionKernel::Mma => {
             require_tensor_cores(dev, WHAT)?;
             let tiles = cfg.forward;
-            let kernel = TensorKernel::Forward(tiles);
-            let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
+            let (module, entry) = kernel_entry(hd, TensorKernel::Forward(tiles));
+            let kernel = Kernel::new(dev, module, entry)?;
             let smem = forward_smem_bytes(hd, &tiles);
-            allow_dynamic_smem(dev, &f, smem, WHAT)?;
+            allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
             let launch = LaunchConfig {
                 grid_dim: (
                     (shape.batch * shape.heads) as u32,
@@ -157,19 +144,16 @@ pub(super) fn forward(
                 shared_mem_bytes: smem as u32,
             };
             let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-            let mut l = dev.stream().launch_builder(&f);
-            l.arg(qkv)
-                .arg(out)
-                .arg(lse)
-                .arg(&t)
-                .arg(&h)
-                .arg(&scale_log2);
-            // SAFETY: attn_fwd_w<NW>m<MT>n<BN>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H,
-            // float scale_log2): grid (B*H, ceil(T / BM)) with BM = 16 * MT * NW query rows per block of
-            // 32 * NW threads (the tiles' warps), the dynamic shared memory its tiles need (limit raised
-            // above); lengths as in the simple kernel (checked by the caller); every global access is
-            // bounded by T.
-            unsafe { l.launch(launch) }?;
+            // Grid (B*H, ceil(T / BM)) with BM = 16 * MT * NW query rows per block of 32 * NW threads
+            // (the tiles' warps), the dynamic shared memory its tiles need (limit raised above); lengths
+            // as in the simple kernel (checked by the caller); every global access is bounded by T.
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_fwd_w<NW>m<MT>n<BN>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
+                 float scale_log2)",
+                [qkv, out, lse, &t, &h, &scale_log2]
+            )?;
         }
     }
     Ok(())
@@ -181,7 +165,7 @@ pub(super) struct BackwardPlan {
     pub splits: usize,
     /// dQ accumulator buffers of `B*T*H*hd` F32 each.
     pub buffers: usize,
-    f: CudaFunction,
+    kernel: Kernel,
     smem: usize,
 }
 
@@ -215,10 +199,10 @@ pub(super) fn fused_plan(
     const WHAT: &str = "attention_backward";
     require_tensor_cores(dev, WHAT)?;
     let hd = shape.head_dim;
-    let kernel = TensorKernel::Fused { query_rows: rows };
-    let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
+    let (module, entry) = kernel_entry(hd, TensorKernel::Fused { query_rows: rows });
+    let kernel = Kernel::new(dev, module, entry)?;
     let smem = fused_smem_bytes(hd, rows);
-    allow_dynamic_smem(dev, &f, smem, WHAT)?;
+    allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
     let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
     let (splits, buffers) = match cfg.dq_accumulation {
         DqAccumulation::Atomic => (key_blocks, 1),
@@ -226,10 +210,11 @@ pub(super) fn fused_plan(
             let s = match cfg.backward_splits {
                 Some(s) => s.clamp(1, key_blocks),
                 None => {
-                    let per_sm = f
+                    let per_sm = kernel
+                        .function()
                         .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
                         .max(1) as usize;
-                    let slots = per_sm * sm_count(dev)? as usize;
+                    let slots = per_sm * dev.sm_count() as usize;
                     auto_splits(
                         shape.batch * shape.heads,
                         slots,
@@ -244,7 +229,7 @@ pub(super) fn fused_plan(
     Ok(BackwardPlan {
         splits,
         buffers,
-        f,
+        kernel,
         smem,
     })
 }
@@ -296,47 +281,42 @@ pub(super) fn backward(
 
     // D = rowsum(dO * O), one warp per row.
     {
-        let f = function(dev, module, "attn_bwd_dot_rows")?;
         let rows = shape.batch * shape.seq_len * shape.heads;
-        let cap = sm_count(dev)? as usize * 32;
+        let cap = dev.sm_count() as usize * 32;
         let launch = LaunchConfig {
             grid_dim: (rows.div_ceil(8).clamp(1, cap) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = dev.stream().launch_builder(&f);
-        l.arg(out)
-            .arg(d_out)
-            .arg(&mut *d_ws)
-            .arg(&b)
-            .arg(&t)
-            .arg(&h)
-            .arg(&hd_i);
-        // SAFETY: attn_bwd_dot_rows(const u16* out, const u16* dout, float* D, int B, int T, int H, int
-        // HD): out and dout hold B*T*H*HD elements, D at least B*H*T (checked by the caller); rows are
+        let ds = &mut *d_ws;
+        // out and dout hold B*T*H*HD elements, D at least B*H*T (checked by the caller); rows are
         // visited by a grid-stride loop bounded by B*T*H.
-        unsafe { l.launch(launch) }?;
+        launch!(
+            dev,
+            module,
+            "attn_bwd_dot_rows",
+            launch,
+            "attn_bwd_dot_rows(const u16* out, const u16* dout, float* D, int B, int T, int H, int HD)",
+            [out, d_out, ds, &b, &t, &h, &hd_i]
+        )?;
     }
 
     match cfg.kernel {
         AttentionKernel::Simple => {
             for name in ["attn_bwd_simple_dq", "attn_bwd_simple_dkdv"] {
-                let f = function(dev, module, &format!("{name}_hd{hd}"))?;
-                let mut l = dev.stream().launch_builder(&f);
-                l.arg(qkv)
-                    .arg(d_out)
-                    .arg(lse)
-                    .arg(&*d_ws)
-                    .arg(&mut *d_qkv)
-                    .arg(&b)
-                    .arg(&t)
-                    .arg(&h)
-                    .arg(&cfg.scale);
-                // SAFETY: attn_bwd_simple_{dq,dkdv}_hd<HD>(const u16* qkv, const u16* dout, const float*
-                // lse, const float* D, u16* dqkv, int B, int T, int H, float scale): qkv and dqkv hold
-                // B*T*3*H*HD elements, dout B*T*H*HD, lse and D at least B*H*T (checked by the caller);
-                // grid-stride over the B*H*T rows. The two kernels write disjoint slots of dqkv.
-                unsafe { l.launch(row_grid(shape)) }?;
+                let (ds, dq) = (&*d_ws, &mut *d_qkv);
+                // qkv and dqkv hold B*T*3*H*HD elements, dout B*T*H*HD, lse and D at least B*H*T
+                // (checked by the caller); grid-stride over the B*H*T rows. The two kernels write
+                // disjoint slots of dqkv.
+                launch!(
+                    dev,
+                    module,
+                    kernel_name!(name, "_hd", hd),
+                    row_grid(shape),
+                    "attn_bwd_simple_{dq,dkdv}_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
+                     const float* D, u16* dqkv, int B, int T, int H, float scale)",
+                    [qkv, d_out, lse, ds, dq, &b, &t, &h, &cfg.scale]
+                )?;
             }
         }
         AttentionKernel::Mma => match cfg.backward {
@@ -367,50 +347,41 @@ pub(super) fn backward(
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: plan.smem as u32,
                 };
-                let f = &plan.f;
                 let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
                 {
-                    let mut l = dev.stream().launch_builder(f);
-                    l.arg(qkv)
-                        .arg(d_out)
-                        .arg(lse)
-                        .arg(&*d_ws)
-                        .arg(&mut *dq_ws)
-                        .arg(&stride)
-                        .arg(&mut *d_qkv)
-                        .arg(&t)
-                        .arg(&h)
-                        .arg(&cfg.scale)
-                        .arg(&scale_log2);
-                    // SAFETY: attn_bwd_fused_q<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse,
-                    // const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, float
-                    // scale, float scale_log2): grid (B*H, splits) of 128 threads with the shared memory its
-                    // tiles need (limit raised above); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0
-                    // else 1) buffers (checked above), the other lengths as in the simple path (checked by
-                    // the caller); every global access is bounded by T.
-                    unsafe { l.launch(launch) }?;
+                    let (ds, acc, dq) = (&*d_ws, &mut *dq_ws, &mut *d_qkv);
+                    // Grid (B*H, splits) of 128 threads with the shared memory its tiles need (limit
+                    // raised by fused_plan); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0 else
+                    // 1) buffers (checked above), the other lengths as in the simple path (checked by the
+                    // caller); every global access is bounded by T.
+                    launch!(
+                        kernel: &plan.kernel,
+                        launch,
+                        "attn_bwd_fused_q<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
+                         const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, \
+                         float scale, float scale_log2)",
+                        [qkv, d_out, lse, ds, acc, &stride, dq, &t, &h, &cfg.scale, &scale_log2]
+                    )?;
                 }
-                let f = function(dev, module, "attn_bwd_dq_convert")?;
-                let cap = sm_count(dev)? as u64 * 16;
+                let cap = dev.sm_count() as u64 * 16;
                 let launch = LaunchConfig {
                     grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
-                let mut l = dev.stream().launch_builder(&f);
-                l.arg(&*dq_ws)
-                    .arg(&nbuf_i)
-                    .arg(&nbuf_stride)
-                    .arg(&mut *d_qkv)
-                    .arg(&n_u)
-                    .arg(&h)
-                    .arg(&hd_i)
-                    .arg(&cfg.scale);
-                // SAFETY: attn_bwd_dq_convert(const float* acc, int nbuf, u64 stride, u16* dqkv, u64 n, int H,
-                // int HD, float scale): acc holds nbuf buffers of n = B*T*H*HD elements (checked above),
-                // dqkv B*T*3*H*HD; grid-stride over n.
-                unsafe { l.launch(launch) }?;
+                let (acc, dq) = (&*dq_ws, &mut *d_qkv);
+                // acc holds nbuf buffers of n = B*T*H*HD elements (checked above), dqkv B*T*3*H*HD;
+                // grid-stride over n.
+                launch!(
+                    dev,
+                    module,
+                    "attn_bwd_dq_convert",
+                    launch,
+                    "attn_bwd_dq_convert(const float* acc, int nbuf, u64 stride, u16* dqkv, u64 n, int H, \
+                     int HD, float scale)",
+                    [acc, &nbuf_i, &nbuf_stride, dq, &n_u, &h, &hd_i, &cfg.scale]
+                )?;
             }
         },
     }
@@ -453,30 +424,26 @@ fn separate_backward(
         ),
     ];
     for (kernel, smem, warps, blocks) in kernels {
-        let f = function(dev, kernel_module(hd, kernel), &kernel.name(hd))?;
-        allow_dynamic_smem(dev, &f, smem, WHAT)?;
+        let (module, entry) = kernel_entry(hd, kernel);
+        let kernel = Kernel::new(dev, module, entry)?;
+        allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
         let launch = LaunchConfig {
             grid_dim: (pairs, blocks as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut l = dev.stream().launch_builder(&f);
-        l.arg(qkv)
-            .arg(d_out)
-            .arg(lse)
-            .arg(d_ws)
-            .arg(&mut *d_qkv)
-            .arg(&t)
-            .arg(&h)
-            .arg(&cfg.scale)
-            .arg(&scale_log2);
-        // SAFETY: attn_bwd_dkdv_<tiles>_hd<HD> and attn_bwd_dq_<tiles>_hd<HD>(const u16* qkv, const u16*
-        // dout, const float* lse, const float* D, u16* dqkv, int T, int H, float scale, float
-        // scale_log2): grid (B*H, ceil(T / rows per block)) of 32 * warps threads with the dynamic shared
-        // memory the tiles need (limit raised above); qkv and dqkv hold B*T*3*H*HD elements, dout
-        // B*T*H*HD, lse and D at least B*H*T (checked by the caller); every global access is bounded
-        // by T. The dK/dV kernel writes the k and v slots of dqkv, the dQ kernel the q slot.
-        unsafe { l.launch(launch) }?;
+        let dq = &mut *d_qkv;
+        // Grid (B*H, ceil(T / rows per block)) of 32 * warps threads with the dynamic shared memory the
+        // tiles need (limit raised above); qkv and dqkv hold B*T*3*H*HD elements, dout B*T*H*HD, lse and
+        // D at least B*H*T (checked by the caller); every global access is bounded by T. The dK/dV
+        // kernel writes the k and v slots of dqkv, the dQ kernel the q slot.
+        launch!(
+            kernel: &kernel,
+            launch,
+            "attn_bwd_{dkdv,dq}_<tiles>_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
+             const float* D, u16* dqkv, int T, int H, float scale, float scale_log2)",
+            [qkv, d_out, lse, d_ws, dq, &t, &h, &cfg.scale, &scale_log2]
+        )?;
     }
     Ok(())
 }
@@ -495,9 +462,9 @@ pub(super) fn layout_probe(
         LayoutProbe::PB => "attn_probe_pb",
         LayoutProbe::AtB => "attn_probe_atb",
     };
-    let f = function(dev, attention_module(64, KernelFamily::Probes), name)?;
+    let kernel = Kernel::new(dev, attention_module(64, KernelFamily::Probes), name)?;
     let smem = 4 * 64 * 72 * 2;
-    allow_dynamic_smem(dev, &f, smem, WHAT)?;
+    allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
     let stream = dev.stream();
     let b_dev = stream.clone_htod(b)?;
     let mut out = stream.alloc_zeros::<f32>(64 * 64)?;
@@ -506,23 +473,28 @@ pub(super) fn layout_probe(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
+    let (bs, os) = (&b_dev, &mut out);
+    // Each operand 64 x 64 (the caller checked the host lengths), one block of 128 threads with the
+    // shared memory above.
     match probe {
         LayoutProbe::PB => {
             let a_dev = stream.clone_htod(a)?;
-            let mut l = stream.launch_builder(&f);
-            l.arg(&a_dev).arg(&b_dev).arg(&mut out);
-            // SAFETY: attn_probe_pb(const float* p, const u16* b, float* out), each 64 x 64 (the caller
-            // checked the host lengths), one block of 128 threads with the shared memory above.
-            unsafe { l.launch(launch) }?;
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_probe_pb(const float* p, const u16* b, float* out)",
+                [&a_dev, bs, os]
+            )?;
         }
         LayoutProbe::ABt | LayoutProbe::AtB => {
             let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
             let a_dev = stream.clone_htod(&a16)?;
-            let mut l = stream.launch_builder(&f);
-            l.arg(&a_dev).arg(&b_dev).arg(&mut out);
-            // SAFETY: attn_probe_{abt,atb}(const u16* a, const u16* b, float* out), each 64 x 64 (checked
-            // by the caller), one block of 128 threads with the shared memory above.
-            unsafe { l.launch(launch) }?;
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_probe_{abt,atb}(const u16* a, const u16* b, float* out)",
+                [&a_dev, bs, os]
+            )?;
         }
     }
     Ok(stream.clone_dtoh(&out)?)

@@ -192,18 +192,44 @@ impl TensorKernel {
 /// first request and kept for the process (a few per process; the caller checks that `kernel` is a
 /// compiled variant for `head_dim`).
 pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelModule {
+    &single_kernel_module(head_dim, kernel).module
+}
+
+/// [`kernel_module`] and the kernel's entry-point name ([`TensorKernel::name`]), both built once per
+/// process, so a launch builds no string.
+pub(crate) fn kernel_entry(
+    head_dim: usize,
+    kernel: TensorKernel,
+) -> (&'static KernelModule, &'static str) {
+    let m = single_kernel_module(head_dim, kernel);
+    (&m.module, m.entry)
+}
+
+/// A module of one tensor-core kernel and that kernel's entry point.
+struct SingleKernelModule {
+    module: KernelModule,
+    entry: &'static str,
+}
+
+fn single_kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static SingleKernelModule {
     use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock, PoisonError};
-    static MODULES: OnceLock<Mutex<HashMap<(usize, TensorKernel), &'static KernelModule>>> =
-        OnceLock::new();
-    let mut map = MODULES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
+    use std::sync::{OnceLock, PoisonError, RwLock};
+    type Modules = RwLock<HashMap<(usize, TensorKernel), &'static SingleKernelModule>>;
+    static MODULES: OnceLock<Modules> = OnceLock::new();
+    let modules = MODULES.get_or_init(Default::default);
+    // The map is valid after any panic elsewhere (an insert either happened or not).
+    if let Some(m) = modules
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&(head_dim, kernel))
+    {
+        return m;
+    }
+    let mut map = modules.write().unwrap_or_else(PoisonError::into_inner);
     map.entry((head_dim, kernel)).or_insert_with(|| {
         let [kind, a, b, c] = kernel.selector();
-        let name: &'static str =
-            Box::leak(format!("fp8_kernels_{}", kernel.name(head_dim)).into_boxed_str());
+        let entry: &'static str = Box::leak(kernel.name(head_dim).into_boxed_str());
+        let name: &'static str = Box::leak(format!("fp8_kernels_{entry}").into_boxed_str());
         let source: &'static str = Box::leak(
             format!(
                 "#define ATT_HD {head_dim}\n#define ATT_ONLY_KIND {kind}\n#define ATT_ONLY_A {a}\n\
@@ -212,10 +238,13 @@ pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelMo
             )
             .into_boxed_str(),
         );
-        Box::leak(Box::new(KernelModule {
-            name,
-            files: ATTENTION_MODULE.files,
-            source,
+        Box::leak(Box::new(SingleKernelModule {
+            module: KernelModule {
+                name,
+                files: ATTENTION_MODULE.files,
+                source,
+            },
+            entry,
         }))
     })
 }

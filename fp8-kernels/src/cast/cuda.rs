@@ -3,7 +3,7 @@
 use super::{format_name, CurrentScaling};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::CAST_MODULE;
-use crate::launch::{cast_transpose_launch, grid_1d, launch, optional_ptr_mut, sm_count};
+use crate::launch::{cast_transpose_launch, grid_1d, kernel_name, launch, optional_ptr_mut};
 use crate::{Buffer, CudaDevice, FloatElement, KernelError};
 use cudarc::driver::LaunchConfig;
 use fp8_core::{Fp8Format, ScaleRounding};
@@ -14,7 +14,7 @@ const STREAM_BLOCKS_PER_SM: u32 = 8;
 /// A grid-stride launch over `n` elements taken `per_thread` at a time.
 fn vec_launch(dev: &CudaDevice, n: usize, per_thread: usize) -> Result<LaunchConfig, KernelError> {
     let items = (n / per_thread) as u64 + 1;
-    Ok(grid_1d(sm_count(dev)?, items, STREAM_BLOCKS_PER_SM))
+    Ok(grid_1d(dev.sm_count(), items, STREAM_BLOCKS_PER_SM))
 }
 
 /// `amax[slot] = max(amax[slot], max |x|)`.
@@ -31,7 +31,7 @@ pub(super) fn amax<T: FloatElement>(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("amax_{}", T::NAME),
+        kernel_name!("amax_", T::NAME),
         cfg,
         "amax_<T>(const T* x, float* amax, int slot, u64 n)",
         [xs, a, &slot, &n]
@@ -58,7 +58,7 @@ pub(super) fn cast<T: FloatElement>(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("cast_fp8_{}_{}", T::NAME, format_name(format)),
+        kernel_name!("cast_fp8_", T::NAME, "_", format_name(format)),
         cfg,
         "cast_fp8_<T>_<fmt>(const T* x, u8* y, const float* scale, float* amax, int slot, u64 n)",
         [xs, ys, ss, &amax.ptr, &slot, &n]
@@ -95,7 +95,7 @@ pub(super) fn cast_current<T: FloatElement>(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("cast_fp8_current_{}_{}", T::NAME, format_name(spec.format)),
+        kernel_name!("cast_fp8_current_", T::NAME, "_", format_name(spec.format)),
         cfg,
         "cast_fp8_current_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, const float* amax, \
          float fmax, int margin, int exact, u64 n)",
@@ -119,7 +119,7 @@ pub(super) fn dequantize<T: FloatElement>(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("dequant_{}_{}", format_name(format), T::NAME),
+        kernel_name!("dequant_", format_name(format), "_", T::NAME),
         cfg,
         "dequant_<fmt>_<T>(const u8* q, T* y, const float* scale_inv, u64 n)",
         [qs, ys, si, &n]
@@ -136,8 +136,8 @@ pub(super) fn add_decoded<D: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "add_decoded_fp8";
     let name = match D::NAME {
-        "f32" => format!("add_decoded_{}", format_name(format)),
-        "bf16" => format!("add_decoded_{}_to_bf16", format_name(format)),
+        "f32" => kernel_name!("add_decoded_", format_name(format)),
+        "bf16" => kernel_name!("add_decoded_", format_name(format), "_to_bf16"),
         other => {
             return Err(KernelError::InvalidArgument {
                 what: WHAT,
@@ -146,7 +146,7 @@ pub(super) fn add_decoded<D: FloatElement>(
         }
     };
     let n = q.len() as u64;
-    let cfg = grid_1d(sm_count(dev)?, n, STREAM_BLOCKS_PER_SM);
+    let cfg = grid_1d(dev.sm_count(), n, STREAM_BLOCKS_PER_SM);
     let (qs, si, d) = (cs(q, WHAT)?, cs(scale_inv, WHAT)?, cs_mut(dst, WHAT)?);
     launch!(
         dev,
@@ -172,7 +172,7 @@ pub(super) fn cast_transpose<T: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "cast_transpose_to_fp8";
     dev.require_fp8()?;
-    let cfg = cast_transpose_launch(sm_count(dev)?, rows, cols);
+    let cfg = cast_transpose_launch(dev.sm_count(), rows, cols);
     let (r, c) = (rows as i32, cols as i32);
     let slot = amax.as_ref().map_or(0, |(_, s)| *s as i32);
     let (xs, ss, yt) = (cs(x, WHAT)?, cs(scale, WHAT)?, cs_mut(out_t, WHAT)?);
@@ -183,7 +183,7 @@ pub(super) fn cast_transpose<T: FloatElement>(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("cast_transpose_{}_{}", T::NAME, format_name(format)),
+        kernel_name!("cast_transpose_", T::NAME, "_", format_name(format)),
         cfg,
         "cast_transpose_<T>_<fmt>(const T* x, u8* y, u8* yt, const float* scale, float* amax, int slot, \
          int rows, int cols)",
@@ -204,7 +204,7 @@ pub(super) fn convert<S: FloatElement, D: FloatElement>(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("convert_{}_{}", S::NAME, D::NAME),
+        kernel_name!("convert_", S::NAME, "_", D::NAME),
         cfg,
         "convert_<S>_<D>(const S* x, D* y, u64 n)",
         [xs, ys, &n]
@@ -227,7 +227,7 @@ pub(super) fn encode_bit_patterns(
     launch!(
         dev,
         &CAST_MODULE,
-        format!("fp8_bits_{}", format_name(format)),
+        kernel_name!("fp8_bits_", format_name(format)),
         cfg,
         "fp8_bits_<fmt>(u8* y, u32 start, u64 n, int canonical_nan)",
         [ys, &start, &n, &flag]

@@ -3,7 +3,7 @@
 use super::Conv2dGeometry;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::CONV_MODULE;
-use crate::launch::{grid_1d, launch, sm_count};
+use crate::launch::{grid_1d, kernel_name, launch};
 use crate::{Buffer, CudaDevice, FloatElement, KernelError};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
@@ -47,7 +47,7 @@ fn repr(g: &Conv2dGeometry) -> ConvGeomRepr {
 
 /// A grid-stride launch over `n` work items.
 fn grid(dev: &CudaDevice, n: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(sm_count(dev)?, n, BLOCKS_PER_SM))
+    Ok(grid_1d(dev.sm_count(), n, BLOCKS_PER_SM))
 }
 
 pub(super) fn im2col(
@@ -100,7 +100,7 @@ pub(super) fn transpose_batched<T: FloatElement>(
     launch!(
         dev,
         &CONV_MODULE,
-        format!("transpose_batched_{}", T::NAME),
+        kernel_name!("transpose_batched_", T::NAME),
         grid(dev, b * r * c)?,
         "transpose_batched_<T>(const T* x, T* y, u64 batch, u64 rows, u64 cols)",
         [xs, ys, &b, &r, &c]

@@ -3,9 +3,9 @@
 use super::{CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec, CROSS_ENTROPY_MODULE};
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::launch::{function, sm_count};
+use crate::launch::{kernel_name, launch, one_block};
 use crate::{Buffer, CudaDevice, KernelError};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Threads per row (`CE_THREADS`).
 const THREADS: u32 = 512;
@@ -36,12 +36,15 @@ pub(super) fn cross_entropy<T: FloatElement>(
         return Ok(());
     }
     // The register kernels are declared for 2 (8 vectors) and 1 (16 vectors) resident blocks per SM.
-    let (name, per_sm) = match vectors_per_thread(launch) {
-        0 => (format!("cross_entropy_{}", T::NAME), BLOCKS_PER_SM),
-        n => (format!("cross_entropy_{}_nv{n}", T::NAME), 16 / n as u64),
+    let nv = vectors_per_thread(launch);
+    let (name, per_sm) = match nv {
+        0 => (kernel_name!("cross_entropy_", T::NAME), BLOCKS_PER_SM),
+        n => (
+            kernel_name!("cross_entropy_", T::NAME, "_nv", n),
+            16 / n as u64,
+        ),
     };
-    let f = function(dev, &CROSS_ENTROPY_MODULE, &name)?;
-    let blocks = (spec.rows as u64).min(sm_count(dev)? as u64 * per_sm);
+    let blocks = (spec.rows as u64).min(dev.sm_count() as u64 * per_sm);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -52,41 +55,33 @@ pub(super) fn cross_entropy<T: FloatElement>(
     let write_grad = spec.grad_scale.is_some() as i32;
     let ignore = spec.ignore_index.unwrap_or(0);
     let has_ignore = spec.ignore_index.is_some() as i32;
-    let stream = dev.stream();
-    {
-        let mut b = stream.launch_builder(&f);
-        b.arg(cs_mut(logits, WHAT)?)
-            .arg(cs(targets, WHAT)?)
-            .arg(cs_mut(out.lse, WHAT)?)
-            .arg(cs_mut(out.loss, WHAT)?)
-            .arg(cs_mut(out.invalid_targets, WHAT)?)
-            .arg(&offset)
-            .arg(&rows)
-            .arg(&vocab)
-            .arg(&grad_scale)
-            .arg(&ignore)
-            .arg(&has_ignore)
-            .arg(&write_grad);
-        // SAFETY: `cross_entropy_<T>[_nv8|_nv16](T* logits, const int* targets, float* lse, float* loss,
-        // u32* invalid, int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
-        // int write_grad)` with 512 threads (the nv entries exist for bf16 only, checked by the caller);
-        // logits hold rows*vocab elements, targets, lse and loss at least offset + rows, invalid at least
-        // one (checked by the caller). Targets outside 0..vocab are never used as indices.
-        unsafe { b.launch(cfg) }?;
-    }
-    let g = function(dev, &CROSS_ENTROPY_MODULE, "cross_entropy_loss_sum")?;
-    let cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (SUM_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut b = stream.launch_builder(&g);
-    b.arg(cs(out.loss, WHAT)?)
-        .arg(&offset)
-        .arg(&rows)
-        .arg(cs_mut(out.loss_sum, WHAT)?);
-    // SAFETY: `cross_entropy_loss_sum(const float* loss, int offset, int n, float* acc)` with one block of
-    // 256 threads; loss holds at least offset + rows elements, acc at least one.
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    // The nv entries exist for bf16 only (checked by the caller); targets outside 0..vocab are never used
+    // as indices; logits hold rows*vocab elements, targets, lse and loss at least offset + rows, invalid
+    // at least one (checked by the caller).
+    let (xs, ts) = (cs_mut(logits, WHAT)?, cs(targets, WHAT)?);
+    let (lse, loss, invalid) = (
+        cs_mut(out.lse, WHAT)?,
+        cs_mut(out.loss, WHAT)?,
+        cs_mut(out.invalid_targets, WHAT)?,
+    );
+    launch!(
+        dev,
+        &CROSS_ENTROPY_MODULE,
+        name,
+        cfg,
+        "cross_entropy_<T>[_nv8|_nv16](T* logits, const int* targets, float* lse, float* loss, \
+         u32* invalid, int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore, \
+         int write_grad)",
+        [xs, ts, lse, loss, invalid, &offset, &rows, &vocab, &grad_scale, &ignore, &has_ignore, &write_grad]
+    )?;
+    // One block of 256 threads; loss holds at least offset + rows elements, acc at least one.
+    let (loss, sum) = (cs(out.loss, WHAT)?, cs_mut(out.loss_sum, WHAT)?);
+    launch!(
+        dev,
+        &CROSS_ENTROPY_MODULE,
+        "cross_entropy_loss_sum",
+        one_block(SUM_THREADS),
+        "cross_entropy_loss_sum(const float* loss, int offset, int n, float* acc)",
+        [loss, &offset, &rows, sum]
+    )
 }

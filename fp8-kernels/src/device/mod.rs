@@ -10,12 +10,15 @@
 
 mod buffer;
 mod element;
+mod functions;
 
 pub use buffer::{check_len, host_buffer_bytes, reset_host_buffer_peak, Buffer, HostBufferBytes};
 pub(crate) use buffer::{cuda_slice, cuda_slice_mut, shape_len};
 pub use element::{DType, Element, FloatElement};
+pub(crate) use functions::{KernelName, LoadedFunction, NamePart};
 
 use crate::KernelError;
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream};
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -178,7 +181,8 @@ pub fn cuda_library_status() -> Result<(), KernelError> {
     Ok(())
 }
 
-/// A CUDA GPU: context, compute and communication streams, and the loaded kernel modules.
+/// A CUDA GPU: context, compute and communication streams, the loaded kernel modules and functions, and
+/// the limits launches are shaped by (queried once, when the device is opened).
 #[derive(Clone)]
 pub struct CudaDevice {
     inner: Arc<CudaInner>,
@@ -189,7 +193,13 @@ struct CudaInner {
     stream: Arc<CudaStream>,
     comm_stream: Arc<CudaStream>,
     compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    sm_count: u32,
+    /// Most shared memory a block may use when a kernel opts in (above the default 48 KiB).
+    smem_per_block_optin: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Functions of the loaded modules, each looked up once (see [`CudaDevice::function`]).
+    functions: functions::FunctionCache<LoadedFunction>,
     /// Per-device state of kernel families, one value per type (see [`CudaDevice::state`]).
     states: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
     /// Freed buffers kept for reuse (see [`BufferCache`]).
@@ -228,6 +238,12 @@ impl CudaDevice {
         }
         let ctx = CudaContext::new(ordinal)?;
         let compute_capability = ctx.compute_capability()?;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as u32;
+        let smem_per_block_optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+            .max(0) as usize;
         let stream = ctx.new_stream()?;
         let comm_stream = ctx.new_stream()?;
         Ok(CudaDevice {
@@ -236,7 +252,10 @@ impl CudaDevice {
                 stream,
                 comm_stream,
                 compute_capability,
+                sm_count,
+                smem_per_block_optin,
                 modules: Mutex::new(HashMap::new()),
+                functions: functions::FunctionCache::default(),
                 states: Mutex::new(HashMap::new()),
                 cache: Mutex::new(BufferCache::default()),
             }),
@@ -304,6 +323,17 @@ impl CudaDevice {
         self.inner.compute_capability
     }
 
+    /// Number of streaming multiprocessors (launch grids are sized by it).
+    pub fn sm_count(&self) -> u32 {
+        self.inner.sm_count
+    }
+
+    /// Most bytes of shared memory one block may use when its kernel opts in to more than the default
+    /// 48 KiB (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`).
+    pub fn shared_memory_per_block_optin(&self) -> usize {
+        self.inner.smem_per_block_optin
+    }
+
     /// An error unless the GPU has FP8 instructions (compute capability 8.9 or newer).
     pub fn require_fp8(&self) -> Result<(), KernelError> {
         let (maj, min) = self.compute_capability();
@@ -337,6 +367,21 @@ impl CudaDevice {
         let m = self.inner.ctx.load_module(ptx)?;
         cache.insert(module.name, m.clone());
         Ok(m)
+    }
+
+    /// Function `name` of `module`, looked up once per device (compiling the module on first use, see
+    /// [`CudaDevice::load_kernel_module`]) and shared by every later launch, from any thread.
+    pub(crate) fn function(
+        &self,
+        module: &crate::kernel_source::KernelModule,
+        name: KernelName,
+    ) -> Result<Arc<LoadedFunction>, KernelError> {
+        self.inner
+            .functions
+            .get_or_load(module.name, name, |joined| {
+                let m = self.load_kernel_module(module)?;
+                Ok(LoadedFunction::new(m.load_function(joined)?))
+            })
     }
 
     /// This device's value of type `S`, created by `make` on first use and shared afterwards (the

@@ -4,7 +4,7 @@
 use super::{Dropout, GeluApprox};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::ELEMENTWISE_MODULE;
-use crate::launch::{grid_1d, launch, sm_count};
+use crate::launch::{grid_1d, kernel_name, launch};
 use crate::{Buffer, CudaDevice, FloatElement, KernelError};
 use cudarc::driver::LaunchConfig;
 
@@ -13,7 +13,7 @@ const BLOCKS_PER_SM: u32 = 8;
 
 /// A grid-stride launch over `n` work items.
 fn grid(dev: &CudaDevice, n: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(sm_count(dev)?, n, BLOCKS_PER_SM))
+    Ok(grid_1d(dev.sm_count(), n, BLOCKS_PER_SM))
 }
 
 pub(super) fn bias_add<T: FloatElement>(
@@ -30,7 +30,7 @@ pub(super) fn bias_add<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("bias_add_{}", T::NAME),
+        kernel_name!("bias_add_", T::NAME),
         cfg,
         "bias_add_<T>(T* x, const T* b, u64 rows, u64 cols)",
         [xs, bs, &r, &c]
@@ -48,7 +48,7 @@ pub(super) fn relu_forward<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("relu_fwd_{}", T::NAME),
+        kernel_name!("relu_fwd_", T::NAME),
         grid(dev, n)?,
         "relu_fwd_<T>(const T* x, T* y, u64 n)",
         [xs, ys, &n]
@@ -67,7 +67,7 @@ pub(super) fn relu_backward<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("relu_bwd_{}", T::NAME),
+        kernel_name!("relu_bwd_", T::NAME),
         grid(dev, n)?,
         "relu_bwd_<T>(const T* x, const T* dy, T* dx, u64 n)",
         [xs, gs, ds, &n]
@@ -87,7 +87,7 @@ pub(super) fn gelu_forward<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("gelu_fwd_{}", T::NAME),
+        kernel_name!("gelu_fwd_", T::NAME),
         grid(dev, n)?,
         "gelu_fwd_<T>(const T* x, T* y, u64 n, int exact)",
         [xs, ys, &n, &exact]
@@ -108,7 +108,7 @@ pub(super) fn gelu_backward<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("gelu_bwd_{}", T::NAME),
+        kernel_name!("gelu_bwd_", T::NAME),
         grid(dev, n)?,
         "gelu_bwd_<T>(const T* x, const T* dy, T* dx, u64 n, int exact)",
         [xs, gs, ds, &n, &exact]
@@ -130,7 +130,7 @@ pub(super) fn dropout_forward<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("dropout_fwd_{}", T::NAME),
+        kernel_name!("dropout_fwd_", T::NAME),
         grid(dev, n)?,
         "dropout_fwd_<T>(const T* x, T* y, u8* mask, u64 n, u64 seed, u64 offset, u32 threshold, \
          float scale)",
@@ -151,7 +151,7 @@ pub(super) fn dropout_backward<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("dropout_bwd_{}", T::NAME),
+        kernel_name!("dropout_bwd_", T::NAME),
         grid(dev, n)?,
         "dropout_bwd_<T>(const T* dy, const u8* mask, T* dx, u64 n, float scale)",
         [gs, ms, ds, &n, &scale]
@@ -168,7 +168,7 @@ pub(super) fn scale<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("scale_{}", T::NAME),
+        kernel_name!("scale_", T::NAME),
         grid(dev, n)?,
         "scale_<T>(T* x, u64 n, float a)",
         [xs, &n, &a]
@@ -187,7 +187,7 @@ pub(super) fn axpy<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("axpy_{}", T::NAME),
+        kernel_name!("axpy_", T::NAME),
         grid(dev, n)?,
         "axpy_<T>(const T* x, T* y, u64 n, float a)",
         [xs, ys, &n, &a]
@@ -206,7 +206,7 @@ pub(super) fn add<T: FloatElement>(
     launch!(
         dev,
         &ELEMENTWISE_MODULE,
-        format!("add_{}", T::NAME),
+        kernel_name!("add_", T::NAME),
         grid(dev, n)?,
         "add_<T>(const T* a, const T* b, T* out, u64 n)",
         [as_, bs, os, &n]
@@ -221,8 +221,8 @@ pub(super) fn add_at<D: FloatElement, S: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "add_at";
     let name = match D::NAME {
-        "f32" => format!("add_at_{}", S::NAME),
-        "bf16" => format!("add_at_{}_to_bf16", S::NAME),
+        "f32" => kernel_name!("add_at_", S::NAME),
+        "bf16" => kernel_name!("add_at_", S::NAME, "_to_bf16"),
         other => {
             return Err(KernelError::InvalidArgument {
                 what: WHAT,

@@ -3,14 +3,11 @@
 use super::{PositionGrad, PositionTable, RowGroups, EMBEDDING_MODULE};
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::launch::{function, grid_1d, sm_count};
+use crate::launch::{grid_1d, kernel_name, launch, optional_ptr};
 use crate::{Buffer, CudaDevice, KernelError};
-use cudarc::driver::PushKernelArg;
 
 /// Blocks per SM of the grid-stride kernels.
 const BLOCKS_PER_SM: u32 = 8;
-/// A null device pointer (no position table).
-const NULL_PTR: u64 = 0;
 
 fn index_of<'a>(
     groups: &'a RowGroups,
@@ -36,32 +33,24 @@ pub(super) fn forward<T: FloatElement, O: FloatElement>(
         return Ok(());
     }
     let (ids, _) = index_of(groups, WHAT)?;
-    let f = function(
-        dev,
-        &EMBEDDING_MODULE,
-        &format!("embedding_fwd_{}_{}", T::NAME, O::NAME),
-    )?;
     let items = (groups.len() * d.div_ceil(8)) as u64;
-    let cfg = grid_1d(sm_count(dev)?, items, BLOCKS_PER_SM);
+    let cfg = grid_1d(dev.sm_count(), items, BLOCKS_PER_SM);
     let (n, dd, vocab) = (groups.len() as i32, d as i32, groups.vocab as i32);
     let seq = positions.as_ref().map_or(1, |p| p.seq) as i32;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(cs(table, WHAT)?);
-    match &positions {
-        Some(p) => b.arg(cs(p.table, WHAT)?),
-        None => b.arg(&NULL_PTR),
-    };
-    b.arg(cs(ids, WHAT)?)
-        .arg(cs_mut(out, WHAT)?)
-        .arg(&n)
-        .arg(&dd)
-        .arg(&vocab)
-        .arg(&seq);
-    // SAFETY: `embedding_fwd_<T>_<O>(const T* table, const T* pos or null, const int* ids, O* out, int n,
-    // int d, int vocab, int seq)`; table holds vocab*d elements, pos at least seq*d, ids n, out n*d
-    // (checked by the caller); ids outside 0..vocab are not read through.
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    let (ts, is, os) = (cs(table, WHAT)?, cs(ids, WHAT)?, cs_mut(out, WHAT)?);
+    let pos = positions.map(|p| cs(p.table, WHAT)).transpose()?;
+    let pos = optional_ptr(pos, dev.stream());
+    // table holds vocab*d elements, pos at least seq*d, ids n, out n*d (checked by the caller); ids
+    // outside 0..vocab are not read through.
+    launch!(
+        dev,
+        &EMBEDDING_MODULE,
+        kernel_name!("embedding_fwd_", T::NAME, "_", O::NAME),
+        cfg,
+        "embedding_fwd_<T>_<O>(const T* table, const T* pos, const int* ids, O* out, int n, int d, \
+         int vocab, int seq)",
+        [ts, &pos.ptr, is, os, &n, &dd, &vocab, &seq]
+    )
 }
 
 pub(super) fn backward<G: FloatElement, D: FloatElement>(
@@ -85,7 +74,7 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
             idx.len()
         )));
     }
-    let sms = sm_count(dev)?;
+    let sms = dev.sm_count();
     let nvec = d.div_ceil(8);
     let dd = d as i32;
     let stream = dev.stream();
@@ -94,67 +83,53 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
     // pointer is valid when there is no slot.
     let mut partial = unsafe { stream.alloc::<f32>((groups.partial_slots * d).max(1)) }?;
     {
-        let f = function(
-            dev,
-            &EMBEDDING_MODULE,
-            &format!("embedding_bwd_chunks_{}_{}", G::NAME, D::NAME),
-        )?;
         let cfg = grid_1d(sms, (groups.chunks * nvec) as u64, BLOCKS_PER_SM);
         let chunks = groups.chunks as i32;
         let (order, starts, dests) = (idx.slice(o..cs0), idx.slice(cs0..cd), idx.slice(cd..mr));
-        let mut b = stream.launch_builder(&f);
-        b.arg(cs(dy, WHAT)?)
-            .arg(&order)
-            .arg(&starts)
-            .arg(&dests)
-            .arg(&chunks)
-            .arg(&dd)
-            .arg(cs_mut(d_table, WHAT)?)
-            .arg(&mut partial);
-        // SAFETY: `embedding_bwd_chunks_<G>_<D>(const G* dy, const u32* order, const u32* chunk_start,
-        // const u32* chunk_dest, int chunks, int d, D* d_table, float* partial)`; the index views hold n,
-        // chunks + 1 and chunks words built by RowGroups (positions < n, table rows < vocab, slots <
-        // partial_slots); dy holds n*d elements, d_table vocab*d (checked by the caller).
-        unsafe { b.launch(cfg) }?;
-    }
-    if groups.multi_groups > 0 {
-        let f = function(
+        let (gs, ts, ps) = (cs(dy, WHAT)?, cs_mut(d_table, WHAT)?, &mut partial);
+        // The index views hold n, chunks + 1 and chunks words built by RowGroups (positions < n, table
+        // rows < vocab, slots < partial_slots); dy holds n*d elements, d_table vocab*d (checked by the
+        // caller).
+        launch!(
             dev,
             &EMBEDDING_MODULE,
-            &format!("embedding_bwd_multi_{}", D::NAME),
+            kernel_name!("embedding_bwd_chunks_", G::NAME, "_", D::NAME),
+            cfg,
+            "embedding_bwd_chunks_<G>_<D>(const G* dy, const u32* order, const u32* chunk_start, \
+             const u32* chunk_dest, int chunks, int d, D* d_table, float* partial)",
+            [gs, &order, &starts, &dests, &chunks, &dd, ts, ps]
         )?;
+    }
+    if groups.multi_groups > 0 {
         let cfg = grid_1d(sms, (groups.multi_groups * nvec) as u64, BLOCKS_PER_SM);
         let m = groups.multi_groups as i32;
         let (rows, first) = (idx.slice(mr..mf), idx.slice(mf..end));
-        let mut b = stream.launch_builder(&f);
-        b.arg(&partial)
-            .arg(&rows)
-            .arg(&first)
-            .arg(&m)
-            .arg(&dd)
-            .arg(cs_mut(d_table, WHAT)?);
-        // SAFETY: `embedding_bwd_multi_<D>(const float* partial, const u32* multi_row, const u32*
-        // multi_first, int groups, int d, D* d_table)`; multi_row holds `groups` table rows < vocab,
-        // multi_first groups + 1 increasing slot offsets <= partial_slots; partial holds partial_slots*d.
-        unsafe { b.launch(cfg) }?;
-    }
-    if let Some(p) = d_positions {
-        let f = function(
+        let (ps, ts) = (&partial, cs_mut(d_table, WHAT)?);
+        // multi_row holds `groups` table rows < vocab, multi_first groups + 1 increasing slot offsets <=
+        // partial_slots; partial holds partial_slots*d.
+        launch!(
             dev,
             &EMBEDDING_MODULE,
-            &format!("embedding_bwd_pos_{}_{}", G::NAME, D::NAME),
+            kernel_name!("embedding_bwd_multi_", D::NAME),
+            cfg,
+            "embedding_bwd_multi_<D>(const float* partial, const u32* multi_row, const u32* multi_first, \
+             int groups, int d, D* d_table)",
+            [ps, &rows, &first, &m, &dd, ts]
         )?;
+    }
+    if let Some(p) = d_positions {
         let cfg = grid_1d(sms, (p.seq * nvec) as u64, BLOCKS_PER_SM);
         let (batch, seq) = ((groups.len() / p.seq) as i32, p.seq as i32);
-        let mut b = stream.launch_builder(&f);
-        b.arg(cs(dy, WHAT)?)
-            .arg(&batch)
-            .arg(&seq)
-            .arg(&dd)
-            .arg(cs_mut(p.grad, WHAT)?);
-        // SAFETY: `embedding_bwd_pos_<G>_<D>(const G* dy, int batch, int seq, int d, D* d_pos)`; dy holds
-        // batch*seq*d elements, d_pos at least seq*d (checked by the caller).
-        unsafe { b.launch(cfg) }?;
+        let (gs, ps) = (cs(dy, WHAT)?, cs_mut(p.grad, WHAT)?);
+        // dy holds batch*seq*d elements, d_pos at least seq*d (checked by the caller).
+        launch!(
+            dev,
+            &EMBEDDING_MODULE,
+            kernel_name!("embedding_bwd_pos_", G::NAME, "_", D::NAME),
+            cfg,
+            "embedding_bwd_pos_<G>_<D>(const G* dy, int batch, int seq, int d, D* d_pos)",
+            [gs, &batch, &seq, &dd, ps]
+        )?;
     }
     Ok(())
 }

@@ -4,7 +4,7 @@ use crate::cast::format_name;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::elementwise::GeluApprox;
 use crate::kernel_source::GELU_CAST_MODULE;
-use crate::launch::{cast_transpose_launch, launch, optional_ptr_mut, sm_count};
+use crate::launch::{cast_transpose_launch, kernel_name, launch, optional_ptr_mut};
 use crate::{AmaxSlot, Buffer, CudaDevice, FloatElement, KernelError};
 use fp8_core::Fp8Format;
 
@@ -28,7 +28,7 @@ pub(super) fn gelu_cast<T: FloatElement>(
     codes: Codes<'_, '_>,
 ) -> Result<(), KernelError> {
     dev.require_fp8()?;
-    let cfg = cast_transpose_launch(sm_count(dev)?, rows, cols);
+    let cfg = cast_transpose_launch(dev.sm_count(), rows, cols);
     let (r, c) = (rows as i32, cols as i32);
     let exact = (approx == GeluApprox::Erf) as i32;
     let Codes {
@@ -52,7 +52,7 @@ pub(super) fn gelu_cast<T: FloatElement>(
         None => launch!(
             dev,
             &GELU_CAST_MODULE,
-            format!("gelu_cast_transpose_{}_{fmt}", T::NAME),
+            kernel_name!("gelu_cast_transpose_", T::NAME, "_", fmt),
             cfg,
             "gelu_cast_transpose_<T>_<fmt>(const T* x, u8* y, u8* yt, const float* scale, float* amax, \
              int slot, int rows, int cols, int exact)",
@@ -63,7 +63,7 @@ pub(super) fn gelu_cast<T: FloatElement>(
             launch!(
                 dev,
                 &GELU_CAST_MODULE,
-                format!("gelu_bwd_cast_transpose_{}_{fmt}", T::NAME),
+                kernel_name!("gelu_bwd_cast_transpose_", T::NAME, "_", fmt),
                 cfg,
                 "gelu_bwd_cast_transpose_<T>_<fmt>(const T* x, const T* dy, u8* y, u8* yt, \
                  const float* scale, float* amax, int slot, int rows, int cols, int exact)",

@@ -6,10 +6,9 @@ use super::{
 };
 use crate::cast::{format_name, FloatElement};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::launch::{function, sm_count};
+use crate::launch::{kernel_name, launch, optional_ptr, optional_ptr_mut, Kernel};
 use crate::{Buffer, CudaDevice, DType, KernelError};
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Threads per block of the forward kernels (they assume it: 8 warps), and the most for the backward.
 const THREADS: u32 = 256;
@@ -20,8 +19,6 @@ const STAGE_BYTES_MAX: usize = 110 * 1024;
 const TILE_BYTES_MAX: usize = 96 * 1024;
 /// Bytes of padding per tile row (`LN_TILE_PAD` in the kernel).
 const TILE_PAD: usize = 16;
-/// A null device pointer (no bias, no amax).
-const NULL_PTR: u64 = 0;
 
 /// The register bound of the row kernels: vectors of 8 elements per lane kept in registers (4, 8, 12 or
 /// 16), or 0 to re-read rows from memory. Register-held variants exist for bf16 rows whose length is a
@@ -54,15 +51,15 @@ fn blocks_per_sm(smem: usize) -> usize {
 }
 
 /// One warp per row, grid-stride over rows.
-fn row_launch(dev: &CudaDevice, rows: usize) -> Result<LaunchConfig, KernelError> {
+fn row_launch(dev: &CudaDevice, rows: usize) -> LaunchConfig {
     let warps_per_block = (THREADS / 32) as usize;
     let blocks = rows.div_ceil(warps_per_block).max(1) as u64;
-    let cap = sm_count(dev)? as u64 * 8;
-    Ok(LaunchConfig {
+    let cap = dev.sm_count() as u64 * 8;
+    LaunchConfig {
         grid_dim: (blocks.min(cap) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
-    })
+    }
 }
 
 fn rms_flag(spec: &NormSpec) -> i32 {
@@ -83,32 +80,22 @@ pub(super) fn forward<T: FloatElement>(
         return Ok(());
     }
     let nv = vectors_per_lane(spec, T::DTYPE == DType::BF16);
-    let f = function(
-        dev,
-        &LAYER_NORM_FORWARD_MODULE,
-        &format!("ln_fwd_{}_nv{nv}", T::NAME),
-    )?;
-    let cfg = row_launch(dev, spec.rows)?;
+    let cfg = row_launch(dev, spec.rows);
     let (rows, d, eps, rms) = (spec.rows as i32, spec.d as i32, spec.eps, rms_flag(spec));
     let NormStats { mean, rstd } = stats;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(cs(x, WHAT)?).arg(cs(weight, WHAT)?);
-    match bias {
-        Some(bb) => b.arg(cs(bb, WHAT)?),
-        None => b.arg(&NULL_PTR),
-    };
-    b.arg(cs_mut(mean, WHAT)?)
-        .arg(cs_mut(rstd, WHAT)?)
-        .arg(cs_mut(y, WHAT)?)
-        .arg(&rows)
-        .arg(&d)
-        .arg(&eps)
-        .arg(&rms);
-    // SAFETY: `ln_fwd_<T>_nv<NV>(const T* x, const T* w, const T* b or null, float* mean, float* rstd, T* y,
-    // int rows, int d, float eps, int rms)` launched with 256 threads; x and y hold rows*d elements, w and
-    // b d, mean and rstd rows (checked by the caller).
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    let (xs, ws) = (cs(x, WHAT)?, cs(weight, WHAT)?);
+    let (ms, rs, ys) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?, cs_mut(y, WHAT)?);
+    let bias = optional_ptr(bias.map(|b| cs(b, WHAT)).transpose()?, dev.stream());
+    // 256 threads; x and y hold rows*d elements, w and b d, mean and rstd rows (checked by the caller).
+    launch!(
+        dev,
+        &LAYER_NORM_FORWARD_MODULE,
+        kernel_name!("ln_fwd_", T::NAME, "_nv", nv),
+        cfg,
+        "ln_fwd_<T>_nv<NV>(const T* x, const T* w, const T* b, float* mean, float* rstd, T* y, int rows, \
+         int d, float eps, int rms)",
+        [xs, ws, &bias.ptr, ms, rs, ys, &rows, &d, &eps, &rms]
+    )
 }
 
 /// Rows per tile of the FP8 kernel: the largest power of two up to 16 whose code tile fits the budget.
@@ -136,8 +123,18 @@ pub(super) fn forward_fp8<T: FloatElement>(
         return Ok(());
     }
     let nv = vectors_per_lane(spec, T::DTYPE == DType::BF16);
-    let name = format!("ln_fwd_fp8_{}_{}_nv{nv}", T::NAME, format_name(out.format));
-    let f = function(dev, &LAYER_NORM_FORWARD_MODULE, &name)?;
+    let kernel = Kernel::new(
+        dev,
+        &LAYER_NORM_FORWARD_MODULE,
+        kernel_name!(
+            "ln_fwd_fp8_",
+            T::NAME,
+            "_",
+            format_name(out.format),
+            "_nv",
+            nv
+        ),
+    )?;
     let tr = match spec.launch.tile_rows {
         Some(t) if t.is_power_of_two() && t <= 32 => t,
         Some(t) => {
@@ -156,15 +153,12 @@ pub(super) fn forward_fp8<T: FloatElement>(
         });
     }
     if smem > 48 * 1024 {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
+        kernel.allow_dynamic_smem(smem)?;
     }
     let tiles = spec.rows.div_ceil(tr) as u64;
     let per_sm = blocks_per_sm(smem) as u64;
     let cfg = LaunchConfig {
-        grid_dim: (tiles.min(sm_count(dev)? as u64 * per_sm) as u32, 1, 1),
+        grid_dim: (tiles.min(dev.sm_count() as u64 * per_sm) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -176,41 +170,25 @@ pub(super) fn forward_fp8<T: FloatElement>(
         tr as i32,
     );
     let NormStats { mean, rstd } = stats;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(cs(x, WHAT)?).arg(cs(weight, WHAT)?);
-    match bias {
-        Some(bb) => b.arg(cs(bb, WHAT)?),
-        None => b.arg(&NULL_PTR),
-    };
-    b.arg(cs_mut(mean, WHAT)?)
-        .arg(cs_mut(rstd, WHAT)?)
-        .arg(cs_mut(out.codes, WHAT)?)
-        .arg(cs_mut(out.codes_t, WHAT)?)
-        .arg(cs(out.scale, WHAT)?);
-    let slot: i32;
-    match out.amax {
-        Some(a) => {
-            slot = a.slot as i32;
-            b.arg(cs_mut(a.buffer, WHAT)?);
-        }
-        None => {
-            slot = 0;
-            b.arg(&NULL_PTR);
-        }
-    }
-    b.arg(&slot)
-        .arg(&rows)
-        .arg(&d)
-        .arg(&eps)
-        .arg(&rms)
-        .arg(&tile);
-    // SAFETY: `ln_fwd_fp8_<T>_<fmt>_nv<NV>(const T* x, const T* w, const T* b or null, float* mean,
-    // float* rstd, u8* q, u8* qt, const float* scale, float* amax or null, int slot, int rows, int d,
-    // float eps, int rms, int tile_rows)` with 256 threads and tile_rows * (d + 16) bytes of dynamic shared
-    // memory (allowed above); x, q and qt hold rows*d elements, w and b d, mean and rstd rows, scale at
-    // least one, the amax slot is in bounds (checked by the caller).
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    let stream = dev.stream();
+    let (xs, ws, ss) = (cs(x, WHAT)?, cs(weight, WHAT)?, cs(out.scale, WHAT)?);
+    let (ms, rs) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?);
+    let (qs, qts) = (cs_mut(out.codes, WHAT)?, cs_mut(out.codes_t, WHAT)?);
+    let bias = optional_ptr(bias.map(|b| cs(b, WHAT)).transpose()?, stream);
+    let slot = out.amax.as_ref().map_or(0, |a| a.slot as i32);
+    let amax = out.amax.map(|a| cs_mut(a.buffer, WHAT)).transpose()?;
+    let amax = optional_ptr_mut(amax, stream);
+    // 256 threads and tile_rows * (d + 16) bytes of dynamic shared memory (allowed above); x, q and qt
+    // hold rows*d elements, w and b d, mean and rstd rows, scale at least one, the amax slot is in
+    // bounds (checked by the caller).
+    launch!(
+        kernel: &kernel,
+        cfg,
+        "ln_fwd_fp8_<T>_<fmt>_nv<NV>(const T* x, const T* w, const T* b, float* mean, float* rstd, \
+         u8* q, u8* qt, const float* scale, float* amax, int slot, int rows, int d, float eps, int rms, \
+         int tile_rows)",
+        [xs, ws, &bias.ptr, ms, rs, qs, qts, ss, &amax.ptr, &slot, &rows, &d, &eps, &rms, &tile]
+    )
 }
 
 pub(super) fn backward<T: FloatElement, G: FloatElement>(
@@ -226,10 +204,10 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
     let (rows, d, rms) = (spec.rows as i32, spec.d as i32, rms_flag(spec));
     let all_bf16 = T::DTYPE == DType::BF16 && G::DTYPE == DType::BF16;
     let nv = vectors_per_lane(spec, all_bf16);
-    let f = function(
+    let kernel = Kernel::new(
         dev,
         &LAYER_NORM_BACKWARD_MODULE,
-        &format!("ln_bwd_{}_{}_nv{nv}", T::NAME, G::NAME),
+        kernel_name!("ln_bwd_", T::NAME, "_", G::NAME, "_nv", nv),
     )?;
     let order = param_order(spec.rows);
     let has_bias = grads.dbias.is_some();
@@ -239,7 +217,7 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
     let warps = [8usize, 4, 2, 1]
         .into_iter()
         .find(|&w| stage_bytes(w) <= STAGE_BYTES_MAX);
-    let sms = sm_count(dev)? as usize;
+    let sms = dev.sm_count() as usize;
     let stream = dev.stream();
     // Rows too wide for shared memory stage in global memory, one warp per block, two blocks per SM.
     let (warps, grid, smem, mut gstage) = match warps {
@@ -257,10 +235,7 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
         }
     };
     if smem > 48 * 1024 {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
+        kernel.allow_dynamic_smem(smem)?;
     }
     let cfg = LaunchConfig {
         grid_dim: (grid as u32, 1, 1),
@@ -291,60 +266,57 @@ pub(super) fn backward<T: FloatElement, G: FloatElement>(
         ..
     } = grads;
     {
-        let mut b = stream.launch_builder(&f);
-        b.arg(cs(x, WHAT)?)
-            .arg(cs(weight, WHAT)?)
-            .arg(cs(dy, WHAT)?)
-            .arg(cs(&stats.mean, WHAT)?)
-            .arg(cs(&stats.rstd, WHAT)?)
-            .arg(cs_mut(dx, WHAT)?);
-        match pw.as_mut() {
-            Some(p) => b.arg(p),
-            None => b.arg(cs_mut(dweight, WHAT)?),
+        let (xs, ws, gs) = (cs(x, WHAT)?, cs(weight, WHAT)?, cs(dy, WHAT)?);
+        let (ms, rs, dxs) = (
+            cs(&stats.mean, WHAT)?,
+            cs(&stats.rstd, WHAT)?,
+            cs_mut(dx, WHAT)?,
+        );
+        let dw = match pw.as_mut() {
+            Some(p) => p,
+            None => cs_mut(dweight, WHAT)?,
         };
-        match (pb.as_mut(), dbias.as_deref_mut()) {
-            (Some(p), _) => b.arg(p),
-            (None, Some(db)) => b.arg(cs_mut(db, WHAT)?),
-            (None, None) => b.arg(&NULL_PTR),
+        let db = match (pb.as_mut(), dbias.as_deref_mut()) {
+            (Some(p), _) => Some(p),
+            (None, Some(db)) => Some(cs_mut(db, WHAT)?),
+            (None, None) => None,
         };
-        match gstage.as_mut() {
-            Some(g) => b.arg(g),
-            None => b.arg(&NULL_PTR),
-        };
-        b.arg(&rows).arg(&d).arg(&rms).arg(&acc_dx).arg(&acc_param);
-        // SAFETY: `ln_bwd_<T>_<G>_nv<NV>(const T* x, const T* w, const G* dy, const float* mean,
-        // const float* rstd, G* dx, float* dw, float* db or null, float* gstage or null, int rows, int d,
-        // int rms, int acc_dx, int acc_param)` with 32 * warps threads (at most 256) and
-        // (warps + 1) * planes * d floats of dynamic shared memory (allowed above), or that much per block
-        // in `gstage` (allocated for the grid); x, dy and dx hold rows*d elements, w d, mean and rstd rows
-        // (checked by the caller); dw and db hold d elements, or chunks * d when they are the partials.
-        unsafe { b.launch(cfg) }?;
+        let db = optional_ptr_mut(db, stream);
+        let gstage = optional_ptr_mut(gstage.as_mut(), stream);
+        // 32 * warps threads (at most 256) and (warps + 1) * planes * d floats of dynamic shared memory
+        // (allowed above), or that much per block in `gstage` (allocated for the grid); x, dy and dx hold
+        // rows*d elements, w d, mean and rstd rows (checked by the caller); dw and db hold d elements, or
+        // chunks * d when they are the partials.
+        launch!(
+            kernel: &kernel,
+            cfg,
+            "ln_bwd_<T>_<G>_nv<NV>(const T* x, const T* w, const G* dy, const float* mean, \
+             const float* rstd, G* dx, float* dw, float* db, float* gstage, int rows, int d, int rms, \
+             int acc_dx, int acc_param)",
+            [xs, ws, gs, ms, rs, dxs, dw, &db.ptr, &gstage.ptr, &rows, &d, &rms, &acc_dx, &acc_param]
+        )?;
     }
     let Some(pw) = pw else {
         return Ok(());
     };
-    let g = function(dev, &LAYER_NORM_BACKWARD_MODULE, "ln_param_reduce")?;
     let cfg = LaunchConfig {
         grid_dim: (spec.d.div_ceil(32) as u32, 1, 1),
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
     let (chunks, group) = (order.chunks as i32, order.group as i32);
-    let mut b = stream.launch_builder(&g);
-    b.arg(&pw);
-    match pb.as_ref() {
-        Some(p) => b.arg(p),
-        None => b.arg(&NULL_PTR),
-    };
-    b.arg(cs_mut(dweight, WHAT)?);
-    match dbias {
-        Some(db) => b.arg(cs_mut(db, WHAT)?),
-        None => b.arg(&NULL_PTR),
-    };
-    b.arg(&chunks).arg(&d).arg(&group).arg(&acc_param);
-    // SAFETY: `ln_param_reduce(const float* pw, const float* pb or null, float* dw, float* db or null,
-    // int chunks, int d, int group, int accumulate)` with 1024 threads and one block per 32 columns; the
-    // partials hold chunks * d elements, dw and db d; group * 32 >= chunks (param_order).
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    let pb = optional_ptr(pb.as_ref(), stream);
+    let dw = cs_mut(dweight, WHAT)?;
+    let db = optional_ptr_mut(dbias.map(|db| cs_mut(db, WHAT)).transpose()?, stream);
+    // 1024 threads and one block per 32 columns; the partials hold chunks * d elements, dw and db d;
+    // group * 32 >= chunks (param_order).
+    launch!(
+        dev,
+        &LAYER_NORM_BACKWARD_MODULE,
+        "ln_param_reduce",
+        cfg,
+        "ln_param_reduce(const float* pw, const float* pb, float* dw, float* db, int chunks, int d, \
+         int group, int accumulate)",
+        [&pw, &pb.ptr, dw, &db.ptr, &chunks, &d, &group, &acc_param]
+    )
 }

@@ -3,7 +3,7 @@
 use super::Pool2dGeometry;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::POOL_MODULE;
-use crate::launch::{grid_1d, launch, sm_count};
+use crate::launch::{grid_1d, launch};
 use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::DeviceRepr;
 
@@ -49,7 +49,7 @@ pub(super) fn max_pool2d_forward(
     indices: &mut Buffer<u32>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "max_pool2d_forward";
-    let cfg = grid_1d(sm_count(dev)?, geom.output_len() as u64, BLOCKS_PER_SM);
+    let cfg = grid_1d(dev.sm_count(), geom.output_len() as u64, BLOCKS_PER_SM);
     let g = repr(geom);
     let (xs, ys, is) = (cs(x, WHAT)?, cs_mut(y, WHAT)?, cs_mut(indices, WHAT)?);
     launch!(
@@ -72,7 +72,7 @@ pub(super) fn max_pool2d_backward(
     const WHAT: &str = "max_pool2d_backward";
     dx.fill_zero()?;
     let n = dy.len() as u64;
-    let cfg = grid_1d(sm_count(dev)?, n, BLOCKS_PER_SM);
+    let cfg = grid_1d(dev.sm_count(), n, BLOCKS_PER_SM);
     let (gs, is, ds) = (cs(dy, WHAT)?, cs(indices, WHAT)?, cs_mut(dx, WHAT)?);
     launch!(
         dev,

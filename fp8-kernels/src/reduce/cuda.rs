@@ -2,7 +2,7 @@
 
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::REDUCE_MODULE;
-use crate::launch::{grid_1d, launch, optional_ptr_mut, sm_count};
+use crate::launch::{grid_1d, kernel_name, launch, optional_ptr_mut};
 use crate::{Buffer, CudaDevice, DType, FloatElement, KernelError};
 use cudarc::driver::LaunchConfig;
 use std::ops::Range;
@@ -12,7 +12,7 @@ const BLOCKS_PER_SM: u32 = 8;
 
 /// A grid-stride launch over `n` work items.
 fn grid(dev: &CudaDevice, n: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(sm_count(dev)?, n, BLOCKS_PER_SM))
+    Ok(grid_1d(dev.sm_count(), n, BLOCKS_PER_SM))
 }
 
 /// Column sums: with one chunk straight into `out`, else per-chunk sums into a temporary, then the sum
@@ -29,7 +29,7 @@ pub(super) fn sum_over_rows<T: FloatElement>(
     let chunks = rows.div_ceil(chunk).max(1);
     let cfg = grid(dev, (chunks * cols) as u64)?;
     let (r, c, ch) = (rows as u64, cols as u64, chunk as u64);
-    let name = format!("sum_rows_{}", T::NAME);
+    let name = kernel_name!("sum_rows_", T::NAME);
     let xs = cs(x, WHAT)?;
     if chunks == 1 {
         let os = cs_mut(out, WHAT)?;
@@ -79,7 +79,7 @@ pub(super) fn sum_over_cols<T: FloatElement>(
     launch!(
         dev,
         &REDUCE_MODULE,
-        format!("sum_cols_{}", T::NAME),
+        kernel_name!("sum_cols_", T::NAME),
         grid(dev, rows as u64 * 32)?,
         "sum_cols_<T>(const T* x, float* out, u64 rows, u64 cols)",
         [xs, os, &r, &c]
@@ -114,7 +114,7 @@ pub(super) fn norm_stats<T: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "norm_stats";
     let name = match T::DTYPE {
-        DType::F32 | DType::BF16 => format!("norm_stats_{}", T::NAME),
+        DType::F32 | DType::BF16 => kernel_name!("norm_stats_", T::NAME),
         other => {
             return Err(KernelError::InvalidArgument {
                 what: WHAT,

@@ -5,7 +5,7 @@ use super::{Segment, SegmentTable};
 use crate::cast::format_name;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::SEGMENTED_MODULE;
-use crate::launch::{grid_1d, launch, sm_count};
+use crate::launch::{grid_1d, kernel_name, launch};
 use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::LaunchConfig;
 use fp8_core::Fp8Format;
@@ -19,7 +19,7 @@ fn table_launch(table: &SegmentTable, dev: &CudaDevice) -> Result<LaunchConfig, 
     let rows = table.segments.len() as u32;
     // Fill the GPU about BLOCKS_PER_SM times over, split between the segments.
     let per_row = (BLOCKS_PER_SM / rows.max(1)).max(1);
-    let mut cfg = grid_1d(sm_count(dev)?, longest, per_row);
+    let mut cfg = grid_1d(dev.sm_count(), longest, per_row);
     cfg.grid_dim.1 = rows;
     Ok(cfg)
 }
@@ -55,7 +55,7 @@ pub(super) fn segmented_scales(
     scales: &mut Buffer<f32>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "segmented_scales";
-    let cfg = grid_1d(sm_count(dev)?, count as u64, 1);
+    let cfg = grid_1d(dev.sm_count(), count as u64, 1);
     let (b64, c64) = (base as u64, count as u64);
     let (a, s) = (cs(amax, WHAT)?, cs_mut(scales, WHAT)?);
     launch!(
@@ -84,7 +84,7 @@ pub(super) fn segmented_cast(
     launch!(
         dev,
         &SEGMENTED_MODULE,
-        format!("segmented_cast_f32_{}", format_name(format)),
+        kernel_name!("segmented_cast_f32_", format_name(format)),
         cfg,
         "segmented_cast_f32_<fmt>(const float* x, u8* y, const u64* table, const float* scales)",
         [xs, ys, ts, ss]

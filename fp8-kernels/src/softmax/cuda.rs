@@ -2,7 +2,7 @@
 
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::SOFTMAX_MODULE;
-use crate::launch::{grid_1d, launch, one_block, sm_count};
+use crate::launch::{grid_1d, launch, one_block};
 use crate::{Buffer, CudaDevice, KernelError};
 
 /// Blocks per SM of the grid-stride kernels.
@@ -19,7 +19,7 @@ pub(super) fn log_softmax(
     log_probs: &mut Buffer<f32>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "log_softmax_forward";
-    let cfg = grid_1d(sm_count(dev)?, rows as u64 * 32, BLOCKS_PER_SM);
+    let cfg = grid_1d(dev.sm_count(), rows as u64 * 32, BLOCKS_PER_SM);
     let (r, c) = (rows as u64, classes as u64);
     let (xs, os) = (cs(logits, WHAT)?, cs_mut(log_probs, WHAT)?);
     launch!(
@@ -69,7 +69,7 @@ pub(super) fn log_softmax_nll_backward(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "log_softmax_nll_backward";
     let n = log_probs.len() as u64;
-    let cfg = grid_1d(sm_count(dev)?, n, BLOCKS_PER_SM);
+    let cfg = grid_1d(dev.sm_count(), n, BLOCKS_PER_SM);
     let (r, c) = (rows as u64, classes as u64);
     let (lp, ls, ds) = (
         cs(log_probs, WHAT)?,

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use fsdp_examples::metrics::{render_svg, PlotKind, PlotOptions, PlotSeries};
+use fsdp_train::metrics::{render_svg, PlotKind, PlotOptions, PlotSeries};
 
 #[derive(Parser, Debug)]
 #[command(

@@ -29,10 +29,12 @@
 //! the whole step's median decides. On the CPU host time (the CPU mode only exercises the code: its
 //! numbers say nothing about a GPU).
 
-use super::{fp8_auto_ratio, peer_adamw_options, GptError, GptRunError};
+use super::GptError;
+use crate::lm::peer_adamw_options;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, CudaDevice, Device, GpuEvent};
 use fsdp_comm::Communicator;
+use fsdp_nn::fp8_auto_ratio;
 use fsdp_nn::{Layer, Linear, LinearPrecision, NnError, Norm, Shape, Tensor, WeightInit};
 use fsdp_optim::{step_model, FsdpAdamW, StatePrecision};
 use fsdp_shard::{
@@ -404,10 +406,7 @@ impl Subject {
     }
 
     fn backward(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<bf16>) -> Result<(), NnError> {
-        let dh = self
-            .linear
-            .backward(ctx, dy, true)?
-            .ok_or_else(|| NnError::usage("linear_crossover", "no input gradient"))?;
+        let dh = self.linear.backward(ctx, dy)?;
         if let Some(n) = &mut self.norm {
             let x = self
                 .x
@@ -425,14 +424,14 @@ enum Mark {
     Host(Instant),
 }
 
-fn mark(cuda: Option<&CudaDevice>) -> Result<Mark, GptRunError> {
+fn mark(cuda: Option<&CudaDevice>) -> Result<Mark, GptError> {
     Ok(match cuda {
         Some(c) => Mark::Event(c.record_compute_timed()?),
         None => Mark::Host(Instant::now()),
     })
 }
 
-fn elapsed_ms(a: &Mark, b: &Mark) -> Result<f64, GptRunError> {
+fn elapsed_ms(a: &Mark, b: &Mark) -> Result<f64, GptError> {
     match (a, b) {
         (Mark::Event(a), Mark::Event(b)) => Ok(a.elapsed_ms(b)? as f64),
         (Mark::Host(a), Mark::Host(b)) => Ok((*b - *a).as_secs_f64() * 1e3),
@@ -460,9 +459,11 @@ fn time_case(
     config: &CrossoverConfig,
     case: &LinearCase,
     precision: LinearPrecision,
-) -> Result<Vec<StepTimes>, GptRunError> {
+) -> Result<Vec<StepTimes>, GptError> {
     let seed = 17 + case.d as u64;
-    let linear = Linear::<bf16>::new(case.inf, case.outf, precision, seed)?
+    let linear = Linear::<bf16>::new(case.inf, case.outf)?
+        .with_precision(precision)?
+        .with_seed(seed)
         .without_bias()
         .with_init(WeightInit::Normal(0.02));
     let norm = match case.feed {
@@ -523,7 +524,7 @@ fn time_case(
             }
         }
         dev.synchronize()?;
-        let part = |a: usize, b: usize| -> Result<f64, GptRunError> {
+        let part = |a: usize, b: usize| -> Result<f64, GptError> {
             Ok(median(
                 marks
                     .iter()
@@ -547,7 +548,7 @@ pub fn measure(
     comm: &Arc<dyn Communicator>,
     config: &CrossoverConfig,
     mut progress: impl FnMut(&LinearCase),
-) -> Result<Vec<CrossoverRow>, GptRunError> {
+) -> Result<Vec<CrossoverRow>, GptError> {
     config.validate()?;
     if comm.world_size() != 1 {
         return Err(GptError::Config(format!(

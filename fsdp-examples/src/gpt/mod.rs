@@ -1,4 +1,4 @@
-//! The GPT-2 family decoder language model (nanoGPT's, as the PyTorch peer `shared/bench/peer_gpt.py`
+//! The GPT-2 family decoder language model (nanoGPT's, as the PyTorch peer `bench/peers/peer_gpt.py`
 //! builds it): its configuration and presets ([`GptConfig`]), the model ([`Gpt`]: its layers and their
 //! order), and the peer's FLOP count ([`GptConfig::flops_per_token`]).
 //!
@@ -7,8 +7,8 @@
 //! LM head tied to `wte`, with the mean cross-entropy over the batch's tokens. LayerNorms have a weight
 //! only (eps 1e-5); linears have no bias. Parameter names are the peer's `named_parameters()`. The
 //! residual stream is in the activation type (`bf16` for training, as PyTorch's BF16 mixed precision;
-//! `f32` for checks), the linears FP8 (delayed scaling of activations and gradients), BF16 or F32 per
-//! layer ([`Fp8Layers`]). Wrap it with [`wrap_policy`] (one FSDP unit per block, the embeddings, `ln_f`
+//! `f32` for checks), the linears in that precision until a run converts chosen ones to FP8
+//! ([`fsdp_nn::convert_to_fp8`]). Wrap it with [`wrap_policy`] (one FSDP unit per block, the embeddings, `ln_f`
 //! and the tied head in the root unit). See `docs/transformer-layers.md`.
 //!
 //! A training step and an evaluation of a small model on one rank (on a GPU the same code runs with
@@ -24,10 +24,12 @@
 //!
 //! let comm: Arc<dyn Communicator> =
 //!     Arc::new(ThreadGroup::new(1, std::time::Duration::from_secs(60))?.remove(0));
-//! // d 64 in 2 heads of 32, 1 block, a vocabulary of 256, sequences of up to 16 (FP8 linears).
+//! // d 64 in 2 heads of 32, 1 block, a vocabulary of 256, sequences of up to 16, every linear in FP8.
 //! let config = GptConfig { vocab: 256, ..GptConfig::new(64, 1, 2, 16) };
 //! let flops_per_token = config.flops_per_token();
-//! let mut model = FsdpModel::new(Gpt::<bf16>::new(config)?, comm, wrap_policy(), FsdpConfig::default())?;
+//! let mut gpt = Gpt::<bf16>::new(config)?;
+//! fsdp_nn::convert_to_fp8(&mut gpt, &fsdp_nn::Fp8Filter::All, &fp8_core::Fp8Recipe::default())?;
+//! let mut model = FsdpModel::new(gpt, comm, wrap_policy(), FsdpConfig::default())?;
 //! let mut opt = FsdpAdamW::for_model(&mut model, AdamOptions::adamw())?;
 //! let dev = model.device().clone();
 //! let ids: Vec<i32> = (0..33).map(|i| (i * 7) % 256).collect();
@@ -35,7 +37,7 @@
 //! let batch = model.module().batch(&dev, &ids[..32], &ids[1..], 2, 16)?;
 //! model.forward(Mode::Train, |m, ctx| m.forward(ctx, &batch))?;
 //! let loss = model.module().loss()?.mean()?; // the only read from the device
-//! model.backward(|m, ctx| m.backward(ctx, &batch, 1.0))?;
+//! model.backward(|m, ctx| m.backward(ctx, &batch))?;
 //! step_model(&mut opt, &mut model)?;
 //! model.forward(Mode::Eval, |m, ctx| m.forward(ctx, &batch))?;
 //! assert!(model.module().loss()?.mean()? < loss);
@@ -47,22 +49,12 @@
 
 pub mod crossover;
 mod model;
-mod run;
-mod speed;
-mod train;
 
 pub use model::{Gpt, Sampling};
-pub use run::{
-    build_model, build_optimizer, peer_adamw_options, peer_schedule, GptModelChoice, GptPrecision,
-    GptRunError,
-};
-pub use speed::{speed, SpeedConfig, SpeedReport};
-pub use train::{train, EvalPoint, GptTrainConfig, GptTrainReport, SAMPLE_PROMPT};
 
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::layer_norm::NormKind;
-use fp8_kernels::DType;
-use fsdp_nn::{Activation, LinearPrecision, NnError, DEFAULT_HEAD_CHUNK};
+use fsdp_nn::{NnError, DEFAULT_HEAD_CHUNK};
 use fsdp_shard::WrapPolicy;
 
 /// The GPT-2 vocabulary (50257) padded to a multiple of 64, as nanoGPT and the peer do.
@@ -78,36 +70,6 @@ pub const PRESETS: [(&str, usize, usize, usize); 6] = [
     ("gpt-3b", 2560, 32, 20),
 ];
 
-/// The default crossover of [`Fp8Layers::Auto`]: a linear `in -> out` runs in FP8 when
-/// `k = in * out / (in + out) >= 1200`. `k` is the GEMM's flops per element of the two activation casts
-/// FP8 adds (`2 tokens in out` flops against `tokens (in + out)` cast elements), so it says whether the
-/// faster GEMM pays for the casts. The value is measured: `linear_crossover` on the H200 (2026-12-03,
-/// `docs/results/transformer-h200-2/`) timed one training step (forward, backward, AdamW with the FP8
-/// weight re-quantization) of each block linear of the five GPT widths at 4096, 8192 and 16384 tokens;
-/// with `c_attn` and `c_fc` fed by their LayerNorm as in the model, FP8 was faster for every linear with
-/// `k >= 1200` at every token count (and at `k >= 800` from 8192 tokens). So gpt2 .. gpt2-large stay BF16,
-/// gpt2-xl (d = 1600) has FP8 `c_attn`, `c_fc`, `mlp_proj` and a BF16 `attn_proj`, gpt-3b is all FP8.
-/// `gpt_fsdp --fp8-auto-threshold` takes another value.
-pub const DEFAULT_FP8_AUTO_THRESHOLD: usize = 1200;
-
-/// The quantity [`Fp8Layers::Auto`] compares with its threshold for a linear `inf -> outf`:
-/// `inf * outf / (inf + outf)` in integers (rounded down; 0 when both are 0).
-pub fn fp8_auto_ratio(inf: usize, outf: usize) -> usize {
-    (inf * outf).checked_div(inf + outf).unwrap_or(0)
-}
-
-/// Which linears run in FP8; the others run in BF16 (or F32 with `f32` activations).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Fp8Layers {
-    /// Every linear of every block (the head is always BF16/F32, as in the peer).
-    #[default]
-    All,
-    /// None.
-    None,
-    /// A linear whose GEMM is large enough for FP8 to pay ([`GptConfig::fp8_auto_threshold`]).
-    Auto,
-}
-
 /// What can go wrong building or running the model.
 #[derive(Debug, thiserror::Error)]
 pub enum GptError {
@@ -120,6 +82,12 @@ pub enum GptError {
     /// A kernel failed.
     #[error(transparent)]
     Kernel(#[from] fp8_kernels::KernelError),
+    /// The optimizer failed.
+    #[error(transparent)]
+    Optim(#[from] fsdp_optim::OptimError),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] fsdp_comm::CommError),
     /// A configuration that cannot be built.
     #[error("{0}")]
     Config(String),
@@ -138,15 +106,12 @@ pub struct GptConfig {
     pub vocab: usize,
     /// Rows of `wpe`: the longest sequence.
     pub seq_len: usize,
-    /// Which linears run in FP8.
-    pub fp8: Fp8Layers,
-    /// The crossover of [`Fp8Layers::Auto`] (see [`DEFAULT_FP8_AUTO_THRESHOLD`]).
-    pub fp8_auto_threshold: usize,
     /// LayerNorm (GPT-2) or RMSNorm.
     pub norm: NormKind,
     /// Tokens per chunk of the LM head.
     pub head_chunk: usize,
-    /// Seed of the initial weights (each parameter its own stream).
+    /// Seed of `wte` and of an untied head (both drawn from it, so they start equal); the other
+    /// parameters draw from the sharded model's seed and their names.
     pub seed: u64,
     /// The attention kernels' configuration (deterministic backward by default).
     pub attention: AttentionConfig,
@@ -160,7 +125,7 @@ pub struct GptConfig {
 
 impl GptConfig {
     /// A model of width `d`, `layers` blocks, `heads` heads, sequences up to `seq_len`, the padded GPT-2
-    /// vocabulary, FP8 linears, seed 1.
+    /// vocabulary, seed 1 (its linears in the activations' float precision: a run converts them).
     pub fn new(d_model: usize, layers: usize, heads: usize, seq_len: usize) -> Self {
         GptConfig {
             d_model,
@@ -168,8 +133,6 @@ impl GptConfig {
             heads,
             vocab: GPT2_PADDED_VOCAB,
             seq_len,
-            fp8: Fp8Layers::All,
-            fp8_auto_threshold: DEFAULT_FP8_AUTO_THRESHOLD,
             norm: NormKind::LayerNorm,
             head_chunk: DEFAULT_HEAD_CHUNK,
             seed: 1,
@@ -213,23 +176,6 @@ impl GptConfig {
             return Err(GptError::Config("head chunks of 0 tokens".into()));
         }
         Ok(())
-    }
-
-    /// The precision of a linear `inf -> outf` with activations `T`.
-    pub fn linear_precision<T: Activation>(&self, inf: usize, outf: usize) -> LinearPrecision {
-        let float = if T::DTYPE == DType::F32 {
-            LinearPrecision::F32
-        } else {
-            LinearPrecision::Bf16
-        };
-        match self.fp8 {
-            Fp8Layers::All => LinearPrecision::Fp8,
-            Fp8Layers::None => float,
-            Fp8Layers::Auto if fp8_auto_ratio(inf, outf) >= self.fp8_auto_threshold => {
-                LinearPrecision::Fp8
-            }
-            Fp8Layers::Auto => float,
-        }
     }
 
     /// Parameters, the tied matrix once (the peer's `sum(p.numel() for p in model.parameters())`):

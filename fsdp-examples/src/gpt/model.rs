@@ -5,16 +5,14 @@ use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::Device;
 use fsdp_nn::init::stream_seed;
 use fsdp_nn::{
-    Activation, BlockConfig, BlockPrecisions, Embedding, KvCache, Layer, LmHead, LossStats,
-    NnError, Norm, Recompute, Tensor, TokenBatch, TransformerBlock,
+    Activation, BlockConfig, Embedding, KvCache, Layer, LmHead, LossStats, NnError, Norm,
+    Recompute, Tensor, TokenBatch, TransformerBlock,
 };
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 use half::bf16;
 
-/// Streams of the initial weights (see [`stream_seed`]); an untied head draws `wte`'s values.
+/// The stream an untied head and `wte` both draw from (see [`stream_seed`]), so they start equal.
 const WTE_STREAM: u64 = 1;
-const WPE_STREAM: u64 = 2;
-const BLOCK_STREAM: u64 = 100;
 
 /// A block, kept or recomputed in the backward.
 enum Block<T: Activation> {
@@ -94,27 +92,22 @@ impl<T: Activation> std::fmt::Debug for Gpt<T> {
 }
 
 impl<T: Activation> Gpt<T> {
-    /// The model `config` describes, initialised from `config.seed`: every 2-D parameter `N(0, 0.02^2)`
-    /// except `attn_proj` and `mlp_proj`, `N(0, (0.02 / sqrt(2 L))^2)`; norm weights 1.
+    /// The model `config` describes: every 2-D parameter `N(0, 0.02^2)` except `attn_proj` and
+    /// `mlp_proj`, `N(0, (0.02 / sqrt(2 L))^2)`; norm weights 1; each drawn from its own seed (the sharded
+    /// model's seed and the parameter's name), but `wte` and an untied head from `config.seed` (so a tied
+    /// and an untied model start equal).
     pub fn new(config: GptConfig) -> Result<Self, GptError> {
         config.validate()?;
         let c = &config;
         let d = c.d_model;
         let s = |k: u64| stream_seed(c.seed, k);
         let mut h = Vec::with_capacity(c.layers);
-        for i in 0..c.layers {
+        for _ in 0..c.layers {
             let block = BlockConfig {
-                precisions: BlockPrecisions {
-                    c_attn: c.linear_precision::<T>(d, 3 * d),
-                    attn_proj: c.linear_precision::<T>(d, d),
-                    c_fc: c.linear_precision::<T>(d, 4 * d),
-                    mlp_proj: c.linear_precision::<T>(4 * d, d),
-                },
                 norm: c.norm,
-                seed: s(BLOCK_STREAM + i as u64),
                 attention: c.attention,
                 fuse_norm_fp8: c.fuse_norm_fp8,
-                ..BlockConfig::gpt2(d, c.heads, c.layers, fsdp_nn::LinearPrecision::Fp8)
+                ..BlockConfig::gpt2(d, c.heads, c.layers)
             };
             let b = TransformerBlock::<T>::new(&block)?;
             h.push(if c.recompute_blocks {
@@ -126,12 +119,12 @@ impl<T: Activation> Gpt<T> {
         let head = if c.tie_embeddings {
             LmHead::tied(d, c.vocab)?
         } else {
-            LmHead::new(d, c.vocab, s(WTE_STREAM))?
+            LmHead::new(d, c.vocab)?.with_seed(s(WTE_STREAM))
         }
         .with_chunk(c.head_chunk)?;
         Ok(Gpt {
-            wte: Embedding::new(c.vocab, d, s(WTE_STREAM))?,
-            wpe: Embedding::new(c.seq_len, d, s(WPE_STREAM))?,
+            wte: Embedding::new(c.vocab, d)?.with_seed(s(WTE_STREAM)),
+            wpe: Embedding::new(c.seq_len, d)?,
             h,
             ln_f: Norm::of_kind(c.norm, d)?,
             head,
@@ -205,32 +198,23 @@ impl<T: Activation> Gpt<T> {
         Ok(())
     }
 
-    /// A training forward that also computes the LM head's gradients, for a backward with the same
-    /// `grad_scale`: the backward then does not recompute the head's logits (one GEMM of
-    /// `2 tokens d vocab` flops fewer per step).
+    /// A training forward that also computes the LM head's gradients: the backward then does not
+    /// recompute the head's logits (one GEMM of `2 tokens d vocab` flops fewer per step).
     pub fn forward_with_grad(
         &mut self,
         ctx: &mut Ctx<'_>,
         batch: &TokenBatch,
-        grad_scale: f32,
     ) -> Result<(), GptError> {
         let y = self.trunk(ctx, batch)?;
-        self.head
-            .forward_with_grad(ctx, y, batch.targets(), grad_scale)?;
+        self.head.forward_with_grad(ctx, y, batch.targets(), 1.0)?;
         Ok(())
     }
 
-    /// The backward of `grad_scale` times the batch's mean loss, after a training forward of the same
-    /// batch. For the mean over a global batch of `world_size` ranks times `micro_batches` equal batches
-    /// pass `1 / (world_size * micro_batches)`.
-    pub fn backward(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        batch: &TokenBatch,
-        grad_scale: f32,
-    ) -> Result<(), GptError> {
+    /// The backward of the batch's mean loss, after a training forward of the same batch (the sharded
+    /// model's reduction averages over ranks and micro-batches).
+    pub fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
         self.check(batch)?;
-        let dy = self.head.backward(ctx, batch.targets(), grad_scale)?;
+        let dy = self.head.backward(ctx, batch.targets(), 1.0)?;
         let x = self
             .last_x
             .take()
@@ -241,10 +225,7 @@ impl<T: Activation> Gpt<T> {
             .ok_or_else(|| GptError::Config("no gradient from ln_f".into()))?;
         drop((x, dy));
         for block in self.h.iter_mut().rev() {
-            dx = block
-                .layer()
-                .backward(ctx, dx, true)?
-                .ok_or_else(|| GptError::Config("no gradient from a block".into()))?;
+            dx = block.layer().backward(ctx, dx)?;
         }
         self.wte.backward(ctx, &dx, batch, Some(&self.wpe))?;
         Ok(())

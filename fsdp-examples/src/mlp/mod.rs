@@ -168,14 +168,11 @@ impl MlpStack {
         };
         let mut h: Vec<Box<dyn Layer<bf16>>> = Vec::with_capacity(config.blocks);
         for b in 0..config.blocks {
-            let mlp = Mlp::<bf16>::new(
-                config.d,
-                4 * config.d,
-                precision,
-                fsdp_nn::init::stream_seed(config.seed, b as u64),
-            )?
-            .fused(config.fused)
-            .recompute_gelu(config.recompute_gelu);
+            let mlp = Mlp::<bf16>::new(config.d, 4 * config.d)?
+                .with_precision(precision)?
+                .with_seed(fsdp_nn::init::stream_seed(config.seed, b as u64))
+                .fused(config.fused)
+                .recompute_gelu(config.recompute_gelu);
             let block = MlpBlock::new(mlp);
             if config.recompute {
                 h.push(Box::new(Recompute::new(block)));
@@ -200,7 +197,7 @@ impl MlpStack {
     fn backward(&mut self, ctx: &mut Ctx<'_>, mut dy: Tensor<bf16>) -> Result<(), MlpError> {
         let n = self.h.len();
         for (i, b) in self.h.iter_mut().enumerate().rev() {
-            match b.backward(ctx, dy, i > 0)? {
+            match b.backward_step(ctx, dy, i > 0)? {
                 Some(d) => dy = d,
                 None if i == 0 => return Ok(()),
                 None => return Err(MlpError::Config(format!("block {i} of {n}: no gradient"))),
@@ -241,6 +238,7 @@ impl MlpBench {
                 BenchMode::Bf16 => GradDtype::F32,
                 BenchMode::Fp8 => config.grad_dtype,
             },
+            ..FsdpConfig::default()
         };
         let stack = MlpStack::new(&config)?;
         let mut model = FsdpModel::new(stack, comm, WrapPolicy::ChildrenOf("h".into()), fsdp)?;

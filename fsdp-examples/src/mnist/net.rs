@@ -5,8 +5,8 @@ use crate::data::{MNIST_CLASSES, MNIST_COLS, MNIST_ROWS};
 use fp8_kernels::Buffer;
 use fsdp_nn::init::stream_seed;
 use fsdp_nn::{
-    Conv2d, Dropout, Flatten, Layer, Linear, LinearPrecision, LogSoftmaxNll, MaxPool2d, Relu,
-    Sequential, Shape, Tensor,
+    Conv2d, Dropout, Flatten, Layer, Linear, LogSoftmaxNll, MaxPool2d, Relu, Sequential, Shape,
+    Tensor,
 };
 use fsdp_shard::{Ctx, Module, ShardError, Visitor, WrapPolicy};
 
@@ -19,11 +19,9 @@ pub fn wrap_policy() -> WrapPolicy {
     WrapPolicy::MinParams(MIN_UNIT_PARAMS)
 }
 
-/// How the network is built.
+/// How the network is built (in F32: a run converts its linears to FP8 or BF16).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NetConfig {
-    /// Arithmetic of the two linear layers.
-    pub precision: LinearPrecision,
     /// Seed of the initial parameters and of the dropout generators.
     pub seed: u64,
     /// This rank (dropout masks differ per rank, as they do in PyTorch's data parallelism).
@@ -45,19 +43,18 @@ impl MnistNet {
         let s = |i: u64| stream_seed(config.seed, i);
         let drop_seed =
             |layer: u64| stream_seed(config.seed, 1000 + layer * 64 + config.rank as u64);
-        let p = config.precision;
         let body = Sequential::new()
-            .push("conv1", Conv2d::new(1, 32, 3, s(1))?)
+            .push("conv1", Conv2d::new(1, 32, 3)?.with_seed(s(1)))
             .push("relu1", Relu::new())
-            .push("conv2", Conv2d::new(32, 64, 3, s(2))?)
+            .push("conv2", Conv2d::new(32, 64, 3)?.with_seed(s(2)))
             .push("relu2", Relu::new())
             .push("pool", MaxPool2d::new(2, 2)?)
             .push("drop1", Dropout::new(0.25, drop_seed(1))?)
             .push("flatten", Flatten::new())
-            .push("fc1", Linear::new(9216, 128, p, s(3))?)
+            .push("fc1", Linear::new(9216, 128)?.with_seed(s(3)))
             .push("relu3", Relu::new())
             .push("drop2", Dropout::new(0.5, drop_seed(2))?)
-            .push("fc2", Linear::new(128, MNIST_CLASSES, p, s(4))?);
+            .push("fc2", Linear::new(128, MNIST_CLASSES)?.with_seed(s(4)));
         Ok(MnistNet {
             body,
             loss: LogSoftmaxNll::new(MNIST_CLASSES)?,
@@ -79,8 +76,8 @@ impl MnistNet {
         Ok(())
     }
 
-    /// Backward after a training forward; the loss gradient is scaled by `grad_scale` (pass
-    /// `1 / (world_size * micro_batches)` for the mean over the global batch).
+    /// Backward after a training forward; the loss gradient is scaled by `grad_scale` (the MNIST task
+    /// passes `1 / (world_size * micro_batches)` for the mean over the global batch).
     pub fn backward(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -88,7 +85,7 @@ impl MnistNet {
         grad_scale: f32,
     ) -> Result<(), MnistError> {
         let d = self.loss.backward(ctx, labels, grad_scale)?;
-        self.body.backward(ctx, d, false)?;
+        self.body.backward_params(ctx, d)?;
         Ok(())
     }
 

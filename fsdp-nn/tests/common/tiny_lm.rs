@@ -228,7 +228,9 @@ impl TinyLm {
             let mut block = Sequential::new()
                 .push(
                     "fc",
-                    Linear::<f32>::new(c.d, c.d, c.precision, stream_seed(c.seed, 10 + b as u64))?,
+                    Linear::<f32>::new(c.d, c.d)?
+                        .with_precision(c.precision)?
+                        .with_seed(stream_seed(c.seed, 10 + b as u64)),
                 )
                 .push("act", Relu::new());
             if let Some(p) = c.dropout {
@@ -300,9 +302,7 @@ impl TinyLm {
         let d = self.loss.backward(ctx, labels, grad_scale)?;
         let mut dh = self.head.backward(ctx, d)?;
         for b in self.h.iter_mut().rev() {
-            dh = b
-                .backward(ctx, dh, true)?
-                .ok_or_else(|| NnError::usage("tiny", "a block returned no gradient"))?;
+            dh = b.backward(ctx, dh)?;
         }
         self.wte.backward(ctx, dh)
     }

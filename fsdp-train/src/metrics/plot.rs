@@ -1,7 +1,7 @@
 //! SVG plots of metrics files: one line per run, two panels (train loss and test accuracy per epoch for
 //! a classifier; train and validation loss per step for a language model).
 
-use super::{read_metrics, EpochMetrics, MetricsError};
+use super::{read_metrics, MetricsError, MetricsRecord};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -11,9 +11,19 @@ pub enum PlotKind {
     /// Train loss and test accuracy per epoch (the records' `epoch`).
     #[default]
     Classifier,
-    /// Train loss and validation loss (the records' `test_loss`) per optimizer step (the records'
-    /// `epoch` holds the step).
+    /// Train loss and validation loss (the records' `test_loss`) per optimizer step (the records' `step`,
+    /// or `epoch` in files that have none).
     LanguageModel,
+}
+
+impl PlotKind {
+    /// The x coordinate of a record.
+    fn x(self, m: &MetricsRecord) -> f64 {
+        match self {
+            PlotKind::Classifier => f64::from(m.epoch),
+            PlotKind::LanguageModel => m.step.map_or(f64::from(m.epoch), |s| s as f64),
+        }
+    }
 }
 
 /// One run to plot: a label for the legend and its epochs.
@@ -22,7 +32,7 @@ pub struct PlotSeries {
     /// Legend text.
     pub label: String,
     /// The run's records (plotted in epoch order).
-    pub epochs: Vec<EpochMetrics>,
+    pub epochs: Vec<MetricsRecord>,
 }
 
 impl PlotSeries {
@@ -245,7 +255,7 @@ struct Panel<'a> {
     y_label: &'a str,
     /// Use a log scale when all values are positive and span at least this factor.
     log_from_ratio: Option<f64>,
-    value: fn(&EpochMetrics) -> f64,
+    value: fn(&MetricsRecord) -> f64,
 }
 
 /// Renders train loss (left) and test accuracy (right) per epoch of every series as an SVG document.
@@ -291,7 +301,7 @@ pub fn render_svg(series: &[PlotSeries], options: &PlotOptions) -> Result<String
     // Shared x range: epochs of all series.
     let epochs = series
         .iter()
-        .flat_map(|s| s.epochs.iter().map(|m| f64::from(m.epoch)));
+        .flat_map(|s| s.epochs.iter().map(|m| options.kind.x(m)));
     let (x_min, x_max) = epochs.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), e| {
         (lo.min(e), hi.max(e))
     });
@@ -421,7 +431,7 @@ pub fn render_svg(series: &[PlotSeries], options: &PlotOptions) -> Result<String
             let mut points: Vec<(f64, f64)> = s
                 .epochs
                 .iter()
-                .map(|m| (f64::from(m.epoch), (panel.value)(m)))
+                .map(|m| (options.kind.x(m), (panel.value)(m)))
                 .collect();
             points.sort_by(|a, b| a.0.total_cmp(&b.0));
             let _ = writeln!(

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Non-finite numbers (a diverged run) are written as `null` and read back as NaN; unknown fields are
-//! kept in [`EpochMetrics::extra`], so newer files still load. A resumed run opens the file with
+//! kept in [`MetricsRecord::extra`], so newer files still load. A resumed run opens the file with
 //! [`MetricsWriter::resume`], which first cuts it back to the epochs its checkpoint holds, so lines
 //! written after that checkpoint are not repeated. [`render_svg`] draws train loss and test accuracy
 //! per epoch of several runs side by side, with a legend.
@@ -64,15 +64,19 @@ mod nullable_f64 {
     }
 }
 
-/// The metrics of one epoch.
+/// The metrics of one evaluation point (an epoch's end, or every N optimizer steps).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EpochMetrics {
+pub struct MetricsRecord {
     /// Epoch number, starting at 1 as in the reference output.
     pub epoch: u32,
-    /// Mean training loss over the epoch's batches (NaN when it diverged).
+    /// Optimizer steps done at this point (absent in files of per-epoch runs written before steps were
+    /// recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// Mean training loss since the previous point (NaN when it diverged).
     #[serde(with = "nullable_f64")]
     pub train_loss: f64,
-    /// Mean test loss per digit.
+    /// Mean evaluation loss (per test sample or validation token).
     #[serde(with = "nullable_f64")]
     pub test_loss: f64,
     /// Test accuracy in percent (0-100): `100 * test_correct / test_total`.
@@ -96,7 +100,7 @@ pub struct EpochMetrics {
     pub extra: BTreeMap<String, serde_json::Value>,
 }
 
-impl EpochMetrics {
+impl MetricsRecord {
     /// A record with the required fields; `test_accuracy` is derived from the counts.
     pub fn new(
         epoch: u32,
@@ -112,8 +116,9 @@ impl EpochMetrics {
         } else {
             100.0 * test_correct as f64 / test_total as f64
         };
-        EpochMetrics {
+        MetricsRecord {
             epoch,
+            step: None,
             train_loss,
             test_loss,
             test_accuracy,
@@ -136,7 +141,7 @@ impl EpochMetrics {
 pub fn parse_metrics(
     text: &str,
     path: impl AsRef<Path>,
-) -> Result<Vec<EpochMetrics>, MetricsError> {
+) -> Result<Vec<MetricsRecord>, MetricsError> {
     let path = path.as_ref();
     text.lines()
         .enumerate()
@@ -152,7 +157,7 @@ pub fn parse_metrics(
 }
 
 /// Reads a metrics file.
-pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<EpochMetrics>, MetricsError> {
+pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<MetricsRecord>, MetricsError> {
     let path = path.as_ref();
     let text = std::fs::read_to_string(path).map_err(|source| MetricsError::Io {
         path: path.to_path_buf(),
@@ -187,12 +192,12 @@ impl MetricsWriter {
     }
 
     /// [`MetricsWriter::resume`] keeping the records `keep` selects (by a step in
-    /// [`EpochMetrics::extra`], say). The file is rewritten atomically (a synced temporary file renamed
+    /// [`MetricsRecord::extra`], say). The file is rewritten atomically (a synced temporary file renamed
     /// over it) only when something is removed; a last line cut short by a crash is removed, any other
     /// unreadable line is an error naming it. A missing file is created.
     pub fn resume_keeping(
         path: impl AsRef<Path>,
-        keep: impl Fn(&EpochMetrics) -> bool,
+        keep: impl Fn(&MetricsRecord) -> bool,
     ) -> Result<Self, MetricsError> {
         let path = path.as_ref();
         let io = |source| MetricsError::Io {
@@ -210,7 +215,7 @@ impl MetricsWriter {
             if line.trim().is_empty() {
                 continue;
             }
-            match serde_json::from_str::<EpochMetrics>(line) {
+            match serde_json::from_str::<MetricsRecord>(line) {
                 Ok(m) if keep(&m) => {
                     kept.push_str(line);
                     kept.push('\n');
@@ -280,7 +285,7 @@ impl MetricsWriter {
     }
 
     /// Writes one record as a line and flushes it to the file.
-    pub fn write(&mut self, record: &EpochMetrics) -> Result<(), MetricsError> {
+    pub fn write(&mut self, record: &MetricsRecord) -> Result<(), MetricsError> {
         let line = record.to_json_line()?;
         let io = |source| MetricsError::Io {
             path: self.path.clone(),

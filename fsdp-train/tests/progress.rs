@@ -1,6 +1,6 @@
 //! The progress bar: when it draws, and the running statistics it shows.
 
-use fsdp_examples::progress::{EpochProgress, ProgressMode};
+use fsdp_train::progress::{EpochProgress, ProgressMode};
 
 #[test]
 fn auto_draws_only_when_both_streams_are_terminals() {

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use fsdp_examples::metrics::{
-    parse_metrics, read_metrics, render_svg, EpochMetrics, MetricsError, MetricsWriter,
+use fsdp_train::metrics::{
+    parse_metrics, read_metrics, render_svg, MetricsError, MetricsRecord, MetricsWriter,
     PlotOptions, PlotSeries,
 };
 use proptest::prelude::*;
@@ -12,7 +12,7 @@ use proptest::prelude::*;
 fn scratch_dir(name: &str) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
-        "fsdp-examples-{name}-{}-{}",
+        "fsdp-train-{name}-{}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
@@ -21,12 +21,12 @@ fn scratch_dir(name: &str) -> PathBuf {
 }
 
 /// A plausible run: loss falling and accuracy rising towards `final_acc`.
-fn fake_run(epochs: u32, final_acc: f64, loss_scale: f64) -> Vec<EpochMetrics> {
+fn fake_run(epochs: u32, final_acc: f64, loss_scale: f64) -> Vec<MetricsRecord> {
     (1..=epochs)
         .map(|e| {
             let t = f64::from(e);
             let correct = ((final_acc - 1.5 / t) * 100.0).round() as u64;
-            let mut m = EpochMetrics::new(
+            let mut m = MetricsRecord::new(
                 e,
                 loss_scale / t,
                 0.8 * loss_scale / t,
@@ -56,10 +56,10 @@ proptest! {
             0..6,
         )
     ) {
-        let records: Vec<EpochMetrics> = records
+        let records: Vec<MetricsRecord> = records
             .into_iter()
             .map(|(e, tl, vl, c, s, sps, lr)| {
-                let mut m = EpochMetrics::new(e, tl, vl, c, 10_000, s, sps);
+                let mut m = MetricsRecord::new(e, tl, vl, c, 10_000, s, sps);
                 m.lr = lr;
                 m
             })
@@ -72,16 +72,16 @@ proptest! {
 
 #[test]
 fn accuracy_is_derived_in_percent() {
-    let m = EpochMetrics::new(3, 0.1, 0.05, 9_876, 10_000, 1.0, 1.0);
+    let m = MetricsRecord::new(3, 0.1, 0.05, 9_876, 10_000, 1.0, 1.0);
     assert!((m.test_accuracy - 98.76).abs() < 1e-12);
-    assert!(EpochMetrics::new(1, 0.1, 0.1, 0, 0, 1.0, 1.0)
+    assert!(MetricsRecord::new(1, 0.1, 0.1, 0, 0, 1.0, 1.0)
         .test_accuracy
         .is_nan());
 }
 
 #[test]
 fn non_finite_values_survive_as_null() {
-    let mut m = EpochMetrics::new(2, f64::NAN, f64::INFINITY, 980, 1000, 1.0, 2.0);
+    let mut m = MetricsRecord::new(2, f64::NAN, f64::INFINITY, 980, 1000, 1.0, 2.0);
     m.extra
         .insert("precision".into(), serde_json::Value::from("fp8"));
     let line = m.to_json_line().unwrap();
@@ -184,7 +184,7 @@ fn resume_cuts_the_file_back_to_the_checkpoint() {
     std::fs::write(&path, &bad).unwrap();
     let err = MetricsWriter::resume(&path, 9).unwrap_err();
     assert!(err.to_string().contains("m.jsonl:1:"), "{err}");
-    // A missing file is created; by a step kept in the records' extra fields.
+    // A missing file is created; records kept by their step.
     let fresh = dir.join("new/steps.jsonl");
     MetricsWriter::resume(&fresh, 3).unwrap();
     assert!(read_metrics(&fresh).unwrap().is_empty());
@@ -192,15 +192,11 @@ fn resume_cuts_the_file_back_to_the_checkpoint() {
     let mut w = MetricsWriter::create(&fresh).unwrap();
     for (i, m) in run.iter().enumerate() {
         let mut m = m.clone();
-        m.extra
-            .insert("step".into(), serde_json::json!(100 * (i + 1)));
+        m.step = Some(100 * (i as u64 + 1));
         w.write(&m).unwrap();
     }
     drop(w);
-    let w = MetricsWriter::resume_keeping(&fresh, |m| {
-        m.extra.get("step").and_then(|s| s.as_u64()) <= Some(200)
-    })
-    .unwrap();
+    let w = MetricsWriter::resume_keeping(&fresh, |m| m.step <= Some(200)).unwrap();
     assert_eq!(w.dropped_on_resume(), 2);
     assert_eq!(read_metrics(&fresh).unwrap().len(), 2);
     std::fs::remove_dir_all(dir).unwrap();
@@ -319,39 +315,4 @@ fn empty_input_is_an_error() {
         epochs: vec![],
     };
     assert!(render_svg(&[empty], &PlotOptions::default()).is_err());
-}
-
-#[test]
-fn plot_binary_overlays_files_labelled_by_stem() {
-    let dir = scratch_dir("metrics-plot-bin");
-    for (name, acc) in [("f32.jsonl", 99.2), ("fp8-comm.jsonl", 99.0)] {
-        let mut w = MetricsWriter::create(dir.join(name)).unwrap();
-        for m in fake_run(5, acc, 0.3) {
-            w.write(&m).unwrap();
-        }
-    }
-    let out = dir.join("plot.svg");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_mnist_plot"))
-        .arg(dir.join("f32.jsonl"))
-        .arg(dir.join("fp8-comm.jsonl"))
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(status.status.success(), "{status:?}");
-    let svg = std::fs::read_to_string(&out).unwrap();
-    assert_eq!(polylines(&svg, "f32", "train-loss").len(), 1);
-    assert_eq!(polylines(&svg, "fp8-comm", "test-accuracy").len(), 1);
-    // A bad file is reported with its name and a failing exit status.
-    std::fs::write(dir.join("bad.jsonl"), "{oops\n").unwrap();
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_mnist_plot"))
-        .arg(dir.join("bad.jsonl"))
-        .arg("--out")
-        .arg(dir.join("never.svg"))
-        .output()
-        .unwrap();
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("bad.jsonl:1"));
-    assert!(!dir.join("never.svg").exists());
-    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -1,21 +1,14 @@
-//! What every training loop of the examples does the same way around its steps, so that a model
-//! written on the library needs no orchestration code of its own: checkpoints that carry the run's
-//! position and the settings a resume must share ([`RunSettings`], [`save_run`], [`check_resume`]), and
-//! the metrics file of a resumed run cut back to its checkpoint ([`resume_metrics`]).
+//! The settings a checkpoint records and a resume checks ([`RunSettings`], [`check_resume`]), and the
+//! metrics file of a resumed run cut back to its checkpoint ([`resume_metrics`]).
 //!
-//! The protocol (MNIST and GPT use it): a checkpoint's key/values hold the position (the caller's keys),
+//! The protocol: a checkpoint's key/values hold the position (the caller's keys),
 //! every identity setting (`seed`, `precision`, ...: a resume with another value is refused with an
 //! error naming the flag and both values) and every hyperparameter (`hyper.lr`, ...: a resume may change
 //! them; the changes are returned as `flag: saved -> now` lines). A checkpoint written at a point that
 //! also wrote a metrics line carries that line ([`LAST_RECORD_KEY`]): the line is written after the
 //! checkpoint, so a crash between the two is repaired on resume, never duplicated.
 
-pub mod profile;
-
-use crate::metrics::{parse_metrics, EpochMetrics, MetricsError, MetricsWriter};
-use fsdp_optim::Optimizer;
-use fsdp_shard::checkpoint::save_sharded;
-use fsdp_shard::{FsdpModel, Module, ShardError};
+use crate::metrics::{parse_metrics, MetricsError, MetricsRecord, MetricsWriter};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -49,7 +42,7 @@ impl RunSetting {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunSettings {
     /// The binary that saves, named when a checkpoint lacks a setting.
-    pub binary: &'static str,
+    pub binary: String,
     /// Settings a resume must share.
     pub identity: Vec<RunSetting>,
     /// Settings a resume may change (reported).
@@ -102,31 +95,10 @@ pub fn check_resume(
         .collect())
 }
 
-/// Saves a checkpoint of `model` and `optimizer` (a collective: every rank calls it) with the run's
-/// `position` (the caller's keys), its settings, the model's module state (FP8 scaling histories) and
-/// the metrics line `record` written at this point, if any.
-pub fn save_run<M: Module>(
-    dir: &Path,
-    model: &mut FsdpModel<M>,
-    optimizer: &dyn Optimizer,
-    position: BTreeMap<String, String>,
-    settings: &RunSettings,
-    record: Option<&EpochMetrics>,
-) -> Result<(), TrainingError> {
-    let mut extra = position;
-    if let Some(r) = record {
-        extra.insert(LAST_RECORD_KEY.into(), r.to_json_line()?);
-    }
-    extra.extend(settings.to_extra());
-    extra.extend(model.export_module_state()?);
-    save_sharded(dir, model.sharded(), Some(optimizer.as_state()), &extra)?;
-    Ok(())
-}
-
-/// The metrics line a checkpoint carries ([`save_run`]'s `record`), if any.
+/// The metrics line a checkpoint carries (written at the point it closes), if any.
 pub fn saved_record(
     saved: &BTreeMap<String, String>,
-) -> Result<Option<EpochMetrics>, TrainingError> {
+) -> Result<Option<MetricsRecord>, MetricsError> {
     Ok(saved
         .get(LAST_RECORD_KEY)
         .map(|line| parse_metrics(line, "the checkpoint's last metrics line"))
@@ -139,8 +111,8 @@ pub fn saved_record(
 /// checkpoint carries (dropped by `keep`, written again so that neither a gap nor a duplicate remains).
 pub fn resume_metrics(
     path: &Path,
-    keep: impl Fn(&EpochMetrics) -> bool,
-    carried: Option<&EpochMetrics>,
+    keep: impl Fn(&MetricsRecord) -> bool,
+    carried: Option<&MetricsRecord>,
 ) -> Result<MetricsWriter, MetricsError> {
     let mut w = MetricsWriter::resume_keeping(path, keep)?;
     if let Some(r) = carried {
@@ -149,24 +121,13 @@ pub fn resume_metrics(
     Ok(w)
 }
 
-/// What the shared steps can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainingError {
-    /// Writing the checkpoint failed.
-    #[error(transparent)]
-    Shard(#[from] ShardError),
-    /// The metrics line could not be serialised or parsed.
-    #[error(transparent)]
-    Metrics(#[from] MetricsError),
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn settings(seed: u64, lr: f64) -> RunSettings {
         RunSettings {
-            binary: "test",
+            binary: "test".into(),
             identity: vec![RunSetting::new("seed", "--seed", seed)],
             hyperparameters: vec![RunSetting::new("hyper.lr", "--lr", lr)],
         }

@@ -1,0 +1,143 @@
+//! Language models trained with FP8 FSDP on the Trainer: every preset of the GPT-2 family on a token
+//! stream in llm.c's format (the PyTorch peer's run), thread ranks on the CPU or one process per GPU.
+//! `--speed` times the peer's speed measurement instead. See `docs/gpt.md`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use fsdp_examples::data::tokens::{committed_shakespeare_slice_dir, DEFAULT_SHAKESPEARE_DIR};
+use fsdp_examples::gpt::Gpt;
+use fsdp_examples::lm::{LanguageModel, LmOptions, LmTask};
+use fsdp_train::{
+    run_main, DeviceArg, DeviceChoice, PlotKind, PlotStyle, PrecisionArg, RunLength, TaskDefaults,
+    TrainArgs,
+};
+use half::bf16;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Train a language model (GPT-2 family presets) with FP8 fully sharded data parallelism"
+)]
+struct Args {
+    /// Model: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-3b [default: tiny on the CPU, gpt2 on a
+    /// GPU].
+    #[arg(long)]
+    preset: Option<String>,
+    /// Override the preset's width.
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// Override the preset's number of blocks.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Override the preset's number of heads (d-model / heads must be 32, 64 or 128).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Sequences per rank and micro-batch.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Sequence length (rows of the position table) [default: 64 on the CPU, 512 on a GPU].
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Directory of train.bin and val.bin (scripts/fetch-shakespeare.sh fills the default one; on the
+    /// CPU the committed slice is used when the default one is empty).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Renumber the data's ids densely and size the vocabulary to them (fast CPU smoke runs; the
+    /// export is then not the peer's shape).
+    #[arg(long)]
+    compact_vocab: bool,
+    /// Validate on at most N batches [default: all on a GPU, as the peer; 32 on the CPU, where a full
+    /// pass over val.bin takes minutes].
+    #[arg(long)]
+    max_val_batches: Option<usize>,
+    /// After training, print N tokens generated from a fixed prompt.
+    #[arg(long)]
+    sample: Option<usize>,
+    /// Recompute each block's forward in its backward instead of keeping its activations.
+    #[arg(long)]
+    recompute: bool,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+/// Validation batches on the CPU unless `--max-val-batches` says otherwise.
+const CPU_VAL_BATCHES: usize = 32;
+
+fn run<M: LanguageModel>(args: &Args, options: LmOptions, on_cpu: bool) -> ExitCode {
+    let world_size = args.train.world_size.unwrap_or(1);
+    let task = match LmTask::<M>::new(options, world_size) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("lm_fsdp: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let defaults = TaskDefaults::new(RunLength::Steps(if on_cpu { 50 } else { 600 }), 6e-4);
+    let plot = PlotStyle {
+        kind: PlotKind::LanguageModel,
+        title: "Language model: loss per step".into(),
+    };
+    run_main(&task, &args.train, &defaults, &plot)
+}
+
+fn main() -> ExitCode {
+    let mut args = Args::parse();
+    let on_cpu = args.train.resolved_device() == DeviceChoice::Cpu;
+    if on_cpu {
+        args.train.device = DeviceArg::Cpu;
+    }
+    let data_dir = match &args.data {
+        Some(d) => d.clone(),
+        None => {
+            let full = PathBuf::from(DEFAULT_SHAKESPEARE_DIR);
+            if on_cpu && !full.join("train.bin").exists() {
+                let slice = committed_shakespeare_slice_dir();
+                eprintln!(
+                    "{} has no train.bin: training on the committed slice in {} (fetch the full data \
+                     with scripts/fetch-shakespeare.sh)",
+                    full.display(),
+                    slice.display()
+                );
+                slice
+            } else {
+                full
+            }
+        }
+    };
+    // The full validation set is the peer's, but on the CPU it costs minutes per evaluation.
+    let max_val_batches = match (args.max_val_batches, on_cpu, args.train.speed) {
+        (Some(n), _, _) => Some(n),
+        (None, true, false) => {
+            eprintln!(
+                "validating on the first {CPU_VAL_BATCHES} batches of val.bin on the CPU \
+                 (--max-val-batches N to change)"
+            );
+            Some(CPU_VAL_BATCHES)
+        }
+        _ => None,
+    };
+    let options = LmOptions {
+        preset: args
+            .preset
+            .clone()
+            .unwrap_or_else(|| if on_cpu { "tiny" } else { "gpt2" }.into()),
+        d_model: args.d_model,
+        layers: args.layers,
+        heads: args.heads,
+        seq_len: args.seq_len.unwrap_or(if on_cpu { 64 } else { 512 }),
+        batch_size: args.batch_size,
+        data_dir,
+        compact_vocab: args.compact_vocab,
+        max_val_batches,
+        sample: args.sample,
+        seed: args.train.seed,
+        recompute_blocks: args.recompute,
+    };
+    // F32 linears need f32 activations; every other precision trains with bf16 activations.
+    if args.train.precision == PrecisionArg::Fp32 {
+        run::<Gpt<f32>>(&args, options, on_cpu)
+    } else {
+        run::<Gpt<bf16>>(&args, options, on_cpu)
+    }
+}

@@ -1,0 +1,576 @@
+//! [`LmTask`]: a language model's data, loss, validation and sampling for the Trainer.
+
+use super::{LanguageModel, LmSpec};
+use crate::data::tokens::{
+    Gpt2Bpe, TokenFile, TrainWindowSampler, ValidationWindows, GPT2_VOCAB_SIZE,
+};
+use crate::gpt::{GptError, Sampling, GPT2_PADDED_VOCAB};
+use fp8_kernels::rng::SplitMix64;
+use fsdp_nn::{TokenBatch, DEFAULT_HEAD_CHUNK};
+use fsdp_optim::{AdamOptions, FsdpAdamW, LrSchedule, Optimizer, StatePrecision, WarmupCosine};
+use fsdp_shard::{FsdpModel, Mode, WrapPolicy};
+use fsdp_train::{
+    evaluate_sums, BatchIndex, Evaluation, LossKind, LossValue, OptimizerChoice, RankEnv,
+    RunSetting, SchedulePlan, TrainError, TrainTask,
+};
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::path::PathBuf;
+
+/// The prompt `--sample` continues.
+pub const SAMPLE_PROMPT: &str = "ROMEO:\nBut soft, what light";
+
+/// The checkpoint key of the training sampler's position.
+const SAMPLER_KEY: &str = "data.sampler_position";
+
+/// What an LM run is beyond the Trainer's configuration: the model's shape and the data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LmOptions {
+    /// One of the presets.
+    pub preset: String,
+    /// Overrides of the preset's width, blocks and heads (small models for tests).
+    pub d_model: Option<usize>,
+    /// See `d_model`.
+    pub layers: Option<usize>,
+    /// See `d_model`.
+    pub heads: Option<usize>,
+    /// Sequence length (rows of the position table).
+    pub seq_len: usize,
+    /// Windows per rank and micro-batch.
+    pub batch_size: usize,
+    /// Directory holding `train.bin` and `val.bin`.
+    pub data_dir: PathBuf,
+    /// Renumber the data's ids densely and size the vocabulary to them (a CPU smoke option: the head's
+    /// cost is proportional to the vocabulary). Exports are then not the peer's shapes.
+    pub compact_vocab: bool,
+    /// Evaluate at most this many validation batches (all by default, as the peer).
+    pub max_val_batches: Option<usize>,
+    /// Generate this many tokens from [`SAMPLE_PROMPT`] after training.
+    pub sample: Option<usize>,
+    /// Seed of the training windows (the Trainer's `--seed`).
+    pub seed: u64,
+    /// Recompute each block in the backward instead of keeping its activations.
+    pub recompute_blocks: bool,
+}
+
+impl LmOptions {
+    /// The `preset` at sequences of `seq_len`, batch 8 per rank, on the data in `data_dir`, seed 1.
+    pub fn new(preset: &str, seq_len: usize, data_dir: PathBuf) -> Self {
+        LmOptions {
+            preset: preset.to_string(),
+            d_model: None,
+            layers: None,
+            heads: None,
+            seq_len,
+            batch_size: 8,
+            data_dir,
+            compact_vocab: false,
+            max_val_batches: None,
+            sample: None,
+            seed: 1,
+            recompute_blocks: false,
+        }
+    }
+}
+
+/// The token data, shared by the thread ranks.
+#[derive(Debug)]
+struct Tokens {
+    train: Vec<u16>,
+    val: Vec<u16>,
+    /// Dense id -> GPT-2 id with `compact_vocab`.
+    dense_to_gpt2: Option<Vec<u16>>,
+    vocab: usize,
+    id: String,
+}
+
+impl Tokens {
+    fn load(o: &LmOptions) -> Result<Self, TrainError> {
+        let open = |name: &str| {
+            TokenFile::open(o.data_dir.join(name), GPT2_VOCAB_SIZE)
+                .map_err(|e| TrainError::Config(format!("--data {}: {e}", o.data_dir.display())))
+        };
+        let (train, val) = (open("train.bin")?, open("val.bin")?);
+        let mut h = crc32fast::Hasher::new();
+        h.update(bytemuck::cast_slice(train.tokens()));
+        h.update(bytemuck::cast_slice(val.tokens()));
+        let id = format!("{}+{}:{:08x}", train.len(), val.len(), h.finalize());
+        let (mut train, mut val) = (train.tokens().to_vec(), val.tokens().to_vec());
+        if !o.compact_vocab {
+            return Ok(Tokens {
+                train,
+                val,
+                dense_to_gpt2: None,
+                vocab: GPT2_PADDED_VOCAB,
+                id,
+            });
+        }
+        let mut distinct: Vec<u16> = train.iter().chain(&val).copied().collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        for t in train.iter_mut().chain(val.iter_mut()) {
+            // Every id is in `distinct` by construction.
+            *t = distinct.binary_search(t).unwrap_or(0) as u16;
+        }
+        let vocab = distinct.len().div_ceil(64) * 64;
+        Ok(Tokens {
+            train,
+            val,
+            dense_to_gpt2: Some(distinct),
+            vocab,
+            id,
+        })
+    }
+}
+
+/// A rank's data: the training stream's sampler and the validation windows.
+pub struct LmData {
+    sampler: TrainWindowSampler,
+    inputs: Vec<i32>,
+    targets: Vec<i32>,
+    val: ValidationWindows,
+}
+
+/// The peer's AdamW: betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every matrix (embeddings
+/// included), none on the norm weights, no clipping.
+pub fn peer_adamw_options(lr: f64, states: StatePrecision) -> AdamOptions {
+    AdamOptions {
+        lr,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: 0.1,
+        state_precision: states,
+        ..AdamOptions::adamw()
+    }
+}
+
+/// The peer's schedule for `steps` steps: warm-up `lr (it + 1) / w` with `w = max(1, steps / 20)`, then
+/// a cosine to `lr / 10` at `steps`.
+pub fn peer_schedule(steps: u64) -> Result<WarmupCosine, TrainError> {
+    Ok(WarmupCosine::new((steps / 20).max(1), steps.max(1), 0.1)?)
+}
+
+/// A language model `M` on a token stream (see the module documentation).
+pub struct LmTask<M: LanguageModel> {
+    options: LmOptions,
+    spec: LmSpec,
+    tokens: Tokens,
+    world_size: usize,
+    model: PhantomData<fn() -> M>,
+}
+
+impl<M: LanguageModel> std::fmt::Debug for LmTask<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LmTask")
+            .field("options", &self.options)
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+fn model_err(e: GptError) -> TrainError {
+    TrainError::task(e)
+}
+
+impl<M: LanguageModel> LmTask<M> {
+    /// Checks the shape and sizes (naming the flags) and loads the data, for a run of `world_size` ranks.
+    pub fn new(options: LmOptions, world_size: usize) -> Result<Self, TrainError> {
+        let mut spec = LmSpec::from_preset(
+            &options.preset,
+            options.d_model,
+            options.layers,
+            options.heads,
+            options.seq_len,
+        )
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+        spec.recompute_blocks = options.recompute_blocks;
+        spec.seed = options.seed;
+        if options.batch_size == 0 {
+            return Err(TrainError::Config(
+                "--batch-size must be at least 1 (0 would silently do nothing)".into(),
+            ));
+        }
+        // Every size the run allocates from these flags must be representable.
+        options
+            .batch_size
+            .checked_mul(options.seq_len)
+            .and_then(|v| v.checked_mul(world_size.max(1)))
+            .and_then(|v| v.checked_mul(std::mem::size_of::<i32>()))
+            .ok_or_else(|| {
+                TrainError::Config(format!(
+                    "--batch-size {} x --seq-len {} x --world-size {world_size} overflows this \
+                     machine's sizes",
+                    options.batch_size, options.seq_len
+                ))
+            })?;
+        if let Some(n) = options.sample {
+            if n.saturating_add(1) > options.seq_len {
+                return Err(TrainError::Config(format!(
+                    "--sample {n}: the prompt and {n} new tokens must fit --seq-len {}",
+                    options.seq_len
+                )));
+            }
+        }
+        if options.max_val_batches == Some(0) {
+            return Err(TrainError::Config(
+                "--max-val-batches must be at least 1 (0 would silently do nothing)".into(),
+            ));
+        }
+        let tokens = Tokens::load(&options)?;
+        spec.vocab = tokens.vocab;
+        if tokens.train.len() < spec.seq_len.saturating_add(2)
+            || tokens.val.len() < spec.seq_len.saturating_add(1)
+        {
+            return Err(TrainError::Config(format!(
+                "--seq-len {} is longer than the data allows ({} training and {} validation tokens)",
+                spec.seq_len,
+                tokens.train.len(),
+                tokens.val.len()
+            )));
+        }
+        Ok(LmTask {
+            options,
+            spec,
+            tokens,
+            world_size,
+            model: PhantomData,
+        })
+    }
+
+    /// The model's shape.
+    pub fn spec(&self) -> &LmSpec {
+        &self.spec
+    }
+
+    /// Parameters of the model (the tied matrix once).
+    pub fn num_params(&self) -> usize {
+        self.spec.gpt_config().num_params()
+    }
+
+    fn tokens_per_rank_batch(&self) -> usize {
+        self.options.batch_size * self.spec.seq_len
+    }
+
+    fn sample(&self, model: &mut FsdpModel<M>, n: usize) -> Result<String, TrainError> {
+        let bpe = Gpt2Bpe::new().map_err(TrainError::task)?;
+        let mut prompt: Vec<i32> = bpe
+            .encode_ordinary(SAMPLE_PROMPT)
+            .map_err(TrainError::task)?
+            .iter()
+            .map(|&t| i32::from(t))
+            .collect();
+        if let Some(map) = &self.tokens.dense_to_gpt2 {
+            // Prompt ids the data lacks map to the nearest known id (a smoke option only).
+            prompt = prompt
+                .iter()
+                .map(|&t| match map.binary_search(&(t as u16)) {
+                    Ok(i) | Err(i) => i.min(map.len() - 1) as i32,
+                })
+                .collect();
+        }
+        let room = self.spec.seq_len.saturating_sub(n).max(1);
+        if prompt.len() > room {
+            prompt.drain(..prompt.len() - room);
+        }
+        let sampling = Sampling {
+            max_new_tokens: n,
+            temperature: 0.8,
+            top_k: Some(200),
+            seed: 1,
+        };
+        model.gather_all()?;
+        let new = model
+            .forward(Mode::Eval, |m, ctx| m.generate(ctx, &prompt, &sampling))
+            .map_err(model_err)?;
+        model.release_all()?;
+        let to_gpt2 = |ids: &[i32]| -> Vec<u16> {
+            ids.iter()
+                .map(|&t| match &self.tokens.dense_to_gpt2 {
+                    Some(map) => map.get(t as usize).copied().unwrap_or(0),
+                    None => (t as u16).min(GPT2_VOCAB_SIZE as u16 - 1),
+                })
+                .collect()
+        };
+        let mut all = to_gpt2(&prompt);
+        all.extend(to_gpt2(&new));
+        bpe.decode_lossy(&all).map_err(TrainError::task)
+    }
+}
+
+impl<M: LanguageModel> TrainTask for LmTask<M> {
+    type Model = M;
+    type Data = LmData;
+    type Batch = TokenBatch;
+    type Error = TrainError;
+
+    fn name(&self) -> &str {
+        "lm_fsdp"
+    }
+
+    fn unit(&self) -> &'static str {
+        "tokens"
+    }
+
+    fn identity(&self) -> Vec<RunSetting> {
+        let s = &self.spec;
+        vec![
+            RunSetting::new("preset", "--preset", &s.preset),
+            RunSetting::new("d_model", "--d-model", s.d_model),
+            RunSetting::new("layers", "--layers", s.layers),
+            RunSetting::new("heads", "--heads", s.heads),
+            RunSetting::new("seq_len", "--seq-len", s.seq_len),
+            RunSetting::new("batch_size", "--batch-size", self.options.batch_size),
+            RunSetting::new(
+                "compact_vocab",
+                "--compact-vocab",
+                self.options.compact_vocab,
+            ),
+            RunSetting::new("data", "--data", &self.tokens.id),
+        ]
+    }
+
+    fn build_model(&self, _env: &RankEnv) -> Result<M, TrainError> {
+        M::build(&self.spec).map_err(model_err)
+    }
+
+    fn wrap_policy(&self) -> WrapPolicy {
+        M::wrap_policy()
+    }
+
+    fn optimizer(
+        &self,
+        model: &mut FsdpModel<M>,
+        choice: &OptimizerChoice,
+    ) -> Result<Box<dyn Optimizer>, TrainError> {
+        Ok(Box::new(FsdpAdamW::for_model(
+            model,
+            peer_adamw_options(choice.lr, choice.states),
+        )?))
+    }
+
+    fn schedule(&self, plan: &SchedulePlan) -> Result<Option<Box<dyn LrSchedule>>, TrainError> {
+        Ok(Some(Box::new(peer_schedule(plan.total_steps)?)))
+    }
+
+    /// A lower bound of one rank's peak bytes: model state (FP8 weights, masters, moments and
+    /// gradients at about 8 bytes per parameter share, the F32 parameters of the largest unit gathered),
+    /// the activations the blocks keep (at least 16 bytes per token, feature and block) and one chunk of
+    /// head logits.
+    fn memory_estimate(&self, world_size: usize) -> Result<Option<u64>, TrainError> {
+        let s = &self.spec;
+        let over = || {
+            TrainError::Config(format!(
+                "--batch-size {} x --seq-len {} x --d-model {} x --layers {}: the run's sizes overflow a \
+                 64-bit byte count",
+                self.options.batch_size, s.seq_len, s.d_model, s.layers
+            ))
+        };
+        let (d, l, v) = (s.d_model as u64, s.layers as u64, s.vocab as u64);
+        let tokens = (self.options.batch_size as u64)
+            .checked_mul(s.seq_len as u64)
+            .ok_or_else(over)?;
+        let params = d
+            .checked_mul(d)
+            .and_then(|x| x.checked_mul(12))
+            .and_then(|x| x.checked_mul(l))
+            .and_then(|x| x.checked_add(v.checked_mul(d)?))
+            .ok_or_else(over)?;
+        let state = params.checked_mul(8).ok_or_else(over)? / world_size.max(1) as u64;
+        let unit = d
+            .checked_mul(d)
+            .and_then(|x| x.checked_mul(12 * 4))
+            .ok_or_else(over)?;
+        let acts = tokens
+            .checked_mul(d)
+            .and_then(|x| x.checked_mul(l))
+            .and_then(|x| x.checked_mul(16))
+            .ok_or_else(over)?;
+        let head = (tokens.min(DEFAULT_HEAD_CHUNK as u64))
+            .checked_mul(v)
+            .and_then(|x| x.checked_mul(4))
+            .ok_or_else(over)?;
+        Ok(Some(
+            state
+                .checked_add(unit)
+                .and_then(|x| x.checked_add(acts))
+                .and_then(|x| x.checked_add(head))
+                .ok_or_else(over)?,
+        ))
+    }
+
+    fn data(&self, env: &RankEnv) -> Result<LmData, TrainError> {
+        let (b, t, ws) = (self.options.batch_size, self.spec.seq_len, env.world_size);
+        let sampler =
+            TrainWindowSampler::new(self.tokens.train.len(), t, b * ws, self.options.seed, 0)
+                .map_err(TrainError::task)?;
+        let val = ValidationWindows::new(self.tokens.val.len(), t, b).map_err(TrainError::task)?;
+        Ok(LmData {
+            sampler,
+            inputs: vec![0; b * ws * t],
+            targets: vec![0; b * ws * t],
+            val,
+        })
+    }
+
+    fn data_state(&self, data: &LmData) -> BTreeMap<String, String> {
+        BTreeMap::from([(SAMPLER_KEY.to_string(), data.sampler.position().to_string())])
+    }
+
+    fn load_data_state(
+        &self,
+        data: &mut LmData,
+        saved: &BTreeMap<String, String>,
+    ) -> Result<(), TrainError> {
+        let p = saved
+            .get(SAMPLER_KEY)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| TrainError::Checkpoint(format!("no {SAMPLER_KEY} in the checkpoint")))?;
+        data.sampler.set_position(p);
+        Ok(())
+    }
+
+    fn epoch_batches(
+        &self,
+        _data: &mut LmData,
+        _env: &RankEnv,
+        _epoch: u32,
+    ) -> Result<Option<u64>, TrainError> {
+        Ok(None)
+    }
+
+    /// The next global batch's windows from the shared stream; this rank's share.
+    fn batch(
+        &self,
+        data: &mut LmData,
+        env: &RankEnv,
+        _at: BatchIndex,
+    ) -> Result<TokenBatch, TrainError> {
+        let n = self.tokens_per_rank_batch();
+        data.sampler
+            .fill_next(&self.tokens.train, &mut data.inputs, &mut data.targets)
+            .map_err(TrainError::task)?;
+        let mine = env.rank * n..(env.rank + 1) * n;
+        Ok(TokenBatch::new(
+            &env.device,
+            &data.inputs[mine.clone()],
+            &data.targets[mine],
+            self.options.batch_size,
+            self.spec.seq_len,
+            self.spec.vocab,
+        )?)
+    }
+
+    fn batch_weight(&self, batch: &TokenBatch) -> u64 {
+        batch.tokens() as u64
+    }
+
+    fn forward(&self, model: &mut FsdpModel<M>, batch: &TokenBatch) -> Result<(), TrainError> {
+        model
+            .forward(Mode::Train, |m, ctx| m.forward_train(ctx, batch))
+            .map_err(model_err)
+    }
+
+    fn loss<'m>(&self, model: &'m FsdpModel<M>) -> Result<LossValue<'m>, TrainError> {
+        Ok(LossValue {
+            values: &model.module().loss().map_err(model_err)?.sum,
+            kind: LossKind::Sum,
+        })
+    }
+
+    fn backward(&self, model: &mut FsdpModel<M>, batch: &TokenBatch) -> Result<(), TrainError> {
+        model
+            .backward(|m, ctx| m.backward(ctx, batch))
+            .map_err(model_err)
+    }
+
+    /// The mean loss over the validation windows: batch `i` on rank `i % world_size`, the sums of
+    /// `mean x windows` and the window counts all-reduced (the peer's weighting).
+    fn evaluate(
+        &self,
+        model: &mut FsdpModel<M>,
+        data: &mut LmData,
+        env: &RankEnv,
+    ) -> Result<Evaluation, TrainError> {
+        let (b, t) = (data.val.batch(), data.val.seq_len());
+        let batches = self
+            .options
+            .max_val_batches
+            .map_or(data.val.batch_count(), |m| m.min(data.val.batch_count()));
+        let (mut x, mut y) = (vec![0i32; b * t], vec![0i32; b * t]);
+        let val = &data.val;
+        let device = env.device.clone();
+        let sums = evaluate_sums(
+            model,
+            (env.rank..batches).step_by(env.world_size),
+            |model, i| -> Result<[f32; 2], TrainError> {
+                let n = val
+                    .fill_batch(&self.tokens.val, i, &mut x, &mut y)
+                    .map_err(TrainError::task)?;
+                let batch =
+                    TokenBatch::new(&device, &x[..n * t], &y[..n * t], n, t, self.spec.vocab)?;
+                model
+                    .forward(Mode::Eval, |m, ctx| m.forward(ctx, &batch))
+                    .map_err(model_err)?;
+                let mean = model.module().loss().map_err(model_err)?.mean()?;
+                Ok([(mean * n as f64) as f32, n as f32])
+            },
+        )?;
+        Ok(Evaluation {
+            loss: f64::from(sums[0]) / f64::from(sums[1]).max(1.0),
+            correct: None,
+            extra: vec![(
+                "val_loss".into(),
+                serde_json::json!(f64::from(sums[0]) / f64::from(sums[1]).max(1.0)),
+            )],
+        })
+    }
+
+    fn after_training(
+        &self,
+        model: &mut FsdpModel<M>,
+        _data: &mut LmData,
+        _env: &RankEnv,
+    ) -> Result<Vec<String>, TrainError> {
+        match self.options.sample {
+            Some(n) => Ok(vec![format!(
+                "--- sample ---\n{}\n--- end of sample ---",
+                self.sample(model, n)?
+            )]),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Random ids of GPT-2's vocabulary (as the peer's `randint(0, 50257)`), inputs and targets drawn
+    /// independently, one stream per rank.
+    fn speed_batch(&self, _data: &mut LmData, env: &RankEnv) -> Result<TokenBatch, TrainError> {
+        let (b, t) = (self.options.batch_size, self.spec.seq_len);
+        let mut rng = SplitMix64::new(
+            self.options.seed ^ (env.rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        let bound = u64::from(GPT2_VOCAB_SIZE).min(self.spec.vocab as u64);
+        let mut ids = |n: usize| -> Vec<i32> { (0..n).map(|_| rng.below(bound) as i32).collect() };
+        let (x, y) = (ids(b * t), ids(b * t));
+        Ok(TokenBatch::new(&env.device, &x, &y, b, t, self.spec.vocab)?)
+    }
+
+    fn flops_per_unit(&self) -> Option<f64> {
+        Some(self.spec.gpt_config().flops_per_token())
+    }
+
+    fn describe(&self) -> Vec<(String, serde_json::Value)> {
+        let s = &self.spec;
+        vec![
+            ("preset".into(), serde_json::json!(s.preset)),
+            ("d_model".into(), serde_json::json!(s.d_model)),
+            ("layers".into(), serde_json::json!(s.layers)),
+            ("heads".into(), serde_json::json!(s.heads)),
+            ("vocab".into(), serde_json::json!(s.vocab)),
+            ("batch".into(), serde_json::json!(self.options.batch_size)),
+            ("seq".into(), serde_json::json!(s.seq_len)),
+            (
+                "world_size_planned".into(),
+                serde_json::json!(self.world_size),
+            ),
+        ]
+    }
+}
