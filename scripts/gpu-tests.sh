@@ -3,8 +3,7 @@
 # here and run on a GPU machine that has no cargo (docs/testing.md).
 #
 #   scripts/gpu-tests.sh pack          (here, with cargo) builds the release test binaries and examples,
-#                                      copies the ones needed, stripped, into .gpu/tests/ with a manifest,
-#                                      and scripts/cuda-env.sh into .gpu/
+#                                      copies the ones needed, stripped, into .gpu/tests/ with a manifest
 #   scripts/gpu-tests.sh run [REGEX]   (on the GPU machine, from the repository root, with .gpu/ beside it)
 #                                      runs each GPU test in its own process and each example, writes the
 #                                      full log to $OUT (if set) and prints one table last; exits non-zero
@@ -82,7 +81,6 @@ pack() {
   launcher=$(jq -r 'select(.reason == "compiler-artifact" and .executable != null and .target.name == "fsdp-run" and (.target.kind | index("bin"))) | .executable' "$json" | head -n 1)
   [ -n "$launcher" ] || die "the fsdp-run binary was not built"
   strip -o "$PACK/fsdp-run" "$launcher"
-  cp scripts/cuda-env.sh .gpu/cuda-env.sh
   # Rows in a stable order: tests by package, binary and name, then examples.
   local sorted
   sorted=$({ grep '^root' "$MANIFEST"; grep '^test' "$MANIFEST" | LC_ALL=C sort -t$'\t' -k2,2 -k3,3 -k5,5; grep '^example' "$MANIFEST" | LC_ALL=C sort -t$'\t' -k2,3; } || true)
@@ -142,9 +140,12 @@ run_row() {
 run() {
   local filter=${1:-}
   [ -f "$MANIFEST" ] || die "$MANIFEST is missing: run 'scripts/gpu-tests.sh pack' where cargo is, and bring .gpu/ here"
-  [ -f .gpu/cuda-env.sh ] || die ".gpu/cuda-env.sh is missing: run 'scripts/gpu-tests.sh pack'"
-  # shellcheck disable=SC1091
-  source .gpu/cuda-env.sh
+  # The CUDA libraries onto LD_LIBRARY_PATH (the same finder as the benchmarks'; it is not written for
+  # errexit or pipefail).
+  set +eu +o pipefail
+  # shellcheck source=bench/cuda-libs.sh
+  source bench/cuda-libs.sh
+  set -eu -o pipefail
   local out=${OUT:-}
   if [ -n "$out" ]; then
     mkdir -p "$out"
