@@ -1,14 +1,17 @@
-//! Compiles the GEMM-layout and Adam CUDA sources with NVRTC for sm_90 (no GPU needed; skipped with a
-//! printed reason where NVRTC cannot be loaded, as in CI), and checks that the Adam kernels contain no
+//! Compiles the GEMM-layout and Adam CUDA sources with NVRTC for sm_90 (no GPU needed; ignored, with the
+//! reason, where the build found no NVRTC), and checks that the Adam kernels contain no
 //! fused multiply-add and no flush-to-zero arithmetic, which would break bitwise CPU/GPU agreement.
 
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, ADAM_MODULE, GEMM_LAYOUT_MODULE};
 
 #[test]
+#[cfg_attr(
+    not(nvrtc_found),
+    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
+)]
 fn gemm_and_adam_sources_compile_for_sm90() {
     if let Err(e) = nvrtc_status() {
-        println!("skipped: {e}");
-        return;
+        panic!("{e}");
     }
     for module in [GEMM_LAYOUT_MODULE, ADAM_MODULE] {
         let ptx = compile_ptx(&module, "sm_90")

@@ -1,7 +1,7 @@
 //! Compiles every CUDA module of the crate (the registry `kernel_source::MODULES`) for sm_90 with NVRTC,
 //! as the crate builds them (no GPU needed), and checks that no CUDA source under `src/` or `cuda/` is
-//! left out of the registry. The compile part skips, saying why, when NVRTC cannot be loaded (CI without
-//! CUDA); the registry check always runs.
+//! left out of the registry. The compile test is ignored, with the reason, where the build found no NVRTC
+//! (`build.rs`; CI puts NVIDIA's NVRTC wheel on `LD_LIBRARY_PATH`); the registry check always runs.
 
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, CAST_MODULE, MODULES};
 use std::path::{Path, PathBuf};
@@ -69,10 +69,13 @@ fn every_cuda_source_belongs_to_a_registered_module() {
 }
 
 #[test]
+#[cfg_attr(
+    not(nvrtc_found),
+    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
+)]
 fn every_kernel_module_compiles_for_sm90() {
     if let Err(e) = nvrtc_status() {
-        println!("SKIPPED: {e}");
-        return;
+        panic!("{e}");
     }
     for m in MODULES {
         let ptx = compile_ptx(m, "sm_90").unwrap_or_else(|e| panic!("{}: {e}", m.name));

@@ -9,8 +9,8 @@
 //!   another order or algorithm than the emulated ring); the share of bit-exact matches with the
 //!   emulation is printed for information.
 //!
-//! Prints one PASS/FAIL line per check and exits non-zero if any check failed. Without NCCL or a GPU it
-//! prints why and exits 0. Options: `--timeout SECONDS` (default 120), `--skip-init-timeout-check`.
+//! Prints one PASS/FAIL line per check and exits non-zero if any check failed, and also without NCCL or a
+//! GPU (saying why: nothing was checked). Options: `--timeout SECONDS` (default 120), `--skip-init-timeout-check`.
 
 use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
@@ -319,8 +319,8 @@ fn main() -> ExitCode {
     let skip_init_timeout = args.iter().any(|a| a == "--skip-init-timeout-check");
 
     if let Err(e) = nccl_library_status() {
-        println!("SKIP nccl_check: {e}");
-        return ExitCode::SUCCESS;
+        println!("FAIL nccl_check: nothing checked: {e}");
+        return ExitCode::FAILURE;
     }
     let env = if DistEnv::is_launched() {
         match DistEnv::from_env() {
@@ -334,8 +334,11 @@ fn main() -> ExitCode {
         DistEnv::single()
     };
     if let Err(e) = Device::cuda(env.local_rank) {
-        println!("SKIP nccl_check: no usable GPU {}: {e}", env.local_rank);
-        return ExitCode::SUCCESS;
+        println!(
+            "FAIL nccl_check: nothing checked: no usable GPU {}: {e}",
+            env.local_rank
+        );
+        return ExitCode::FAILURE;
     }
     let cfg = NcclConfig::with_timeout(timeout);
     let t0 = Instant::now();

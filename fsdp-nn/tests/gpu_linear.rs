@@ -2,8 +2,8 @@
 //! the same data, agrees — the weight cast on the device (an optimizer step with lr 0 re-quantizes the
 //! unchanged master) and the saved E4M3 `x^T` bit for bit, `y` within the FP8 GEMM bound, `dx`,
 //! accumulated `dW` and `db` within 1e-3 of their largest value, the delayed-scaling metas identical after
-//! each update; the BF16 layer's output within the BF16 bound. Prints `SKIPPED: ...` and passes without a
-//! GPU. (Moved from fp8-kernels' `gemm_check`, where the layer state used to live.)
+//! each update; the BF16 layer's output within the BF16 bound. Ignored unless run with `--ignored`
+//! (needs a CUDA GPU). (Moved from fp8-kernels' `gemm_check`, where the layer state used to live.)
 //!
 //! The CUDA model runs on an NCCL communicator of world size 1 (`NcclComm::from_dist_env` with
 //! `DistEnv::single()`, as the examples do without a launcher): `fsdp-comm` has no other single-rank
@@ -271,18 +271,12 @@ fn check(gpu_comm: &Arc<dyn Communicator>) -> TestResult<()> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_linear_matches_cpu() {
-    let gpu = match Device::cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            println!("SKIPPED: no CUDA device: {e}");
-            return;
-        }
-    };
+    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
     if let Device::Cuda(c) = &gpu {
         if let Err(e) = c.require_fp8() {
-            println!("SKIPPED: no FP8 on this GPU: {e}");
-            return;
+            panic!("no FP8 on this GPU: {e}");
         }
     }
     drop(gpu);

@@ -7,7 +7,7 @@
 //! GPU part when a GPU is present, and by `gemm_check` and `fused_check`.)
 //!
 //! Usage: `kernel_check [--seed N] [--skip-exhaustive]`. One line per check; exits 1 on any FAIL.
-//! Without a usable GPU it prints why and exits 0.
+//! Without a usable GPU it prints why and exits 1 (nothing was checked).
 
 mod float_kernels;
 
@@ -598,12 +598,12 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
         Err(KernelError::CudaUnavailable(why)) => {
-            println!("no GPU check run: CUDA is not available ({why})");
-            ExitCode::SUCCESS
+            println!("nothing checked: CUDA is not available ({why})");
+            ExitCode::FAILURE
         }
         Err(KernelError::Fp8Unsupported { major, minor }) => {
-            println!("no GPU check run: this GPU ({major}.{minor}) has no FP8 instructions");
-            ExitCode::SUCCESS
+            println!("nothing checked: this GPU ({major}.{minor}) has no FP8 instructions");
+            ExitCode::FAILURE
         }
         Err(e) => {
             println!("error: {e}");

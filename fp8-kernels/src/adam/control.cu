@@ -9,8 +9,8 @@
 
 // Word offsets of the control buffer (mirrors adam::ctl).
 #define CTL_STEP 0
-#define CTL_SKIPPED 1
-#define CTL_LAST_SKIPPED 2
+#define CTL_SKIP_COUNT 1
+#define CTL_LAST_SKIP 2
 #define CTL_LAST_NONFINITE 3
 #define CTL_LAST_SUMSQ 4
 #define CTL_LEN 8
@@ -62,12 +62,12 @@ extern "C" __global__ void adam_coefficients_from_stats(StepParams p, const floa
     const double norm = __dsqrt_rn((double)sumsq);
     const bool skip = nonfinite != 0.0f || !isfinite(norm);
     const u32 step = __float_as_uint(ctl[CTL_STEP]);
-    const u32 skipped = __float_as_uint(ctl[CTL_SKIPPED]);
+    const u32 skipped = __float_as_uint(ctl[CTL_SKIP_COUNT]);
     if (skip) {
         __syncthreads();
         if (threadIdx.x == 0) {
-            ctl[CTL_SKIPPED] = __uint_as_float(skipped + 1);
-            ctl[CTL_LAST_SKIPPED] = 1.0f;
+            ctl[CTL_SKIP_COUNT] = __uint_as_float(skipped + 1);
+            ctl[CTL_LAST_SKIP] = 1.0f;
             ctl[CTL_LAST_NONFINITE] = nonfinite;
             ctl[CTL_LAST_SUMSQ] = sumsq;
             coef_out[COEF_SKIP] = 1.0f;
@@ -134,7 +134,7 @@ extern "C" __global__ void adam_coefficients_from_stats(StepParams p, const floa
         for (int k = 0; k < 14; ++k) coef_out[k] = cw[k];
         coef_out[COEF_SKIP] = 0.0f;
         ctl[CTL_STEP] = __uint_as_float(t_u);
-        ctl[CTL_LAST_SKIPPED] = 0.0f;
+        ctl[CTL_LAST_SKIP] = 0.0f;
         ctl[CTL_LAST_NONFINITE] = nonfinite;
         ctl[CTL_LAST_SUMSQ] = sumsq;
         for (int k = 0; k < CTL_LEN; ++k) report[k] = ctl[k];

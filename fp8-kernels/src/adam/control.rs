@@ -37,9 +37,9 @@ pub mod ctl {
     /// Adam's step count (successful steps), `u32` bits.
     pub const STEP: usize = 0;
     /// Skipped steps so far, `u32` bits.
-    pub const SKIPPED: usize = 1;
+    pub const SKIP_COUNT: usize = 1;
     /// 1.0 when the last step was skipped.
-    pub const LAST_SKIPPED: usize = 2;
+    pub const LAST_SKIP: usize = 2;
     /// Non-finite gradient values of the last step (all ranks).
     pub const LAST_NONFINITE: usize = 3;
     /// Sum of squared gradients of the last step (all ranks), f32.

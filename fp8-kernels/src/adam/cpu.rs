@@ -223,8 +223,8 @@ pub(super) fn coefficients_from_stats(
     c[ctl::LAST_NONFINITE] = nonfinite;
     c[ctl::LAST_SUMSQ] = sumsq;
     if skip {
-        c[ctl::SKIPPED] = f32::from_bits(c[ctl::SKIPPED].to_bits().wrapping_add(1));
-        c[ctl::LAST_SKIPPED] = 1.0;
+        c[ctl::SKIP_COUNT] = f32::from_bits(c[ctl::SKIP_COUNT].to_bits().wrapping_add(1));
+        c[ctl::LAST_SKIP] = 1.0;
         coef[COEF_SKIP] = 1.0;
         return;
     }
@@ -256,7 +256,7 @@ pub(super) fn coefficients_from_stats(
     coef[..14].copy_from_slice(&words_of(&co));
     coef[COEF_SKIP] = 0.0;
     c[ctl::STEP] = f32::from_bits(t_u);
-    c[ctl::LAST_SKIPPED] = 0.0;
+    c[ctl::LAST_SKIP] = 0.0;
 }
 
 /// `adam_commit_amaxes` on host slices.

@@ -267,7 +267,7 @@ impl ShardedState for ShardedAdam {
         let amaxes = self.amaxes.to_vec().unwrap_or_default();
         let mut v: Vec<(String, String)> = [
             ("step", counter(ctl::STEP)),
-            ("skipped", counter(ctl::SKIPPED)),
+            ("skipped", counter(ctl::SKIP_COUNT)),
         ]
         .into_iter()
         .filter_map(|(k, c)| c.map(|c| (k.to_string(), c)))
@@ -345,7 +345,7 @@ impl ShardedState for ShardedAdam {
         };
         let mut control = vec![0f32; ctl::LEN];
         control[ctl::STEP] = f32::from_bits(as_u32("step")?);
-        control[ctl::SKIPPED] = f32::from_bits(as_u32("skipped")?);
+        control[ctl::SKIP_COUNT] = f32::from_bits(as_u32("skipped")?);
         self.control.copy_from_host(&control)?;
         self.schedule_position = parse_u64("schedule_position")?;
         self.amaxes.copy_from_host(&amaxes)?;

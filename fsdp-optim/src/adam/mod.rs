@@ -76,7 +76,7 @@ impl PendingStepReport {
         if r.len() != ctl::LEN {
             return Err(mismatch(format!("step report of {} words", r.len())));
         }
-        let skipped = r[ctl::LAST_SKIPPED] != 0.0;
+        let skipped = r[ctl::LAST_SKIP] != 0.0;
         let grad_norm = (r[ctl::LAST_SUMSQ] as f64).sqrt();
         let clip_coef = match (skipped, self.max_grad_norm) {
             (false, Some(max)) => (max / (grad_norm + 1e-6)).min(1.0),
@@ -85,7 +85,7 @@ impl PendingStepReport {
         Ok(StepReport {
             step: u64::from(r[ctl::STEP].to_bits()),
             skipped,
-            skipped_total: u64::from(r[ctl::SKIPPED].to_bits()),
+            skipped_total: u64::from(r[ctl::SKIP_COUNT].to_bits()),
             nonfinite: if skipped {
                 r[ctl::LAST_NONFINITE] as u64
             } else {
@@ -346,7 +346,7 @@ impl ShardedAdam {
 
     /// Steps skipped for non-finite gradients. Reads the device (it waits for queued work).
     pub fn skipped_steps(&self) -> Result<u64, OptimError> {
-        self.counter(ctl::SKIPPED)
+        self.counter(ctl::SKIP_COUNT)
     }
 
     /// Sets the base learning rate (what a schedule multiplies).
