@@ -66,7 +66,13 @@ const CPU_VAL_BATCHES: usize = 32;
 
 fn run<M: LanguageModel>(args: &Args, options: LmOptions, on_cpu: bool) -> ExitCode {
     let world_size = args.train.world_size.unwrap_or(1);
-    let task = match LmTask::<M>::new(options, world_size) {
+    // The speed mode times random token batches: it reads no data.
+    let task = if args.train.speed {
+        LmTask::<M>::for_speed(options, world_size)
+    } else {
+        LmTask::<M>::new(options, world_size)
+    };
+    let task = match task {
         Ok(t) => t,
         Err(e) => {
             eprintln!("lm_fsdp: {e}");
@@ -88,6 +94,7 @@ fn main() -> ExitCode {
         args.train.device = DeviceArg::Cpu;
     }
     let data_dir = match &args.data {
+        _ if args.train.speed => PathBuf::new(),
         Some(d) => d.clone(),
         None => {
             let full = PathBuf::from(DEFAULT_SHAKESPEARE_DIR);

@@ -125,10 +125,15 @@ impl Tokens {
 
 /// A rank's data: the training stream's sampler and the validation windows.
 pub struct LmData {
-    sampler: TrainWindowSampler,
+    /// `None` for a task without data (the speed mode's).
+    sampler: Option<TrainWindowSampler>,
     inputs: Vec<i32>,
     targets: Vec<i32>,
-    val: ValidationWindows,
+    val: Option<ValidationWindows>,
+}
+
+fn no_data() -> TrainError {
+    TrainError::Config("this LM task was made without data (for --speed): it cannot train".into())
 }
 
 /// The peer's AdamW: betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every matrix (embeddings
@@ -185,24 +190,7 @@ impl<M: LanguageModel> LmTask<M> {
         .map_err(|e| TrainError::Config(e.to_string()))?;
         spec.recompute_blocks = options.recompute_blocks;
         spec.seed = options.seed;
-        if options.batch_size == 0 {
-            return Err(TrainError::Config(
-                "--batch-size must be at least 1 (0 would silently do nothing)".into(),
-            ));
-        }
-        // Every size the run allocates from these flags must be representable.
-        options
-            .batch_size
-            .checked_mul(options.seq_len)
-            .and_then(|v| v.checked_mul(world_size.max(1)))
-            .and_then(|v| v.checked_mul(std::mem::size_of::<i32>()))
-            .ok_or_else(|| {
-                TrainError::Config(format!(
-                    "--batch-size {} x --seq-len {} x --world-size {world_size} overflows this \
-                     machine's sizes",
-                    options.batch_size, options.seq_len
-                ))
-            })?;
+        Self::check_sizes(&options, world_size)?;
         if let Some(n) = options.sample {
             if n.saturating_add(1) > options.seq_len {
                 return Err(TrainError::Config(format!(
@@ -235,6 +223,57 @@ impl<M: LanguageModel> LmTask<M> {
             world_size,
             model: PhantomData,
         })
+    }
+
+    /// A task without data, for the speed mode (random token batches, GPT-2's padded vocabulary):
+    /// nothing is read from disk.
+    pub fn for_speed(options: LmOptions, world_size: usize) -> Result<Self, TrainError> {
+        let mut spec = LmSpec::from_preset(
+            &options.preset,
+            options.d_model,
+            options.layers,
+            options.heads,
+            options.seq_len,
+        )
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+        spec.recompute_blocks = options.recompute_blocks;
+        spec.seed = options.seed;
+        Self::check_sizes(&options, world_size)?;
+        Ok(LmTask {
+            options,
+            spec,
+            tokens: Tokens {
+                train: Vec::new(),
+                val: Vec::new(),
+                dense_to_gpt2: None,
+                vocab: GPT2_PADDED_VOCAB,
+                id: "none".into(),
+            },
+            world_size,
+            model: PhantomData,
+        })
+    }
+
+    /// Every size the run allocates from these flags must be representable.
+    fn check_sizes(options: &LmOptions, world_size: usize) -> Result<(), TrainError> {
+        if options.batch_size == 0 {
+            return Err(TrainError::Config(
+                "--batch-size must be at least 1 (0 would silently do nothing)".into(),
+            ));
+        }
+        options
+            .batch_size
+            .checked_mul(options.seq_len)
+            .and_then(|v| v.checked_mul(world_size.max(1)))
+            .and_then(|v| v.checked_mul(std::mem::size_of::<i32>()))
+            .ok_or_else(|| {
+                TrainError::Config(format!(
+                    "--batch-size {} x --seq-len {} x --world-size {world_size} overflows this \
+                     machine's sizes",
+                    options.batch_size, options.seq_len
+                ))
+            })?;
+        Ok(())
     }
 
     /// The model's shape.
@@ -400,20 +439,28 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
 
     fn data(&self, env: &RankEnv) -> Result<LmData, TrainError> {
         let (b, t, ws) = (self.options.batch_size, self.spec.seq_len, env.world_size);
+        if self.tokens.train.is_empty() {
+            return Ok(LmData {
+                sampler: None,
+                inputs: Vec::new(),
+                targets: Vec::new(),
+                val: None,
+            });
+        }
         let sampler =
             TrainWindowSampler::new(self.tokens.train.len(), t, b * ws, self.options.seed, 0)
                 .map_err(TrainError::task)?;
         let val = ValidationWindows::new(self.tokens.val.len(), t, b).map_err(TrainError::task)?;
         Ok(LmData {
-            sampler,
+            sampler: Some(sampler),
             inputs: vec![0; b * ws * t],
             targets: vec![0; b * ws * t],
-            val,
+            val: Some(val),
         })
     }
 
     fn data_state(&self, data: &LmData) -> BTreeMap<String, String> {
-        BTreeMap::from([(SAMPLER_KEY.to_string(), data.sampler.position().to_string())])
+        data.sampler.iter().map(|s| (SAMPLER_KEY.to_string(), s.position().to_string())).collect()
     }
 
     fn load_data_state(
@@ -425,7 +472,7 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
             .get(SAMPLER_KEY)
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| TrainError::Checkpoint(format!("no {SAMPLER_KEY} in the checkpoint")))?;
-        data.sampler.set_position(p);
+        data.sampler.as_mut().ok_or_else(no_data)?.set_position(p);
         Ok(())
     }
 
@@ -447,6 +494,8 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
     ) -> Result<TokenBatch, TrainError> {
         let n = self.tokens_per_rank_batch();
         data.sampler
+            .as_mut()
+            .ok_or_else(no_data)?
             .fill_next(&self.tokens.train, &mut data.inputs, &mut data.targets)
             .map_err(TrainError::task)?;
         let mine = env.rank * n..(env.rank + 1) * n;
@@ -491,13 +540,13 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
         data: &mut LmData,
         env: &RankEnv,
     ) -> Result<Evaluation, TrainError> {
-        let (b, t) = (data.val.batch(), data.val.seq_len());
+        let val = data.val.as_ref().ok_or_else(no_data)?;
+        let (b, t) = (val.batch(), val.seq_len());
         let batches = self
             .options
             .max_val_batches
-            .map_or(data.val.batch_count(), |m| m.min(data.val.batch_count()));
+            .map_or(val.batch_count(), |m| m.min(val.batch_count()));
         let (mut x, mut y) = (vec![0i32; b * t], vec![0i32; b * t]);
-        let val = &data.val;
         let device = env.device.clone();
         let sums = evaluate_sums(
             model,
