@@ -460,7 +460,10 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
     }
 
     fn data_state(&self, data: &LmData) -> BTreeMap<String, String> {
-        data.sampler.iter().map(|s| (SAMPLER_KEY.to_string(), s.position().to_string())).collect()
+        data.sampler
+            .iter()
+            .map(|s| (SAMPLER_KEY.to_string(), s.position().to_string()))
+            .collect()
     }
 
     fn load_data_state(
