@@ -10,7 +10,7 @@
 #   ln_f, then logits = ln_f(x) @ wte.weight^T (the head is tied to the token embedding);
 #   LayerNorms have a weight and no bias, eps 1e-5; every linear is bias-free.
 #   Init: N(0, 0.02) for every 2-D parameter, N(0, 0.02 / sqrt(2 L)) for attn_proj and mlp_proj, norm weights 1;
-#   the weights are drawn on the GPU after sharding (torch.manual_seed(SEED)).
+#   the weights are drawn on the GPU before conversion and sharding (torch.manual_seed(SEED)).
 #   Loss: the mean cross-entropy over all B*T positions of the F32 logits (the 47 padding columns of the
 #   vocabulary are not masked).
 # Optimiser, schedule, validation, training batches, speed measurement: lm_common.py.
@@ -66,8 +66,8 @@ class Block(nn.Module):
 
     def attention(self, x):
         b, t, d = x.shape
-        qkv = self.c_attn(x).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -119,14 +119,15 @@ def main(argv):
                "ac": os.environ.get("AC", "none"), "preset": preset, "vocab": VOCAB, "batch": batch, "seq": seq}
 
     def body(summary):
-        with torch.device("meta"):
+        # Built and initialised on the device before conversion and sharding, as torchao's float8 guide
+        # does: on one GPU the whole model fits, and the FP8 all-gather wrappers are made from real weights.
+        with torch.device(lm_common.DEVICE):
             model = build_model(preset, seq)
+        lm_common.init_weights(model, seed, ("attn_proj.weight", "mlp_proj.weight"), layers)
         params = sum(p.numel() for p in model.parameters())  # the tied matrix once
         flops_per_token = 6 * (params - seq * d) + 6 * layers * seq * d
         precompute = lm_common.convert_fp8(model, mode)
         lm_common.shard(model, model.h, mode, compile_blocks, checkpoint_blocks)
-        model.to_empty(device=lm_common.DEVICE)
-        lm_common.init_weights(model, seed, ("attn_proj.weight", "mlp_proj.weight"), layers)
         opt = lm_common.adamw(model, lr_max)
         step = lm_common.make_step(model, opt, precompute)
         summary.update(params=params, world=world)
