@@ -33,7 +33,7 @@ use fp8_kernels::{Buffer, Device, KernelError};
 use half::bf16;
 use std::path::{Path, PathBuf};
 
-/// A peer shape and PyTorch's TFLOP/s there (H200; DESIGN.md and issue 14): default, flash, cuDNN.
+/// A peer shape and PyTorch's TFLOP/s there (H200, `peer_layers.py`): default, flash, cuDNN.
 struct Peer {
     shape: AttentionShape,
     default: f64,

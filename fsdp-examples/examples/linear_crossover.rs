@@ -1,4 +1,4 @@
-//! `linear_crossover`: the measured FP8/BF16 crossover of `gpt_fsdp --fp8-layers auto`
+//! `linear_crossover`: the measured FP8/BF16 crossover of `lm_fsdp --fp8-layers auto`
 //! (`DEFAULT_FP8_AUTO_THRESHOLD`). Each block linear of the GPT presets' widths (c_attn d->3d, attn_proj
 //! d->d, c_fc d->4d, mlp_proj 4d->d; c_attn and c_fc also behind their LayerNorm, whose fused kernel
 //! writes an FP8 linear's input) is timed through a training step (forward, backward with dx and dW,
@@ -50,10 +50,10 @@ struct Args {
     /// Timed steps per shape (the median is reported) [default: 20 on CUDA, 2 on the CPU].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     iters: Option<u64>,
-    /// Optimizer states of the FP8 weight (as gpt_fsdp --optimizer-states).
+    /// Optimizer states of the FP8 weight (as lm_fsdp --optimizer-states).
     #[arg(long, value_enum, default_value_t = StatesArg::Low)]
     states: StatesArg,
-    /// Gradient shards (as gpt_fsdp --grad-shards).
+    /// Gradient shards (as lm_fsdp --grad-shards).
     #[arg(long, value_enum, default_value_t = GradShardsArg::F32)]
     grad_shards: GradShardsArg,
     /// Also write the rows and crossovers as JSON here.

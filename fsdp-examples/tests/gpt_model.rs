@@ -12,7 +12,7 @@ use fsdp_shard::{FsdpModel, Mode, ParamKind};
 use gpt_common::*;
 use half::bf16;
 
-/// The peer's `named_parameters()` for `L` blocks (shared/bench/peer_gpt.py: `GPT.__init__` registers
+/// The peer's `named_parameters()` for `L` blocks (bench/peers/peer_gpt.py: `GPT.__init__` registers
 /// `wte`, `wpe`, `h`, `ln_f`, `lm_head`, whose weight is `wte.weight` and so is not listed again; each
 /// `Block.__init__` registers `ln_1`, `c_attn`, `attn_proj`, `ln_2`, `c_fc`, `mlp_proj`, all without
 /// biases), with their shapes.

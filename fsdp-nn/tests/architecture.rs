@@ -1,4 +1,4 @@
-//! The module architecture (issue 13) on a tiny tied model (`common::tiny_lm`) on thread ranks: a
+//! The module architecture on a tiny tied model (`common::tiny_lm`) on thread ranks: a
 //! parameter used by two modules has one gradient, summed in the root unit; one unit per block `h.N`
 //! with the root for the rest, gathered one block at a time; weight decay on matrices only (checked
 //! against a hand computation of the step); a forward without gradients leaves the model's state alone

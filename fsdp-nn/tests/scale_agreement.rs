@@ -1,4 +1,4 @@
-//! One scale agreement per step, for every model (issue 13): two ranks fed different data (rank 1's
+//! One scale agreement per step, for every model: two ranks fed different data (rank 1's
 //! input and output gradient 16 times rank 0's) end the optimizer step with identical scales everywhere
 //! — every activation and output-gradient meta and every FP8 weight — from ONE all-reduce(MAX). Each
 //! meta's scale is the one of the global amax (the larger rank's), not rank 0's local one (checked

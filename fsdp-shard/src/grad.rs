@@ -1,7 +1,7 @@
 //! Gradient reduction: reduce-scatter of a unit's full gradients into this rank's shard, exactly (F32),
 //! in BF16, or in FP8.
 //!
-//! The FP8 path (DESIGN.md, "Numerics"):
+//! The FP8 path (one scale for all ranks, so the sums the reduce-scatter forms cannot overflow):
 //! 1. every rank takes the amax of its full gradient buffer and counts its non-finite values (before any
 //!    cast: a saturating cast makes infinities finite);
 //! 2. one all-reduce(MAX) of the amax, so every rank uses the same scale;

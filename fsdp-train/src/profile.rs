@@ -1,4 +1,4 @@
-//! Phase timings of training steps (`mnist_fsdp --profile`, `gpt_fsdp --speed --profile`): CUDA events
+//! Phase timings of training steps (`mnist_fsdp --profile`, `lm_fsdp --speed --profile`): CUDA events
 //! around each phase on a GPU (read once, when the window is full), host time everywhere.
 
 use fp8_kernels::{Device, GpuEvent, KernelError};

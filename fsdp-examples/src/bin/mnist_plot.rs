@@ -1,5 +1,5 @@
 //! Overlays several metrics files (JSON lines) in one SVG: MNIST's train loss and test accuracy per epoch,
-//! or with `--kind lm` gpt_fsdp's train and validation loss per step; each run is labelled by its file
+//! or with `--kind lm` lm_fsdp's train and validation loss per step; each run is labelled by its file
 //! name without extension.
 
 use std::path::PathBuf;
@@ -22,7 +22,7 @@ struct Args {
     /// Plot title (empty for none) [default: one naming the kind's quantities].
     #[arg(long)]
     title: Option<String>,
-    /// What the files hold: MNIST epochs, or language-model steps (gpt_fsdp --metrics: train and
+    /// What the files hold: MNIST epochs, or language-model steps (lm_fsdp --metrics: train and
     /// validation loss per step).
     #[arg(long, value_enum, default_value_t = KindArg::Mnist)]
     kind: KindArg,

@@ -7,7 +7,7 @@
 //! # What one measurement is
 //! The real [`Linear`] as the model builds it (no bias, `N(0, 0.02^2)` weights, delayed scaling of its
 //! FP8 input and output gradient), wrapped alone in a one-rank [`FsdpModel`] (one unit) with the
-//! optimizer `gpt_fsdp` uses ([`peer_adamw_options`]). One step is: a training forward of `x [tokens,
+//! optimizer `lm_fsdp` uses ([`peer_adamw_options`]). One step is: a training forward of `x [tokens,
 //! in]`, the backward of `dy [tokens, out]` (`dx` and `dW`), and the optimizer step. The step is in the
 //! time on purpose: an FP8 weight is re-quantized there (its amax, the scale agreement, the E4M3 cast of
 //! the master) and its optimizer states differ (`--states`), so the cost of choosing FP8 for a linear
@@ -352,9 +352,9 @@ pub struct CrossoverConfig {
     pub warmup: usize,
     /// Timed steps (the median is taken).
     pub iters: usize,
-    /// Optimizer states of the FP8 weight (as `gpt_fsdp --optimizer-states`).
+    /// Optimizer states of the FP8 weight (as `lm_fsdp --optimizer-states`).
     pub states: StatePrecision,
-    /// Gradient shards (as `gpt_fsdp --grad-shards`).
+    /// Gradient shards (as `lm_fsdp --grad-shards`).
     pub grad_shards: GradDtype,
 }
 

@@ -1,5 +1,5 @@
-//! Windows of a token stream for language-model training and validation, defined as the PyTorch peer
-//! (`shared/bench/peer_gpt.py`) defines them, plus unigram statistics to judge a trained model's loss by.
+//! Windows of a token stream for language-model training and validation, as the PyTorch peer
+//! `bench/peers/peer_gpt.py` defines them, plus unigram statistics to judge a model's loss by.
 //!
 //! A window of length `T` starting at `s` gives the inputs `tokens[s .. s+T]` and the targets
 //! `tokens[s+1 .. s+T+1]` (the next token of each input).
