@@ -51,8 +51,11 @@
 #![warn(missing_docs)]
 
 pub mod data;
+mod error;
 pub mod gpt;
 pub mod lm;
 pub mod mlp;
 pub mod mnist;
 pub mod sampler;
+
+pub use error::ModelError;

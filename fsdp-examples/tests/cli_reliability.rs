@@ -5,21 +5,16 @@
 //! that are not finite are refused naming the tensor; a resume names the program that wrote a foreign
 //! checkpoint, accepts a flag equal to the preset's value, and says when there is nothing left to train.
 
+mod scratch;
+
 use fsdp_examples::data::tokens::committed_shakespeare_slice_dir;
+use scratch::scratch_dir;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const LM: &str = env!("CARGO_BIN_EXE_lm_fsdp");
 const MNIST: &str = env!("CARGO_BIN_EXE_mnist_fsdp");
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cli-reliability-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// A small, fast LM run on the committed slice: d 64, 1 block of 2 heads, sequences of 32.
 fn lm_args() -> Vec<String> {
@@ -112,7 +107,7 @@ fn without(base: &[String], flag: &str) -> Vec<String> {
 
 #[test]
 fn a_committed_checkpoint_is_not_overwritten_silently() {
-    let dir = scratch("overwrite");
+    let dir = scratch_dir("overwrite");
     let ckpt = dir.join("ckpt");
     let c = ckpt.to_str().unwrap();
     let o = lm(&["--steps", "3", "--save", c, "--world-size", "2"]);
@@ -178,7 +173,7 @@ fn a_signal_stops_after_the_step_saves_and_the_resume_is_bit_for_bit() {
         (libc::SIGINT, 130, "SIGINT"),
         (libc::SIGTERM, 143, "SIGTERM"),
     ] {
-        let dir = scratch(&format!("signal-{code}"));
+        let dir = scratch_dir(&format!("signal-{code}"));
         let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
         let common = with(
             &lm_args(),
@@ -283,7 +278,7 @@ fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
 
 #[test]
 fn weights_that_are_not_finite_are_refused_naming_the_tensor() {
-    let dir = scratch("nan");
+    let dir = scratch_dir("nan");
     let good = dir.join("good.safetensors");
     let o = lm(&["--steps", "1", "--export", good.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
@@ -325,7 +320,7 @@ fn weights_that_are_not_finite_are_refused_naming_the_tensor() {
 
 #[test]
 fn resumes_name_the_writer_accept_preset_values_and_say_when_done() {
-    let dir = scratch("resume");
+    let dir = scratch_dir("resume");
     let ckpt = dir.join("ckpt");
     let c = ckpt.to_str().unwrap();
     let o = lm(&["--steps", "2", "--save", c]);

@@ -1,15 +1,11 @@
 //! The `mnist_csv_to_idx` binary end to end on a small CSV.
 
-use std::path::PathBuf;
+mod scratch;
+
+use scratch::scratch_dir;
 use std::process::Command;
 
 use fsdp_examples::data::{MnistDataset, MnistSplit};
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fsdp-examples-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn csv_of(data: &MnistDataset) -> String {
     let mut text = String::from("label");

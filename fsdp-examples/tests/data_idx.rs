@@ -1,23 +1,14 @@
 //! IDX reader and writer: round trips (plain and gzip) and clear errors for bad files.
 
+mod scratch;
+
+use scratch::scratch_dir;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_examples::data::{
     encode_idx_u8, parse_idx_u8, read_idx_u8, write_idx_u8, DataError, IdxArray,
 };
 use proptest::prelude::*;
-
-fn scratch_dir(name: &str) -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "fsdp-examples-{name}-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn gzip(bytes: &[u8]) -> Vec<u8> {
     use std::io::Write;

@@ -1,24 +1,15 @@
 //! The MNIST dataset: the committed real subset, normalisation, batches and the CSV reader.
 
+mod scratch;
+
+use scratch::scratch_dir;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_examples::data::{
     check_mnist_files, committed_subset_dir, normalize_pixel, parse_mnist_csv, DataError,
     MnistDataset, MnistSplit, MNIST_MEAN, MNIST_STD,
 };
 use proptest::prelude::*;
-
-fn scratch_dir(name: &str) -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "fsdp-examples-{name}-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 #[test]
 fn committed_subset_is_real_mnist() {

@@ -1,9 +1,11 @@
 //! GPT-2's tokenizer, the corpus's file selection and split, the `shakespeare_tokenize` binary end to end on
 //! small texts, and the committed slice of the real token files (plus the full files when fetched).
 
+mod scratch;
+
+use scratch::scratch_dir;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_examples::data::tokens::{
     committed_shakespeare_slice_dir, read_utf8_text, shakespeare_text_files, split_train_val,
@@ -11,17 +13,6 @@ use fsdp_examples::data::tokens::{
     TrainWindowSampler, ValidationWindows, GPT2_END_OF_TEXT, GPT2_VOCAB_SIZE,
     SHAKESPEARE_TRAIN_TOKENS, SHAKESPEARE_VAL_TOKENS,
 };
-
-fn scratch_dir(name: &str) -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "fsdp-examples-shakespeare-{name}-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 #[test]
 fn gpt2_encodes_known_ids_and_special_text_as_ordinary() {

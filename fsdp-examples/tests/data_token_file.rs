@@ -1,25 +1,16 @@
 //! llm.c token files: the written bytes against an encoder written from the format description, and a clear
 //! error (file, byte offset, what is wrong) for every kind of bad file.
 
+mod scratch;
+
+use scratch::scratch_dir;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fsdp_examples::data::tokens::{
     encode_token_file, write_token_file, TokenDataError, TokenFile, GPT2_VOCAB_SIZE,
     SHAKESPEARE_FETCH_COMMAND, TOKEN_FILE_HEADER_BYTES,
 };
 use proptest::prelude::*;
-
-fn scratch_dir(name: &str) -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "fsdp-examples-tokens-{name}-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// The format written out by hand: 256 little-endian i32 (magic, version, count, zeros), then u16 tokens.
 fn reference_file(magic: i32, version: i32, count: i32, tokens: &[u16]) -> Vec<u8> {

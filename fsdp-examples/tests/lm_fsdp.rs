@@ -14,6 +14,8 @@
 //! - `--export` then `--init-from` gives back the validation loss;
 //! - bad flags are refused with errors naming them, before any training.
 
+mod scratch;
+
 use fsdp_examples::data::tokens::{
     committed_shakespeare_slice_dir, unigram_entropy_nats, write_token_file, TokenFile,
     GPT2_VOCAB_SIZE,
@@ -26,24 +28,16 @@ use fsdp_train::{
     TrainReport, Trainer,
 };
 use half::bf16;
+use scratch::scratch_dir;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("lm-fsdp-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// The first 8192 tokens of the slice's `train.bin`, as `train.bin` and as `val.bin` (a small corpus
 /// that 40 steps of 512 tokens see 2.5 times), and the unigram entropy of the whole slice.
 fn data_dir() -> (PathBuf, f64) {
     // Tests run in parallel: each gets its own copy.
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let dir = scratch(&format!("data{n}"));
+    let dir = scratch_dir("lm-data");
     let slice = TokenFile::open(
         committed_shakespeare_slice_dir().join("train.bin"),
         GPT2_VOCAB_SIZE,
@@ -139,7 +133,7 @@ fn learns_the_slice_and_two_ranks_follow_one() {
 #[test]
 fn resuming_is_bitwise_the_run_that_did_not_stop() {
     let (data, _) = data_dir();
-    let dir = scratch("resume");
+    let dir = scratch_dir("resume");
     let opts = LmOptions {
         max_val_batches: Some(2),
         ..small(&data, 32, 4)
@@ -255,7 +249,7 @@ fn fp8_gradient_reduction_and_bf16_shards_stay_near_the_exact_ones() {
 #[test]
 fn export_then_init_from_gives_the_validation_loss_back() {
     let (data, _) = data_dir();
-    let dir = scratch("export");
+    let dir = scratch_dir("export");
     let file = dir.join("w.safetensors");
     let opts = LmOptions {
         max_val_batches: Some(4),

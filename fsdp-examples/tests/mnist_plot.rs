@@ -1,14 +1,9 @@
 //! The `mnist_plot` binary: metrics files overlaid in one SVG, labelled by their stems; a bad file named.
 
-use fsdp_train::metrics::{MetricsRecord, MetricsWriter};
-use std::path::PathBuf;
+mod scratch;
 
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fsdp-examples-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use fsdp_train::metrics::{MetricsRecord, MetricsWriter};
+use scratch::scratch_dir;
 
 /// A run of `epochs` epochs reaching `final_acc`.
 fn fake_run(epochs: u32, final_acc: f64, loss_scale: f64) -> Vec<MetricsRecord> {

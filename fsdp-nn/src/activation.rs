@@ -1,9 +1,9 @@
 //! Element-wise activations: [`Relu`], [`Gelu`].
 
-use crate::layer::{Activation, Layer};
+use crate::layer::{module_without_state, take_saved, Activation, InputGrad, Layer};
 use crate::{NnError, Tensor};
 use fp8_kernels::elementwise::{self, GeluApprox};
-use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use fsdp_shard::Ctx;
 
 /// `y = max(x, 0)`; keeps its input for the backward (`dx = dy` where `x > 0`).
 #[derive(Debug, Default)]
@@ -18,11 +18,7 @@ impl<T: Activation> Relu<T> {
     }
 }
 
-impl<T: Activation> Module for Relu<T> {
-    fn visit(&mut self, _v: &mut dyn Visitor) -> Result<(), ShardError> {
-        Ok(())
-    }
-}
+module_without_state!(Relu<T: Activation>);
 
 impl<T: Activation> Layer<T> for Relu<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
@@ -32,16 +28,8 @@ impl<T: Activation> Layer<T> for Relu<T> {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
-        let x = self
-            .x
-            .take()
-            .ok_or_else(|| NnError::usage("Relu", "backward without a training forward"))?;
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
+        let x = take_saved(&mut self.x, "Relu")?;
         if !need_dx {
             return Ok(None);
         }
@@ -80,11 +68,7 @@ impl<T: Activation> Default for Gelu<T> {
     }
 }
 
-impl<T: Activation> Module for Gelu<T> {
-    fn visit(&mut self, _v: &mut dyn Visitor) -> Result<(), ShardError> {
-        Ok(())
-    }
-}
+module_without_state!(Gelu<T: Activation>);
 
 impl<T: Activation> Layer<T> for Gelu<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
@@ -94,16 +78,8 @@ impl<T: Activation> Layer<T> for Gelu<T> {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
-        let x = self
-            .x
-            .take()
-            .ok_or_else(|| NnError::usage("Gelu", "backward without a training forward"))?;
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
+        let x = take_saved(&mut self.x, "Gelu")?;
         if !need_dx {
             return Ok(None);
         }

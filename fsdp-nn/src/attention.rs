@@ -18,7 +18,7 @@
 //! values) comes back from the device and the output (`d` values) goes up; the linears run where the
 //! model lives.
 
-use crate::layer::{Activation, Layer};
+use crate::layer::{take_saved, Activation, InputGrad, Layer};
 use crate::norm::Norm;
 use crate::retype::{buffer_into, buffer_mut, buffer_ref};
 use crate::{Linear, LinearPrecision, NnError, Shape, Tensor, WeightInit};
@@ -349,10 +349,8 @@ impl<T: Activation> CausalSelfAttention<T> {
         ctx: &mut Ctx<'_>,
         dy: &Tensor<T>,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
-        let (shape, saved) = self.saved.take().ok_or_else(|| {
-            NnError::usage("CausalSelfAttention", "backward without a training forward")
-        })?;
+    ) -> InputGrad<T> {
+        let (shape, saved) = take_saved(&mut self.saved, "CausalSelfAttention")?;
         let d_out = self
             .attn_proj
             .backward_ref(ctx, dy, true)?
@@ -439,12 +437,7 @@ impl<T: Activation> Layer<T> for CausalSelfAttention<T> {
         self.forward_qkv(ctx, shape, qkv)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
         self.backward_ref(ctx, &dy, need_dx)
     }
 

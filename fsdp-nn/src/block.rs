@@ -11,7 +11,7 @@
 //! so the block's `dx` is the output gradient plus both branches' contributions without extra buffers.
 
 use crate::attention::{CausalSelfAttention, KvCache};
-use crate::layer::{Activation, Layer};
+use crate::layer::{Activation, InputGrad, Layer};
 use crate::norm::Norm;
 use crate::{Mlp, NnError, Tensor, WeightInit};
 use fp8_kernels::attention::AttentionConfig;
@@ -168,7 +168,7 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         ctx: &mut Ctx<'_>,
         mut dy: Tensor<T>,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let missing = || NnError::usage("TransformerBlock", "backward without a training forward");
         let x = self.x.take().ok_or_else(missing)?;
         let x1 = self.x1.take().ok_or_else(missing)?;

@@ -1,7 +1,7 @@
 //! 2-D convolution as im2col + GEMM.
 
 use crate::init::{kaiming_uniform, uniform_fan_in};
-use crate::layer::Layer;
+use crate::layer::{take_saved, InputGrad, Layer};
 use crate::{NnError, Shape, Tensor};
 use fp8_kernels::conv::{self, Conv2dGeometry};
 use fp8_kernels::gemm::gemm_f32;
@@ -168,19 +168,11 @@ impl Layer for Conv2d {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor,
-        need_dx: bool,
-    ) -> Result<Option<Tensor>, NnError> {
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor, need_dx: bool) -> InputGrad {
         let g = self
             .geom
             .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
-        let cols = self
-            .cols
-            .take()
-            .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+        let cols = take_saved(&mut self.cols, &self.name)?;
         let (oc, pl, patches) = (self.out_channels, g.patch_len(), g.patches());
         let pixels = g.out_h() * g.out_w();
         if dy.shape().numel() != patches * oc {

@@ -1,6 +1,6 @@
 //! Dropout with a counter-based generator.
 
-use crate::layer::Layer;
+use crate::layer::{take_saved, InputGrad, Layer};
 use crate::{NnError, Tensor};
 use fp8_kernels::elementwise;
 use fp8_kernels::Buffer;
@@ -77,16 +77,8 @@ impl Layer for Dropout {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor,
-        need_dx: bool,
-    ) -> Result<Option<Tensor>, NnError> {
-        let params = self
-            .last
-            .take()
-            .ok_or_else(|| NnError::usage("Dropout", "backward without a training forward"))?;
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor, need_dx: bool) -> InputGrad {
+        let params = take_saved(&mut self.last, "Dropout")?;
         let mask = self
             .mask
             .take()

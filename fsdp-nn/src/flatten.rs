@@ -1,8 +1,8 @@
 //! Flattening `[N, ...]` to `[N, features]` (a reshape: no copy).
 
-use crate::layer::{Activation, Layer};
+use crate::layer::{module_without_state, Activation, InputGrad, Layer};
 use crate::{NnError, Shape, Tensor};
-use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use fsdp_shard::Ctx;
 
 /// `[N, d1, d2, ...] -> [N, d1 * d2 * ...]`; the backward restores the input shape.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -17,11 +17,7 @@ impl Flatten {
     }
 }
 
-impl Module for Flatten {
-    fn visit(&mut self, _v: &mut dyn Visitor) -> Result<(), ShardError> {
-        Ok(())
-    }
-}
+module_without_state!(Flatten);
 
 impl<T: Activation> Layer<T> for Flatten {
     fn forward(&mut self, _ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
@@ -32,12 +28,7 @@ impl<T: Activation> Layer<T> for Flatten {
         x.reshape(Shape::matrix(n, features)?)
     }
 
-    fn backward_step(
-        &mut self,
-        _ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    fn backward_step(&mut self, _ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
         let s = self
             .in_shape
             .ok_or_else(|| NnError::usage("Flatten", "backward before forward"))?;

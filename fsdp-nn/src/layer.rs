@@ -42,6 +42,38 @@ impl Activation for bf16 {
     }
 }
 
+/// What a backward returns: the input gradient when it was asked for, `None` otherwise.
+pub type InputGrad<T = f32> = Result<Option<Tensor<T>>, NnError>;
+
+/// What `layer`'s training forward kept for its backward, taken out of `slot`; an error naming the
+/// layer when there was no training forward since the last backward.
+pub(crate) fn take_saved<S>(slot: &mut Option<S>, layer: &str) -> Result<S, NnError> {
+    slot.take()
+        .ok_or_else(|| NnError::usage(layer, "backward without a training forward"))
+}
+
+/// `impl Module` for a layer that declares nothing (no parameter, scaling meta or counter):
+/// `module_without_state!(Flatten);` or, generic, `module_without_state!(Relu<T: Activation>);`.
+macro_rules! module_without_state {
+    ($name:ident<$g:ident: $bound:path>) => {
+        module_without_state!(@impl [$g: $bound] $name<$g>);
+    };
+    ($name:ident) => {
+        module_without_state!(@impl [] $name);
+    };
+    (@impl [$($generics:tt)*] $ty:ty) => {
+        impl<$($generics)*> fsdp_shard::Module for $ty {
+            fn visit(
+                &mut self,
+                _v: &mut dyn fsdp_shard::Visitor,
+            ) -> Result<(), fsdp_shard::ShardError> {
+                Ok(())
+            }
+        }
+    };
+}
+pub(crate) use module_without_state;
+
 /// A module with a forward and a backward over one tensor: what a [`Sequential`] chains.
 ///
 /// `forward` takes its input by value and keeps what its backward needs. A caller runs the backward with
@@ -53,12 +85,7 @@ pub trait Layer<T: Activation = f32>: Module {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError>;
     /// The backward pass as a layer implements it, after a training forward: hands the parameters'
     /// gradients to the context and returns the input gradient when `need_dx` (`None` otherwise).
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError>;
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T>;
     /// The backward pass: the parameters' gradients go to the context; returns the input gradient.
     fn backward(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>) -> Result<Tensor<T>, NnError> {
         self.backward_step(ctx, dy, true)?.ok_or_else(|| {
@@ -180,12 +207,7 @@ impl<T: Activation, L: Layer<T>> Layer<T> for Recompute<L> {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
         let x = self
             .input
             .take()
@@ -269,7 +291,7 @@ impl<T: Activation> Layer<T> for Sequential<T> {
         ctx: &mut Ctx<'_>,
         mut dy: Tensor<T>,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let n = self.layers.len();
         for (i, (name, layer)) in self.layers.iter_mut().enumerate().rev() {
             let need = i > 0 || need_dx;

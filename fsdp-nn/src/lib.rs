@@ -75,7 +75,7 @@ pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use error::NnError;
 pub use flatten::Flatten;
-pub use layer::{Activation, Layer, Recompute, Sequential};
+pub use layer::{Activation, InputGrad, Layer, Recompute, Sequential};
 pub use linear::{Fp8Saved, Linear, LinearPrecision, WeightInit};
 pub use lm_head::{LmHead, LossStats, DEFAULT_HEAD_CHUNK};
 pub use loss::LogSoftmaxNll;

@@ -22,7 +22,7 @@
 //! [`Linear::fp8_input`] hands out the buffers and [`Linear::forward_fp8_codes`] runs the GEMM.
 
 use crate::init::{kaiming_uniform, normal, uniform_fan_in};
-use crate::layer::{Activation, Layer};
+use crate::layer::{Activation, InputGrad, Layer};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, Fp8Recipe, QType, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
@@ -414,7 +414,7 @@ impl<T: Activation> Linear<T> {
         dy_t: &Buffer<u8>,
         in_shape: Shape,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         self.need_fp8("backward_fp8_codes")?;
         let saved = self
             .fp8_saved
@@ -520,7 +520,7 @@ impl<T: Activation> Linear<T> {
         ctx: &mut Ctx<'_>,
         dy: &Tensor<T>,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let in_shape = self.checked_in_shape(dy)?;
         match self.precision {
             LinearPrecision::Fp8 => self.backward_fp8(ctx, dy, in_shape, need_dx),
@@ -578,7 +578,7 @@ impl<T: Activation> Linear<T> {
         dy: &Tensor<T>,
         in_shape: Shape,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let outf = self.out_features;
         let tokens = dy.shape().rows();
         let dev = ctx.device().clone();
@@ -674,7 +674,7 @@ impl<T: Activation> Linear<T> {
         dy: Tensor<T>,
         in_shape: Shape,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let (inf, outf) = (self.in_features, self.out_features);
         let tokens = dy.shape().rows();
         let dev = ctx.device().clone();
@@ -883,12 +883,7 @@ impl<T: Activation> Layer<T> for Linear<T> {
         }
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
         let in_shape = self.checked_in_shape(&dy)?;
         match self.precision {
             LinearPrecision::Fp8 => self.backward_fp8(ctx, &dy, in_shape, need_dx),

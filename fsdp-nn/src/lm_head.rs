@@ -20,6 +20,7 @@
 //!   the forward (no recomputation); [`LmHead::backward`] then hands them over.
 
 use crate::init::normal;
+use crate::layer::take_saved;
 use crate::layer::Activation;
 use crate::{NnError, Tensor};
 use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
@@ -224,10 +225,7 @@ impl<T: Activation> LmHead<T> {
             }
             (e.dx, e.dw)
         } else {
-            let x = self
-                .x
-                .take()
-                .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+            let x = take_saved(&mut self.x, &self.name)?;
             // The loss statistics of the forward stay; the recomputation's go to scratch accumulators.
             let kept = self.stats.take();
             let r = self.run(ctx, &x, targets, Some(grad_scale));

@@ -1,10 +1,11 @@
 //! Log-softmax with the negative log-likelihood loss (PyTorch's `log_softmax` + `nll_loss`).
 
+use crate::layer::{module_without_state, take_saved};
 use crate::{NnError, Shape, Tensor};
 use fp8_kernels::elementwise;
 use fp8_kernels::softmax::{self, nll_stat};
 use fp8_kernels::Buffer;
-use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use fsdp_shard::Ctx;
 
 /// `loss = mean_r -log_softmax(logits)[r, label_r]` over `[rows, classes]` logits. The forward writes
 /// device statistics ([`nll_stat`]: mean loss, correct predictions, labels out of range) without a host
@@ -87,9 +88,7 @@ impl LogSoftmaxNll {
         labels: &Buffer<i32>,
         grad_scale: f32,
     ) -> Result<Tensor, NnError> {
-        let lp = self.log_probs.take().ok_or_else(|| {
-            NnError::usage("LogSoftmaxNll", "backward without a training forward")
-        })?;
+        let lp = take_saved(&mut self.log_probs, "LogSoftmaxNll")?;
         if labels.len() != self.rows {
             return Err(NnError::usage(
                 "LogSoftmaxNll",
@@ -109,8 +108,4 @@ impl LogSoftmaxNll {
     }
 }
 
-impl Module for LogSoftmaxNll {
-    fn visit(&mut self, _v: &mut dyn Visitor) -> Result<(), ShardError> {
-        Ok(())
-    }
-}
+module_without_state!(LogSoftmaxNll);

@@ -11,7 +11,7 @@
 //! `tokens * 4d` bytes per block.
 
 use crate::activation::Gelu;
-use crate::layer::{Activation, Layer};
+use crate::layer::{take_saved, Activation, InputGrad, Layer};
 use crate::linear::{Linear, LinearPrecision, WeightInit};
 use crate::{NnError, Tensor};
 use fp8_kernels::elementwise::{self, GeluApprox};
@@ -204,17 +204,14 @@ impl<T: Activation> Mlp<T> {
         ctx: &mut Ctx<'_>,
         dy: &Tensor<T>,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         if !self.is_fused() {
             let dy_copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
             let da = self.down.backward(ctx, dy_copy)?;
             let du = self.gelu.backward(ctx, da)?;
             return self.up.backward_step(ctx, du, need_dx);
         }
-        let u = self
-            .u
-            .take()
-            .ok_or_else(|| NnError::usage("Mlp", "backward without a training forward"))?;
+        let u = take_saved(&mut self.u, "Mlp")?;
         if self.recomputes() {
             // The same scale as in the forward (metas change at the step end): the same codes.
             self.cast_down_input(ctx, &u)?;
@@ -266,12 +263,7 @@ impl<T: Activation> Layer<T> for Mlp<T> {
         self.forward_ref(ctx, &x)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
         self.backward_ref(ctx, &dy, need_dx)
     }
 
@@ -320,7 +312,7 @@ impl<T: Activation> Layer<T> for MlpBlock<T> {
         ctx: &mut Ctx<'_>,
         mut dy: Tensor<T>,
         need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let branch = self.mlp.backward_ref(ctx, &dy, need_dx)?;
         if !need_dx {
             return Ok(None);

@@ -16,7 +16,7 @@
 //! into a given gradient with one rounding ([`Norm::backward_ref`] with `accumulate`): the residual
 //! stream's gradient of a pre-norm block, without a separate add.
 
-use crate::layer::{Activation, Layer};
+use crate::layer::{take_saved, Activation, InputGrad, Layer};
 use crate::{Linear, LinearPrecision, NnError, Tensor};
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
@@ -225,7 +225,7 @@ impl<T: Activation> Norm<T> {
         x: &Tensor<T>,
         dy: &Tensor<T>,
         accumulate: Option<&mut Tensor<T>>,
-    ) -> Result<Option<Tensor<T>>, NnError> {
+    ) -> InputGrad<T> {
         let spec = self.spec(x.shape())?;
         if dy.shape().numel() != x.shape().numel() {
             return Err(NnError::usage(
@@ -237,10 +237,7 @@ impl<T: Activation> Norm<T> {
                 ),
             ));
         }
-        let stats = self
-            .stats
-            .take()
-            .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+        let stats = take_saved(&mut self.stats, &self.name)?;
         let (w, _) = self.params_in(ctx)?;
         let dev = ctx.device().clone();
         let mut dw = dev.uninit::<f32>(self.d)?;
@@ -346,16 +343,8 @@ impl<T: Activation> Layer<T> for Norm<T> {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor<T>,
-        need_dx: bool,
-    ) -> Result<Option<Tensor<T>>, NnError> {
-        let x = self
-            .x
-            .take()
-            .ok_or_else(|| NnError::usage(&self.name, "backward without a training forward"))?;
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
+        let x = take_saved(&mut self.x, &self.name)?;
         let dx = self.backward_ref(ctx, &x, &dy, None)?;
         Ok(if need_dx { dx } else { None })
     }

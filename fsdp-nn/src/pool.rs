@@ -1,10 +1,10 @@
 //! 2-D max pooling.
 
-use crate::layer::Layer;
+use crate::layer::{module_without_state, take_saved, InputGrad, Layer};
 use crate::{NnError, Shape, Tensor};
 use fp8_kernels::pool::{self, Pool2dGeometry};
 use fp8_kernels::Buffer;
-use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+use fsdp_shard::Ctx;
 
 /// Max pooling over `kernel x kernel` windows with the given stride (NCHW), no padding. The backward
 /// routes each gradient to the argmax of its window (the first maximum in window order, as PyTorch).
@@ -57,11 +57,7 @@ impl MaxPool2d {
     }
 }
 
-impl Module for MaxPool2d {
-    fn visit(&mut self, _v: &mut dyn Visitor) -> Result<(), ShardError> {
-        Ok(())
-    }
-}
+module_without_state!(MaxPool2d);
 
 impl Layer for MaxPool2d {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor) -> Result<Tensor, NnError> {
@@ -76,19 +72,11 @@ impl Layer for MaxPool2d {
         Ok(y)
     }
 
-    fn backward_step(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        dy: Tensor,
-        need_dx: bool,
-    ) -> Result<Option<Tensor>, NnError> {
+    fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor, need_dx: bool) -> InputGrad {
         let g = self
             .geom
             .ok_or_else(|| NnError::usage("MaxPool2d", "backward before forward"))?;
-        let idx = self
-            .indices
-            .take()
-            .ok_or_else(|| NnError::usage("MaxPool2d", "backward without a training forward"))?;
+        let idx = take_saved(&mut self.indices, "MaxPool2d")?;
         if !need_dx {
             return Ok(None);
         }

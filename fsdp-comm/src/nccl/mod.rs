@@ -485,117 +485,60 @@ impl Communicator for NcclComm {
         let dt = nccl_dtype(dtype, reduction.is_some());
         let red = nccl_op(reduction.unwrap_or(ReduceOp::Sum));
         let stream = self.cuda.comm_stream().clone();
+        // One NCCL entry point per collective; the in-place forms pass their one buffer as both sides
+        // (NCCL allows send == recv).
+        let (entry, send, recv) = match call {
+            Collective::AllGather { send, recv } => (NcclEntry::AllGather, Some(send), recv),
+            Collective::ReduceScatter { send, recv, .. } => {
+                (NcclEntry::ReduceScatter, Some(send), recv)
+            }
+            Collective::AllReduce { send, recv, .. } => (NcclEntry::AllReduce, Some(send), recv),
+            Collective::AllReduceInPlace { buf, .. } => (NcclEntry::AllReduce, None, buf),
+            Collective::Broadcast { send, recv, root } => {
+                (NcclEntry::Broadcast(root), Some(send), recv)
+            }
+            Collective::BroadcastInPlace { buf, root } => (NcclEntry::Broadcast(root), None, buf),
+        };
         // The pointer guards record the buffers' read/write events on the communication stream when
         // they drop, after the call is queued, so cudarc orders later uses and frees after it.
-        match call {
-            Collective::AllGather { send, recv } => {
-                let (s, _gs) = self.send_ptr(send, &stream)?;
-                let (r, _gr) = self.recv_ptr(recv, &stream)?;
-                self.issue(name, |comm, st| {
-                    // SAFETY: device pointers of live buffers with the validated lengths
-                    // (recv = world_size * send elements) on this communicator's GPU.
-                    unsafe {
-                        result::all_gather(
-                            s as usize as *const c_void,
-                            r as usize as *mut c_void,
-                            send_len,
-                            dt,
-                            comm,
-                            st,
-                        )
-                    }
-                })
+        let (s, _gs) = match send {
+            Some(send) => {
+                let (s, g) = self.send_ptr(send, &stream)?;
+                (Some(s), Some(g))
             }
-            Collective::ReduceScatter { send, recv, .. } => {
-                let (s, _gs) = self.send_ptr(send, &stream)?;
-                let (r, _gr) = self.recv_ptr(recv, &stream)?;
-                self.issue(name, |comm, st| {
-                    // SAFETY: validated lengths (send = world_size * recv elements), live buffers.
-                    unsafe {
-                        result::reduce_scatter(
-                            s as usize as *const c_void,
-                            r as usize as *mut c_void,
-                            recv_len,
-                            dt,
-                            red,
-                            comm,
-                            st,
-                        )
+            None => (None, None),
+        };
+        let (r, _gr) = self.recv_ptr(recv, &stream)?;
+        let s = s.unwrap_or(r) as usize as *const c_void;
+        let r = r as usize as *mut c_void;
+        self.issue(name, |comm, st| {
+            // SAFETY: device pointers of live buffers on this communicator's GPU, their lengths
+            // validated for the collective (all-gather: recv = world_size * send elements;
+            // reduce-scatter: send = world_size * recv; all-reduce and broadcast: equal), the root
+            // checked below world_size.
+            unsafe {
+                match entry {
+                    NcclEntry::AllGather => result::all_gather(s, r, send_len, dt, comm, st),
+                    NcclEntry::ReduceScatter => {
+                        result::reduce_scatter(s, r, recv_len, dt, red, comm, st)
                     }
-                })
-            }
-            Collective::AllReduce { send, recv, .. } => {
-                let (s, _gs) = self.send_ptr(send, &stream)?;
-                let (r, _gr) = self.recv_ptr(recv, &stream)?;
-                self.issue(name, |comm, st| {
-                    // SAFETY: equal validated lengths, live buffers.
-                    unsafe {
-                        result::all_reduce(
-                            s as usize as *const c_void,
-                            r as usize as *mut c_void,
-                            recv_len,
-                            dt,
-                            red,
-                            comm,
-                            st,
-                        )
+                    NcclEntry::AllReduce => result::all_reduce(s, r, recv_len, dt, red, comm, st),
+                    NcclEntry::Broadcast(root) => {
+                        result::broadcast(s, r, recv_len, dt, root as i32, comm, st)
                     }
-                })
+                }
             }
-            Collective::AllReduceInPlace { buf, .. } => {
-                let (p, _g) = self.recv_ptr(buf, &stream)?;
-                self.issue(name, |comm, st| {
-                    // SAFETY: in place (send == recv) is allowed by NCCL; live buffer.
-                    unsafe {
-                        result::all_reduce(
-                            p as usize as *const c_void,
-                            p as usize as *mut c_void,
-                            recv_len,
-                            dt,
-                            red,
-                            comm,
-                            st,
-                        )
-                    }
-                })
-            }
-            Collective::Broadcast { send, recv, root } => {
-                let (s, _gs) = self.send_ptr(send, &stream)?;
-                let (r, _gr) = self.recv_ptr(recv, &stream)?;
-                self.issue(name, |comm, st| {
-                    // SAFETY: equal validated lengths, root checked below world_size, live buffers.
-                    unsafe {
-                        result::broadcast(
-                            s as usize as *const c_void,
-                            r as usize as *mut c_void,
-                            recv_len,
-                            dt,
-                            root as i32,
-                            comm,
-                            st,
-                        )
-                    }
-                })
-            }
-            Collective::BroadcastInPlace { buf, root } => {
-                let (p, _g) = self.recv_ptr(buf, &stream)?;
-                self.issue(name, |comm, st| {
-                    // SAFETY: in place is allowed by NCCL; root checked; live buffer.
-                    unsafe {
-                        result::broadcast(
-                            p as usize as *const c_void,
-                            p as usize as *mut c_void,
-                            recv_len,
-                            dt,
-                            root as i32,
-                            comm,
-                            st,
-                        )
-                    }
-                })
-            }
-        }
+        })
     }
+}
+
+/// The NCCL call a [`Collective`] becomes.
+#[derive(Clone, Copy)]
+enum NcclEntry {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    Broadcast(usize),
 }
 
 #[cfg(test)]

@@ -54,7 +54,7 @@ pub use model::{Gpt, Sampling};
 
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::layer_norm::NormKind;
-use fsdp_nn::{NnError, DEFAULT_HEAD_CHUNK};
+use fsdp_nn::DEFAULT_HEAD_CHUNK;
 use fsdp_shard::WrapPolicy;
 
 /// The GPT-2 vocabulary (50257) padded to a multiple of 64, as nanoGPT and the peer do.
@@ -71,27 +71,7 @@ pub const PRESETS: [(&str, usize, usize, usize); 6] = [
 ];
 
 /// What can go wrong building or running the model.
-#[derive(Debug, thiserror::Error)]
-pub enum GptError {
-    /// A layer failed.
-    #[error(transparent)]
-    Nn(#[from] NnError),
-    /// Sharding, gathering or reduction failed.
-    #[error(transparent)]
-    Shard(#[from] fsdp_shard::ShardError),
-    /// A kernel failed.
-    #[error(transparent)]
-    Kernel(#[from] fp8_kernels::KernelError),
-    /// The optimizer failed.
-    #[error(transparent)]
-    Optim(#[from] fsdp_optim::OptimError),
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] fsdp_comm::CommError),
-    /// A configuration that cannot be built.
-    #[error("{0}")]
-    Config(String),
-}
+pub type GptError = crate::ModelError;
 
 /// How the model is built.
 #[derive(Debug, Clone, PartialEq)]

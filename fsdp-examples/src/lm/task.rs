@@ -180,16 +180,7 @@ fn model_err(e: GptError) -> TrainError {
 impl<M: LanguageModel> LmTask<M> {
     /// Checks the shape and sizes (naming the flags) and loads the data, for a run of `world_size` ranks.
     pub fn new(options: LmOptions, world_size: usize) -> Result<Self, TrainError> {
-        let mut spec = LmSpec::from_preset(
-            &options.preset,
-            options.d_model,
-            options.layers,
-            options.heads,
-            options.seq_len,
-        )
-        .map_err(|e| TrainError::Config(e.to_string()))?;
-        spec.recompute_blocks = options.recompute_blocks;
-        spec.seed = options.seed;
+        let mut spec = Self::spec_of(&options)?;
         Self::check_sizes(&options, world_size)?;
         if let Some(n) = options.sample {
             if n.saturating_add(1) > options.seq_len {
@@ -228,16 +219,7 @@ impl<M: LanguageModel> LmTask<M> {
     /// A task without data, for the speed mode (random token batches, GPT-2's padded vocabulary):
     /// nothing is read from disk.
     pub fn for_speed(options: LmOptions, world_size: usize) -> Result<Self, TrainError> {
-        let mut spec = LmSpec::from_preset(
-            &options.preset,
-            options.d_model,
-            options.layers,
-            options.heads,
-            options.seq_len,
-        )
-        .map_err(|e| TrainError::Config(e.to_string()))?;
-        spec.recompute_blocks = options.recompute_blocks;
-        spec.seed = options.seed;
+        let spec = Self::spec_of(&options)?;
         Self::check_sizes(&options, world_size)?;
         Ok(LmTask {
             options,
@@ -252,6 +234,21 @@ impl<M: LanguageModel> LmTask<M> {
             world_size,
             model: PhantomData,
         })
+    }
+
+    /// The model's shape from the preset and the shape flags, with the run's recomputation and seed.
+    fn spec_of(options: &LmOptions) -> Result<LmSpec, TrainError> {
+        let mut spec = LmSpec::from_preset(
+            &options.preset,
+            options.d_model,
+            options.layers,
+            options.heads,
+            options.seq_len,
+        )
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+        spec.recompute_blocks = options.recompute_blocks;
+        spec.seed = options.seed;
+        Ok(spec)
     }
 
     /// Every size the run allocates from these flags must be representable.

@@ -14,10 +14,10 @@ pub mod profile;
 use crate::mlp::profile::{Phase, Profiler};
 use fp8_kernels::elementwise::scale;
 use fp8_kernels::rng::SplitMix64;
-use fp8_kernels::{Buffer, Device, KernelError};
+use fp8_kernels::{Buffer, Device};
 use fsdp_comm::Communicator;
-use fsdp_nn::{Layer, LinearPrecision, Mlp, MlpBlock, NnError, Recompute, Shape, Tensor};
-use fsdp_optim::{step_model, AdamOptions, FsdpAdamW, OptimError, Optimizer, StatePrecision};
+use fsdp_nn::{Layer, LinearPrecision, Mlp, MlpBlock, Recompute, Shape, Tensor};
+use fsdp_optim::{step_model, AdamOptions, FsdpAdamW, Optimizer, StatePrecision};
 use fsdp_shard::{
     Ctx, FsdpConfig, FsdpModel, GradDtype, GradReduction, MemoryReport, Mode, Module, ShardError,
     Visitor, WrapPolicy,
@@ -26,27 +26,7 @@ use half::bf16;
 use std::sync::Arc;
 
 /// Errors of the benchmark model.
-#[derive(Debug, thiserror::Error)]
-pub enum MlpError {
-    /// A kernel failed.
-    #[error(transparent)]
-    Kernel(#[from] KernelError),
-    /// A layer failed.
-    #[error(transparent)]
-    Nn(#[from] NnError),
-    /// Sharding or a collective failed.
-    #[error(transparent)]
-    Shard(#[from] ShardError),
-    /// The optimizer failed.
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-    /// A collective failed.
-    #[error(transparent)]
-    Comm(#[from] fsdp_comm::CommError),
-    /// A bad configuration.
-    #[error("{0}")]
-    Config(String),
-}
+pub type MlpError = crate::ModelError;
 
 /// Compute precision of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -17,38 +17,5 @@ mod task;
 pub use net::{wrap_policy, MnistNet, NetConfig, MIN_UNIT_PARAMS};
 pub use task::{data_fingerprint, MnistBatch, MnistData, MnistOptions, MnistTask};
 
-use crate::data::DataError;
-use crate::sampler::SamplerError;
-use fsdp_nn::NnError;
-
-/// Everything that can stop a training run.
-#[derive(Debug, thiserror::Error)]
-pub enum MnistError {
-    /// A layer failed.
-    #[error(transparent)]
-    Nn(#[from] NnError),
-    /// Sharding, gathering, reduction or a checkpoint failed.
-    #[error(transparent)]
-    Shard(#[from] fsdp_shard::ShardError),
-    /// A collective failed (timeout, another rank failed).
-    #[error(transparent)]
-    Comm(#[from] fsdp_comm::CommError),
-    /// A kernel failed.
-    #[error(transparent)]
-    Kernel(#[from] fp8_kernels::KernelError),
-    /// The optimizer failed.
-    #[error(transparent)]
-    Optim(#[from] fsdp_optim::OptimError),
-    /// An fp8-core error (scaling metas).
-    #[error(transparent)]
-    Core(#[from] fp8_core::Fp8Error),
-    /// The data could not be read.
-    #[error(transparent)]
-    Data(#[from] DataError),
-    /// The sampler refused its arguments.
-    #[error(transparent)]
-    Sampler(#[from] SamplerError),
-    /// A configuration that cannot run.
-    #[error("{0}")]
-    Config(String),
-}
+/// Everything that can stop a training run of the MNIST net.
+pub type MnistError = crate::ModelError;
