@@ -7,21 +7,15 @@
 
 mod common;
 
-use common::{cuda_device, first_difference, join_differences, matches_cpu_and_deterministic};
+use common::{
+    canon, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+};
 use fp8_kernels::cross_entropy::{
     cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
-
-fn canon(v: f32) -> u32 {
-    if v.is_nan() {
-        0x7FC0_0000
-    } else {
-        v.to_bits()
-    }
-}
 
 #[derive(PartialEq, Debug)]
 struct Outputs {

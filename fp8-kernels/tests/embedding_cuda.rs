@@ -7,29 +7,15 @@
 
 mod common;
 
-use common::{cuda_device, first_difference, join_differences, matches_cpu_and_deterministic};
+use common::{
+    bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+};
 use fp8_kernels::embedding::{
     embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
-
-fn canon(v: f32) -> u32 {
-    if v.is_nan() {
-        0x7FC0_0000
-    } else {
-        v.to_bits()
-    }
-}
-
-fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
-    b.to_vec()
-        .unwrap()
-        .iter()
-        .map(|v| canon(v.to_f32()))
-        .collect()
-}
 
 struct Case {
     vocab: usize,

@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::{cuda_device, first_difference, join_differences, matches_cpu_and_deterministic};
+use common::{
+    bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+};
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
@@ -17,23 +19,6 @@ use fp8_kernels::layer_norm::{
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, Device, FloatElement};
 use half::bf16;
-
-/// f32 bits with every NaN mapped to one pattern (payloads are not compared).
-fn canon(v: f32) -> u32 {
-    if v.is_nan() {
-        0x7FC0_0000
-    } else {
-        v.to_bits()
-    }
-}
-
-fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
-    b.to_vec()
-        .unwrap()
-        .iter()
-        .map(|v| canon(v.to_f32()))
-        .collect()
-}
 
 /// Everything one device produced for a case.
 #[derive(PartialEq, Debug)]

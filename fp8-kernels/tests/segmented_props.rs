@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::cuda_device;
+use common::{canon, cuda_device};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::elementwise::add_at;
 use fp8_kernels::reduce::finite_amax_count;
@@ -291,15 +291,6 @@ fn cuda_matches_cpu_bitwise() {
     let gpu = cuda_device();
     let report = segmented_cuda_check(&gpu, 1 << 20, 7);
     assert!(report.is_empty(), "{report:?}");
-}
-
-/// f32 bits with every NaN mapped to one pattern (NaN payloads differ between CPU and GPU arithmetic).
-fn canon(f: f32) -> u32 {
-    if f.is_nan() {
-        0x7FC0_0000
-    } else {
-        f.to_bits()
-    }
 }
 
 /// Compares every segmented kernel on `gpu` with the CPU on `n` random values; returns the mismatches.

@@ -4,7 +4,7 @@
 #![allow(dead_code, unused_macros, unused_imports)]
 
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, KernelModule};
-use fp8_kernels::Device;
+use fp8_kernels::{Buffer, Device, FloatElement};
 use std::fmt::Debug;
 
 /// An NVRTC compile test: a `#[test]` that is ignored, with the reason, where the build found no NVRTC.
@@ -88,4 +88,23 @@ pub fn matches_cpu_and_deterministic<O: PartialEq>(
         println!("ok {what}");
     }
     ok
+}
+
+/// f32 bits with every NaN mapped to one pattern (NaN payloads differ between CPU and GPU arithmetic, and
+/// are not compared).
+pub fn canon(v: f32) -> u32 {
+    if v.is_nan() {
+        0x7FC0_0000
+    } else {
+        v.to_bits()
+    }
+}
+
+/// A buffer's values widened to f32, as [`canon`] bits.
+pub fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
+    b.to_vec()
+        .unwrap()
+        .iter()
+        .map(|v| canon(v.to_f32()))
+        .collect()
 }
