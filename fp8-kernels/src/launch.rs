@@ -35,6 +35,14 @@ pub(crate) fn grid_1d(sm_count: u32, items: u64, blocks_per_sm: u32) -> LaunchCo
     }
 }
 
+/// Blocks per SM of the grid-stride kernels.
+pub(crate) const BLOCKS_PER_SM: u32 = 8;
+
+/// A grid-stride launch over `items` work items on `dev`: [`grid_1d`] with [`BLOCKS_PER_SM`].
+pub(crate) fn grid(dev: &CudaDevice, items: u64) -> LaunchConfig {
+    grid_1d(dev.sm_count(), items, BLOCKS_PER_SM)
+}
+
 /// One block of `threads` threads (kernels that reduce everything inside one block, or run one thread).
 pub(crate) fn one_block(threads: u32) -> LaunchConfig {
     LaunchConfig {

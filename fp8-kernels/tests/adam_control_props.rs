@@ -2,39 +2,37 @@
 //! device): NVRTC compile check, CPU properties against simple references, and CUDA against CPU on
 //! random inputs, bit for bit (needs a GPU: ignored unless run with `--ignored`).
 
+mod common;
+
+use common::{assert_kernels, cuda_device, nvrtc_test, sm90_ptx};
 use fp8_core::Fp8Format;
 use fp8_kernels::adam::control::*;
 use fp8_kernels::adam::{
     adam_element, adam_step_f32, adam_step_low_precision, AmaxSlots, Coefficients,
 };
 use fp8_kernels::adam::{lp_slot, LowPrecisionAdamState};
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, ADAM_MODULE};
+use fp8_kernels::kernel_source::ADAM_MODULE;
 use fp8_kernels::reduce::{norm_stats, norm_stats_finish, NORM_STATS_ACC_LEN};
 use fp8_kernels::segmented::{segmented_cast, Segment, SegmentTable};
 use fp8_kernels::{AdamConfig, Buffer, Device, WeightDecay};
 use half::{bf16, f16};
 use proptest::prelude::*;
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn adam_module_compiles_for_sm90() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    let ptx = compile_ptx(&ADAM_MODULE, "sm_90").unwrap().to_src();
-    for k in [
-        "adam_coefficients_from_stats",
-        "adam_lp_ctl_g_f32",
-        "weight_source_values",
-        "cast_weight_source",
-        "adam_f32_ctl_g_bf16",
-        "adam_lp_ctl_g_bf16",
-        "adam_commit_amaxes",
-    ] {
-        assert!(ptx.contains(k), "missing kernel {k}");
+nvrtc_test! {
+    fn adam_module_compiles_for_sm90() {
+        let ptx = sm90_ptx(&ADAM_MODULE);
+        assert_kernels(
+            &ptx,
+            &[
+                "adam_coefficients_from_stats",
+                "adam_lp_ctl_g_f32",
+                "weight_source_values",
+                "cast_weight_source",
+                "adam_f32_ctl_g_bf16",
+                "adam_lp_ctl_g_bf16",
+                "adam_commit_amaxes",
+            ],
+        );
     }
 }
 
@@ -391,7 +389,7 @@ proptest! {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_cast_weight_source_and_bf16_grads_match_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let mut s = 0x2545_F491_4F6C_DD1Du64;
     for case in 0..64u32 {
         let len = 1 + (case as usize * 7919) % 100_000;
@@ -492,7 +490,7 @@ fn cuda_cast_weight_source_and_bf16_grads_match_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_control_matches_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     for case in 0..200u32 {
         let n = 1 + (case as usize % 5);

@@ -3,13 +3,16 @@
 //! validation, and the NVRTC build of the CUDA module for sm_90 with ptxas' register report (ignored
 //! where the build found no NVRTC). The GPU comparisons are in `attention_cuda.rs`.
 
+mod common;
+
+use common::{nvrtc_test, require_nvrtc, sm90_ptx};
 use fp8_kernels::attention::{
     attention_backward, attention_forward, attention_module, cpu, default_tiles, dkdv_variants,
     dq_variants, forward_variants, kernel_module, AttentionConfig, AttentionShape, AttentionTiles,
     AttentionWorkspace, BackwardKernels, KernelFamily, KeyTiles, QueryTiles, TensorKernel,
     ATTENTION_MODULE, HEAD_DIMS,
 };
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, PRECISE_OPTIONS};
+use fp8_kernels::kernel_source::PRECISE_OPTIONS;
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
 use proptest::prelude::*;
@@ -329,206 +332,185 @@ fn entries(ptx: &str, prefix: &str) -> std::collections::BTreeSet<String> {
         .collect()
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn attention_module_compiles_for_sm90() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    let ptx = compile_ptx(&ATTENTION_MODULE, "sm_90").unwrap().to_src();
-    // The kernel files' variant lists and tiles.rs's agree: exactly these entry points.
-    let mut want = std::collections::BTreeSet::new();
-    for hd in HEAD_DIMS {
-        for t in forward_variants(hd) {
-            want.insert(format!("attn_fwd_{t}_hd{hd}"));
-        }
-        for t in dkdv_variants(hd) {
-            want.insert(format!("attn_bwd_dkdv_{t}_hd{hd}"));
-        }
-        for t in dq_variants(hd) {
-            want.insert(format!("attn_bwd_dq_{t}_hd{hd}"));
+nvrtc_test! {
+    fn attention_module_compiles_for_sm90() {
+        let ptx = sm90_ptx(&ATTENTION_MODULE);
+        // The kernel files' variant lists and tiles.rs's agree: exactly these entry points.
+        let mut want = std::collections::BTreeSet::new();
+        for hd in HEAD_DIMS {
+            for t in forward_variants(hd) {
+                want.insert(format!("attn_fwd_{t}_hd{hd}"));
+            }
+            for t in dkdv_variants(hd) {
+                want.insert(format!("attn_bwd_dkdv_{t}_hd{hd}"));
+            }
+            for t in dq_variants(hd) {
+                want.insert(format!("attn_bwd_dq_{t}_hd{hd}"));
+            }
+            for k in [
+                "attn_bwd_fused_q64",
+                "attn_bwd_fused_q32",
+                "attn_fwd_simple",
+                "attn_bwd_simple_dq",
+                "attn_bwd_simple_dkdv",
+            ] {
+                want.insert(format!("{k}_hd{hd}"));
+            }
         }
         for k in [
-            "attn_bwd_fused_q64",
-            "attn_bwd_fused_q32",
-            "attn_fwd_simple",
-            "attn_bwd_simple_dq",
-            "attn_bwd_simple_dkdv",
+            "attn_bwd_dot_rows",
+            "attn_bwd_dq_convert",
+            "attn_probe_abt",
+            "attn_probe_pb",
+            "attn_probe_atb",
         ] {
-            want.insert(format!("{k}_hd{hd}"));
+            want.insert(k.to_string());
+        }
+        assert_eq!(entries(&ptx, "attn_"), want);
+        for insn in [
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+            "cp.async.cg.shared.global",
+            "red.global.add.v2.f32",
+            "ex2.approx.ftz.f32",
+        ] {
+            assert!(ptx.contains(insn), "attention PTX lacks {insn}");
         }
     }
-    for k in [
-        "attn_bwd_dot_rows",
-        "attn_bwd_dq_convert",
-        "attn_probe_abt",
-        "attn_probe_pb",
-        "attn_probe_atb",
-    ] {
-        want.insert(k.to_string());
-    }
-    assert_eq!(entries(&ptx, "attn_"), want);
-    for insn in [
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-        "cp.async.cg.shared.global",
-        "red.global.add.v2.f32",
-        "ex2.approx.ftz.f32",
-    ] {
-        assert!(ptx.contains(insn), "attention PTX lacks {insn}");
-    }
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn each_module_holds_one_head_dim_and_family() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    let m = attention_module(64, KernelFamily::SeparateBackward);
-    assert_eq!(m.name, "fp8_kernels_attention_hd64_separate_backward");
-    let ptx = compile_ptx(m, "sm_90").unwrap().to_src();
-    let mut want: std::collections::BTreeSet<String> = ["attn_bwd_dot_rows", "attn_bwd_dq_convert"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    want.extend(
-        dkdv_variants(64)
+nvrtc_test! {
+    fn each_module_holds_one_head_dim_and_family() {
+        require_nvrtc();
+        let m = attention_module(64, KernelFamily::SeparateBackward);
+        assert_eq!(m.name, "fp8_kernels_attention_hd64_separate_backward");
+        let ptx = sm90_ptx(m);
+        let mut want: std::collections::BTreeSet<String> = ["attn_bwd_dot_rows", "attn_bwd_dq_convert"]
             .iter()
-            .map(|t| format!("attn_bwd_dkdv_{t}_hd64")),
-    );
-    want.extend(
-        dq_variants(64)
+            .map(|s| s.to_string())
+            .collect();
+        want.extend(
+            dkdv_variants(64)
+                .iter()
+                .map(|t| format!("attn_bwd_dkdv_{t}_hd64")),
+        );
+        want.extend(
+            dq_variants(64)
+                .iter()
+                .map(|t| format!("attn_bwd_dq_{t}_hd64")),
+        );
+        assert_eq!(entries(&ptx, "attn_"), want);
+        let names: std::collections::BTreeSet<&str> = HEAD_DIMS
             .iter()
-            .map(|t| format!("attn_bwd_dq_{t}_hd64")),
-    );
-    assert_eq!(entries(&ptx, "attn_"), want);
-    let names: std::collections::BTreeSet<&str> = HEAD_DIMS
-        .iter()
-        .flat_map(|&hd| KernelFamily::ALL.map(|f| attention_module(hd, f).name))
-        .collect();
-    assert_eq!(
-        names.len(),
-        3 * 4 + 1,
-        "one module per head dim and family, one for the probes"
-    );
-}
-
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn single_kernel_modules_hold_their_kernel() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    // The defaults of every head dim (what a model compiles), and each kind of kernel once.
-    let mut kernels = Vec::new();
-    for hd in HEAD_DIMS {
-        let d = default_tiles(hd).unwrap();
-        kernels.push((hd, TensorKernel::Forward(d.forward)));
-        if let BackwardKernels::Separate { dkdv, dq } = d.deterministic {
-            kernels.push((hd, TensorKernel::DkDv(dkdv)));
-            kernels.push((hd, TensorKernel::Dq(dq)));
-        }
-    }
-    kernels.push((64, TensorKernel::Fused { query_rows: 32 }));
-    kernels.push((64, TensorKernel::DkDv(KeyTiles::pairs(4, 64))));
-    kernels.push((32, TensorKernel::DkDv(KeyTiles::new(4, 2, 32))));
-    for (hd, kernel) in kernels {
-        let m = kernel_module(hd, kernel);
-        assert!(std::ptr::eq(m, kernel_module(hd, kernel)), "not cached");
-        let ptx = compile_ptx(m, "sm_90").unwrap().to_src();
-        let want: std::collections::BTreeSet<String> = [
-            kernel.name(hd),
-            "attn_bwd_dot_rows".into(),
-            "attn_bwd_dq_convert".into(),
-        ]
-        .into();
-        assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
+            .flat_map(|&hd| KernelFamily::ALL.map(|f| attention_module(hd, f).name))
+            .collect();
+        assert_eq!(
+            names.len(),
+            3 * 4 + 1,
+            "one module per head dim and family, one for the probes"
+        );
     }
 }
 
-/// ptxas' report for every kernel (compiled to SASS for sm_90 by NVRTC, as the GPU would): printed, and
-/// the default tensor-core kernels must not spill more than a few bytes to local memory.
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn attention_kernels_do_not_spill() {
-    use cudarc::nvrtc::result;
-    use std::ffi::CString;
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    let src = CString::new(ATTENTION_MODULE.source).unwrap();
-    let mut opts: Vec<String> = PRECISE_OPTIONS.iter().map(|s| s.to_string()).collect();
-    opts.push("--gpu-architecture=sm_90".into());
-    opts.push("--ptxas-options=-v".into());
-    // SAFETY: NVRTC was found above; the program handle is created, compiled, read and destroyed here,
-    // and the options outlive the compile call.
-    let log = unsafe {
-        let prog = result::create_program(&src, None).unwrap();
-        let compiled = result::compile_program(prog, &opts);
-        let log = result::get_program_log(prog).unwrap();
-        result::destroy_program(prog).unwrap();
-        let text: Vec<u8> = log.iter().map(|&c| c as u8).collect();
-        let text = String::from_utf8_lossy(&text)
-            .trim_end_matches('\0')
-            .to_string();
-        compiled.unwrap_or_else(|e| panic!("compile failed: {e:?}\n{text}"));
-        text
-    };
-    // The default kernels (DEFAULT_TILES, and the fused backward of the atomic mode) and the probes.
-    // A few bytes of spill are tolerated: at 255 registers ptxas may park a loop-invariant address of
-    // the cp.async prefetch in local memory (reloaded from L1 once per iteration, outside the products);
-    // a spill of the accumulators or fragments would be hundreds of bytes.
-    const MAX_SPILL: usize = 16;
-    let mut defaults: Vec<String> = ["attn_probe_abt", "attn_probe_pb", "attn_probe_atb"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    for hd in HEAD_DIMS {
-        let d = default_tiles(hd).unwrap();
-        defaults.push(format!("attn_fwd_{}_hd{hd}", d.forward));
-        defaults.push(format!("attn_bwd_fused_q{}_hd{hd}", d.atomic_query_rows));
-        match d.deterministic {
-            BackwardKernels::Fused { query_rows } => {
-                defaults.push(format!("attn_bwd_fused_q{query_rows}_hd{hd}"))
-            }
-            BackwardKernels::Separate { dkdv, dq } => {
-                defaults.push(format!("attn_bwd_dkdv_{dkdv}_hd{hd}"));
-                defaults.push(format!("attn_bwd_dq_{dq}_hd{hd}"));
+nvrtc_test! {
+    fn single_kernel_modules_hold_their_kernel() {
+        require_nvrtc();
+        // The defaults of every head dim (what a model compiles), and each kind of kernel once.
+        let mut kernels = Vec::new();
+        for hd in HEAD_DIMS {
+            let d = default_tiles(hd).unwrap();
+            kernels.push((hd, TensorKernel::Forward(d.forward)));
+            if let BackwardKernels::Separate { dkdv, dq } = d.deterministic {
+                kernels.push((hd, TensorKernel::DkDv(dkdv)));
+                kernels.push((hd, TensorKernel::Dq(dq)));
             }
         }
-    }
-    let mut current = String::new();
-    let mut spills = Vec::new();
-    for line in log.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            current = rest.split('\'').next().unwrap_or("").to_string();
-        }
-        if line.contains("registers") || line.contains("spill") {
-            println!("{current}: {}", line.trim());
-        }
-        let spilled: usize = line
-            .split(" bytes spill stores")
-            .next()
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        if defaults.contains(&current) && line.contains("spill stores") && spilled > MAX_SPILL {
-            spills.push(format!("{current}: {}", line.trim()));
+        kernels.push((64, TensorKernel::Fused { query_rows: 32 }));
+        kernels.push((64, TensorKernel::DkDv(KeyTiles::pairs(4, 64))));
+        kernels.push((32, TensorKernel::DkDv(KeyTiles::new(4, 2, 32))));
+        for (hd, kernel) in kernels {
+            let m = kernel_module(hd, kernel);
+            assert!(std::ptr::eq(m, kernel_module(hd, kernel)), "not cached");
+            let ptx = sm90_ptx(m);
+            let want: std::collections::BTreeSet<String> = [
+                kernel.name(hd),
+                "attn_bwd_dot_rows".into(),
+                "attn_bwd_dq_convert".into(),
+            ]
+            .into();
+            assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
         }
     }
-    assert!(log.contains("Used"), "no ptxas report in the log:\n{log}");
-    assert!(spills.is_empty(), "register spills: {spills:#?}");
+}
+
+nvrtc_test! {
+    /// ptxas' report for every kernel (compiled to SASS for sm_90 by NVRTC, as the GPU would): printed, and
+    /// the default tensor-core kernels must not spill more than a few bytes to local memory.
+    fn attention_kernels_do_not_spill() {
+        use cudarc::nvrtc::result;
+        use std::ffi::CString;
+        require_nvrtc();
+        let src = CString::new(ATTENTION_MODULE.source).unwrap();
+        let mut opts: Vec<String> = PRECISE_OPTIONS.iter().map(|s| s.to_string()).collect();
+        opts.push("--gpu-architecture=sm_90".into());
+        opts.push("--ptxas-options=-v".into());
+        // SAFETY: NVRTC was found above; the program handle is created, compiled, read and destroyed here,
+        // and the options outlive the compile call.
+        let log = unsafe {
+            let prog = result::create_program(&src, None).unwrap();
+            let compiled = result::compile_program(prog, &opts);
+            let log = result::get_program_log(prog).unwrap();
+            result::destroy_program(prog).unwrap();
+            let text: Vec<u8> = log.iter().map(|&c| c as u8).collect();
+            let text = String::from_utf8_lossy(&text)
+                .trim_end_matches('\0')
+                .to_string();
+            compiled.unwrap_or_else(|e| panic!("compile failed: {e:?}\n{text}"));
+            text
+        };
+        // The default kernels (DEFAULT_TILES, and the fused backward of the atomic mode) and the probes.
+        // A few bytes of spill are tolerated: at 255 registers ptxas may park a loop-invariant address of
+        // the cp.async prefetch in local memory (reloaded from L1 once per iteration, outside the products);
+        // a spill of the accumulators or fragments would be hundreds of bytes.
+        const MAX_SPILL: usize = 16;
+        let mut defaults: Vec<String> = ["attn_probe_abt", "attn_probe_pb", "attn_probe_atb"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        for hd in HEAD_DIMS {
+            let d = default_tiles(hd).unwrap();
+            defaults.push(format!("attn_fwd_{}_hd{hd}", d.forward));
+            defaults.push(format!("attn_bwd_fused_q{}_hd{hd}", d.atomic_query_rows));
+            match d.deterministic {
+                BackwardKernels::Fused { query_rows } => {
+                    defaults.push(format!("attn_bwd_fused_q{query_rows}_hd{hd}"))
+                }
+                BackwardKernels::Separate { dkdv, dq } => {
+                    defaults.push(format!("attn_bwd_dkdv_{dkdv}_hd{hd}"));
+                    defaults.push(format!("attn_bwd_dq_{dq}_hd{hd}"));
+                }
+            }
+        }
+        let mut current = String::new();
+        let mut spills = Vec::new();
+        for line in log.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                current = rest.split('\'').next().unwrap_or("").to_string();
+            }
+            if line.contains("registers") || line.contains("spill") {
+                println!("{current}: {}", line.trim());
+            }
+            let spilled: usize = line
+                .split(" bytes spill stores")
+                .next()
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            if defaults.contains(&current) && line.contains("spill stores") && spilled > MAX_SPILL {
+                spills.push(format!("{current}: {}", line.trim()));
+            }
+        }
+        assert!(log.contains("Used"), "no ptxas report in the log:\n{log}");
+        assert!(spills.is_empty(), "register spills: {spills:#?}");
+    }
 }

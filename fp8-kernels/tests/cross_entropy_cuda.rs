@@ -5,20 +5,17 @@
 //! thread) and the re-reading kernel, each forced, give the CPU's bits too. GPU tests: ignored unless run
 //! with `--ignored` (`scripts/gpu-tests.sh`), and failing where no GPU can be opened.
 
+mod common;
+
+use common::{
+    canon, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+};
 use fp8_kernels::cross_entropy::{
     cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
-
-fn canon(v: f32) -> u32 {
-    if v.is_nan() {
-        0x7FC0_0000
-    } else {
-        v.to_bits()
-    }
-}
 
 #[derive(PartialEq, Debug)]
 struct Outputs {
@@ -116,27 +113,13 @@ fn run<T: FloatElement>(dev: &Device, c: &Case, launch: CrossEntropyLaunch) -> O
 }
 
 fn differences(a: &Outputs, b: &Outputs) -> String {
-    fn diff(name: &str, a: &[u32], b: &[u32]) -> Option<String> {
-        let i = a.iter().zip(b).position(|(x, y)| x != y)?;
-        Some(format!(
-            "{name}[{i}]: {:#010x} vs {:#010x} ({} of {} differ)",
-            a[i],
-            b[i],
-            a.iter().zip(b).filter(|(x, y)| x != y).count(),
-            a.len()
-        ))
-    }
-    [
-        diff("grad", &a.grad, &b.grad),
-        diff("lse", &a.lse, &b.lse),
-        diff("loss", &a.loss, &b.loss),
-        diff("loss_sum", &[a.sum], &[b.sum]),
-        diff("invalid", &[a.invalid], &[b.invalid]),
-    ]
-    .into_iter()
-    .flatten()
-    .collect::<Vec<_>>()
-    .join("; ")
+    join_differences([
+        first_difference("grad", &a.grad, &b.grad),
+        first_difference("lse", &a.lse, &b.lse),
+        first_difference("loss", &a.loss, &b.loss),
+        first_difference("loss_sum", &[a.sum], &[b.sum]),
+        first_difference("invalid", &[a.invalid], &[b.invalid]),
+    ])
 }
 
 fn compare<T: FloatElement>(gpu: &Device, c: &Case, what: &str) -> bool {
@@ -152,25 +135,13 @@ fn compare_launch<T: FloatElement>(
     let cpu = run::<T>(&Device::cpu(), c, CrossEntropyLaunch::default());
     let g1 = run::<T>(gpu, c, launch);
     let g2 = run::<T>(gpu, c, launch);
-    let mut ok = true;
-    if cpu != g1 {
-        println!("MISMATCH {what}: CUDA vs CPU: {}", differences(&g1, &cpu));
-        ok = false;
-    }
-    if g1 != g2 {
-        println!("NONDETERMINISTIC {what}: {}", differences(&g1, &g2));
-        ok = false;
-    }
-    if ok {
-        println!("ok {what}");
-    }
-    ok
+    matches_cpu_and_deterministic(what, &cpu, &g1, &g2, differences)
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_matches_cpu_bitwise_and_is_deterministic() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let mut cases = vec![
         ("GPT-2 vocabulary, 3 chunks", {
             let mut c = case(96, 50304, 8.0, 1);
@@ -199,7 +170,7 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn register_and_reread_kernels_match_cpu_bitwise() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     // More rows than resident blocks (grid-stride loop), vocabularies the 16-vector cache holds whole
     // (50304, 1000, 65536), in part (65544; and 50304 for the 8-vector kernel) or not at all (50257 is not
     // a multiple of 8, so every kernel re-reads it).

@@ -5,28 +5,17 @@
 //! GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no GPU can
 //! be opened.
 
+mod common;
+
+use common::{
+    bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+};
 use fp8_kernels::embedding::{
     embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
-
-fn canon(v: f32) -> u32 {
-    if v.is_nan() {
-        0x7FC0_0000
-    } else {
-        v.to_bits()
-    }
-}
-
-fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
-    b.to_vec()
-        .unwrap()
-        .iter()
-        .map(|v| canon(v.to_f32()))
-        .collect()
-}
 
 struct Case {
     vocab: usize,
@@ -114,29 +103,20 @@ fn compare<T: FloatElement, D: FloatElement>(gpu: &Device, c: &Case, what: &str)
     let cpu = run::<T, D>(&Device::cpu(), c);
     let g1 = run::<T, D>(gpu, c);
     let g2 = run::<T, D>(gpu, c);
-    let names = ["forward", "d_table", "d_pos"];
-    let mut ok = true;
-    for k in 0..3 {
-        for (label, other) in [("CUDA vs CPU", &cpu[k]), ("CUDA run 1 vs 2", &g2[k])] {
-            if let Some(i) = g1[k].iter().zip(other.iter()).position(|(a, b)| a != b) {
-                println!(
-                    "MISMATCH {what} {}: {label} at {i}: {:#010x} vs {:#010x}",
-                    names[k], g1[k][i], other[i]
-                );
-                ok = false;
-            }
-        }
-    }
-    if ok {
-        println!("ok {what}");
-    }
-    ok
+    matches_cpu_and_deterministic(what, &cpu, &g1, &g2, |a, b| {
+        join_differences(
+            ["forward", "d_table", "d_pos"]
+                .iter()
+                .zip(a.iter().zip(b))
+                .map(|(name, (a, b))| first_difference(name, a, b)),
+        )
+    })
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_matches_cpu_bitwise_and_is_deterministic() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let cases = [
         ("GPT-2 batch 8 x 1024, d 768", case(50304, 768, 8, 1024, 1)),
         ("d 13", case(1000, 13, 4, 64, 2)),

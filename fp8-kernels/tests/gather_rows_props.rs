@@ -2,8 +2,11 @@
 //! one (bit for bit; needs a CUDA GPU: ignored unless run with `--ignored`), and an NVRTC compile check of
 //! its module (ignored where the build found no NVRTC).
 
+mod common;
+
+use common::{cuda_device, nvrtc_test, sm90_ptx};
 use fp8_kernels::gather_rows::{gather_rows, RowIndex};
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, GATHER_ROWS_MODULE};
+use fp8_kernels::kernel_source::GATHER_ROWS_MODULE;
 use fp8_kernels::Device;
 use proptest::prelude::*;
 
@@ -62,7 +65,7 @@ proptest! {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_gather_matches_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let cpu = Device::cpu();
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
     runner
@@ -108,18 +111,12 @@ fn cuda_gather_matches_cpu() {
         .unwrap();
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn gather_rows_module_compiles_for_sm90() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
+nvrtc_test! {
+    fn gather_rows_module_compiles_for_sm90() {
+        let ptx = sm90_ptx(&GATHER_ROWS_MODULE);
+        assert!(
+            ptx.contains(".entry gather_rows_b32"),
+            "kernel entry missing"
+        );
     }
-    let ptx = compile_ptx(&GATHER_ROWS_MODULE, "sm_90").unwrap().to_src();
-    assert!(
-        ptx.contains(".entry gather_rows_b32"),
-        "kernel entry missing"
-    );
 }

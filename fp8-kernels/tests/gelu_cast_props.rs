@@ -3,12 +3,15 @@
 //! formats; against a naive scalar reference of the layout; CUDA against the CPU (needs a GPU:
 //! ignored unless run with `--ignored`).
 
+mod common;
+
+use common::{cuda_device, nvrtc_test, sm90_ptx};
 use fp8_core::Fp8Format;
 use fp8_kernels::elementwise::{
     gelu_backward, gelu_forward, gelu_grad_scalar, gelu_scalar, GeluApprox,
 };
 use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, GELU_CAST_MODULE};
+use fp8_kernels::kernel_source::GELU_CAST_MODULE;
 use fp8_kernels::{cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -262,26 +265,20 @@ fn bad_arguments_are_errors() {
     assert!(gelu_cast_fp8(&u, [usize::MAX, 2], a, f, &scale, &mut y, &mut yt, None).is_err());
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn fused_module_compiles_for_sm90() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    let ptx = compile_ptx(&GELU_CAST_MODULE, "sm_90").unwrap().to_src();
-    for t in ["f32", "bf16", "f16"] {
-        for f in ["e4m3", "e5m2"] {
-            for k in ["gelu", "gelu_bwd"] {
-                let entry = format!(".entry {k}_cast_transpose_{t}_{f}");
-                assert!(ptx.contains(&entry), "{entry} missing");
+nvrtc_test! {
+    fn fused_module_compiles_for_sm90() {
+        let ptx = sm90_ptx(&GELU_CAST_MODULE);
+        for t in ["f32", "bf16", "f16"] {
+            for f in ["e4m3", "e5m2"] {
+                for k in ["gelu", "gelu_bwd"] {
+                    let entry = format!(".entry {k}_cast_transpose_{t}_{f}");
+                    assert!(ptx.contains(&entry), "{entry} missing");
+                }
             }
         }
+        assert!(ptx.contains("cvt.rn.satfinite.e4m3x2.f32"));
+        assert!(ptx.contains("cvt.rn.satfinite.e5m2x2.f32"));
     }
-    assert!(ptx.contains("cvt.rn.satfinite.e4m3x2.f32"));
-    assert!(ptx.contains("cvt.rn.satfinite.e5m2x2.f32"));
 }
 
 /// Signed ordinal of an FP8 code (adjacent values have adjacent ordinals; +0 and -0 are both 0).
@@ -340,7 +337,7 @@ fn near(format: Fp8Format, got: &Outputs, want: &Outputs) -> Result<(), TestCase
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_fused_matches_unfused_and_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     if let Device::Cuda(c) = &gpu {
         if let Err(e) = c.require_fp8() {
             panic!("no FP8 on this GPU: {e}");

@@ -6,6 +6,11 @@
 //! (`NormLaunch`) gives the same bits. GPU tests: ignored unless run with `--ignored`
 //! (`scripts/gpu-tests.sh`), and failing where no GPU can be opened.
 
+mod common;
+
+use common::{
+    bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+};
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
@@ -14,23 +19,6 @@ use fp8_kernels::layer_norm::{
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, Device, FloatElement};
 use half::bf16;
-
-/// f32 bits with every NaN mapped to one pattern (payloads are not compared).
-fn canon(v: f32) -> u32 {
-    if v.is_nan() {
-        0x7FC0_0000
-    } else {
-        v.to_bits()
-    }
-}
-
-fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
-    b.to_vec()
-        .unwrap()
-        .iter()
-        .map(|v| canon(v.to_f32()))
-        .collect()
-}
 
 /// Everything one device produced for a case.
 #[derive(PartialEq, Debug)]
@@ -179,60 +167,31 @@ fn run<T: FloatElement, G: FloatElement>(dev: &Device, c: &Inputs) -> Outputs {
 
 /// Names the first differing element of every field that differs.
 fn differences(a: &Outputs, b: &Outputs) -> String {
-    fn diff<T: PartialEq + std::fmt::Debug>(name: &str, a: &[T], b: &[T]) -> Option<String> {
-        if a.len() != b.len() {
-            return Some(format!("{name}: lengths {} vs {}", a.len(), b.len()));
-        }
-        let i = a.iter().zip(b).position(|(x, y)| x != y)?;
-        Some(format!(
-            "{name}[{i}]: {:?} vs {:?} ({} of {} differ)",
-            a[i],
-            b[i],
-            a.iter().zip(b).filter(|(x, y)| x != y).count(),
-            a.len()
-        ))
-    }
-    [
-        diff("mean", &a.mean, &b.mean),
-        diff("rstd", &a.rstd, &b.rstd),
-        diff("y", &a.y, &b.y),
-        diff("codes", &a.codes, &b.codes),
-        diff("codes_t", &a.codes_t, &b.codes_t),
-        diff("amax", &a.amax, &b.amax),
-        diff("dx", &a.dx, &b.dx),
-        diff("dx_acc", &a.dx_acc, &b.dx_acc),
-        diff("dw", &a.dw, &b.dw),
-        diff("db", &a.db, &b.db),
-    ]
-    .into_iter()
-    .flatten()
-    .collect::<Vec<_>>()
-    .join("; ")
+    join_differences([
+        first_difference("mean", &a.mean, &b.mean),
+        first_difference("rstd", &a.rstd, &b.rstd),
+        first_difference("y", &a.y, &b.y),
+        first_difference("codes", &a.codes, &b.codes),
+        first_difference("codes_t", &a.codes_t, &b.codes_t),
+        first_difference("amax", &a.amax, &b.amax),
+        first_difference("dx", &a.dx, &b.dx),
+        first_difference("dx_acc", &a.dx_acc, &b.dx_acc),
+        first_difference("dw", &a.dw, &b.dw),
+        first_difference("db", &a.db, &b.db),
+    ])
 }
 
 fn compare<T: FloatElement, G: FloatElement>(gpu: &Device, c: &Inputs, what: &str) -> bool {
     let cpu = run::<T, G>(&Device::cpu(), c);
     let g1 = run::<T, G>(gpu, c);
     let g2 = run::<T, G>(gpu, c);
-    let mut ok = true;
-    if cpu != g1 {
-        println!("MISMATCH {what}: CUDA vs CPU: {}", differences(&g1, &cpu));
-        ok = false;
-    }
-    if g1 != g2 {
-        println!("NONDETERMINISTIC {what}: {}", differences(&g1, &g2));
-        ok = false;
-    }
-    if ok {
-        println!("ok {what}");
-    }
-    ok
+    matches_cpu_and_deterministic(what, &cpu, &g1, &g2, differences)
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_matches_cpu_bitwise_and_is_deterministic() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     // (rows, d, with a NaN)
     let shapes = [
         (16384, 768, false), // 4 vectors per lane, tiles of 32 rows
@@ -276,7 +235,7 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_launch_choice_gives_the_same_bits() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let mut ok = true;
     let mut seed = 100;
     for (rows, d) in [(8192, 2560), (2048, 768), (40, 1000)] {

@@ -3,7 +3,10 @@
 //! left out of the registry. The compile test is ignored, with the reason, where the build found no NVRTC
 //! (`build.rs`; CI puts NVIDIA's NVRTC wheel on `LD_LIBRARY_PATH`); the registry check always runs.
 
-use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, CAST_MODULE, MODULES};
+mod common;
+
+use common::{nvrtc_test, require_nvrtc, sm90_ptx};
+use fp8_kernels::kernel_source::{compile_ptx, CAST_MODULE, MODULES};
 use std::path::{Path, PathBuf};
 
 /// Every `.cu` and `.cuh` file under `dir`, as paths relative to the crate root.
@@ -68,29 +71,24 @@ fn every_cuda_source_belongs_to_a_registered_module() {
     assert_eq!(names.len(), MODULES.len(), "module names must be unique");
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn every_kernel_module_compiles_for_sm90() {
-    if let Err(e) = nvrtc_status() {
-        panic!("{e}");
-    }
-    for m in MODULES {
-        let ptx = compile_ptx(m, "sm_90").unwrap_or_else(|e| panic!("{}: {e}", m.name));
-        let text = ptx.to_src();
-        assert!(text.contains(".target sm_90"), "{}: PTX target", m.name);
-        assert!(text.contains(".entry"), "{}: no kernels in PTX", m.name);
-        println!("compiled {} ({}) for sm_90", m.name, m.files.join(" + "));
-    }
-    // The casts must use the hardware FP8 conversions.
-    let cast = compile_ptx(&CAST_MODULE, "sm_90").unwrap().to_src();
-    for insn in [
-        "cvt.rn.satfinite.e4m3x2.f32",
-        "cvt.rn.satfinite.e5m2x2.f32",
-        "cvt.rn.f16x2.e4m3x2",
-    ] {
-        assert!(cast.contains(insn), "cast module lacks {insn}");
+nvrtc_test! {
+    fn every_kernel_module_compiles_for_sm90() {
+        require_nvrtc();
+        for m in MODULES {
+            let ptx = compile_ptx(m, "sm_90").unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            let text = ptx.to_src();
+            assert!(text.contains(".target sm_90"), "{}: PTX target", m.name);
+            assert!(text.contains(".entry"), "{}: no kernels in PTX", m.name);
+            println!("compiled {} ({}) for sm_90", m.name, m.files.join(" + "));
+        }
+        // The casts must use the hardware FP8 conversions.
+        let cast = sm90_ptx(&CAST_MODULE);
+        for insn in [
+            "cvt.rn.satfinite.e4m3x2.f32",
+            "cvt.rn.satfinite.e5m2x2.f32",
+            "cvt.rn.f16x2.e4m3x2",
+        ] {
+            assert!(cast.contains(insn), "cast module lacks {insn}");
+        }
     }
 }

@@ -3,6 +3,9 @@
 //! sequential references, and (where a GPU can be opened) the CUDA implementations against the CPU ones,
 //! bit for bit (needs a GPU: ignored unless run with `--ignored`).
 
+mod common;
+
+use common::{canon, cuda_device};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::elementwise::add_at;
 use fp8_kernels::reduce::finite_amax_count;
@@ -285,18 +288,9 @@ fn bad_arguments_are_errors() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_matches_cpu_bitwise() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    let gpu = cuda_device();
     let report = segmented_cuda_check(&gpu, 1 << 20, 7);
     assert!(report.is_empty(), "{report:?}");
-}
-
-/// f32 bits with every NaN mapped to one pattern (NaN payloads differ between CPU and GPU arithmetic).
-fn canon(f: f32) -> u32 {
-    if f.is_nan() {
-        0x7FC0_0000
-    } else {
-        f.to_bits()
-    }
 }
 
 /// Compares every segmented kernel on `gpu` with the CPU on `n` random values; returns the mismatches.

@@ -5,6 +5,9 @@
 //! rows in registers (no local-memory arrays), and the cross-entropy kernel uses its own exp (fused
 //! multiply-adds), not the hardware approximation. Ignored, with the reason, where the build found no NVRTC.
 
+mod common;
+
+use common::nvrtc_test;
 use cudarc::nvrtc::result as nvrtc;
 use fp8_kernels::cross_entropy::CROSS_ENTROPY_MODULE;
 use fp8_kernels::embedding::EMBEDDING_MODULE;
@@ -86,108 +89,96 @@ fn entry<'a>(ptx: &'a str, name: &str) -> &'a str {
     &ptx[start..end]
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn layer_norm_forward_module_compiles_for_sm90() {
-    let ptx = compile(&LAYER_NORM_FORWARD_MODULE);
-    for nv in ["nv0", "nv4", "nv8", "nv12", "nv16"] {
-        entry(&ptx, &format!("ln_fwd_bf16_{nv}"));
-        let fused = entry(&ptx, &format!("ln_fwd_fp8_bf16_e4m3_{nv}"));
-        assert!(fused.contains("cvt.rn.satfinite.e4m3x2.f32"));
+nvrtc_test! {
+    fn layer_norm_forward_module_compiles_for_sm90() {
+        let ptx = compile(&LAYER_NORM_FORWARD_MODULE);
+        for nv in ["nv0", "nv4", "nv8", "nv12", "nv16"] {
+            entry(&ptx, &format!("ln_fwd_bf16_{nv}"));
+            let fused = entry(&ptx, &format!("ln_fwd_fp8_bf16_e4m3_{nv}"));
+            assert!(fused.contains("cvt.rn.satfinite.e4m3x2.f32"));
+        }
+        entry(&ptx, "ln_fwd_f32_nv0");
+        entry(&ptx, "ln_fwd_fp8_f32_e4m3_nv0");
+        assert!(
+            !ptx.contains(".entry ln_bwd_"),
+            "backward entries in the forward module"
+        );
+        // A dynamically indexed register cache would show up as a local-memory array.
+        for nv in ["nv4", "nv8", "nv12", "nv16"] {
+            for name in [
+                format!("ln_fwd_bf16_{nv}"),
+                format!("ln_fwd_fp8_bf16_e4m3_{nv}"),
+            ] {
+                assert!(
+                    !entry(&ptx, &name).contains(".local"),
+                    "{name} uses local memory"
+                );
+            }
+        }
     }
-    entry(&ptx, "ln_fwd_f32_nv0");
-    entry(&ptx, "ln_fwd_fp8_f32_e4m3_nv0");
-    assert!(
-        !ptx.contains(".entry ln_bwd_"),
-        "backward entries in the forward module"
-    );
-    // A dynamically indexed register cache would show up as a local-memory array.
-    for nv in ["nv4", "nv8", "nv12", "nv16"] {
+}
+
+nvrtc_test! {
+    fn layer_norm_backward_module_compiles_for_sm90() {
+        let ptx = compile(&LAYER_NORM_BACKWARD_MODULE);
+        for (x, g) in [
+            ("f32", "f32"),
+            ("f32", "bf16"),
+            ("bf16", "f32"),
+            ("bf16", "bf16"),
+        ] {
+            entry(&ptx, &format!("ln_bwd_{x}_{g}_nv0"));
+        }
+        entry(&ptx, "ln_param_reduce");
+        assert!(
+            !ptx.contains(".entry ln_fwd_"),
+            "forward entries in the backward module"
+        );
         for name in [
-            format!("ln_fwd_bf16_{nv}"),
-            format!("ln_fwd_fp8_bf16_e4m3_{nv}"),
+            "ln_bwd_bf16_bf16_nv4",
+            "ln_bwd_bf16_bf16_nv8",
+            "ln_bwd_bf16_bf16_nv12",
+            "ln_bwd_bf16_bf16_nv16",
         ] {
             assert!(
-                !entry(&ptx, &name).contains(".local"),
+                !entry(&ptx, name).contains(".local"),
                 "{name} uses local memory"
             );
         }
     }
 }
 
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn layer_norm_backward_module_compiles_for_sm90() {
-    let ptx = compile(&LAYER_NORM_BACKWARD_MODULE);
-    for (x, g) in [
-        ("f32", "f32"),
-        ("f32", "bf16"),
-        ("bf16", "f32"),
-        ("bf16", "bf16"),
-    ] {
-        entry(&ptx, &format!("ln_bwd_{x}_{g}_nv0"));
-    }
-    entry(&ptx, "ln_param_reduce");
-    assert!(
-        !ptx.contains(".entry ln_fwd_"),
-        "forward entries in the backward module"
-    );
-    for name in [
-        "ln_bwd_bf16_bf16_nv4",
-        "ln_bwd_bf16_bf16_nv8",
-        "ln_bwd_bf16_bf16_nv12",
-        "ln_bwd_bf16_bf16_nv16",
-    ] {
-        assert!(
-            !entry(&ptx, name).contains(".local"),
-            "{name} uses local memory"
-        );
-    }
-}
-
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn cross_entropy_module_compiles_for_sm90() {
-    let ptx = compile(&CROSS_ENTROPY_MODULE);
-    for name in [
-        "cross_entropy_f32",
-        "cross_entropy_bf16",
-        "cross_entropy_bf16_nv8",
-        "cross_entropy_bf16_nv16",
-    ] {
-        let body = entry(&ptx, name);
-        assert!(body.contains("fma.rn.f32"), "{name}: polynomial exp");
-        assert!(
-            !body.contains("ex2.approx") && !body.contains("lg2.approx"),
-            "{name}: hardware approximations would not match the CPU"
-        );
-        assert!(!body.contains(".local"), "{name} uses local memory");
-    }
-    entry(&ptx, "cross_entropy_loss_sum");
-}
-
-#[test]
-#[cfg_attr(
-    not(nvrtc_found),
-    ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)"
-)]
-fn embedding_module_compiles_for_sm90() {
-    let ptx = compile(&EMBEDDING_MODULE);
-    for a in ["f32", "bf16"] {
-        for b in ["f32", "bf16"] {
-            entry(&ptx, &format!("embedding_fwd_{a}_{b}"));
-            entry(&ptx, &format!("embedding_bwd_chunks_{a}_{b}"));
-            entry(&ptx, &format!("embedding_bwd_pos_{a}_{b}"));
+nvrtc_test! {
+    fn cross_entropy_module_compiles_for_sm90() {
+        let ptx = compile(&CROSS_ENTROPY_MODULE);
+        for name in [
+            "cross_entropy_f32",
+            "cross_entropy_bf16",
+            "cross_entropy_bf16_nv8",
+            "cross_entropy_bf16_nv16",
+        ] {
+            let body = entry(&ptx, name);
+            assert!(body.contains("fma.rn.f32"), "{name}: polynomial exp");
+            assert!(
+                !body.contains("ex2.approx") && !body.contains("lg2.approx"),
+                "{name}: hardware approximations would not match the CPU"
+            );
+            assert!(!body.contains(".local"), "{name} uses local memory");
         }
-        entry(&ptx, &format!("embedding_bwd_multi_{a}"));
+        entry(&ptx, "cross_entropy_loss_sum");
+    }
+}
+
+nvrtc_test! {
+    fn embedding_module_compiles_for_sm90() {
+        let ptx = compile(&EMBEDDING_MODULE);
+        for a in ["f32", "bf16"] {
+            for b in ["f32", "bf16"] {
+                entry(&ptx, &format!("embedding_fwd_{a}_{b}"));
+                entry(&ptx, &format!("embedding_bwd_chunks_{a}_{b}"));
+                entry(&ptx, &format!("embedding_bwd_pos_{a}_{b}"));
+            }
+            entry(&ptx, &format!("embedding_bwd_multi_{a}"));
+        }
     }
 }

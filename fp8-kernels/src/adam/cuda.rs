@@ -6,15 +6,10 @@ use super::control::{AdamControlParams, MasterSource, SlotScales};
 use super::{AdamGrad, AmaxSlots, Coefficients, LowPrecisionAdamState, WeightDecay};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::ADAM_MODULE;
-use crate::launch::{
-    grid_1d, kernel_name, launch, one_block, optional_ptr, optional_ptr_mut, BLOCK,
-};
+use crate::launch::{self, kernel_name, launch, one_block, optional_ptr, optional_ptr_mut, BLOCK};
 use crate::{Buffer, CudaDevice, DType, Device, KernelError};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use std::ops::Range;
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
 
 fn same(what: &'static str, dev: &CudaDevice, d: Device) -> Result<(), KernelError> {
     if d == Device::Cuda(dev.clone()) {
@@ -26,11 +21,7 @@ fn same(what: &'static str, dev: &CudaDevice, d: Device) -> Result<(), KernelErr
 
 /// A grid-stride launch over `n` elements taken `per_thread` at a time.
 fn grid(dev: &CudaDevice, n: usize, per_thread: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(
-        dev.sm_count(),
-        (n as u64).div_ceil(per_thread),
-        BLOCKS_PER_SM,
-    ))
+    Ok(launch::grid(dev, (n as u64).div_ceil(per_thread)))
 }
 
 /// The kernel-name suffix of a gradient type.

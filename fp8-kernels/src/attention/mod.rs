@@ -30,6 +30,7 @@ pub use tiles::{
     FUSED_QUERY_ROWS,
 };
 
+use crate::device::device_of;
 use crate::kernel_source::KernelModule;
 use crate::{check_len, Buffer, Device, KernelError};
 use half::bf16;
@@ -557,18 +558,6 @@ fn bad(what: &'static str, detail: String) -> KernelError {
     KernelError::InvalidArgument { what, detail }
 }
 
-fn same_device<T: crate::Element>(
-    what: &'static str,
-    device: &Device,
-    b: &Buffer<T>,
-) -> Result<(), KernelError> {
-    if b.device() == *device {
-        Ok(())
-    } else {
-        Err(KernelError::WrongDevice(what))
-    }
-}
-
 fn to_f32(v: &[bf16]) -> Vec<f32> {
     v.par_iter().map(|x| x.to_f32()).collect()
 }
@@ -595,9 +584,8 @@ pub fn attention_forward(
     check_len(WHAT, shape.qkv_len(), qkv.len())?;
     check_len(WHAT, shape.out_len(), out.len())?;
     check_len(WHAT, shape.lse_len(), lse.len())?;
+    device_of(WHAT, &[qkv, out, lse])?;
     let device = qkv.device();
-    same_device(WHAT, &device, out)?;
-    same_device(WHAT, &device, lse)?;
     if shape.is_empty() {
         return Ok(());
     }
@@ -640,12 +628,8 @@ pub fn attention_backward(
     check_len(WHAT, shape.out_len(), d_out.len())?;
     check_len(WHAT, shape.lse_len(), lse.len())?;
     check_len(WHAT, shape.qkv_len(), d_qkv.len())?;
+    device_of(WHAT, &[qkv, out, d_out, lse, d_qkv])?;
     let device = qkv.device();
-    for b in [out, d_out] {
-        same_device(WHAT, &device, b)?;
-    }
-    same_device(WHAT, &device, lse)?;
-    same_device(WHAT, &device, d_qkv)?;
     if shape.is_empty() {
         return Ok(());
     }

@@ -3,18 +3,15 @@
 use super::{format_name, CurrentScaling};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::CAST_MODULE;
-use crate::launch::{cast_transpose_launch, grid_1d, kernel_name, launch, optional_ptr_mut};
+use crate::launch::{cast_transpose_launch, grid, kernel_name, launch, optional_ptr_mut};
 use crate::{Buffer, CudaDevice, FloatElement, KernelError};
 use cudarc::driver::LaunchConfig;
 use fp8_core::{Fp8Format, ScaleRounding};
 
-/// Blocks per SM of the streaming kernels.
-const STREAM_BLOCKS_PER_SM: u32 = 8;
-
 /// A grid-stride launch over `n` elements taken `per_thread` at a time.
 fn vec_launch(dev: &CudaDevice, n: usize, per_thread: usize) -> Result<LaunchConfig, KernelError> {
     let items = (n / per_thread) as u64 + 1;
-    Ok(grid_1d(dev.sm_count(), items, STREAM_BLOCKS_PER_SM))
+    Ok(grid(dev, items))
 }
 
 /// `amax[slot] = max(amax[slot], max |x|)`.
@@ -146,7 +143,7 @@ pub(super) fn add_decoded<D: FloatElement>(
         }
     };
     let n = q.len() as u64;
-    let cfg = grid_1d(dev.sm_count(), n, STREAM_BLOCKS_PER_SM);
+    let cfg = grid(dev, n);
     let (qs, si, d) = (cs(q, WHAT)?, cs(scale_inv, WHAT)?, cs_mut(dst, WHAT)?);
     launch!(
         dev,

@@ -23,7 +23,8 @@ mod cuda;
 pub use crate::FloatElement;
 pub use cpu::dequantize_fp8_host;
 
-use crate::device::{cuda_of, same_device};
+use crate::device::{cuda_of, device_of, Placed};
+use crate::Device;
 use crate::{check_len, Buffer, KernelError};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 
@@ -36,6 +37,12 @@ pub struct AmaxSlot<'a> {
     pub buffer: &'a mut Buffer<f32>,
     /// Index in `buffer`.
     pub slot: usize,
+}
+
+impl Placed for AmaxSlot<'_> {
+    fn placement(&self) -> Option<Device> {
+        self.buffer.placement()
+    }
 }
 
 impl<'a> AmaxSlot<'a> {
@@ -131,8 +138,7 @@ pub(crate) fn check_nonempty(b: &Buffer<f32>, what: &'static str) -> Result<(), 
 pub fn amax<T: FloatElement>(x: &Buffer<T>, out: AmaxSlot<'_>) -> Result<(), KernelError> {
     const WHAT: &str = "amax";
     out.check(WHAT)?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, out.buffer)?;
+    let dev = device_of(WHAT, &[x, out.buffer])?;
     match dev {
         None => out.accumulate_host(WHAT, cpu::amax(x.host(WHAT)?)),
         Some(dev) => cuda::amax(&dev, x, out.buffer, out.slot),
@@ -154,12 +160,7 @@ pub fn cast_to_fp8<T: FloatElement>(
     if let Some(a) = &amax {
         a.check(WHAT)?;
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, scale)?;
-    same_device(WHAT, &dev, out)?;
-    if let Some(a) = &amax {
-        same_device(WHAT, &dev, a.buffer)?;
-    }
+    let dev = device_of(WHAT, &[x, scale, out, &amax])?;
     match dev {
         None => {
             let s = first_value(scale, WHAT)?;
@@ -196,11 +197,7 @@ pub fn cast_to_fp8_current<T: FloatElement>(
     for b in [&*scale, &*scale_inv, &*amax] {
         check_nonempty(b, WHAT)?;
     }
-    let dev = cuda_of(x);
-    for b in [&*scale, &*scale_inv, &*amax] {
-        same_device(WHAT, &dev, b)?;
-    }
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[x, scale, scale_inv, amax, out])?;
     match dev {
         None => {
             let xs = x.host(WHAT)?;
@@ -228,9 +225,7 @@ pub fn dequantize_fp8<T: FloatElement>(
     const WHAT: &str = "dequantize_fp8";
     check_len(WHAT, q.len(), out.len())?;
     check_nonempty(scale_inv, WHAT)?;
-    let dev = cuda_of(q);
-    same_device(WHAT, &dev, scale_inv)?;
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[q, scale_inv, out])?;
     match dev {
         None => {
             let si = first_value(scale_inv, WHAT)?;
@@ -258,9 +253,7 @@ pub fn add_decoded_fp8<D: FloatElement>(
             detail: "scale buffer is empty".into(),
         });
     }
-    let dev = cuda_of(dst);
-    same_device(WHAT, &dev, q)?;
-    same_device(WHAT, &dev, scale_inv)?;
+    let dev = device_of(WHAT, &[dst, q, scale_inv])?;
     if q.is_empty() {
         return Ok(());
     }
@@ -307,15 +300,7 @@ pub fn cast_transpose_to_fp8<T: FloatElement>(
     if let Some(a) = &amax {
         a.check(WHAT)?;
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, scale)?;
-    same_device(WHAT, &dev, out_t)?;
-    if let Some(o) = &out {
-        same_device(WHAT, &dev, o)?;
-    }
-    if let Some(a) = &amax {
-        same_device(WHAT, &dev, a.buffer)?;
-    }
+    let dev = device_of(WHAT, &[x, scale, out_t, &out, &amax])?;
     match dev {
         None => {
             let s = first_value(scale, WHAT)?;
@@ -351,8 +336,7 @@ pub fn convert<S: FloatElement, D: FloatElement>(
             detail: format!("source and destination are both {}", S::DTYPE),
         });
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[x, out])?;
     match dev {
         None => {
             cpu::convert(x.host(WHAT)?, out.host_mut(WHAT)?);

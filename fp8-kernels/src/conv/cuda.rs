@@ -3,12 +3,9 @@
 use super::Conv2dGeometry;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::CONV_MODULE;
-use crate::launch::{grid_1d, kernel_name, launch};
+use crate::launch::{grid, kernel_name, launch};
 use crate::{Buffer, CudaDevice, FloatElement, KernelError};
-use cudarc::driver::{DeviceRepr, LaunchConfig};
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
+use cudarc::driver::DeviceRepr;
 
 /// The kernel-side copy of [`Conv2dGeometry`] (`ConvGeom` in conv.cu).
 #[repr(C)]
@@ -45,11 +42,6 @@ fn repr(g: &Conv2dGeometry) -> ConvGeomRepr {
     }
 }
 
-/// A grid-stride launch over `n` work items.
-fn grid(dev: &CudaDevice, n: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(dev.sm_count(), n, BLOCKS_PER_SM))
-}
-
 pub(super) fn im2col(
     dev: &CudaDevice,
     x: &Buffer<f32>,
@@ -63,7 +55,7 @@ pub(super) fn im2col(
         dev,
         &CONV_MODULE,
         "im2col_f32",
-        grid(dev, (geom.patches() * geom.patch_len()) as u64)?,
+        grid(dev, (geom.patches() * geom.patch_len()) as u64),
         "im2col_f32(const float* x, float* cols, ConvGeom g)",
         [xs, os, &g]
     )
@@ -82,7 +74,7 @@ pub(super) fn col2im(
         dev,
         &CONV_MODULE,
         "col2im_f32",
-        grid(dev, geom.input_len() as u64)?,
+        grid(dev, geom.input_len() as u64),
         "col2im_f32(const float* cols, float* dx, ConvGeom g)",
         [cs_, ds, &g]
     )
@@ -101,7 +93,7 @@ pub(super) fn transpose_batched<T: FloatElement>(
         dev,
         &CONV_MODULE,
         kernel_name!("transpose_batched_", T::NAME),
-        grid(dev, b * r * c)?,
+        grid(dev, b * r * c),
         "transpose_batched_<T>(const T* x, T* y, u64 batch, u64 rows, u64 cols)",
         [xs, ys, &b, &r, &c]
     )

@@ -8,7 +8,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device, shape_len};
+use crate::device::{device_of, shape_len};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 
 /// Shape of a 2-D convolution's input and window, for [`im2col`] and [`col2im`] (NCHW).
@@ -102,8 +102,7 @@ pub fn im2col(
     geom.validate(WHAT)?;
     check_len(WHAT, geom.input_len(), x.len())?;
     check_len(WHAT, geom.patches() * geom.patch_len(), cols.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, cols)?;
+    let dev = device_of(WHAT, &[x, cols])?;
     match dev {
         None => {
             let (xs, out) = (x.host(WHAT)?, cols.host_mut(WHAT)?);
@@ -129,8 +128,7 @@ pub fn col2im(
     geom.validate(WHAT)?;
     check_len(WHAT, geom.patches() * geom.patch_len(), cols.len())?;
     check_len(WHAT, geom.input_len(), dx.len())?;
-    let dev = cuda_of(cols);
-    same_device(WHAT, &dev, dx)?;
+    let dev = device_of(WHAT, &[cols, dx])?;
     match dev {
         None => {
             let (cs_, out) = (cols.host(WHAT)?, dx.host_mut(WHAT)?);
@@ -156,8 +154,7 @@ pub fn transpose_batched<T: FloatElement>(
     let total = shape_len(WHAT, &shape)?;
     check_len(WHAT, total, x.len())?;
     check_len(WHAT, total, y.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
+    let dev = device_of(WHAT, &[x, y])?;
     match dev {
         None => {
             if shape[1] != 0 && shape[2] != 0 {

@@ -27,7 +27,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device};
+use crate::device::device_of;
 use crate::kernel_source::KernelModule;
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, KernelError};
@@ -203,12 +203,17 @@ pub fn cross_entropy_with_launch<T: FloatElement>(
     if out.loss_sum.is_empty() || out.invalid_targets.is_empty() {
         return Err(bad(WHAT, "the accumulators must hold one element".into()));
     }
-    let dev = cuda_of(logits);
-    same_device(WHAT, &dev, targets)?;
-    same_device(WHAT, &dev, out.lse)?;
-    same_device(WHAT, &dev, out.loss)?;
-    same_device(WHAT, &dev, out.loss_sum)?;
-    same_device(WHAT, &dev, out.invalid_targets)?;
+    let dev = device_of(
+        WHAT,
+        &[
+            logits,
+            targets,
+            out.lse,
+            out.loss,
+            out.loss_sum,
+            out.invalid_targets,
+        ],
+    )?;
     if spec.rows == 0 {
         return Ok(());
     }

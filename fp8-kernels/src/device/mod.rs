@@ -566,6 +566,56 @@ pub(crate) fn same_device<T: Element>(
     }
 }
 
+/// Something a kernel call takes that lives on a device: a [`Buffer`], or an optional one (absent: no
+/// constraint). Lets [`device_of`] check buffers of different element types in one list.
+pub(crate) trait Placed {
+    /// The device it lives on, or `None` when there is nothing (an absent optional buffer).
+    fn placement(&self) -> Option<Device>;
+}
+
+impl<T: Element> Placed for Buffer<T> {
+    fn placement(&self) -> Option<Device> {
+        Some(self.device())
+    }
+}
+
+impl<P: Placed + ?Sized> Placed for &P {
+    fn placement(&self) -> Option<Device> {
+        (**self).placement()
+    }
+}
+
+impl<P: Placed + ?Sized> Placed for &mut P {
+    fn placement(&self) -> Option<Device> {
+        (**self).placement()
+    }
+}
+
+impl<P: Placed> Placed for Option<P> {
+    fn placement(&self) -> Option<Device> {
+        self.as_ref().and_then(P::placement)
+    }
+}
+
+/// The device a kernel call runs on: that of its first buffer (`None` for the CPU), after checking that
+/// every other one lives there too ([`same_device`]).
+pub(crate) fn device_of(
+    what: &'static str,
+    buffers: &[&dyn Placed],
+) -> Result<Option<CudaDevice>, KernelError> {
+    let mut placements = buffers.iter().filter_map(|b| b.placement());
+    let Some(first) = placements.next() else {
+        return Ok(None);
+    };
+    if placements.any(|d| d != first) {
+        return Err(KernelError::WrongDevice(what));
+    }
+    Ok(match first {
+        Device::Cuda(d) => Some(d),
+        Device::Cpu => None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -582,5 +632,18 @@ mod tests {
         }
         let (d, why) = Device::auto();
         assert_eq!(d.is_cuda(), why.is_none());
+    }
+
+    #[test]
+    fn device_of_cpu_buffers_of_mixed_types() {
+        let cpu = Device::cpu();
+        let x: Buffer<f32> = cpu.zeros(3).unwrap();
+        let mut mask: Buffer<u8> = cpu.zeros(3).unwrap();
+        let absent: Option<&Buffer<f32>> = None;
+        let present = Some(&x);
+        let dev = device_of("t", &[&x, &mut mask, &absent, &present]).unwrap();
+        assert!(dev.is_none());
+        // Only absent optional buffers: nothing constrains the device.
+        assert!(device_of("t", &[&absent]).unwrap().is_none());
     }
 }

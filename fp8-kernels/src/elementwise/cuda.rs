@@ -4,17 +4,8 @@
 use super::{Dropout, GeluApprox};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::ELEMENTWISE_MODULE;
-use crate::launch::{grid_1d, kernel_name, launch};
+use crate::launch::{grid, kernel_name, launch};
 use crate::{Buffer, CudaDevice, FloatElement, KernelError};
-use cudarc::driver::LaunchConfig;
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
-
-/// A grid-stride launch over `n` work items.
-fn grid(dev: &CudaDevice, n: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(dev.sm_count(), n, BLOCKS_PER_SM))
-}
 
 pub(super) fn bias_add<T: FloatElement>(
     dev: &CudaDevice,
@@ -24,7 +15,7 @@ pub(super) fn bias_add<T: FloatElement>(
     cols: usize,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "bias_add";
-    let cfg = grid(dev, (rows * cols) as u64)?;
+    let cfg = grid(dev, (rows * cols) as u64);
     let (r, c) = (rows as u64, cols as u64);
     let (xs, bs) = (cs_mut(x, WHAT)?, cs(bias, WHAT)?);
     launch!(
@@ -49,7 +40,7 @@ pub(super) fn relu_forward<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("relu_fwd_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "relu_fwd_<T>(const T* x, T* y, u64 n)",
         [xs, ys, &n]
     )
@@ -68,7 +59,7 @@ pub(super) fn relu_backward<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("relu_bwd_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "relu_bwd_<T>(const T* x, const T* dy, T* dx, u64 n)",
         [xs, gs, ds, &n]
     )
@@ -88,7 +79,7 @@ pub(super) fn gelu_forward<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("gelu_fwd_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "gelu_fwd_<T>(const T* x, T* y, u64 n, int exact)",
         [xs, ys, &n, &exact]
     )
@@ -109,7 +100,7 @@ pub(super) fn gelu_backward<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("gelu_bwd_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "gelu_bwd_<T>(const T* x, const T* dy, T* dx, u64 n, int exact)",
         [xs, gs, ds, &n, &exact]
     )
@@ -131,7 +122,7 @@ pub(super) fn dropout_forward<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("dropout_fwd_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "dropout_fwd_<T>(const T* x, T* y, u8* mask, u64 n, u64 seed, u64 offset, u32 threshold, \
          float scale)",
         [xs, ys, ms, &n, &seed, &offset, &thr, &scale]
@@ -152,7 +143,7 @@ pub(super) fn dropout_backward<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("dropout_bwd_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "dropout_bwd_<T>(const T* dy, const u8* mask, T* dx, u64 n, float scale)",
         [gs, ms, ds, &n, &scale]
     )
@@ -169,7 +160,7 @@ pub(super) fn scale<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("scale_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "scale_<T>(T* x, u64 n, float a)",
         [xs, &n, &a]
     )
@@ -188,7 +179,7 @@ pub(super) fn axpy<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("axpy_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "axpy_<T>(const T* x, T* y, u64 n, float a)",
         [xs, ys, &n, &a]
     )
@@ -207,7 +198,7 @@ pub(super) fn add<T: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         kernel_name!("add_", T::NAME),
-        grid(dev, n)?,
+        grid(dev, n),
         "add_<T>(const T* a, const T* b, T* out, u64 n)",
         [as_, bs, os, &n]
     )
@@ -237,7 +228,7 @@ pub(super) fn add_at<D: FloatElement, S: FloatElement>(
         dev,
         &ELEMENTWISE_MODULE,
         name,
-        grid(dev, n)?,
+        grid(dev, n),
         "add_at_<S>[_to_bf16](D* dst, u64 offset, const S* src, u64 n)",
         [d, &o, s, &n]
     )

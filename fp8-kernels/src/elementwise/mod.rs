@@ -10,7 +10,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device, shape_len};
+use crate::device::{cuda_of, device_of, shape_len};
 use crate::rng::SplitMix64;
 use crate::{check_len, Buffer, FloatElement, KernelError};
 
@@ -24,8 +24,7 @@ pub fn bias_add<T: FloatElement>(
     const WHAT: &str = "bias_add";
     check_len(WHAT, shape_len(WHAT, &[rows, cols])?, x.len())?;
     check_len(WHAT, cols, bias.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, bias)?;
+    let dev = device_of(WHAT, &[x, bias])?;
     match dev {
         None => {
             cpu::bias_add(x.host_mut(WHAT)?, bias.host(WHAT)?, cols);
@@ -39,8 +38,7 @@ pub fn bias_add<T: FloatElement>(
 pub fn relu_forward<T: FloatElement>(x: &Buffer<T>, y: &mut Buffer<T>) -> Result<(), KernelError> {
     const WHAT: &str = "relu_forward";
     check_len(WHAT, x.len(), y.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
+    let dev = device_of(WHAT, &[x, y])?;
     match dev {
         None => {
             cpu::relu_forward(x.host(WHAT)?, y.host_mut(WHAT)?);
@@ -59,9 +57,7 @@ pub fn relu_backward<T: FloatElement>(
     const WHAT: &str = "relu_backward";
     check_len(WHAT, x.len(), dy.len())?;
     check_len(WHAT, x.len(), dx.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, dy)?;
-    same_device(WHAT, &dev, dx)?;
+    let dev = device_of(WHAT, &[x, dy, dx])?;
     match dev {
         None => {
             cpu::relu_backward(x.host(WHAT)?, dy.host(WHAT)?, dx.host_mut(WHAT)?);
@@ -156,8 +152,7 @@ pub fn gelu_forward<T: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "gelu_forward";
     check_len(WHAT, x.len(), y.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
+    let dev = device_of(WHAT, &[x, y])?;
     match dev {
         None => {
             cpu::gelu_forward(x.host(WHAT)?, y.host_mut(WHAT)?, approx);
@@ -177,9 +172,7 @@ pub fn gelu_backward<T: FloatElement>(
     const WHAT: &str = "gelu_backward";
     check_len(WHAT, x.len(), dy.len())?;
     check_len(WHAT, x.len(), dx.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, dy)?;
-    same_device(WHAT, &dev, dx)?;
+    let dev = device_of(WHAT, &[x, dy, dx])?;
     match dev {
         None => {
             cpu::gelu_backward(x.host(WHAT)?, dy.host(WHAT)?, dx.host_mut(WHAT)?, approx);
@@ -244,9 +237,7 @@ pub fn dropout_forward<T: FloatElement>(
     params.validate()?;
     check_len(WHAT, x.len(), y.len())?;
     check_len(WHAT, x.len(), mask.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
-    same_device(WHAT, &dev, mask)?;
+    let dev = device_of(WHAT, &[x, y, mask])?;
     match dev {
         None => {
             cpu::dropout_forward(
@@ -272,9 +263,7 @@ pub fn dropout_backward<T: FloatElement>(
     params.validate()?;
     check_len(WHAT, dy.len(), mask.len())?;
     check_len(WHAT, dy.len(), dx.len())?;
-    let dev = cuda_of(dy);
-    same_device(WHAT, &dev, mask)?;
-    same_device(WHAT, &dev, dx)?;
+    let dev = device_of(WHAT, &[dy, mask, dx])?;
     let scale = params.keep_scale();
     match dev {
         None => {
@@ -301,8 +290,7 @@ pub fn scale<T: FloatElement>(x: &mut Buffer<T>, a: f32) -> Result<(), KernelErr
 pub fn axpy<T: FloatElement>(a: f32, x: &Buffer<T>, y: &mut Buffer<T>) -> Result<(), KernelError> {
     const WHAT: &str = "axpy";
     check_len(WHAT, x.len(), y.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
+    let dev = device_of(WHAT, &[x, y])?;
     match dev {
         None => {
             cpu::axpy(a, x.host(WHAT)?, y.host_mut(WHAT)?);
@@ -321,9 +309,7 @@ pub fn add<T: FloatElement>(
     const WHAT: &str = "add";
     check_len(WHAT, a.len(), b.len())?;
     check_len(WHAT, a.len(), out.len())?;
-    let dev = cuda_of(a);
-    same_device(WHAT, &dev, b)?;
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[a, b, out])?;
     match dev {
         None => {
             cpu::add(a.host(WHAT)?, b.host(WHAT)?, out.host_mut(WHAT)?);
@@ -353,8 +339,7 @@ pub fn add_at<D: FloatElement, S: FloatElement>(
             ),
         });
     }
-    let dev = cuda_of(dst);
-    same_device(WHAT, &dev, src)?;
+    let dev = device_of(WHAT, &[dst, src])?;
     if n == 0 {
         return Ok(());
     }

@@ -3,11 +3,8 @@
 use super::{PositionGrad, PositionTable, RowGroups, EMBEDDING_MODULE};
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
-use crate::launch::{grid_1d, kernel_name, launch, optional_ptr};
+use crate::launch::{grid, kernel_name, launch, optional_ptr};
 use crate::{Buffer, CudaDevice, KernelError};
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
 
 fn index_of<'a>(
     groups: &'a RowGroups,
@@ -34,7 +31,7 @@ pub(super) fn forward<T: FloatElement, O: FloatElement>(
     }
     let (ids, _) = index_of(groups, WHAT)?;
     let items = (groups.len() * d.div_ceil(8)) as u64;
-    let cfg = grid_1d(dev.sm_count(), items, BLOCKS_PER_SM);
+    let cfg = grid(dev, items);
     let (n, dd, vocab) = (groups.len() as i32, d as i32, groups.vocab as i32);
     let seq = positions.as_ref().map_or(1, |p| p.seq) as i32;
     let (ts, is, os) = (cs(table, WHAT)?, cs(ids, WHAT)?, cs_mut(out, WHAT)?);
@@ -74,7 +71,6 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
             idx.len()
         )));
     }
-    let sms = dev.sm_count();
     let nvec = d.div_ceil(8);
     let dd = d as i32;
     let stream = dev.stream();
@@ -83,7 +79,7 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
     // pointer is valid when there is no slot.
     let mut partial = unsafe { stream.alloc::<f32>((groups.partial_slots * d).max(1)) }?;
     {
-        let cfg = grid_1d(sms, (groups.chunks * nvec) as u64, BLOCKS_PER_SM);
+        let cfg = grid(dev, (groups.chunks * nvec) as u64);
         let chunks = groups.chunks as i32;
         let (order, starts, dests) = (idx.slice(o..cs0), idx.slice(cs0..cd), idx.slice(cd..mr));
         let (gs, ts, ps) = (cs(dy, WHAT)?, cs_mut(d_table, WHAT)?, &mut partial);
@@ -101,7 +97,7 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
         )?;
     }
     if groups.multi_groups > 0 {
-        let cfg = grid_1d(sms, (groups.multi_groups * nvec) as u64, BLOCKS_PER_SM);
+        let cfg = grid(dev, (groups.multi_groups * nvec) as u64);
         let m = groups.multi_groups as i32;
         let (rows, first) = (idx.slice(mr..mf), idx.slice(mf..end));
         let (ps, ts) = (&partial, cs_mut(d_table, WHAT)?);
@@ -118,7 +114,7 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
         )?;
     }
     if let Some(p) = d_positions {
-        let cfg = grid_1d(sms, (p.seq * nvec) as u64, BLOCKS_PER_SM);
+        let cfg = grid(dev, (p.seq * nvec) as u64);
         let (batch, seq) = ((groups.len() / p.seq) as i32, p.seq as i32);
         let (gs, ps) = (cs(dy, WHAT)?, cs_mut(p.grad, WHAT)?);
         // dy holds batch*seq*d elements, d_pos at least seq*d (checked by the caller).

@@ -21,7 +21,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device};
+use crate::device::{device_of, Placed};
 use crate::kernel_source::KernelModule;
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
@@ -241,6 +241,18 @@ pub struct PositionGrad<'a, D: FloatElement> {
     pub seq: usize,
 }
 
+impl<T: FloatElement> Placed for PositionTable<'_, T> {
+    fn placement(&self) -> Option<Device> {
+        self.table.placement()
+    }
+}
+
+impl<D: FloatElement> Placed for PositionGrad<'_, D> {
+    fn placement(&self) -> Option<Device> {
+        self.grad.placement()
+    }
+}
+
 fn check_type<T: FloatElement>(what: &'static str) -> Result<(), KernelError> {
     match T::DTYPE {
         DType::F32 | DType::BF16 => Ok(()),
@@ -304,11 +316,7 @@ pub fn embedding_forward<T: FloatElement, O: FloatElement>(
     if let Some(p) = &positions {
         check_positions(WHAT, p.table.len(), d, p.seq, groups.len())?;
     }
-    let dev = cuda_of(table);
-    same_device(WHAT, &dev, out)?;
-    if let Some(p) = &positions {
-        same_device(WHAT, &dev, p.table)?;
-    }
+    let dev = device_of(WHAT, &[table, out, &positions])?;
     if groups.device() != table.device() {
         return Err(KernelError::WrongDevice(WHAT));
     }
@@ -343,11 +351,7 @@ pub fn embedding_backward<G: FloatElement, D: FloatElement>(
     if let Some(p) = &d_positions {
         check_positions(WHAT, p.grad.len(), d, p.seq, groups.len())?;
     }
-    let dev = cuda_of(dy);
-    same_device(WHAT, &dev, d_table)?;
-    if let Some(p) = &d_positions {
-        same_device(WHAT, &dev, p.grad)?;
-    }
+    let dev = device_of(WHAT, &[dy, d_table, &d_positions])?;
     if groups.device() != dy.device() {
         return Err(KernelError::WrongDevice(WHAT));
     }

@@ -18,7 +18,7 @@ mod cpu;
 mod cuda;
 
 use crate::cast::check_nonempty;
-use crate::device::{cuda_of, same_device, shape_len};
+use crate::device::{device_of, shape_len};
 use crate::elementwise::GeluApprox;
 use crate::{check_len, AmaxSlot, Buffer, FloatElement, KernelError};
 use fp8_core::Fp8Format;
@@ -54,16 +54,7 @@ fn run_fused<T: FloatElement>(
     if let Some(a) = &amax {
         a.check(what)?;
     }
-    let dev = cuda_of(u);
-    if let Some(g) = dh {
-        same_device(what, &dev, g)?;
-    }
-    same_device(what, &dev, scale)?;
-    same_device(what, &dev, out)?;
-    same_device(what, &dev, out_t)?;
-    if let Some(a) = &amax {
-        same_device(what, &dev, a.buffer)?;
-    }
+    let dev = device_of(what, &[u, &dh, scale, out, out_t, &amax])?;
     match dev {
         None => {
             let s = scale.host(what)?[0];

@@ -29,7 +29,7 @@ mod cpu;
 mod cuda;
 
 use crate::cast::AmaxSlot;
-use crate::device::{cuda_of, same_device};
+use crate::device::device_of;
 use crate::kernel_source::KernelModule;
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
@@ -283,13 +283,7 @@ fn check_forward<T: FloatElement>(
     }
     check_len(what, spec.rows, stats.mean.len())?;
     check_len(what, spec.rows, stats.rstd.len())?;
-    let dev = cuda_of(x);
-    same_device(what, &dev, weight)?;
-    if let Some(b) = bias {
-        same_device(what, &dev, b)?;
-    }
-    same_device(what, &dev, &stats.mean)?;
-    same_device(what, &dev, &stats.rstd)?;
+    device_of(what, &[x, weight, &bias, &stats.mean, &stats.rstd])?;
     Ok(n)
 }
 
@@ -305,8 +299,7 @@ pub fn norm_forward<T: FloatElement>(
     const WHAT: &str = "norm_forward";
     let n = check_forward(WHAT, spec, x, weight, bias, stats)?;
     check_len(WHAT, n, y.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
+    let dev = device_of(WHAT, &[x, y])?;
     match dev {
         None => {
             let b = match bias {
@@ -371,13 +364,7 @@ pub fn norm_forward_fp8<T: FloatElement>(
             ));
         }
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, out.scale)?;
-    same_device(WHAT, &dev, out.codes)?;
-    same_device(WHAT, &dev, out.codes_t)?;
-    if let Some(a) = &out.amax {
-        same_device(WHAT, &dev, a.buffer)?;
-    }
+    let dev = device_of(WHAT, &[x, out.scale, out.codes, out.codes_t, &out.amax])?;
     match dev {
         None => {
             let b = match bias {
@@ -435,16 +422,19 @@ pub fn norm_backward<T: FloatElement, G: FloatElement>(
     if let Some(b) = &grads.dbias {
         check_len(WHAT, spec.d, b.len())?;
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, weight)?;
-    same_device(WHAT, &dev, &stats.mean)?;
-    same_device(WHAT, &dev, &stats.rstd)?;
-    same_device(WHAT, &dev, dy)?;
-    same_device(WHAT, &dev, grads.dx)?;
-    same_device(WHAT, &dev, grads.dweight)?;
-    if let Some(b) = &grads.dbias {
-        same_device(WHAT, &dev, b)?;
-    }
+    let dev = device_of(
+        WHAT,
+        &[
+            x,
+            weight,
+            &stats.mean,
+            &stats.rstd,
+            dy,
+            grads.dx,
+            grads.dweight,
+            &grads.dbias,
+        ],
+    )?;
     match dev {
         None => {
             let (xs, ws) = (x.host(WHAT)?, weight.host(WHAT)?);

@@ -3,12 +3,9 @@
 use super::Pool2dGeometry;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::POOL_MODULE;
-use crate::launch::{grid_1d, launch};
+use crate::launch::{grid, launch};
 use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::DeviceRepr;
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
 
 /// The kernel-side copy of [`Pool2dGeometry`] (`PoolGeom` in pool.cu).
 #[repr(C)]
@@ -49,7 +46,7 @@ pub(super) fn max_pool2d_forward(
     indices: &mut Buffer<u32>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "max_pool2d_forward";
-    let cfg = grid_1d(dev.sm_count(), geom.output_len() as u64, BLOCKS_PER_SM);
+    let cfg = grid(dev, geom.output_len() as u64);
     let g = repr(geom);
     let (xs, ys, is) = (cs(x, WHAT)?, cs_mut(y, WHAT)?, cs_mut(indices, WHAT)?);
     launch!(
@@ -72,7 +69,7 @@ pub(super) fn max_pool2d_backward(
     const WHAT: &str = "max_pool2d_backward";
     dx.fill_zero()?;
     let n = dy.len() as u64;
-    let cfg = grid_1d(dev.sm_count(), n, BLOCKS_PER_SM);
+    let cfg = grid(dev, n);
     let (gs, is, ds) = (cs(dy, WHAT)?, cs(indices, WHAT)?, cs_mut(dx, WHAT)?);
     launch!(
         dev,

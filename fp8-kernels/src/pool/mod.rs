@@ -5,7 +5,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device};
+use crate::device::device_of;
 use crate::{check_len, Buffer, KernelError};
 
 /// Shape of a max-pooling (NCHW, square window, no padding).
@@ -91,9 +91,7 @@ pub fn max_pool2d_forward(
     check_len(WHAT, geom.input_len(), x.len())?;
     check_len(WHAT, geom.output_len(), y.len())?;
     check_len(WHAT, geom.output_len(), indices.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, y)?;
-    same_device(WHAT, &dev, indices)?;
+    let dev = device_of(WHAT, &[x, y, indices])?;
     match dev {
         None => {
             cpu::max_pool2d_forward(
@@ -118,9 +116,7 @@ pub fn max_pool2d_backward(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "max_pool2d_backward";
     check_len(WHAT, dy.len(), indices.len())?;
-    let dev = cuda_of(dy);
-    same_device(WHAT, &dev, indices)?;
-    same_device(WHAT, &dev, dx)?;
+    let dev = device_of(WHAT, &[dy, indices, dx])?;
     match dev {
         None => {
             let (gs, is) = (dy.host(WHAT)?, indices.host(WHAT)?);

@@ -2,18 +2,10 @@
 
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::REDUCE_MODULE;
-use crate::launch::{grid_1d, kernel_name, launch, optional_ptr_mut};
+use crate::launch::{grid, kernel_name, launch, optional_ptr_mut};
 use crate::{Buffer, CudaDevice, DType, FloatElement, KernelError};
 use cudarc::driver::LaunchConfig;
 use std::ops::Range;
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
-
-/// A grid-stride launch over `n` work items.
-fn grid(dev: &CudaDevice, n: u64) -> Result<LaunchConfig, KernelError> {
-    Ok(grid_1d(dev.sm_count(), n, BLOCKS_PER_SM))
-}
 
 /// Column sums: with one chunk straight into `out`, else per-chunk sums into a temporary, then the sum
 /// of the chunk sums.
@@ -27,7 +19,7 @@ pub(super) fn sum_over_rows<T: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "sum_over_rows";
     let chunks = rows.div_ceil(chunk).max(1);
-    let cfg = grid(dev, (chunks * cols) as u64)?;
+    let cfg = grid(dev, (chunks * cols) as u64);
     let (r, c, ch) = (rows as u64, cols as u64, chunk as u64);
     let name = kernel_name!("sum_rows_", T::NAME);
     let xs = cs(x, WHAT)?;
@@ -59,7 +51,7 @@ pub(super) fn sum_over_rows<T: FloatElement>(
         dev,
         &REDUCE_MODULE,
         "sum_partials_f32",
-        grid(dev, cols as u64)?,
+        grid(dev, cols as u64),
         "sum_partials_f32(const float* partial, float* out, u64 chunks, u64 cols)",
         [p, os, &k, &c]
     )
@@ -80,7 +72,7 @@ pub(super) fn sum_over_cols<T: FloatElement>(
         dev,
         &REDUCE_MODULE,
         kernel_name!("sum_cols_", T::NAME),
-        grid(dev, rows as u64 * 32)?,
+        grid(dev, rows as u64 * 32),
         "sum_cols_<T>(const T* x, float* out, u64 rows, u64 cols)",
         [xs, os, &r, &c]
     )
@@ -99,7 +91,7 @@ pub(super) fn finite_amax_count(
         dev,
         &REDUCE_MODULE,
         "finite_amax_count_f32",
-        grid(dev, n)?,
+        grid(dev, n),
         "finite_amax_count_f32(const float* x, float* amax, u32* count, u64 n)",
         [xs, a, c, &n]
     )
@@ -135,7 +127,7 @@ pub(super) fn norm_stats<T: FloatElement>(
         dev,
         &REDUCE_MODULE,
         name,
-        grid(dev, len.div_ceil(4))?,
+        grid(dev, len.div_ceil(4)),
         "norm_stats_<T>(const T* g, u64 off, u64 n, float* acc, float* amax, u64 slot, int with_amax)",
         [xs, &off, &len, a, &amax.ptr, &slot, &with]
     )

@@ -8,7 +8,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device, shape_len};
+use crate::device::{device_of, shape_len};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 use std::ops::Range;
 
@@ -35,8 +35,7 @@ pub fn sum_over_rows<T: FloatElement>(
     const WHAT: &str = "sum_over_rows";
     check_len(WHAT, shape_len(WHAT, &[rows, cols])?, x.len())?;
     check_len(WHAT, cols, out.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[x, out])?;
     let chunk = sum_rows_chunk(rows);
     match dev {
         None => {
@@ -76,8 +75,7 @@ pub fn sum_over_cols<T: FloatElement>(
     const WHAT: &str = "sum_over_cols";
     check_len(WHAT, shape_len(WHAT, &[rows, cols])?, x.len())?;
     check_len(WHAT, rows, out.len())?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[x, out])?;
     match dev {
         None => {
             cpu::sum_over_cols(x.host(WHAT)?, cols, out.host_mut(WHAT)?);
@@ -101,9 +99,7 @@ pub fn finite_amax_count(
             detail: "amax and count need one element each".into(),
         });
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, amax)?;
-    same_device(WHAT, &dev, count)?;
+    let dev = device_of(WHAT, &[x, amax, count])?;
     if x.is_empty() {
         return Ok(());
     }
@@ -146,11 +142,7 @@ pub fn norm_stats<T: FloatElement>(
     if let Some((b, s)) = &amax {
         check_at_least(WHAT, b.len(), s + 1)?;
     }
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, acc)?;
-    if let Some((b, _)) = &amax {
-        same_device(WHAT, &dev, b)?;
-    }
+    let dev = device_of(WHAT, &[x, acc, &amax.as_ref().map(|(b, _)| &**b)])?;
     match dev {
         None => {
             let (sq, nf, am) = cpu::norm_stats(&x.host(WHAT)?[range]);
@@ -180,8 +172,7 @@ pub fn norm_stats_finish(
     const WHAT: &str = "norm_stats_finish";
     check_at_least(WHAT, acc.len(), NORM_STATS_ACC_LEN)?;
     check_at_least(WHAT, sums.len(), 2)?;
-    let dev = cuda_of(acc);
-    same_device(WHAT, &dev, sums)?;
+    let dev = device_of(WHAT, &[acc, sums])?;
     match dev {
         None => {
             let a = acc.host_mut(WHAT)?;

@@ -6,8 +6,8 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device};
-use crate::{check_len, Buffer, KernelError};
+use crate::device::{device_of, Placed};
+use crate::{check_len, Buffer, Device, KernelError};
 use fp8_core::{AmaxCompute, Fp8Format, QType, ScalingRecipe};
 
 /// The device buffers of one FP8 scaling meta, as [`update_scaling_meta`] reads and writes them:
@@ -33,6 +33,15 @@ pub enum AmaxInput<'a> {
     Take(&'a mut Buffer<f32>, usize),
     /// `buffer[slot]`, only read (e.g. one entry of a vector all-reduced with MAX across ranks).
     Read(&'a Buffer<f32>, usize),
+}
+
+impl Placed for AmaxInput<'_> {
+    fn placement(&self) -> Option<Device> {
+        match self {
+            AmaxInput::Take(b, _) => b.placement(),
+            AmaxInput::Read(b, _) => b.placement(),
+        }
+    }
 }
 
 impl AmaxInput<'_> {
@@ -87,14 +96,10 @@ pub fn update_scaling_meta(
             detail: format!("amax slot {slot} outside a buffer of {src_len}"),
         });
     }
-    let dev = cuda_of(meta.scale);
-    same_device(WHAT, &dev, meta.scale_inv)?;
-    same_device(WHAT, &dev, meta.history)?;
-    same_device(WHAT, &dev, meta.state)?;
-    match &amax {
-        AmaxInput::Take(b, _) => same_device(WHAT, &dev, b)?,
-        AmaxInput::Read(b, _) => same_device(WHAT, &dev, b)?,
-    }
+    let dev = device_of(
+        WHAT,
+        &[meta.scale, meta.scale_inv, meta.history, meta.state, &amax],
+    )?;
     match dev {
         None => {
             let a = match amax {
@@ -146,9 +151,7 @@ pub fn scale_from_amax(
     if !(0..=fp8_core::MAX_MARGIN).contains(&margin) {
         return Err(fp8_core::Fp8Error::InvalidMargin(margin).into());
     }
-    let dev = cuda_of(amax);
-    same_device(WHAT, &dev, scale)?;
-    same_device(WHAT, &dev, scale_inv)?;
+    let dev = device_of(WHAT, &[amax, scale, scale_inv])?;
     let fmax = format.max();
     match dev {
         None => {

@@ -5,13 +5,10 @@ use super::{Segment, SegmentTable};
 use crate::cast::format_name;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::SEGMENTED_MODULE;
-use crate::launch::{grid_1d, kernel_name, launch};
+use crate::launch::{grid_1d, kernel_name, launch, BLOCKS_PER_SM};
 use crate::{Buffer, CudaDevice, KernelError};
 use cudarc::driver::LaunchConfig;
 use fp8_core::Fp8Format;
-
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
 
 /// A launch with one grid row per segment.
 fn table_launch(table: &SegmentTable, dev: &CudaDevice) -> Result<LaunchConfig, KernelError> {

@@ -13,7 +13,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device};
+use crate::device::{device_of, same_device};
 use crate::{check_len, Buffer, Device, KernelError};
 use cudarc::driver::CudaSlice;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
@@ -152,8 +152,7 @@ pub fn segmented_amax(
     const WHAT: &str = "segmented_amax";
     let slots = out.len().saturating_sub(base);
     table.check(WHAT, x.len(), slots)?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[x, out])?;
     check_table_device(WHAT, &dev, table)?;
     if table.is_empty() {
         return Ok(());
@@ -203,8 +202,7 @@ pub fn segmented_scales(
     if !(0..=fp8_core::MAX_MARGIN).contains(&margin) {
         return Err(fp8_core::Fp8Error::InvalidMargin(margin).into());
     }
-    let dev = cuda_of(amax);
-    same_device(WHAT, &dev, scales)?;
+    let dev = device_of(WHAT, &[amax, scales])?;
     if count == 0 {
         return Ok(());
     }
@@ -236,9 +234,7 @@ pub fn segmented_cast(
     const WHAT: &str = "segmented_cast";
     check_len(WHAT, x.len(), out.len())?;
     table.check(WHAT, x.len(), scales.len() / 2)?;
-    let dev = cuda_of(x);
-    same_device(WHAT, &dev, scales)?;
-    same_device(WHAT, &dev, out)?;
+    let dev = device_of(WHAT, &[x, scales, out])?;
     check_table_device(WHAT, &dev, table)?;
     if table.is_empty() {
         return Ok(());

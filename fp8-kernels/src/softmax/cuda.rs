@@ -2,11 +2,9 @@
 
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::SOFTMAX_MODULE;
-use crate::launch::{grid_1d, launch, one_block};
+use crate::launch::{grid, launch, one_block};
 use crate::{Buffer, CudaDevice, KernelError};
 
-/// Blocks per SM of the grid-stride kernels.
-const BLOCKS_PER_SM: u32 = 8;
 /// Threads of the one block of `nll_stats` (its shared arrays are sized for it: `NLL_THREADS`).
 const NLL_THREADS: u32 = 256;
 
@@ -19,7 +17,7 @@ pub(super) fn log_softmax(
     log_probs: &mut Buffer<f32>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "log_softmax_forward";
-    let cfg = grid_1d(dev.sm_count(), rows as u64 * 32, BLOCKS_PER_SM);
+    let cfg = grid(dev, rows as u64 * 32);
     let (r, c) = (rows as u64, classes as u64);
     let (xs, os) = (cs(logits, WHAT)?, cs_mut(log_probs, WHAT)?);
     launch!(
@@ -69,7 +67,7 @@ pub(super) fn log_softmax_nll_backward(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "log_softmax_nll_backward";
     let n = log_probs.len() as u64;
-    let cfg = grid_1d(dev.sm_count(), n, BLOCKS_PER_SM);
+    let cfg = grid(dev, n);
     let (r, c) = (rows as u64, classes as u64);
     let (lp, ls, ds) = (
         cs(log_probs, WHAT)?,

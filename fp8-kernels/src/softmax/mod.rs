@@ -8,7 +8,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, same_device, shape_len};
+use crate::device::{device_of, shape_len};
 use crate::{check_len, Buffer, KernelError};
 
 /// Log-softmax over the rows of `[rows, classes]` logits: `lp = x - max - log(sum exp(x - max))`.
@@ -21,8 +21,7 @@ pub fn log_softmax_forward(
     const WHAT: &str = "log_softmax_forward";
     check_len(WHAT, shape_len(WHAT, &[rows, classes])?, logits.len())?;
     check_len(WHAT, logits.len(), log_probs.len())?;
-    let dev = cuda_of(logits);
-    same_device(WHAT, &dev, log_probs)?;
+    let dev = device_of(WHAT, &[logits, log_probs])?;
     match dev {
         None => {
             if classes > 0 {
@@ -60,9 +59,7 @@ pub fn nll_loss_stats(
     check_len(WHAT, shape_len(WHAT, &[rows, classes])?, log_probs.len())?;
     check_len(WHAT, rows, labels.len())?;
     check_len(WHAT, nll_stat::LEN, stats.len())?;
-    let dev = cuda_of(log_probs);
-    same_device(WHAT, &dev, labels)?;
-    same_device(WHAT, &dev, stats)?;
+    let dev = device_of(WHAT, &[log_probs, labels, stats])?;
     match dev {
         None => {
             let [mean, correct] =
@@ -103,9 +100,7 @@ pub fn log_softmax_nll_backward(
     check_len(WHAT, shape_len(WHAT, &[rows, classes])?, log_probs.len())?;
     check_len(WHAT, rows, labels.len())?;
     check_len(WHAT, log_probs.len(), dlogits.len())?;
-    let dev = cuda_of(log_probs);
-    same_device(WHAT, &dev, labels)?;
-    same_device(WHAT, &dev, dlogits)?;
+    let dev = device_of(WHAT, &[log_probs, labels, dlogits])?;
     let g = if rows > 0 { 1.0 / rows as f32 } else { 0.0 };
     match dev {
         None => {

@@ -1,0 +1,110 @@
+//! What several test files of this crate share: NVRTC compile tests (the `nvrtc_test!` attribute set and
+//! the PTX of a module for sm_90), and the comparison of CUDA runs against the CPU reference.
+// Each test file uses the part it needs.
+#![allow(dead_code, unused_macros, unused_imports)]
+
+use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, KernelModule};
+use fp8_kernels::{Buffer, Device, FloatElement};
+use std::fmt::Debug;
+
+/// An NVRTC compile test: a `#[test]` that is ignored, with the reason, where the build found no NVRTC.
+macro_rules! nvrtc_test {
+    ($(#[$attr:meta])* fn $name:ident() $body:block) => {
+        $(#[$attr])*
+        #[test]
+        #[cfg_attr(not(nvrtc_found), ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH)")]
+        fn $name() $body
+    };
+}
+pub(crate) use nvrtc_test;
+
+/// Fails the test, with the reason, unless NVRTC can be loaded.
+pub fn require_nvrtc() {
+    if let Err(e) = nvrtc_status() {
+        panic!("{e}");
+    }
+}
+
+/// The PTX of `module` compiled as the crate compiles it, for sm_90 (needs NVRTC, not a GPU).
+pub fn sm90_ptx(module: &KernelModule) -> String {
+    require_nvrtc();
+    compile_ptx(module, "sm_90")
+        .unwrap_or_else(|e| panic!("{}: {e}", module.name))
+        .to_src()
+}
+
+/// Asserts that `ptx` names every kernel of `kernels`.
+pub fn assert_kernels(ptx: &str, kernels: &[&str]) {
+    for k in kernels {
+        assert!(ptx.contains(k), "missing kernel {k}");
+    }
+}
+
+/// CUDA device 0; the GPU tests fail (they are run on purpose, with `--ignored`) without one.
+pub fn cuda_device() -> Device {
+    Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"))
+}
+
+/// The first element where `a` and `b` differ, and how many do, as `name[i]: a vs b (n of len differ)`;
+/// `None` when they are equal.
+pub fn first_difference<T: PartialEq + Debug>(name: &str, a: &[T], b: &[T]) -> Option<String> {
+    if a.len() != b.len() {
+        return Some(format!("{name}: lengths {} vs {}", a.len(), b.len()));
+    }
+    let i = a.iter().zip(b).position(|(x, y)| x != y)?;
+    Some(format!(
+        "{name}[{i}]: {:?} vs {:?} ({} of {} differ)",
+        a[i],
+        b[i],
+        a.iter().zip(b).filter(|(x, y)| x != y).count(),
+        a.len()
+    ))
+}
+
+/// The differences of the fields that differ, joined (empty when none do).
+pub fn join_differences(fields: impl IntoIterator<Item = Option<String>>) -> String {
+    fields.into_iter().flatten().collect::<Vec<_>>().join("; ")
+}
+
+/// Whether two CUDA runs (`gpu1`, `gpu2`) equal the CPU run bit for bit and each other; prints what
+/// differs (`differences` names it) or `ok`.
+pub fn matches_cpu_and_deterministic<O: PartialEq>(
+    what: &str,
+    cpu: &O,
+    gpu1: &O,
+    gpu2: &O,
+    differences: impl Fn(&O, &O) -> String,
+) -> bool {
+    let mut ok = true;
+    if cpu != gpu1 {
+        println!("MISMATCH {what}: CUDA vs CPU: {}", differences(gpu1, cpu));
+        ok = false;
+    }
+    if gpu1 != gpu2 {
+        println!("NONDETERMINISTIC {what}: {}", differences(gpu1, gpu2));
+        ok = false;
+    }
+    if ok {
+        println!("ok {what}");
+    }
+    ok
+}
+
+/// f32 bits with every NaN mapped to one pattern (NaN payloads differ between CPU and GPU arithmetic, and
+/// are not compared).
+pub fn canon(v: f32) -> u32 {
+    if v.is_nan() {
+        0x7FC0_0000
+    } else {
+        v.to_bits()
+    }
+}
+
+/// A buffer's values widened to f32, as [`canon`] bits.
+pub fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
+    b.to_vec()
+        .unwrap()
+        .iter()
+        .map(|v| canon(v.to_f32()))
+        .collect()
+}
