@@ -7,6 +7,9 @@
 use super::{CudaDevice, Device, Element};
 use crate::KernelError;
 use cudarc::driver::CudaSlice;
+use std::any::{Any, TypeId};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,6 +50,93 @@ fn host_alloc(bytes: usize) {
 
 fn host_free(bytes: usize) {
     HOST_LIVE.fetch_sub(bytes, Ordering::SeqCst);
+}
+
+/// Smallest CPU buffer the host cache keeps: below it the system allocator reuses memory cheaply.
+const HOST_CACHE_MIN_BYTES: usize = 64 << 10;
+/// Largest CPU buffer the host cache keeps.
+const HOST_CACHE_MAX_BYTES: usize = 256 << 20;
+/// Most bytes one thread's host cache holds idle.
+const HOST_CACHE_CAP_BYTES: usize = 512 << 20;
+
+/// Freed CPU buffers of one thread by element type and length, reused by the next allocation of that
+/// shape on the same thread.
+///
+/// Layers allocate their temporaries per call (an im2col matrix of tens of MiB in a convolution). Large
+/// allocations come from fresh `mmap`s, whose every page faults on first touch and is returned to the
+/// system on free: on a small CPU the page faults cost more than the arithmetic. Keeping the vectors of a
+/// thread (one rank per thread) makes the steady state allocation-free, as the CUDA device's buffer cache
+/// does on the GPU. Per thread, so it takes no lock; a thread's cache is freed when the thread ends.
+#[derive(Default)]
+struct HostCache {
+    free: HashMap<(TypeId, usize), Vec<Box<dyn Any>>>,
+    idle_bytes: usize,
+}
+
+thread_local! {
+    static HOST_CACHE: RefCell<HostCache> = RefCell::new(HostCache::default());
+}
+
+/// A zero-filled vector of `len` elements, from this thread's host cache when it holds one of that
+/// shape.
+pub(crate) fn host_zeroed<T: Element>(len: usize) -> Vec<T> {
+    let cached = HOST_CACHE
+        .try_with(|c| {
+            let mut c = c.try_borrow_mut().ok()?;
+            let boxed = c.free.get_mut(&(TypeId::of::<T>(), len))?.pop()?;
+            let v = boxed.downcast::<Vec<T>>().ok()?;
+            c.idle_bytes = c.idle_bytes.saturating_sub(len * std::mem::size_of::<T>());
+            Some(*v)
+        })
+        .ok()
+        .flatten();
+    match cached {
+        Some(mut v) => {
+            v.fill(T::default());
+            v
+        }
+        None => vec![T::default(); len],
+    }
+}
+
+/// Keeps a freed vector in this thread's host cache when its size is in the cached range and the cache
+/// has room; frees it otherwise.
+fn host_cache_put<T: Element>(v: Vec<T>) {
+    let bytes = std::mem::size_of_val(v.as_slice());
+    if !(HOST_CACHE_MIN_BYTES..=HOST_CACHE_MAX_BYTES).contains(&bytes) {
+        return;
+    }
+    // A buffer dropped while the thread's locals are torn down is simply freed.
+    let _ = HOST_CACHE.try_with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else {
+            return;
+        };
+        if c.idle_bytes + bytes > HOST_CACHE_CAP_BYTES {
+            return;
+        }
+        c.idle_bytes += bytes;
+        c.free
+            .entry((TypeId::of::<T>(), v.len()))
+            .or_default()
+            .push(Box::new(v));
+    });
+}
+
+/// Frees the CPU buffers this thread's host cache holds idle.
+pub fn clear_host_buffer_cache() {
+    let _ = HOST_CACHE.try_with(|c| {
+        if let Ok(mut c) = c.try_borrow_mut() {
+            c.free.clear();
+            c.idle_bytes = 0;
+        }
+    });
+}
+
+/// Bytes this thread's host cache holds idle (not counted in [`host_buffer_bytes`]).
+pub fn host_buffer_cache_bytes() -> usize {
+    HOST_CACHE
+        .try_with(|c| c.try_borrow().map_or(0, |c| c.idle_bytes))
+        .unwrap_or(0)
 }
 
 /// A typed buffer on a device.
@@ -279,7 +369,10 @@ impl<T: Element> Drop for Buffer<T> {
     fn drop(&mut self) {
         match &mut self.store {
             // CUDA buffers are counted by the device's pool; only host bytes are tracked here.
-            Store::Host(v) => host_free(std::mem::size_of_val(v.as_slice())),
+            Store::Host(v) => {
+                host_free(std::mem::size_of_val(v.as_slice()));
+                host_cache_put(std::mem::take(v));
+            }
             Store::Cuda { slice, device } => {
                 // SAFETY: `slice` is taken exactly once, here, and the store is not used afterwards.
                 let slice = unsafe { ManuallyDrop::take(slice) };
@@ -336,6 +429,41 @@ pub(crate) fn shape_len(what: &'static str, dims: &[usize]) -> Result<usize, Ker
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn freed_cpu_buffers_are_reused_zeroed_on_the_same_thread() {
+        // Its own thread: the cache is per thread and other tests run beside this one.
+        std::thread::spawn(|| {
+            let d = Device::cpu();
+            let len = (HOST_CACHE_MIN_BYTES / 4) * 3;
+            let mut a = d.uninit::<f32>(len).unwrap();
+            a.as_host_mut().unwrap().fill(7.5);
+            let ptr = a.as_host().unwrap().as_ptr();
+            drop(a);
+            assert_eq!(host_buffer_cache_bytes(), len * 4);
+            // Another shape or type does not take it.
+            let other = d.zeros::<f32>(len + 1).unwrap();
+            let bytes = d.zeros::<u8>(len * 4).unwrap();
+            assert_eq!(host_buffer_cache_bytes(), len * 4);
+            let b = d.uninit::<f32>(len).unwrap();
+            assert_eq!(
+                b.as_host().unwrap().as_ptr(),
+                ptr,
+                "the freed vector is reused"
+            );
+            assert!(b.as_host().unwrap().iter().all(|&x| x == 0.0));
+            assert_eq!(host_buffer_cache_bytes(), 0);
+            drop((b, other, bytes));
+            assert_eq!(host_buffer_cache_bytes(), len * 4 * 3 + 4);
+            clear_host_buffer_cache();
+            assert_eq!(host_buffer_cache_bytes(), 0);
+            // Small buffers are left to the system allocator.
+            drop(d.zeros::<f32>(16).unwrap());
+            assert_eq!(host_buffer_cache_bytes(), 0);
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn cpu_buffers_copy_and_check_lengths() {

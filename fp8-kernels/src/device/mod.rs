@@ -12,7 +12,10 @@ mod buffer;
 mod element;
 mod functions;
 
-pub use buffer::{check_len, host_buffer_bytes, reset_host_buffer_peak, Buffer, HostBufferBytes};
+pub use buffer::{
+    check_len, clear_host_buffer_cache, host_buffer_bytes, host_buffer_cache_bytes,
+    reset_host_buffer_peak, Buffer, HostBufferBytes,
+};
 pub(crate) use buffer::{cuda_slice, cuda_slice_mut, shape_len};
 pub use element::{DType, Element, FloatElement};
 pub(crate) use functions::{KernelName, LoadedFunction, NamePart};
@@ -88,7 +91,7 @@ impl Device {
     /// A zero-filled buffer of `len` elements.
     pub fn zeros<T: Element>(&self, len: usize) -> Result<Buffer<T>, KernelError> {
         match self {
-            Device::Cpu => Ok(Buffer::from_vec(vec![T::default(); len])),
+            Device::Cpu => Ok(Buffer::from_vec(buffer::host_zeroed(len))),
             Device::Cuda(d) => {
                 let slice = match d.cache_take::<T>(len) {
                     Some(mut s) => {
@@ -107,7 +110,7 @@ impl Device {
     /// memory pool, so a buffer freed earlier on the same stream is reused without a device sync.
     pub fn uninit<T: Element>(&self, len: usize) -> Result<Buffer<T>, KernelError> {
         match self {
-            Device::Cpu => Ok(Buffer::from_vec(vec![T::default(); len])),
+            Device::Cpu => Ok(Buffer::from_vec(buffer::host_zeroed(len))),
             Device::Cuda(d) => {
                 let slice = match d.cache_take::<T>(len) {
                     Some(s) => s,
