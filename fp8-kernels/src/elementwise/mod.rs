@@ -217,12 +217,8 @@ pub fn dropout_forward<T: FloatElement>(
     check_len(WHAT, x.len(), mask.len())?;
     dispatch!(WHAT, [x, y, mask],
     cpu: {
-    cpu::dropout_forward(
-        x.host(WHAT)?,
-        params,
-        y.host_mut(WHAT)?,
-        mask.host_mut(WHAT)?,
-    );
+        let (ys, ms) = (y.host_mut(WHAT)?, mask.host_mut(WHAT)?);
+        cpu::dropout_forward(x.host(WHAT)?, params, ys, ms)
     },
     cuda(dev): {
         let (ys, ms) = (y.cuda_mut(WHAT)?, mask.cuda_mut(WHAT)?);
