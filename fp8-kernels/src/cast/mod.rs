@@ -23,9 +23,10 @@ mod cuda;
 pub use crate::FloatElement;
 pub use cpu::dequantize_fp8_host;
 
-use crate::device::{cuda_of, device_of, Placed};
+use crate::device::{cuda_of, device_of, dispatch, Placed};
 use crate::Device;
 use crate::{check_len, Buffer, KernelError};
+use cudarc::driver::CudaSlice;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 
 /// Where a kernel accumulates an amax: `buffer[slot] = max(buffer[slot], amax)`.
@@ -57,6 +58,15 @@ impl<'a> AmaxSlot<'a> {
     }
 
     /// An error unless the slot lies inside the buffer.
+    /// The CUDA slice and slot of an optional amax output (for the CUDA side of a cast).
+    fn cuda(
+        slot: Option<Self>,
+        what: &'static str,
+    ) -> Result<Option<(&'a mut CudaSlice<f32>, usize)>, KernelError> {
+        slot.map(|a| Ok((a.buffer.cuda_mut(what)?, a.slot)))
+            .transpose()
+    }
+
     pub(crate) fn check(&self, what: &'static str) -> Result<(), KernelError> {
         if self.slot < self.buffer.len() {
             Ok(())
@@ -141,7 +151,7 @@ pub fn amax<T: FloatElement>(x: &Buffer<T>, out: AmaxSlot<'_>) -> Result<(), Ker
     let dev = device_of(WHAT, &[x, out.buffer])?;
     match dev {
         None => out.accumulate_host(WHAT, cpu::amax(x.host(WHAT)?)),
-        Some(dev) => cuda::amax(&dev, x, out.buffer, out.slot),
+        Some(dev) => cuda::amax(&dev, x.cuda(WHAT)?, out.buffer.cuda_mut(WHAT)?, out.slot),
     }
 }
 
@@ -171,8 +181,8 @@ pub fn cast_to_fp8<T: FloatElement>(
             }
         }
         Some(dev) => {
-            let amax = amax.map(|a| (a.buffer, a.slot));
-            cuda::cast(&dev, x, format, scale, out, amax)
+            let (xs, ss, ys) = (x.cuda(WHAT)?, scale.cuda(WHAT)?, out.cuda_mut(WHAT)?);
+            cuda::cast(&dev, xs, format, ss, ys, AmaxSlot::cuda(amax, WHAT)?)
         }
     }
 }
@@ -197,21 +207,22 @@ pub fn cast_to_fp8_current<T: FloatElement>(
     for b in [&*scale, &*scale_inv, &*amax] {
         check_nonempty(b, WHAT)?;
     }
-    let dev = device_of(WHAT, &[x, scale, scale_inv, amax, out])?;
-    match dev {
-        None => {
-            let xs = x.host(WHAT)?;
-            let a = cpu::amax(xs);
-            let prev = first_value(scale, WHAT)?;
-            let s = compute_scale(a, spec.format.max(), spec.margin, spec.rounding, prev);
-            scale.host_mut(WHAT)?[0] = s;
-            scale_inv.host_mut(WHAT)?[0] = 1.0 / s;
-            amax.host_mut(WHAT)?[0] = a;
-            cpu::cast(xs, spec.format, s, out.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::cast_current(&dev, x, spec, scale, scale_inv, amax, out),
-    }
+    dispatch!(WHAT, [x, scale, scale_inv, amax, out],
+    cpu: {
+        let xs = x.host(WHAT)?;
+        let a = cpu::amax(xs);
+        let prev = first_value(scale, WHAT)?;
+        let s = compute_scale(a, spec.format.max(), spec.margin, spec.rounding, prev);
+        scale.host_mut(WHAT)?[0] = s;
+        scale_inv.host_mut(WHAT)?[0] = 1.0 / s;
+        amax.host_mut(WHAT)?[0] = a;
+        cpu::cast(xs, spec.format, s, out.host_mut(WHAT)?);
+    },
+    cuda(dev): {
+        let (s, si) = (scale.cuda_mut(WHAT)?, scale_inv.cuda_mut(WHAT)?);
+        let (a, ys) = (amax.cuda_mut(WHAT)?, out.cuda_mut(WHAT)?);
+        cuda::cast_current(&dev, x.cuda(WHAT)?, spec, s, si, a, ys)
+    })
 }
 
 /// Dequantizes FP8 codes: `out[i] = decode(q[i]) * scale_inv[0]`, rounded to `T`. `scale_inv` is read on
@@ -225,15 +236,15 @@ pub fn dequantize_fp8<T: FloatElement>(
     const WHAT: &str = "dequantize_fp8";
     check_len(WHAT, q.len(), out.len())?;
     check_nonempty(scale_inv, WHAT)?;
-    let dev = device_of(WHAT, &[q, scale_inv, out])?;
-    match dev {
-        None => {
-            let si = first_value(scale_inv, WHAT)?;
-            cpu::dequantize(q.host(WHAT)?, format, si, out.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::dequantize(&dev, q, format, scale_inv, out),
-    }
+    dispatch!(WHAT, [q, scale_inv, out],
+    cpu: {
+        let si = first_value(scale_inv, WHAT)?;
+        cpu::dequantize(q.host(WHAT)?, format, si, out.host_mut(WHAT)?);
+    },
+    cuda(dev): {
+        let (qs, si) = (q.cuda(WHAT)?, scale_inv.cuda(WHAT)?);
+        cuda::dequantize(&dev, qs, format, si, out.cuda_mut(WHAT)?)
+    })
 }
 
 /// Dequantizes and accumulates: `dst[i] += decode(q[i]) * scale_inv[0]` (the product rounded to f32,
@@ -263,7 +274,10 @@ pub fn add_decoded_fp8<D: FloatElement>(
             cpu::add_decoded(dst.host_mut(WHAT)?, q.host(WHAT)?, format, si);
             Ok(())
         }
-        Some(dev) => cuda::add_decoded(&dev, dst, q, format, scale_inv),
+        Some(dev) => {
+            let (qs, si) = (q.cuda(WHAT)?, scale_inv.cuda(WHAT)?);
+            cuda::add_decoded(&dev, dst.cuda_mut(WHAT)?, qs, format, si)
+        }
     }
 }
 
@@ -316,8 +330,10 @@ pub fn cast_transpose_to_fp8<T: FloatElement>(
             }
         }
         Some(dev) => {
-            let amax = amax.map(|a| (a.buffer, a.slot));
-            cuda::cast_transpose(&dev, x, shape, format, scale, out_t, out, amax)
+            let (xs, ss, yt) = (x.cuda(WHAT)?, scale.cuda(WHAT)?, out_t.cuda_mut(WHAT)?);
+            let out = out.map(|o| o.cuda_mut(WHAT)).transpose()?;
+            let amax = AmaxSlot::cuda(amax, WHAT)?;
+            cuda::cast_transpose(&dev, xs, shape, format, ss, yt, out, amax)
         }
     }
 }
@@ -336,14 +352,9 @@ pub fn convert<S: FloatElement, D: FloatElement>(
             detail: format!("source and destination are both {}", S::DTYPE),
         });
     }
-    let dev = device_of(WHAT, &[x, out])?;
-    match dev {
-        None => {
-            cpu::convert(x.host(WHAT)?, out.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::convert(&dev, x, out),
-    }
+    dispatch!(WHAT, [x, out],
+        cpu: cpu::convert(x.host(WHAT)?, out.host_mut(WHAT)?),
+        cuda(dev): cuda::convert(&dev, x.cuda(WHAT)?, out.cuda_mut(WHAT)?))
 }
 
 /// Verification aid: `out[i]` = the FP8 code of the f32 whose bit pattern is `start + i`, at scale 1,
@@ -364,5 +375,5 @@ pub fn fp8_encode_bit_patterns(
             detail: format!("{start} + {} runs past 2^32", out.len()),
         });
     }
-    cuda::encode_bit_patterns(&dev, start, format, canonical_nan, out)
+    cuda::encode_bit_patterns(&dev, start, format, canonical_nan, out.cuda_mut(WHAT)?)
 }

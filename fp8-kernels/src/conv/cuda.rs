@@ -1,11 +1,10 @@
 //! Launches of the conv kernels (`conv.cu`). `mod.rs` validated the geometry and every length.
 
 use super::Conv2dGeometry;
-use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::CONV_MODULE;
 use crate::launch::{grid, kernel_name, launch};
-use crate::{Buffer, CudaDevice, FloatElement, KernelError};
-use cudarc::driver::DeviceRepr;
+use crate::{CudaDevice, FloatElement, KernelError};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
 /// The kernel-side copy of [`Conv2dGeometry`] (`ConvGeom` in conv.cu).
 #[repr(C)]
@@ -44,57 +43,51 @@ fn repr(g: &Conv2dGeometry) -> ConvGeomRepr {
 
 pub(super) fn im2col(
     dev: &CudaDevice,
-    x: &Buffer<f32>,
+    x: &CudaSlice<f32>,
     geom: &Conv2dGeometry,
-    cols: &mut Buffer<f32>,
+    cols: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "im2col";
     let g = repr(geom);
-    let (xs, os) = (cs(x, WHAT)?, cs_mut(cols, WHAT)?);
     launch!(
         dev,
         &CONV_MODULE,
         "im2col_f32",
         grid(dev, (geom.patches() * geom.patch_len()) as u64),
         "im2col_f32(const float* x, float* cols, ConvGeom g)",
-        [xs, os, &g]
+        [x, cols, &g]
     )
 }
 
 pub(super) fn col2im(
     dev: &CudaDevice,
-    cols: &Buffer<f32>,
+    cols: &CudaSlice<f32>,
     geom: &Conv2dGeometry,
-    dx: &mut Buffer<f32>,
+    dx: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "col2im";
     let g = repr(geom);
-    let (cs_, ds) = (cs(cols, WHAT)?, cs_mut(dx, WHAT)?);
     launch!(
         dev,
         &CONV_MODULE,
         "col2im_f32",
         grid(dev, geom.input_len() as u64),
         "col2im_f32(const float* cols, float* dx, ConvGeom g)",
-        [cs_, ds, &g]
+        [cols, dx, &g]
     )
 }
 
 pub(super) fn transpose_batched<T: FloatElement>(
     dev: &CudaDevice,
-    x: &Buffer<T>,
+    x: &CudaSlice<T>,
     [batch, rows, cols]: [usize; 3],
-    y: &mut Buffer<T>,
+    y: &mut CudaSlice<T>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "transpose_batched";
     let (b, r, c) = (batch as u64, rows as u64, cols as u64);
-    let (xs, ys) = (cs(x, WHAT)?, cs_mut(y, WHAT)?);
     launch!(
         dev,
         &CONV_MODULE,
         kernel_name!("transpose_batched_", T::NAME),
         grid(dev, b * r * c),
         "transpose_batched_<T>(const T* x, T* y, u64 batch, u64 rows, u64 cols)",
-        [xs, ys, &b, &r, &c]
+        [x, y, &b, &r, &c]
     )
 }

@@ -8,7 +8,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{device_of, shape_len};
+use crate::device::{dispatch, shape_len};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 
 /// Shape of a 2-D convolution's input and window, for [`im2col`] and [`col2im`] (NCHW).
@@ -102,19 +102,16 @@ pub fn im2col(
     geom.validate(WHAT)?;
     check_len(WHAT, geom.input_len(), x.len())?;
     check_len(WHAT, geom.patches() * geom.patch_len(), cols.len())?;
-    let dev = device_of(WHAT, &[x, cols])?;
-    match dev {
-        None => {
+    dispatch!(WHAT, [x, cols],
+        cpu: {
             let (xs, out) = (x.host(WHAT)?, cols.host_mut(WHAT)?);
             if geom.padding == 0 {
                 cpu::im2col_unpadded(xs, geom, out);
             } else {
                 cpu::im2col_generic(xs, geom, out);
             }
-            Ok(())
-        }
-        Some(dev) => cuda::im2col(&dev, x, geom, cols),
-    }
+        },
+        cuda(dev): cuda::im2col(&dev, x.cuda(WHAT)?, geom, cols.cuda_mut(WHAT)?))
 }
 
 /// col2im, the adjoint of [`im2col`]: `dx[n, c, y, x]` = the sum of every `cols` entry that im2col read
@@ -128,19 +125,16 @@ pub fn col2im(
     geom.validate(WHAT)?;
     check_len(WHAT, geom.patches() * geom.patch_len(), cols.len())?;
     check_len(WHAT, geom.input_len(), dx.len())?;
-    let dev = device_of(WHAT, &[cols, dx])?;
-    match dev {
-        None => {
+    dispatch!(WHAT, [cols, dx],
+        cpu: {
             let (cs_, out) = (cols.host(WHAT)?, dx.host_mut(WHAT)?);
             if geom.padding == 0 && geom.stride == 1 {
                 cpu::col2im_stride1_unpadded(cs_, geom, out);
             } else {
                 cpu::col2im_generic(cs_, geom, out);
             }
-            Ok(())
-        }
-        Some(dev) => cuda::col2im(&dev, cols, geom, dx),
-    }
+        },
+        cuda(dev): cuda::col2im(&dev, cols.cuda(WHAT)?, geom, dx.cuda_mut(WHAT)?))
 }
 
 /// Batched transpose: `y[b, c, r] = x[b, r, c]` for `shape = [batch, rows, cols]` (e.g. a convolution's
@@ -154,14 +148,11 @@ pub fn transpose_batched<T: FloatElement>(
     let total = shape_len(WHAT, &shape)?;
     check_len(WHAT, total, x.len())?;
     check_len(WHAT, total, y.len())?;
-    let dev = device_of(WHAT, &[x, y])?;
-    match dev {
-        None => {
+    dispatch!(WHAT, [x, y],
+        cpu: {
             if shape[1] != 0 && shape[2] != 0 {
                 cpu::transpose_batched(x.host(WHAT)?, shape, y.host_mut(WHAT)?);
             }
-            Ok(())
-        }
-        Some(dev) => cuda::transpose_batched(&dev, x, shape, y),
-    }
+        },
+        cuda(dev): cuda::transpose_batched(&dev, x.cuda(WHAT)?, shape, y.cuda_mut(WHAT)?))
 }

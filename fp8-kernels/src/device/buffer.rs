@@ -2,7 +2,7 @@
 //!
 //! A CPU buffer is a `Vec` (counted in [`host_buffer_bytes`]); a CUDA buffer is a cudarc device slice
 //! tied to its [`CudaDevice`], used on that device's compute stream. Kernels reach the slices through
-//! [`cuda_slice`] and [`cuda_slice_mut`], which turn a buffer on the wrong device into an error.
+//! [`Buffer::cuda`] and [`Buffer::cuda_mut`], which turn a buffer on the wrong device into an error.
 
 use super::{CudaDevice, Device, Element};
 use crate::KernelError;
@@ -236,6 +236,24 @@ impl<T: Element> Buffer<T> {
         self.as_host_mut().ok_or(KernelError::WrongDevice(what))
     }
 
+    /// The CUDA slice or an error naming the operation (the CUDA side of a kernel call; the mirror of
+    /// [`Buffer::host`]).
+    pub(crate) fn cuda(&self, what: &'static str) -> Result<&CudaSlice<T>, KernelError> {
+        self.as_cuda()
+            .map(|(s, _)| s)
+            .ok_or(KernelError::WrongDevice(what))
+    }
+
+    /// The mutable CUDA slice or an error naming the operation.
+    pub(crate) fn cuda_mut(
+        &mut self,
+        what: &'static str,
+    ) -> Result<&mut CudaSlice<T>, KernelError> {
+        self.as_cuda_mut()
+            .map(|(s, _)| s)
+            .ok_or(KernelError::WrongDevice(what))
+    }
+
     /// The CUDA slice and its device, for CUDA buffers.
     pub fn as_cuda(&self) -> Option<(&CudaSlice<T>, &CudaDevice)> {
         match &self.store {
@@ -387,9 +405,7 @@ pub(crate) fn cuda_slice<'a, T: Element>(
     b: &'a Buffer<T>,
     what: &'static str,
 ) -> Result<&'a CudaSlice<T>, KernelError> {
-    b.as_cuda()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
+    b.cuda(what)
 }
 
 /// The mutable CUDA slice of a buffer, or an error naming the operation when it lives on the CPU.
@@ -397,9 +413,7 @@ pub(crate) fn cuda_slice_mut<'a, T: Element>(
     b: &'a mut Buffer<T>,
     what: &'static str,
 ) -> Result<&'a mut CudaSlice<T>, KernelError> {
-    b.as_cuda_mut()
-        .map(|(s, _)| s)
-        .ok_or(KernelError::WrongDevice(what))
+    b.cuda_mut(what)
 }
 
 /// Checks that two lengths agree, naming the operation.

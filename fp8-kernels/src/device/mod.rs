@@ -619,6 +619,31 @@ pub(crate) fn device_of(
     })
 }
 
+/// Runs one kernel call where its buffers live, after [`device_of`] checked that they all live together;
+/// evaluates to `Result<(), KernelError>`:
+///
+/// ```ignore
+/// dispatch!(WHAT, [x, y],
+///     cpu: cpu::relu_forward(x.host(WHAT)?, y.host_mut(WHAT)?),
+///     cuda(dev): cuda::relu_forward(&dev, x.cuda(WHAT)?, y.cuda_mut(WHAT)?))
+/// ```
+///
+/// The `cpu` expression runs on the host (its value is dropped and the call returns `Ok(())`); the `cuda`
+/// one, a `Result`, runs with `dev` bound to the buffers' [`CudaDevice`]. A list of only absent optional
+/// buffers counts as the host. `?` in either returns from the enclosing function.
+macro_rules! dispatch {
+    ($what:expr, [$($buffer:expr),+ $(,)?], cpu: $cpu:expr, cuda($dev:ident): $cuda:expr $(,)?) => {
+        match $crate::device::device_of($what, &[$(&$buffer),+])? {
+            None => {
+                $cpu;
+                Ok(())
+            }
+            Some($dev) => $cuda,
+        }
+    };
+}
+pub(crate) use dispatch;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{cuda_of, device_of, shape_len};
+use crate::device::{cuda_of, device_of, dispatch, shape_len};
 use crate::rng::SplitMix64;
 use crate::{check_len, Buffer, FloatElement, KernelError};
 
@@ -24,28 +24,18 @@ pub fn bias_add<T: FloatElement>(
     const WHAT: &str = "bias_add";
     check_len(WHAT, shape_len(WHAT, &[rows, cols])?, x.len())?;
     check_len(WHAT, cols, bias.len())?;
-    let dev = device_of(WHAT, &[x, bias])?;
-    match dev {
-        None => {
-            cpu::bias_add(x.host_mut(WHAT)?, bias.host(WHAT)?, cols);
-            Ok(())
-        }
-        Some(dev) => cuda::bias_add(&dev, x, bias, rows, cols),
-    }
+    dispatch!(WHAT, [x, bias],
+        cpu: cpu::bias_add(x.host_mut(WHAT)?, bias.host(WHAT)?, cols),
+        cuda(dev): cuda::bias_add(&dev, x.cuda_mut(WHAT)?, bias.cuda(WHAT)?, rows, cols))
 }
 
 /// ReLU: `y = max(x, 0)` (NaN propagates, like PyTorch).
 pub fn relu_forward<T: FloatElement>(x: &Buffer<T>, y: &mut Buffer<T>) -> Result<(), KernelError> {
     const WHAT: &str = "relu_forward";
     check_len(WHAT, x.len(), y.len())?;
-    let dev = device_of(WHAT, &[x, y])?;
-    match dev {
-        None => {
-            cpu::relu_forward(x.host(WHAT)?, y.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::relu_forward(&dev, x, y),
-    }
+    dispatch!(WHAT, [x, y],
+        cpu: cpu::relu_forward(x.host(WHAT)?, y.host_mut(WHAT)?),
+        cuda(dev): cuda::relu_forward(&dev, x.cuda(WHAT)?, y.cuda_mut(WHAT)?))
 }
 
 /// ReLU backward: `dx = dy` where `x > 0`, else 0 (`x` is the forward input, or its output).
@@ -57,14 +47,9 @@ pub fn relu_backward<T: FloatElement>(
     const WHAT: &str = "relu_backward";
     check_len(WHAT, x.len(), dy.len())?;
     check_len(WHAT, x.len(), dx.len())?;
-    let dev = device_of(WHAT, &[x, dy, dx])?;
-    match dev {
-        None => {
-            cpu::relu_backward(x.host(WHAT)?, dy.host(WHAT)?, dx.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::relu_backward(&dev, x, dy, dx),
-    }
+    dispatch!(WHAT, [x, dy, dx],
+        cpu: cpu::relu_backward(x.host(WHAT)?, dy.host(WHAT)?, dx.host_mut(WHAT)?),
+        cuda(dev): cuda::relu_backward(&dev, x.cuda(WHAT)?, dy.cuda(WHAT)?, dx.cuda_mut(WHAT)?))
 }
 
 /// Which GELU.
@@ -152,14 +137,9 @@ pub fn gelu_forward<T: FloatElement>(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "gelu_forward";
     check_len(WHAT, x.len(), y.len())?;
-    let dev = device_of(WHAT, &[x, y])?;
-    match dev {
-        None => {
-            cpu::gelu_forward(x.host(WHAT)?, y.host_mut(WHAT)?, approx);
-            Ok(())
-        }
-        Some(dev) => cuda::gelu_forward(&dev, x, y, approx),
-    }
+    dispatch!(WHAT, [x, y],
+        cpu: cpu::gelu_forward(x.host(WHAT)?, y.host_mut(WHAT)?, approx),
+        cuda(dev): cuda::gelu_forward(&dev, x.cuda(WHAT)?, y.cuda_mut(WHAT)?, approx))
 }
 
 /// GELU backward: `dx = gelu'(x) * dy`.
@@ -172,14 +152,12 @@ pub fn gelu_backward<T: FloatElement>(
     const WHAT: &str = "gelu_backward";
     check_len(WHAT, x.len(), dy.len())?;
     check_len(WHAT, x.len(), dx.len())?;
-    let dev = device_of(WHAT, &[x, dy, dx])?;
-    match dev {
-        None => {
-            cpu::gelu_backward(x.host(WHAT)?, dy.host(WHAT)?, dx.host_mut(WHAT)?, approx);
-            Ok(())
-        }
-        Some(dev) => cuda::gelu_backward(&dev, x, dy, dx, approx),
-    }
+    dispatch!(WHAT, [x, dy, dx],
+    cpu: cpu::gelu_backward(x.host(WHAT)?, dy.host(WHAT)?, dx.host_mut(WHAT)?, approx),
+    cuda(dev): {
+        let (xs, gs) = (x.cuda(WHAT)?, dy.cuda(WHAT)?);
+        cuda::gelu_backward(&dev, xs, gs, dx.cuda_mut(WHAT)?, approx)
+    })
 }
 
 /// The parameters of one dropout call: drop probability and the generator's seed and counter offset.
@@ -237,19 +215,15 @@ pub fn dropout_forward<T: FloatElement>(
     params.validate()?;
     check_len(WHAT, x.len(), y.len())?;
     check_len(WHAT, x.len(), mask.len())?;
-    let dev = device_of(WHAT, &[x, y, mask])?;
-    match dev {
-        None => {
-            cpu::dropout_forward(
-                x.host(WHAT)?,
-                params,
-                y.host_mut(WHAT)?,
-                mask.host_mut(WHAT)?,
-            );
-            Ok(())
-        }
-        Some(dev) => cuda::dropout_forward(&dev, x, params, y, mask),
-    }
+    dispatch!(WHAT, [x, y, mask],
+    cpu: {
+        let (ys, ms) = (y.host_mut(WHAT)?, mask.host_mut(WHAT)?);
+        cpu::dropout_forward(x.host(WHAT)?, params, ys, ms)
+    },
+    cuda(dev): {
+        let (ys, ms) = (y.cuda_mut(WHAT)?, mask.cuda_mut(WHAT)?);
+        cuda::dropout_forward(&dev, x.cuda(WHAT)?, params, ys, ms)
+    })
 }
 
 /// Dropout backward: `dx = dy * keep_scale` where `mask` is 1, else 0 (`p` as in the forward call).
@@ -263,15 +237,13 @@ pub fn dropout_backward<T: FloatElement>(
     params.validate()?;
     check_len(WHAT, dy.len(), mask.len())?;
     check_len(WHAT, dy.len(), dx.len())?;
-    let dev = device_of(WHAT, &[dy, mask, dx])?;
     let scale = params.keep_scale();
-    match dev {
-        None => {
-            cpu::dropout_backward(dy.host(WHAT)?, mask.host(WHAT)?, scale, dx.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::dropout_backward(&dev, dy, mask, scale, dx),
-    }
+    dispatch!(WHAT, [dy, mask, dx],
+    cpu: cpu::dropout_backward(dy.host(WHAT)?, mask.host(WHAT)?, scale, dx.host_mut(WHAT)?),
+    cuda(dev): {
+        let (gs, ms) = (dy.cuda(WHAT)?, mask.cuda(WHAT)?);
+        cuda::dropout_backward(&dev, gs, ms, scale, dx.cuda_mut(WHAT)?)
+    })
 }
 
 /// `x *= a`.
@@ -282,7 +254,7 @@ pub fn scale<T: FloatElement>(x: &mut Buffer<T>, a: f32) -> Result<(), KernelErr
             cpu::scale(x.host_mut(WHAT)?, a);
             Ok(())
         }
-        Some(dev) => cuda::scale(&dev, x, a),
+        Some(dev) => cuda::scale(&dev, x.cuda_mut(WHAT)?, a),
     }
 }
 
@@ -290,14 +262,9 @@ pub fn scale<T: FloatElement>(x: &mut Buffer<T>, a: f32) -> Result<(), KernelErr
 pub fn axpy<T: FloatElement>(a: f32, x: &Buffer<T>, y: &mut Buffer<T>) -> Result<(), KernelError> {
     const WHAT: &str = "axpy";
     check_len(WHAT, x.len(), y.len())?;
-    let dev = device_of(WHAT, &[x, y])?;
-    match dev {
-        None => {
-            cpu::axpy(a, x.host(WHAT)?, y.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::axpy(&dev, a, x, y),
-    }
+    dispatch!(WHAT, [x, y],
+        cpu: cpu::axpy(a, x.host(WHAT)?, y.host_mut(WHAT)?),
+        cuda(dev): cuda::axpy(&dev, a, x.cuda(WHAT)?, y.cuda_mut(WHAT)?))
 }
 
 /// `out = a + b` (e.g. a residual connection).
@@ -309,14 +276,9 @@ pub fn add<T: FloatElement>(
     const WHAT: &str = "add";
     check_len(WHAT, a.len(), b.len())?;
     check_len(WHAT, a.len(), out.len())?;
-    let dev = device_of(WHAT, &[a, b, out])?;
-    match dev {
-        None => {
-            cpu::add(a.host(WHAT)?, b.host(WHAT)?, out.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::add(&dev, a, b, out),
-    }
+    dispatch!(WHAT, [a, b, out],
+        cpu: cpu::add(a.host(WHAT)?, b.host(WHAT)?, out.host_mut(WHAT)?),
+        cuda(dev): cuda::add(&dev, a.cuda(WHAT)?, b.cuda(WHAT)?, out.cuda_mut(WHAT)?))
 }
 
 /// `dst[offset + i] += src[i]` for every `i < src.len()`: both widened to f32, one f32 addition, the sum
@@ -351,6 +313,6 @@ pub fn add_at<D: FloatElement, S: FloatElement>(
             );
             Ok(())
         }
-        Some(dev) => cuda::add_at(&dev, dst, offset, src),
+        Some(dev) => cuda::add_at(&dev, dst.cuda_mut(WHAT)?, offset, src.cuda(WHAT)?),
     }
 }

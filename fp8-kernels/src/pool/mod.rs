@@ -5,7 +5,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::device_of;
+use crate::device::dispatch;
 use crate::{check_len, Buffer, KernelError};
 
 /// Shape of a max-pooling (NCHW, square window, no padding).
@@ -91,19 +91,19 @@ pub fn max_pool2d_forward(
     check_len(WHAT, geom.input_len(), x.len())?;
     check_len(WHAT, geom.output_len(), y.len())?;
     check_len(WHAT, geom.output_len(), indices.len())?;
-    let dev = device_of(WHAT, &[x, y, indices])?;
-    match dev {
-        None => {
-            cpu::max_pool2d_forward(
-                x.host(WHAT)?,
-                geom,
-                y.host_mut(WHAT)?,
-                indices.host_mut(WHAT)?,
-            );
-            Ok(())
-        }
-        Some(dev) => cuda::max_pool2d_forward(&dev, x, geom, y, indices),
-    }
+    dispatch!(WHAT, [x, y, indices],
+    cpu: {
+        cpu::max_pool2d_forward(
+            x.host(WHAT)?,
+            geom,
+            y.host_mut(WHAT)?,
+            indices.host_mut(WHAT)?,
+        );
+    },
+    cuda(dev): {
+        let (ys, is) = (y.cuda_mut(WHAT)?, indices.cuda_mut(WHAT)?);
+        cuda::max_pool2d_forward(&dev, x.cuda(WHAT)?, geom, ys, is)
+    })
 }
 
 /// Max-pool backward: `dx` is overwritten with zeros, then `dx[indices[i]] += dy[i]`. With windows that do
@@ -116,23 +116,23 @@ pub fn max_pool2d_backward(
 ) -> Result<(), KernelError> {
     const WHAT: &str = "max_pool2d_backward";
     check_len(WHAT, dy.len(), indices.len())?;
-    let dev = device_of(WHAT, &[dy, indices, dx])?;
-    match dev {
-        None => {
-            let (gs, is) = (dy.host(WHAT)?, indices.host(WHAT)?);
-            let ds = dx.host_mut(WHAT)?;
-            // Validate all indices first so the scatter neither branches on errors nor builds messages.
-            let len = ds.len();
-            if let Some(&i) = is.iter().find(|&&i| i as usize >= len) {
-                ds.fill(0.0);
-                return Err(KernelError::InvalidArgument {
-                    what: WHAT,
-                    detail: format!("index {i} outside an input of {len} elements"),
-                });
-            }
-            cpu::max_pool2d_backward(gs, is, ds);
-            Ok(())
+    dispatch!(WHAT, [dy, indices, dx],
+    cpu: {
+        let (gs, is) = (dy.host(WHAT)?, indices.host(WHAT)?);
+        let ds = dx.host_mut(WHAT)?;
+        // Validate all indices first so the scatter neither branches on errors nor builds messages.
+        let len = ds.len();
+        if let Some(&i) = is.iter().find(|&&i| i as usize >= len) {
+            ds.fill(0.0);
+            return Err(KernelError::InvalidArgument {
+                what: WHAT,
+                detail: format!("index {i} outside an input of {len} elements"),
+            });
         }
-        Some(dev) => cuda::max_pool2d_backward(&dev, dy, indices, dx),
-    }
+        cpu::max_pool2d_backward(gs, is, ds);
+    },
+    cuda(dev): {
+        let (gs, is) = (dy.cuda(WHAT)?, indices.cuda(WHAT)?);
+        cuda::max_pool2d_backward(&dev, gs, is, dx.cuda_mut(WHAT)?)
+    })
 }

@@ -8,7 +8,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{device_of, shape_len};
+use crate::device::{device_of, dispatch, shape_len};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 use std::ops::Range;
 
@@ -35,15 +35,10 @@ pub fn sum_over_rows<T: FloatElement>(
     const WHAT: &str = "sum_over_rows";
     check_len(WHAT, shape_len(WHAT, &[rows, cols])?, x.len())?;
     check_len(WHAT, cols, out.len())?;
-    let dev = device_of(WHAT, &[x, out])?;
     let chunk = sum_rows_chunk(rows);
-    match dev {
-        None => {
-            cpu::sum_over_rows(x.host(WHAT)?, rows, cols, chunk, out.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::sum_over_rows(&dev, x, rows, cols, chunk, out),
-    }
+    dispatch!(WHAT, [x, out],
+        cpu: cpu::sum_over_rows(x.host(WHAT)?, rows, cols, chunk, out.host_mut(WHAT)?),
+        cuda(dev): cuda::sum_over_rows(&dev, x.cuda(WHAT)?, rows, cols, chunk, out.cuda_mut(WHAT)?))
 }
 
 /// The summation order of a warp reduction: 32 lane-strided partial sums, then a butterfly (xor 16, 8,
@@ -75,14 +70,9 @@ pub fn sum_over_cols<T: FloatElement>(
     const WHAT: &str = "sum_over_cols";
     check_len(WHAT, shape_len(WHAT, &[rows, cols])?, x.len())?;
     check_len(WHAT, rows, out.len())?;
-    let dev = device_of(WHAT, &[x, out])?;
-    match dev {
-        None => {
-            cpu::sum_over_cols(x.host(WHAT)?, cols, out.host_mut(WHAT)?);
-            Ok(())
-        }
-        Some(dev) => cuda::sum_over_cols(&dev, x, rows, cols, out),
-    }
+    dispatch!(WHAT, [x, out],
+        cpu: cpu::sum_over_cols(x.host(WHAT)?, cols, out.host_mut(WHAT)?),
+        cuda(dev): cuda::sum_over_cols(&dev, x.cuda(WHAT)?, rows, cols, out.cuda_mut(WHAT)?))
 }
 
 /// `amax[0] = max(amax[0], max |x| over the finite x)` and `count[0] += the number of NaN or infinite
@@ -112,7 +102,10 @@ pub fn finite_amax_count(
             *cn = cn.wrapping_add(c as u32);
             Ok(())
         }
-        Some(dev) => cuda::finite_amax_count(&dev, x, amax, count),
+        Some(dev) => {
+            let (xs, a) = (x.cuda(WHAT)?, amax.cuda_mut(WHAT)?);
+            cuda::finite_amax_count(&dev, xs, a, count.cuda_mut(WHAT)?)
+        }
     }
 }
 
@@ -142,24 +135,27 @@ pub fn norm_stats<T: FloatElement>(
     if let Some((b, s)) = &amax {
         check_at_least(WHAT, b.len(), s + 1)?;
     }
-    let dev = device_of(WHAT, &[x, acc, &amax.as_ref().map(|(b, _)| &**b)])?;
-    match dev {
-        None => {
-            let (sq, nf, am) = cpu::norm_stats(&x.host(WHAT)?[range]);
-            let a = acc.host_mut(WHAT)?;
-            let old = f64::from_bits(a[0].to_bits() as u64 | ((a[1].to_bits() as u64) << 32));
-            let bits = (old + sq).to_bits();
-            a[0] = f32::from_bits(bits as u32);
-            a[1] = f32::from_bits((bits >> 32) as u32);
-            a[2] = f32::from_bits(a[2].to_bits().saturating_add(nf));
-            if let Some((b, s)) = amax {
-                let slot = &mut b.host_mut(WHAT)?[s];
-                *slot = slot.max(am);
-            }
-            Ok(())
+    dispatch!(WHAT, [x, acc, &amax.as_ref().map(|(b, _)| &**b)],
+    cpu: {
+        let (sq, nf, am) = cpu::norm_stats(&x.host(WHAT)?[range]);
+        let a = acc.host_mut(WHAT)?;
+        let old = f64::from_bits(a[0].to_bits() as u64 | ((a[1].to_bits() as u64) << 32));
+        let bits = (old + sq).to_bits();
+        a[0] = f32::from_bits(bits as u32);
+        a[1] = f32::from_bits((bits >> 32) as u32);
+        a[2] = f32::from_bits(a[2].to_bits().saturating_add(nf));
+        if let Some((b, s)) = amax {
+            let slot = &mut b.host_mut(WHAT)?[s];
+            *slot = slot.max(am);
         }
-        Some(dev) => cuda::norm_stats(&dev, x, range, acc, amax),
-    }
+    },
+    cuda(dev): {
+        let amax = match amax {
+            Some((b, slot)) => Some((b.cuda_mut(WHAT)?, slot)),
+            None => None,
+        };
+        cuda::norm_stats(&dev, x.cuda(WHAT)?, range, acc.cuda_mut(WHAT)?, amax)
+    })
 }
 
 /// Finishes [`norm_stats`]: `sums[0] = ` the non-finite count of `acc` plus `extra_nonfinite`, `sums[1] =
@@ -172,20 +168,20 @@ pub fn norm_stats_finish(
     const WHAT: &str = "norm_stats_finish";
     check_at_least(WHAT, acc.len(), NORM_STATS_ACC_LEN)?;
     check_at_least(WHAT, sums.len(), 2)?;
-    let dev = device_of(WHAT, &[acc, sums])?;
-    match dev {
-        None => {
-            let a = acc.host_mut(WHAT)?;
-            let sq = f64::from_bits(a[0].to_bits() as u64 | ((a[1].to_bits() as u64) << 32));
-            let nf = a[2].to_bits().wrapping_add(extra_nonfinite);
-            a.fill(0.0);
-            let s = sums.host_mut(WHAT)?;
-            s[0] = nf as f32;
-            s[1] = sq as f32;
-            Ok(())
-        }
-        Some(dev) => cuda::norm_stats_finish(&dev, acc, extra_nonfinite, sums),
-    }
+    dispatch!(WHAT, [acc, sums],
+    cpu: {
+        let a = acc.host_mut(WHAT)?;
+        let sq = f64::from_bits(a[0].to_bits() as u64 | ((a[1].to_bits() as u64) << 32));
+        let nf = a[2].to_bits().wrapping_add(extra_nonfinite);
+        a.fill(0.0);
+        let s = sums.host_mut(WHAT)?;
+        s[0] = nf as f32;
+        s[1] = sq as f32;
+    },
+    cuda(dev): {
+        let (a, s) = (acc.cuda_mut(WHAT)?, sums.cuda_mut(WHAT)?);
+        cuda::norm_stats_finish(&dev, a, extra_nonfinite, s)
+    })
 }
 
 fn check_at_least(what: &'static str, len: usize, need: usize) -> Result<(), KernelError> {

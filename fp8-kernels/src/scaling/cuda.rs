@@ -4,7 +4,8 @@ use super::{cpu::MetaRule, AmaxInput, ScalingMetaBuffers};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::SCALING_MODULE;
 use crate::launch::{launch, one_block, optional_ptr, optional_ptr_mut};
-use crate::{Buffer, CudaDevice, KernelError};
+use crate::{CudaDevice, KernelError};
+use cudarc::driver::CudaSlice;
 use fp8_core::ScaleRounding;
 
 /// The scaling-meta update on one thread (the kernel reads and writes a handful of words).
@@ -51,24 +52,18 @@ pub(super) fn update_meta(
 /// `scale[0]`, `scale_inv[0]` from `amax[0]` on one thread.
 pub(super) fn scale_from_amax(
     dev: &CudaDevice,
-    amax: &Buffer<f32>,
+    amax: &CudaSlice<f32>,
     fmax: f32,
     margin: i32,
-    scale: &mut Buffer<f32>,
-    scale_inv: &mut Buffer<f32>,
+    scale: &mut CudaSlice<f32>,
+    scale_inv: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "scale_from_amax";
-    let (a, s, si) = (
-        cs(amax, WHAT)?,
-        cs_mut(scale, WHAT)?,
-        cs_mut(scale_inv, WHAT)?,
-    );
     launch!(
         dev,
         &SCALING_MODULE,
         "scale_from_amax",
         one_block(32),
         "scale_from_amax(const float* amax, float* scale, float* scale_inv, float fmax, int margin)",
-        [a, s, si, &fmax, &margin]
+        [amax, scale, scale_inv, &fmax, &margin]
     )
 }

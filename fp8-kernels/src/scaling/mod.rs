@@ -6,7 +6,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{device_of, Placed};
+use crate::device::{device_of, dispatch, Placed};
 use crate::{check_len, Buffer, Device, KernelError};
 use fp8_core::{AmaxCompute, Fp8Format, QType, ScalingRecipe};
 
@@ -151,15 +151,15 @@ pub fn scale_from_amax(
     if !(0..=fp8_core::MAX_MARGIN).contains(&margin) {
         return Err(fp8_core::Fp8Error::InvalidMargin(margin).into());
     }
-    let dev = device_of(WHAT, &[amax, scale, scale_inv])?;
     let fmax = format.max();
-    match dev {
-        None => {
-            let (s, si) = cpu::scale_from_amax(amax.host(WHAT)?[0], fmax, margin);
-            scale.host_mut(WHAT)?[0] = s;
-            scale_inv.host_mut(WHAT)?[0] = si;
-            Ok(())
-        }
-        Some(dev) => cuda::scale_from_amax(&dev, amax, fmax, margin, scale, scale_inv),
-    }
+    dispatch!(WHAT, [amax, scale, scale_inv],
+    cpu: {
+        let (s, si) = cpu::scale_from_amax(amax.host(WHAT)?[0], fmax, margin);
+        scale.host_mut(WHAT)?[0] = s;
+        scale_inv.host_mut(WHAT)?[0] = si;
+    },
+    cuda(dev): {
+        let (a, s, si) = (amax.cuda(WHAT)?, scale.cuda_mut(WHAT)?, scale_inv.cuda_mut(WHAT)?);
+        cuda::scale_from_amax(&dev, a, fmax, margin, s, si)
+    })
 }

@@ -3,11 +3,10 @@
 
 use super::{Segment, SegmentTable};
 use crate::cast::format_name;
-use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::kernel_source::SEGMENTED_MODULE;
 use crate::launch::{grid_1d, kernel_name, launch, BLOCKS_PER_SM};
-use crate::{Buffer, CudaDevice, KernelError};
-use cudarc::driver::LaunchConfig;
+use crate::{CudaDevice, KernelError};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use fp8_core::Fp8Format;
 
 /// A launch with one grid row per segment.
@@ -23,67 +22,64 @@ fn table_launch(table: &SegmentTable, dev: &CudaDevice) -> Result<LaunchConfig, 
 
 pub(super) fn segmented_amax(
     dev: &CudaDevice,
-    x: &Buffer<f32>,
+    x: &CudaSlice<f32>,
     table: &SegmentTable,
-    out: &mut Buffer<f32>,
+    out: &mut CudaSlice<f32>,
     base: usize,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "segmented_amax";
     let cfg = table_launch(table, dev)?;
     let b64 = base as u64;
-    let (xs, ts, os) = (cs(x, WHAT)?, table.device_table(WHAT)?, cs_mut(out, WHAT)?);
+    let ts = table.device_table(WHAT)?;
     launch!(
         dev,
         &SEGMENTED_MODULE,
         "segmented_amax_f32",
         cfg,
         "segmented_amax_f32(const float* x, const u64* table, float* out, u64 base)",
-        [xs, ts, os, &b64]
+        [x, ts, out, &b64]
     )
 }
 
 pub(super) fn segmented_scales(
     dev: &CudaDevice,
-    amax: &Buffer<f32>,
+    amax: &CudaSlice<f32>,
     base: usize,
     count: usize,
     fmax: f32,
     margin: i32,
-    scales: &mut Buffer<f32>,
+    scales: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "segmented_scales";
     let cfg = grid_1d(dev.sm_count(), count as u64, 1);
     let (b64, c64) = (base as u64, count as u64);
-    let (a, s) = (cs(amax, WHAT)?, cs_mut(scales, WHAT)?);
     launch!(
         dev,
         &SEGMENTED_MODULE,
         "segmented_scales",
         cfg,
         "segmented_scales(const float* amax, u64 base, u64 count, float* scales, float fmax, int margin)",
-        [a, &b64, &c64, s, &fmax, &margin]
+        [amax, &b64, &c64, scales, &fmax, &margin]
     )
 }
 
 pub(super) fn segmented_cast(
     dev: &CudaDevice,
-    x: &Buffer<f32>,
+    x: &CudaSlice<f32>,
     table: &SegmentTable,
     format: Fp8Format,
-    scales: &Buffer<f32>,
-    out: &mut Buffer<u8>,
+    scales: &CudaSlice<f32>,
+    out: &mut CudaSlice<u8>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "segmented_cast";
     dev.require_fp8()?;
     let cfg = table_launch(table, dev)?;
-    let (xs, ts, ss) = (cs(x, WHAT)?, table.device_table(WHAT)?, cs(scales, WHAT)?);
-    let ys = cs_mut(out, WHAT)?;
+    let ts = table.device_table(WHAT)?;
     launch!(
         dev,
         &SEGMENTED_MODULE,
         kernel_name!("segmented_cast_f32_", format_name(format)),
         cfg,
         "segmented_cast_f32_<fmt>(const float* x, u8* y, const u64* table, const float* scales)",
-        [xs, ys, ts, ss]
+        [x, out, ts, scales]
     )
 }

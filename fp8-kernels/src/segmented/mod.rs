@@ -168,7 +168,7 @@ pub fn segmented_amax(
             }
             Ok(())
         }
-        Some(dev) => cuda::segmented_amax(&dev, x, table, out, base),
+        Some(dev) => cuda::segmented_amax(&dev, x.cuda(WHAT)?, table, out.cuda_mut(WHAT)?, base),
     }
 }
 
@@ -218,7 +218,10 @@ pub fn segmented_scales(
             }
             Ok(())
         }
-        Some(dev) => cuda::segmented_scales(&dev, amax, base, count, fmax, margin, scales),
+        Some(dev) => {
+            let (a, s) = (amax.cuda(WHAT)?, scales.cuda_mut(WHAT)?);
+            cuda::segmented_scales(&dev, a, base, count, fmax, margin, s)
+        }
     }
 }
 
@@ -253,6 +256,9 @@ pub fn segmented_cast(
             }
             Ok(())
         }
-        Some(dev) => cuda::segmented_cast(&dev, x, table, format, scales, out),
+        Some(dev) => {
+            let (xs, ss) = (x.cuda(WHAT)?, scales.cuda(WHAT)?);
+            cuda::segmented_cast(&dev, xs, table, format, ss, out.cuda_mut(WHAT)?)
+        }
     }
 }

@@ -8,7 +8,7 @@
 mod cpu;
 mod cuda;
 
-use crate::device::{device_of, shape_len};
+use crate::device::{dispatch, shape_len};
 use crate::{check_len, Buffer, KernelError};
 
 /// Log-softmax over the rows of `[rows, classes]` logits: `lp = x - max - log(sum exp(x - max))`.
@@ -21,16 +21,14 @@ pub fn log_softmax_forward(
     const WHAT: &str = "log_softmax_forward";
     check_len(WHAT, shape_len(WHAT, &[rows, classes])?, logits.len())?;
     check_len(WHAT, logits.len(), log_probs.len())?;
-    let dev = device_of(WHAT, &[logits, log_probs])?;
-    match dev {
-        None => {
-            if classes > 0 {
-                cpu::log_softmax(logits.host(WHAT)?, classes, log_probs.host_mut(WHAT)?);
-            }
-            Ok(())
-        }
-        Some(dev) => cuda::log_softmax(&dev, logits, rows, classes, log_probs),
-    }
+    dispatch!(WHAT, [logits, log_probs],
+    cpu: if classes > 0 {
+        cpu::log_softmax(logits.host(WHAT)?, classes, log_probs.host_mut(WHAT)?);
+    },
+    cuda(dev): {
+        let (xs, lp) = (logits.cuda(WHAT)?, log_probs.cuda_mut(WHAT)?);
+        cuda::log_softmax(&dev, xs, rows, classes, lp)
+    })
 }
 
 /// Indexes into the stats buffer of [`nll_loss_stats`].
@@ -59,19 +57,19 @@ pub fn nll_loss_stats(
     check_len(WHAT, shape_len(WHAT, &[rows, classes])?, log_probs.len())?;
     check_len(WHAT, rows, labels.len())?;
     check_len(WHAT, nll_stat::LEN, stats.len())?;
-    let dev = device_of(WHAT, &[log_probs, labels, stats])?;
-    match dev {
-        None => {
-            let [mean, correct] =
-                cpu::nll_stats(WHAT, log_probs.host(WHAT)?, labels.host(WHAT)?, classes)?;
-            let s = stats.host_mut(WHAT)?;
-            s[nll_stat::MEAN_LOSS] = mean;
-            s[nll_stat::CORRECT] = correct;
-            s[nll_stat::INVALID_LABELS] = 0.0;
-            Ok(())
-        }
-        Some(dev) => cuda::nll_stats(&dev, log_probs, labels, rows, classes, stats),
-    }
+    dispatch!(WHAT, [log_probs, labels, stats],
+    cpu: {
+        let [mean, correct] =
+            cpu::nll_stats(WHAT, log_probs.host(WHAT)?, labels.host(WHAT)?, classes)?;
+        let s = stats.host_mut(WHAT)?;
+        s[nll_stat::MEAN_LOSS] = mean;
+        s[nll_stat::CORRECT] = correct;
+        s[nll_stat::INVALID_LABELS] = 0.0;
+    },
+    cuda(dev): {
+        let (lp, ls) = (log_probs.cuda(WHAT)?, labels.cuda(WHAT)?);
+        cuda::nll_stats(&dev, lp, ls, rows, classes, stats.cuda_mut(WHAT)?)
+    })
 }
 
 /// Log-softmax then NLL statistics: the forward pass of a classification loss.
@@ -100,18 +98,14 @@ pub fn log_softmax_nll_backward(
     check_len(WHAT, shape_len(WHAT, &[rows, classes])?, log_probs.len())?;
     check_len(WHAT, rows, labels.len())?;
     check_len(WHAT, log_probs.len(), dlogits.len())?;
-    let dev = device_of(WHAT, &[log_probs, labels, dlogits])?;
     let g = if rows > 0 { 1.0 / rows as f32 } else { 0.0 };
-    match dev {
-        None => {
-            if classes > 0 {
-                let (lp, ls) = (log_probs.host(WHAT)?, labels.host(WHAT)?);
-                cpu::log_softmax_nll_backward(lp, ls, classes, g, dlogits.host_mut(WHAT)?);
-            }
-            Ok(())
-        }
-        Some(dev) => {
-            cuda::log_softmax_nll_backward(&dev, log_probs, labels, rows, classes, g, dlogits)
-        }
-    }
+    dispatch!(WHAT, [log_probs, labels, dlogits],
+    cpu: if classes > 0 {
+        let (lp, ls) = (log_probs.host(WHAT)?, labels.host(WHAT)?);
+        cpu::log_softmax_nll_backward(lp, ls, classes, g, dlogits.host_mut(WHAT)?);
+    },
+    cuda(dev): {
+        let (lp, ls) = (log_probs.cuda(WHAT)?, labels.cuda(WHAT)?);
+        cuda::log_softmax_nll_backward(&dev, lp, ls, rows, classes, g, dlogits.cuda_mut(WHAT)?)
+    })
 }
