@@ -4,7 +4,7 @@
 //! transcendental function is involved), then checks the hardware FP8 conversion on all 2^32 f32 bit
 //! patterns against `fp8_core::Fp8Format::encode`. The float kernels' checks are in `float_kernels.rs`.
 //! (The Adam, segmented, GELU-cast and gather kernels are compared by their test binaries, which run the
-//! GPU part when a GPU is present, and by `gemm_check` and `fused_check`.)
+//! GPU part when a GPU is present, and by `gemm_check`.)
 //!
 //! Usage: `kernel_check [--seed N] [--skip-exhaustive]`. One line per check; exits 1 on any FAIL.
 //! Without a usable GPU it prints why and exits 1 (nothing was checked).
