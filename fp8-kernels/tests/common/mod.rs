@@ -3,6 +3,7 @@
 // Each test file uses the part it needs.
 #![allow(dead_code, unused_macros, unused_imports)]
 
+use fp8_kernels::cross_entropy::CrossEntropyOutputs;
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, KernelModule};
 use fp8_kernels::layer_norm::{GradMode, NormGrads};
 use fp8_kernels::{Buffer, Device, FloatElement};
@@ -137,4 +138,34 @@ pub fn grads_to_host<G: FloatElement>(
         dw.to_vec().unwrap(),
         db.to_vec().unwrap(),
     )
+}
+
+/// The output buffers of cross-entropy calls over `rows` rows on one device.
+pub struct CeBuffers {
+    pub lse: Buffer<f32>,
+    pub loss: Buffer<f32>,
+    pub sum: Buffer<f32>,
+    pub invalid: Buffer<u32>,
+}
+
+impl CeBuffers {
+    /// Zero lse and loss, and the given starting loss sum and count of invalid targets.
+    pub fn new(dev: &Device, rows: usize, sum: f32, invalid: u32) -> Self {
+        CeBuffers {
+            lse: dev.zeros(rows).unwrap(),
+            loss: dev.zeros(rows).unwrap(),
+            sum: dev.upload(&[sum]).unwrap(),
+            invalid: dev.upload(&[invalid]).unwrap(),
+        }
+    }
+
+    /// The buffers as a call's outputs.
+    pub fn outputs(&mut self) -> CrossEntropyOutputs<'_> {
+        CrossEntropyOutputs {
+            lse: &mut self.lse,
+            loss: &mut self.loss,
+            loss_sum: &mut self.sum,
+            invalid_targets: &mut self.invalid,
+        }
+    }
 }
