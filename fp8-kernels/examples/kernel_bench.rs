@@ -13,7 +13,7 @@ use fp8_core::Fp8Format;
 use fp8_kernels::elementwise::{gelu_forward, GeluApprox};
 use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
 use fp8_kernels::{
-    cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, dequantize_fp8, AmaxSlot, CudaDevice,
+    cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, dequantize_fp8, AmaxSlot,
     CurrentScaling, Device, KernelError,
 };
 use half::bf16;

@@ -25,9 +25,8 @@
 //! Rounding the outputs to BF16 alone gives about 4e-3 of the largest value and 1.5e-3 in L2.
 
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, dkdv_variants, dq_variants, forward_variants,
-    run_layout_probe, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
+    attention_backward, attention_forward, run_layout_probe, AttentionConfig, AttentionKernel,
+    AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
 };
 use fp8_kernels::{Device, KernelError};
 use half::bf16;

@@ -19,10 +19,7 @@ use attention_common::{
     assert_no_failures, check_all, cycled_variants, inputs, probe_name, probe_ok, reference,
     Inputs, Outputs, ProbeCase, PROBES,
 };
-use fp8_kernels::attention::{
-    dkdv_variants, dq_variants, forward_variants, AttentionConfig, AttentionShape, BackwardKernels,
-    LayoutProbe,
-};
+use fp8_kernels::attention::{AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe};
 use half::bf16;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -14,8 +14,8 @@ use common::{
 };
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
-    NormLaunch, NormSpec, NormStats, MAX_FP8_ROW,
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormKind, NormLaunch,
+    NormSpec, NormStats, MAX_FP8_ROW,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, Device, FloatElement};

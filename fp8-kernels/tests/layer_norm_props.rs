@@ -8,8 +8,8 @@ mod common;
 use common::{grads_to_host, norm_grads};
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
-    NormSpec, NormStats,
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormKind, NormSpec,
+    NormStats,
 };
 use fp8_kernels::{cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement};
 use half::{bf16, f16};
