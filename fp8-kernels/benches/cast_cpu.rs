@@ -1,10 +1,35 @@
 //! CPU throughput of the cast kernels: amax, one-pass cast with amax, dequantize (criterion).
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use fp8_core::Fp8Format;
-use fp8_kernels::{amax, cast_to_fp8, dequantize_fp8, AmaxSlot, Device};
+use fp8_kernels::{amax, cast_to_fp8, dequantize_fp8, AmaxSlot, Buffer, Device, FloatElement};
 use half::bf16;
 use std::hint::black_box;
+
+/// The outputs of the one-pass cast benchmarks.
+struct Cast<'a> {
+    scale: &'a Buffer<f32>,
+    out: &'a mut Buffer<u8>,
+    amax: &'a mut Buffer<f32>,
+}
+
+impl Cast<'_> {
+    /// Benchmarks the cast of `x` into E4M3 with its amax, as `name`.
+    fn bench<T: FloatElement>(
+        &mut self,
+        g: &mut BenchmarkGroup<'_, WallTime>,
+        name: &str,
+        x: &Buffer<T>,
+    ) {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let slot = Some(AmaxSlot::first(self.amax));
+                cast_to_fp8(black_box(x), Fp8Format::E4M3, self.scale, self.out, slot).unwrap()
+            })
+        });
+    }
+}
 
 fn cast_benches(c: &mut Criterion) {
     let n = 1 << 20;
@@ -23,30 +48,13 @@ fn cast_benches(c: &mut Criterion) {
     g.bench_function("amax_f32", |b| {
         b.iter(|| amax(black_box(&x), AmaxSlot::first(&mut am)).unwrap())
     });
-    g.bench_function("cast_f32_e4m3_with_amax", |b| {
-        b.iter(|| {
-            cast_to_fp8(
-                black_box(&x),
-                Fp8Format::E4M3,
-                &scale,
-                &mut out,
-                Some(AmaxSlot::first(&mut am)),
-            )
-            .unwrap()
-        })
-    });
-    g.bench_function("cast_bf16_e4m3_with_amax", |b| {
-        b.iter(|| {
-            cast_to_fp8(
-                black_box(&xh),
-                Fp8Format::E4M3,
-                &scale,
-                &mut out,
-                Some(AmaxSlot::first(&mut am)),
-            )
-            .unwrap()
-        })
-    });
+    let mut cast = Cast {
+        scale: &scale,
+        out: &mut out,
+        amax: &mut am,
+    };
+    cast.bench(&mut g, "cast_f32_e4m3_with_amax", &x);
+    cast.bench(&mut g, "cast_bf16_e4m3_with_amax", &xh);
     g.bench_function("dequantize_e4m3_f32", |b| {
         b.iter(|| dequantize_fp8(black_box(&out), Fp8Format::E4M3, &scale, &mut deq).unwrap())
     });

@@ -43,23 +43,17 @@ fn adam_benches(c: &mut Criterion) {
     g.throughput(Throughput::Elements(n as u64));
     g.bench_function("low_precision_bf16_grad", |b| {
         b.iter(|| {
-            adam_step_low_precision(
-                &coef,
-                0..n,
-                LowPrecisionAdamState {
-                    master: &mut master,
-                    m: &mut m,
-                    v: &mut v,
-                },
-                black_box(&grad),
-                &scales,
-                0,
-                AmaxSlots {
-                    buffer: &mut amax,
-                    base: 0,
-                },
-            )
-            .unwrap()
+            let slots = AmaxSlots {
+                buffer: &mut amax,
+                base: 0,
+            };
+            let state = LowPrecisionAdamState {
+                master: &mut master,
+                m: &mut m,
+                v: &mut v,
+            };
+            adam_step_low_precision(&coef, 0..n, state, black_box(&grad), &scales, 0, slots)
+                .unwrap()
         })
     });
     g.finish();

@@ -82,16 +82,26 @@ __device__ __forceinline__ uint4 pack_u16x8(const u16 (&h)[8]) {
     return make_uint4((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16),
                       (u32)h[4] | ((u32)h[5] << 16), (u32)h[6] | ((u32)h[7] << 16));
 }
-struct TBF16 {
+// A 16-bit element type from its two conversions; store8 rounds element by element.
+template <float (*TO_F32)(u16), u16 (*FROM_F32)(float)>
+struct TU16 {
     typedef u16 T;
-    static __device__ __forceinline__ float load(const u16* p, u64 i) { return bf16_to_f32(p[i]); }
-    static __device__ __forceinline__ void store(u16* p, u64 i, float v) { p[i] = f32_to_bf16(v); }
+    static __device__ __forceinline__ float load(const u16* p, u64 i) { return TO_F32(p[i]); }
+    static __device__ __forceinline__ void store(u16* p, u64 i, float v) { p[i] = FROM_F32(v); }
     static __device__ __forceinline__ void load8(const u16* p, u64 i, float (&v)[8]) {
         u16 h[8];
         unpack_u16x8(*reinterpret_cast<const uint4*>(p + i), h);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = bf16_to_f32(h[k]);
+        for (int k = 0; k < 8; ++k) v[k] = TO_F32(h[k]);
     }
+    static __device__ __forceinline__ void store8(u16* p, u64 i, const float (&v)[8]) {
+        u16 h[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = FROM_F32(v[k]);
+        *reinterpret_cast<uint4*>(p + i) = pack_u16x8(h);
+    }
+};
+struct TBF16 : TU16<bf16_to_f32, f32_to_bf16> {
     // Pairs rounded by one cvt.rn.bf16x2.f32 each (the same rounding as f32_to_bf16, half the conversion
     // instructions): the value of the first operand goes to the upper half, so element 2k + 1 comes first.
     static __device__ __forceinline__ void store8(u16* p, u64 i, const float (&v)[8]) {
@@ -101,23 +111,31 @@ struct TBF16 {
         *reinterpret_cast<uint4*>(p + i) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 };
-struct TF16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(const u16* p, u64 i) { return f16_to_f32(p[i]); }
-    static __device__ __forceinline__ void store(u16* p, u64 i, float v) { p[i] = f32_to_f16(v); }
-    static __device__ __forceinline__ void load8(const u16* p, u64 i, float (&v)[8]) {
-        u16 h[8];
-        unpack_u16x8(*reinterpret_cast<const uint4*>(p + i), h);
+struct TF16 : TU16<f16_to_f32, f32_to_f16> {};
+
+// Vector j (elements 8j .. 8j+7) of a row of `len` elements: one 16-byte access when `vec`, else element
+// accesses of the valid ones (the load gives 0 past the end, the store leaves it alone).
+template <class E>
+__device__ __forceinline__ void load_vec8(const typename E::T* row, int j, int len, bool vec, float (&v)[8]) {
+    if (vec) {
+        E::load8(row, (u64)8 * j, v);
+    } else {
+        const int n = min(8, len - 8 * j);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = f16_to_f32(h[k]);
+        for (int q = 0; q < 8; ++q) v[q] = q < n ? E::load(row, (u64)8 * j + q) : 0.0f;
     }
-    static __device__ __forceinline__ void store8(u16* p, u64 i, const float (&v)[8]) {
-        u16 h[8];
+}
+template <class E>
+__device__ __forceinline__ void store_vec8(typename E::T* row, int j, int len, bool vec, const float (&v)[8]) {
+    if (vec) {
+        E::store8(row, (u64)8 * j, v);
+    } else {
+        const int n = min(8, len - 8 * j);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) h[k] = f32_to_f16(v[k]);
-        *reinterpret_cast<uint4*>(p + i) = pack_u16x8(h);
+        for (int q = 0; q < 8; ++q)
+            if (q < n) E::store(row, (u64)8 * j + q, v[q]);
     }
-};
+}
 
 // ---- FP8 encode / decode with the hardware instructions ----
 // The raw instruction: `lo` goes to the low byte, `hi` to the high byte.

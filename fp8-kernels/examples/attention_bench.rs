@@ -23,6 +23,9 @@
 //!
 //! Without a GPU it prints why and exits 0.
 
+mod common;
+
+use common::event_times_ms;
 use fp8_kernels::attention::{
     attention_backward, attention_forward, backward_splits, backward_variants, forward_variants,
     AttentionConfig, AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels,
@@ -145,43 +148,28 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn median_ms(
     dev: &Device,
     iters: usize,
-    mut f: impl FnMut() -> Result<(), KernelError>,
+    f: impl FnMut() -> Result<(), KernelError>,
 ) -> Result<f64, KernelError> {
     let cuda = dev.as_cuda("attention_bench")?;
-    for _ in 0..5 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut ms = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let e0 = cuda.record_compute_timed()?;
-        f()?;
-        let e1 = cuda.record_compute_timed()?;
-        ms.push(e0.elapsed_ms(&e1)? as f64);
-    }
-    Ok(median(ms))
+    Ok(median(event_times_ms(cuda, iters, f)?))
 }
 
-/// Median forward milliseconds with `cfg` (leaves `out` and `lse` for the backward).
-fn time_fwd(
+/// Which pass [`time_pass`] times.
+#[derive(Clone, Copy)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
+/// Median milliseconds of `pass` with `cfg`: the forward leaves `out` and `lse` in `b`, the backward
+/// starts from those already there.
+fn time_pass(
     dev: &Device,
     s: &AttentionShape,
     cfg: &AttentionConfig,
     b: &mut Bufs,
     iters: usize,
-) -> Result<f64, KernelError> {
-    median_ms(dev, iters, || {
-        attention_forward(s, cfg, &b.qkv, &mut b.out, &mut b.lse)
-    })
-}
-
-/// Median backward milliseconds with `cfg`, from the `out` and `lse` already in `b`.
-fn time_bwd(
-    dev: &Device,
-    s: &AttentionShape,
-    cfg: &AttentionConfig,
-    b: &mut Bufs,
-    iters: usize,
+    pass: Pass,
 ) -> Result<f64, KernelError> {
     let Bufs {
         qkv,
@@ -191,21 +179,10 @@ fn time_bwd(
         d_qkv,
         ws,
     } = b;
-    median_ms(dev, iters, || {
-        attention_backward(s, cfg, qkv, out, d_out, lse, d_qkv, ws)
+    median_ms(dev, iters, || match pass {
+        Pass::Forward => attention_forward(s, cfg, qkv, out, lse),
+        Pass::Backward => attention_backward(s, cfg, qkv, out, d_out, lse, d_qkv, ws),
     })
-}
-
-/// Median forward and backward milliseconds with `cfg`.
-fn time(
-    dev: &Device,
-    s: &AttentionShape,
-    cfg: &AttentionConfig,
-    b: &mut Bufs,
-    iters: usize,
-) -> Result<(f64, f64), KernelError> {
-    let f = time_fwd(dev, s, cfg, b, iters)?;
-    Ok((f, time_bwd(dev, s, cfg, b, iters)?))
 }
 
 fn label(s: &AttentionShape) -> String {
@@ -336,7 +313,14 @@ fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let mut b = buffers(dev, &s)?;
         for (name, cfg) in modes() {
             b.ws = AttentionWorkspace::new(); // each mode's own workspace size
-            let (f, bw) = match time(dev, &s, &cfg, &mut b, args.iters) {
+                                              // The forward, then the backward from its outputs.
+            let timed = time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward).and_then(|f| {
+                Ok((
+                    f,
+                    time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Backward)?,
+                ))
+            });
+            let (f, bw) = match timed {
                 Ok(t) => t,
                 Err(e) => {
                     println!("{:<20} {name:<13} error: {e}", label(&s));
@@ -412,7 +396,7 @@ fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                 },
                 ..Default::default()
             };
-            match time_fwd(dev, &s, &cfg, &mut b, args.iters) {
+            match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward) {
                 Ok(ms) => {
                     println!(
                         "{:<46} {ms:>8.3} {:>8.1}",
@@ -453,7 +437,7 @@ fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                     DqAccumulation::Atomic => format!("backward {bk} atomic"),
                     DqAccumulation::Deterministic => format!("backward {bk}"),
                 };
-                match time_bwd(dev, &s, &cfg, &mut b, args.iters) {
+                match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Backward) {
                     Ok(ms) => {
                         println!("{name:<46} {ms:>8.3} {:>8.1}", bwd_tf(ms));
                         match (mode, bk) {
@@ -482,7 +466,7 @@ fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                     "backward fused q{query_rows} splits {}",
                     backward_splits(dev, &s, &cfg)?.0
                 );
-                match time_bwd(dev, &s, &cfg, &mut b, args.iters) {
+                match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Backward) {
                     Ok(ms) => println!("{name:<46} {ms:>8.3} {:>8.1}", bwd_tf(ms)),
                     Err(e) => println!("{name:<46} error: {e}"),
                 }

@@ -6,39 +6,19 @@
 //! Bytes are counted as the peer script does: 2 read + 1 written per element for the casts (the current
 //! cast's second read of the input is not counted), 1 read + 2 written for the dequantize, 2 + 2 for the copy.
 
+mod common;
+
+use common::{bench_exit, time_ms};
 use fp8_core::Fp8Format;
 use fp8_kernels::elementwise::{gelu_forward, GeluApprox};
 use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
 use fp8_kernels::{
-    cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, dequantize_fp8, AmaxSlot, CudaDevice,
+    cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, dequantize_fp8, AmaxSlot,
     CurrentScaling, Device, KernelError,
 };
 use half::bf16;
 use rayon::prelude::*;
 use std::process::ExitCode;
-
-fn time_ms(
-    dev: &CudaDevice,
-    iters: usize,
-    mut f: impl FnMut() -> Result<(), KernelError>,
-) -> Result<f64, KernelError> {
-    for _ in 0..5 {
-        f()?;
-    }
-    dev.stream().synchronize()?;
-    let mut times = Vec::with_capacity(iters);
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    for _ in 0..iters {
-        let start = dev.context().new_event(flags)?;
-        let end = dev.context().new_event(flags)?;
-        start.record(dev.stream())?;
-        f()?;
-        end.record(dev.stream())?;
-        times.push(start.elapsed_ms(&end)? as f64);
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[times.len() / 2])
-}
 
 fn run(n: usize, iters: usize) -> Result<(), KernelError> {
     let gpu = Device::cuda(0)?;
@@ -219,15 +199,5 @@ fn main() -> ExitCode {
         }
         i += 2;
     }
-    match run(n, iters) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(KernelError::CudaUnavailable(why)) => {
-            println!("no GPU bench run: CUDA is not available ({why})");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    bench_exit(run(n, iters))
 }

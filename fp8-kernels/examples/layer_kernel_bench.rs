@@ -21,6 +21,9 @@
 //! every `CrossEntropyLaunch` choice of the CE kernel per chunk)
 //! or `layer_kernel_bench --export DIR`.
 
+mod common;
+
+use common::{bench_exit, time_ms};
 use fp8_core::Fp8Format;
 use fp8_kernels::cross_entropy::{
     cross_entropy, cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs,
@@ -36,27 +39,6 @@ use fp8_kernels::{AmaxSlot, Buffer, CudaDevice, Device, Element, KernelError};
 use half::bf16;
 use std::path::Path;
 use std::process::ExitCode;
-
-/// Median milliseconds of `iters` runs of `f` after 5 warm-up runs, timed with CUDA events.
-fn time_ms(
-    dev: &CudaDevice,
-    iters: usize,
-    mut f: impl FnMut() -> Result<(), KernelError>,
-) -> Result<f64, KernelError> {
-    for _ in 0..5 {
-        f()?;
-    }
-    dev.stream().synchronize()?;
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let start = dev.record_compute_timed()?;
-        f()?;
-        let end = dev.record_compute_timed()?;
-        times.push(start.elapsed_ms(&end)? as f64);
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[times.len() / 2])
-}
 
 fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<bf16> {
     let mut rng = SplitMix64::new(seed);
@@ -686,15 +668,5 @@ fn main() -> ExitCode {
             }
         };
     }
-    match bench(iters, &chunks, sweep) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(KernelError::CudaUnavailable(why)) => {
-            println!("no GPU bench run: CUDA is not available ({why})");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            println!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    bench_exit(bench(iters, &chunks, sweep))
 }

@@ -40,6 +40,7 @@ pub mod adam;
 pub mod attention;
 pub mod cast;
 pub mod conv;
+mod cpu_kernel;
 pub mod cross_entropy;
 pub mod device;
 pub mod elementwise;

@@ -490,8 +490,7 @@ fn cuda_cast_weight_source_and_bf16_grads_match_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_control_matches_cpu() {
-    let gpu = cuda_device();
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let (gpu, mut s) = (cuda_device(), 0x9E37_79B9_7F4A_7C15u64);
     for case in 0..200u32 {
         let n = 1 + (case as usize % 5);
         let mut grads: Vec<Vec<f32>> = (0..n)

@@ -8,7 +8,7 @@ use fp8_kernels::adam::{
     adam_element, adam_step_f32, adam_step_low_precision, f16_saturating, lp_slot, AmaxSlots,
 };
 use fp8_kernels::rng::SplitMix64;
-use fp8_kernels::{AdamConfig, Device, LowPrecisionAdamState, WeightDecay};
+use fp8_kernels::{AdamConfig, Buffer, Device, LowPrecisionAdamState, WeightDecay};
 use half::{bf16, f16};
 use proptest::prelude::*;
 
@@ -188,12 +188,7 @@ fn low_precision_adamw_follows_f32_adamw() {
         let gb = dev.upload(&g).unwrap();
         adam_step_f32(&coef, 0..n, &mut w32, &mut m32, &mut v32, &gb, None).unwrap();
         // the low-precision run sees the gradient at its own weights
-        let wl_now: Vec<f32> = wl
-            .to_vec()
-            .unwrap()
-            .iter()
-            .map(|h| h.to_f32() * sc[0])
-            .collect();
+        let wl_now: Vec<f32> = scaled_values(&wl, sc[0]);
         let gl: Vec<f32> = wl_now
             .iter()
             .zip(&noise)
@@ -246,24 +241,9 @@ fn low_precision_adamw_follows_f32_adamw() {
         sc = [1.0 / nw, nw, 1.0 / nm, nm, 1.0 / nv, nv];
     }
     let a = w32.to_vec().unwrap();
-    let b: Vec<f32> = wl
-        .to_vec()
-        .unwrap()
-        .iter()
-        .map(|h| h.to_f32() * sc[0])
-        .collect();
-    let moved: f64 = a
-        .iter()
-        .zip(&w0)
-        .map(|(x, y)| ((x - y) as f64).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let diff: f64 = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| ((x - y) as f64).powi(2))
-        .sum::<f64>()
-        .sqrt();
+    let b: Vec<f32> = scaled_values(&wl, sc[0]);
+    let moved = l2_distance(&a, &w0);
+    let diff = l2_distance(&a, &b);
     assert!(moved > 1.0, "the weights should move ({moved})");
     assert!(
         diff < 0.05 * moved,
@@ -311,4 +291,22 @@ fn range_and_slot_errors() {
         },
     );
     assert!(r.is_err());
+}
+
+/// The Euclidean distance of two vectors, in f64.
+fn l2_distance(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// The values of an f16 buffer times `scale_inv`, in f32.
+fn scaled_values(b: &Buffer<f16>, scale_inv: f32) -> Vec<f32> {
+    b.to_vec()
+        .unwrap()
+        .iter()
+        .map(|h| h.to_f32() * scale_inv)
+        .collect()
 }

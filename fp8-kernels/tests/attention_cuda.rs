@@ -25,9 +25,8 @@
 //! Rounding the outputs to BF16 alone gives about 4e-3 of the largest value and 1.5e-3 in L2.
 
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, dkdv_variants, dq_variants, forward_variants,
-    run_layout_probe, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
+    attention_backward, attention_forward, run_layout_probe, AttentionConfig, AttentionKernel,
+    AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
 };
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
@@ -35,7 +34,8 @@ use std::sync::OnceLock;
 
 mod attention_common;
 use attention_common::{
-    check_all, inputs, probe_name, probe_ok, reference, Inputs, Outputs, ProbeCase, PROBES,
+    assert_no_failures, check_all, cycled_variants, inputs, probe_name, probe_ok, reference,
+    Inputs, Outputs, ProbeCase, PROBES,
 };
 
 /// One device for the whole binary, so the module is compiled once.
@@ -92,13 +92,7 @@ fn variants(hd: usize, t: usize) -> Vec<(String, AttentionConfig)> {
         ),
         ("mma default".to_string(), base),
     ];
-    let (fv, kv, qv) = (forward_variants(hd), dkdv_variants(hd), dq_variants(hd));
-    for i in 0..fv.len().max(kv.len()).max(qv.len()) {
-        let forward = fv[i % fv.len()];
-        let backward = BackwardKernels::Separate {
-            dkdv: kv[i % kv.len()],
-            dq: qv[i % qv.len()],
-        };
+    for (forward, backward) in cycled_variants(hd) {
         v.push((
             format!("mma {forward} {backward}"),
             with(AttentionTiles {
@@ -202,12 +196,7 @@ fn cuda_matches_cpu() {
             }
         }
     }
-    assert!(
-        fails.is_empty(),
-        "{} comparisons failed:\n{}",
-        fails.len(),
-        fails.join("\n")
-    );
+    assert_no_failures(&fails);
 }
 
 #[test]

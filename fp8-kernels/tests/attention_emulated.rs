@@ -16,12 +16,10 @@
 mod attention_common;
 
 use attention_common::{
-    check_all, inputs, probe_name, probe_ok, reference, Inputs, Outputs, ProbeCase, PROBES,
+    assert_no_failures, check_all, cycled_variants, inputs, probe_name, probe_ok, reference,
+    Inputs, Outputs, ProbeCase, PROBES,
 };
-use fp8_kernels::attention::{
-    dkdv_variants, dq_variants, forward_variants, AttentionConfig, AttentionShape, BackwardKernels,
-    LayoutProbe,
-};
+use fp8_kernels::attention::{AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe};
 use half::bf16;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -145,13 +143,7 @@ fn variants(hd: usize, all: bool) -> Vec<Variant> {
     if !all {
         return out;
     }
-    let (fv, kv, qv) = (forward_variants(hd), dkdv_variants(hd), dq_variants(hd));
-    for i in 0..fv.len().max(kv.len()).max(qv.len()) {
-        let f = fv[i % fv.len()];
-        let b = BackwardKernels::Separate {
-            dkdv: kv[i % kv.len()],
-            dq: qv[i % qv.len()],
-        };
+    for (i, (f, b)) in cycled_variants(hd).into_iter().enumerate() {
         out.push(v(
             format!("{f} {b}"),
             if i % 2 == 0 { "late" } else { "early" },
@@ -289,12 +281,7 @@ fn emulated_kernels_match_cpu() {
             }
         }
     }
-    assert!(
-        fails.is_empty(),
-        "{} comparisons failed:\n{}",
-        fails.len(),
-        fails.join("\n")
-    );
+    assert_no_failures(&fails);
 }
 
 #[test]

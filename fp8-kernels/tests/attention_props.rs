@@ -131,9 +131,8 @@ proptest! {
     #[test]
     fn output_at_t_does_not_see_keys_after_t((s, scale, x, _dy) in case(), cut in 0usize..24, noise in values(64, 3.0)) {
         // Change k and v of every row after `cut`: rows <= cut of out and lse keep their bits.
-        let cut = cut % s.seq_len;
+        let (cut, hd, h) = (cut % s.seq_len, s.head_dim, s.heads);
         let mut y = x.clone();
-        let (hd, h) = (s.head_dim, s.heads);
         for b in 0..s.batch {
             for t in cut + 1..s.seq_len {
                 for w in 1..3 {

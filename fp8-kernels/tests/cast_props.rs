@@ -28,6 +28,54 @@ fn format() -> impl Strategy<Value = Fp8Format> {
     prop_oneof![Just(Fp8Format::E4M3), Just(Fp8Format::E5M2)]
 }
 
+/// Current or delayed scaling (history window 1..6, either amax rule), margin 0..3, either rounding.
+fn recipe() -> impl Strategy<Value = ScalingRecipe> {
+    let rounding = prop_oneof![Just(ScaleRounding::Exact), Just(ScaleRounding::PowerOfTwo)];
+    let amax_compute = prop_oneof![Just(AmaxCompute::MostRecent), Just(AmaxCompute::Max)];
+    (any::<bool>(), 1usize..6, amax_compute, 0i32..3, rounding).prop_map(
+        |(current, history_len, amax_compute, margin, rounding)| {
+            if current {
+                ScalingRecipe::Current { margin, rounding }
+            } else {
+                ScalingRecipe::Delayed {
+                    history_len,
+                    amax_compute,
+                    margin,
+                    rounding,
+                }
+            }
+        },
+    )
+}
+
+/// A scaling meta's state in device buffers, as a model's scaling state holds them.
+struct MetaBuffers {
+    scale: Buffer<f32>,
+    scale_inv: Buffer<f32>,
+    history: Buffer<f32>,
+    state: Buffer<u32>,
+}
+
+impl MetaBuffers {
+    fn new(dev: &Device, host: &ScalingMeta) -> Self {
+        MetaBuffers {
+            scale: dev.upload(&[host.scale()]).unwrap(),
+            scale_inv: dev.upload(&[host.scale_inv()]).unwrap(),
+            history: dev.upload(&host.history()).unwrap(),
+            state: dev.upload(&[0u32, 0, 0]).unwrap(),
+        }
+    }
+
+    fn bufs(&mut self) -> ScalingMetaBuffers<'_> {
+        ScalingMetaBuffers {
+            scale: &mut self.scale,
+            scale_inv: &mut self.scale_inv,
+            history: &mut self.history,
+            state: &mut self.state,
+        }
+    }
+}
+
 /// Powers of two across the useful range, and arbitrary positive scales.
 fn scale() -> impl Strategy<Value = f32> {
     prop_oneof![
@@ -159,40 +207,17 @@ proptest! {
     #[test]
     fn device_meta_update_matches_scaling_meta(
         amaxes in proptest::collection::vec(prop_oneof![4 => 0.0f32..1e4, 1 => proptest::num::f32::ANY], 1..40),
-        window in 1usize..6,
-        most_recent in any::<bool>(),
-        margin in 0i32..3,
-        exact in any::<bool>(),
+        recipe in recipe(),
         e5m2 in any::<bool>(),
-        current in any::<bool>(),
     ) {
-        let rounding = if exact { ScaleRounding::Exact } else { ScaleRounding::PowerOfTwo };
-        let recipe = if current {
-            ScalingRecipe::Current { margin, rounding }
-        } else {
-            ScalingRecipe::Delayed {
-                history_len: window,
-                amax_compute: if most_recent { AmaxCompute::MostRecent } else { AmaxCompute::Max },
-                margin,
-                rounding,
-            }
-        };
         let q = if e5m2 { QType::E5M2 } else { QType::E4M3 };
         let mut host = ScalingMeta::new(q, recipe).unwrap();
         let dev = Device::cpu();
-        let mut scale = dev.upload(&[host.scale()]).unwrap();
-        let mut scale_inv = dev.upload(&[host.scale_inv()]).unwrap();
-        let mut history = dev.upload(&host.history()).unwrap();
-        let mut state = dev.upload(&[0u32, 0, 0]).unwrap();
+        let mut meta = MetaBuffers::new(&dev, &host);
         let shared = dev.upload(&amaxes).unwrap();
         for (i, &a) in amaxes.iter().enumerate() {
             host.update_from_amax(a);
-            let bufs = ScalingMetaBuffers {
-                scale: &mut scale,
-                scale_inv: &mut scale_inv,
-                history: &mut history,
-                state: &mut state,
-            };
+            let bufs = meta.bufs();
             if i % 2 == 0 {
                 // through a pending slot, which the update resets
                 let mut own = dev.upload(&[a]).unwrap();
@@ -201,12 +226,12 @@ proptest! {
             } else {
                 update_scaling_meta(bufs, q, &recipe, AmaxInput::Read(&shared, i)).unwrap();
             }
-            prop_assert_eq!(scale.to_vec().unwrap()[0].to_bits(), host.scale().to_bits());
-            prop_assert_eq!(scale_inv.to_vec().unwrap()[0].to_bits(), host.scale_inv().to_bits());
+            prop_assert_eq!(meta.scale.to_vec().unwrap()[0].to_bits(), host.scale().to_bits());
+            prop_assert_eq!(meta.scale_inv.to_vec().unwrap()[0].to_bits(), host.scale_inv().to_bits());
         }
         // The ring, read oldest first from its position, is the host history (NaN kept as NaN).
-        let ring = history.to_vec().unwrap();
-        let st = state.to_vec().unwrap();
+        let ring = meta.history.to_vec().unwrap();
+        let st = meta.state.to_vec().unwrap();
         let pos = st[0] as usize;
         let oldest: Vec<u32> = ring[pos..].iter().chain(&ring[..pos]).map(|v| v.to_bits()).collect();
         let hh: Vec<u32> = host.history().iter().map(|v| v.to_bits()).collect();

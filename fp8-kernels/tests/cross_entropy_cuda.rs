@@ -9,10 +9,9 @@ mod common;
 
 use common::{
     canon, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+    CeBuffers,
 };
-use fp8_kernels::cross_entropy::{
-    cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
-};
+use fp8_kernels::cross_entropy::{cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropySpec};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
@@ -64,12 +63,19 @@ fn special_case(vocab: usize, seed: u64) -> Case {
     c
 }
 
+/// `c` without the gradient (loss only).
+fn loss_only(c: Case) -> Case {
+    Case { grad: false, ..c }
+}
+
+/// `c` in calls of `chunk` rows.
+fn in_chunks(c: Case, chunk: usize) -> Case {
+    Case { chunk, ..c }
+}
+
 fn run<T: FloatElement>(dev: &Device, c: &Case, launch: CrossEntropyLaunch) -> Outputs {
     let tg = dev.upload(&c.targets).unwrap();
-    let mut lse = dev.zeros::<f32>(c.rows).unwrap();
-    let mut loss = dev.zeros::<f32>(c.rows).unwrap();
-    let mut sum = dev.upload(&[0.5f32]).unwrap();
-    let mut invalid = dev.zeros::<u32>(1).unwrap();
+    let mut out = CeBuffers::new(dev, c.rows, 0.5, 0);
     let mut grad = Vec::new();
     let mut a = 0;
     while a < c.rows {
@@ -86,29 +92,17 @@ fn run<T: FloatElement>(dev: &Device, c: &Case, launch: CrossEntropyLaunch) -> O
             ignore_index: c.ignore_index,
             grad_scale: c.grad.then_some(1.0 / c.rows as f32),
         };
-        cross_entropy_with_launch(
-            &spec,
-            launch,
-            &mut lg,
-            &tg,
-            CrossEntropyOutputs {
-                lse: &mut lse,
-                loss: &mut loss,
-                loss_sum: &mut sum,
-                invalid_targets: &mut invalid,
-            },
-        )
-        .unwrap();
+        cross_entropy_with_launch(&spec, launch, &mut lg, &tg, out.outputs()).unwrap();
         grad.extend(lg.to_vec().unwrap().iter().map(|v| canon(v.to_f32())));
         a = b;
     }
     let bits = |b: &Buffer<f32>| b.to_vec().unwrap().into_iter().map(canon).collect();
     Outputs {
         grad,
-        lse: bits(&lse),
-        loss: bits(&loss),
-        sum: canon(sum.to_vec().unwrap()[0]),
-        invalid: invalid.to_vec().unwrap()[0],
+        lse: bits(&out.lse),
+        loss: bits(&out.loss),
+        sum: canon(out.sum.to_vec().unwrap()[0]),
+        invalid: out.invalid.to_vec().unwrap()[0],
     }
 }
 
@@ -143,20 +137,15 @@ fn compare_launch<T: FloatElement>(
 fn cuda_matches_cpu_bitwise_and_is_deterministic() {
     let gpu = cuda_device();
     let mut cases = vec![
-        ("GPT-2 vocabulary, 3 chunks", {
-            let mut c = case(96, 50304, 8.0, 1);
-            c.chunk = 40;
-            c
-        }),
+        (
+            "GPT-2 vocabulary, 3 chunks",
+            in_chunks(case(96, 50304, 8.0, 1), 40),
+        ),
         ("vocab 50257 (odd)", case(9, 50257, 8.0, 2)),
         ("vocab 1000", case(33, 1000, 30.0, 3)),
         ("vocab 5", case(7, 5, 2.0, 4)),
         ("wide logits", case(5, 4096, 200.0, 5)),
-        ("loss only", {
-            let mut c = case(6, 2048, 8.0, 6);
-            c.grad = false;
-            c
-        }),
+        ("loss only", loss_only(case(6, 2048, 8.0, 6))),
     ];
     cases.push(("ignored, invalid targets and a NaN", special_case(640, 7)));
     let mut ok = true;
@@ -175,16 +164,12 @@ fn register_and_reread_kernels_match_cpu_bitwise() {
     // (50304, 1000, 65536), in part (65544; and 50304 for the 8-vector kernel) or not at all (50257 is not
     // a multiple of 8, so every kernel re-reads it).
     let mut cases = vec![
+        ("vocab 32768, loss only", loss_only(case(6, 32768, 8.0, 16))),
         ("LM-head chunk", case(300, 50304, 8.0, 11)),
         ("vocab 50257 (odd)", case(9, 50257, 8.0, 12)),
         ("vocab 1000", case(33, 1000, 30.0, 13)),
         ("vocab 65536", case(5, 65536, 8.0, 14)),
         ("vocab 65544", case(4, 65544, 8.0, 15)),
-        ("vocab 32768, loss only", {
-            let mut c = case(6, 32768, 8.0, 16);
-            c.grad = false;
-            c
-        }),
     ];
     cases.push(("ignored, invalid targets and a NaN", special_case(4096, 17)));
     let mut ok = true;

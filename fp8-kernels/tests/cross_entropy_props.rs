@@ -3,9 +3,12 @@
 //! f64 mean loss; chunking with row offsets; ignored and invalid targets; argument errors (launch choices
 //! included).
 
+mod common;
+
+use common::CeBuffers;
 use fp8_kernels::cross_entropy::{
     check_targets, cross_entropy, cross_entropy_with_launch, exp_fixed, ln_fixed, loss_sum,
-    CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
+    CrossEntropyLaunch, CrossEntropySpec,
 };
 use fp8_kernels::{Buffer, DType, Device, FloatElement};
 use half::bf16;
@@ -35,28 +38,14 @@ fn run<T: FloatElement>(spec: &CrossEntropySpec, logits: &[T], targets: &[i32]) 
     let dev = Device::cpu();
     let mut lg = dev.upload(logits).unwrap();
     let tg = dev.upload(targets).unwrap();
-    let mut lse = dev.zeros::<f32>(targets.len()).unwrap();
-    let mut loss = dev.zeros::<f32>(targets.len()).unwrap();
-    let mut sum = dev.upload(&[0.25f32]).unwrap();
-    let mut invalid = dev.upload(&[3u32]).unwrap();
-    cross_entropy(
-        spec,
-        &mut lg,
-        &tg,
-        CrossEntropyOutputs {
-            lse: &mut lse,
-            loss: &mut loss,
-            loss_sum: &mut sum,
-            invalid_targets: &mut invalid,
-        },
-    )
-    .unwrap();
+    let mut out = CeBuffers::new(&dev, targets.len(), 0.25, 3);
+    cross_entropy(spec, &mut lg, &tg, out.outputs()).unwrap();
     Run {
         grad: lg.to_vec().unwrap(),
-        lse: lse.to_vec().unwrap(),
-        loss: loss.to_vec().unwrap(),
-        sum: sum.to_vec().unwrap()[0] - 0.25,
-        invalid: invalid.to_vec().unwrap()[0] - 3,
+        lse: out.lse.to_vec().unwrap(),
+        loss: out.loss.to_vec().unwrap(),
+        sum: out.sum.to_vec().unwrap()[0] - 0.25,
+        invalid: out.invalid.to_vec().unwrap()[0] - 3,
     }
 }
 
@@ -162,25 +151,20 @@ proptest! {
         let k = rows / 2;
         let dev = Device::cpu();
         let tg = dev.upload(&targets).unwrap();
-        let mut lse = dev.zeros::<f32>(rows).unwrap();
-        let mut loss = dev.zeros::<f32>(rows).unwrap();
-        let mut sum = dev.zeros::<f32>(1).unwrap();
-        let mut invalid = dev.zeros::<u32>(1).unwrap();
+        let mut out = CeBuffers::new(&dev, rows, 0.0, 0);
         let mut grads = Vec::new();
         for (a, b) in [(0, k), (k, rows)] {
             let mut chunk: Buffer<bf16> = dev.upload(&lt[a * vocab..b * vocab]).unwrap();
             let spec = CrossEntropySpec { row_offset: a, ..CrossEntropySpec::new(b - a, vocab, gs) };
-            cross_entropy(&spec, &mut chunk, &tg, CrossEntropyOutputs {
-                lse: &mut lse, loss: &mut loss, loss_sum: &mut sum, invalid_targets: &mut invalid,
-            }).unwrap();
+            cross_entropy(&spec, &mut chunk, &tg, out.outputs()).unwrap();
             grads.extend(chunk.to_vec().unwrap());
         }
         prop_assert_eq!(&grads, &whole.grad);
-        prop_assert_eq!(&lse.to_vec().unwrap(), &whole.lse);
-        let loss = loss.to_vec().unwrap();
+        prop_assert_eq!(&out.lse.to_vec().unwrap(), &whole.lse);
+        let loss = out.loss.to_vec().unwrap();
         prop_assert_eq!(&loss, &whole.loss);
         let want = (0.0 + loss_sum(&loss[..k])) + loss_sum(&loss[k..]);
-        prop_assert_eq!(sum.to_vec().unwrap()[0].to_bits(), want.to_bits());
+        prop_assert_eq!(out.sum.to_vec().unwrap()[0].to_bits(), want.to_bits());
         prop_assert_eq!(whole.sum.to_bits(), ((0.25 + loss_sum(&loss)) - 0.25).to_bits());
     }
 }
@@ -285,22 +269,9 @@ fn invalid_arguments_are_errors() {
     let dev = Device::cpu();
     let mut logits = dev.zeros::<f32>(20).unwrap();
     let targets = dev.upload(&[0i32, 1]).unwrap();
-    let mut lse = dev.zeros::<f32>(2).unwrap();
-    let mut loss = dev.zeros::<f32>(2).unwrap();
-    let mut sum = dev.zeros::<f32>(1).unwrap();
-    let mut invalid = dev.zeros::<u32>(1).unwrap();
+    let mut out = CeBuffers::new(&dev, 2, 0.0, 0);
     let mut call = |spec: CrossEntropySpec, logits: &mut Buffer<f32>| {
-        cross_entropy(
-            &spec,
-            logits,
-            &targets,
-            CrossEntropyOutputs {
-                lse: &mut lse,
-                loss: &mut loss,
-                loss_sum: &mut sum,
-                invalid_targets: &mut invalid,
-            },
-        )
+        cross_entropy(&spec, logits, &targets, out.outputs())
     };
     assert!(call(CrossEntropySpec::new(2, 10, 0.5), &mut logits).is_ok());
     assert!(call(CrossEntropySpec::new(2, 9, 0.5), &mut logits).is_err());
@@ -322,10 +293,7 @@ fn launch_choices_are_checked() {
         let host: Vec<T> = (0..32).map(|i| T::from_f32(i as f32 * 0.25)).collect();
         let mut logits = dev.upload(&host).unwrap();
         let targets = dev.upload(&[3i32, 7]).unwrap();
-        let mut lse = dev.zeros::<f32>(2).unwrap();
-        let mut loss = dev.zeros::<f32>(2).unwrap();
-        let mut sum = dev.zeros::<f32>(1).unwrap();
-        let mut invalid = dev.zeros::<u32>(1).unwrap();
+        let mut out = CeBuffers::new(&dev, 2, 0.0, 0);
         cross_entropy_with_launch(
             &CrossEntropySpec::new(2, 16, 0.5),
             CrossEntropyLaunch {
@@ -333,19 +301,14 @@ fn launch_choices_are_checked() {
             },
             &mut logits,
             &targets,
-            CrossEntropyOutputs {
-                lse: &mut lse,
-                loss: &mut loss,
-                loss_sum: &mut sum,
-                invalid_targets: &mut invalid,
-            },
+            out.outputs(),
         )?;
         Ok(logits
             .to_vec()
             .unwrap()
             .iter()
             .map(|v| v.to_f32().to_bits())
-            .chain(lse.to_vec().unwrap().iter().map(|v| v.to_bits()))
+            .chain(out.lse.to_vec().unwrap().iter().map(|v| v.to_bits()))
             .collect())
     }
     let base = call::<bf16>(None).unwrap();

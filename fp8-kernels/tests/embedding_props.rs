@@ -187,20 +187,13 @@ fn invalid_arguments_are_errors() {
     assert!(embedding_forward(&table, 5, None, &g, &mut out).is_err());
     assert!(embedding_forward(&table, 0, None, &g, &mut out).is_err());
     let pos = dev.zeros::<f32>(3 * 4).unwrap();
-    let bad_seq = Some(PositionTable {
-        table: &pos,
-        seq: 3,
-    });
+    let positions = |seq| Some(PositionTable { table: &pos, seq });
     assert!(
-        embedding_forward(&table, 4, bad_seq, &g, &mut out).is_err(),
+        embedding_forward(&table, 4, positions(3), &g, &mut out).is_err(),
         "4 positions are not whole sequences of 3"
     );
-    let short = Some(PositionTable {
-        table: &pos,
-        seq: 4,
-    });
     assert!(
-        embedding_forward(&table, 4, short, &g, &mut out).is_err(),
+        embedding_forward(&table, 4, positions(4), &g, &mut out).is_err(),
         "3 rows < seq 4"
     );
     let dy = dev.zeros::<f32>(4 * 4).unwrap();

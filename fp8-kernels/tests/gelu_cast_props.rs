@@ -172,45 +172,35 @@ fn check_all<T: FloatElement>(c: &Inputs<'_>) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// GELU approximation, format, scale, the amax buffer before, its slot, and the element type for
+/// [`check_elem`].
+fn settings() -> impl Strategy<Value = (GeluApprox, Fp8Format, f32, [f32; 3], usize, u8)> {
+    let amax0 = (0.0f32..3.0, 0.0f32..3.0, 0.0f32..3.0).prop_map(|(a, b, c)| [a, b, c]);
+    (approx(), format(), scale(), amax0, 0usize..3, 0u8..3)
+}
+
+/// [`check_all`] in the element type `elem` names: 0 bf16, 1 f32, else f16.
+fn check_elem(elem: u8, c: &Inputs<'_>) -> Result<(), TestCaseError> {
+    match elem {
+        0 => check_all::<bf16>(c),
+        1 => check_all::<f32>(c),
+        _ => check_all::<f16>(c),
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn forward_equals_gelu_then_cast_transpose(
-        (shape, u, _dh) in case(80),
-        approx in approx(),
-        format in format(),
-        scale in scale(),
-        amax0 in (0.0f32..3.0, 0.0f32..3.0, 0.0f32..3.0),
-        slot in 0usize..3,
-        elem in 0u8..3,
-    ) {
-        let c = Inputs { shape, u: &u, dh: None, approx, format, scale,
-            amax0: [amax0.0, amax0.1, amax0.2], slot };
-        match elem {
-            0 => check_all::<bf16>(&c)?,
-            1 => check_all::<f32>(&c)?,
-            _ => check_all::<f16>(&c)?,
-        }
+    fn forward_equals_gelu_then_cast_transpose((shape, u, _dh) in case(80), (approx, format, scale, amax0, slot, elem) in settings()) {
+        let c = Inputs { shape, u: &u, dh: None, approx, format, scale, amax0, slot };
+        check_elem(elem, &c)?;
     }
 
     #[test]
-    fn backward_equals_gelu_backward_then_cast_transpose(
-        (shape, u, dh) in case(80),
-        approx in approx(),
-        format in format(),
-        scale in scale(),
-        amax0 in (0.0f32..3.0, 0.0f32..3.0, 0.0f32..3.0),
-        slot in 0usize..3,
-        elem in 0u8..3,
-    ) {
-        let c = Inputs { shape, u: &u, dh: Some(&dh), approx, format, scale,
-            amax0: [amax0.0, amax0.1, amax0.2], slot };
-        match elem {
-            0 => check_all::<bf16>(&c)?,
-            1 => check_all::<f32>(&c)?,
-            _ => check_all::<f16>(&c)?,
-        }
+    fn backward_equals_gelu_backward_then_cast_transpose((shape, u, dh) in case(80), (approx, format, scale, amax0, slot, elem) in settings()) {
+        let c = Inputs { shape, u: &u, dh: Some(&dh), approx, format, scale, amax0, slot };
+        check_elem(elem, &c)?;
     }
 }
 
@@ -332,18 +322,23 @@ fn near(format: Fp8Format, got: &Outputs, want: &Outputs) -> Result<(), TestCase
     Ok(())
 }
 
-/// On the GPU the fused kernels equal the unfused GPU kernels bit for bit (same f32 operations, same
-/// device math library), and agree with the CPU implementation up to the last bit of `exp`/`tanh`.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn cuda_fused_matches_unfused_and_cpu() {
+/// CUDA device 0, which must have FP8 instructions.
+fn fp8_gpu() -> Device {
     let gpu = cuda_device();
     if let Device::Cuda(c) = &gpu {
         if let Err(e) = c.require_fp8() {
             panic!("no FP8 on this GPU: {e}");
         }
     }
-    let cpu = Device::cpu();
+    gpu
+}
+
+/// On the GPU the fused kernels equal the unfused GPU kernels bit for bit (same f32 operations, same
+/// device math library), and agree with the CPU implementation up to the last bit of `exp`/`tanh`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_fused_matches_unfused_and_cpu() {
+    let (gpu, cpu) = (fp8_gpu(), Device::cpu());
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
     runner
         .run(
@@ -388,4 +383,41 @@ fn cuda_fused_matches_unfused_and_cpu() {
             },
         )
         .unwrap();
+}
+
+/// As [`cuda_fused_matches_unfused_and_cpu`], at MLP sizes (`[tokens, 4d]`, where the CPU path runs in
+/// parallel and the kernels fill the GPU) and ragged ones (partial tiles), BF16 and the erf GELU as a
+/// model runs them: forward into E4M3, backward into E5M2 at a gradient-sized scale.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_fused_matches_unfused_and_cpu_at_mlp_sizes() {
+    let (gpu, cpu) = (fp8_gpu(), Device::cpu());
+    let mut rng = fp8_kernels::rng::SplitMix64::new(0x5EED_F05E);
+    for shape in [[4096usize, 8192usize], [1000, 777], [33, 4097], [1, 1]] {
+        let n = shape[0] * shape[1];
+        let u: Vec<f32> = (0..n).map(|_| rng.uniform_f32() * 4.0).collect();
+        let dh: Vec<f32> = (0..n).map(|_| rng.uniform_f32() * 1e-4).collect();
+        for (backward, format, scale) in [
+            (false, Fp8Format::E4M3, 64.0f32),
+            (true, Fp8Format::E5M2, 2f32.powi(20)),
+        ] {
+            let c = Inputs {
+                shape,
+                u: &u,
+                dh: backward.then_some(&dh[..]),
+                approx: GeluApprox::Erf,
+                format,
+                scale,
+                amax0: [0.0; 3],
+                slot: 0,
+            };
+            let got = fused::<bf16>(&gpu, &c);
+            assert_eq!(
+                got,
+                unfused::<bf16>(&gpu, &c),
+                "{shape:?} backward {backward}: fused vs unfused on the GPU"
+            );
+            near(format, &got, &fused::<bf16>(&cpu, &c)).unwrap();
+        }
+    }
 }

@@ -13,20 +13,26 @@ fn reference(spec: &GemmSpec, a: &[f64], b: &[f64], c: &[f64]) -> (Vec<f64>, Vec
     let (m, n, k) = (spec.m, spec.n, spec.k);
     let mut out = vec![0.0; m * n];
     let mut mag = vec![0.0; m * n];
+    // Element (i, p) of op(A) and (p, j) of op(B).
+    let a_at = |i: usize, p: usize| {
+        if spec.trans_a.is_yes() {
+            a[p * m + i]
+        } else {
+            a[i * k + p]
+        }
+    };
+    let b_at = |p: usize, j: usize| {
+        if spec.trans_b.is_yes() {
+            b[j * k + p]
+        } else {
+            b[p * n + j]
+        }
+    };
     for i in 0..m {
         for j in 0..n {
             let (mut s, mut sa) = (0.0f64, 0.0f64);
             for p in 0..k {
-                let av = if spec.trans_a.is_yes() {
-                    a[p * m + i]
-                } else {
-                    a[i * k + p]
-                };
-                let bv = if spec.trans_b.is_yes() {
-                    b[j * k + p]
-                } else {
-                    b[p * n + j]
-                };
+                let (av, bv) = (a_at(i, p), b_at(p, j));
                 s += av * bv;
                 sa += (av * bv).abs();
             }

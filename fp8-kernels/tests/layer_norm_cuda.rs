@@ -10,11 +10,12 @@ mod common;
 
 use common::{
     bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
+    norm_grads,
 };
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
-    NormLaunch, NormSpec, NormStats, MAX_FP8_ROW,
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormKind, NormLaunch,
+    NormSpec, NormStats, MAX_FP8_ROW,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, Device, FloatElement};
@@ -117,38 +118,14 @@ fn run<T: FloatElement, G: FloatElement>(dev: &Device, c: &Inputs) -> Outputs {
     let mut dx: Buffer<G> = dev.zeros(n).unwrap();
     let mut dw = dev.zeros::<f32>(s.d).unwrap();
     let mut db = dev.zeros::<f32>(s.d).unwrap();
-    norm_backward(
-        s,
-        &x,
-        &w,
-        &stats,
-        &dy,
-        NormGrads {
-            dx: &mut dx,
-            dx_mode: GradMode::Overwrite,
-            dweight: &mut dw,
-            dbias: Some(&mut db),
-            param_mode: GradMode::Overwrite,
-        },
-    )
-    .unwrap();
+    let backward =
+        |mode, dx: &mut Buffer<G>, dw: &mut Buffer<f32>, db: Option<&mut Buffer<f32>>| {
+            norm_backward(s, &x, &w, &stats, &dy, norm_grads(mode, dx, dw, db)).unwrap()
+        };
+    backward(GradMode::Overwrite, &mut dx, &mut dw, Some(&mut db));
     let mut dx_acc = upg(&c.old_dx);
     let mut dw_acc = dev.upload(&c.old_p).unwrap();
-    norm_backward(
-        s,
-        &x,
-        &w,
-        &stats,
-        &dy,
-        NormGrads {
-            dx: &mut dx_acc,
-            dx_mode: GradMode::Accumulate,
-            dweight: &mut dw_acc,
-            dbias: None,
-            param_mode: GradMode::Accumulate,
-        },
-    )
-    .unwrap();
+    backward(GradMode::Accumulate, &mut dx_acc, &mut dw_acc, None);
     let mut dw_all = bits(&dw);
     dw_all.extend(bits(&dw_acc));
     Outputs {

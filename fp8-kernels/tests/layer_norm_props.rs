@@ -3,10 +3,13 @@
 //! `fp8_core`'s encoder, bit for bit; the backward against f64 formulas and against central finite
 //! differences of the f64 forward; accumulation modes; argument errors.
 
+mod common;
+
+use common::{grads_to_host, norm_grads};
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
-    NormSpec, NormStats,
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormKind, NormSpec,
+    NormStats,
 };
 use fp8_kernels::{cast_transpose_to_fp8, AmaxSlot, Buffer, Device, FloatElement};
 use half::{bf16, f16};
@@ -198,26 +201,12 @@ fn check_backward<T: FloatElement, G: FloatElement>(c: &Case) -> Result<(), Test
     let mut dx: Buffer<G> = dev.zeros(c.rows * c.d).unwrap();
     let mut dw = dev.upload(&vec![f32::NAN; c.d]).unwrap();
     let mut db = dev.upload(&vec![f32::NAN; c.d]).unwrap();
-    norm_backward(
-        &s,
-        &x,
-        &w,
-        &stats,
-        &dy,
-        NormGrads {
-            dx: &mut dx,
-            dx_mode: GradMode::Overwrite,
-            dweight: &mut dw,
-            dbias: Some(&mut db),
-            param_mode: GradMode::Overwrite,
-        },
-    )
-    .unwrap();
-    let (dxv, dwv, dbv) = (
-        dx.to_vec().unwrap(),
-        dw.to_vec().unwrap(),
-        db.to_vec().unwrap(),
-    );
+    let backward =
+        |mode, dx: &mut Buffer<G>, dw: &mut Buffer<f32>, db: Option<&mut Buffer<f32>>| {
+            norm_backward(&s, &x, &w, &stats, &dy, norm_grads(mode, dx, dw, db)).unwrap()
+        };
+    backward(GradMode::Overwrite, &mut dx, &mut dw, Some(&mut db));
+    let (dxv, dwv, dbv) = grads_to_host(&dx, &dw, &db);
     let w64 = widen(&wt);
     let mut dw_ref = vec![0.0f64; c.d];
     let mut dw_tol = vec![0.0f64; c.d];
@@ -275,26 +264,8 @@ fn check_backward<T: FloatElement, G: FloatElement>(c: &Case) -> Result<(), Test
     let mut dx2: Buffer<G> = dev.upload(&to_t::<G>(&old_dx)).unwrap();
     let mut dw2 = dev.upload(&old_p).unwrap();
     let mut db2 = dev.upload(&old_p).unwrap();
-    norm_backward(
-        &s,
-        &x,
-        &w,
-        &stats,
-        &dy,
-        NormGrads {
-            dx: &mut dx2,
-            dx_mode: GradMode::Accumulate,
-            dweight: &mut dw2,
-            dbias: Some(&mut db2),
-            param_mode: GradMode::Accumulate,
-        },
-    )
-    .unwrap();
-    let (dx2, dw2, db2) = (
-        dx2.to_vec().unwrap(),
-        dw2.to_vec().unwrap(),
-        db2.to_vec().unwrap(),
-    );
+    backward(GradMode::Accumulate, &mut dx2, &mut dw2, Some(&mut db2));
+    let (dx2, dw2, db2) = grads_to_host(&dx2, &dw2, &db2);
     for i in 0..c.d {
         prop_assert_eq!(dw2[i].to_bits(), (old_p[i] + dwv[i]).to_bits());
         prop_assert_eq!(db2[i].to_bits(), (old_p[i] + dbv[i]).to_bits());
@@ -408,6 +379,20 @@ proptest! {
     }
 }
 
+/// The statistics of the f32 forward of `x` on `dev` (its output dropped).
+fn forward_stats(
+    dev: &Device,
+    s: &NormSpec,
+    x: &Buffer<f32>,
+    w: &Buffer<f32>,
+    b: Option<&Buffer<f32>>,
+) -> NormStats {
+    let mut stats = NormStats::new(dev, s.rows).unwrap();
+    let mut y = dev.zeros::<f32>(s.rows * s.d).unwrap();
+    norm_forward(s, x, w, b, &mut stats, &mut y).unwrap();
+    stats
+}
+
 /// Central differences of the f64 forward against the (f32) backward, for `L = sum(y * c)`.
 fn finite_difference_check(kind: NormKind, rows: usize, d: usize, seed: u64) {
     let mut rng = fp8_kernels::rng::SplitMix64::new(seed);
@@ -448,9 +433,7 @@ fn finite_difference_check(kind: NormKind, rows: usize, d: usize, seed: u64) {
         dev.upload(&w).unwrap(),
         dev.upload(&b).unwrap(),
     );
-    let mut stats = NormStats::new(&dev, rows).unwrap();
-    let mut y = dev.zeros::<f32>(rows * d).unwrap();
-    norm_forward(&s, &xb, &wb, Some(&bb), &mut stats, &mut y).unwrap();
+    let stats = forward_stats(&dev, &s, &xb, &wb, Some(&bb));
     let dy = dev.upload(&cw).unwrap();
     let mut dx = dev.zeros::<f32>(rows * d).unwrap();
     let mut dw = dev.zeros::<f32>(d).unwrap();
@@ -461,20 +444,10 @@ fn finite_difference_check(kind: NormKind, rows: usize, d: usize, seed: u64) {
         &wb,
         &stats,
         &dy,
-        NormGrads {
-            dx: &mut dx,
-            dx_mode: GradMode::Overwrite,
-            dweight: &mut dw,
-            dbias: Some(&mut db),
-            param_mode: GradMode::Overwrite,
-        },
+        norm_grads(GradMode::Overwrite, &mut dx, &mut dw, Some(&mut db)),
     )
     .unwrap();
-    let (dx, dw, db) = (
-        dx.to_vec().unwrap(),
-        dw.to_vec().unwrap(),
-        db.to_vec().unwrap(),
-    );
+    let (dx, dw, db) = grads_to_host(&dx, &dw, &db);
     let h = 1e-5;
     let fd = |which: usize, i: usize| -> f64 {
         let (mut xp, mut wp, mut bp) = (x64.clone(), w64.clone(), b64.clone());
@@ -534,9 +507,7 @@ fn parameter_sums_use_three_levels_on_tall_inputs() {
         dev.upload(&w).unwrap(),
         dev.upload(&g).unwrap(),
     );
-    let mut stats = NormStats::new(&dev, rows).unwrap();
-    let mut y = dev.zeros::<f32>(rows * d).unwrap();
-    norm_forward(&s, &xb, &wb, None, &mut stats, &mut y).unwrap();
+    let stats = forward_stats(&dev, &s, &xb, &wb, None);
     let mut dx = dev.zeros::<f32>(rows * d).unwrap();
     let mut dw = dev.zeros::<f32>(d).unwrap();
     norm_backward(
@@ -545,13 +516,7 @@ fn parameter_sums_use_three_levels_on_tall_inputs() {
         &wb,
         &stats,
         &gb,
-        NormGrads {
-            dx: &mut dx,
-            dx_mode: GradMode::Overwrite,
-            dweight: &mut dw,
-            dbias: None,
-            param_mode: GradMode::Overwrite,
-        },
+        norm_grads(GradMode::Overwrite, &mut dx, &mut dw, None),
     )
     .unwrap();
     let (mean, rstd) = (stats.mean.to_vec().unwrap(), stats.rstd.to_vec().unwrap());
@@ -631,13 +596,7 @@ fn invalid_arguments_are_errors() {
     assert!(norm_forward_fp8(&ok, &x, &w, None, &mut stats, out_of_range_slot).is_err());
     let mut dx = dev.zeros::<f32>(11).unwrap();
     let mut dw = dev.zeros::<f32>(4).unwrap();
-    let grads = NormGrads {
-        dx: &mut dx,
-        dx_mode: GradMode::Overwrite,
-        dweight: &mut dw,
-        dbias: None,
-        param_mode: GradMode::Overwrite,
-    };
+    let grads = norm_grads(GradMode::Overwrite, &mut dx, &mut dw, None);
     assert!(norm_backward(&ok, &x, &w, &stats, &x, grads).is_err());
 }
 

@@ -28,11 +28,7 @@ pub(crate) fn ops_checks<T: FloatElement>(
     let (mut bc, mut bg) = (up(cpu, &x)?, up(gpu, &x)?);
     elementwise::bias_add(&mut bc, &up(cpu, &bias)?, rows, cols)?;
     elementwise::bias_add(&mut bg, &up(gpu, &bias)?, rows, cols)?;
-    rep.exact_f32(
-        &format!("bias_add {t} {rows}x{cols}"),
-        &widen(&bc.to_vec()?),
-        &widen(&bg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("bias_add {t} {rows}x{cols}"), &bc, &bg)?;
 
     let (mut sc, mut sg) = (cpu.zeros::<f32>(cols)?, gpu.zeros::<f32>(cols)?);
     reduce::sum_over_rows(&xc, rows, cols, &mut sc)?;
@@ -62,18 +58,10 @@ pub(crate) fn ops_checks<T: FloatElement>(
     let (mut yc, mut yg) = (cpu.zeros::<T>(n)?, gpu.zeros::<T>(n)?);
     elementwise::relu_forward(&xc, &mut yc)?;
     elementwise::relu_forward(&xg, &mut yg)?;
-    rep.exact_f32(
-        &format!("relu_forward {t}"),
-        &widen(&yc.to_vec()?),
-        &widen(&yg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("relu_forward {t}"), &yc, &yg)?;
     elementwise::relu_backward(&xc, &gc, &mut yc)?;
     elementwise::relu_backward(&xg, &gg, &mut yg)?;
-    rep.exact_f32(
-        &format!("relu_backward {t}"),
-        &widen(&yc.to_vec()?),
-        &widen(&yg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("relu_backward {t}"), &yc, &yg)?;
 
     // bf16 outputs round the f32 result once: one bf16 ulp (2^-8 relative) covers a last-bit f32
     // difference that crosses a rounding boundary.
@@ -121,49 +109,25 @@ pub(crate) fn ops_checks<T: FloatElement>(
         "|diff| <= 0.01",
         (kept - expect).abs() <= 0.01,
     );
-    rep.exact_f32(
-        &format!("dropout_forward {t}"),
-        &widen(&yc.to_vec()?),
-        &widen(&yg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("dropout_forward {t}"), &yc, &yg)?;
     elementwise::dropout_backward(&gc, &mc, params, &mut yc)?;
     elementwise::dropout_backward(&gg, &mg, params, &mut yg)?;
-    rep.exact_f32(
-        &format!("dropout_backward {t}"),
-        &widen(&yc.to_vec()?),
-        &widen(&yg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("dropout_backward {t}"), &yc, &yg)?;
 
     let a = rng.sym(3.0);
     let (mut pc, mut pg) = (up(cpu, &x)?, up(gpu, &x)?);
     elementwise::scale(&mut pc, a)?;
     elementwise::scale(&mut pg, a)?;
-    rep.exact_f32(
-        &format!("scale {t}"),
-        &widen(&pc.to_vec()?),
-        &widen(&pg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("scale {t}"), &pc, &pg)?;
     elementwise::axpy(a, &gc, &mut pc)?;
     elementwise::axpy(a, &gg, &mut pg)?;
-    rep.exact_f32(
-        &format!("axpy {t}"),
-        &widen(&pc.to_vec()?),
-        &widen(&pg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("axpy {t}"), &pc, &pg)?;
     elementwise::add(&xc, &gc, &mut yc)?;
     elementwise::add(&xg, &gg, &mut yg)?;
-    rep.exact_f32(
-        &format!("add (residual) {t}"),
-        &widen(&yc.to_vec()?),
-        &widen(&yg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("add (residual) {t}"), &yc, &yg)?;
     conv::transpose_batched(&xc, [11, 47, 300], &mut yc)?;
     conv::transpose_batched(&xg, [11, 47, 300], &mut yg)?;
-    rep.exact_f32(
-        &format!("transpose_batched {t}"),
-        &widen(&yc.to_vec()?),
-        &widen(&yg.to_vec()?),
-    );
+    rep.exact_buffers(&format!("transpose_batched {t}"), &yc, &yg)?;
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 //! transcendental function is involved), then checks the hardware FP8 conversion on all 2^32 f32 bit
 //! patterns against `fp8_core::Fp8Format::encode`. The float kernels' checks are in `float_kernels.rs`.
 //! (The Adam, segmented, GELU-cast and gather kernels are compared by their test binaries, which run the
-//! GPU part when a GPU is present, and by `gemm_check` and `fused_check`.)
+//! GPU part when a GPU is present, and by `gemm_check`.)
 //!
 //! Usage: `kernel_check [--seed N] [--skip-exhaustive]`. One line per check; exits 1 on any FAIL.
 //! Without a usable GPU it prints why and exits 1 (nothing was checked).
@@ -87,6 +87,17 @@ impl Report {
     }
 
     /// Bitwise comparison of f32 results (NaN equals NaN, whatever the payload).
+    /// [`Report::exact_f32`] of two buffers, widened to f32.
+    fn exact_buffers<T: FloatElement>(
+        &mut self,
+        name: &str,
+        cpu: &Buffer<T>,
+        gpu: &Buffer<T>,
+    ) -> Result<(), KernelError> {
+        self.exact_f32(name, &widen(&cpu.to_vec()?), &widen(&gpu.to_vec()?));
+        Ok(())
+    }
+
     fn exact_f32(&mut self, name: &str, cpu: &[f32], gpu: &[f32]) {
         let (mut bad, mut abs, mut rel) = (0usize, 0f64, 0f64);
         for (&c, &g) in cpu.iter().zip(gpu) {
@@ -315,11 +326,7 @@ fn dequant_of<T: FloatElement>(
         let (mut oc, mut og) = (cpu.zeros::<T>(n)?, gpu.zeros::<T>(n)?);
         dequantize_fp8(&qc, f, &sc, &mut oc)?;
         dequantize_fp8(&qg, f, &sg, &mut og)?;
-        rep.exact_f32(
-            &format!("dequantize {f}->{}", T::NAME),
-            &widen(&oc.to_vec()?),
-            &widen(&og.to_vec()?),
-        );
+        rep.exact_buffers(&format!("dequantize {f}->{}", T::NAME), &oc, &og)?;
     }
     Ok(())
 }
@@ -335,11 +342,7 @@ fn convert_pair<S: FloatElement, D: FloatElement>(
     let (mut oc, mut og) = (cpu.zeros::<D>(n)?, gpu.zeros::<D>(n)?);
     convert(&up(cpu, &x)?, &mut oc)?;
     convert(&up(gpu, &x)?, &mut og)?;
-    rep.exact_f32(
-        &format!("convert {}->{}", S::NAME, D::NAME),
-        &widen(&oc.to_vec()?),
-        &widen(&og.to_vec()?),
-    );
+    rep.exact_buffers(&format!("convert {}->{}", S::NAME, D::NAME), &oc, &og)?;
     Ok(())
 }
 

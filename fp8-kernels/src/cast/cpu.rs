@@ -1,5 +1,6 @@
 //! The CPU implementations of the cast family (rayon over chunks), the reference of the CUDA kernels.
 
+use crate::cpu_kernel::{transpose_bands, zip_chunks};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
 use rayon::prelude::*;
@@ -56,18 +57,11 @@ pub(super) fn dequantize<T: FloatElement>(
     y: &mut [T],
 ) {
     let table = format.decode_table();
-    let run = |s: &[u8], d: &mut [T]| {
+    zip_chunks(q, y, CHUNK, PAR_THRESHOLD, |s, d| {
         for (o, &c) in d.iter_mut().zip(s) {
             *o = T::from_f32(table[c as usize] * scale_inv);
         }
-    };
-    if q.len() < PAR_THRESHOLD {
-        run(q, y);
-    } else {
-        q.par_chunks(CHUNK)
-            .zip(y.par_chunks_mut(CHUNK))
-            .for_each(|(s, d)| run(s, d));
-    }
+    });
 }
 
 /// Dequantizes FP8 codes: `decode(code) * scale_inv` in f32 (the CPU side of the FP8 GEMM).
@@ -112,40 +106,26 @@ pub(super) fn cast_transpose<T: FloatElement>(
     scale: f32,
     yt: &mut [u8],
 ) {
-    if rows == 0 || cols == 0 {
-        return;
-    }
     // Each task owns a band of TRANSPOSE_TILE output rows (= input columns) and walks it in square tiles,
     // so reads and writes both stay within a few cache lines per row.
-    yt.par_chunks_mut(TRANSPOSE_TILE * rows)
-        .enumerate()
-        .for_each(|(band, out)| {
-            let c0 = band * TRANSPOSE_TILE;
-            let cw = out.len() / rows;
-            for r0 in (0..rows).step_by(TRANSPOSE_TILE) {
-                let rh = TRANSPOSE_TILE.min(rows - r0);
-                for r in r0..r0 + rh {
-                    let row = &x[r * cols + c0..r * cols + c0 + cw];
-                    for (dc, &v) in row.iter().enumerate() {
-                        out[dc * rows + r] = format.encode(v.to_f32() * scale);
-                    }
+    transpose_bands(yt, rows, TRANSPOSE_TILE, |c0, cw, out| {
+        for r0 in (0..rows).step_by(TRANSPOSE_TILE) {
+            let rh = TRANSPOSE_TILE.min(rows - r0);
+            for r in r0..r0 + rh {
+                let row = &x[r * cols + c0..r * cols + c0 + cw];
+                for (dc, &v) in row.iter().enumerate() {
+                    out[dc * rows + r] = format.encode(v.to_f32() * scale);
                 }
             }
-        });
+        }
+    });
 }
 
 /// `y[i] = D::from_f32(x[i].to_f32())`.
 pub(super) fn convert<S: FloatElement, D: FloatElement>(x: &[S], y: &mut [D]) {
-    let run = |s: &[S], d: &mut [D]| {
+    zip_chunks(x, y, CHUNK, PAR_THRESHOLD, |s, d| {
         for (o, &v) in d.iter_mut().zip(s) {
             *o = D::from_f32(v.to_f32());
         }
-    };
-    if x.len() < PAR_THRESHOLD {
-        run(x, y);
-    } else {
-        x.par_chunks(CHUNK)
-            .zip(y.par_chunks_mut(CHUNK))
-            .for_each(|(s, d)| run(s, d));
-    }
+    });
 }

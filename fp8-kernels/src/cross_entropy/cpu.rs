@@ -2,6 +2,7 @@
 //! tested against. It simulates the kernel's 512 threads per row, its butterflies and its exp / log
 //! evaluations operation for operation, so the two agree bit for bit.
 
+use crate::cpu_kernel::xor_butterfly;
 use crate::FloatElement;
 use rayon::prelude::*;
 
@@ -19,28 +20,39 @@ const LN2_LO: f32 = f32::from_bits(0xB95E_8083); // -2.12194440e-4
 const SQRTH: f32 = f32::from_bits(0x3F35_04F3); // 0.70710678
 const TWO_M64: f32 = f32::from_bits(0x1F80_0000); // 2^-64
 const TWO_P64: f32 = f32::from_bits(0x5F80_0000); // 2^64
+
+/// The f32 values of bit patterns.
+const fn f32_array<const N: usize>(bits: [u32; N]) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = f32::from_bits(bits[i]);
+        i += 1;
+    }
+    out
+}
 /// 1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1.
-const EXP_P: [f32; 6] = [
-    f32::from_bits(0x3950_6967),
-    f32::from_bits(0x3AB7_43CE),
-    f32::from_bits(0x3C08_8908),
-    f32::from_bits(0x3D2A_A9C1),
-    f32::from_bits(0x3E2A_AAAA),
-    f32::from_bits(0x3F00_0000),
-];
+const EXP_P: [f32; 6] = f32_array([
+    0x3950_6967,
+    0x3AB7_43CE,
+    0x3C08_8908,
+    0x3D2A_A9C1,
+    0x3E2A_AAAA,
+    0x3F00_0000,
+]);
 /// 7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
 /// -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1.
-const LOG_P: [f32; 9] = [
-    f32::from_bits(0x3D90_21BB),
-    f32::from_bits(0xBDEB_D1B8),
-    f32::from_bits(0x3DEF_251A),
-    f32::from_bits(0xBDFE_5D4F),
-    f32::from_bits(0x3E11_E9BF),
-    f32::from_bits(0xBE2A_AE50),
-    f32::from_bits(0x3E4C_CEAC),
-    f32::from_bits(0xBE7F_FFFC),
-    f32::from_bits(0x3EAA_AAAA),
-];
+const LOG_P: [f32; 9] = f32_array([
+    0x3D90_21BB,
+    0xBDEB_D1B8,
+    0x3DEF_251A,
+    0xBDFE_5D4F,
+    0x3E11_E9BF,
+    0xBE2A_AE50,
+    0x3E4C_CEAC,
+    0xBE7F_FFFC,
+    0x3EAA_AAAA,
+]);
 
 /// `exp(x)` as the kernels compute it: Cody-Waite reduction by ln 2 with `k = rint(x log2 e)`, Cephes'
 /// degree-5 polynomial on `[-ln2/2, ln2/2]` evaluated with fused multiply-adds, then `y * 2^k` rounded
@@ -114,16 +126,8 @@ fn combine((m, s): (f32, f32), (m2, s2): (f32, f32)) -> (f32, f32) {
 }
 
 /// `__shfl_xor_sync` butterfly of [`combine`] over 32 lanes; every lane ends with lane 0's value.
-fn butterfly(mut p: [(f32, f32); 32]) -> (f32, f32) {
-    let mut off = 16;
-    while off > 0 {
-        let prev = p;
-        for (l, v) in p.iter_mut().enumerate() {
-            *v = combine(prev[l], prev[l ^ off]);
-        }
-        off >>= 1;
-    }
-    p[0]
+fn butterfly(p: [(f32, f32); 32]) -> (f32, f32) {
+    xor_butterfly(p, combine)
 }
 
 /// The log-sum-exp of one row in the kernel's order.
@@ -239,17 +243,7 @@ pub(crate) fn loss_sum(loss: &[f32]) -> f32 {
     for (i, &v) in loss.iter().enumerate() {
         part[i % SUM_THREADS] += v;
     }
-    let sum_butterfly = |mut p: [f32; 32]| {
-        let mut off = 16;
-        while off > 0 {
-            let prev = p;
-            for (l, v) in p.iter_mut().enumerate() {
-                *v = prev[l] + prev[l ^ off];
-            }
-            off >>= 1;
-        }
-        p[0]
-    };
+    let sum_butterfly = |p: [f32; 32]| xor_butterfly(p, |a, b| a + b);
     let mut lanes = [0.0f32; 32];
     for (w, chunk) in part.chunks(32).enumerate() {
         let mut p = [0.0f32; 32];

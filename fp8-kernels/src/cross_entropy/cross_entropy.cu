@@ -110,18 +110,6 @@ __device__ __forceinline__ void ce_butterfly(float& m, float& s) {
     }
 }
 
-// The elements of vector j of a row: 16-byte loads when `vec`, else element loads of the n valid ones.
-template <class E>
-__device__ __forceinline__ void ce_load(const typename E::T* row, int j, int vocab, bool vec, float (&v)[8]) {
-    if (vec) {
-        E::load8(row, (u64)8 * j, v);
-    } else {
-        const int n = min(8, vocab - 8 * j);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) v[q] = q < n ? E::load(row, (u64)8 * j + q) : 0.0f;
-    }
-}
-
 // The raw 16-byte words of vector j of a row (8 bf16), loaded once and unpacked on use: 4 registers per
 // cached vector instead of 8.
 __device__ __forceinline__ void ce_unpack_bf16(const uint4& w, float (&v)[8]) {
@@ -197,7 +185,7 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
         }
         for (; j < nvec; j += CE_THREADS) {
             float v[8];
-            ce_load<E>(row, j, vocab, vec, v);
+            load_vec8<E>(row, j, vocab, vec, v);
             consume(v, min(8, vocab - 8 * j));
         }
         ce_butterfly(m, s);
@@ -224,14 +212,7 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
                     if (8 * jj + q == t) p = __fadd_rn(p, -1.0f);
                     g[q] = valid ? __fmul_rn(p, grad_scale) : 0.0f;
                 }
-                if (vec) {
-                    E::store8(row, (u64)8 * jj, g);
-                } else {
-                    const int n = min(8, vocab - 8 * jj);
-#pragma unroll
-                    for (int q = 0; q < 8; ++q)
-                        if (q < n) E::store(row, (u64)8 * jj + q, g[q]);
-                }
+                store_vec8<E>(row, jj, vocab, vec, g);
             };
             int jj = tid;
             if constexpr (NV > 0) {
@@ -259,7 +240,7 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
             }
             for (; jj < nvec; jj += CE_THREADS) {
                 float v[8];
-                ce_load<E>(row, jj, vocab, vec, v);
+                load_vec8<E>(row, jj, vocab, vec, v);
                 gradient(jj, v);
             }
         }

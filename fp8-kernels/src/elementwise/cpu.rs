@@ -12,13 +12,7 @@ const PAR_THRESHOLD: usize = 1 << 15;
 
 /// Applies `f` to aligned chunks of two slices, in parallel when they are large.
 fn zip_chunks<A: Sync, B: Send>(a: &[A], b: &mut [B], f: impl Fn(&[A], &mut [B]) + Sync + Send) {
-    if a.len() < PAR_THRESHOLD {
-        f(a, b);
-    } else {
-        a.par_chunks(CHUNK)
-            .zip(b.par_chunks_mut(CHUNK))
-            .for_each(|(x, y)| f(x, y));
-    }
+    crate::cpu_kernel::zip_chunks(a, b, CHUNK, PAR_THRESHOLD, f);
 }
 
 /// Elementwise `out[i] = f(a[i], b[i])` in f32, stored as `T`.

@@ -85,27 +85,10 @@ __device__ void scale_impl(typename E::T* x, u64 n, float a) {
     for (u64 i = done + global_thread(); i < n; i += grid_threads()) E::store(x, i, mul_rn(E::load(x, i), a));
 }
 
-template <class E>
-__device__ void axpy_impl(const typename E::T* x, typename E::T* y, u64 n, float a) {
-    u64 done = 0;
-    if (aligned16(x, y, y)) {
-        const u64 groups = n / 8;
-        for (u64 g = global_thread(); g < groups; g += grid_threads()) {
-            float xv[8], yv[8];
-            E::load8(x, g * 8, xv);
-            E::load8(y, g * 8, yv);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) yv[k] = add_rn(yv[k], mul_rn(a, xv[k]));
-            E::store8(y, g * 8, yv);
-        }
-        done = groups * 8;
-    }
-    for (u64 i = done + global_thread(); i < n; i += grid_threads())
-        E::store(y, i, add_rn(E::load(y, i), mul_rn(a, E::load(x, i))));
-}
-
-template <class E>
-__device__ void add_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n) {
+// out[i] = op(a[i], b[i]) (8 elements a thread where the buffers allow 16-byte accesses).
+template <class E, class Op>
+__device__ __forceinline__ void zip_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n,
+                                         Op op) {
     u64 done = 0;
     if (aligned16(a, b, out)) {
         const u64 groups = n / 8;
@@ -114,12 +97,23 @@ __device__ void add_impl(const typename E::T* a, const typename E::T* b, typenam
             E::load8(a, g * 8, av);
             E::load8(b, g * 8, bv);
 #pragma unroll
-            for (int k = 0; k < 8; ++k) av[k] = add_rn(av[k], bv[k]);
+            for (int k = 0; k < 8; ++k) av[k] = op(av[k], bv[k]);
             E::store8(out, g * 8, av);
         }
         done = groups * 8;
     }
-    for (u64 i = done + global_thread(); i < n; i += grid_threads()) E::store(out, i, add_rn(E::load(a, i), E::load(b, i)));
+    for (u64 i = done + global_thread(); i < n; i += grid_threads()) E::store(out, i, op(E::load(a, i), E::load(b, i)));
+}
+
+// y = y + a * x.
+template <class E>
+__device__ void axpy_impl(const typename E::T* x, typename E::T* y, u64 n, float a) {
+    zip_impl<E>(x, y, y, n, [a](float xv, float yv) { return add_rn(yv, mul_rn(a, xv)); });
+}
+
+template <class E>
+__device__ void add_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n) {
+    zip_impl<E>(a, b, out, n, [](float av, float bv) { return add_rn(av, bv); });
 }
 
 // ---- dst[offset + i] += src[i]: one f32 addition (exact for an f32 destination) ----

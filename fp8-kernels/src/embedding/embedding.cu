@@ -6,29 +6,6 @@
 // the same order). The backward reads the host-built grouping of the batch (RowGroups): positions sorted by
 // (id, position), cut into chunks of at most EMBEDDING_CHUNK positions that never span two ids.
 
-template <class E>
-__device__ __forceinline__ void emb_load(const typename E::T* row, int j, int d, bool vec, float (&v)[8]) {
-    if (vec) {
-        E::load8(row, (u64)8 * j, v);
-    } else {
-        const int n = min(8, d - 8 * j);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) v[q] = q < n ? E::load(row, (u64)8 * j + q) : 0.0f;
-    }
-}
-
-template <class E>
-__device__ __forceinline__ void emb_store(typename E::T* row, int j, int d, bool vec, const float (&v)[8]) {
-    if (vec) {
-        E::store8(row, (u64)8 * j, v);
-    } else {
-        const int n = min(8, d - 8 * j);
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-            if (q < n) E::store(row, (u64)8 * j + q, v[q]);
-    }
-}
-
 __device__ __forceinline__ bool emb_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
 
 // out[p] = table[ids[p]] (+ pos[p % seq]), f32 sum rounded once to the output type. An id outside 0..vocab
@@ -44,10 +21,10 @@ __device__ void emb_fwd_impl(const typename E::T* table, const typename E::T* po
         const int id = ids[p];
         float v[8];
         if (id >= 0 && id < vocab) {
-            emb_load<E>(table + (u64)id * d, j, d, vec, v);
+            load_vec8<E>(table + (u64)id * d, j, d, vec, v);
             if (pos != nullptr) {
                 float w[8];
-                emb_load<E>(pos + (u64)(p % seq) * d, j, d, vec, w);
+                load_vec8<E>(pos + (u64)(p % seq) * d, j, d, vec, w);
 #pragma unroll
                 for (int q = 0; q < 8; ++q) v[q] = add_rn(v[q], w[q]);
             }
@@ -55,7 +32,7 @@ __device__ void emb_fwd_impl(const typename E::T* table, const typename E::T* po
 #pragma unroll
             for (int q = 0; q < 8; ++q) v[q] = 0.0f;
         }
-        emb_store<O>(out + (u64)p * d, j, d, vec, v);
+        store_vec8<O>(out + (u64)p * d, j, d, vec, v);
     }
 }
 
@@ -78,7 +55,7 @@ __device__ void emb_bwd_chunks_impl(const typename G::T* dy, const u32* order, c
 #pragma unroll 4
         for (u32 k = chunk_start[c]; k < q1; ++k) {
             float v[8];
-            emb_load<G>(dy + (u64)order[k] * d, j, d, vec, v);
+            load_vec8<G>(dy + (u64)order[k] * d, j, d, vec, v);
 #pragma unroll
             for (int q = 0; q < 8; ++q) s[q] = add_rn(s[q], v[q]);
         }
@@ -90,10 +67,10 @@ __device__ void emb_bwd_chunks_impl(const typename G::T* dy, const u32* order, c
         } else {
             typename D::T* row = d_table + (u64)dest * d;
             float old[8];
-            emb_load<D>(row, j, d, vec, old);
+            load_vec8<D>(row, j, d, vec, old);
 #pragma unroll
             for (int q = 0; q < 8; ++q) old[q] = add_rn(old[q], s[q]);
-            emb_store<D>(row, j, d, vec, old);
+            store_vec8<D>(row, j, d, vec, old);
         }
     }
 }
@@ -121,10 +98,10 @@ __device__ void emb_bwd_multi_impl(const float* partial, const u32* multi_row, c
         }
         typename D::T* row = d_table + (u64)multi_row[g] * d;
         float old[8];
-        emb_load<D>(row, j, d, vec, old);
+        load_vec8<D>(row, j, d, vec, old);
 #pragma unroll
         for (int q = 0; q < 8; ++q) old[q] = add_rn(old[q], s[q]);
-        emb_store<D>(row, j, d, vec, old);
+        store_vec8<D>(row, j, d, vec, old);
     }
 }
 
@@ -142,16 +119,16 @@ __device__ void emb_bwd_pos_impl(const typename G::T* dy, int batch, int seq, in
 #pragma unroll 4
         for (int b = 0; b < batch; ++b) {
             float v[8];
-            emb_load<G>(dy + ((u64)b * seq + t) * d, j, d, vec, v);
+            load_vec8<G>(dy + ((u64)b * seq + t) * d, j, d, vec, v);
 #pragma unroll
             for (int q = 0; q < 8; ++q) s[q] = add_rn(s[q], v[q]);
         }
         typename D::T* row = d_pos + (u64)t * d;
         float old[8];
-        emb_load<D>(row, j, d, vec, old);
+        load_vec8<D>(row, j, d, vec, old);
 #pragma unroll
         for (int q = 0; q < 8; ++q) old[q] = add_rn(old[q], s[q]);
-        emb_store<D>(row, j, d, vec, old);
+        store_vec8<D>(row, j, d, vec, old);
     }
 }
 

@@ -1,6 +1,7 @@
 //! The CPU implementation of the fused GELU casts: the values exactly as the element-wise GELU stores
 //! them, then encoded and transposed as the cast family's cast + transpose does.
 
+use crate::cpu_kernel::transpose_copy;
 use crate::elementwise::{gelu_grad_scalar, gelu_scalar, GeluApprox};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
@@ -54,19 +55,5 @@ pub(super) fn values_cast<T: FloatElement>(
 
 /// `yt [cols, rows] = y^T` for row-major `y [rows, cols]` bytes, in bands of `TILE` output rows.
 pub(super) fn transpose_codes(y: &[u8], rows: usize, cols: usize, yt: &mut [u8]) {
-    if rows == 0 || cols == 0 {
-        return;
-    }
-    yt.par_chunks_mut(TILE * rows)
-        .enumerate()
-        .for_each(|(band, out)| {
-            let c0 = band * TILE;
-            let cw = out.len() / rows;
-            for r in 0..rows {
-                let row = &y[r * cols + c0..r * cols + c0 + cw];
-                for (dc, &v) in row.iter().enumerate() {
-                    out[dc * rows + r] = v;
-                }
-            }
-        });
+    transpose_copy(y, rows, cols, TILE, yt);
 }

@@ -3,6 +3,7 @@
 //! order, of `layer_norm.cu`, so the two agree bit for bit.
 
 use super::{param_order, NormKind, NormSpec, PARAM_CHUNK_ROWS};
+use crate::cpu_kernel::{transpose_copy, xor_butterfly};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
 use rayon::prelude::*;
@@ -22,20 +23,7 @@ pub(crate) fn warp_vector_sum(d: usize, mut term: impl FnMut(usize) -> f32) -> f
             *lane += term(e);
         }
     }
-    butterfly(p)
-}
-
-/// The butterfly of `__shfl_xor_sync` sums: lane `l` adds lane `l ^ off` for off = 16, 8, 4, 2, 1.
-pub(crate) fn butterfly(mut p: [f32; 32]) -> f32 {
-    let mut off = 16;
-    while off > 0 {
-        let prev = p;
-        for (l, v) in p.iter_mut().enumerate() {
-            *v = prev[l] + prev[l ^ off];
-        }
-        off >>= 1;
-    }
-    p[0]
+    xor_butterfly(p, |a, b| a + b)
 }
 
 /// `(mean, rstd)` of one row (mean 0 for RMSNorm).
@@ -145,27 +133,8 @@ pub(crate) fn forward_fp8<T: FloatElement>(
                 *c = format.encode(hv * scale);
             }
         });
-    transpose_codes(q, spec.rows, spec.d, qt);
+    transpose_copy(q, spec.rows, spec.d, 32, qt);
     amax
-}
-
-/// `qt [d, rows] = q^T` for row-major `q [rows, d]`, in bands of 32 output rows.
-fn transpose_codes(q: &[u8], rows: usize, d: usize, qt: &mut [u8]) {
-    const BAND: usize = 32;
-    if rows == 0 || d == 0 {
-        return;
-    }
-    qt.par_chunks_mut(BAND * rows)
-        .enumerate()
-        .for_each(|(band, out)| {
-            let c0 = band * BAND;
-            let cw = out.len() / rows;
-            for r in 0..rows {
-                for (dc, &v) in q[r * d + c0..r * d + c0 + cw].iter().enumerate() {
-                    out[dc * rows + r] = v;
-                }
-            }
-        });
 }
 
 /// Backward, dx: `dx = (g - c2 - xhat * c1) * rstd` (optionally added to `dx`), with `g = dy * w`,

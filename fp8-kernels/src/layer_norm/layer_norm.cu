@@ -62,19 +62,6 @@ __device__ __forceinline__ void ln_load(Raw8<E>& r, const typename E::T* row, in
     else r.load_n(row, (u64)8 * j, min(8, d - 8 * j));
 }
 
-// Stores the valid elements of vector j (8 when `vec`).
-template <class E>
-__device__ __forceinline__ void ln_store(typename E::T* row, int j, int d, bool vec, const float (&v)[8]) {
-    if (vec) {
-        E::store8(row, (u64)8 * j, v);
-    } else {
-        const int n = min(8, d - 8 * j);
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-            if (q < n) E::store(row, (u64)8 * j + q, v[q]);
-    }
-}
-
 // Calls f(k, j) for this lane's vectors j = lane + 32 k (j < nvec), in increasing order.
 template <int NV, class F>
 __device__ __forceinline__ void lane_vectors(int lane, int nvec, F f) {
@@ -207,7 +194,7 @@ __device__ void ln_fwd_impl(const typename E::T* x, const typename E::T* w, cons
             float t[8], o[8];
             c.get(k, row, j, d, vec, t);
             ln_affine<E>(t, w, b, j, d, vec, mean, rstd, o);
-            ln_store<E>(y + r * d, j, d, vec, o);
+            store_vec8<E>(y + r * d, j, d, vec, o);
         });
     }
 }
@@ -408,7 +395,7 @@ __device__ void ln_bwd_impl(const typename E::T* x, const typename E::T* w, cons
                         o[e] = v;
                         p[e] = mul_rn(gv[e], xh);
                     }
-                    ln_store<G>(drow, j, d, vec, o);
+                    store_vec8<G>(drow, j, d, vec, o);
                     if (vec) {
                         *reinterpret_cast<float4*>(sw + 8 * j) = make_float4(p[0], p[1], p[2], p[3]);
                         *reinterpret_cast<float4*>(sw + 8 * j + 4) = make_float4(p[4], p[5], p[6], p[7]);

@@ -48,15 +48,7 @@ pub fn warp_order_sum(values: impl Iterator<Item = f32>) -> f32 {
     for (i, v) in values.enumerate() {
         p[i & 31] += v;
     }
-    let mut off = 16;
-    while off > 0 {
-        let prev = p;
-        for (l, v) in p.iter_mut().enumerate() {
-            *v = prev[l] + prev[l ^ off];
-        }
-        off >>= 1;
-    }
-    p[0]
+    crate::cpu_kernel::xor_butterfly(p, |a, b| a + b)
 }
 
 /// Row sums of a row-major `[rows, cols]` tensor: `out[r] = sum_c x[r, c]`, in the warp order of

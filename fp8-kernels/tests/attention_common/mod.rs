@@ -3,7 +3,10 @@
 //! of the host emulator of the kernels (`emulator.cpp`, see `attention_emulated.rs`).
 #![allow(dead_code)] // each test binary uses a different part
 
-use fp8_kernels::attention::{cpu, AttentionShape, LayoutProbe};
+use fp8_kernels::attention::{
+    cpu, dkdv_variants, dq_variants, forward_variants, AttentionShape, BackwardKernels,
+    LayoutProbe, QueryTiles,
+};
 use fp8_kernels::rng::SplitMix64;
 use half::bf16;
 
@@ -287,4 +290,29 @@ pub fn probe_ok(name: &str, got: &[f32], want: &[f64]) -> bool {
         );
     }
     false
+}
+
+/// Fails the test with every failed comparison in `fails`, if there are any.
+pub fn assert_no_failures(fails: &[String]) {
+    assert!(
+        fails.is_empty(),
+        "{} comparisons failed:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
+
+/// The forward variants and the separate backward kernels of head dim `hd`, cycled together: as many
+/// pairs as the longest of the three lists has entries, so every variant is in one.
+pub fn cycled_variants(hd: usize) -> Vec<(QueryTiles, BackwardKernels)> {
+    let (fv, kv, qv) = (forward_variants(hd), dkdv_variants(hd), dq_variants(hd));
+    (0..fv.len().max(kv.len()).max(qv.len()))
+        .map(|i| {
+            let backward = BackwardKernels::Separate {
+                dkdv: kv[i % kv.len()],
+                dq: qv[i % qv.len()],
+            };
+            (fv[i % fv.len()], backward)
+        })
+        .collect()
 }

@@ -3,7 +3,9 @@
 // Each test file uses the part it needs.
 #![allow(dead_code, unused_macros, unused_imports)]
 
+use fp8_kernels::cross_entropy::CrossEntropyOutputs;
 use fp8_kernels::kernel_source::{compile_ptx, nvrtc_status, KernelModule};
+use fp8_kernels::layer_norm::{GradMode, NormGrads};
 use fp8_kernels::{Buffer, Device, FloatElement};
 use std::fmt::Debug;
 
@@ -107,4 +109,63 @@ pub fn bits<T: FloatElement>(b: &Buffer<T>) -> Vec<u32> {
         .iter()
         .map(|v| canon(v.to_f32()))
         .collect()
+}
+
+/// The gradients of a norm backward, `mode` for dx and the parameter gradients alike.
+pub fn norm_grads<'a, G: FloatElement>(
+    mode: GradMode,
+    dx: &'a mut Buffer<G>,
+    dweight: &'a mut Buffer<f32>,
+    dbias: Option<&'a mut Buffer<f32>>,
+) -> NormGrads<'a, G> {
+    NormGrads {
+        dx,
+        dx_mode: mode,
+        dweight,
+        dbias,
+        param_mode: mode,
+    }
+}
+
+/// The host copies of a norm backward's dx, dweight and dbias.
+pub fn grads_to_host<G: FloatElement>(
+    dx: &Buffer<G>,
+    dw: &Buffer<f32>,
+    db: &Buffer<f32>,
+) -> (Vec<G>, Vec<f32>, Vec<f32>) {
+    (
+        dx.to_vec().unwrap(),
+        dw.to_vec().unwrap(),
+        db.to_vec().unwrap(),
+    )
+}
+
+/// The output buffers of cross-entropy calls over `rows` rows on one device.
+pub struct CeBuffers {
+    pub lse: Buffer<f32>,
+    pub loss: Buffer<f32>,
+    pub sum: Buffer<f32>,
+    pub invalid: Buffer<u32>,
+}
+
+impl CeBuffers {
+    /// Zero lse and loss, and the given starting loss sum and count of invalid targets.
+    pub fn new(dev: &Device, rows: usize, sum: f32, invalid: u32) -> Self {
+        CeBuffers {
+            lse: dev.zeros(rows).unwrap(),
+            loss: dev.zeros(rows).unwrap(),
+            sum: dev.upload(&[sum]).unwrap(),
+            invalid: dev.upload(&[invalid]).unwrap(),
+        }
+    }
+
+    /// The buffers as a call's outputs.
+    pub fn outputs(&mut self) -> CrossEntropyOutputs<'_> {
+        CrossEntropyOutputs {
+            lse: &mut self.lse,
+            loss: &mut self.loss,
+            loss_sum: &mut self.sum,
+            invalid_targets: &mut self.invalid,
+        }
+    }
 }

@@ -1,0 +1,54 @@
+//! What several examples share: timing with CUDA events, the exit status of a benchmark.
+// Each example uses the part it needs.
+#![allow(dead_code)]
+
+use fp8_kernels::{CudaDevice, KernelError};
+use std::process::ExitCode;
+
+/// Milliseconds of each of `iters` runs of `f` after 5 warm-up runs, timed with CUDA events on the
+/// compute stream around each run, in the order run.
+pub fn event_times_ms(
+    dev: &CudaDevice,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), KernelError>,
+) -> Result<Vec<f64>, KernelError> {
+    for _ in 0..5 {
+        f()?;
+    }
+    dev.stream().synchronize()?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let start = dev.record_compute_timed()?;
+        f()?;
+        let end = dev.record_compute_timed()?;
+        times.push(start.elapsed_ms(&end)? as f64);
+    }
+    Ok(times)
+}
+
+/// Median milliseconds (the upper one of an even count) of [`event_times_ms`].
+pub fn time_ms(
+    dev: &CudaDevice,
+    iters: usize,
+    f: impl FnMut() -> Result<(), KernelError>,
+) -> Result<f64, KernelError> {
+    let mut times = event_times_ms(dev, iters, f)?;
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// The exit status of a benchmark run: success, also when no GPU could be used (said so: nothing was
+/// measured); failure on any other error.
+pub fn bench_exit(result: Result<(), KernelError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(KernelError::CudaUnavailable(why)) => {
+            println!("no GPU bench run: CUDA is not available ({why})");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

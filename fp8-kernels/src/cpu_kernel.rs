@@ -1,0 +1,71 @@
+//! Building blocks of the CPU kernels: how element-wise work is split over rayon, the band-wise split of
+//! transposes, and the order of a warp's `__shfl_xor_sync` butterfly (which the CPU references follow so
+//! their sums match the CUDA kernels bit for bit).
+
+use rayon::prelude::*;
+
+/// `f` over aligned chunks of `chunk` elements of `a` and `b`, in parallel when `a` holds at least
+/// `threshold` elements (on the calling thread, in one piece, below that).
+pub(crate) fn zip_chunks<A: Sync, B: Send>(
+    a: &[A],
+    b: &mut [B],
+    chunk: usize,
+    threshold: usize,
+    f: impl Fn(&[A], &mut [B]) + Sync + Send,
+) {
+    if a.len() < threshold {
+        f(a, b);
+    } else {
+        a.par_chunks(chunk)
+            .zip(b.par_chunks_mut(chunk))
+            .for_each(|(x, y)| f(x, y));
+    }
+}
+
+/// `f(c0, cw, out)` for each band of `band` rows of the transpose `dst [cols, rows]` (one rayon task a
+/// band): `out` is the band, its rows are the source columns `c0 .. c0 + cw`. Nothing when `rows` or
+/// `dst` is empty.
+pub(crate) fn transpose_bands<D: Send>(
+    dst: &mut [D],
+    rows: usize,
+    band: usize,
+    f: impl Fn(usize, usize, &mut [D]) + Sync + Send,
+) {
+    if rows == 0 || dst.is_empty() {
+        return;
+    }
+    dst.par_chunks_mut(band * rows)
+        .enumerate()
+        .for_each(|(b, out)| f(b * band, out.len() / rows, out));
+}
+
+/// `dst [cols, rows] = src^T` for row-major `src [rows, cols]`, in bands of `band` output rows.
+pub(crate) fn transpose_copy<D: Copy + Send + Sync>(
+    src: &[D],
+    rows: usize,
+    cols: usize,
+    band: usize,
+    dst: &mut [D],
+) {
+    transpose_bands(dst, rows, band, |c0, cw, out| {
+        for r in 0..rows {
+            for (dc, &v) in src[r * cols + c0..r * cols + c0 + cw].iter().enumerate() {
+                out[dc * rows + r] = v;
+            }
+        }
+    });
+}
+
+/// The `__shfl_xor_sync` butterfly of `op` over 32 lanes: lane `l` takes `op(lane l, lane l ^ off)` for
+/// off = 16, 8, 4, 2, 1; every lane ends with lane 0's value.
+pub(crate) fn xor_butterfly<V: Copy>(mut p: [V; 32], op: impl Fn(V, V) -> V) -> V {
+    let mut off = 16;
+    while off > 0 {
+        let prev = p;
+        for (l, v) in p.iter_mut().enumerate() {
+            *v = op(prev[l], prev[l ^ off]);
+        }
+        off >>= 1;
+    }
+    p[0]
+}
