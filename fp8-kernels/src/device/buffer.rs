@@ -77,10 +77,10 @@ thread_local! {
     static HOST_CACHE: RefCell<HostCache> = RefCell::new(HostCache::default());
 }
 
-/// A zero-filled vector of `len` elements, from this thread's host cache when it holds one of that
-/// shape.
-pub(crate) fn host_zeroed<T: Element>(len: usize) -> Vec<T> {
-    let cached = HOST_CACHE
+/// A vector of `len` elements from this thread's host cache when it holds one of that shape (its contents
+/// are what the last owner left), else a fresh zero-filled one.
+fn host_reused<T: Element>(len: usize) -> Option<Vec<T>> {
+    HOST_CACHE
         .try_with(|c| {
             let mut c = c.try_borrow_mut().ok()?;
             let boxed = c.free.get_mut(&(TypeId::of::<T>(), len))?.pop()?;
@@ -89,14 +89,24 @@ pub(crate) fn host_zeroed<T: Element>(len: usize) -> Vec<T> {
             Some(*v)
         })
         .ok()
-        .flatten();
-    match cached {
+        .flatten()
+}
+
+/// A zero-filled vector of `len` elements (reused from this thread's host cache when it can be).
+pub(crate) fn host_zeroed<T: Element>(len: usize) -> Vec<T> {
+    match host_reused(len) {
         Some(mut v) => {
             v.fill(T::default());
             v
         }
         None => vec![T::default(); len],
     }
+}
+
+/// A vector of `len` elements whose contents are unspecified: a reused one keeps its old values (the
+/// caller overwrites them, as for a CUDA `uninit`), a fresh one is zero-filled.
+pub(crate) fn host_unfilled<T: Element>(len: usize) -> Vec<T> {
+    host_reused(len).unwrap_or_else(|| vec![T::default(); len])
 }
 
 /// Keeps a freed vector in this thread's host cache when its size is in the cached range and the cache
@@ -459,14 +469,21 @@ mod tests {
             let other = d.zeros::<f32>(len + 1).unwrap();
             let bytes = d.zeros::<u8>(len * 4).unwrap();
             assert_eq!(host_buffer_cache_bytes(), len * 4);
-            let b = d.uninit::<f32>(len).unwrap();
+            let b = d.zeros::<f32>(len).unwrap();
             assert_eq!(
                 b.as_host().unwrap().as_ptr(),
                 ptr,
                 "the freed vector is reused"
             );
-            assert!(b.as_host().unwrap().iter().all(|&x| x == 0.0));
+            assert!(
+                b.as_host().unwrap().iter().all(|&x| x == 0.0),
+                "zeros() clears it"
+            );
             assert_eq!(host_buffer_cache_bytes(), 0);
+            drop(b);
+            // uninit() takes it as it is: its caller overwrites every element.
+            let b = d.uninit::<f32>(len).unwrap();
+            assert_eq!(b.as_host().unwrap().as_ptr(), ptr);
             drop((b, other, bytes));
             assert_eq!(host_buffer_cache_bytes(), len * 4 * 3 + 4);
             clear_host_buffer_cache();

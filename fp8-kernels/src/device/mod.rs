@@ -106,11 +106,11 @@ impl Device {
     }
 
     /// A buffer of `len` elements whose contents are unspecified until written: for outputs a kernel
-    /// overwrites completely (no fill pass on CUDA; zeros on the CPU). On CUDA it comes from the stream's
+    /// overwrites completely (no fill pass: a reused buffer keeps its old values, a fresh CPU one is zeros). On CUDA it comes from the stream's
     /// memory pool, so a buffer freed earlier on the same stream is reused without a device sync.
     pub fn uninit<T: Element>(&self, len: usize) -> Result<Buffer<T>, KernelError> {
         match self {
-            Device::Cpu => Ok(Buffer::from_vec(buffer::host_zeroed(len))),
+            Device::Cpu => Ok(Buffer::from_vec(buffer::host_unfilled(len))),
             Device::Cuda(d) => {
                 let slice = match d.cache_take::<T>(len) {
                     Some(s) => s,
