@@ -192,11 +192,7 @@ impl SpeedReport {
                 "total": m.model_state(),
             },
             "loss": self.loss,
-            "profile_ms": self.profile.as_ref().map(|p| p
-                .phases
-                .iter()
-                .map(|ph| (ph.phase.name().to_string(), serde_json::json!({"gpu": ph.gpu_ms, "host": ph.host_ms})))
-                .collect::<serde_json::Map<_, _>>()),
+            "profile_ms": self.profile.as_ref().map(StepProfile::json_ms),
         });
         if let Some(obj) = j.as_object_mut() {
             for (k, v) in &self.describe {

@@ -11,6 +11,7 @@ use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
+use fsdp_train::profile::{finish_profiled_step, StepProfile, StepProfiler};
 use fsdp_train::GradShardsArg;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -84,8 +85,8 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-    /// Time each phase of the timed steps with CUDA events (wall time on the CPU) and print a per-phase
-    /// table; the events add a little time to the step.
+    /// Time each phase of the timed steps with CUDA events (host time everywhere) and print a per-phase
+    /// table (the Trainer's step profiler); the events add a little time to the step.
     #[arg(long)]
     profile: bool,
 }
@@ -95,6 +96,7 @@ struct Outcome {
     times: Vec<f64>,
     peak_pool: Option<u64>,
     loss: f64,
+    profile: Option<StepProfile>,
 }
 
 /// Refuses arguments that would do nothing or report nonsense.
@@ -227,9 +229,10 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     }
     // CPU: live bytes of all host buffers (every thread rank of this process).
     fp8_kernels::device::reset_host_buffer_peak();
-    if args.profile {
-        bench.enable_profile();
-    }
+    let mut profiler = args
+        .profile
+        .then(|| StepProfiler::new(&device, args.steps, args.warmup, false));
+    let mut profile = None;
     let mut times = Vec::with_capacity(args.steps);
     for _ in 0..args.steps {
         device.synchronize()?;
@@ -238,7 +241,11 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Device::Cuda(c) => Some(c.record_compute_timed()?),
             Device::Cpu => None,
         };
-        bench.step()?;
+        let mut prof = match profiler.as_mut() {
+            Some(p) => p.begin()?,
+            None => None,
+        };
+        bench.step_profiled(&mut prof)?;
         let secs = match (&device, ev0) {
             (Device::Cuda(c), Some(e0)) => {
                 let e1 = c.record_compute_timed()?;
@@ -248,6 +255,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             _ => t0.elapsed().as_secs_f64(),
         };
         times.push(secs);
+        finish_profiled_step(&mut profiler, prof, &mut profile, false)?;
     }
     device.synchronize()?;
     let peak_pool = match &device {
@@ -260,6 +268,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
         times,
         peak_pool,
         loss,
+        profile,
     })
 }
 
@@ -328,17 +337,9 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         );
     }
     println!("| final loss | {:.6} |", o.loss);
-    let profile = o.bench.profile();
-    if !profile.is_empty() {
-        let total: f64 = profile.iter().map(|(_, s)| s).sum();
+    if let Some(p) = &o.profile {
         println!();
-        println!("| phase (mean per step) | ms | share of compute stream |");
-        println!("| --- | --- | --- |");
-        for (p, secs) in &profile {
-            let share = format!("{:.1} %", 100.0 * secs / total.max(f64::MIN_POSITIVE));
-            println!("| {} | {:.2} | {share} |", p.name(), secs * 1e3);
-        }
-        println!("| sum (compute stream) | {:.2} | |", total * 1e3);
+        print!("{}", p.table());
     }
     let json = serde_json::json!({
         "bench": "mlp_bench",
@@ -370,10 +371,7 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "peak_source": peak_source,
         "device_used_GiB": device_used.map(|u| gib(u as f64)),
         "loss": o.loss,
-        "profile_ms": profile
-            .iter()
-            .map(|(p, s)| (p.name().to_string(), serde_json::json!(s * 1e3)))
-            .collect::<serde_json::Map<_, _>>(),
+        "profile_ms": o.profile.as_ref().map(StepProfile::json_ms),
     });
     println!("{json}");
     Ok(())
