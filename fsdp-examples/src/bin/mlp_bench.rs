@@ -12,7 +12,7 @@ use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
 use fsdp_train::profile::{finish_profiled_step, StepProfile, StepProfiler};
-use fsdp_train::GradShardsArg;
+use fsdp_train::{available_bytes, GradShardsArg};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -151,25 +151,6 @@ fn estimate_bytes(config: &MlpConfig, world_size: usize) -> Result<u64, MlpError
     .into_iter()
     .try_fold(0u64, |a, b| a.checked_add(b))
     .ok_or_else(over)
-}
-
-/// Bytes the device can still give: the GPU's free memory, or the host's `MemAvailable`.
-fn available_bytes(device: &Device) -> Result<Option<u64>, MlpError> {
-    if let Device::Cuda(c) = device {
-        let (free, _) = c
-            .context()
-            .mem_get_info()
-            .map_err(fp8_kernels::KernelError::from)?;
-        return Ok(Some(free as u64));
-    }
-    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
-        return Ok(None);
-    };
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024))
 }
 
 fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
