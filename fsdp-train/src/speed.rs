@@ -6,7 +6,7 @@
 
 use crate::profile::{finish_profiled_step, mark, Phase, StepProfile, StepProfiler};
 use crate::setup::{launch_ranks, RankLaunch};
-use crate::task::{OptimizerChoice, TrainTask};
+use crate::task::TrainTask;
 use crate::trainer::{rank_env, Trainer};
 use crate::TrainError;
 use fp8_kernels::Device;
@@ -140,22 +140,9 @@ impl SpeedReport {
             &format!("peak memory (GiB, {})", self.peak_source),
             format!("{:.3}", gib(self.peak_bytes as usize)),
         );
-        row(
-            "FP8 weight shards (GiB)",
-            format!("{:.3}", gib(m.fp8_weight_shards)),
-        );
-        row(
-            "plain parameter shards (GiB)",
-            format!("{:.3}", gib(m.plain_param_shards)),
-        );
-        row(
-            "gradient shards (GiB)",
-            format!("{:.3}", gib(m.grad_shards)),
-        );
-        row(
-            "optimizer states (GiB)",
-            format!("{:.3}", gib(m.optimizer_states)),
-        );
+        for (_, label, bytes) in m.model_state_parts() {
+            row(&format!("{label} (GiB)"), format!("{:.3}", gib(bytes)));
+        }
         row("model state (GiB)", format!("{:.3}", gib(m.model_state())));
         row("last loss", format!("{:.4}", self.loss));
         if let Some(p) = &self.profile {
@@ -184,13 +171,7 @@ impl SpeedReport {
             "device": self.device,
             "warmup": self.options.warmup_steps,
             "step_times_s": self.step_times,
-            "model_state_bytes": {
-                "fp8_weight_shards": m.fp8_weight_shards,
-                "plain_param_shards": m.plain_param_shards,
-                "grad_shards": m.grad_shards,
-                "optimizer_states": m.optimizer_states,
-                "total": m.model_state(),
-            },
+            "model_state_bytes": model_state_json(m),
             "loss": self.loss,
             "profile_ms": self.profile.as_ref().map(StepProfile::json_ms),
         });
@@ -201,6 +182,17 @@ impl SpeedReport {
         }
         j
     }
+}
+
+/// `model_state_bytes` of the programs' JSON lines: bytes per category of the model state, and `total`.
+pub fn model_state_json(m: &MemoryReport) -> serde_json::Value {
+    let mut parts: serde_json::Map<_, _> = m
+        .model_state_parts()
+        .into_iter()
+        .map(|(key, _, bytes)| (key.to_string(), bytes.into()))
+        .collect();
+    parts.insert("total".into(), m.model_state().into());
+    parts.into()
 }
 
 struct RankSpeed {
@@ -285,21 +277,12 @@ impl Trainer {
         env: &crate::RankEnv,
         options: SpeedOptions,
     ) -> Result<RankSpeed, TrainError> {
-        let c = self.config();
         let device = env.device.clone();
         if let Device::Cuda(cu) = &device {
             cu.set_pool_release_threshold(u64::MAX)?;
         }
         let (mut model, linears) = self.build_for_speed(task, env)?;
-        let mut opt = task
-            .optimizer(
-                &mut model,
-                &OptimizerChoice {
-                    lr: c.lr,
-                    states: c.optimizer_states,
-                },
-            )
-            .map_err(TrainError::task)?;
+        let mut opt = self.optimizer(task, &mut model)?;
         let mut data = task.data(env).map_err(TrainError::task)?;
         let batch = task.speed_batch(&mut data, env).map_err(TrainError::task)?;
         let units = task.batch_weight(&batch);

@@ -471,6 +471,19 @@ impl Trainer {
         self.build(task, env)
     }
 
+    /// The task's optimizer at the run's learning rate and state precision.
+    pub(crate) fn optimizer<T: TrainTask>(
+        &self,
+        task: &T,
+        model: &mut FsdpModel<T::Model>,
+    ) -> Result<Box<dyn Optimizer>, TrainError> {
+        let choice = OptimizerChoice {
+            lr: self.config.lr,
+            states: self.config.optimizer_states,
+        };
+        task.optimizer(model, &choice).map_err(TrainError::task)
+    }
+
     fn check_memory<T: TrainTask>(&self, task: &T, env: &RankEnv) -> Result<(), TrainError> {
         let Some(need) = task
             .memory_estimate(env.world_size)
@@ -520,15 +533,7 @@ impl Trainer {
                 .import_full(path, false)
                 .map_err(|e| TrainError::Config(format!("--init-from {}: {e}", path.display())))?;
         }
-        let mut opt = task
-            .optimizer(
-                &mut model,
-                &OptimizerChoice {
-                    lr: c.lr,
-                    states: c.optimizer_states,
-                },
-            )
-            .map_err(TrainError::task)?;
+        let mut opt = self.optimizer(task, &mut model)?;
         let mut data = task.data(env).map_err(TrainError::task)?;
         let total_steps = self.total_steps(task, &mut data, env)?;
         Self::set_schedule(task, opt.as_mut(), &self.plan(total_steps))?;

@@ -12,7 +12,7 @@ use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
 use fsdp_train::profile::{finish_profiled_step, StepProfile, StepProfiler};
-use fsdp_train::{available_bytes, GradShardsArg};
+use fsdp_train::{available_bytes, model_state_json, GradShardsArg};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -276,22 +276,9 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
     println!("| --- | --- |");
     println!("| median step (s) | {median:.4} |");
     println!("| model TFLOP/s | {:.1} |", flops / median / 1e12);
-    println!(
-        "| FP8 weight shards (GiB) | {:.3} |",
-        gib(mem.fp8_weight_shards as f64)
-    );
-    println!(
-        "| plain parameter shards (GiB) | {:.3} |",
-        gib(mem.plain_param_shards as f64)
-    );
-    println!(
-        "| gradient shards (GiB) | {:.3} |",
-        gib(mem.grad_shards as f64)
-    );
-    println!(
-        "| optimizer states (GiB) | {:.3} |",
-        gib(mem.optimizer_states as f64)
-    );
+    for (_, label, bytes) in mem.model_state_parts() {
+        println!("| {label} (GiB) | {:.3} |", gib(bytes as f64));
+    }
     println!(
         "| model state (GiB) | {:.3} |",
         gib(mem.model_state() as f64)
@@ -341,13 +328,7 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "step_s": median,
         "step_times_s": o.times,
         "TFLOPs": flops / median / 1e12,
-        "model_state_bytes": {
-            "fp8_weight_shards": mem.fp8_weight_shards,
-            "plain_param_shards": mem.plain_param_shards,
-            "grad_shards": mem.grad_shards,
-            "optimizer_states": mem.optimizer_states,
-            "total": mem.model_state(),
-        },
+        "model_state_bytes": model_state_json(&mem),
         "peak_GiB": o.peak_pool.map(|p| gib(p as f64)),
         "peak_source": peak_source,
         "device_used_GiB": device_used.map(|u| gib(u as f64)),
