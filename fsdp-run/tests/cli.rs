@@ -4,7 +4,7 @@
 //! GPU count of the machine does not bound them.
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -18,41 +18,39 @@ fn fsdp_run() -> Command {
     Command::new(env!("CARGO_BIN_EXE_fsdp-run"))
 }
 
+/// The launcher running `sh -c script` as `nproc` CPU ranks, with `flags` of its own.
+fn sh_ranks(nproc: usize, flags: &[&str], script: &str) -> Command {
+    let mut c = fsdp_run();
+    c.args(["--nproc", &nproc.to_string(), "--device", "cpu"])
+        .args(flags)
+        .args(["--", "sh", "-c", script]);
+    c
+}
+
+/// [`sh_ranks`] started in the background, its output discarded.
+fn spawn_sh_ranks(nproc: usize, script: &str) -> Child {
+    sh_ranks(nproc, &[], script)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 fn the_binary_prefixes_output_and_propagates_failure() {
-    let out = fsdp_run()
-        .args([
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--",
-            "sh",
-            "-c",
-            "echo hello from $RANK",
-        ])
-        .output()
-        .unwrap();
+    let out = sh_ranks(2, &[], "echo hello from $RANK").output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[rank 0] hello from 0"), "{stdout}");
     assert!(stdout.contains("[rank 1] hello from 1"), "{stdout}");
 
-    let out = fsdp_run()
-        .args([
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--master-port",
-            "0",
-            "--",
-            "sh",
-            "-c",
-            "if [ \"$RANK\" = 0 ]; then echo bad >&2; exit 7; fi; sleep 60",
-        ])
-        .output()
-        .unwrap();
+    let out = sh_ranks(
+        2,
+        &["--master-port", "0"],
+        "if [ \"$RANK\" = 0 ]; then echo bad >&2; exit 7; fi; sleep 60",
+    )
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(7));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("[rank 0] bad"), "{stderr}");
@@ -69,12 +67,7 @@ fn the_binary_forwards_sigterm_to_its_ranks() {
         "trap 'echo got-term > {}/term_$RANK; exit 0' TERM; while true; do sleep 0.05; done",
         dir.display()
     );
-    let mut child = fsdp_run()
-        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_sh_ranks(2, &script);
     std::thread::sleep(Duration::from_millis(700));
     // SAFETY: plain kill(2) on our own child process.
     unsafe {
@@ -116,30 +109,8 @@ fn ranks_die_when_the_launcher_is_killed() {
     let dir = temp_dir("pdeath");
     // Each rank records its pid, then becomes a long sleep (exec keeps the pid).
     let script = format!("echo $$ > {}/pid_$RANK; exec sleep 60", dir.display());
-    let mut launcher = fsdp_run()
-        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    let pids: Vec<i32> = loop {
-        let read: Vec<Option<i32>> = (0..2)
-            .map(|r| {
-                std::fs::read_to_string(dir.join(format!("pid_{r}")))
-                    .ok()
-                    .and_then(|t| t.trim().parse().ok())
-            })
-            .collect();
-        if read.iter().all(Option::is_some) {
-            break read.into_iter().flatten().collect();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "ranks did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let mut launcher = spawn_sh_ranks(2, &script);
+    let pids = wait_for_pids(&dir, &["pid_0".to_string(), "pid_1".to_string()]);
     // Give `exec sleep` time to replace the shell, then kill the launcher without letting it clean up.
     std::thread::sleep(Duration::from_millis(200));
     assert!(
@@ -148,17 +119,7 @@ fn ranks_die_when_the_launcher_is_killed() {
     );
     launcher.kill().unwrap(); // SIGKILL
     launcher.wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
-    for &p in &alive {
-        // SAFETY: plain kill(2) of a process this test started (through the launcher); cleanup only.
-        unsafe {
-            libc::kill(p, libc::SIGKILL);
-        }
-    }
+    let alive = survivors_after(&pids, Duration::from_secs(10));
     assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -211,12 +172,7 @@ fn processes_the_ranks_started_die_when_the_launcher_is_killed() {
         "sleep 300 & echo $! > {d}/child_$RANK; echo $$ > {d}/rank_$RANK; wait",
         d = dir.display()
     );
-    let mut launcher = fsdp_run()
-        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut launcher = spawn_sh_ranks(2, &script);
     let names: Vec<String> = (0..2)
         .flat_map(|r| [format!("rank_{r}"), format!("child_{r}")])
         .collect();
@@ -244,10 +200,7 @@ fn what_a_rank_leaves_behind_in_its_group_ends_with_it() {
         dir.display()
     );
     let start = Instant::now();
-    let out = fsdp_run()
-        .args(["--nproc", "1", "--device", "cpu", "--", "sh", "-c", &script])
-        .output()
-        .unwrap();
+    let out = sh_ranks(1, &[], &script).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let pids = wait_for_pids(&dir, &["child_0".to_string()]);
     let alive = survivors_after(&pids, Duration::from_secs(5));
