@@ -220,6 +220,21 @@ pub fn forward_backward(
     Ok(loss)
 }
 
+/// [`forward_backward`] on rows `rows` of the batch `(x, t)` (e.g. a rank's [`local_rows`]).
+pub fn forward_backward_rows(
+    model: &mut ShardedModel,
+    (x, t): (&[f32], &[f32]),
+    rows: std::ops::Range<usize>,
+    global_batch: usize,
+) -> Result<f32, ShardError> {
+    forward_backward(
+        model,
+        &x[rows.start * IN..rows.end * IN],
+        &t[rows.start * OUT..rows.end * OUT],
+        global_batch,
+    )
+}
+
 /// This rank's rows of a global batch of `global` rows: contiguous blocks.
 pub fn local_rows(rank: usize, ws: usize, global: usize) -> std::ops::Range<usize> {
     let per = global / ws;
@@ -251,12 +266,7 @@ pub fn train(
             let per_micro = rows.len() / micro;
             for mb in 0..micro {
                 let r = rows.start + mb * per_micro..rows.start + (mb + 1) * per_micro;
-                forward_backward(
-                    &mut model,
-                    &x[r.start * IN..r.end * IN],
-                    &t[r.start * OUT..r.end * OUT],
-                    global_batch,
-                )?;
+                forward_backward_rows(&mut model, (&x, &t), r, global_batch)?;
             }
             sgd.step(&mut model)?;
         }
