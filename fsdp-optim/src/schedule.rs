@@ -103,15 +103,26 @@ impl CosineWithWarmup {
     }
 }
 
+/// The cosine part of [`CosineWithWarmup`] and [`WarmupCosine`] at `position >= warmup`: from `base_lr`
+/// at `warmup` down to `min_ratio * base_lr` at `total`, held there afterwards.
+fn cosine_decay(base_lr: f64, position: u64, (warmup, total): (u64, u64), min_ratio: f64) -> f64 {
+    let span = (total - warmup).max(1) as f64;
+    let progress = ((position - warmup) as f64 / span).min(1.0);
+    let cos = 0.5 * (1.0 + (PI * progress).cos());
+    base_lr * (min_ratio + (1.0 - min_ratio) * cos)
+}
+
 impl LrSchedule for CosineWithWarmup {
     fn lr_at(&self, base_lr: f64, position: u64) -> f64 {
         if position < self.warmup_steps {
             return base_lr * position as f64 / self.warmup_steps as f64;
         }
-        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
-        let progress = ((position - self.warmup_steps) as f64 / span).min(1.0);
-        let cos = 0.5 * (1.0 + (PI * progress).cos());
-        base_lr * (self.min_ratio + (1.0 - self.min_ratio) * cos)
+        cosine_decay(
+            base_lr,
+            position,
+            (self.warmup_steps, self.total_steps),
+            self.min_ratio,
+        )
     }
     fn describe(&self) -> String {
         format!(
@@ -150,10 +161,12 @@ impl LrSchedule for WarmupCosine {
         if position < self.warmup_steps {
             return base_lr * (position + 1) as f64 / self.warmup_steps as f64;
         }
-        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
-        let progress = ((position - self.warmup_steps) as f64 / span).min(1.0);
-        let cos = 0.5 * (1.0 + (PI * progress).cos());
-        base_lr * (self.min_ratio + (1.0 - self.min_ratio) * cos)
+        cosine_decay(
+            base_lr,
+            position,
+            (self.warmup_steps, self.total_steps),
+            self.min_ratio,
+        )
     }
     fn describe(&self) -> String {
         format!(
