@@ -253,6 +253,16 @@ fn wait_for_device(c: &fp8_kernels::CudaDevice) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// Starts timing a batch when profiling (see [`StepProfiler::begin`]).
+pub fn begin_profiled_step(
+    profiler: &mut Option<StepProfiler>,
+) -> Result<Option<ProfiledStep>, KernelError> {
+    match profiler.as_mut() {
+        Some(p) => p.begin(),
+        None => Ok(None),
+    }
+}
+
 /// Hands a profiled batch to the profiler; prints the table on completion when `print`.
 pub fn finish_profiled_step(
     profiler: &mut Option<StepProfiler>,

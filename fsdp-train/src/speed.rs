@@ -4,12 +4,13 @@
 //! PyTorch peers' `perf_counter` around the step and `torch.cuda.synchronize()`); the median is
 //! reported, with the peak memory of the timed steps and the model state by category.
 
-use crate::profile::{finish_profiled_step, mark, Phase, StepProfile, StepProfiler};
-use crate::setup::{launch_ranks, RankLaunch};
+use crate::profile::{
+    begin_profiled_step, finish_profiled_step, mark, Phase, StepProfile, StepProfiler,
+};
 use crate::task::TrainTask;
-use crate::trainer::{rank_env, Trainer};
+use crate::trainer::Trainer;
 use crate::TrainError;
-use fp8_kernels::Device;
+use fp8_kernels::{Device, KernelError};
 use fsdp_optim::step_model;
 use fsdp_shard::MemoryReport;
 use std::time::Instant;
@@ -195,6 +196,26 @@ pub fn model_state_json(m: &MemoryReport) -> serde_json::Value {
     parts.into()
 }
 
+/// Opens a peak-memory window: waits for the device and resets the high-water marks of the CUDA pool
+/// and of the live CPU buffers (process-wide: every thread rank's).
+pub fn reset_peak_memory(device: &Device) -> Result<(), KernelError> {
+    device.synchronize()?;
+    if let Device::Cuda(c) = device {
+        c.reset_pool_high_water()?;
+    }
+    fp8_kernels::device::reset_host_buffer_peak();
+    Ok(())
+}
+
+/// The high-water mark of bytes since [`reset_peak_memory`]: the CUDA pool's, or on the CPU the live CPU
+/// buffers'.
+pub fn peak_memory(device: &Device) -> Result<u64, KernelError> {
+    Ok(match device {
+        Device::Cuda(c) => c.pool_memory()?.1,
+        Device::Cpu => fp8_kernels::device::host_buffer_bytes().peak as u64,
+    })
+}
+
 struct RankSpeed {
     profile: Option<StepProfile>,
     times: Vec<f64>,
@@ -223,17 +244,7 @@ impl Trainer {
                 "--speed-steps must be at least 1".into(),
             ));
         }
-        let launch = RankLaunch {
-            binary: task.name(),
-            device: c.device,
-            world_size: c.world_size,
-            threads_per_rank: c.threads_per_rank,
-            timeout: c.timeout,
-        };
-        let (outcomes, device) = launch_ranks(&launch, |comm, par| {
-            let env = rank_env(comm, par);
-            self.speed_rank(task, &env, options)
-        })?;
+        let (outcomes, device) = self.launch(task, |env| self.speed_rank(task, env, options))?;
         let first = outcomes
             .into_iter()
             .next()
@@ -304,11 +315,7 @@ impl Trainer {
         for _ in 0..options.warmup_steps {
             step(&mut model, &mut None)?;
         }
-        device.synchronize()?;
-        if let Device::Cuda(cu) = &device {
-            cu.reset_pool_high_water()?;
-        }
-        fp8_kernels::device::reset_host_buffer_peak();
+        reset_peak_memory(&device)?;
         let mut profiler = options
             .profile
             .then(|| StepProfiler::new(&device, options.timed_steps, options.warmup_steps, false));
@@ -317,19 +324,13 @@ impl Trainer {
         for _ in 0..options.timed_steps {
             device.synchronize()?;
             let t0 = Instant::now();
-            let mut prof = match profiler.as_mut() {
-                Some(p) => p.begin()?,
-                None => None,
-            };
+            let mut prof = begin_profiled_step(&mut profiler)?;
             step(&mut model, &mut prof)?;
             device.synchronize()?;
             times.push(t0.elapsed().as_secs_f64());
             finish_profiled_step(&mut profiler, prof, &mut profile, false)?;
         }
-        let peak = match &device {
-            Device::Cuda(cu) => cu.pool_memory()?.1,
-            Device::Cpu => fp8_kernels::device::host_buffer_bytes().peak as u64,
-        };
+        let peak = peak_memory(&device)?;
         let loss = {
             let l = task.loss(&model).map_err(TrainError::task)?;
             let v = f64::from(l.values.to_vec()?.first().copied().unwrap_or(f32::NAN));

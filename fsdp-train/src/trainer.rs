@@ -297,17 +297,7 @@ impl Trainer {
             .collect();
         let _outputs = RunOutputs::prepare(c.save.as_deref().map(|d| ("--save", d)), &files)?;
         self.check_no_overwrite()?;
-        let launch = RankLaunch {
-            binary: task.name(),
-            device: c.device,
-            world_size: c.world_size,
-            threads_per_rank: c.threads_per_rank,
-            timeout: c.timeout,
-        };
-        let (outcomes, device) = launch_ranks(&launch, |comm, par| {
-            let env = rank_env(comm, par);
-            self.run_rank(task, &env)
-        })?;
+        let (outcomes, device) = self.launch(task, |env| self.run_rank(task, env))?;
         let memory = outcomes.iter().map(|o| o.memory.clone()).collect();
         let step_losses = outcomes.iter().map(|o| o.step_losses.clone()).collect();
         let first = outcomes
@@ -469,6 +459,24 @@ impl Trainer {
     ) -> Result<Built<T::Model>, TrainError> {
         self.check_memory(task, env)?;
         self.build(task, env)
+    }
+
+    /// Runs `rank` on every rank of the configured device and world (see [`launch_ranks`]); returns each
+    /// rank's result and the device's description.
+    pub(crate) fn launch<T: TrainTask, R: Send>(
+        &self,
+        task: &T,
+        rank: impl Fn(&RankEnv) -> Result<R, TrainError> + Sync,
+    ) -> Result<(Vec<R>, String), TrainError> {
+        let c = &self.config;
+        let launch = RankLaunch {
+            binary: task.name(),
+            device: c.device,
+            world_size: c.world_size,
+            threads_per_rank: c.threads_per_rank,
+            timeout: c.timeout,
+        };
+        launch_ranks(&launch, |comm, par| rank(&rank_env(comm, par)))
     }
 
     /// The task's optimizer at the run's learning rate and state precision.

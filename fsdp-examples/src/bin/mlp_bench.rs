@@ -11,8 +11,10 @@ use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
-use fsdp_train::profile::{finish_profiled_step, StepProfile, StepProfiler};
-use fsdp_train::{available_bytes, model_state_json, GradShardsArg};
+use fsdp_train::profile::{begin_profiled_step, finish_profiled_step, StepProfile, StepProfiler};
+use fsdp_train::{
+    available_bytes, model_state_json, peak_memory, reset_peak_memory, GradShardsArg,
+};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -204,12 +206,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     for _ in 0..args.warmup {
         bench.step()?;
     }
-    device.synchronize()?;
-    if let Device::Cuda(c) = &device {
-        c.reset_pool_high_water()?;
-    }
-    // CPU: live bytes of all host buffers (every thread rank of this process).
-    fp8_kernels::device::reset_host_buffer_peak();
+    reset_peak_memory(&device)?;
     let mut profiler = args
         .profile
         .then(|| StepProfiler::new(&device, args.steps, args.warmup, false));
@@ -222,10 +219,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Device::Cuda(c) => Some(c.record_compute_timed()?),
             Device::Cpu => None,
         };
-        let mut prof = match profiler.as_mut() {
-            Some(p) => p.begin()?,
-            None => None,
-        };
+        let mut prof = begin_profiled_step(&mut profiler)?;
         bench.step_profiled(&mut prof)?;
         let secs = match (&device, ev0) {
             (Device::Cuda(c), Some(e0)) => {
@@ -239,10 +233,7 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
         finish_profiled_step(&mut profiler, prof, &mut profile, false)?;
     }
     device.synchronize()?;
-    let peak_pool = match &device {
-        Device::Cuda(c) => Some(c.pool_memory()?.1),
-        Device::Cpu => Some(fp8_kernels::device::host_buffer_bytes().peak as u64),
-    };
+    let peak_pool = Some(peak_memory(&device)?);
     let loss = bench.loss()?;
     Ok(Outcome {
         bench,
