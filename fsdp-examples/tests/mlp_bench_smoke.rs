@@ -187,6 +187,18 @@ fn final_state(cfg: MlpConfig, ranks: usize, steps: usize) -> Vec<(Vec<u32>, Vec
     .unwrap()
 }
 
+/// Asserts that configurations `a` and `b` train 5 steps on `ranks` ranks to bit-identical states, and
+/// that they train (so scales and weights move).
+fn assert_train_alike(a: MlpConfig, b: MlpConfig, ranks: usize, what: &str) {
+    let (sa, sb) = (final_state(a, ranks, 5), final_state(b, ranks, 5));
+    assert_eq!(sa, sb, "{what}, {ranks} rank(s)");
+    let losses = &sa[0].1;
+    assert!(
+        losses[4] < losses[0],
+        "the runs train (so scales and weights move): {losses:?}"
+    );
+}
+
 #[test]
 fn fused_gelu_casts_train_bit_identically() {
     // The fused kernels write the same FP8 codes, transposes and amaxes as GELU-then-cast, so every step
@@ -196,15 +208,9 @@ fn fused_gelu_casts_train_bit_identically() {
         cfg.recompute = recompute;
         cfg.fused = false;
         cfg.recompute_gelu = false;
-        let plain = final_state(cfg.clone(), ranks, 5);
+        let plain = cfg.clone();
         cfg.fused = true;
-        let fused = final_state(cfg, ranks, 5);
-        assert_eq!(plain, fused, "recompute {recompute}, {ranks} rank(s)");
-        let losses = &plain[0].1;
-        assert!(
-            losses[4] < losses[0],
-            "the runs train (so scales and weights move): {losses:?}"
-        );
+        assert_train_alike(plain, cfg, ranks, &format!("recompute {recompute}"));
     }
 }
 
@@ -216,12 +222,9 @@ fn recomputed_gelu_input_trains_bit_identically() {
         let mut cfg = config(BenchMode::Fp8);
         cfg.fused = fused;
         cfg.recompute_gelu = false;
-        let kept = final_state(cfg.clone(), ranks, 5);
+        let kept = cfg.clone();
         cfg.recompute_gelu = true;
-        let recast = final_state(cfg, ranks, 5);
-        assert_eq!(kept, recast, "fused {fused}, {ranks} rank(s)");
-        let losses = &kept[0].1;
-        assert!(losses[4] < losses[0], "the runs train: {losses:?}");
+        assert_train_alike(kept, cfg, ranks, &format!("fused {fused}"));
     }
 }
 

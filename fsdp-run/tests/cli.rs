@@ -228,6 +228,13 @@ fn refused(args: &[&str]) -> (Option<i32>, String) {
     )
 }
 
+/// Asserts that the launcher refuses `args` (exit code 2) with a message containing `expect`.
+fn refused_with(args: &[&str], expect: &str) {
+    let (code, stderr) = refused(args);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains(expect), "{stderr}");
+}
+
 #[test]
 fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
     let dir = temp_dir("nproc");
@@ -235,11 +242,9 @@ fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
     let cores = std::thread::available_parallelism().unwrap().get();
 
     // The probe's case: the default device (GPUs when the driver shows some, the CPU otherwise).
-    let (code, stderr) = refused(&["--nproc", "100000", "--", "sh", "-c", &started]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--nproc 100000 exceeds the limit of"),
-        "{stderr}"
+    refused_with(
+        &["--nproc", "100000", "--", "sh", "-c", &started],
+        "--nproc 100000 exceeds the limit of",
     );
 
     // CPU ranks: 4 per core, and the message says so.
@@ -267,15 +272,14 @@ fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
         _ => assert!(stderr.contains("--device cuda, but"), "{stderr}"),
     }
 
-    let (code, stderr) = refused(&["--nproc", "0", "--", "true"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("--nproc must be at least 1"), "{stderr}");
+    refused_with(
+        &["--nproc", "0", "--", "true"],
+        "--nproc must be at least 1",
+    );
     for bad in ["-1", "two"] {
-        let (code, stderr) = refused(&["--nproc", bad, "--", "true"]);
-        assert_eq!(code, Some(2), "{stderr}");
-        assert!(
-            stderr.contains(&format!("invalid value '{bad}' for '--nproc")),
-            "{stderr}"
+        refused_with(
+            &["--nproc", bad, "--", "true"],
+            &format!("invalid value '{bad}' for '--nproc"),
         );
     }
 
@@ -296,54 +300,46 @@ fn bad_numbers_and_addresses_are_refused_naming_their_flag() {
             "{stderr}"
         );
     }
-    let (code, stderr) = refused(&["--nproc", "1", "--master-port", "70000", "--", "true"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("invalid value '70000' for '--master-port"),
-        "{stderr}"
+    refused_with(
+        &["--nproc", "1", "--master-port", "70000", "--", "true"],
+        "invalid value '70000' for '--master-port",
     );
 
     // A port something else listens on: rank 0 could not serve the rendezvous there.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port().to_string();
-    let (code, stderr) = refused(&[
-        "--nproc",
-        "2",
-        "--device",
-        "cpu",
-        "--master-port",
-        &port,
-        "--",
-        "true",
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains(&format!("--master-port {port}: rank 0 could not listen")),
-        "{stderr}"
+    refused_with(
+        &[
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--master-port",
+            &port,
+            "--",
+            "true",
+        ],
+        &format!("--master-port {port}: rank 0 could not listen"),
     );
     drop(busy);
 
     // An address of another host (TEST-NET-1, reserved for documentation).
-    let (code, stderr) = refused(&[
-        "--nproc",
-        "2",
-        "--device",
-        "cpu",
-        "--master-addr",
-        "192.0.2.1",
-        "--",
-        "true",
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--master-addr 192.0.2.1: cannot listen"),
-        "{stderr}"
+    refused_with(
+        &[
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--master-addr",
+            "192.0.2.1",
+            "--",
+            "true",
+        ],
+        "--master-addr 192.0.2.1: cannot listen",
     );
 
-    let (code, stderr) = refused(&["--nproc", "1", "--device", "gpu", "--", "true"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("invalid value 'gpu' for '--device"),
-        "{stderr}"
+    refused_with(
+        &["--nproc", "1", "--device", "gpu", "--", "true"],
+        "invalid value 'gpu' for '--device",
     );
 }
