@@ -6,8 +6,8 @@ use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_shard::{
-    FsdpConfig, GatheredParam, ModelLayout, ParamGroup, ParamKind, ParamSpec, ShardError,
-    ShardedModel, ShardedState, StateShard, WrapPolicy,
+    FsdpConfig, ModelLayout, ParamGroup, ParamKind, ParamSpec, ShardError, ShardedModel,
+    ShardedState, StateShard, WrapPolicy,
 };
 use std::sync::Arc;
 
@@ -123,16 +123,11 @@ impl Sgd {
 
 /// A parameter of a gathered unit as F32 values (FP8 weights dequantized).
 pub fn param_f32(model: &ShardedModel, name: &str) -> Vec<f32> {
-    match model.param(model.index(name).unwrap()).unwrap() {
-        GatheredParam::Plain(b) => b.to_vec().unwrap(),
-        GatheredParam::Fp8 { codes, scales } => {
-            let c = codes.to_vec().unwrap();
-            let s = scales.to_vec().unwrap();
-            let mut v = vec![0f32; c.len()];
-            Fp8Format::E4M3.decode_scaled(&c, s[1], &mut v).unwrap();
-            v
-        }
-    }
+    model
+        .param(model.index(name).unwrap())
+        .unwrap()
+        .to_f32_vec()
+        .unwrap()
 }
 
 fn matmul_t(x: &[f32], w: &[f32], b: &[f32], rows: usize, inn: usize, out: usize) -> Vec<f32> {
