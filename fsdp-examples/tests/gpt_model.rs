@@ -415,20 +415,11 @@ fn generation_with_the_cache_equals_full_forwards() {
         "different seeds, different samples"
     );
     // Too long for the position table, or in a training pass: refused.
-    assert!(model
-        .forward(Mode::Eval, |m, ctx| m.generate(
-            ctx,
-            &prompt,
-            &Sampling::greedy(10)
-        ))
-        .is_err());
-    assert!(model
-        .forward(Mode::Train, |m, ctx| m.generate(
-            ctx,
-            &prompt,
-            &Sampling::greedy(2)
-        ))
-        .is_err());
+    for (mode, tokens) in [(Mode::Eval, 10), (Mode::Train, 2)] {
+        let sampling = Sampling::greedy(tokens);
+        let r = model.forward(mode, |m, ctx| m.generate(ctx, &prompt, &sampling));
+        assert!(r.is_err(), "{mode:?}, {tokens} new tokens");
+    }
 }
 
 #[test]
