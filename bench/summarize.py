@@ -175,97 +175,68 @@ def agreement_section(rows):
             + table(["row", "peer", "figure", "ours-written", "external", "ratio", "agree"], rows) + "\n")
 
 
-# ---- the language-model tables (gpt, llama) ----
+# ---- the speed tables (gpt, llama, mlp) ----
 
-def lm_cell(run):
+def figure_cell(run, key, text):
+    """(cell, record) of a run: `text` of its last record with `key`, or why there is none."""
     if run is None:
         return "-", None
     bad = run.status()
     if bad:
         return bad, None
-    rec = run.last("tokens_per_s")
+    rec = run.last(key)
     if rec is None:
         return run.no_figures(), None
-    return f"{kilo(rec['tokens_per_s'])} tok/s, {rec['peak_GiB']:.2f} GiB", rec
+    return text(rec), rec
+
+
+def speed_table(runs, ours_title, key, text, best_of, vs_title):
+    """A speed benchmark's table: per row our cell and each peer's (`figure_cell` by `key` and `text`), our `key`
+    against the best peer's (`best_of`: max or min), our peak against PyTorch BF16's; then how the peers' runs
+    agree with their external runs."""
+    peers = peer_columns(runs, "peer")
+    header = ["row", ours_title] + [peer_title(c) for c in peers] + [vs_title, "peak vs PyTorch BF16"]
+    out, agree = [], []
+    for row, label in rows_in_order(runs):
+        cols = by_column(runs, row)
+        ours_cell, ours = figure_cell(cols.get("ours"), key, text)
+        cells, figures = [], {}
+        for c in peers:
+            cell, rec = figure_cell(cols.get(c), key, text)
+            cells.append(cell)
+            if rec is not None:
+                figures[c] = rec
+        versus, memory = "-", "-"
+        if ours is not None and figures:
+            best = best_of(figures, key=lambda c: figures[c][key])
+            versus = f"{ratio(ours[key] / figures[best][key])} ({peer_title(best)})"
+        if ours is not None and "peer:bf16" in figures:
+            memory = ratio(ours["peak_GiB"] / figures["peer:bf16"]["peak_GiB"])
+        out.append([label, ours_cell] + cells + [versus, memory])
+        for c in peers:
+            ext = cols.get("ext:" + c.split(":", 1)[1])
+            if ext is None:
+                continue
+            _, ext_rec = figure_cell(ext, key, text)
+            ours_rec = figures.get(c)
+            for k in (key, "peak_GiB"):
+                agree += agreement_rows(label, c.split(":", 1)[1], k, ours_rec and ours_rec[k],
+                                        ext_rec and ext_rec[k])
+    return table(header, out) + "\n" + agreement_section(agree)
 
 
 def summarize_lm(runs):
-    peers = peer_columns(runs, "peer")
-    header = ["row", "ours"] + [peer_title(c) for c in peers] + ["speed vs faster peer", "peak vs PyTorch BF16"]
-    out, agree = [], []
-    for row, label in rows_in_order(runs):
-        cols = by_column(runs, row)
-        ours_cell, ours = lm_cell(cols.get("ours"))
-        cells, figures = [], {}
-        for c in peers:
-            cell, rec = lm_cell(cols.get(c))
-            cells.append(cell)
-            if rec is not None:
-                figures[c] = rec
-        speed, memory = "-", "-"
-        if ours is not None and figures:
-            best = max(figures, key=lambda c: figures[c]["tokens_per_s"])
-            speed = f"{ratio(ours['tokens_per_s'] / figures[best]['tokens_per_s'])} ({peer_title(best)})"
-        if ours is not None and "peer:bf16" in figures:
-            memory = ratio(ours["peak_GiB"] / figures["peer:bf16"]["peak_GiB"])
-        out.append([label, ours_cell] + cells + [speed, memory])
-        for c in peers:
-            ext = cols.get("ext:" + c.split(":", 1)[1])
-            if ext is None:
-                continue
-            _, ext_rec = lm_cell(ext)
-            ours_rec = figures.get(c)
-            for key in ("tokens_per_s", "peak_GiB"):
-                agree += agreement_rows(label, c.split(":", 1)[1], key, ours_rec and ours_rec[key],
-                                        ext_rec and ext_rec[key])
-    return table(header, out) + "\n" + agreement_section(agree)
-
-
-# ---- the MLP table ----
-
-def mlp_cell(run):
-    if run is None:
-        return "-", None
-    bad = run.status()
-    if bad:
-        return bad, None
-    rec = run.last("step_s")
-    if rec is None:
-        return run.no_figures(), None
-    return f"{rec['step_s']:.4f} s, {rec['peak_GiB']:.2f} GiB", rec
+    """The gpt and llama tables."""
+    return speed_table(runs, "ours", "tokens_per_s",
+                       lambda rec: f"{kilo(rec['tokens_per_s'])} tok/s, {rec['peak_GiB']:.2f} GiB",
+                       max, "speed vs faster peer")
 
 
 def summarize_mlp(runs):
-    peers = peer_columns(runs, "peer")
-    header = ["row", "ours (fp8)"] + [peer_title(c) for c in peers] + ["step vs faster peer",
-                                                                        "peak vs PyTorch BF16"]
-    out, agree = [], []
-    for row, label in rows_in_order(runs):
-        cols = by_column(runs, row)
-        ours_cell, ours = mlp_cell(cols.get("ours"))
-        cells, figures = [], {}
-        for c in peers:
-            cell, rec = mlp_cell(cols.get(c))
-            cells.append(cell)
-            if rec is not None:
-                figures[c] = rec
-        step, memory = "-", "-"
-        if ours is not None and figures:
-            best = min(figures, key=lambda c: figures[c]["step_s"])
-            step = f"{ratio(ours['step_s'] / figures[best]['step_s'])} ({peer_title(best)})"
-        if ours is not None and "peer:bf16" in figures:
-            memory = ratio(ours["peak_GiB"] / figures["peer:bf16"]["peak_GiB"])
-        out.append([label, ours_cell] + cells + [step, memory])
-        for c in peers:
-            ext = cols.get("ext:" + c.split(":", 1)[1])
-            if ext is None:
-                continue
-            _, ext_rec = mlp_cell(ext)
-            ours_rec = figures.get(c)
-            for key in ("step_s", "peak_GiB"):
-                agree += agreement_rows(label, c.split(":", 1)[1], key, ours_rec and ours_rec[key],
-                                        ext_rec and ext_rec[key])
-    return table(header, out) + "\n" + agreement_section(agree)
+    """The MLP table."""
+    return speed_table(runs, "ours (fp8)", "step_s",
+                       lambda rec: f"{rec['step_s']:.4f} s, {rec['peak_GiB']:.2f} GiB",
+                       min, "step vs faster peer")
 
 
 # ---- MNIST ----

@@ -32,6 +32,11 @@ class Folder:
             f.write(f"{self.table}\t{row}\t{label}\t{column}\t{name}\t{rc}\t12\tcmd {column}\n")
         return name
 
+    def add_runs(self, label, runs):
+        """One row named as the table, `label`, with a run per column: {column: log text}."""
+        for column, text in runs.items():
+            self.add(self.table, label, column, text)
+
     def write(self, name, text):
         with open(os.path.join(self.path, name), "w") as f:
             f.write(text)
@@ -163,9 +168,6 @@ B16 H12 T1024 hd64   fused det.      0.120   0.618    0.738   122.3 |     179   
 class LayersTable(unittest.TestCase):
     def test_kernels_match_the_peer_records_by_shape(self):
         f = Folder("layers")
-        label = "transformer layer kernels"
-        f.add("layers", label, "ours:layer_kernel_bench", LAYER_KERNEL_BENCH)
-        f.add("layers", label, "ours:attention_bench", ATTENTION_BENCH)
         peer = (line(op="attention_fwd_bwd", backend="default", B=16, H=12, KV=12, T=1024, hd=64, s=6.0e-4,
                      TFLOPs=149.4)
                 + line(op="attention_fwd_bwd", backend="flash", B=16, H=12, KV=12, T=1024, hd=64, s=7.0e-4,
@@ -177,8 +179,12 @@ class LayersTable(unittest.TestCase):
                 + line(op="rmsnorm_bwd", rows=8192, d=4096, s=215.0e-6, GBps=900.0)
                 + line(op="lmhead_ce_fwd_bwd", tokens=8192, d=2560, vocab=50304, s=9.95e-3, TFLOPs=636.0,
                        extra_peak_GiB=1.26))
-        f.add("layers", label, "peer:layers", peer)
-        f.add("layers", label, "ext:layers", peer.replace("112.0e-6", "1.2e-4").replace("0.000112", "0.00012"))
+        f.add_runs("transformer layer kernels", {
+            "ours:layer_kernel_bench": LAYER_KERNEL_BENCH,
+            "ours:attention_bench": ATTENTION_BENCH,
+            "peer:layers": peer,
+            "ext:layers": peer.replace("112.0e-6", "1.2e-4").replace("0.000112", "0.00012"),
+        })
         md = f.summary()
         attn = row_of(md, "B16 H12 T1024 hd64")
         self.assertEqual(attn[1:4], ["167.2", "149.4", "118.7"])
@@ -215,18 +221,18 @@ GEMM_BENCH = """gemm_bench on CUDA device 0
 class KernelsTable(unittest.TestCase):
     def test_casts_and_gemms_beside_pytorch(self):
         f = Folder("kernels")
-        label = "single kernels"
-        f.add("kernels", label, "ours:kernel_bench", KERNEL_BENCH)
-        f.add("kernels", label, "ours:gemm_bench", GEMM_BENCH)
         peer = {"copy_TBps": 4.118, "gemm_8192x8192x8192": {"bf16_TFLOPs": 755.0, "fp8_TFLOPs": 1310.0,
                                                              "fp8_speedup": 1.73},
                 "cast_eager_GBps": 293.0, "cast_compiled_GBps": 2006.0, "dequant_eager_GBps": 767.0,
                 "device": "H200", "torch": "2.11"}
-        f.add("kernels", label, "peer:kernels", json.dumps(peer) + "\n")
-        f.add("kernels", label, "ext:kernels", json.dumps(peer, indent=1) + "\n")   # the indented form
-        f.add("kernels", label, "peer:blockwise", line(M=8192, K=8192, N=8192, bf16=799.0, fp8_tensor=1473.0,
-                                                        fp8_rowwise=1434.0, fp8_block_1x128_128x128=1349.0,
-                                                        fp8_block_1x128_1x128="not supported"))
+        f.add_runs("single kernels", {
+            "ours:kernel_bench": KERNEL_BENCH,
+            "ours:gemm_bench": GEMM_BENCH,
+            "peer:kernels": json.dumps(peer) + "\n",
+            "ext:kernels": json.dumps(peer, indent=1) + "\n",   # the indented form
+            "peer:blockwise": line(M=8192, K=8192, N=8192, bf16=799.0, fp8_tensor=1473.0, fp8_rowwise=1434.0,
+                                   fp8_block_1x128_128x128=1349.0, fp8_block_1x128_1x128="not supported"),
+        })
         md = f.summary()
         self.assertEqual(row_of(md, "cast BF16 -> E4M3, current scaling (vs torch.compile)")[1:4],
                          ["2.445 TB/s", "2.006 TB/s", "1.22x"])

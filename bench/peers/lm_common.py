@@ -213,6 +213,41 @@ def measure_training(model, step, opt, batch, seq, steps, data_dir, seed, rank, 
             "elapsed_s": time.time() - started, "peak_GiB": peak_gib()}
 
 
+class LmRun:
+    """The command line and environment of an LM peer: `PEER speed|train MODE PRESET BATCH SEQ [STEPS DATA_DIR]`
+    (exits with `usage` when they do not parse), SEED (default 1), LR (default 6e-4), COMPILE, AC."""
+
+    def __init__(self, argv, usage, modes, presets):
+        if len(argv) < 6 or argv[1] not in ("speed", "train") or argv[2] not in modes \
+                or argv[3] not in presets or (argv[1] == "train" and len(argv) < 8):
+            sys.exit(usage)
+        self.cmd, self.mode, self.preset = argv[1], argv[2], argv[3]
+        self.batch, self.seq = int(argv[4]), int(argv[5])
+        self.steps, self.data_dir = (int(argv[6]), argv[7]) if self.cmd == "train" else (None, None)
+        self.seed = int(os.environ.get("SEED", "1"))
+        self.lr_max = float(os.environ.get("LR", "6e-4"))
+        self.compile_blocks = env_flag("COMPILE")
+        self.checkpoint_blocks = os.environ.get("AC") == "full"
+
+    def summary(self, vocab):
+        """The summary's leading keys (the measurements follow)."""
+        return {"peer": "pytorch-fsdp2", "mode": self.mode, "compile": self.compile_blocks,
+                "ac": os.environ.get("AC", "none"), "preset": self.preset, "vocab": vocab, "batch": self.batch,
+                "seq": self.seq}
+
+    def train_or_measure(self, summary, model, precompute, token_high, flops_per_token, rank, world):
+        """The run after the model is built, converted, sharded and initialised: AdamW and the step, then the
+        speed measurement (random tokens below `token_high`) or the training run, into `summary`."""
+        opt = adamw(model, self.lr_max)
+        step = make_step(model, opt, precompute)
+        if self.cmd == "speed":
+            summary.update(measure_speed(step, self.batch, self.seq, world, token_high, self.seed,
+                                         flops_per_token))
+        else:
+            summary.update(measure_training(model, step, opt, self.batch, self.seq, self.steps, self.data_dir,
+                                            self.seed, rank, self.lr_max))
+
+
 def is_out_of_memory(exc):
     """torch.compile and autograd re-raise a CUDA OOM wrapped in their own exception types."""
     seen = set()

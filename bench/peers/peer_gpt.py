@@ -28,7 +28,6 @@
 # The last JSON line is the summary: peer, mode, compile, ac, preset, vocab, params, batch, seq, world, then
 #   step_s, tokens_per_s, model_TFLOPs, peak_GiB (speed) or steps, seed, final_val_loss, elapsed_s, peak_GiB.
 # `build_model(preset, seq)` can be imported without a GPU or NCCL.
-import os
 import sys
 
 import torch
@@ -105,37 +104,24 @@ def build_model(preset, seq):
 
 
 def main(argv):
-    if len(argv) < 6 or argv[1] not in ("speed", "train") or argv[2] not in ("bf16", "fp8", "fp32") \
-            or argv[3] not in PRESETS or (argv[1] == "train" and len(argv) < 8):
-        sys.exit(USAGE)
-    cmd, mode, preset, batch, seq = argv[1], argv[2], argv[3], int(argv[4]), int(argv[5])
-    d, layers, _heads = PRESETS[preset]
-    seed = int(os.environ.get("SEED", "1"))
-    lr_max = float(os.environ.get("LR", "6e-4"))
-    compile_blocks = lm_common.env_flag("COMPILE")
-    checkpoint_blocks = os.environ.get("AC") == "full"
+    run = lm_common.LmRun(argv, USAGE, ("bf16", "fp8", "fp32"), PRESETS)
+    d, layers, _heads = PRESETS[run.preset]
+    seq = run.seq
     rank, world = lm_common.setup_distributed(29513)
-    summary = {"peer": "pytorch-fsdp2", "mode": mode, "compile": compile_blocks,
-               "ac": os.environ.get("AC", "none"), "preset": preset, "vocab": VOCAB, "batch": batch, "seq": seq}
+    summary = run.summary(VOCAB)
 
     def body(summary):
         # Built and initialised on the device before conversion and sharding, as torchao's float8 guide
         # does: on one GPU the whole model fits, and the FP8 all-gather wrappers are made from real weights.
         with torch.device(lm_common.DEVICE):
-            model = build_model(preset, seq)
-        lm_common.init_weights(model, seed, ("attn_proj.weight", "mlp_proj.weight"), layers)
+            model = build_model(run.preset, seq)
+        lm_common.init_weights(model, run.seed, ("attn_proj.weight", "mlp_proj.weight"), layers)
         params = sum(p.numel() for p in model.parameters())  # the tied matrix once
         flops_per_token = 6 * (params - seq * d) + 6 * layers * seq * d
-        precompute = lm_common.convert_fp8(model, mode)
-        lm_common.shard(model, model.h, mode, compile_blocks, checkpoint_blocks)
-        opt = lm_common.adamw(model, lr_max)
-        step = lm_common.make_step(model, opt, precompute)
+        precompute = lm_common.convert_fp8(model, run.mode)
+        lm_common.shard(model, model.h, run.mode, run.compile_blocks, run.checkpoint_blocks)
         summary.update(params=params, world=world)
-        if cmd == "speed":
-            summary.update(lm_common.measure_speed(step, batch, seq, world, TOKEN_IDS, seed, flops_per_token))
-        else:
-            summary.update(lm_common.measure_training(model, step, opt, batch, seq, int(argv[6]), argv[7],
-                                                      seed, rank, lr_max))
+        run.train_or_measure(summary, model, precompute, TOKEN_IDS, flops_per_token, rank, world)
 
     lm_common.run_peer(summary, body)
 

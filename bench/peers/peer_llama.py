@@ -32,7 +32,6 @@
 #   (default 1); LR (default 6e-4); MASTER_PORT (default 29514). Out of GPU memory: the summary with
 #   "error": "OOM", exit status 3.
 # The last JSON line is the summary (the keys of peer_gpt.py). `build_model(preset, vocab)` can be imported.
-import os
 import sys
 
 import torch
@@ -166,38 +165,25 @@ def build_model(preset, vocab):
 
 
 def main(argv):
-    if len(argv) < 6 or argv[1] not in ("speed", "train") or argv[2] not in ("bf16", "fp8", "fp8row", "fp32") \
-            or argv[3] not in PRESETS or (argv[1] == "train" and len(argv) < 8):
-        sys.exit(USAGE)
-    cmd, mode, preset, batch, seq = argv[1], argv[2], argv[3], int(argv[4]), int(argv[5])
-    d, layers = PRESETS[preset][:2]
-    vocab = SPEED_VOCAB if cmd == "speed" else TRAIN_VOCAB
-    seed = int(os.environ.get("SEED", "1"))
-    lr_max = float(os.environ.get("LR", "6e-4"))
-    compile_blocks = lm_common.env_flag("COMPILE")
-    checkpoint_blocks = os.environ.get("AC") == "full"
+    run = lm_common.LmRun(argv, USAGE, ("bf16", "fp8", "fp8row", "fp32"), PRESETS)
+    d, layers = PRESETS[run.preset][:2]
+    seq = run.seq
+    vocab = SPEED_VOCAB if run.cmd == "speed" else TRAIN_VOCAB
     rank, world = lm_common.setup_distributed(29514)
-    summary = {"peer": "pytorch-fsdp2", "mode": mode, "compile": compile_blocks,
-               "ac": os.environ.get("AC", "none"), "preset": preset, "vocab": vocab, "batch": batch, "seq": seq}
+    summary = run.summary(vocab)
 
     def body(summary):
         with torch.device("meta"):
-            model = build_model(preset, vocab)
+            model = build_model(run.preset, vocab)
         params = sum(p.numel() for p in model.parameters())  # a tied matrix once
         matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
         flops_per_token = 6 * matmul_weights + 6 * layers * seq * d
-        precompute = lm_common.convert_fp8(model, mode)
-        lm_common.shard(model, model.model.layers, mode, compile_blocks, checkpoint_blocks)
+        precompute = lm_common.convert_fp8(model, run.mode)
+        lm_common.shard(model, model.model.layers, run.mode, run.compile_blocks, run.checkpoint_blocks)
         model.to_empty(device=lm_common.DEVICE)
-        lm_common.init_weights(model, seed, ("o_proj.weight", "down_proj.weight"), layers)
-        opt = lm_common.adamw(model, lr_max)
-        step = lm_common.make_step(model, opt, precompute)
+        lm_common.init_weights(model, run.seed, ("o_proj.weight", "down_proj.weight"), layers)
         summary.update(params=params, world=world)
-        if cmd == "speed":
-            summary.update(lm_common.measure_speed(step, batch, seq, world, vocab, seed, flops_per_token))
-        else:
-            summary.update(lm_common.measure_training(model, step, opt, batch, seq, int(argv[6]), argv[7],
-                                                      seed, rank, lr_max))
+        run.train_or_measure(summary, model, precompute, vocab, flops_per_token, rank, world)
 
     lm_common.run_peer(summary, body)
 

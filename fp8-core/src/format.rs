@@ -146,13 +146,7 @@ impl Fp8Format {
                 *o = self.encode(x * scale);
             }
         };
-        if src.len() < PAR_THRESHOLD {
-            run(src, dst);
-        } else {
-            src.par_chunks(PAR_CHUNK)
-                .zip(dst.par_chunks_mut(PAR_CHUNK))
-                .for_each(|(s, d)| run(s, d));
-        }
+        for_each_chunk(src, dst, run);
         Ok(())
     }
 
@@ -202,13 +196,7 @@ impl Fp8Format {
                 *o = table[c as usize] * scale_inv;
             }
         };
-        if src.len() < PAR_THRESHOLD {
-            run(src, dst);
-        } else {
-            src.par_chunks(PAR_CHUNK)
-                .zip(dst.par_chunks_mut(PAR_CHUNK))
-                .for_each(|(s, d)| run(s, d));
-        }
+        for_each_chunk(src, dst, run);
         Ok(())
     }
 
@@ -227,6 +215,18 @@ impl std::fmt::Display for Fp8Format {
             Fp8Format::E4M3 => "e4m3",
             Fp8Format::E5M2 => "e5m2",
         })
+    }
+}
+
+/// `run` over matching chunks of `src` and `dst`: the whole slices below `PAR_THRESHOLD` elements, else
+/// chunks of `PAR_CHUNK` in parallel.
+fn for_each_chunk<S: Sync, D: Send>(src: &[S], dst: &mut [D], run: impl Fn(&[S], &mut [D]) + Sync) {
+    if src.len() < PAR_THRESHOLD {
+        run(src, dst);
+    } else {
+        src.par_chunks(PAR_CHUNK)
+            .zip(dst.par_chunks_mut(PAR_CHUNK))
+            .for_each(|(s, d)| run(s, d));
     }
 }
 

@@ -348,24 +348,20 @@ mod tests {
 
     #[test]
     fn power_of_two_scale() {
-        // 448 / 3 = 149.3 -> 128
-        assert_eq!(
-            compute_scale(3.0, 448.0, 0, ScaleRounding::PowerOfTwo, 1.0),
-            128.0
-        );
-        assert_eq!(
-            compute_scale(3.0, 448.0, 2, ScaleRounding::PowerOfTwo, 1.0),
-            32.0
-        );
-        // amax exactly fmax -> 1; slightly above -> 0.5
-        assert_eq!(
-            compute_scale(448.0, 448.0, 0, ScaleRounding::PowerOfTwo, 7.0),
-            1.0
-        );
-        assert_eq!(
-            compute_scale(448.5, 448.0, 0, ScaleRounding::PowerOfTwo, 7.0),
-            0.5
-        );
+        // (amax, margin, previous scale, expected): 448 / 3 = 149.3 -> 128 (-> 32 with margin 2); amax
+        // exactly fmax -> 1, slightly above -> 0.5.
+        for (amax, margin, previous, want) in [
+            (3.0, 0, 1.0, 128.0),
+            (3.0, 2, 1.0, 32.0),
+            (448.0, 0, 7.0, 1.0),
+            (448.5, 0, 7.0, 0.5),
+        ] {
+            assert_eq!(
+                compute_scale(amax, 448.0, margin, ScaleRounding::PowerOfTwo, previous),
+                want,
+                "amax {amax}, margin {margin}"
+            );
+        }
         // zero / NaN / inf keep the previous scale
         for a in [0.0, f32::NAN, f32::INFINITY] {
             assert_eq!(

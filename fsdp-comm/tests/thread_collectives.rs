@@ -141,6 +141,17 @@ fn assert_same(kind: Kind, op: Option<ReduceOp>, got: &[u32], want: &[u32], what
     }
 }
 
+/// A CPU buffer of the values `from(bits[i])`.
+fn upload_bits<T: fp8_kernels::Element>(bits: &[u32], from: impl Fn(u32) -> T) -> Buffer<T> {
+    let values: Vec<T> = bits.iter().map(|&b| from(b)).collect();
+    Device::cpu().upload(&values).unwrap()
+}
+
+/// `to(b[i])` of every element of a CPU buffer.
+fn download_bits<T: fp8_kernels::Element>(b: &Buffer<T>, to: impl Fn(T) -> u32) -> Vec<u32> {
+    b.to_vec().unwrap().into_iter().map(to).collect()
+}
+
 /// A CPU buffer of any kind.
 enum HostBuf {
     F32(Buffer<f32>),
@@ -151,34 +162,11 @@ enum HostBuf {
 
 impl HostBuf {
     fn new(kind: Kind, bits: &[u32]) -> Self {
-        let d = Device::cpu();
         match kind {
-            Kind::F32 => HostBuf::F32(
-                d.upload(&bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>())
-                    .unwrap(),
-            ),
-            Kind::BF16 => HostBuf::BF16(
-                d.upload(
-                    &bits
-                        .iter()
-                        .map(|&b| bf16::from_bits(b as u16))
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            ),
-            Kind::F16 => HostBuf::F16(
-                d.upload(
-                    &bits
-                        .iter()
-                        .map(|&b| f16::from_bits(b as u16))
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            ),
-            Kind::Bytes | Kind::Fp8(_) => HostBuf::U8(
-                d.upload(&bits.iter().map(|&b| b as u8).collect::<Vec<_>>())
-                    .unwrap(),
-            ),
+            Kind::F32 => HostBuf::F32(upload_bits(bits, f32::from_bits)),
+            Kind::BF16 => HostBuf::BF16(upload_bits(bits, |b| bf16::from_bits(b as u16))),
+            Kind::F16 => HostBuf::F16(upload_bits(bits, |b| f16::from_bits(b as u16))),
+            Kind::Bytes | Kind::Fp8(_) => HostBuf::U8(upload_bits(bits, |b| b as u8)),
         }
     }
 
@@ -209,20 +197,10 @@ impl HostBuf {
 
     fn bits(&self) -> Vec<u32> {
         match self {
-            HostBuf::F32(b) => b.to_vec().unwrap().iter().map(|x| x.to_bits()).collect(),
-            HostBuf::BF16(b) => b
-                .to_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits() as u32)
-                .collect(),
-            HostBuf::F16(b) => b
-                .to_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits() as u32)
-                .collect(),
-            HostBuf::U8(b) => b.to_vec().unwrap().iter().map(|&x| x as u32).collect(),
+            HostBuf::F32(b) => download_bits(b, f32::to_bits),
+            HostBuf::BF16(b) => download_bits(b, |x| u32::from(x.to_bits())),
+            HostBuf::F16(b) => download_bits(b, |x| u32::from(x.to_bits())),
+            HostBuf::U8(b) => download_bits(b, u32::from),
         }
     }
 }

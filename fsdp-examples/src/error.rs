@@ -3,26 +3,16 @@
 
 use crate::data::DataError;
 use crate::sampler::SamplerError;
+use fsdp_train::TrainError;
 
 /// Everything that can fail in a model's own code: one type for the MNIST net, the GPT family and the
 /// MLP benchmark, which fail in the same places.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    /// A layer failed.
+    /// The FSDP stack under the model failed: a layer, sharding or a checkpoint, a collective, a kernel
+    /// or the optimizer (the Trainer's error, which already names each of them).
     #[error(transparent)]
-    Nn(#[from] fsdp_nn::NnError),
-    /// Sharding, gathering, reduction or a checkpoint failed.
-    #[error(transparent)]
-    Shard(#[from] fsdp_shard::ShardError),
-    /// A collective failed (timeout, another rank failed).
-    #[error(transparent)]
-    Comm(#[from] fsdp_comm::CommError),
-    /// A kernel failed.
-    #[error(transparent)]
-    Kernel(#[from] fp8_kernels::KernelError),
-    /// The optimizer failed.
-    #[error(transparent)]
-    Optim(#[from] fsdp_optim::OptimError),
+    Stack(#[from] TrainError),
     /// An fp8-core error (scaling metas).
     #[error(transparent)]
     Core(#[from] fp8_core::Fp8Error),
@@ -36,3 +26,22 @@ pub enum ModelError {
     #[error("{0}")]
     Config(String),
 }
+
+/// `?` on the errors of the crates under the model goes through [`TrainError`]'s own conversions.
+macro_rules! via_train_error {
+    ($($source:ty),* $(,)?) => {
+        $(impl From<$source> for ModelError {
+            fn from(e: $source) -> Self {
+                ModelError::Stack(TrainError::from(e))
+            }
+        })*
+    };
+}
+
+via_train_error!(
+    fsdp_nn::NnError,
+    fsdp_shard::ShardError,
+    fsdp_comm::CommError,
+    fp8_kernels::KernelError,
+    fsdp_optim::OptimError,
+);

@@ -228,28 +228,28 @@ fn unshuffled_order_is_the_identity() {
 #[test]
 fn bad_arguments_are_errors() {
     use Remainder::*;
-    assert_eq!(
-        DistributedSampler::new(10, 0, 0, 1, Pad),
-        Err(SamplerError::ZeroWorldSize)
-    );
-    assert_eq!(
-        DistributedSampler::new(10, 2, 2, 1, Pad),
-        Err(SamplerError::RankOutOfRange {
-            rank: 2,
-            world_size: 2
-        })
-    );
-    assert_eq!(
-        DistributedSampler::new(0, 1, 0, 1, Pad),
-        Err(SamplerError::EmptyDataset)
-    );
-    assert_eq!(
-        DistributedSampler::new(3, 4, 0, 1, DropLast),
-        Err(SamplerError::TooFewSamples {
-            len: 3,
-            world_size: 4
-        })
-    );
+    // (len, world size, rank, remainder): the error.
+    let cases = [
+        ((10, 0, 0, Pad), SamplerError::ZeroWorldSize),
+        (
+            (10, 2, 2, Pad),
+            SamplerError::RankOutOfRange {
+                rank: 2,
+                world_size: 2,
+            },
+        ),
+        ((0, 1, 0, Pad), SamplerError::EmptyDataset),
+        (
+            (3, 4, 0, DropLast),
+            SamplerError::TooFewSamples {
+                len: 3,
+                world_size: 4,
+            },
+        ),
+    ];
+    for ((len, ws, rank, rem), err) in cases {
+        assert_eq!(DistributedSampler::new(len, ws, rank, 1, rem), Err(err));
+    }
     let s = DistributedSampler::new(3, 4, 3, 1, Pad).unwrap();
     assert_eq!((s.indices(0).len(), s.num_real_samples()), (1, 0));
     assert_eq!(s.batches(0, 0), Err(SamplerError::ZeroBatchSize));

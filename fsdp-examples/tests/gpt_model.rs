@@ -5,7 +5,6 @@
 mod gpt_common;
 
 use fp8_core::Fp8Recipe;
-use fp8_kernels::rng::SplitMix64;
 use fsdp_examples::gpt::{Gpt, GptConfig, Sampling, GPT2_PADDED_VOCAB, PRESETS};
 use fsdp_nn::{convert_to_fp8, Fp8Filter, LinearPrecision};
 use fsdp_shard::{FsdpModel, Mode, ParamKind};
@@ -220,34 +219,8 @@ fn whole_model_finite_differences() {
     model.backward(|m, ctx| m.backward(ctx, &batch)).unwrap();
     let grads: Vec<Vec<f32>> = names.iter().map(|(_, id)| grad(&model, *id)).collect();
     for (k, ((name, id), g)) in names.iter().zip(&grads).enumerate() {
-        let p0 = values(&model, *id);
-        let mut r = SplitMix64::new(500 + k as u64);
-        let dir: Vec<f32> = (0..p0.len())
-            .map(|_| if r.next_u64() & 1 == 0 { 1.0 } else { -1.0 })
-            .collect();
-        let rms =
-            (p0.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / p0.len() as f64).sqrt() as f32;
-        let mut central = |h: f32| -> f64 {
-            let up: Vec<f32> = p0.iter().zip(&dir).map(|(&p, &d)| p + h * d).collect();
-            let down: Vec<f32> = p0.iter().zip(&dir).map(|(&p, &d)| p - h * d).collect();
-            set_values(&mut model, *id, &up);
-            let plus = mean_loss(&mut model, &inputs, &targets, Mode::Eval);
-            set_values(&mut model, *id, &down);
-            let minus = mean_loss(&mut model, &inputs, &targets, Mode::Eval);
-            let taken: f64 = up
-                .iter()
-                .zip(&down)
-                .zip(&dir)
-                .map(|((&a, &b), &d)| (a as f64 - b as f64) * d as f64)
-                .sum::<f64>()
-                / p0.len() as f64;
-            (plus - minus) / taken
-        };
-        let h = 0.01 * rms;
-        let (d1, d2) = (central(h), central(h / 2.0));
-        set_values(&mut model, *id, &p0);
-        let fd = (4.0 * d2 - d1) / 3.0;
-        let an: f64 = g.iter().zip(&dir).map(|(&a, &d)| a as f64 * d as f64).sum();
+        let mut loss = |m: &mut _| mean_loss(m, &inputs, &targets, Mode::Eval);
+        let (fd, an) = directional(&mut model, *id, g, 500 + k as u64, 0.0, &mut loss);
         let err = (fd - an).abs() / fd.abs().max(an.abs());
         eprintln!(
             "{name}: finite difference {fd:.6e}, analytic {an:.6e}, relative error {err:.2e}"
@@ -442,20 +415,11 @@ fn generation_with_the_cache_equals_full_forwards() {
         "different seeds, different samples"
     );
     // Too long for the position table, or in a training pass: refused.
-    assert!(model
-        .forward(Mode::Eval, |m, ctx| m.generate(
-            ctx,
-            &prompt,
-            &Sampling::greedy(10)
-        ))
-        .is_err());
-    assert!(model
-        .forward(Mode::Train, |m, ctx| m.generate(
-            ctx,
-            &prompt,
-            &Sampling::greedy(2)
-        ))
-        .is_err());
+    for (mode, tokens) in [(Mode::Eval, 10), (Mode::Train, 2)] {
+        let sampling = Sampling::greedy(tokens);
+        let r = model.forward(mode, |m, ctx| m.generate(ctx, &prompt, &sampling));
+        assert!(r.is_err(), "{mode:?}, {tokens} new tokens");
+    }
 }
 
 #[test]

@@ -3,7 +3,39 @@
 use crate::layer::{module_without_state, take_saved, Activation, InputGrad, Layer};
 use crate::{NnError, Tensor};
 use fp8_kernels::elementwise::{self, GeluApprox};
+use fp8_kernels::{Buffer, KernelError};
 use fsdp_shard::Ctx;
+
+/// `y = kernel(x)` element-wise; keeps `x` in `saved` for the backward when training.
+fn pointwise_forward<T: Activation>(
+    ctx: &Ctx<'_>,
+    x: Tensor<T>,
+    saved: &mut Option<Tensor<T>>,
+    kernel: impl FnOnce(&Buffer<T>, &mut Buffer<T>) -> Result<(), KernelError>,
+) -> Result<Tensor<T>, NnError> {
+    let mut y = Tensor::uninit(ctx.device(), x.shape())?;
+    kernel(x.data(), y.data_mut())?;
+    *saved = ctx.is_training().then_some(x);
+    Ok(y)
+}
+
+/// `dx = kernel(x, dy)` from the input `x` kept by [`pointwise_forward`] (taken out of `saved` either way,
+/// so `layer` names a backward without a training forward), when `need_dx`.
+fn pointwise_backward<T: Activation>(
+    ctx: &Ctx<'_>,
+    dy: Tensor<T>,
+    need_dx: bool,
+    (saved, layer): (&mut Option<Tensor<T>>, &str),
+    kernel: impl FnOnce(&Buffer<T>, &Buffer<T>, &mut Buffer<T>) -> Result<(), KernelError>,
+) -> InputGrad<T> {
+    let x = take_saved(saved, layer)?;
+    if !need_dx {
+        return Ok(None);
+    }
+    let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
+    kernel(x.data(), dy.data(), dx.data_mut())?;
+    Ok(Some(dx))
+}
 
 /// `y = max(x, 0)`; keeps its input for the backward (`dx = dy` where `x > 0`).
 #[derive(Debug, Default)]
@@ -22,20 +54,17 @@ module_without_state!(Relu<T: Activation>);
 
 impl<T: Activation> Layer<T> for Relu<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
-        let mut y = Tensor::uninit(ctx.device(), x.shape())?;
-        elementwise::relu_forward(x.data(), y.data_mut())?;
-        self.x = ctx.is_training().then_some(x);
-        Ok(y)
+        pointwise_forward(ctx, x, &mut self.x, elementwise::relu_forward)
     }
 
     fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
-        let x = take_saved(&mut self.x, "Relu")?;
-        if !need_dx {
-            return Ok(None);
-        }
-        let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
-        elementwise::relu_backward(x.data(), dy.data(), dx.data_mut())?;
-        Ok(Some(dx))
+        pointwise_backward(
+            ctx,
+            dy,
+            need_dx,
+            (&mut self.x, "Relu"),
+            elementwise::relu_backward,
+        )
     }
 
     fn forget_saved(&mut self) {
@@ -72,20 +101,17 @@ module_without_state!(Gelu<T: Activation>);
 
 impl<T: Activation> Layer<T> for Gelu<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
-        let mut y = Tensor::uninit(ctx.device(), x.shape())?;
-        elementwise::gelu_forward(x.data(), y.data_mut(), self.approx)?;
-        self.x = ctx.is_training().then_some(x);
-        Ok(y)
+        let approx = self.approx;
+        pointwise_forward(ctx, x, &mut self.x, |x, y| {
+            elementwise::gelu_forward(x, y, approx)
+        })
     }
 
     fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
-        let x = take_saved(&mut self.x, "Gelu")?;
-        if !need_dx {
-            return Ok(None);
-        }
-        let mut dx = Tensor::uninit(ctx.device(), dy.shape())?;
-        elementwise::gelu_backward(x.data(), dy.data(), dx.data_mut(), self.approx)?;
-        Ok(Some(dx))
+        let approx = self.approx;
+        pointwise_backward(ctx, dy, need_dx, (&mut self.x, "Gelu"), |x, dy, dx| {
+            elementwise::gelu_backward(x, dy, dx, approx)
+        })
     }
 
     fn forget_saved(&mut self) {

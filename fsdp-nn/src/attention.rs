@@ -20,12 +20,12 @@
 
 use crate::layer::{take_saved, Activation, InputGrad, Layer};
 use crate::norm::Norm;
-use crate::retype::{buffer_into, buffer_mut, buffer_ref};
+use crate::retype::{buffer_converted, buffer_into, buffer_mut, buffer_ref};
 use crate::{Linear, LinearPrecision, NnError, Shape, Tensor, WeightInit};
 use fp8_kernels::attention::{
     attention_backward, attention_forward, cpu, AttentionConfig, AttentionShape, AttentionWorkspace,
 };
-use fp8_kernels::{convert, Buffer, DType, Device};
+use fp8_kernels::{convert, Buffer, DType};
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 use half::bf16;
 
@@ -300,7 +300,7 @@ impl<T: Activation> CausalSelfAttention<T> {
             self.end_forward(training);
             return Ok(y);
         }
-        let qkv16 = to_bf16(&dev, qkv.into_data())?;
+        let qkv16 = buffer_converted(qkv.into_data())?;
         let mut out16 = dev.uninit::<bf16>(shape.out_len())?;
         let mut lse = dev.uninit::<f32>(shape.lse_len())?;
         attention_forward(&shape, &self.config, &qkv16, &mut out16, &mut lse)?;
@@ -375,7 +375,7 @@ impl<T: Activation> CausalSelfAttention<T> {
                 d_qkv
             }
             Saved::Bf16 { qkv, out, lse } => {
-                let d_out16 = to_bf16(&dev, d_out.into_data())?;
+                let d_out16 = buffer_converted(d_out.into_data())?;
                 let mut d_qkv16 = dev.uninit::<bf16>(shape.qkv_len())?;
                 attention_backward(
                     &shape,
@@ -388,7 +388,7 @@ impl<T: Activation> CausalSelfAttention<T> {
                     &mut self.workspace,
                 )?;
                 drop((qkv, out, lse, d_out16));
-                Tensor::new(from_bf16::<T>(&dev, d_qkv16)?, qkv_shape)?
+                Tensor::new(buffer_converted(d_qkv16)?, qkv_shape)?
             }
         };
         self.c_attn.backward_ref(ctx, &d_qkv, need_dx)
@@ -400,26 +400,6 @@ impl<T: Activation> CausalSelfAttention<T> {
         self.c_attn.drop_saved();
         self.attn_proj.drop_saved();
     }
-}
-
-/// `b` as bf16: itself when it is bf16, else rounded.
-fn to_bf16<T: Activation>(dev: &Device, b: Buffer<T>) -> Result<Buffer<bf16>, NnError> {
-    if T::DTYPE == DType::BF16 {
-        return buffer_into::<T, bf16>(b, "CausalSelfAttention");
-    }
-    let mut out = dev.uninit::<bf16>(b.len())?;
-    convert(&b, &mut out)?;
-    Ok(out)
-}
-
-/// A bf16 buffer in the activation type.
-fn from_bf16<T: Activation>(dev: &Device, b: Buffer<bf16>) -> Result<Buffer<T>, NnError> {
-    if T::DTYPE == DType::BF16 {
-        return buffer_into::<bf16, T>(b, "CausalSelfAttention");
-    }
-    let mut out = dev.uninit::<T>(b.len())?;
-    convert(&b, &mut out)?;
-    Ok(out)
 }
 
 impl<T: Activation> Module for CausalSelfAttention<T> {

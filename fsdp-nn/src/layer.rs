@@ -1,7 +1,7 @@
 //! The [`Layer`] interface (a module with a forward and a backward over one tensor) and the
 //! [`Sequential`] container.
 
-use crate::{NnError, Tensor};
+use crate::{NnError, Shape, Tensor};
 use fp8_kernels::{convert, Buffer, FloatElement, GemmOutput, KernelError};
 use fsdp_shard::{Ctx, Module, ModulePath, ParamDecl, ParamId, ShardError, Visitor};
 use half::bf16;
@@ -50,6 +50,17 @@ pub type InputGrad<T = f32> = Result<Option<Tensor<T>>, NnError>;
 pub(crate) fn take_saved<S>(slot: &mut Option<S>, layer: &str) -> Result<S, NnError> {
     slot.take()
         .ok_or_else(|| NnError::usage(layer, "backward without a training forward"))
+}
+
+/// The rows of `layer`'s input of `shape`, whose last dimension must be `width`.
+pub(crate) fn rows_of_width(layer: &str, shape: Shape, width: usize) -> Result<usize, NnError> {
+    if shape.last() != width {
+        return Err(NnError::usage(
+            layer,
+            format!("input of shape {shape:?}; the last dimension must be {width}"),
+        ));
+    }
+    Ok(shape.rows())
 }
 
 /// `impl Module` for a layer that declares nothing (no parameter, scaling meta or counter):

@@ -22,7 +22,8 @@
 //! [`Linear::fp8_input`] hands out the buffers and [`Linear::forward_fp8_codes`] runs the GEMM.
 
 use crate::init::{kaiming_uniform, normal, uniform_fan_in};
-use crate::layer::{Activation, InputGrad, Layer};
+use crate::layer::{rows_of_width, Activation, InputGrad, Layer};
+use crate::retype::buffer_converted;
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, Fp8Recipe, QType, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
@@ -281,16 +282,7 @@ impl<T: Activation> Linear<T> {
     }
 
     fn tokens_of(&self, shape: Shape) -> Result<usize, NnError> {
-        if shape.last() != self.in_features {
-            return Err(NnError::usage(
-                &self.name,
-                format!(
-                    "input of shape {shape:?}; the last dimension must be {}",
-                    self.in_features
-                ),
-            ));
-        }
-        Ok(shape.rows())
+        rows_of_width(&self.name, shape, self.in_features)
     }
 
     fn need_fp8(&self, what: &str) -> Result<(), NnError> {
@@ -651,7 +643,7 @@ impl<T: Activation> Linear<T> {
                 retype(y)
             }
             LinearPrecision::Bf16 => {
-                let x16 = to_bf16(x)?;
+                let x16: Buffer<bf16> = buffer_converted(x.into_data())?;
                 let mut w16 = dev.uninit::<bf16>(w.len())?;
                 convert(w, &mut w16)?;
                 let mut y = Tensor::<T>::uninit(&dev, out_shape)?;
@@ -708,7 +700,7 @@ impl<T: Activation> Linear<T> {
                     .x_bf16
                     .take()
                     .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
-                let dy16 = to_bf16(dy)?;
+                let dy16: Buffer<bf16> = buffer_converted(dy.into_data())?;
                 // The weight again in bf16 from the unit gathered for the backward (ZeRO-3 keeps no
                 // copy between the passes).
                 let w = plain(ctx.params([self.weight])?[0], &self.name)?;
@@ -799,22 +791,6 @@ fn retype<T: Activation>(t: Tensor<f32>) -> Result<Tensor<T>, NnError> {
         .downcast::<Tensor<T>>()
         .map(|b| *b)
         .map_err(|_| NnError::usage("Linear", "an F32 layer produces f32 activations"))
-}
-
-/// The tensor's data in bf16: itself when it is bf16, else converted.
-fn to_bf16<T: Activation>(t: Tensor<T>) -> Result<Buffer<bf16>, NnError> {
-    let boxed: Box<dyn std::any::Any> = Box::new(t.into_data());
-    match boxed.downcast::<Buffer<bf16>>() {
-        Ok(b) => Ok(*b),
-        Err(other) => {
-            let b32 = other
-                .downcast::<Buffer<f32>>()
-                .map_err(|_| NnError::usage("Linear", "activations are neither f32 nor bf16"))?;
-            let mut out = b32.device().uninit::<bf16>(b32.len())?;
-            convert(&*b32, &mut out)?;
-            Ok(out)
-        }
-    }
 }
 
 impl<T: Activation> Module for Linear<T> {

@@ -20,8 +20,8 @@
 //!   the forward (no recomputation); [`LmHead::backward`] then hands them over.
 
 use crate::init::normal;
-use crate::layer::take_saved;
 use crate::layer::Activation;
+use crate::layer::{rows_of_width, take_saved};
 use crate::{NnError, Tensor};
 use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
 use fp8_kernels::gemm::gemm;
@@ -245,16 +245,7 @@ impl<T: Activation> LmHead<T> {
         grad_scale: Option<f32>,
     ) -> Result<Option<HeadGrads<T>>, NnError> {
         let (d, vocab) = (self.d, self.vocab);
-        if x.shape().last() != d {
-            return Err(NnError::usage(
-                &self.name,
-                format!(
-                    "input of shape {:?}; the last dimension must be {d}",
-                    x.shape()
-                ),
-            ));
-        }
-        let tokens = x.shape().rows();
+        let tokens = rows_of_width(&self.name, x.shape(), d)?;
         if targets.len() != tokens || tokens == 0 {
             return Err(NnError::usage(
                 &self.name,
@@ -349,16 +340,7 @@ impl<T: Activation> LmHead<T> {
     /// when sampling; no loss, nothing kept.
     pub fn logits(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
         let (d, vocab) = (self.d, self.vocab);
-        if x.shape().last() != d {
-            return Err(NnError::usage(
-                &self.name,
-                format!(
-                    "input of shape {:?}; the last dimension must be {d}",
-                    x.shape()
-                ),
-            ));
-        }
-        let rows = x.shape().rows();
+        let rows = rows_of_width(&self.name, x.shape(), d)?;
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
         let mut out = Tensor::<T>::uninit(&dev, crate::Shape::matrix(rows, vocab)?)?;

@@ -16,8 +16,8 @@
 //! into a given gradient with one rounding ([`Norm::backward_ref`] with `accumulate`): the residual
 //! stream's gradient of a pre-norm block, without a separate add.
 
-use crate::layer::{take_saved, Activation, InputGrad, Layer};
-use crate::{Linear, LinearPrecision, NnError, Tensor};
+use crate::layer::{rows_of_width, take_saved, Activation, InputGrad, Layer};
+use crate::{Linear, LinearPrecision, NnError, Shape, Tensor};
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
     NormSpec, NormStats, DEFAULT_EPS,
@@ -111,21 +111,24 @@ impl<T: Activation> Norm<T> {
         self.weight
     }
 
-    fn spec(&self, x_shape: crate::Shape) -> Result<NormSpec, NnError> {
-        if x_shape.last() != self.d {
-            return Err(NnError::usage(
-                &self.name,
-                format!(
-                    "input of shape {x_shape:?}; the last dimension must be {}",
-                    self.d
-                ),
-            ));
-        }
+    fn spec(&self, x_shape: Shape) -> Result<NormSpec, NnError> {
+        let rows = rows_of_width(&self.name, x_shape, self.d)?;
         let spec = match self.kind {
-            NormKind::LayerNorm => NormSpec::layer_norm(x_shape.rows(), self.d),
-            NormKind::RmsNorm => NormSpec::rms_norm(x_shape.rows(), self.d),
+            NormKind::LayerNorm => NormSpec::layer_norm(rows, self.d),
+            NormKind::RmsNorm => NormSpec::rms_norm(rows, self.d),
         };
         Ok(spec.with_eps(self.eps))
+    }
+
+    /// An error unless a gradient (`what`, of `shape`) has as many values as the input (of `x_shape`).
+    fn check_size(&self, what: &str, shape: Shape, x_shape: Shape) -> Result<(), NnError> {
+        if shape.numel() != x_shape.numel() {
+            return Err(NnError::usage(
+                &self.name,
+                format!("{what} of shape {shape:?} for an input of shape {x_shape:?}"),
+            ));
+        }
+        Ok(())
     }
 
     /// The weight (and bias) in the activation type, gathered from the model.
@@ -227,16 +230,7 @@ impl<T: Activation> Norm<T> {
         accumulate: Option<&mut Tensor<T>>,
     ) -> InputGrad<T> {
         let spec = self.spec(x.shape())?;
-        if dy.shape().numel() != x.shape().numel() {
-            return Err(NnError::usage(
-                &self.name,
-                format!(
-                    "output gradient of shape {:?} for an input of shape {:?}",
-                    dy.shape(),
-                    x.shape()
-                ),
-            ));
-        }
+        self.check_size("output gradient", dy.shape(), x.shape())?;
         let stats = take_saved(&mut self.stats, &self.name)?;
         let (w, _) = self.params_in(ctx)?;
         let dev = ctx.device().clone();
@@ -249,16 +243,7 @@ impl<T: Activation> Norm<T> {
         let mut fresh = None;
         let (dx, dx_mode) = match accumulate {
             Some(acc) => {
-                if acc.shape().numel() != x.shape().numel() {
-                    return Err(NnError::usage(
-                        &self.name,
-                        format!(
-                            "accumulating into a gradient of shape {:?} for an input of shape {:?}",
-                            acc.shape(),
-                            x.shape()
-                        ),
-                    ));
-                }
+                self.check_size("accumulating into a gradient", acc.shape(), x.shape())?;
                 (acc.data_mut(), GradMode::Accumulate)
             }
             None => (

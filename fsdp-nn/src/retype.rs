@@ -2,7 +2,7 @@
 //! kernels that exist for one type only (flash attention is BF16; the CPU attention reference is F32).
 
 use crate::NnError;
-use fp8_kernels::{Buffer, Element};
+use fp8_kernels::{convert, Buffer, Element, FloatElement};
 use std::any::Any;
 
 /// `b` as a `Buffer<U>` when `T` is `U`.
@@ -29,4 +29,16 @@ pub(crate) fn buffer_into<T: Element, U: Element>(
             format!("expected {} activations, got {}", U::DTYPE, T::DTYPE),
         )
     })
+}
+
+/// `b` as a `Buffer<U>`: moved when `T` is `U`, else converted (round to nearest even) on its device.
+pub(crate) fn buffer_converted<T: FloatElement, U: FloatElement>(
+    b: Buffer<T>,
+) -> Result<Buffer<U>, NnError> {
+    if T::DTYPE == U::DTYPE {
+        return buffer_into(b, "convert");
+    }
+    let mut out = b.device().uninit::<U>(b.len())?;
+    convert(&b, &mut out)?;
+    Ok(out)
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::tiny_lm::{wrap, TinyConfig};
-use common::{on_ranks, TestResult};
+use common::{linear_relu_linear, on_ranks, TestResult};
 use fsdp_comm::{run_ranks, Communicator};
 use fsdp_nn::{Layer, Linear, LinearPrecision, NnError, Relu, Sequential, Shape, Tensor};
 use fsdp_optim::{AdamOptions, FsdpAdamW};
@@ -156,20 +156,11 @@ fn a_parameter_of_a_reduced_unit_used_again_is_an_error() {
 
 /// A model of one F32 linear and one FP8 linear.
 fn two_linears() -> Result<Sequential, NnError> {
-    Ok(Sequential::new()
-        .push(
-            "a",
-            Linear::new(D, D)?
-                .with_precision(LinearPrecision::F32)?
-                .with_seed(1),
-        )
-        .push("act", Relu::new())
-        .push(
-            "b",
-            Linear::new(D, D)?
-                .with_precision(LinearPrecision::Fp8)?
-                .with_seed(2),
-        ))
+    linear_relu_linear(
+        ["a", "b"],
+        (D, D, D),
+        [LinearPrecision::F32, LinearPrecision::Fp8],
+    )
 }
 
 fn err<T: std::fmt::Debug, E: std::fmt::Display>(r: Result<T, E>) -> String {

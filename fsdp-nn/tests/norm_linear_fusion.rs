@@ -125,17 +125,8 @@ fn fused_norm_cast_equals_norm_then_cast() {
 
 #[test]
 fn fused_norm_refuses_a_mismatched_linear() {
-    struct Bad {
-        norm: Norm<bf16>,
-        linear: Linear<bf16>,
-    }
-    impl Module for Bad {
-        fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
-            v.child("norm", &mut self.norm)?;
-            v.child("linear", &mut self.linear)
-        }
-    }
-    let mut m = one_rank(Bad {
+    // A norm of width 48 before a linear of 32 inputs.
+    let mut m = one_rank(NormLinear {
         norm: Norm::layer_norm(48).unwrap(),
         linear: Linear::new(32, 16)
             .and_then(|l| l.with_precision(LinearPrecision::Fp8))

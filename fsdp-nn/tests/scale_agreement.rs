@@ -7,10 +7,10 @@
 
 mod common;
 
-use common::{on_ranks, values, CountingComm, TestResult};
+use common::{linear_relu_linear, on_ranks, values, CountingComm, TestResult};
 use fp8_core::{QType, ScaleRounding, ScalingMeta, ScalingRecipe};
 use fsdp_comm::{CollectiveKind, Communicator, ReduceOp};
-use fsdp_nn::{Layer, Linear, LinearPrecision, Relu, Sequential, Shape, Tensor};
+use fsdp_nn::{Layer, LinearPrecision, Shape, Tensor};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdamW, StatePrecision};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, WrapPolicy};
 use std::sync::Arc;
@@ -45,20 +45,7 @@ fn step(ranks: usize, policy: WrapPolicy, gain: impl Fn(usize) -> f32 + Sync) ->
         let rank = comm.rank();
         let counting = CountingComm::new(comm);
         let comm: Arc<dyn Communicator> = counting.clone();
-        let net = Sequential::new()
-            .push(
-                "fc1",
-                Linear::new(IN, HID)?
-                    .with_precision(LinearPrecision::Fp8)?
-                    .with_seed(1),
-            )
-            .push("act", Relu::new())
-            .push(
-                "fc2",
-                Linear::new(HID, OUT)?
-                    .with_precision(LinearPrecision::Fp8)?
-                    .with_seed(2),
-            );
+        let net = linear_relu_linear(["fc1", "fc2"], (IN, HID, OUT), [LinearPrecision::Fp8; 2])?;
         let mut model = FsdpModel::new(net, comm, policy.clone(), FsdpConfig::default())?;
         let options = AdamOptions {
             lr: 1e-2,

@@ -67,56 +67,84 @@ impl LrSchedule for StepLr {
     }
 }
 
-fn check_warmup(name: &str, warmup: u64, total: u64, ratio: f64) -> Result<(), OptimError> {
-    if total == 0 || warmup > total {
-        return Err(bad(format!(
-            "{name}: need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup} and {total}"
-        )));
+/// The warm-up and decay positions of the warm-up schedules and the learning rate's final ratio.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct WarmupSpan {
+    warmup_steps: u64,
+    total_steps: u64,
+    ratio: f64,
+}
+
+impl WarmupSpan {
+    /// Checks the span for schedule `name` (`warmup <= total`, `total >= 1`, `ratio` in `[0, 1]`).
+    fn new(name: &str, warmup: u64, total: u64, ratio: f64) -> Result<Self, OptimError> {
+        if total == 0 || warmup > total {
+            return Err(bad(format!(
+                "{name}: need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup} and {total}"
+            )));
+        }
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(bad(format!(
+                "{name}: the final ratio must be in [0, 1], got {ratio}"
+            )));
+        }
+        Ok(WarmupSpan {
+            warmup_steps: warmup,
+            total_steps: total,
+            ratio,
+        })
     }
-    if !(0.0..=1.0).contains(&ratio) {
-        return Err(bad(format!(
-            "{name}: the final ratio must be in [0, 1], got {ratio}"
-        )));
+
+    /// The linear warm-up `base_lr * position / warmup` (`position + 1` with `count_current`), or `None`
+    /// after it.
+    fn warmup(&self, base_lr: f64, position: u64, count_current: bool) -> Option<f64> {
+        (position < self.warmup_steps).then(|| {
+            let done = if count_current {
+                position + 1
+            } else {
+                position
+            };
+            base_lr * done as f64 / self.warmup_steps as f64
+        })
     }
-    Ok(())
+
+    /// How far `position` (after the warm-up) is through the decay, in `[0, 1]`.
+    fn progress(&self, position: u64) -> f64 {
+        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
+        ((position - self.warmup_steps) as f64 / span).min(1.0)
+    }
+
+    /// The cosine decay from `base_lr` after the warm-up to `ratio * base_lr` at the end.
+    fn cosine(&self, base_lr: f64, position: u64) -> f64 {
+        let cos = 0.5 * (1.0 + (PI * self.progress(position)).cos());
+        base_lr * (self.ratio + (1.0 - self.ratio) * cos)
+    }
 }
 
 /// Linear warm-up from 0 to the base learning rate over `warmup_steps` positions, then a cosine decay to
 /// `min_ratio * base_lr` at `total_steps` (held there afterwards), as `transformers`'
 /// `get_cosine_schedule_with_warmup` with a floor.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CosineWithWarmup {
-    warmup_steps: u64,
-    total_steps: u64,
-    min_ratio: f64,
-}
+pub struct CosineWithWarmup(WarmupSpan);
 
 impl CosineWithWarmup {
     /// A cosine schedule (`warmup_steps <= total_steps`, `total_steps >= 1`, `min_ratio` in `[0, 1]`).
     pub fn new(warmup_steps: u64, total_steps: u64, min_ratio: f64) -> Result<Self, OptimError> {
-        check_warmup("CosineWithWarmup", warmup_steps, total_steps, min_ratio)?;
-        Ok(CosineWithWarmup {
-            warmup_steps,
-            total_steps,
-            min_ratio,
-        })
+        WarmupSpan::new("CosineWithWarmup", warmup_steps, total_steps, min_ratio).map(Self)
     }
 }
 
 impl LrSchedule for CosineWithWarmup {
     fn lr_at(&self, base_lr: f64, position: u64) -> f64 {
-        if position < self.warmup_steps {
-            return base_lr * position as f64 / self.warmup_steps as f64;
-        }
-        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
-        let progress = ((position - self.warmup_steps) as f64 / span).min(1.0);
-        let cos = 0.5 * (1.0 + (PI * progress).cos());
-        base_lr * (self.min_ratio + (1.0 - self.min_ratio) * cos)
+        self.0
+            .warmup(base_lr, position, false)
+            .unwrap_or_else(|| self.0.cosine(base_lr, position))
     }
     fn describe(&self) -> String {
+        let s = &self.0;
         format!(
             "cosine(warmup={}, total={}, min_ratio={})",
-            self.warmup_steps, self.total_steps, self.min_ratio
+            s.warmup_steps, s.total_steps, s.ratio
         )
     }
 }
@@ -127,38 +155,26 @@ impl LrSchedule for CosineWithWarmup {
 /// afterwards. It differs from [`CosineWithWarmup`] only in counting the current step in the warm-up (the
 /// first step trains with `lr / w`, not 0).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct WarmupCosine {
-    warmup_steps: u64,
-    total_steps: u64,
-    min_ratio: f64,
-}
+pub struct WarmupCosine(WarmupSpan);
 
 impl WarmupCosine {
     /// The schedule (`warmup_steps <= total_steps`, `total_steps >= 1`, `min_ratio` in `[0, 1]`).
     pub fn new(warmup_steps: u64, total_steps: u64, min_ratio: f64) -> Result<Self, OptimError> {
-        check_warmup("WarmupCosine", warmup_steps, total_steps, min_ratio)?;
-        Ok(WarmupCosine {
-            warmup_steps,
-            total_steps,
-            min_ratio,
-        })
+        WarmupSpan::new("WarmupCosine", warmup_steps, total_steps, min_ratio).map(Self)
     }
 }
 
 impl LrSchedule for WarmupCosine {
     fn lr_at(&self, base_lr: f64, position: u64) -> f64 {
-        if position < self.warmup_steps {
-            return base_lr * (position + 1) as f64 / self.warmup_steps as f64;
-        }
-        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
-        let progress = ((position - self.warmup_steps) as f64 / span).min(1.0);
-        let cos = 0.5 * (1.0 + (PI * progress).cos());
-        base_lr * (self.min_ratio + (1.0 - self.min_ratio) * cos)
+        self.0
+            .warmup(base_lr, position, true)
+            .unwrap_or_else(|| self.0.cosine(base_lr, position))
     }
     fn describe(&self) -> String {
+        let s = &self.0;
         format!(
             "warm-up (it+1)/{} then cosine to {} x lr at {}",
-            self.warmup_steps, self.min_ratio, self.total_steps
+            s.warmup_steps, s.ratio, s.total_steps
         )
     }
 }
@@ -167,37 +183,26 @@ impl LrSchedule for WarmupCosine {
 /// `final_ratio * base_lr` at `total_steps` (held there afterwards), as `transformers`'
 /// `get_linear_schedule_with_warmup` with a floor.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LinearWarmupDecay {
-    warmup_steps: u64,
-    total_steps: u64,
-    final_ratio: f64,
-}
+pub struct LinearWarmupDecay(WarmupSpan);
 
 impl LinearWarmupDecay {
     /// A linear schedule (`warmup_steps <= total_steps`, `total_steps >= 1`, `final_ratio` in `[0, 1]`).
     pub fn new(warmup_steps: u64, total_steps: u64, final_ratio: f64) -> Result<Self, OptimError> {
-        check_warmup("LinearWarmupDecay", warmup_steps, total_steps, final_ratio)?;
-        Ok(LinearWarmupDecay {
-            warmup_steps,
-            total_steps,
-            final_ratio,
-        })
+        WarmupSpan::new("LinearWarmupDecay", warmup_steps, total_steps, final_ratio).map(Self)
     }
 }
 
 impl LrSchedule for LinearWarmupDecay {
     fn lr_at(&self, base_lr: f64, position: u64) -> f64 {
-        if position < self.warmup_steps {
-            return base_lr * position as f64 / self.warmup_steps as f64;
-        }
-        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
-        let progress = ((position - self.warmup_steps) as f64 / span).min(1.0);
-        base_lr * (1.0 - (1.0 - self.final_ratio) * progress)
+        let s = &self.0;
+        s.warmup(base_lr, position, false)
+            .unwrap_or_else(|| base_lr * (1.0 - (1.0 - s.ratio) * s.progress(position)))
     }
     fn describe(&self) -> String {
+        let s = &self.0;
         format!(
             "linear(warmup={}, total={}, final_ratio={})",
-            self.warmup_steps, self.total_steps, self.final_ratio
+            s.warmup_steps, s.total_steps, s.ratio
         )
     }
 }

@@ -8,9 +8,7 @@ use fsdp_optim::{
     AdamOptions, CosineWithWarmup, FsdpAdamW, OptimError, ShardedAdam, StatePrecision, StepLr,
 };
 use fsdp_shard::checkpoint::{load_sharded, save_sharded};
-use fsdp_shard::{
-    FsdpConfig, GatheredParam, ModelLayout, ParamKind, ParamSpec, ShardedModel, WrapPolicy,
-};
+use fsdp_shard::{FsdpConfig, ModelLayout, ParamKind, ParamSpec, ShardedModel, WrapPolicy};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -144,18 +142,11 @@ fn data(t: usize) -> (Vec<f32>, Vec<f32>) {
 }
 
 fn param_f32(model: &ShardedModel, name: &str) -> Vec<f32> {
-    match model.param(model.index(name).unwrap()).unwrap() {
-        GatheredParam::Plain(b) => b.to_vec().unwrap(),
-        GatheredParam::Fp8 { codes, scales } => {
-            let c = codes.to_vec().unwrap();
-            let s = scales.to_vec().unwrap();
-            let mut v = vec![0f32; c.len()];
-            fp8_core::Fp8Format::E4M3
-                .decode_scaled(&c, s[1], &mut v)
-                .unwrap();
-            v
-        }
-    }
+    model
+        .param(model.index(name).unwrap())
+        .unwrap()
+        .to_f32_vec()
+        .unwrap()
 }
 
 /// One forward/backward of this rank's rows with the gathered FP8 weight; returns the global-batch loss

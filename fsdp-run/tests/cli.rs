@@ -4,7 +4,7 @@
 //! GPU count of the machine does not bound them.
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -18,41 +18,39 @@ fn fsdp_run() -> Command {
     Command::new(env!("CARGO_BIN_EXE_fsdp-run"))
 }
 
+/// The launcher running `sh -c script` as `nproc` CPU ranks, with `flags` of its own.
+fn sh_ranks(nproc: usize, flags: &[&str], script: &str) -> Command {
+    let mut c = fsdp_run();
+    c.args(["--nproc", &nproc.to_string(), "--device", "cpu"])
+        .args(flags)
+        .args(["--", "sh", "-c", script]);
+    c
+}
+
+/// [`sh_ranks`] started in the background, its output discarded.
+fn spawn_sh_ranks(nproc: usize, script: &str) -> Child {
+    sh_ranks(nproc, &[], script)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 fn the_binary_prefixes_output_and_propagates_failure() {
-    let out = fsdp_run()
-        .args([
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--",
-            "sh",
-            "-c",
-            "echo hello from $RANK",
-        ])
-        .output()
-        .unwrap();
+    let out = sh_ranks(2, &[], "echo hello from $RANK").output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[rank 0] hello from 0"), "{stdout}");
     assert!(stdout.contains("[rank 1] hello from 1"), "{stdout}");
 
-    let out = fsdp_run()
-        .args([
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--master-port",
-            "0",
-            "--",
-            "sh",
-            "-c",
-            "if [ \"$RANK\" = 0 ]; then echo bad >&2; exit 7; fi; sleep 60",
-        ])
-        .output()
-        .unwrap();
+    let out = sh_ranks(
+        2,
+        &["--master-port", "0"],
+        "if [ \"$RANK\" = 0 ]; then echo bad >&2; exit 7; fi; sleep 60",
+    )
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(7));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("[rank 0] bad"), "{stderr}");
@@ -69,12 +67,7 @@ fn the_binary_forwards_sigterm_to_its_ranks() {
         "trap 'echo got-term > {}/term_$RANK; exit 0' TERM; while true; do sleep 0.05; done",
         dir.display()
     );
-    let mut child = fsdp_run()
-        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_sh_ranks(2, &script);
     std::thread::sleep(Duration::from_millis(700));
     // SAFETY: plain kill(2) on our own child process.
     unsafe {
@@ -116,30 +109,8 @@ fn ranks_die_when_the_launcher_is_killed() {
     let dir = temp_dir("pdeath");
     // Each rank records its pid, then becomes a long sleep (exec keeps the pid).
     let script = format!("echo $$ > {}/pid_$RANK; exec sleep 60", dir.display());
-    let mut launcher = fsdp_run()
-        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    let pids: Vec<i32> = loop {
-        let read: Vec<Option<i32>> = (0..2)
-            .map(|r| {
-                std::fs::read_to_string(dir.join(format!("pid_{r}")))
-                    .ok()
-                    .and_then(|t| t.trim().parse().ok())
-            })
-            .collect();
-        if read.iter().all(Option::is_some) {
-            break read.into_iter().flatten().collect();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "ranks did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let mut launcher = spawn_sh_ranks(2, &script);
+    let pids = wait_for_pids(&dir, &["pid_0".to_string(), "pid_1".to_string()]);
     // Give `exec sleep` time to replace the shell, then kill the launcher without letting it clean up.
     std::thread::sleep(Duration::from_millis(200));
     assert!(
@@ -148,17 +119,7 @@ fn ranks_die_when_the_launcher_is_killed() {
     );
     launcher.kill().unwrap(); // SIGKILL
     launcher.wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pids.iter().any(|&p| is_running(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let alive: Vec<i32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
-    for &p in &alive {
-        // SAFETY: plain kill(2) of a process this test started (through the launcher); cleanup only.
-        unsafe {
-            libc::kill(p, libc::SIGKILL);
-        }
-    }
+    let alive = survivors_after(&pids, Duration::from_secs(10));
     assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -211,12 +172,7 @@ fn processes_the_ranks_started_die_when_the_launcher_is_killed() {
         "sleep 300 & echo $! > {d}/child_$RANK; echo $$ > {d}/rank_$RANK; wait",
         d = dir.display()
     );
-    let mut launcher = fsdp_run()
-        .args(["--nproc", "2", "--device", "cpu", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut launcher = spawn_sh_ranks(2, &script);
     let names: Vec<String> = (0..2)
         .flat_map(|r| [format!("rank_{r}"), format!("child_{r}")])
         .collect();
@@ -244,10 +200,7 @@ fn what_a_rank_leaves_behind_in_its_group_ends_with_it() {
         dir.display()
     );
     let start = Instant::now();
-    let out = fsdp_run()
-        .args(["--nproc", "1", "--device", "cpu", "--", "sh", "-c", &script])
-        .output()
-        .unwrap();
+    let out = sh_ranks(1, &[], &script).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let pids = wait_for_pids(&dir, &["child_0".to_string()]);
     let alive = survivors_after(&pids, Duration::from_secs(5));
@@ -275,6 +228,13 @@ fn refused(args: &[&str]) -> (Option<i32>, String) {
     )
 }
 
+/// Asserts that the launcher refuses `args` (exit code 2) with a message containing `expect`.
+fn refused_with(args: &[&str], expect: &str) {
+    let (code, stderr) = refused(args);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains(expect), "{stderr}");
+}
+
 #[test]
 fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
     let dir = temp_dir("nproc");
@@ -282,11 +242,9 @@ fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
     let cores = std::thread::available_parallelism().unwrap().get();
 
     // The probe's case: the default device (GPUs when the driver shows some, the CPU otherwise).
-    let (code, stderr) = refused(&["--nproc", "100000", "--", "sh", "-c", &started]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--nproc 100000 exceeds the limit of"),
-        "{stderr}"
+    refused_with(
+        &["--nproc", "100000", "--", "sh", "-c", &started],
+        "--nproc 100000 exceeds the limit of",
     );
 
     // CPU ranks: 4 per core, and the message says so.
@@ -314,15 +272,14 @@ fn an_nproc_beyond_the_host_is_refused_before_anything_starts() {
         _ => assert!(stderr.contains("--device cuda, but"), "{stderr}"),
     }
 
-    let (code, stderr) = refused(&["--nproc", "0", "--", "true"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("--nproc must be at least 1"), "{stderr}");
+    refused_with(
+        &["--nproc", "0", "--", "true"],
+        "--nproc must be at least 1",
+    );
     for bad in ["-1", "two"] {
-        let (code, stderr) = refused(&["--nproc", bad, "--", "true"]);
-        assert_eq!(code, Some(2), "{stderr}");
-        assert!(
-            stderr.contains(&format!("invalid value '{bad}' for '--nproc")),
-            "{stderr}"
+        refused_with(
+            &["--nproc", bad, "--", "true"],
+            &format!("invalid value '{bad}' for '--nproc"),
         );
     }
 
@@ -343,54 +300,46 @@ fn bad_numbers_and_addresses_are_refused_naming_their_flag() {
             "{stderr}"
         );
     }
-    let (code, stderr) = refused(&["--nproc", "1", "--master-port", "70000", "--", "true"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("invalid value '70000' for '--master-port"),
-        "{stderr}"
+    refused_with(
+        &["--nproc", "1", "--master-port", "70000", "--", "true"],
+        "invalid value '70000' for '--master-port",
     );
 
     // A port something else listens on: rank 0 could not serve the rendezvous there.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port().to_string();
-    let (code, stderr) = refused(&[
-        "--nproc",
-        "2",
-        "--device",
-        "cpu",
-        "--master-port",
-        &port,
-        "--",
-        "true",
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains(&format!("--master-port {port}: rank 0 could not listen")),
-        "{stderr}"
+    refused_with(
+        &[
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--master-port",
+            &port,
+            "--",
+            "true",
+        ],
+        &format!("--master-port {port}: rank 0 could not listen"),
     );
     drop(busy);
 
     // An address of another host (TEST-NET-1, reserved for documentation).
-    let (code, stderr) = refused(&[
-        "--nproc",
-        "2",
-        "--device",
-        "cpu",
-        "--master-addr",
-        "192.0.2.1",
-        "--",
-        "true",
-    ]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--master-addr 192.0.2.1: cannot listen"),
-        "{stderr}"
+    refused_with(
+        &[
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--master-addr",
+            "192.0.2.1",
+            "--",
+            "true",
+        ],
+        "--master-addr 192.0.2.1: cannot listen",
     );
 
-    let (code, stderr) = refused(&["--nproc", "1", "--device", "gpu", "--", "true"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("invalid value 'gpu' for '--device"),
-        "{stderr}"
+    refused_with(
+        &["--nproc", "1", "--device", "gpu", "--", "true"],
+        "invalid value 'gpu' for '--device",
     );
 }

@@ -10,7 +10,6 @@
 use fp8_core::Fp8Format;
 use fp8_kernels::elementwise::axpy;
 use fp8_kernels::gemm::{gemm_bf16, GemmSpec};
-use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{dequantize_fp8, Buffer, Device};
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_shard::{
@@ -21,13 +20,14 @@ use half::bf16;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+// The CPU test bench's helpers (its model constants are not this check's).
+#[path = "../tests/common/mod.rs"]
+mod common;
+use common::{requantize, values};
+
 const UNITS: usize = 3;
 const OUT: usize = 256;
 const IN: usize = 528; // not a multiple of the world size times 16: shards cut weights
-
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    SplitMix64::new(seed).uniform_vec(n)
-}
 
 fn layout() -> Result<Arc<ModelLayout>, ShardError> {
     let mut p = Vec::new();
@@ -321,51 +321,4 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
-}
-
-/// Re-quantizes every FP8 weight shard from F32 master shards with current scaling, as an optimizer
-/// does after its update (test support: the library's one re-quantization path is the optimizer's):
-/// local amaxes per weight, one all-reduce(MAX), agreed scales, cast.
-pub fn requantize(
-    model: &mut ShardedModel,
-    masters: &[&fp8_kernels::Buffer<f32>],
-) -> Result<(), ShardError> {
-    use fp8_kernels::segmented::{segmented_amax, segmented_cast, Segment, SegmentTable};
-    let dev = model.device().clone();
-    let counts = model.fp8_counts();
-    let mut amaxes = dev.zeros::<f32>(counts.iter().sum())?;
-    let mut tables = Vec::new();
-    let mut base = 0;
-    for (u, m) in masters.iter().enumerate() {
-        let segments: Vec<Segment> = model
-            .fp8_segments(u)?
-            .into_iter()
-            .map(|(slot, r)| Segment {
-                start: r.start,
-                end: r.end,
-                slot,
-            })
-            .collect();
-        let table = SegmentTable::new(&dev, &segments)?;
-        segmented_amax(m, &table, &mut amaxes, base)?;
-        base += counts[u];
-        tables.push(table);
-    }
-    if !amaxes.is_empty() {
-        model
-            .comm()
-            .all_reduce_in_place((&mut amaxes).into(), fsdp_comm::ReduceOp::Max)?;
-    }
-    model.set_fp8_weight_scales(&amaxes)?;
-    for (u, (m, table)) in masters.iter().zip(&tables).enumerate() {
-        let s = model.unit_mut(u)?;
-        segmented_cast(
-            m,
-            table,
-            fp8_core::Fp8Format::E4M3,
-            &s.weight_scales,
-            &mut s.fp8,
-        )?;
-    }
-    Ok(())
 }

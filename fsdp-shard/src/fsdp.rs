@@ -708,17 +708,7 @@ impl<M: Module> FsdpModel<M> {
             let p = id
                 .index()
                 .ok_or_else(|| ShardError::State(format!("{name}: unset id")))?;
-            let values = match self.sharded.param(p)? {
-                GatheredParam::Plain(b) => b.to_vec()?,
-                GatheredParam::Fp8 { codes, scales } => {
-                    let c = codes.to_vec()?;
-                    let s = scales.to_vec()?;
-                    let mut v = vec![0f32; c.len()];
-                    fp8_core::Fp8Format::E4M3.decode_scaled(&c, s[1], &mut v)?;
-                    v
-                }
-            };
-            out.push((name, values));
+            out.push((name, self.sharded.param(p)?.to_f32_vec()?));
         }
         self.release_all()?;
         Ok(out)

@@ -29,6 +29,29 @@ impl MemoryReport {
     pub fn model_state(&self) -> usize {
         self.fp8_weight_shards + self.plain_param_shards + self.grad_shards + self.optimizer_states
     }
+
+    /// The categories of [`MemoryReport::model_state`] for reports: `(key, label, bytes)`, the key as
+    /// in the programs' JSON lines, the label for tables.
+    pub fn model_state_parts(&self) -> [(&'static str, &'static str, usize); 4] {
+        [
+            (
+                "fp8_weight_shards",
+                "FP8 weight shards",
+                self.fp8_weight_shards,
+            ),
+            (
+                "plain_param_shards",
+                "plain parameter shards",
+                self.plain_param_shards,
+            ),
+            ("grad_shards", "gradient shards", self.grad_shards),
+            (
+                "optimizer_states",
+                "optimizer states",
+                self.optimizer_states,
+            ),
+        ]
+    }
 }
 
 fn mib(b: usize) -> f64 {

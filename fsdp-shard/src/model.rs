@@ -148,6 +148,24 @@ pub enum GatheredParam {
     Plain(Buffer<f32>),
 }
 
+impl GatheredParam {
+    /// The values as F32 on the host: an FP8 weight decoded with its `scale_inv`.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>, ShardError> {
+        match self {
+            GatheredParam::Plain(b) => Ok(b.to_vec()?),
+            GatheredParam::Fp8 { codes, scales } => {
+                let c = codes.to_vec()?;
+                let inv = scales.to_vec()?.get(1).copied().ok_or_else(|| {
+                    ShardError::State("an FP8 weight without its scale pair".into())
+                })?;
+                let mut v = vec![0f32; c.len()];
+                fp8_core::Fp8Format::E4M3.decode_scaled(&c, inv, &mut v)?;
+                Ok(v)
+            }
+        }
+    }
+}
+
 /// One unit's shards on this rank.
 #[derive(Debug)]
 pub struct UnitShards {

@@ -45,12 +45,7 @@ fn train_step(model: &mut ShardedModel, sgd: &mut Sgd, step: u64) -> Result<(), 
     let (rank, ws) = (model.comm().rank(), model.comm().world_size());
     let (x, t) = batch(step, BATCH);
     let r = local_rows(rank, ws, BATCH);
-    forward_backward(
-        model,
-        &x[r.start * IN..r.end * IN],
-        &t[r.start * OUT..r.end * OUT],
-        BATCH,
-    )?;
+    forward_backward_rows(model, (&x, &t), r, BATCH)?;
     sgd.step(model)
 }
 

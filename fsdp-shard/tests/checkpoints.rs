@@ -35,12 +35,7 @@ fn train_and_save(dir: &Path, ws: usize) -> Snapshot {
         for step in 0..2 {
             let (x, t) = batch(step, 24);
             let r = local_rows(rank, ws, 24);
-            forward_backward(
-                &mut model,
-                &x[r.start * IN..r.end * IN],
-                &t[r.start * OUT..r.end * OUT],
-                24,
-            )?;
+            forward_backward_rows(&mut model, (&x, &t), r, 24)?;
             sgd.step(&mut model)?;
         }
         let mut extra = BTreeMap::new();
@@ -75,12 +70,7 @@ fn load_and_continue(dir: &Path, ws: usize) -> Result<Vec<BeforeAfter>, ShardErr
         let before = snapshot(&mut model)?.0;
         let (x, t) = batch(2, 24);
         let r = local_rows(rank, ws, 24);
-        forward_backward(
-            &mut model,
-            &x[r.start * IN..r.end * IN],
-            &t[r.start * OUT..r.end * OUT],
-            24,
-        )?;
+        forward_backward_rows(&mut model, (&x, &t), r, 24)?;
         sgd.step(&mut model)?;
         Ok((before, snapshot(&mut model)?.0))
     })

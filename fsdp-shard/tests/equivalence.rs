@@ -190,12 +190,7 @@ fn no_sync_accumulation_matches_reduce_every_micro_batch() {
             for mb in 0..4 {
                 let r = rows.start + mb * 4..rows.start + (mb + 1) * 4;
                 model.set_grad_sync(!no_sync || mb == 3);
-                forward_backward(
-                    &mut model,
-                    &x[r.start * IN..r.end * IN],
-                    &t[r.start * OUT..r.end * OUT],
-                    48,
-                )?;
+                forward_backward_rows(&mut model, (&x, &t), r, 48)?;
                 if no_sync && mb < 3 {
                     // Nothing was communicated yet: the shards are still zero.
                     let g = model.unit(0)?.grads[ParamGroup::Plain as usize].to_vec()?;

@@ -127,7 +127,7 @@ pub use error::TrainError;
 pub use metrics::{MetricsRecord, PlotKind};
 pub use settings::RunSetting;
 pub use setup::DeviceChoice;
-pub use speed::{SpeedOptions, SpeedReport};
+pub use speed::{model_state_json, peak_memory, reset_peak_memory, SpeedOptions, SpeedReport};
 pub use task::{
     BatchIndex, Evaluation, LossKind, LossValue, OptimizerChoice, RankEnv, ScheduleClock,
     SchedulePlan, TrainTask,

@@ -1,5 +1,6 @@
-//! Phase timings of training steps (`mnist_fsdp --profile`, `lm_fsdp --speed --profile`): CUDA events
-//! around each phase on a GPU (read once, when the window is full), host time everywhere.
+//! Phase timings of training steps (`mnist_fsdp --profile`, `lm_fsdp --speed --profile`,
+//! `mlp_bench --profile`): CUDA events around each phase on a GPU (read once, when the window is full),
+//! host time everywhere. A phase a program never marks is absent from the profile.
 
 use fp8_kernels::{Device, GpuEvent, KernelError};
 use std::time::Instant;
@@ -58,7 +59,7 @@ pub struct PhaseTiming {
 pub struct StepProfile {
     /// Batches timed.
     pub batches: usize,
-    /// One entry per [`Phase`], in step order.
+    /// One entry per [`Phase`] the steps marked, in step order.
     pub phases: Vec<PhaseTiming>,
     /// Wall-clock milliseconds per batch over the window, up to the end of the last batch's GPU work.
     pub wall_ms: f64,
@@ -96,6 +97,19 @@ impl StepProfile {
         t.push_str(&format!("  {:<12} {:>21.3}\n", "wall", self.wall_ms));
         t
     }
+
+    /// `profile_ms` of the programs' JSON lines: per phase, GPU (`null` on the CPU) and host
+    /// milliseconds per batch.
+    pub fn json_ms(&self) -> serde_json::Value {
+        self.phases
+            .iter()
+            .map(|ph| {
+                let times = serde_json::json!({"gpu": ph.gpu_ms, "host": ph.host_ms});
+                (ph.phase.name().to_string(), times)
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    }
 }
 
 /// The events and host times of one profiled batch.
@@ -105,7 +119,8 @@ pub struct ProfiledStep {
     events: Vec<(Phase, GpuEvent)>,
     begin: Option<GpuEvent>,
     last_host: Instant,
-    host_ms: [f64; 5],
+    host_ms: [f64; Phase::ALL.len()],
+    marked: [bool; Phase::ALL.len()],
 }
 
 /// Collects [`ProfiledStep`]s until the window is full; reads the events only then (one wait).
@@ -154,7 +169,8 @@ impl StepProfiler {
             events: Vec::with_capacity(Phase::ALL.len()),
             begin,
             last_host: now,
-            host_ms: [0.0; 5],
+            host_ms: [0.0; Phase::ALL.len()],
+            marked: [false; Phase::ALL.len()],
         }))
     }
 
@@ -173,11 +189,15 @@ impl StepProfiler {
             .started
             .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3)
             / n as f64;
-        let mut gpu = [0f64; 5];
-        let mut host = [0f64; 5];
+        let mut gpu = [0f64; Phase::ALL.len()];
+        let mut host = [0f64; Phase::ALL.len()];
+        let mut marked = [false; Phase::ALL.len()];
         for st in &self.steps {
             for (h, v) in host.iter_mut().zip(st.host_ms) {
                 *h += v;
+            }
+            for (m, v) in marked.iter_mut().zip(st.marked) {
+                *m |= v;
             }
             let mut prev = st.begin.as_ref();
             for (phase, ev) in &st.events {
@@ -190,6 +210,7 @@ impl StepProfiler {
         let on_gpu = self.cuda.is_some();
         let phases = Phase::ALL
             .iter()
+            .filter(|&&p| marked[p as usize])
             .map(|&p| PhaseTiming {
                 phase: p,
                 gpu_ms: on_gpu.then_some(gpu[p as usize] / n as f64),
@@ -213,6 +234,7 @@ pub fn mark(step: &mut Option<ProfiledStep>, phase: Phase) -> Result<(), KernelE
     };
     let now = Instant::now();
     st.host_ms[phase as usize] += (now - st.last_host).as_secs_f64() * 1e3;
+    st.marked[phase as usize] = true;
     st.last_host = now;
     if let Some(c) = &st.cuda {
         st.events.push((phase, c.record_compute_timed()?));
@@ -229,6 +251,16 @@ pub fn mark(step: &mut Option<ProfiledStep>, phase: Phase) -> Result<(), KernelE
 fn wait_for_device(c: &fp8_kernels::CudaDevice) -> Result<(), KernelError> {
     c.context().synchronize().map_err(KernelError::from)?;
     Ok(())
+}
+
+/// Starts timing a batch when profiling (see [`StepProfiler::begin`]).
+pub fn begin_profiled_step(
+    profiler: &mut Option<StepProfiler>,
+) -> Result<Option<ProfiledStep>, KernelError> {
+    match profiler.as_mut() {
+        Some(p) => p.begin(),
+        None => Ok(None),
+    }
 }
 
 /// Hands a profiled batch to the profiler; prints the table on completion when `print`.

@@ -4,12 +4,13 @@
 //! PyTorch peers' `perf_counter` around the step and `torch.cuda.synchronize()`); the median is
 //! reported, with the peak memory of the timed steps and the model state by category.
 
-use crate::profile::{finish_profiled_step, mark, Phase, StepProfile, StepProfiler};
-use crate::setup::{launch_ranks, RankLaunch};
-use crate::task::{OptimizerChoice, TrainTask};
-use crate::trainer::{rank_env, Trainer};
+use crate::profile::{
+    begin_profiled_step, finish_profiled_step, mark, Phase, StepProfile, StepProfiler,
+};
+use crate::task::TrainTask;
+use crate::trainer::Trainer;
 use crate::TrainError;
-use fp8_kernels::Device;
+use fp8_kernels::{Device, KernelError};
 use fsdp_optim::step_model;
 use fsdp_shard::MemoryReport;
 use std::time::Instant;
@@ -140,22 +141,9 @@ impl SpeedReport {
             &format!("peak memory (GiB, {})", self.peak_source),
             format!("{:.3}", gib(self.peak_bytes as usize)),
         );
-        row(
-            "FP8 weight shards (GiB)",
-            format!("{:.3}", gib(m.fp8_weight_shards)),
-        );
-        row(
-            "plain parameter shards (GiB)",
-            format!("{:.3}", gib(m.plain_param_shards)),
-        );
-        row(
-            "gradient shards (GiB)",
-            format!("{:.3}", gib(m.grad_shards)),
-        );
-        row(
-            "optimizer states (GiB)",
-            format!("{:.3}", gib(m.optimizer_states)),
-        );
+        for (_, label, bytes) in m.model_state_parts() {
+            row(&format!("{label} (GiB)"), format!("{:.3}", gib(bytes)));
+        }
         row("model state (GiB)", format!("{:.3}", gib(m.model_state())));
         row("last loss", format!("{:.4}", self.loss));
         if let Some(p) = &self.profile {
@@ -184,19 +172,9 @@ impl SpeedReport {
             "device": self.device,
             "warmup": self.options.warmup_steps,
             "step_times_s": self.step_times,
-            "model_state_bytes": {
-                "fp8_weight_shards": m.fp8_weight_shards,
-                "plain_param_shards": m.plain_param_shards,
-                "grad_shards": m.grad_shards,
-                "optimizer_states": m.optimizer_states,
-                "total": m.model_state(),
-            },
+            "model_state_bytes": model_state_json(m),
             "loss": self.loss,
-            "profile_ms": self.profile.as_ref().map(|p| p
-                .phases
-                .iter()
-                .map(|ph| (ph.phase.name().to_string(), serde_json::json!({"gpu": ph.gpu_ms, "host": ph.host_ms})))
-                .collect::<serde_json::Map<_, _>>()),
+            "profile_ms": self.profile.as_ref().map(StepProfile::json_ms),
         });
         if let Some(obj) = j.as_object_mut() {
             for (k, v) in &self.describe {
@@ -205,6 +183,37 @@ impl SpeedReport {
         }
         j
     }
+}
+
+/// `model_state_bytes` of the programs' JSON lines: bytes per category of the model state, and `total`.
+pub fn model_state_json(m: &MemoryReport) -> serde_json::Value {
+    let mut parts: serde_json::Map<_, _> = m
+        .model_state_parts()
+        .into_iter()
+        .map(|(key, _, bytes)| (key.to_string(), bytes.into()))
+        .collect();
+    parts.insert("total".into(), m.model_state().into());
+    parts.into()
+}
+
+/// Opens a peak-memory window: waits for the device and resets the high-water marks of the CUDA pool
+/// and of the live CPU buffers (process-wide: every thread rank's).
+pub fn reset_peak_memory(device: &Device) -> Result<(), KernelError> {
+    device.synchronize()?;
+    if let Device::Cuda(c) = device {
+        c.reset_pool_high_water()?;
+    }
+    fp8_kernels::device::reset_host_buffer_peak();
+    Ok(())
+}
+
+/// The high-water mark of bytes since [`reset_peak_memory`]: the CUDA pool's, or on the CPU the live CPU
+/// buffers'.
+pub fn peak_memory(device: &Device) -> Result<u64, KernelError> {
+    Ok(match device {
+        Device::Cuda(c) => c.pool_memory()?.1,
+        Device::Cpu => fp8_kernels::device::host_buffer_bytes().peak as u64,
+    })
 }
 
 struct RankSpeed {
@@ -235,17 +244,7 @@ impl Trainer {
                 "--speed-steps must be at least 1".into(),
             ));
         }
-        let launch = RankLaunch {
-            binary: task.name(),
-            device: c.device,
-            world_size: c.world_size,
-            threads_per_rank: c.threads_per_rank,
-            timeout: c.timeout,
-        };
-        let (outcomes, device) = launch_ranks(&launch, |comm, par| {
-            let env = rank_env(comm, par);
-            self.speed_rank(task, &env, options)
-        })?;
+        let (outcomes, device) = self.launch(task, |env| self.speed_rank(task, env, options))?;
         let first = outcomes
             .into_iter()
             .next()
@@ -289,21 +288,12 @@ impl Trainer {
         env: &crate::RankEnv,
         options: SpeedOptions,
     ) -> Result<RankSpeed, TrainError> {
-        let c = self.config();
         let device = env.device.clone();
         if let Device::Cuda(cu) = &device {
             cu.set_pool_release_threshold(u64::MAX)?;
         }
         let (mut model, linears) = self.build_for_speed(task, env)?;
-        let mut opt = task
-            .optimizer(
-                &mut model,
-                &OptimizerChoice {
-                    lr: c.lr,
-                    states: c.optimizer_states,
-                },
-            )
-            .map_err(TrainError::task)?;
+        let mut opt = self.optimizer(task, &mut model)?;
         let mut data = task.data(env).map_err(TrainError::task)?;
         let batch = task.speed_batch(&mut data, env).map_err(TrainError::task)?;
         let units = task.batch_weight(&batch);
@@ -325,11 +315,7 @@ impl Trainer {
         for _ in 0..options.warmup_steps {
             step(&mut model, &mut None)?;
         }
-        device.synchronize()?;
-        if let Device::Cuda(cu) = &device {
-            cu.reset_pool_high_water()?;
-        }
-        fp8_kernels::device::reset_host_buffer_peak();
+        reset_peak_memory(&device)?;
         let mut profiler = options
             .profile
             .then(|| StepProfiler::new(&device, options.timed_steps, options.warmup_steps, false));
@@ -338,19 +324,13 @@ impl Trainer {
         for _ in 0..options.timed_steps {
             device.synchronize()?;
             let t0 = Instant::now();
-            let mut prof = match profiler.as_mut() {
-                Some(p) => p.begin()?,
-                None => None,
-            };
+            let mut prof = begin_profiled_step(&mut profiler)?;
             step(&mut model, &mut prof)?;
             device.synchronize()?;
             times.push(t0.elapsed().as_secs_f64());
             finish_profiled_step(&mut profiler, prof, &mut profile, false)?;
         }
-        let peak = match &device {
-            Device::Cuda(cu) => cu.pool_memory()?.1,
-            Device::Cpu => fp8_kernels::device::host_buffer_bytes().peak as u64,
-        };
+        let peak = peak_memory(&device)?;
         let loss = {
             let l = task.loss(&model).map_err(TrainError::task)?;
             let v = f64::from(l.values.to_vec()?.first().copied().unwrap_or(f32::NAN));

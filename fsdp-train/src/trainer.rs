@@ -297,17 +297,7 @@ impl Trainer {
             .collect();
         let _outputs = RunOutputs::prepare(c.save.as_deref().map(|d| ("--save", d)), &files)?;
         self.check_no_overwrite()?;
-        let launch = RankLaunch {
-            binary: task.name(),
-            device: c.device,
-            world_size: c.world_size,
-            threads_per_rank: c.threads_per_rank,
-            timeout: c.timeout,
-        };
-        let (outcomes, device) = launch_ranks(&launch, |comm, par| {
-            let env = rank_env(comm, par);
-            self.run_rank(task, &env)
-        })?;
+        let (outcomes, device) = self.launch(task, |env| self.run_rank(task, env))?;
         let memory = outcomes.iter().map(|o| o.memory.clone()).collect();
         let step_losses = outcomes.iter().map(|o| o.step_losses.clone()).collect();
         let first = outcomes
@@ -471,6 +461,37 @@ impl Trainer {
         self.build(task, env)
     }
 
+    /// Runs `rank` on every rank of the configured device and world (see [`launch_ranks`]); returns each
+    /// rank's result and the device's description.
+    pub(crate) fn launch<T: TrainTask, R: Send>(
+        &self,
+        task: &T,
+        rank: impl Fn(&RankEnv) -> Result<R, TrainError> + Sync,
+    ) -> Result<(Vec<R>, String), TrainError> {
+        let c = &self.config;
+        let launch = RankLaunch {
+            binary: task.name(),
+            device: c.device,
+            world_size: c.world_size,
+            threads_per_rank: c.threads_per_rank,
+            timeout: c.timeout,
+        };
+        launch_ranks(&launch, |comm, par| rank(&rank_env(comm, par)))
+    }
+
+    /// The task's optimizer at the run's learning rate and state precision.
+    pub(crate) fn optimizer<T: TrainTask>(
+        &self,
+        task: &T,
+        model: &mut FsdpModel<T::Model>,
+    ) -> Result<Box<dyn Optimizer>, TrainError> {
+        let choice = OptimizerChoice {
+            lr: self.config.lr,
+            states: self.config.optimizer_states,
+        };
+        task.optimizer(model, &choice).map_err(TrainError::task)
+    }
+
     fn check_memory<T: TrainTask>(&self, task: &T, env: &RankEnv) -> Result<(), TrainError> {
         let Some(need) = task
             .memory_estimate(env.world_size)
@@ -520,15 +541,7 @@ impl Trainer {
                 .import_full(path, false)
                 .map_err(|e| TrainError::Config(format!("--init-from {}: {e}", path.display())))?;
         }
-        let mut opt = task
-            .optimizer(
-                &mut model,
-                &OptimizerChoice {
-                    lr: c.lr,
-                    states: c.optimizer_states,
-                },
-            )
-            .map_err(TrainError::task)?;
+        let mut opt = self.optimizer(task, &mut model)?;
         let mut data = task.data(env).map_err(TrainError::task)?;
         let total_steps = self.total_steps(task, &mut data, env)?;
         Self::set_schedule(task, opt.as_mut(), &self.plan(total_steps))?;

@@ -116,25 +116,24 @@ fn unknown_fields_are_kept_and_missing_ones_rejected() {
     assert!(err.to_string().starts_with("bad.jsonl:1:"), "{err}");
 }
 
+/// `w` after writing `records`.
+fn written(mut w: MetricsWriter, records: &[MetricsRecord]) -> MetricsWriter {
+    for m in records {
+        w.write(m).unwrap();
+    }
+    w
+}
+
 #[test]
 fn writer_creates_appends_and_reads_back() {
     let dir = scratch_dir("metrics-writer");
     let path = dir.join("runs/fp8.jsonl");
     let run = fake_run(4, 99.1, 0.3);
-    {
-        let mut w = MetricsWriter::create(&path).unwrap();
-        for m in &run[..2] {
-            w.write(m).unwrap();
-        }
-        // Flushed per record: readable while the writer is still open.
-        assert_eq!(read_metrics(&path).unwrap(), run[..2]);
-    }
-    {
-        let mut w = MetricsWriter::append(&path).unwrap();
-        for m in &run[2..] {
-            w.write(m).unwrap();
-        }
-    }
+    let w = written(MetricsWriter::create(&path).unwrap(), &run[..2]);
+    // Flushed per record: readable while the writer is still open.
+    assert_eq!(read_metrics(&path).unwrap(), run[..2]);
+    drop(w);
+    written(MetricsWriter::append(&path).unwrap(), &run[2..]);
     assert_eq!(read_metrics(&path).unwrap(), run);
     // create truncates.
     MetricsWriter::create(&path).unwrap();
@@ -153,19 +152,10 @@ fn resume_cuts_the_file_back_to_the_checkpoint() {
     let run = fake_run(4, 99.1, 0.3);
     // Epochs 1-3 written; the run crashed after epoch 3's line but before epoch 3's checkpoint, so
     // the resumed run (from epoch 2's checkpoint) writes epoch 3 again.
-    {
-        let mut w = MetricsWriter::create(&path).unwrap();
-        for m in &run[..3] {
-            w.write(m).unwrap();
-        }
-    }
-    {
-        let mut w = MetricsWriter::resume(&path, 2).unwrap();
-        assert_eq!(w.dropped_on_resume(), 1);
-        for m in &run[2..] {
-            w.write(m).unwrap();
-        }
-    }
+    written(MetricsWriter::create(&path).unwrap(), &run[..3]);
+    let w = MetricsWriter::resume(&path, 2).unwrap();
+    assert_eq!(w.dropped_on_resume(), 1);
+    written(w, &run[2..]);
     assert_eq!(read_metrics(&path).unwrap(), run, "no epoch twice");
     // Nothing past the checkpoint: the file is left as it is.
     let before = std::fs::read(&path).unwrap();

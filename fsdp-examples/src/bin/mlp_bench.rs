@@ -11,7 +11,10 @@ use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
-use fsdp_train::GradShardsArg;
+use fsdp_train::profile::{begin_profiled_step, finish_profiled_step, StepProfile, StepProfiler};
+use fsdp_train::{
+    available_bytes, model_state_json, peak_memory, reset_peak_memory, GradShardsArg,
+};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -84,8 +87,8 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-    /// Time each phase of the timed steps with CUDA events (wall time on the CPU) and print a per-phase
-    /// table; the events add a little time to the step.
+    /// Time each phase of the timed steps with CUDA events (host time everywhere) and print a per-phase
+    /// table (the Trainer's step profiler); the events add a little time to the step.
     #[arg(long)]
     profile: bool,
 }
@@ -95,6 +98,7 @@ struct Outcome {
     times: Vec<f64>,
     peak_pool: Option<u64>,
     loss: f64,
+    profile: Option<StepProfile>,
 }
 
 /// Refuses arguments that would do nothing or report nonsense.
@@ -151,25 +155,6 @@ fn estimate_bytes(config: &MlpConfig, world_size: usize) -> Result<u64, MlpError
     .ok_or_else(over)
 }
 
-/// Bytes the device can still give: the GPU's free memory, or the host's `MemAvailable`.
-fn available_bytes(device: &Device) -> Result<Option<u64>, MlpError> {
-    if let Device::Cuda(c) = device {
-        let (free, _) = c
-            .context()
-            .mem_get_info()
-            .map_err(fp8_kernels::KernelError::from)?;
-        return Ok(Some(free as u64));
-    }
-    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
-        return Ok(None);
-    };
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024))
-}
-
 fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     let device = comm.device().clone();
     let config = MlpConfig {
@@ -221,15 +206,11 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     for _ in 0..args.warmup {
         bench.step()?;
     }
-    device.synchronize()?;
-    if let Device::Cuda(c) = &device {
-        c.reset_pool_high_water()?;
-    }
-    // CPU: live bytes of all host buffers (every thread rank of this process).
-    fp8_kernels::device::reset_host_buffer_peak();
-    if args.profile {
-        bench.enable_profile();
-    }
+    reset_peak_memory(&device)?;
+    let mut profiler = args
+        .profile
+        .then(|| StepProfiler::new(&device, args.steps, args.warmup, false));
+    let mut profile = None;
     let mut times = Vec::with_capacity(args.steps);
     for _ in 0..args.steps {
         device.synchronize()?;
@@ -238,7 +219,8 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Device::Cuda(c) => Some(c.record_compute_timed()?),
             Device::Cpu => None,
         };
-        bench.step()?;
+        let mut prof = begin_profiled_step(&mut profiler)?;
+        bench.step_profiled(&mut prof)?;
         let secs = match (&device, ev0) {
             (Device::Cuda(c), Some(e0)) => {
                 let e1 = c.record_compute_timed()?;
@@ -248,18 +230,17 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             _ => t0.elapsed().as_secs_f64(),
         };
         times.push(secs);
+        finish_profiled_step(&mut profiler, prof, &mut profile, false)?;
     }
     device.synchronize()?;
-    let peak_pool = match &device {
-        Device::Cuda(c) => Some(c.pool_memory()?.1),
-        Device::Cpu => Some(fp8_kernels::device::host_buffer_bytes().peak as u64),
-    };
+    let peak_pool = Some(peak_memory(&device)?);
     let loss = bench.loss()?;
     Ok(Outcome {
         bench,
         times,
         peak_pool,
         loss,
+        profile,
     })
 }
 
@@ -286,22 +267,9 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
     println!("| --- | --- |");
     println!("| median step (s) | {median:.4} |");
     println!("| model TFLOP/s | {:.1} |", flops / median / 1e12);
-    println!(
-        "| FP8 weight shards (GiB) | {:.3} |",
-        gib(mem.fp8_weight_shards as f64)
-    );
-    println!(
-        "| plain parameter shards (GiB) | {:.3} |",
-        gib(mem.plain_param_shards as f64)
-    );
-    println!(
-        "| gradient shards (GiB) | {:.3} |",
-        gib(mem.grad_shards as f64)
-    );
-    println!(
-        "| optimizer states (GiB) | {:.3} |",
-        gib(mem.optimizer_states as f64)
-    );
+    for (_, label, bytes) in mem.model_state_parts() {
+        println!("| {label} (GiB) | {:.3} |", gib(bytes as f64));
+    }
     println!(
         "| model state (GiB) | {:.3} |",
         gib(mem.model_state() as f64)
@@ -328,17 +296,9 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         );
     }
     println!("| final loss | {:.6} |", o.loss);
-    let profile = o.bench.profile();
-    if !profile.is_empty() {
-        let total: f64 = profile.iter().map(|(_, s)| s).sum();
+    if let Some(p) = &o.profile {
         println!();
-        println!("| phase (mean per step) | ms | share of compute stream |");
-        println!("| --- | --- | --- |");
-        for (p, secs) in &profile {
-            let share = format!("{:.1} %", 100.0 * secs / total.max(f64::MIN_POSITIVE));
-            println!("| {} | {:.2} | {share} |", p.name(), secs * 1e3);
-        }
-        println!("| sum (compute stream) | {:.2} | |", total * 1e3);
+        print!("{}", p.table());
     }
     let json = serde_json::json!({
         "bench": "mlp_bench",
@@ -359,21 +319,12 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
         "step_s": median,
         "step_times_s": o.times,
         "TFLOPs": flops / median / 1e12,
-        "model_state_bytes": {
-            "fp8_weight_shards": mem.fp8_weight_shards,
-            "plain_param_shards": mem.plain_param_shards,
-            "grad_shards": mem.grad_shards,
-            "optimizer_states": mem.optimizer_states,
-            "total": mem.model_state(),
-        },
+        "model_state_bytes": model_state_json(&mem),
         "peak_GiB": o.peak_pool.map(|p| gib(p as f64)),
         "peak_source": peak_source,
         "device_used_GiB": device_used.map(|u| gib(u as f64)),
         "loss": o.loss,
-        "profile_ms": profile
-            .iter()
-            .map(|(p, s)| (p.name().to_string(), serde_json::json!(s * 1e3)))
-            .collect::<serde_json::Map<_, _>>(),
+        "profile_ms": o.profile.as_ref().map(StepProfile::json_ms),
     });
     println!("{json}");
     Ok(())

@@ -15,13 +15,14 @@
 //! magic `1f 8b` is decompressed on the fly (as the original `*.gz` downloads are).
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
 
 use flate2::read::MultiGzDecoder;
 use flate2::write::GzEncoder;
 
 use super::error::DataError;
+use super::partial_file::write_via_partial;
 
 /// The element type byte of unsigned 8-bit IDX data.
 pub const IDX_TYPE_U8: u8 = 0x08;
@@ -253,29 +254,17 @@ pub fn encode_idx_u8(array: &IdxArray) -> Result<Vec<u8>, DataError> {
 pub fn write_idx_u8(path: impl AsRef<Path>, array: &IdxArray, gzip: bool) -> Result<(), DataError> {
     let path = path.as_ref();
     let bytes = encode_idx_u8(array)?;
-    let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
-    let io = |e| DataError::Io {
-        path: partial.clone(),
-        source: e,
-    };
-    let file = File::create(&partial).map_err(io)?;
-    let mut writer = BufWriter::new(file);
-    if gzip {
-        let mut encoder = GzEncoder::new(writer, flate2::Compression::best());
-        encoder.write_all(&bytes).map_err(io)?;
-        writer = encoder.finish().map_err(io)?;
-    } else {
-        writer.write_all(&bytes).map_err(io)?;
-    }
-    let file = writer.into_inner().map_err(|e| io(e.into_error()))?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&partial, path).map_err(|e| DataError::Io {
-        path: path.to_path_buf(),
-        source: e,
+    write_via_partial(path, |mut writer| {
+        if gzip {
+            let mut encoder = GzEncoder::new(writer, flate2::Compression::best());
+            encoder.write_all(&bytes)?;
+            writer = encoder.finish()?;
+        } else {
+            writer.write_all(&bytes)?;
+        }
+        Ok(writer)
     })
+    .map_err(|(path, source)| DataError::Io { path, source })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod csv;
 pub mod error;
 pub mod idx;
 pub mod mnist;
+mod partial_file;
 pub mod tokens;
 
 pub use csv::{parse_mnist_csv, read_mnist_csv};

@@ -9,9 +9,6 @@
 //! and `fp8` (FP8 linears with GELU fused into the casts, weights gathered in E4M3, low-precision AdamW
 //! states, BF16 gradient shards by default).
 
-pub mod profile;
-
-use crate::mlp::profile::{Phase, Profiler};
 use fp8_kernels::elementwise::scale;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device};
@@ -22,6 +19,7 @@ use fsdp_shard::{
     Ctx, FsdpConfig, FsdpModel, GradDtype, GradReduction, MemoryReport, Mode, Module, ShardError,
     Visitor, WrapPolicy,
 };
+use fsdp_train::profile::{mark, Phase, ProfiledStep};
 use half::bf16;
 use std::sync::Arc;
 
@@ -194,7 +192,6 @@ pub struct MlpBench {
     optimizer: FsdpAdamW,
     input: Buffer<bf16>,
     output: Option<Buffer<bf16>>,
-    profiler: Option<Profiler>,
 }
 
 impl MlpBench {
@@ -241,7 +238,6 @@ impl MlpBench {
             model,
             optimizer,
             output: None,
-            profiler: None,
         })
     }
 
@@ -262,19 +258,6 @@ impl MlpBench {
         }
         self.input = self.device().upload(x)?;
         Ok(())
-    }
-
-    /// Turns per-phase timing (forward, backward, optimizer) on; totals accumulate over later steps.
-    pub fn enable_profile(&mut self) {
-        self.profiler = Some(Profiler::new(self.device().clone()));
-    }
-
-    /// Mean seconds per step of each phase since [`MlpBench::enable_profile`] (empty when off).
-    pub fn profile(&self) -> Vec<(Phase, f64)> {
-        self.profiler
-            .as_ref()
-            .map(Profiler::mean_per_step)
-            .unwrap_or_default()
     }
 
     /// The configuration.
@@ -304,31 +287,31 @@ impl MlpBench {
 
     /// One training step: forward, backward with per-unit gradient reduction, AdamW with the FP8 scale
     /// agreement and re-quantization. Nothing is read back to the host (on CUDA the step is only queued
-    /// when this returns), unless profiling is on, which synchronises at the end of the step.
+    /// when this returns).
     pub fn step(&mut self) -> Result<(), MlpError> {
+        self.step_profiled(&mut None)
+    }
+
+    /// [`MlpBench::step`], marking the forward, backward (with the loss gradient and the reductions) and
+    /// optimizer phases of `prof` (the Trainer's step profiler; a no-op with `None`).
+    pub fn step_profiled(&mut self, prof: &mut Option<ProfiledStep>) -> Result<(), MlpError> {
         let (t, d) = (self.config.tokens, self.config.d);
         let dev = self.device().clone();
         let shape = Shape::matrix(t, d)?;
         self.output = None;
-        let m = profile::start(&self.profiler)?;
         let x = Tensor::new(self.input.to_device(&dev)?, shape)?;
         let h = self
             .model
             .forward(Mode::Train, |stack, ctx| stack.forward(ctx, x))?;
-        profile::stop(&mut self.profiler, Phase::Forward, m)?;
+        mark(prof, Phase::Forward)?;
         // dL/dh_L = 2 h_L / (T d).
-        let m = profile::start(&self.profiler)?;
         let mut dh = Tensor::new(h.data().to_device(&dev)?, shape)?;
         scale(dh.data_mut(), 2.0 / (t * d) as f32)?;
         self.output = Some(h.into_data());
         self.model.backward(|stack, ctx| stack.backward(ctx, dh))?;
-        profile::stop(&mut self.profiler, Phase::Backward, m)?;
-        let m = profile::start(&self.profiler)?;
+        mark(prof, Phase::Backward)?;
         step_model(&mut self.optimizer, &mut self.model)?;
-        profile::stop(&mut self.profiler, Phase::Optimizer, m)?;
-        if let Some(p) = &mut self.profiler {
-            p.end_step()?;
-        }
+        mark(prof, Phase::Optimizer)?;
         Ok(())
     }
 

@@ -6,9 +6,15 @@ use fp8_kernels::rng::SplitMix64;
 use fsdp_comm::{Communicator, ThreadGroup};
 use fsdp_examples::gpt::{wrap_policy, Gpt, GptConfig};
 use fsdp_nn::{convert_to_fp8, Activation, Fp8Filter};
-use fsdp_shard::{FsdpConfig, FsdpModel, Module, ParamId};
+use fsdp_shard::{FsdpConfig, FsdpModel};
 use std::sync::Arc;
 use std::time::Duration;
+
+// Parameter access by id and the directional finite-difference check of fsdp-nn's transformer tests.
+#[path = "../../../fsdp-nn/tests/transformer_common/mod.rs"]
+mod transformer_common;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use transformer_common::{directional, grad, set_values, values};
 
 /// A one-rank model on the CPU in its float precision, wrapped as the GPT example wraps it (one unit per
 /// block).
@@ -41,34 +47,4 @@ pub fn ids(n: usize, vocab: usize, seed: u64) -> Vec<i32> {
     (0..n)
         .map(|_| (r.next_u64() % vocab as u64) as i32)
         .collect()
-}
-
-/// The current values of plain parameter `id` (one rank).
-pub fn values<M: Module>(model: &FsdpModel<M>, id: ParamId) -> Vec<f32> {
-    let (u, _, slot) = model.layout().locate(id.index().unwrap()).unwrap();
-    let shard = model.sharded().unit(u).unwrap().plain.to_vec().unwrap();
-    shard[slot.offset..slot.offset + slot.numel].to_vec()
-}
-
-/// Overwrites plain parameter `id` (one rank; released first so the next pass gathers it).
-pub fn set_values<M: Module>(model: &mut FsdpModel<M>, id: ParamId, v: &[f32]) {
-    model.release_all().unwrap();
-    let (u, _, slot) = model.layout().locate(id.index().unwrap()).unwrap();
-    let (off, n) = (slot.offset, slot.numel);
-    assert_eq!(v.len(), n);
-    let unit = model.sharded_mut().unit_mut(u).unwrap();
-    unit.plain.host_mut("test").unwrap()[off..off + n].copy_from_slice(v);
-}
-
-/// The reduced gradient of parameter `id` (one rank).
-pub fn grad<M: Module>(model: &FsdpModel<M>, id: ParamId) -> Vec<f32> {
-    let (u, g, slot) = model.layout().locate(id.index().unwrap()).unwrap();
-    let shard = model
-        .sharded()
-        .unit(u)
-        .unwrap()
-        .grad(g)
-        .to_f32_vec()
-        .unwrap();
-    shard[slot.offset..slot.offset + slot.numel].to_vec()
 }

@@ -9,6 +9,7 @@ use fp8_kernels::Device;
 use fsdp_comm::{
     run_ranks, Collective, CollectiveKind, CommError, CommWork, Communicator, ReduceOp,
 };
+use fsdp_nn::{Linear, LinearPrecision, NnError, Relu, Sequential};
 use fsdp_shard::{ModelLayout, ParamGroup, ShardedModel};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,29 @@ use std::sync::{Arc, Mutex};
 pub type TestError = Box<dyn std::error::Error + Send + Sync>;
 /// A rank's result.
 pub type TestResult<T> = Result<T, TestError>;
+
+/// `name0` (`Linear(d_in -> d_hid)` in `precisions[0]`, seed 1) - `act` ReLU - `name1`
+/// (`Linear(d_hid -> d_out)` in `precisions[1]`, seed 2).
+pub fn linear_relu_linear(
+    [name0, name1]: [&str; 2],
+    (d_in, d_hid, d_out): (usize, usize, usize),
+    precisions: [LinearPrecision; 2],
+) -> Result<Sequential, NnError> {
+    Ok(Sequential::new()
+        .push(
+            name0,
+            Linear::new(d_in, d_hid)?
+                .with_precision(precisions[0])?
+                .with_seed(1),
+        )
+        .push("act", Relu::new())
+        .push(
+            name1,
+            Linear::new(d_hid, d_out)?
+                .with_precision(precisions[1])?
+                .with_seed(2),
+        ))
+}
 
 /// Deterministic values uniform in `[-scale, scale)`.
 pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {

@@ -6,8 +6,8 @@ use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_shard::{
-    FsdpConfig, GatheredParam, ModelLayout, ParamGroup, ParamKind, ParamSpec, ShardError,
-    ShardedModel, ShardedState, StateShard, WrapPolicy,
+    FsdpConfig, ModelLayout, ParamGroup, ParamKind, ParamSpec, ShardError, ShardedModel,
+    ShardedState, StateShard, WrapPolicy,
 };
 use std::sync::Arc;
 
@@ -123,16 +123,11 @@ impl Sgd {
 
 /// A parameter of a gathered unit as F32 values (FP8 weights dequantized).
 pub fn param_f32(model: &ShardedModel, name: &str) -> Vec<f32> {
-    match model.param(model.index(name).unwrap()).unwrap() {
-        GatheredParam::Plain(b) => b.to_vec().unwrap(),
-        GatheredParam::Fp8 { codes, scales } => {
-            let c = codes.to_vec().unwrap();
-            let s = scales.to_vec().unwrap();
-            let mut v = vec![0f32; c.len()];
-            Fp8Format::E4M3.decode_scaled(&c, s[1], &mut v).unwrap();
-            v
-        }
-    }
+    model
+        .param(model.index(name).unwrap())
+        .unwrap()
+        .to_f32_vec()
+        .unwrap()
 }
 
 fn matmul_t(x: &[f32], w: &[f32], b: &[f32], rows: usize, inn: usize, out: usize) -> Vec<f32> {
@@ -220,6 +215,21 @@ pub fn forward_backward(
     Ok(loss)
 }
 
+/// [`forward_backward`] on rows `rows` of the batch `(x, t)` (e.g. a rank's [`local_rows`]).
+pub fn forward_backward_rows(
+    model: &mut ShardedModel,
+    (x, t): (&[f32], &[f32]),
+    rows: std::ops::Range<usize>,
+    global_batch: usize,
+) -> Result<f32, ShardError> {
+    forward_backward(
+        model,
+        &x[rows.start * IN..rows.end * IN],
+        &t[rows.start * OUT..rows.end * OUT],
+        global_batch,
+    )
+}
+
 /// This rank's rows of a global batch of `global` rows: contiguous blocks.
 pub fn local_rows(rank: usize, ws: usize, global: usize) -> std::ops::Range<usize> {
     let per = global / ws;
@@ -251,12 +261,7 @@ pub fn train(
             let per_micro = rows.len() / micro;
             for mb in 0..micro {
                 let r = rows.start + mb * per_micro..rows.start + (mb + 1) * per_micro;
-                forward_backward(
-                    &mut model,
-                    &x[r.start * IN..r.end * IN],
-                    &t[r.start * OUT..r.end * OUT],
-                    global_batch,
-                )?;
+                forward_backward_rows(&mut model, (&x, &t), r, global_batch)?;
             }
             sgd.step(&mut model)?;
         }

@@ -12,12 +12,13 @@
 //! `torch.from_file(path, size=256, dtype=torch.int32)`.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
 use super::error::TokenDataError;
+use crate::data::partial_file::write_via_partial;
 
 /// The magic number in the first header field.
 pub const TOKEN_FILE_MAGIC: i32 = 20240520;
@@ -61,22 +62,11 @@ pub fn encode_token_file(tokens: &[u16]) -> Result<Vec<u8>, TokenDataError> {
 pub fn write_token_file(path: impl AsRef<Path>, tokens: &[u16]) -> Result<(), TokenDataError> {
     let path = path.as_ref();
     let bytes = encode_token_file(tokens)?;
-    let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
-    let io = |e| TokenDataError::Io {
-        path: partial.clone(),
-        source: e,
-    };
-    let mut writer = BufWriter::new(File::create(&partial).map_err(io)?);
-    writer.write_all(&bytes).map_err(io)?;
-    let file = writer.into_inner().map_err(|e| io(e.into_error()))?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&partial, path).map_err(|e| TokenDataError::Io {
-        path: path.to_path_buf(),
-        source: e,
+    write_via_partial(path, |mut writer| {
+        writer.write_all(&bytes)?;
+        Ok(writer)
     })
+    .map_err(|(path, source)| TokenDataError::Io { path, source })
 }
 
 /// Checks the header of a token file of `file_len` bytes and returns its token count.
