@@ -6,7 +6,7 @@
 mod common;
 
 use common::{
-    cuda_device, first_difference, join_differences, matches_cpu_and_deterministic, nvrtc_test,
+    first_difference, fp8_gpu, join_differences, matches_cpu_and_deterministic, nvrtc_test,
     sm90_ptx,
 };
 use fp8_core::Fp8Format;
@@ -406,17 +406,6 @@ nvrtc_test! {
         assert!(ptx.contains("fma.rn.f32"));
         assert!(!ptx.contains("ex2.approx"), "hardware exp would not match the CPU");
     }
-}
-
-/// CUDA device 0, which must have FP8 instructions.
-fn fp8_gpu() -> Device {
-    let gpu = cuda_device();
-    if let Device::Cuda(c) = &gpu {
-        if let Err(e) = c.require_fp8() {
-            panic!("no FP8 on this GPU: {e}");
-        }
-    }
-    gpu
 }
 
 /// All four kernels on the GPU equal the CPU's bit for bit (the same f32 operations in the same order,
