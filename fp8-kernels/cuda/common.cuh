@@ -293,6 +293,15 @@ __device__ void cast_transpose64(const typename E::T* x, const typename E::T* dy
     }
 }
 
+// The element type's rounding of an f32 (what storing an unfused kernel's output and reloading it does):
+// the fused casts (GELU, SwiGLU) cast this value, so their codes equal the unfused kernel + cast.
+template <class E>
+__device__ __forceinline__ float round_through(float v) {
+    typename E::T tmp[1];
+    E::store(tmp, 0, v);
+    return E::load(tmp, 0);
+}
+
 // The plain cast's value: the input element itself.
 template <class E>
 struct CastValue {

@@ -56,6 +56,37 @@ pub(crate) fn transpose_copy<D: Copy + Send + Sync>(
     });
 }
 
+/// Elements per rayon task of [`cast_values`].
+const CAST_CHUNK: usize = 1 << 14;
+
+/// `out[i] = format.encode(h * scale)` with `h = value(i)` for every `i` of `out`, in parallel chunks;
+/// returns the amax of the values (NaN never raises it, as in the cast family). The fused casts (GELU,
+/// SwiGLU) give `value` the element they cast, already rounded as the unfused kernel stores it.
+pub(crate) fn cast_values(
+    out: &mut [u8],
+    format: fp8_core::Fp8Format,
+    scale: f32,
+    value: impl Fn(usize) -> f32 + Sync,
+) -> f32 {
+    let run = |i0: usize, d: &mut [u8]| {
+        let mut a = 0.0f32;
+        for (k, o) in d.iter_mut().enumerate() {
+            let h = value(i0 + k);
+            a = a.max(h.abs());
+            *o = format.encode(h * scale);
+        }
+        a
+    };
+    if out.len() < CAST_CHUNK {
+        run(0, out)
+    } else {
+        out.par_chunks_mut(CAST_CHUNK)
+            .enumerate()
+            .map(|(c, d)| run(c * CAST_CHUNK, d))
+            .reduce(|| 0.0, f32::max)
+    }
+}
+
 /// The `__shfl_xor_sync` butterfly of `op` over 32 lanes: lane `l` takes `op(lane l, lane l ^ off)` for
 /// off = 16, 8, 4, 2, 1; every lane ends with lane 0's value.
 pub(crate) fn xor_butterfly<V: Copy>(mut p: [V; 32], op: impl Fn(V, V) -> V) -> V {

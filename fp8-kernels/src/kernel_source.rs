@@ -117,6 +117,17 @@ pub const GATHER_ROWS_MODULE: KernelModule = kernel_module!(
     ["cuda/common.cuh", "src/gather_rows/gather_rows.cu"]
 );
 
+/// Rotary position embedding (rotate-half) of the Q and K heads of a fused projection output.
+pub const ROPE_MODULE: KernelModule =
+    kernel_module!("fp8_kernels_rope", ["cuda/common.cuh", "src/rope/rope.cu"]);
+
+/// SwiGLU of a fused gate/up projection output (forward, backward), alone or fused with the FP8 cast +
+/// transpose of its result.
+pub const SWIGLU_CAST_MODULE: KernelModule = kernel_module!(
+    "fp8_kernels_swiglu_cast",
+    ["cuda/common.cuh", "src/swiglu_cast/swiglu_cast.cu"]
+);
+
 /// Every NVRTC program of the crate. A family that adds a `.cu` file registers its module here; the
 /// `nvrtc_compile` test compiles each one and fails on a `.cu` file that no module lists.
 pub const MODULES: &[KernelModule] = &[
@@ -132,6 +143,8 @@ pub const MODULES: &[KernelModule] = &[
     ADAM_MODULE,
     SEGMENTED_MODULE,
     GATHER_ROWS_MODULE,
+    ROPE_MODULE,
+    SWIGLU_CAST_MODULE,
     crate::attention::ATTENTION_MODULE,
     crate::cross_entropy::CROSS_ENTROPY_MODULE,
     crate::embedding::EMBEDDING_MODULE,

@@ -22,6 +22,8 @@
 //! | [`adam`] | the fused Adam/AdamW updates and the device-side step control |
 //! | [`segmented`] | per-segment amax, scale pairs and casts over a table of ranges of one buffer |
 //! | [`gather_rows`] | row gathers from a device-resident table |
+//! | [`swiglu_cast`] | SwiGLU forward/backward of fused gate/up, alone or fused with the FP8 cast + transpose |
+//! | [`rope`] | rotary position embedding (rotate-half, Llama-3 frequency scaling) of fused Q/K/V |
 //!
 //! CUDA is optional at run time: cudarc loads its libraries dynamically, so this crate builds and its
 //! CPU tests run where no CUDA exists, and [`Device::cuda`] returns an error (never panics) there.
@@ -55,9 +57,11 @@ pub mod layer_norm;
 pub mod pool;
 pub mod reduce;
 pub mod rng;
+pub mod rope;
 pub mod scaling;
 pub mod segmented;
 pub mod softmax;
+pub mod swiglu_cast;
 
 pub use adam::{AdamConfig, AdamGrad, LowPrecisionAdamState, WeightDecay};
 pub use attention::{

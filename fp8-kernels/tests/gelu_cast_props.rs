@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{cuda_device, nvrtc_test, sm90_ptx};
+use common::{fp8_gpu, nvrtc_test, sm90_ptx};
 use fp8_core::Fp8Format;
 use fp8_kernels::elementwise::{
     gelu_backward, gelu_forward, gelu_grad_scalar, gelu_scalar, GeluApprox,
@@ -320,17 +320,6 @@ fn near(format: Fp8Format, got: &Outputs, want: &Outputs) -> Result<(), TestCase
         );
     }
     Ok(())
-}
-
-/// CUDA device 0, which must have FP8 instructions.
-fn fp8_gpu() -> Device {
-    let gpu = cuda_device();
-    if let Device::Cuda(c) = &gpu {
-        if let Err(e) = c.require_fp8() {
-            panic!("no FP8 on this GPU: {e}");
-        }
-    }
-    gpu
 }
 
 /// On the GPU the fused kernels equal the unfused GPU kernels bit for bit (same f32 operations, same

@@ -1,16 +1,13 @@
 //! The CPU implementation of the fused GELU casts: the values exactly as the element-wise GELU stores
 //! them, then encoded and transposed as the cast family's cast + transpose does.
 
-use crate::cpu_kernel::transpose_copy;
+use crate::cpu_kernel::{cast_values, transpose_copy};
 use crate::elementwise::{gelu_grad_scalar, gelu_scalar, GeluApprox};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
-use rayon::prelude::*;
 
 /// Side of the square bands of the transpose.
 const TILE: usize = 32;
-/// Elements per rayon task of the element-wise pass.
-const CHUNK: usize = 1 << 14;
 
 /// What is cast: `gelu(u)` or `gelu'(u) * dh`.
 #[derive(Clone, Copy)]
@@ -28,29 +25,14 @@ pub(super) fn values_cast<T: FloatElement>(
     scale: f32,
     out: &mut [u8],
 ) -> f32 {
-    let run = |i0: usize, d: &mut [u8]| {
-        let mut a = 0.0f32;
-        for (k, o) in d.iter_mut().enumerate() {
-            let i = i0 + k;
-            let v = u[i].to_f32();
-            let h = match value {
-                Value::Forward => T::from_f32(gelu_scalar(v, approx)),
-                Value::Backward(dh) => T::from_f32(gelu_grad_scalar(v, approx) * dh[i].to_f32()),
-            }
-            .to_f32();
-            a = a.max(h.abs());
-            *o = format.encode(h * scale);
+    cast_values(out, format, scale, |i| {
+        let v = u[i].to_f32();
+        match value {
+            Value::Forward => T::from_f32(gelu_scalar(v, approx)),
+            Value::Backward(dh) => T::from_f32(gelu_grad_scalar(v, approx) * dh[i].to_f32()),
         }
-        a
-    };
-    if out.len() < CHUNK {
-        run(0, out)
-    } else {
-        out.par_chunks_mut(CHUNK)
-            .enumerate()
-            .map(|(c, d)| run(c * CHUNK, d))
-            .reduce(|| 0.0, f32::max)
-    }
+        .to_f32()
+    })
 }
 
 /// `yt [cols, rows] = y^T` for row-major `y [rows, cols]` bytes, in bands of `TILE` output rows.

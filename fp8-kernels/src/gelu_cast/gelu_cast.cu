@@ -4,14 +4,6 @@
 // element-wise GELU kernels, so the fused kernels equal "GELU kernel (stored in the element type), then
 // cast_transpose" bit for bit.
 
-// The element type's rounding of an f32 (what storing the unfused GELU output and reloading it does).
-template <class E>
-__device__ __forceinline__ float round_through(float v) {
-    typename E::T tmp[1];
-    E::store(tmp, 0, v);
-    return E::load(tmp, 0);
-}
-
 // The values of the vectorised path (cast_transpose64): gelu(x), or gelu'(x) * dy, rounded to the element type.
 template <class E>
 struct GeluValue {

@@ -47,6 +47,17 @@ pub fn cuda_device() -> Device {
     Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"))
 }
 
+/// CUDA device 0, which must have FP8 instructions (the fused FP8 cast tests).
+pub fn fp8_gpu() -> Device {
+    let gpu = cuda_device();
+    if let Device::Cuda(c) = &gpu {
+        if let Err(e) = c.require_fp8() {
+            panic!("no FP8 on this GPU: {e}");
+        }
+    }
+    gpu
+}
+
 /// The first element where `a` and `b` differ, and how many do, as `name[i]: a vs b (n of len differ)`;
 /// `None` when they are equal.
 pub fn first_difference<T: PartialEq + Debug>(name: &str, a: &[T], b: &[T]) -> Option<String> {
