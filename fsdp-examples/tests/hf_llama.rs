@@ -159,33 +159,33 @@ fn rope_scaling_types_other_than_llama3_are_refused_by_name() {
 
 #[test]
 fn configs_this_model_cannot_run_are_refused_naming_the_field() {
+    // (text replaced, its replacement, what the error must say)
     let cases = [
-        (LLAMA31_8B.replace("\"silu\"", "\"gelu\""), "hidden_act"),
+        ("\"silu\"", "\"gelu\"", "hidden_act"),
         (
-            LLAMA31_8B.replace("\"attention_bias\": false", "\"attention_bias\": true"),
+            "\"attention_bias\": false",
+            "\"attention_bias\": true",
             "attention_bias",
         ),
+        ("LlamaForCausalLM", "MistralForCausalLM", "architectures"),
+        ("\"hidden_size\": 4096,", "", "hidden_size is missing"),
         (
-            LLAMA31_8B.replace("LlamaForCausalLM", "MistralForCausalLM"),
-            "architectures",
-        ),
-        (
-            LLAMA31_8B.replace("\"hidden_size\": 4096,", ""),
-            "hidden_size is missing",
-        ),
-        (
-            LLAMA31_8B.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 6"),
+            "\"num_key_value_heads\": 8",
+            "\"num_key_value_heads\": 6",
             "num_key_value_heads 6",
         ),
         (
-            LLAMA31_8B.replace("\"vocab_size\": 128256", "\"vocab_size\": -3"),
+            "\"vocab_size\": 128256",
+            "\"vocab_size\": -3",
             "vocab_size -3",
         ),
         (
-            LLAMA31_8B.replace("\"rope_theta\": 500000.0", "\"rope_theta\": \"big\""),
+            "\"rope_theta\": 500000.0",
+            "\"rope_theta\": \"big\"",
             "rope_theta",
         ),
-    ];
+    ]
+    .map(|(from, to, expected)| (LLAMA31_8B.replace(from, to), expected));
     for (text, expected) in cases {
         assert_ne!(text, LLAMA31_8B, "{expected}: the replacement must apply");
         let err = LlamaHfConfig::from_json_str(&text).unwrap_err().to_string();
