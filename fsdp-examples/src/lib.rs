@@ -7,6 +7,8 @@
 //!   `testdata/`.
 //! - [`mnist`]: the reference MNIST net and its task ([`mnist::MnistTask`]); binary `mnist_fsdp`.
 //! - [`gpt`]: the GPT-2 family language model ([`gpt::Gpt`], presets, FLOPs per token).
+//! - [`hf`]: Hugging Face interop for Llama 3 (`config.json`, the fused-name map, safetensors
+//!   directories, single or sharded).
 //! - [`lm`]: language models on the Trainer ([`lm::LmTask`]: the peer's data, optimizer, schedule and
 //!   validation, sampling); binary `lm_fsdp`.
 //! - [`mlp`]: the MLP-stack benchmark model; binary `mlp_bench`.
@@ -53,6 +55,7 @@
 pub mod data;
 mod error;
 pub mod gpt;
+pub mod hf;
 pub mod lm;
 pub mod mlp;
 pub mod mnist;

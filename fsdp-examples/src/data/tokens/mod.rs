@@ -1,8 +1,9 @@
 //! Token data for language models: llm.c's token files, training and validation windows, GPT-2's
 //! tokenizer, and the Shakespeare corpus of the GPT example.
 //!
-//! - [`file`](mod@file): [`TokenFile::open`] maps a token file and validates its header and every id;
-//!   [`write_token_file`] writes one.
+//! - [`file`](mod@file): [`TokenFile::open`] maps a `u16` token file and validates its header and every
+//!   id; [`TokenFileU32`] does the same for Llama 3's `u32` files (and reads `u16` ones widened);
+//!   [`write_token_file`] and [`write_token_file_u32`] write them.
 //! - [`windows`]: [`TrainWindowSampler`] (seeded random windows per step and rank, resumable from a
 //!   `u64`), [`ValidationWindows`] (every non-overlapping window, in batches), [`unigram_entropy_nats`].
 //! - [`gpt2_bpe`]: [`Gpt2Bpe`], GPT-2's BPE (r50k_base) for encoding the corpus and decoding samples.
@@ -44,9 +45,10 @@ pub mod windows;
 
 pub use error::{TokenDataError, SHAKESPEARE_FETCH_COMMAND};
 pub use file::{
-    encode_token_file, validate_token_header, validate_token_ids, write_token_file, TokenFile,
-    GPT2_END_OF_TEXT, GPT2_VOCAB_SIZE, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC,
-    TOKEN_FILE_VERSION,
+    encode_token_file, encode_token_file_u32, validate_token_header, validate_token_ids,
+    write_token_file, write_token_file_u32, TokenFile, TokenFileOf, TokenFileU32, TokenFormat,
+    TokenHeader, TokenId, GPT2_END_OF_TEXT, GPT2_VOCAB_SIZE, TOKEN_FILE_HEADER_BYTES,
+    TOKEN_FILE_MAGIC, TOKEN_FILE_U32_MAGIC, TOKEN_FILE_U32_VERSION, TOKEN_FILE_VERSION,
 };
 pub use gpt2_bpe::Gpt2Bpe;
 pub use shakespeare::{
