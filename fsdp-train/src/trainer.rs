@@ -1039,6 +1039,9 @@ impl Trainer {
         pos.loss_weight = 0;
         let started = Instant::now();
         let eval = task.evaluate(model, data, env).map_err(TrainError::task)?;
+        // Evaluation batches are larger than training ones: their CPU buffers, kept for reuse across the
+        // evaluation's batches, would otherwise sit idle until the next evaluation.
+        fp8_kernels::device::clear_host_buffer_cache();
         let seconds = train_secs + started.elapsed().as_secs_f64();
         let (correct, total) = eval.correct.unwrap_or((0, 0));
         let mut r = MetricsRecord::new(

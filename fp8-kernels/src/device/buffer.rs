@@ -54,10 +54,11 @@ fn host_free(bytes: usize) {
 
 /// Smallest CPU buffer the host cache keeps: below it the system allocator reuses memory cheaply.
 const HOST_CACHE_MIN_BYTES: usize = 64 << 10;
-/// Largest CPU buffer the host cache keeps.
-const HOST_CACHE_MAX_BYTES: usize = 256 << 20;
-/// Most bytes one thread's host cache holds idle.
-const HOST_CACHE_CAP_BYTES: usize = 512 << 20;
+/// Largest CPU buffer the host cache keeps (an evaluation batch's im2col matrix is hundreds of MiB).
+const HOST_CACHE_MAX_BYTES: usize = 1 << 30;
+/// Most bytes one thread's host cache holds idle. What it holds is bounded by what the thread freed, its
+/// working set; [`clear_host_buffer_cache`] gives it back (the Trainer does after each evaluation).
+const HOST_CACHE_CAP_BYTES: usize = 2 << 30;
 
 /// Freed CPU buffers of one thread by element type and length, reused by the next allocation of that
 /// shape on the same thread.
