@@ -135,28 +135,21 @@ fn run_fused<T: FloatElement>(
     shape: [usize; 2],
     out: SwigluCodes<'_, '_>,
 ) -> Result<(), KernelError> {
-    let n = check_shape(what, shape, gu, dh)?;
-    let (rows, cols) = match dh {
-        Some(_) => (shape[0], 2 * shape[1]),
-        None => (shape[0], shape[1]),
-    };
-    let n = if dh.is_some() { 2 * n } else { n };
-    let SwigluCodes {
-        format,
-        scale,
-        codes,
-        codes_t,
-        amax,
-    } = out;
-    check_len(what, n, codes.len())?;
-    check_len(what, n, codes_t.len())?;
-    check_nonempty(scale, what)?;
-    if let Some(a) = &amax {
+    check_shape(what, shape, gu, dh)?;
+    // The forward casts `h [rows, F]`, the backward `[dgate | dup] [rows, 2F]` (in range: checked above).
+    let (rows, cols) = (shape[0], if dh.is_some() { 2 * shape[1] } else { shape[1] });
+    check_len(what, rows * cols, out.codes.len())?;
+    check_len(what, rows * cols, out.codes_t.len())?;
+    check_nonempty(out.scale, what)?;
+    if let Some(a) = &out.amax {
         a.check(what)?;
     }
-    match device_of(what, &[gu, &dh, scale, codes, codes_t, &amax])? {
+    match device_of(
+        what,
+        &[gu, &dh, out.scale, &*out.codes, &*out.codes_t, &out.amax],
+    )? {
         None => {
-            let s = scale.host(what)?[0];
+            let s = out.scale.host(what)?[0];
             let value = match dh {
                 Some(d) => cpu::Value::Backward(d.host(what)?),
                 None => cpu::Value::Forward,
@@ -165,26 +158,22 @@ fn run_fused<T: FloatElement>(
                 gu.host(what)?,
                 value,
                 shape[1],
-                format,
+                out.format,
                 s,
-                codes.host_mut(what)?,
+                out.codes.host_mut(what)?,
             );
-            cpu::transpose_codes(codes.host(what)?, rows, cols, codes_t.host_mut(what)?);
-            match amax {
+            cpu::transpose_codes(
+                out.codes.host(what)?,
+                rows,
+                cols,
+                out.codes_t.host_mut(what)?,
+            );
+            match out.amax {
                 Some(slot) => slot.accumulate_host(what, a),
                 None => Ok(()),
             }
         }
-        Some(dev) => {
-            let out = SwigluCodes {
-                format,
-                scale,
-                codes,
-                codes_t,
-                amax,
-            };
-            cuda::swiglu_cast(&dev, what, gu, dh, shape, out)
-        }
+        Some(dev) => cuda::swiglu_cast(&dev, what, gu, dh, shape, out),
     }
 }
 
