@@ -53,9 +53,11 @@
 #![warn(missing_docs)]
 
 pub mod data;
+mod decoder;
 mod error;
 pub mod gpt;
 pub mod hf;
+pub mod llama;
 pub mod lm;
 pub mod mlp;
 pub mod mnist;

@@ -1,8 +1,13 @@
-//! [`CausalSelfAttention`]: `attn_proj(attention(c_attn(x)))` with `c_attn: d -> 3d` and
-//! `attn_proj: d -> d` (no biases), the attention causal over each sequence of a `[B, T, d]` input.
+//! [`CausalSelfAttention`]: `attn_proj(attention(rope(c_attn(x))))` with `c_attn: d -> (H + 2 KV) hd`
+//! and `attn_proj: H hd -> d` (no biases), the attention causal over each sequence of a `[B, T, d]`
+//! input. GPT-2 has `KV = H` and no RoPE; Llama 3 has grouped-query attention (`KV < H`, query head `h`
+//! reading key/value head `h / (H / KV)`) and rotary positions ([`CausalSelfAttention::with_rope`]).
 //!
-//! `c_attn` writes `qkv [B, T, 3, H, hd]` (its `[B*T, 3d]` output as is), the layout the flash-attention
-//! kernels read (`fp8_kernels::attention`): no transpose around them. The attention runs in BF16 with F32
+//! `c_attn` writes `qkv [B, T, (H + 2 KV) hd]` (per token the query heads, then the key heads, then the
+//! value heads; for `KV = H` GPT-2's `[B, T, 3, H, hd]`), the layout the flash-attention kernels read
+//! (`fp8_kernels::attention`): no transpose around them. With RoPE one pass
+//! (`fp8_kernels::rope::rope_forward`) writes the rotated copy the attention reads and keeps; the
+//! backward rotates dQ and dK back in one pass before `c_attn`'s backward. The attention runs in BF16 with F32
 //! accumulation; the forward keeps `qkv`, the output and the per-row log-sum-exp for the backward, which
 //! is deterministic by default ([`AttentionConfig`]). With `f32` activations on the CPU the attention is
 //! the F32 reference (`fp8_kernels::attention::cpu`) with no BF16 rounding, so finite differences check
@@ -25,25 +30,34 @@ use crate::{Linear, LinearPrecision, NnError, Shape, Tensor, WeightInit};
 use fp8_kernels::attention::{
     attention_backward, attention_forward, cpu, AttentionConfig, AttentionShape, AttentionWorkspace,
 };
-use fp8_kernels::{convert, Buffer, DType};
+use fp8_kernels::rope::{rope_backward, rope_forward, RopeShape, RopeSpec, RopeTable};
+use fp8_kernels::{convert, Buffer, DType, Device};
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 use half::bf16;
 
-/// The keys and values of the positions decoded so far, for one sequence: `[len, heads, head_dim]` each,
-/// f32 in host memory (values as the layer's `qkv` held them, so BF16 activations are BF16-exact).
+/// The keys and values of the positions decoded so far, for one sequence: `[len, kv_heads, head_dim]`
+/// each, f32 in host memory (values as the layer's rotated `qkv` held them, so BF16 activations are
+/// BF16-exact).
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     heads: usize,
+    kv_heads: usize,
     head_dim: usize,
     k: Vec<f32>,
     v: Vec<f32>,
 }
 
 impl KvCache {
-    /// An empty cache for `heads` heads of `head_dim`.
+    /// An empty cache for `heads` heads of `head_dim` (multi-head attention: as many key/value heads).
     pub fn new(heads: usize, head_dim: usize) -> Self {
+        Self::grouped(heads, heads, head_dim)
+    }
+
+    /// An empty cache for `heads` query heads over `kv_heads` key/value heads of `head_dim`.
+    pub fn grouped(heads: usize, kv_heads: usize, head_dim: usize) -> Self {
         KvCache {
             heads,
+            kv_heads,
             head_dim,
             k: Vec::new(),
             v: Vec::new(),
@@ -52,7 +66,7 @@ impl KvCache {
 
     /// Positions held.
     pub fn len(&self) -> usize {
-        self.k.len() / (self.heads * self.head_dim).max(1)
+        self.k.len() / (self.kv_heads * self.head_dim).max(1)
     }
 
     /// Whether no position is held.
@@ -66,21 +80,23 @@ impl KvCache {
         self.v.clear();
     }
 
-    /// Appends the keys and values of `qkv` (one position, `[3, heads, head_dim]`) and returns the
-    /// attention output of its query over every position held (`[heads, head_dim]`), softmax scale
+    /// Appends the keys and values of `qkv` (one position, `[heads + 2 kv_heads, head_dim]`) and returns
+    /// the attention output of its query over every position held (`[heads, head_dim]`), softmax scale
     /// `scale`, in f32 (each row's softmax from its max, as the CPU reference computes it).
     fn step(&mut self, qkv: &[f32], scale: f32) -> Vec<f32> {
-        let (h, hd) = (self.heads, self.head_dim);
-        let d = h * hd;
-        self.k.extend_from_slice(&qkv[d..2 * d]);
-        self.v.extend_from_slice(&qkv[2 * d..3 * d]);
+        let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let (q_w, kv_w) = (h * hd, kvh * hd);
+        self.k.extend_from_slice(&qkv[q_w..q_w + kv_w]);
+        self.v.extend_from_slice(&qkv[q_w + kv_w..q_w + 2 * kv_w]);
         let len = self.len();
-        let mut out = vec![0f32; d];
+        let group = h / kvh.max(1);
+        let mut out = vec![0f32; q_w];
         let mut p = vec![0f32; len];
         for head in 0..h {
+            let kv = head / group.max(1);
             let q = &qkv[head * hd..(head + 1) * hd];
             for (j, pj) in p.iter_mut().enumerate() {
-                let k = &self.k[(j * h + head) * hd..(j * h + head + 1) * hd];
+                let k = &self.k[(j * kvh + kv) * hd..(j * kvh + kv + 1) * hd];
                 *pj = q.iter().zip(k).fold(0f32, |s, (a, b)| s + a * b) * scale;
             }
             let m = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -91,7 +107,7 @@ impl KvCache {
             }
             let o = &mut out[head * hd..(head + 1) * hd];
             for (j, &pj) in p.iter().enumerate() {
-                let v = &self.v[(j * h + head) * hd..(j * h + head + 1) * hd];
+                let v = &self.v[(j * kvh + kv) * hd..(j * kvh + kv + 1) * hd];
                 for (oc, &vc) in o.iter_mut().zip(v) {
                     *oc += pj / l * vc;
                 }
@@ -99,6 +115,18 @@ impl KvCache {
         }
         out
     }
+}
+
+/// Rotary positions of a [`CausalSelfAttention`]: Hugging Face's rotate-half RoPE with base `theta`
+/// (Llama 3: 500000) and optionally Llama 3.1's frequency scaling, for positions below `max_positions`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    /// The frequencies' base (`rope_theta`).
+    pub theta: f64,
+    /// Llama 3.1's rewrite of the frequencies (`rope_scaling` of type `llama3`).
+    pub scaling: Option<fp8_kernels::rope::Llama3RopeScaling>,
+    /// Positions the tables cover (the longest sequence, or prompt plus generated tokens).
+    pub max_positions: usize,
 }
 
 /// What the forward keeps for the backward.
@@ -114,14 +142,20 @@ enum Saved {
     F32 { qkv: Buffer<f32> },
 }
 
-/// Causal multi-head self-attention with `heads` heads of `d / heads` features; parameters
-/// `c_attn.weight [3d, d]` and `attn_proj.weight [d, d]` under the module's path.
+/// Causal self-attention with `heads` query heads of `d / heads` features over `kv_heads` key/value
+/// heads; parameters `c_attn.weight [(H + 2 KV) hd, d]` and `attn_proj.weight [d, d]` under the module's
+/// path (names chosen by [`CausalSelfAttention::with_names`]).
 #[derive(Debug)]
 pub struct CausalSelfAttention<T: Activation = f32> {
     d: usize,
     heads: usize,
+    kv_heads: usize,
     c_attn: Linear<T>,
     attn_proj: Linear<T>,
+    names: [String; 2],
+    rope: Option<Rope>,
+    /// The tables of `rope`, built on the first pass on the device it runs on.
+    rope_table: Option<RopeTable>,
     config: AttentionConfig,
     workspace: AttentionWorkspace,
     saved: Option<(AttentionShape, Saved)>,
@@ -132,21 +166,43 @@ impl<T: Activation> CausalSelfAttention<T> {
     /// (see [`crate::convert_to_fp8`]), weights initialised `N(0, std^2)` (`c_attn`) and
     /// `N(0, proj_std^2)` (`attn_proj`) from their own seeds.
     pub fn new(d: usize, heads: usize, stds: [f64; 2]) -> Result<Self, NnError> {
+        Self::grouped(d, heads, heads, stds)
+    }
+
+    /// Grouped-query attention: `heads` query heads over `kv_heads` key/value heads (`kv_heads` divides
+    /// `heads`; `kv_heads == heads` is [`CausalSelfAttention::new`]).
+    pub fn grouped(
+        d: usize,
+        heads: usize,
+        kv_heads: usize,
+        stds: [f64; 2],
+    ) -> Result<Self, NnError> {
         if heads == 0 || d % heads != 0 {
             return Err(NnError::usage(
                 "CausalSelfAttention",
                 format!("{d} features do not split into {heads} heads"),
             ));
         }
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(NnError::usage(
+                "CausalSelfAttention",
+                format!("{kv_heads} key/value heads do not divide {heads} query heads"),
+            ));
+        }
+        let hd = d / heads;
         Ok(CausalSelfAttention {
             d,
             heads,
-            c_attn: Linear::new(d, 3 * d)?
+            kv_heads,
+            c_attn: Linear::new(d, (heads + 2 * kv_heads) * hd)?
                 .without_bias()
                 .with_init(WeightInit::Normal(stds[0])),
             attn_proj: Linear::new(d, d)?
                 .without_bias()
                 .with_init(WeightInit::Normal(stds[1])),
+            names: ["c_attn".into(), "attn_proj".into()],
+            rope: None,
+            rope_table: None,
             config: AttentionConfig::default(),
             workspace: AttentionWorkspace::new(),
             saved: None,
@@ -174,9 +230,97 @@ impl<T: Activation> CausalSelfAttention<T> {
         self
     }
 
-    /// Heads.
+    /// With rotary positions applied to the queries and keys (checked: an even head dim, a finite
+    /// positive base, a valid scaling).
+    pub fn with_rope(mut self, rope: Rope) -> Result<Self, NnError> {
+        RopeTable::host_tables(RopeSpec {
+            max_positions: 1,
+            ..self.rope_spec(rope)
+        })?;
+        if rope.max_positions == 0 {
+            return Err(NnError::usage(
+                "CausalSelfAttention",
+                "RoPE tables of 0 positions",
+            ));
+        }
+        self.rope = Some(rope);
+        self.rope_table = None;
+        Ok(self)
+    }
+
+    /// The two linears' names (default `c_attn`, `attn_proj`; Llama: `qkv_proj`, `o_proj`).
+    pub fn with_names(mut self, qkv: &str, out: &str) -> Self {
+        self.names = [qkv.to_string(), out.to_string()];
+        self
+    }
+
+    /// Query heads.
     pub fn heads(&self) -> usize {
         self.heads
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// The rotary positions, if any.
+    pub fn rope(&self) -> Option<Rope> {
+        self.rope
+    }
+
+    fn rope_spec(&self, rope: Rope) -> RopeSpec {
+        RopeSpec {
+            max_positions: rope.max_positions,
+            head_dim: self.d / self.heads,
+            theta: rope.theta,
+            scaling: rope.scaling,
+        }
+    }
+
+    /// `qkv` with the queries and keys rotated for positions `start_pos ..` (a new buffer), or `qkv`
+    /// itself without RoPE.
+    fn rotate(
+        &mut self,
+        device: &Device,
+        qkv: Tensor<T>,
+        batch: usize,
+        seq: usize,
+        start_pos: usize,
+    ) -> Result<Tensor<T>, NnError> {
+        let rope_shape = self.rope_shape(batch, seq, start_pos);
+        let Some(table) = self.table(device)? else {
+            return Ok(qkv);
+        };
+        let mut out = Tensor::<T>::uninit(device, qkv.shape())?;
+        rope_forward(table, qkv.data(), out.data_mut(), rope_shape)?;
+        Ok(out)
+    }
+
+    fn rope_shape(&self, batch: usize, seq: usize, start_pos: usize) -> RopeShape {
+        RopeShape {
+            batch,
+            seq,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            start_pos,
+        }
+    }
+
+    /// The RoPE tables on `device` (built on first use, rebuilt if the layer moved), `None` without RoPE.
+    fn table(&mut self, device: &Device) -> Result<Option<&RopeTable>, NnError> {
+        let Some(rope) = self.rope else {
+            return Ok(None);
+        };
+        if self
+            .rope_table
+            .as_ref()
+            .is_none_or(|t| t.device() != *device)
+        {
+            self.rope_table = None;
+            self.rope_table = Some(RopeTable::new(device, self.rope_spec(rope))?);
+        }
+        Ok(self.rope_table.as_ref())
     }
 
     /// Features per head.
@@ -208,9 +352,13 @@ impl<T: Activation> CausalSelfAttention<T> {
 
     fn shape_of(&self, x: Shape) -> Result<AttentionShape, NnError> {
         match x.dims() {
-            &[b, t, d] if d == self.d => {
-                Ok(AttentionShape::new(b, self.heads, t, self.d / self.heads))
-            }
+            &[b, t, d] if d == self.d => Ok(AttentionShape::gqa(
+                b,
+                self.heads,
+                self.kv_heads,
+                t,
+                self.d / self.heads,
+            )),
             _ => Err(NnError::usage(
                 "CausalSelfAttention",
                 format!("expects an input [batch, seq, {}], got {x:?}", self.d),
@@ -228,6 +376,7 @@ impl<T: Activation> CausalSelfAttention<T> {
     ) -> Result<Tensor<T>, NnError> {
         let shape = self.shape_of(x.shape())?;
         let qkv = norm.forward_linear(ctx, x, &mut self.c_attn)?;
+        let qkv = self.rotate(&ctx.device().clone(), qkv, shape.batch, shape.seq_len, 0)?;
         self.forward_qkv(ctx, shape, qkv)
     }
 
@@ -252,16 +401,17 @@ impl<T: Activation> CausalSelfAttention<T> {
             ));
         }
         let hd = self.d / self.heads;
-        if cache.heads != self.heads || cache.head_dim != hd {
+        if cache.heads != self.heads || cache.kv_heads != self.kv_heads || cache.head_dim != hd {
             return Err(NnError::usage(
                 WHAT,
                 format!(
-                    "a cache of {} heads of {}, the layer has {} of {hd}",
-                    cache.heads, cache.head_dim, self.heads
+                    "a cache of {} heads over {} key/value heads of {}, the layer has {} over {} of {hd}",
+                    cache.heads, cache.kv_heads, cache.head_dim, self.heads, self.kv_heads
                 ),
             ));
         }
         let qkv = norm.forward_linear(ctx, x, &mut self.c_attn)?;
+        let qkv = self.rotate(&ctx.device().clone(), qkv, 1, 1, cache.len())?;
         let host: Vec<f32> = qkv.data().to_vec()?.iter().map(|v| v.to_f32()).collect();
         let out = cache.step(&host, self.config.scale_for(hd));
         let out: Vec<T> = out.into_iter().map(T::from_f32).collect();
@@ -356,7 +506,7 @@ impl<T: Activation> CausalSelfAttention<T> {
             .backward_ref(ctx, dy, true)?
             .ok_or_else(|| NnError::usage("CausalSelfAttention", "no gradient from attn_proj"))?;
         let dev = ctx.device().clone();
-        let qkv_shape = d_out.shape().with_last(3 * self.d)?;
+        let qkv_shape = d_out.shape().with_last(shape.qkv_width())?;
         let d_qkv = match saved {
             Saved::F32 { qkv } => {
                 const WHAT: &str = "CausalSelfAttention";
@@ -391,6 +541,15 @@ impl<T: Activation> CausalSelfAttention<T> {
                 Tensor::new(buffer_converted(d_qkv16)?, qkv_shape)?
             }
         };
+        let rope_shape = self.rope_shape(shape.batch, shape.seq_len, 0);
+        let d_qkv = match self.table(&dev)? {
+            Some(table) => {
+                let mut d = Tensor::<T>::uninit(&dev, qkv_shape)?;
+                rope_backward(table, d_qkv.data(), d.data_mut(), rope_shape)?;
+                d
+            }
+            None => d_qkv,
+        };
         self.c_attn.backward_ref(ctx, &d_qkv, need_dx)
     }
 
@@ -404,8 +563,8 @@ impl<T: Activation> CausalSelfAttention<T> {
 
 impl<T: Activation> Module for CausalSelfAttention<T> {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
-        v.child("c_attn", &mut self.c_attn)?;
-        v.child("attn_proj", &mut self.attn_proj)
+        v.child(&self.names[0], &mut self.c_attn)?;
+        v.child(&self.names[1], &mut self.attn_proj)
     }
 }
 
@@ -414,6 +573,7 @@ impl<T: Activation> Layer<T> for CausalSelfAttention<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         let shape = self.shape_of(x.shape())?;
         let qkv = self.c_attn.forward(ctx, x)?;
+        let qkv = self.rotate(&ctx.device().clone(), qkv, shape.batch, shape.seq_len, 0)?;
         self.forward_qkv(ctx, shape, qkv)
     }
 

@@ -1,8 +1,13 @@
-//! [`TransformerBlock`]: the pre-norm GPT-2 block `x1 = x + attn(ln_1(x))`, `y = x1 + mlp(ln_2(x1))`.
+//! [`TransformerBlock`]: the pre-norm block `x1 = x + attn(ln_1(x))`, `y = x1 + mlp(ln_2(x1))` of GPT-2
+//! ([`BlockConfig::gpt2`]: LayerNorm, multi-head attention, GELU MLP) and Llama 3
+//! ([`BlockConfig::llama`]: RMSNorm, grouped-query attention with RoPE, SwiGLU MLP).
 //!
-//! Its parameters sit flat under the block's path, as nanoGPT's `Block` names them (`ln_1.weight`,
-//! `c_attn.weight`, `attn_proj.weight`, `ln_2.weight`, `c_fc.weight`, `mlp_proj.weight`): the attention and
-//! the MLP are visited without a path component of their own.
+//! Parameter names ([`BlockNames`]): GPT-2's sit flat under the block's path, as nanoGPT's `Block` names
+//! them (`ln_1.weight`, `c_attn.weight`, `attn_proj.weight`, `ln_2.weight`, `c_fc.weight`,
+//! `mlp_proj.weight`: the attention and the MLP are visited without a path component of their own);
+//! Llama's are Hugging Face's with the projections fused (`input_layernorm.weight`,
+//! `self_attn.qkv_proj.weight`, `self_attn.o_proj.weight`, `post_attention_layernorm.weight`,
+//! `mlp.gate_up_proj.weight`, `mlp.down_proj.weight`).
 //!
 //! Each norm feeds the linear after it: when that linear is FP8 the norm writes its E4M3 input directly
 //! ([`Norm::forward_linear`]). The block keeps its input `x` and `x1` for the norms' backward (the
@@ -10,26 +15,80 @@
 //! backward adds each norm's input gradient into the residual gradient in place (one rounding per add),
 //! so the block's `dx` is the output gradient plus both branches' contributions without extra buffers.
 
-use crate::attention::{CausalSelfAttention, KvCache};
+use crate::attention::{CausalSelfAttention, KvCache, Rope};
 use crate::layer::{Activation, InputGrad, Layer};
 use crate::norm::Norm;
-use crate::{Mlp, NnError, Tensor, WeightInit};
+use crate::{Mlp, MlpActivation, NnError, Tensor, WeightInit};
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::elementwise as ops;
 use fp8_kernels::layer_norm::NormKind;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+
+/// The names of a [`TransformerBlock`]'s parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockNames {
+    /// The first norm (`ln_1`; Llama: `input_layernorm`).
+    pub norm_1: String,
+    /// The second norm (`ln_2`; Llama: `post_attention_layernorm`).
+    pub norm_2: String,
+    /// The attention's path component (`None`: its linears sit directly under the block; Llama:
+    /// `self_attn`).
+    pub attention: Option<String>,
+    /// The attention's two linears (`c_attn`, `attn_proj`; Llama: `qkv_proj`, `o_proj`).
+    pub attention_linears: [String; 2],
+    /// The MLP's path component (`None` for GPT-2; Llama: `mlp`).
+    pub mlp: Option<String>,
+    /// The MLP's two linears (`c_fc`, `mlp_proj`; Llama: `gate_up_proj`, `down_proj`).
+    pub mlp_linears: [String; 2],
+}
+
+impl BlockNames {
+    /// nanoGPT's names.
+    pub fn gpt2() -> Self {
+        BlockNames {
+            norm_1: "ln_1".into(),
+            norm_2: "ln_2".into(),
+            attention: None,
+            attention_linears: ["c_attn".into(), "attn_proj".into()],
+            mlp: None,
+            mlp_linears: ["c_fc".into(), "mlp_proj".into()],
+        }
+    }
+
+    /// Hugging Face `LlamaDecoderLayer`'s names, with the fused projections.
+    pub fn llama() -> Self {
+        BlockNames {
+            norm_1: "input_layernorm".into(),
+            norm_2: "post_attention_layernorm".into(),
+            attention: Some("self_attn".into()),
+            attention_linears: ["qkv_proj".into(), "o_proj".into()],
+            mlp: Some("mlp".into()),
+            mlp_linears: ["gate_up_proj".into(), "down_proj".into()],
+        }
+    }
+}
 
 /// How a [`TransformerBlock`] is built.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockConfig {
     /// Model width.
     pub d: usize,
-    /// Attention heads (`d / heads` features each).
+    /// Attention (query) heads (`d / heads` features each).
     pub heads: usize,
+    /// Key/value heads (dividing `heads`; `heads` for multi-head attention).
+    pub kv_heads: usize,
     /// MLP hidden width (GPT-2: `4 d`).
     pub hidden: usize,
+    /// The MLP's nonlinearity.
+    pub activation: MlpActivation,
+    /// Rotary positions in the attention (Llama), or none (GPT-2's learned position table).
+    pub rope: Option<Rope>,
+    /// The parts' names.
+    pub names: BlockNames,
     /// LayerNorm or RMSNorm.
     pub norm: NormKind,
+    /// The norms' epsilon (1e-5, PyTorch's and Llama 3's).
+    pub norm_eps: f32,
     /// Initial standard deviation of `c_attn` and `c_fc` (GPT-2: 0.02).
     pub init_std: f64,
     /// Initial standard deviation of `attn_proj` and `mlp_proj` (GPT-2: `0.02 / sqrt(2 L)`).
@@ -50,8 +109,13 @@ impl BlockConfig {
         BlockConfig {
             d,
             heads,
+            kv_heads: heads,
             hidden: 4 * d,
+            activation: MlpActivation::Gelu,
+            rope: None,
+            names: BlockNames::gpt2(),
             norm: NormKind::LayerNorm,
+            norm_eps: fp8_kernels::layer_norm::DEFAULT_EPS,
             init_std: 0.02,
             proj_std: 0.02 / (2.0 * layers.max(1) as f64).sqrt(),
             seed: None,
@@ -59,11 +123,34 @@ impl BlockConfig {
             fuse_norm_fp8: true,
         }
     }
+
+    /// A Llama 3 decoder layer of width `d`, `heads` query heads over `kv_heads` key/value heads, a
+    /// SwiGLU MLP of `hidden` (`intermediate_size`), RMSNorm, and `rope`, for a model of `layers` layers
+    /// (the peer's init: 0.02, and `0.02 / sqrt(2 L)` for `o_proj` and `down_proj`).
+    pub fn llama(
+        d: usize,
+        heads: usize,
+        kv_heads: usize,
+        hidden: usize,
+        layers: usize,
+        rope: Rope,
+    ) -> Self {
+        BlockConfig {
+            kv_heads,
+            hidden,
+            activation: MlpActivation::SwiGlu,
+            rope: Some(rope),
+            names: BlockNames::llama(),
+            norm: NormKind::RmsNorm,
+            ..Self::gpt2(d, heads, layers)
+        }
+    }
 }
 
 /// The pre-norm transformer block (see the module docs).
 #[derive(Debug)]
 pub struct TransformerBlock<T: Activation = f32> {
+    names: BlockNames,
     ln_1: Norm<T>,
     attn: CausalSelfAttention<T>,
     ln_2: Norm<T>,
@@ -79,12 +166,20 @@ impl<T: Activation> TransformerBlock<T> {
     pub fn new(config: &BlockConfig) -> Result<Self, NnError> {
         let c = config;
         let norm = |kind| -> Result<Norm<T>, NnError> {
-            Ok(Norm::of_kind(kind, c.d)?.fused_fp8(c.fuse_norm_fp8))
+            Ok(Norm::of_kind(kind, c.d)?
+                .with_eps(c.norm_eps)
+                .fused_fp8(c.fuse_norm_fp8))
         };
-        let mut attn = CausalSelfAttention::new(c.d, c.heads, [c.init_std, c.proj_std])?
-            .with_config(c.attention);
-        let mut mlp = Mlp::new(c.d, c.hidden)?
-            .with_names("c_fc", "mlp_proj")
+        let n = &c.names;
+        let mut attn =
+            CausalSelfAttention::grouped(c.d, c.heads, c.kv_heads, [c.init_std, c.proj_std])?
+                .with_config(c.attention)
+                .with_names(&n.attention_linears[0], &n.attention_linears[1]);
+        if let Some(rope) = c.rope {
+            attn = attn.with_rope(rope)?;
+        }
+        let mut mlp = Mlp::with_activation(c.d, c.hidden, c.activation)?
+            .with_names(&n.mlp_linears[0], &n.mlp_linears[1])
             .with_init(
                 WeightInit::Normal(c.init_std),
                 WeightInit::Normal(c.proj_std),
@@ -95,6 +190,7 @@ impl<T: Activation> TransformerBlock<T> {
             mlp = mlp.with_seed(seed(2));
         }
         Ok(TransformerBlock {
+            names: c.names.clone(),
             ln_1: norm(c.norm)?,
             attn,
             ln_2: norm(c.norm)?,
@@ -141,11 +237,18 @@ impl<T: Activation> TransformerBlock<T> {
 
 impl<T: Activation> Module for TransformerBlock<T> {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
-        // nanoGPT's order and names: ln_1, c_attn, attn_proj, ln_2, c_fc, mlp_proj.
-        v.child("ln_1", &mut self.ln_1)?;
-        self.attn.visit(v)?;
-        v.child("ln_2", &mut self.ln_2)?;
-        self.mlp.visit(v)
+        // The forward's order: norm, attention, norm, MLP (nanoGPT's and Hugging Face's).
+        let n = &self.names;
+        v.child(&n.norm_1, &mut self.ln_1)?;
+        match &n.attention {
+            Some(path) => v.child(path, &mut self.attn)?,
+            None => self.attn.visit(v)?,
+        }
+        v.child(&n.norm_2, &mut self.ln_2)?;
+        match &n.mlp {
+            Some(path) => v.child(path, &mut self.mlp),
+            None => self.mlp.visit(v),
+        }
     }
 }
 

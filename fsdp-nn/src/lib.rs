@@ -64,8 +64,8 @@ mod tensor;
 mod tokens;
 
 pub use activation::{Gelu, Relu};
-pub use attention::{CausalSelfAttention, KvCache};
-pub use block::{BlockConfig, TransformerBlock};
+pub use attention::{CausalSelfAttention, KvCache, Rope};
+pub use block::{BlockConfig, BlockNames, TransformerBlock};
 pub use conv::Conv2d;
 pub use convert::{
     convert_to_fp8, fp8_auto_ratio, linear_precisions, set_linear_precision, Fp8Filter, LinearInfo,
@@ -79,7 +79,7 @@ pub use layer::{Activation, InputGrad, Layer, Recompute, Sequential};
 pub use linear::{Fp8Saved, Linear, LinearPrecision, WeightInit};
 pub use lm_head::{LmHead, LossStats, DEFAULT_HEAD_CHUNK};
 pub use loss::LogSoftmaxNll;
-pub use mlp::{Mlp, MlpBlock};
+pub use mlp::{Mlp, MlpActivation, MlpBlock};
 pub use norm::Norm;
 pub use pool::MaxPool2d;
 pub use tensor::{Shape, Tensor, MAX_RANK};

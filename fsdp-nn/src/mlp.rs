@@ -1,5 +1,10 @@
-//! The transformer MLP `Linear(d -> 4d) -> GELU -> Linear(4d -> d)` without biases ([`Mlp`]), and the
-//! residual block `x + Mlp(x)` ([`MlpBlock`]).
+//! The transformer MLP `Linear(d -> 4d) -> GELU -> Linear(4d -> d)` without biases ([`Mlp`]), its
+//! SwiGLU variant (Llama's `down(silu(gate(x)) * up(x))`, the gate and up projections fused into one
+//! `d -> 2 hidden` linear, [`MlpActivation::SwiGlu`]), and the residual block `x + Mlp(x)` ([`MlpBlock`]).
+//!
+//! SwiGLU in FP8 is fused the same way as the GELU (`fp8_kernels::swiglu_cast`): the forward writes the
+//! down linear's E4M3 input from `[gate | up]`, the backward the fused linear's E5M2 output gradient
+//! `[dgate | dup]` from `[gate | up]` and the down linear's input gradient.
 //!
 //! In FP8 the GELU is fused with the FP8 casts around it (`fp8_kernels::fused`): the forward writes the
 //! down linear's E4M3 input codes (and their transpose) straight from the pre-activation `u`, and the
@@ -16,12 +21,28 @@ use crate::linear::{Linear, LinearPrecision, WeightInit};
 use crate::{NnError, Tensor};
 use fp8_kernels::elementwise::{self, GeluApprox};
 use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
+use fp8_kernels::swiglu_cast::{
+    swiglu_backward, swiglu_backward_cast_fp8, swiglu_cast_fp8, swiglu_forward, SwigluCodes,
+};
+use fp8_kernels::Buffer;
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
+
+/// The MLP's nonlinearity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MlpActivation {
+    /// `down(gelu(up(x)))` (GPT-2; the erf GELU), `up: d -> hidden`.
+    #[default]
+    Gelu,
+    /// `down(silu(gate) * up)` with `[gate | up] = gate_up(x)`, `gate_up: d -> 2 hidden` (Llama).
+    SwiGlu,
+}
 
 /// `down(gelu(up(x)))`, `up: d -> hidden`, `down: hidden -> d`, no biases; parameters `c_fc.weight` and
 /// `c_proj.weight` under the module's path (names chosen by [`Mlp::with_names`]).
 #[derive(Debug)]
 pub struct Mlp<T: Activation = f32> {
+    activation: MlpActivation,
+    hidden: usize,
     up: Linear<T>,
     down: Linear<T>,
     names: [String; 2],
@@ -39,10 +60,31 @@ impl<T: Activation> Mlp<T> {
     /// in FP8 the GELU is fused with the casts and recomputed by default), weights initialised by
     /// PyTorch's default (unless [`Mlp::with_init`]) from their own seeds.
     pub fn new(d: usize, hidden: usize) -> Result<Self, NnError> {
+        Self::with_activation(d, hidden, MlpActivation::Gelu)
+    }
+
+    /// An MLP `d -> hidden -> d` with `activation` (SwiGLU: the fused gate/up linear is `d -> 2 hidden`,
+    /// default names `gate_up_proj` and `down_proj`).
+    pub fn with_activation(
+        d: usize,
+        hidden: usize,
+        activation: MlpActivation,
+    ) -> Result<Self, NnError> {
+        let (up_out, names) = match activation {
+            MlpActivation::Gelu => (hidden, ["c_fc", "c_proj"]),
+            MlpActivation::SwiGlu => (
+                hidden
+                    .checked_mul(2)
+                    .ok_or_else(|| NnError::usage("Mlp", "hidden width overflows"))?,
+                ["gate_up_proj", "down_proj"],
+            ),
+        };
         Ok(Mlp {
-            up: Linear::new(d, hidden)?.without_bias(),
+            activation,
+            hidden,
+            up: Linear::new(d, up_out)?.without_bias(),
             down: Linear::new(hidden, d)?.without_bias(),
-            names: ["c_fc".into(), "c_proj".into()],
+            names: names.map(String::from),
             gelu: Gelu::with_approx(GeluApprox::Erf),
             fuse_gelu: true,
             recompute_gelu: true,
@@ -71,7 +113,12 @@ impl<T: Activation> Mlp<T> {
         self
     }
 
-    /// The two linears' names (default `c_fc`, `c_proj`).
+    /// The nonlinearity.
+    pub fn activation(&self) -> MlpActivation {
+        self.activation
+    }
+
+    /// The two linears' names (default `c_fc`, `c_proj`; SwiGLU `gate_up_proj`, `down_proj`).
     pub fn with_names(mut self, up: &str, down: &str) -> Self {
         self.names = [up.to_string(), down.to_string()];
         self
@@ -144,23 +191,45 @@ impl<T: Activation> Mlp<T> {
         let hidden = self.down.in_features();
         let mut x_q = dev.uninit::<u8>(tokens * hidden)?;
         let meta = self.down.input_meta();
+        let activation = self.activation;
         let saved = self.down.fp8_input(&dev, tokens)?;
         let s = ctx.scaling(meta)?;
-        gelu_cast_fp8(
-            u.data(),
-            [tokens, hidden],
-            GeluApprox::Erf,
-            s.state.format()?,
-            s.state.scale(),
-            &mut x_q,
-            &mut saved.x_t,
-            s.amax,
-        )?;
+        match activation {
+            MlpActivation::Gelu => gelu_cast_fp8(
+                u.data(),
+                [tokens, hidden],
+                GeluApprox::Erf,
+                s.state.format()?,
+                s.state.scale(),
+                &mut x_q,
+                &mut saved.x_t,
+                s.amax,
+            )?,
+            MlpActivation::SwiGlu => swiglu_cast_fp8(
+                u.data(),
+                [tokens, hidden],
+                SwigluCodes {
+                    format: s.state.format()?,
+                    scale: s.state.scale(),
+                    codes: &mut x_q,
+                    codes_t: &mut saved.x_t,
+                    amax: s.amax,
+                },
+            )?,
+        }
         saved.x_scale_inv.copy_from(s.state.scale_inv())?;
         Ok(x_q)
     }
 
-    /// The branch `down(gelu(up(x)))` from a borrowed `x`.
+    /// `silu(gate) * up` from `u = [gate | up]`, in the activation type.
+    fn swiglu(&self, ctx: &Ctx<'_>, u: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let tokens = u.shape().rows();
+        let mut h = Tensor::<T>::uninit(ctx.device(), u.shape().with_last(self.hidden)?)?;
+        swiglu_forward(u.data(), [tokens, self.hidden], h.data_mut())?;
+        Ok(h)
+    }
+
+    /// The branch `down(act(up(x)))` from a borrowed `x`.
     pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
         let u = self.up.forward_ref(ctx, x)?;
         self.forward_after_up(ctx, u)
@@ -181,6 +250,15 @@ impl<T: Activation> Mlp<T> {
                 self.down.drop_saved();
             }
             y
+        } else if self.activation == MlpActivation::SwiGlu {
+            let h = self.swiglu(ctx, &u)?;
+            let y = self.down.forward(ctx, h)?;
+            if !ctx.is_training() {
+                self.down.drop_saved();
+                self.up.drop_saved();
+            }
+            self.u = ctx.is_training().then_some(u);
+            return Ok(y);
         } else {
             // The GELU keeps its input (u) for the backward itself.
             let a = self.gelu.forward(ctx, u)?;
@@ -208,7 +286,20 @@ impl<T: Activation> Mlp<T> {
         if !self.is_fused() {
             let dy_copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
             let da = self.down.backward(ctx, dy_copy)?;
-            let du = self.gelu.backward(ctx, da)?;
+            let du = match self.activation {
+                MlpActivation::Gelu => self.gelu.backward(ctx, da)?,
+                MlpActivation::SwiGlu => {
+                    let u = take_saved(&mut self.u, "Mlp")?;
+                    let mut du = Tensor::<T>::uninit(ctx.device(), u.shape())?;
+                    swiglu_backward(
+                        u.data(),
+                        da.data(),
+                        [u.shape().rows(), self.hidden],
+                        du.data_mut(),
+                    )?;
+                    du
+                }
+            };
             return self.up.backward_step(ctx, du, need_dx);
         }
         let u = take_saved(&mut self.u, "Mlp")?;
@@ -222,24 +313,38 @@ impl<T: Activation> Mlp<T> {
             .ok_or_else(|| NnError::usage("Mlp", "no gradient from the down linear"))?;
         let dev = ctx.device().clone();
         let tokens = u.shape().rows();
-        let hidden = self.up.out_features();
-        let (mut dq, mut dt) = (
-            dev.uninit::<u8>(tokens * hidden)?,
-            dev.uninit::<u8>(tokens * hidden)?,
+        let up_out = self.up.out_features();
+        let (mut dq, mut dt): (Buffer<u8>, Buffer<u8>) = (
+            dev.uninit::<u8>(tokens * up_out)?,
+            dev.uninit::<u8>(tokens * up_out)?,
         );
         {
             let s = ctx.scaling(self.up.grad_meta())?;
-            gelu_backward_cast_fp8(
-                u.data(),
-                da.data(),
-                [tokens, hidden],
-                GeluApprox::Erf,
-                s.state.format()?,
-                s.state.scale(),
-                &mut dq,
-                &mut dt,
-                s.amax,
-            )?;
+            match self.activation {
+                MlpActivation::Gelu => gelu_backward_cast_fp8(
+                    u.data(),
+                    da.data(),
+                    [tokens, up_out],
+                    GeluApprox::Erf,
+                    s.state.format()?,
+                    s.state.scale(),
+                    &mut dq,
+                    &mut dt,
+                    s.amax,
+                )?,
+                MlpActivation::SwiGlu => swiglu_backward_cast_fp8(
+                    u.data(),
+                    da.data(),
+                    [tokens, self.hidden],
+                    SwigluCodes {
+                        format: s.state.format()?,
+                        scale: s.state.scale(),
+                        codes: &mut dq,
+                        codes_t: &mut dt,
+                        amax: s.amax,
+                    },
+                )?,
+            }
         }
         drop(da);
         let in_shape = u.shape().with_last(self.up.in_features())?;

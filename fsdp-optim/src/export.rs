@@ -8,7 +8,7 @@
 
 use crate::{OptimError, Optimizer};
 use fsdp_comm::ReduceOp;
-use fsdp_shard::{FsdpModel, Module, ParamGroup, ShardError};
+use fsdp_shard::{FsdpModel, FullTensor, Module, ParamGroup, ShardError};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
@@ -31,6 +31,19 @@ pub fn export_full<M: Module>(
     optimizer: &dyn Optimizer,
     path: &Path,
     dtype: ExportDtype,
+) -> Result<usize, OptimError> {
+    export_with(model, optimizer, |tensors| {
+        write_safetensors(path, &tensors, dtype)
+    })
+}
+
+/// Gathers every parameter's master values (as [`export_full`] does) and hands them, by name in the
+/// model's order, to `write` on rank 0 (a tied parameter once); every rank calls it. `write`'s error is
+/// rank 0's; the other ranks get an error saying rank 0 failed. Returns the number of tensors handed over.
+pub fn export_with<M: Module>(
+    model: &mut FsdpModel<M>,
+    optimizer: &dyn Optimizer,
+    write: impl FnOnce(Vec<FullTensor>) -> Result<(), OptimError>,
 ) -> Result<usize, OptimError> {
     model.release_all()?;
     let names = model.param_names()?;
@@ -58,7 +71,7 @@ pub fn export_full<M: Module>(
     }
     let mut written = 0;
     let outcome = if comm.rank() == 0 {
-        let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
+        let mut tensors: Vec<FullTensor> = Vec::with_capacity(names.len());
         for (name, id) in &names {
             let p = id
                 .index()
@@ -67,18 +80,16 @@ pub fn export_full<M: Module>(
                 .location(p)
                 .ok_or_else(|| ShardError::State(format!("{name}: in no unit")))?;
             let slot = &layout.units[loc.unit].group(loc.group).slots[loc.slot];
-            let values = &full[loc.unit][loc.group as usize][slot.offset..slot.offset + slot.numel];
-            let data: Vec<u8> = match dtype {
-                ExportDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                ExportDtype::Bf16 => values
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                    .collect(),
-            };
-            bytes.push((name.clone(), layout.params[p].shape.clone(), data));
+            tensors.push(FullTensor {
+                name: name.clone(),
+                shape: layout.params[p].shape.clone(),
+                values: full[loc.unit][loc.group as usize][slot.offset..slot.offset + slot.numel]
+                    .to_vec(),
+            });
         }
-        written = bytes.len();
-        write_file(path, &bytes, dtype)
+        drop(full);
+        written = tensors.len();
+        write(tensors)
     } else {
         Ok(())
     };
@@ -89,12 +100,34 @@ pub fn export_full<M: Module>(
     if failed[0] != 0.0 {
         // Rank 0's own error (with the operating system's reason) is the one to report.
         comm.note_failure_caused_by_peer();
-        return Err(OptimError::Mismatch(format!(
-            "rank 0 could not write {} (its error says why)",
-            path.display()
-        )));
+        return Err(OptimError::Mismatch(
+            "rank 0 could not write the export (its error says why)".into(),
+        ));
     }
     Ok(written)
+}
+
+/// Writes `tensors` as one safetensors file (metadata `{"format": "pt"}`) in `dtype`, atomically.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[FullTensor],
+    dtype: ExportDtype,
+) -> Result<(), OptimError> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|t| {
+            let data: Vec<u8> = match dtype {
+                ExportDtype::F32 => t.values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ExportDtype::Bf16 => t
+                    .values
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            };
+            (t.name.clone(), t.shape.clone(), data)
+        })
+        .collect();
+    write_file(path, &bytes, dtype)
 }
 
 fn write_file(

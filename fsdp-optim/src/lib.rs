@@ -70,7 +70,7 @@ pub use adam::{
 };
 pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
-pub use export::{export_full, ExportDtype};
+pub use export::{export_full, export_with, write_safetensors, ExportDtype};
 pub use optimizer::{step_model, Optimizer};
 pub use schedule::{
     ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr, WarmupCosine,

@@ -714,16 +714,27 @@ impl<M: Module> FsdpModel<M> {
         Ok(out)
     }
 
-    /// Loads a consolidated file of full weights by parameter name (safetensors, F32 or BF16 tensors, e.g.
-    /// one written by `fsdp_optim::export_full` at any world size, or by PyTorch) into this rank's shards:
-    /// plain parameters directly, FP8 weights into the master shards the optimizer will take and into
-    /// their E4M3 shards, cast with current scaling from the full tensor's amax (the same on every rank,
-    /// with no collective). Call it before the optimizer is created. Every parameter must be in the file
-    /// with its shape and finite values; with `strict`, the file may hold nothing else. Returns the names
-    /// loaded.
+    /// Loads a consolidated file of full weights by parameter name (safetensors, F32, BF16 or F16
+    /// tensors, e.g. one written by `fsdp_optim::export_full` at any world size, or by PyTorch): see
+    /// [`FsdpModel::import_from`].
     pub fn import_full(
         &mut self,
         path: &std::path::Path,
+        strict: bool,
+    ) -> Result<Vec<String>, ShardError> {
+        let file = crate::full_weights::SafetensorsFile::read(path)?;
+        self.import_from(&file, strict)
+    }
+
+    /// Loads full weights by parameter name from `source` into this rank's shards: plain parameters
+    /// directly, FP8 weights into the master shards the optimizer will take and into their E4M3 shards,
+    /// cast with current scaling from the full tensor's amax (the same on every rank, with no
+    /// collective). Call it before the optimizer is created. Every parameter must be in the source with
+    /// its shape and finite values; with `strict`, the source may hold nothing else. Returns the names
+    /// loaded.
+    pub fn import_from(
+        &mut self,
+        source: &dyn crate::full_weights::FullWeights,
         strict: bool,
     ) -> Result<Vec<String>, ShardError> {
         let masters = self.initial_masters.as_mut().ok_or_else(|| {
@@ -733,44 +744,35 @@ impl<M: Module> FsdpModel<M> {
                     .into(),
             )
         })?;
-        let bytes = std::fs::read(path).map_err(|source| ShardError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-            ShardError::Checkpoint(format!("{}: not a safetensors file ({e})", path.display()))
-        })?;
+        let origin = source.origin();
         let names = crate::module::param_names(&mut self.module)?;
         let mut loaded = Vec::with_capacity(names.len());
         for (name, id) in &names {
             let p = id
                 .index()
                 .ok_or_else(|| ShardError::State(format!("{name}: unset id")))?;
-            let view = file.tensor(name).map_err(|_| {
-                ShardError::Checkpoint(format!(
-                    "{} has no tensor {name} (the model's parameter names are PyTorch-style, e.g. \
-                     {})",
-                    path.display(),
-                    names.first().map_or("", |(n, _)| n.as_str())
-                ))
-            })?;
+            let (shape, values) = source
+                .tensor(name)
+                .map_err(|e| ShardError::Checkpoint(format!("{origin}: {name}: {e}")))?
+                .ok_or_else(|| {
+                    ShardError::Checkpoint(format!(
+                        "{origin} has no tensor {name} (the model's parameter names are \
+                         PyTorch-style, e.g. {})",
+                        names.first().map_or("", |(n, _)| n.as_str())
+                    ))
+                })?;
             let spec = &self.sharded.layout().params[p];
-            if view.shape() != spec.shape.as_slice() {
+            if shape != spec.shape {
                 return Err(ShardError::Checkpoint(format!(
-                    "{}: {name} has shape {:?}, the model's is {:?}",
-                    path.display(),
-                    view.shape(),
+                    "{origin}: {name} has shape {shape:?}, the model's is {:?}",
                     spec.shape
                 )));
             }
-            let values = tensor_f32(&view)
-                .map_err(|e| ShardError::Checkpoint(format!("{}: {name}: {e}", path.display())))?;
             if let Some(i) = values.iter().position(|v| !v.is_finite()) {
                 let bad = values.iter().filter(|v| !v.is_finite()).count();
                 return Err(ShardError::Checkpoint(format!(
-                    "{}: {name} holds {bad} non-finite value(s) (the first, element {i}, is {}); a \
-                     model cannot start from them",
-                    path.display(),
+                    "{origin}: {name} holds {bad} non-finite value(s) (the first, element {i}, is \
+                     {}); a model cannot start from them",
                     values[i]
                 )));
             }
@@ -780,16 +782,15 @@ impl<M: Module> FsdpModel<M> {
         if strict {
             let known: std::collections::HashSet<&str> =
                 names.iter().map(|(n, _)| n.as_str()).collect();
-            let mut extra: Vec<&str> = file
+            let mut extra: Vec<String> = source
                 .names()
                 .into_iter()
-                .filter(|n| !known.contains(n))
+                .filter(|n| !known.contains(n.as_str()))
                 .collect();
             extra.sort_unstable();
             if !extra.is_empty() {
                 return Err(ShardError::Checkpoint(format!(
-                    "{} holds tensors the model does not have: {}",
-                    path.display(),
+                    "{origin} holds tensors the model does not have: {}",
                     extra.join(", ")
                 )));
             }
@@ -819,25 +820,4 @@ impl<M: Module> FsdpModel<M> {
             .and_then(|p| self.sharded.layout().location(p))
             .map(|l| l.group)
     }
-}
-
-/// The values of an F32, BF16 or F16 safetensors tensor as f32.
-fn tensor_f32(view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String> {
-    use safetensors::Dtype;
-    let data = view.data();
-    Ok(match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        other => return Err(format!("type {other:?}; F32, BF16 or F16 expected")),
-    })
 }

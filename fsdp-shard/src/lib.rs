@@ -26,6 +26,7 @@
 pub mod checkpoint;
 mod error;
 pub mod fsdp;
+pub mod full_weights;
 pub mod grad;
 pub mod layout;
 pub mod memory;
@@ -36,6 +37,7 @@ pub mod state;
 
 pub use error::ShardError;
 pub use fsdp::{Ctx, FsdpModel, Mode, Phase};
+pub use full_weights::{FullTensor, FullWeights, SafetensorsFile};
 pub use grad::{GradReducer, GradReduction};
 pub use layout::{
     GroupLayout, ModelLayout, ParamGroup, ParamKind, ParamLocation, ParamSlot, ParamSpec,

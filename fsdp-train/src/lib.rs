@@ -114,6 +114,7 @@ pub mod signal;
 mod speed;
 mod task;
 mod trainer;
+pub mod weights;
 
 pub use args::{
     DeviceArg, ExportArg, Fp8LayersArg, Fp8ScalingArg, GradShardsArg, PrecisionArg, StatesArg,

@@ -330,4 +330,10 @@ pub trait TrainTask: Sync {
     fn describe(&self) -> Vec<(String, serde_json::Value)> {
         Vec::new()
     }
+
+    /// The format `--export` writes and `--init-from` reads (default: one safetensors file under the
+    /// model's parameter names, [`crate::weights::SafetensorsFormat`]).
+    fn weights_format(&self) -> Box<dyn crate::weights::WeightsFormat + '_> {
+        Box::new(crate::weights::SafetensorsFormat)
+    }
 }

@@ -14,9 +14,9 @@ use fp8_core::Fp8Format;
 use fp8_kernels::{elementwise, Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::{convert_to_fp8, linear_precisions, set_linear_precision, LinearPrecision};
-use fsdp_optim::{export_full, step_model, LrSchedule, Optimizer};
+use fsdp_optim::{export_with, step_model, LrSchedule, Optimizer};
 use fsdp_shard::checkpoint::read_index;
-use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode};
+use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode, ShardError};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -293,8 +293,12 @@ impl Trainer {
             .metrics
             .iter()
             .map(|m| ("--metrics", m.as_path()))
-            .chain(c.export.iter().map(|e| ("--export", e.as_path())))
             .collect();
+        if let Some(path) = &c.export {
+            task.weights_format()
+                .check_output(path)
+                .map_err(|e| TrainError::Config(format!("--export {}: {e}", path.display())))?;
+        }
         let _outputs = RunOutputs::prepare(c.save.as_deref().map(|d| ("--save", d)), &files)?;
         self.check_no_overwrite()?;
         let (outcomes, device) = self.launch(task, |env| self.run_rank(task, env))?;
@@ -537,9 +541,10 @@ impl Trainer {
         let settings = self.settings(task);
         let (mut model, linears) = self.build(task, env)?;
         if let Some(path) = &c.init_from {
-            model
-                .import_full(path, false)
-                .map_err(|e| TrainError::Config(format!("--init-from {}: {e}", path.display())))?;
+            let init =
+                |e: ShardError| TrainError::Config(format!("--init-from {}: {e}", path.display()));
+            let source = task.weights_format().read(path).map_err(init)?;
+            model.import_from(source.as_ref(), false).map_err(init)?;
         }
         let mut opt = self.optimizer(task, &mut model)?;
         let mut data = task.data(env).map_err(TrainError::task)?;
@@ -667,7 +672,11 @@ impl Trainer {
         let mut after = Vec::new();
         if stop == StopReason::Completed {
             if let Some(path) = &c.export {
-                export_full(&mut model, opt.as_ref(), path, c.export_dtype).map_err(|e| {
+                let format = task.weights_format();
+                export_with(&mut model, opt.as_ref(), |tensors| {
+                    format.write(path, tensors, c.export_dtype)
+                })
+                .map_err(|e| {
                     TrainError::Config(format!(
                         "--export {}: {e}{}",
                         path.display(),

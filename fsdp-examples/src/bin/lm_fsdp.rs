@@ -1,6 +1,8 @@
-//! Language models trained with FP8 FSDP on the Trainer: every preset of the GPT-2 family on a token
-//! stream in llm.c's format (the PyTorch peer's run), thread ranks on the CPU or one process per GPU.
-//! `--speed` times the peer's speed measurement instead. See `docs/gpt.md`.
+//! Language models trained with FP8 FSDP on the Trainer: every preset of the GPT-2 and Llama 3 families
+//! on a token stream in llm.c's format (the PyTorch peers' run), thread ranks on the CPU or one process
+//! per GPU; a Llama model can start from a Hugging Face checkpoint (`--init-from DIR`) and export one
+//! (`--export DIR`). `--speed` times the peer's speed measurement instead. See `docs/gpt.md` and
+//! `docs/llama.md`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,7 +10,9 @@ use std::process::ExitCode;
 use clap::Parser;
 use fsdp_examples::data::tokens::{committed_shakespeare_slice_dir, DEFAULT_SHAKESPEARE_DIR};
 use fsdp_examples::gpt::Gpt;
-use fsdp_examples::lm::{LanguageModel, LmOptions, LmTask};
+use fsdp_examples::hf::{LlamaHfConfig, CONFIG_FILE};
+use fsdp_examples::llama::Llama;
+use fsdp_examples::lm::{LanguageModel, LmFamily, LmOptions, LmTask};
 use fsdp_train::{
     run_main, DeviceArg, DeviceChoice, PlotKind, PlotStyle, PrecisionArg, RunLength, TaskDefaults,
     TrainArgs,
@@ -17,11 +21,13 @@ use half::bf16;
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "Train a language model (GPT-2 family presets) with FP8 fully sharded data parallelism"
+    about = "Train a language model (GPT-2 and Llama 3 family presets) with FP8 fully sharded data \
+             parallelism"
 )]
 struct Args {
-    /// Model: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-3b [default: tiny on the CPU, gpt2 on a
-    /// GPU].
+    /// Model: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-3b, llama-tiny, llama-small, llama-1b,
+    /// llama-3b, llama-8b [default: tiny on the CPU, gpt2 on a GPU; the checkpoint's shape with
+    /// --init-from a Hugging Face directory].
     #[arg(long)]
     preset: Option<String>,
     /// Override the preset's width.
@@ -33,6 +39,12 @@ struct Args {
     /// Override the preset's number of heads (d-model / heads must be 32, 64 or 128).
     #[arg(long)]
     heads: Option<usize>,
+    /// Override a Llama preset's key/value heads (dividing the heads).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Override a Llama preset's SwiGLU width.
+    #[arg(long)]
+    ffn: Option<usize>,
     /// Sequences per rank and micro-batch.
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
@@ -124,14 +136,39 @@ fn main() -> ExitCode {
         }
         _ => None,
     };
+    // A Hugging Face checkpoint (a directory with config.json, or a file beside one) gives the shape.
+    let hf_config = match hf_config_of(args.train.init_from.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("lm_fsdp: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let preset = match (&args.preset, &hf_config) {
+        (Some(p), _) => p.clone(),
+        (None, Some(_)) => "llama-tiny".into(),
+        (None, None) => if on_cpu { "tiny" } else { "gpt2" }.into(),
+    };
+    let family = if hf_config.is_some() {
+        Some(LmFamily::Llama3)
+    } else {
+        LmFamily::of_preset(&preset)
+    };
+    let Some(family) = family else {
+        eprintln!(
+            "lm_fsdp: --preset {preset:?} is not a preset (one of {})",
+            LmFamily::preset_names().join(", ")
+        );
+        return ExitCode::FAILURE;
+    };
     let options = LmOptions {
-        preset: args
-            .preset
-            .clone()
-            .unwrap_or_else(|| if on_cpu { "tiny" } else { "gpt2" }.into()),
+        preset,
         d_model: args.d_model,
         layers: args.layers,
         heads: args.heads,
+        kv_heads: args.kv_heads,
+        ffn: args.ffn,
+        hf_config,
         seq_len: args.seq_len.unwrap_or(if on_cpu { 64 } else { 512 }),
         batch_size: args.batch_size,
         data_dir,
@@ -142,9 +179,36 @@ fn main() -> ExitCode {
         recompute_blocks: args.recompute,
     };
     // F32 linears need f32 activations; every other precision trains with bf16 activations.
-    if args.train.precision == PrecisionArg::Fp32 {
-        run::<Gpt<f32>>(&args, options, on_cpu)
-    } else {
-        run::<Gpt<bf16>>(&args, options, on_cpu)
+    let f32_acts = args.train.precision == PrecisionArg::Fp32;
+    match (family, f32_acts) {
+        (LmFamily::Gpt2, true) => run::<Gpt<f32>>(&args, options, on_cpu),
+        (LmFamily::Gpt2, false) => run::<Gpt<bf16>>(&args, options, on_cpu),
+        (LmFamily::Llama3, true) => run::<Llama<f32>>(&args, options, on_cpu),
+        (LmFamily::Llama3, false) => run::<Llama<bf16>>(&args, options, on_cpu),
     }
+}
+
+/// The Hugging Face config of the checkpoint `--init-from` names: `DIR/config.json`, or the
+/// `config.json` beside a safetensors file; `None` for a file without one (our own export format).
+fn hf_config_of(init_from: Option<&std::path::Path>) -> Result<Option<LlamaHfConfig>, String> {
+    let Some(path) = init_from else {
+        return Ok(None);
+    };
+    let config = if path.is_dir() {
+        path.join(CONFIG_FILE)
+    } else {
+        path.with_file_name(CONFIG_FILE)
+    };
+    if !config.is_file() {
+        if path.is_dir() {
+            return Err(format!(
+                "--init-from {}: a directory without {CONFIG_FILE} (a Hugging Face checkpoint has one)",
+                path.display()
+            ));
+        }
+        return Ok(None);
+    }
+    LlamaHfConfig::read(&config)
+        .map(Some)
+        .map_err(|e| format!("--init-from {}: {e}", path.display()))
 }

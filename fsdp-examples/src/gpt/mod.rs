@@ -50,7 +50,8 @@
 pub mod crossover;
 mod model;
 
-pub use model::{Gpt, Sampling};
+pub use crate::decoder::Sampling;
+pub use model::Gpt;
 
 use fp8_kernels::attention::AttentionConfig;
 use fp8_kernels::layer_norm::NormKind;

@@ -23,18 +23,9 @@ pub const LLAMA_MODEL_TYPE: &str = "llama";
 /// The file name of a Hugging Face model config.
 pub const CONFIG_FILE: &str = "config.json";
 
-/// Llama 3.1's frequency-dependent RoPE scaling (`rope_scaling` with `rope_type` `"llama3"`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Llama3RopeScaling {
-    /// How much longer the context is than the original (8 for Llama 3.1).
-    pub factor: f64,
-    /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by `factor`.
-    pub low_freq_factor: f64,
-    /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
-    pub high_freq_factor: f64,
-    /// The context length the model was pretrained at (8192 for Llama 3.1).
-    pub original_max_position_embeddings: usize,
-}
+/// Llama 3.1's frequency-dependent RoPE scaling (`rope_scaling` with `rope_type` `"llama3"`): the
+/// kernels' own type, so a read config drives the RoPE tables directly.
+pub use fp8_kernels::rope::Llama3RopeScaling;
 
 /// A `LlamaForCausalLM` config: the fields that define the model's shapes and arithmetic, and every other
 /// key of the file, kept for writing back.

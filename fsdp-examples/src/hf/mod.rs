@@ -24,6 +24,7 @@
 pub mod config;
 pub mod directory;
 pub mod error;
+pub mod format;
 pub mod names;
 pub mod tensors;
 
@@ -34,5 +35,6 @@ pub use directory::{
     SINGLE_FILE,
 };
 pub use error::{HfError, TensorSetMismatch};
+pub use format::HfLlamaFormat;
 pub use names::{HfPart, LlamaNameMap, NameMapEntry, EMBED_TOKENS, FINAL_NORM, LM_HEAD};
 pub use tensors::{HfDtype, HfTensor, TensorSet};

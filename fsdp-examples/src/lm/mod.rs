@@ -1,5 +1,5 @@
-//! Language models on the Trainer: [`LmTask`] trains any [`LanguageModel`] (today the GPT-2 family,
-//! [`crate::gpt::Gpt`]) on a token stream in llm.c's format with the PyTorch peer's run: each optimizer
+//! Language models on the Trainer: [`LmTask`] trains any [`LanguageModel`] (the GPT-2 family,
+//! [`crate::gpt::Gpt`], and the Llama 3 family, [`crate::llama::Llama`]) on a token stream in llm.c's format with the PyTorch peer's run: each optimizer
 //! step draws `batch_size x world_size` windows of `train.bin` per micro-batch from one seeded stream (rank
 //! 0's stream, its position saved in checkpoints) and gives each rank its share, so the data does not
 //! depend on the world size; AdamW with betas (0.9, 0.95) and weight decay 0.1 on matrices; warm-up then
@@ -11,11 +11,54 @@ mod task;
 pub use task::{peer_adamw_options, peer_schedule, LmOptions, LmTask, SAMPLE_PROMPT};
 
 use crate::gpt::{Gpt, GptConfig, GptError, Sampling, GPT2_PADDED_VOCAB, PRESETS};
+use crate::hf::{HfLlamaFormat, LlamaHfConfig};
+use crate::llama::{self, Llama, LlamaConfig, LLAMA3_VOCAB};
 use fsdp_nn::{Activation, LossStats, TokenBatch};
 use fsdp_shard::{Ctx, Module, WrapPolicy};
 
+/// A model family: its presets, its layers and its names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LmFamily {
+    /// GPT-2 ([`crate::gpt`]).
+    Gpt2,
+    /// Llama 3 ([`crate::llama`]).
+    Llama3,
+}
+
+impl LmFamily {
+    /// The family of preset `name`, if it is one.
+    pub fn of_preset(name: &str) -> Option<LmFamily> {
+        if PRESETS.iter().any(|p| p.0 == name) {
+            Some(LmFamily::Gpt2)
+        } else if llama::PRESETS.iter().any(|p| p.name == name) {
+            Some(LmFamily::Llama3)
+        } else {
+            None
+        }
+    }
+
+    /// Every preset name, GPT-2's then Llama's.
+    pub fn preset_names() -> Vec<&'static str> {
+        PRESETS
+            .iter()
+            .map(|p| p.0)
+            .chain(llama::PRESETS.iter().map(|p| p.name))
+            .collect()
+    }
+
+    /// The vocabulary of the speed mode (the peer's: GPT-2's padded one, Llama 3's).
+    pub fn speed_vocab(self) -> usize {
+        match self {
+            LmFamily::Gpt2 => GPT2_PADDED_VOCAB,
+            LmFamily::Llama3 => LLAMA3_VOCAB,
+        }
+    }
+}
+
 /// What the LM task needs of a model.
 pub trait LanguageModel: Module + Sized {
+    /// The family this model type builds.
+    const FAMILY: LmFamily;
     /// Builds the model of `spec`.
     fn build(spec: &LmSpec) -> Result<Self, GptError>;
     /// How its parameters are grouped into FSDP units.
@@ -37,17 +80,26 @@ pub trait LanguageModel: Module + Sized {
     ) -> Result<Vec<i32>, GptError>;
 }
 
-/// A model's shape: a preset with overrides, the vocabulary and the sequence length.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A model's shape: a preset with overrides (or a Hugging Face `config.json`), the vocabulary and the
+/// sequence length.
+#[derive(Debug, Clone, PartialEq)]
 pub struct LmSpec {
     /// The preset's name.
     pub preset: String,
+    /// The family.
+    pub family: LmFamily,
     /// Width.
     pub d_model: usize,
     /// Blocks.
     pub layers: usize,
-    /// Attention heads.
+    /// Attention (query) heads.
     pub heads: usize,
+    /// Key/value heads (GPT-2: as many as heads).
+    pub kv_heads: usize,
+    /// MLP hidden width (GPT-2: `4 d`; Llama: the SwiGLU width).
+    pub ffn: usize,
+    /// The head shares the embedding.
+    pub tied: bool,
     /// Vocabulary rows.
     pub vocab: usize,
     /// Sequence length (the position table's rows).
@@ -56,6 +108,24 @@ pub struct LmSpec {
     pub recompute_blocks: bool,
     /// Seed of the embedding table (the other parameters draw from the run's seed and their names).
     pub seed: u64,
+    /// The Hugging Face config the model was read from (`--init-from` a Llama checkpoint): its RoPE
+    /// base and scaling, norm eps and other keys are kept.
+    pub hf_config: Option<LlamaHfConfig>,
+}
+
+/// Overrides of a preset's shape (the shape flags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShapeOverrides {
+    /// `--d-model`.
+    pub d_model: Option<usize>,
+    /// `--layers`.
+    pub layers: Option<usize>,
+    /// `--heads`.
+    pub heads: Option<usize>,
+    /// `--kv-heads`.
+    pub kv_heads: Option<usize>,
+    /// `--ffn`.
+    pub ffn: Option<usize>,
 }
 
 impl LmSpec {
@@ -67,21 +137,93 @@ impl LmSpec {
         heads: Option<usize>,
         seq_len: usize,
     ) -> Result<Self, GptError> {
-        let &(_, d, l, h) = PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
+        let o = ShapeOverrides {
+            d_model,
+            layers,
+            heads,
+            ..ShapeOverrides::default()
+        };
+        Self::with_overrides(name, o, seq_len)
+    }
+
+    /// The preset `name` with the shape flags' overrides, checked.
+    pub fn with_overrides(name: &str, o: ShapeOverrides, seq_len: usize) -> Result<Self, GptError> {
+        let family = LmFamily::of_preset(name).ok_or_else(|| {
             GptError::Config(format!(
                 "--preset {name:?} is not a preset (one of {})",
-                PRESETS.map(|p| p.0).join(", ")
+                LmFamily::preset_names().join(", ")
             ))
         })?;
+        let spec = match family {
+            LmFamily::Gpt2 => {
+                if o.kv_heads.is_some() || o.ffn.is_some() {
+                    return Err(GptError::Config(format!(
+                        "--kv-heads and --ffn apply to the Llama presets; {name} is a GPT-2 preset"
+                    )));
+                }
+                let &(_, d, l, h) = PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
+                    GptError::Config(format!("--preset {name:?} is not a GPT-2 preset"))
+                })?;
+                let (d, h) = (o.d_model.unwrap_or(d), o.heads.unwrap_or(h));
+                LmSpec {
+                    preset: name.to_string(),
+                    family,
+                    d_model: d,
+                    layers: o.layers.unwrap_or(l),
+                    heads: h,
+                    kv_heads: h,
+                    ffn: 4 * d,
+                    tied: true,
+                    vocab: GPT2_PADDED_VOCAB,
+                    seq_len,
+                    recompute_blocks: false,
+                    seed: 1,
+                    hf_config: None,
+                }
+            }
+            LmFamily::Llama3 => {
+                let p = llama::find_preset(name)?;
+                LmSpec {
+                    preset: name.to_string(),
+                    family,
+                    d_model: o.d_model.unwrap_or(p.d_model),
+                    layers: o.layers.unwrap_or(p.layers),
+                    heads: o.heads.unwrap_or(p.heads),
+                    kv_heads: o.kv_heads.unwrap_or(p.kv_heads),
+                    ffn: o.ffn.unwrap_or(p.ffn),
+                    tied: p.tied,
+                    // The Shakespeare data's GPT-2 ids (the peer's `train`); `--init-from` a Hugging
+                    // Face checkpoint takes its vocabulary.
+                    vocab: GPT2_PADDED_VOCAB,
+                    seq_len,
+                    recompute_blocks: false,
+                    seed: 1,
+                    hf_config: None,
+                }
+            }
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// The shape of a Hugging Face Llama `config.json` (the model `--init-from` names), for sequences
+    /// of `seq_len`.
+    pub fn from_hf(hf: LlamaHfConfig, seq_len: usize) -> Result<Self, GptError> {
+        let c = LlamaConfig::from_hf(&hf, seq_len)?;
         let spec = LmSpec {
-            preset: name.to_string(),
-            d_model: d_model.unwrap_or(d),
-            layers: layers.unwrap_or(l),
-            heads: heads.unwrap_or(h),
-            vocab: GPT2_PADDED_VOCAB,
+            preset: "hf".into(),
+            family: LmFamily::Llama3,
+            d_model: c.d_model,
+            layers: c.layers,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            ffn: c.ffn,
+            tied: c.tie_embeddings,
+            vocab: c.vocab,
             seq_len,
             recompute_blocks: false,
             seed: 1,
+            hf_config: Some(hf),
         };
         spec.validate()?;
         Ok(spec)
@@ -94,6 +236,8 @@ impl LmSpec {
             ("--d-model", self.d_model),
             ("--layers", self.layers),
             ("--heads", self.heads),
+            ("--kv-heads", self.kv_heads),
+            ("--ffn", self.ffn),
             ("--seq-len", self.seq_len),
         ] {
             if v == 0 {
@@ -104,6 +248,12 @@ impl LmSpec {
             return bad(format!(
                 "--heads {} does not divide the width {} (--d-model)",
                 self.heads, self.d_model
+            ));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return bad(format!(
+                "--kv-heads {} does not divide the {} query heads (--heads)",
+                self.kv_heads, self.heads
             ));
         }
         let hd = self.d_model / self.heads;
@@ -128,9 +278,70 @@ impl LmSpec {
             ..GptConfig::new(self.d_model, self.layers, self.heads, self.seq_len)
         }
     }
+
+    /// The Llama configuration of this shape (RoPE and eps from the Hugging Face config when read from
+    /// one).
+    pub fn llama_config(&self) -> Result<LlamaConfig, GptError> {
+        let base = match &self.hf_config {
+            Some(hf) => LlamaConfig::from_hf(hf, self.seq_len)?,
+            None => LlamaConfig::new(
+                self.d_model,
+                self.layers,
+                self.heads,
+                self.kv_heads,
+                self.ffn,
+                self.seq_len,
+            ),
+        };
+        Ok(LlamaConfig {
+            d_model: self.d_model,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            ffn: self.ffn,
+            vocab: self.vocab,
+            tie_embeddings: self.tied,
+            recompute_blocks: self.recompute_blocks,
+            seed: self.seed,
+            ..base
+        })
+    }
+
+    /// Parameters of the model (the tied matrix once).
+    pub fn num_params(&self) -> usize {
+        match self.family {
+            LmFamily::Gpt2 => self.gpt_config().num_params(),
+            LmFamily::Llama3 => self.llama_config().map_or(0, |c| c.num_params()),
+        }
+    }
+
+    /// Model FLOPs per token of a training step (the peer's formula of the family).
+    pub fn flops_per_token(&self) -> f64 {
+        match self.family {
+            LmFamily::Gpt2 => self.gpt_config().flops_per_token(),
+            LmFamily::Llama3 => self.llama_config().map_or(0.0, |c| c.flops_per_token()),
+        }
+    }
+
+    /// The Hugging Face format of `--export` and `--init-from` for a Llama model (`None` for GPT-2,
+    /// whose exports are one safetensors file by our names).
+    pub fn hf_format(&self) -> Result<Option<HfLlamaFormat>, GptError> {
+        match self.family {
+            LmFamily::Gpt2 => Ok(None),
+            LmFamily::Llama3 => {
+                let hf = match &self.hf_config {
+                    // The read config (the model was built from it), keeping its other keys.
+                    Some(hf) => hf.clone(),
+                    None => self.llama_config()?.to_hf("float32")?,
+                };
+                Ok(Some(HfLlamaFormat::new(hf)))
+            }
+        }
+    }
 }
 
 impl<T: Activation> LanguageModel for Gpt<T> {
+    const FAMILY: LmFamily = LmFamily::Gpt2;
     fn build(spec: &LmSpec) -> Result<Self, GptError> {
         Gpt::new(spec.gpt_config())
     }
@@ -156,5 +367,35 @@ impl<T: Activation> LanguageModel for Gpt<T> {
         sampling: &Sampling,
     ) -> Result<Vec<i32>, GptError> {
         Gpt::generate(self, ctx, prompt, sampling)
+    }
+}
+
+impl<T: Activation> LanguageModel for Llama<T> {
+    const FAMILY: LmFamily = LmFamily::Llama3;
+    fn build(spec: &LmSpec) -> Result<Self, GptError> {
+        Llama::new(spec.llama_config()?)
+    }
+    fn wrap_policy() -> WrapPolicy {
+        llama::wrap_policy()
+    }
+    fn forward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
+        Llama::forward(self, ctx, batch)
+    }
+    fn forward_train(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
+        self.forward_with_grad(ctx, batch)
+    }
+    fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
+        Llama::backward(self, ctx, batch)
+    }
+    fn loss(&self) -> Result<&LossStats, GptError> {
+        Llama::loss(self)
+    }
+    fn generate(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        prompt: &[i32],
+        sampling: &Sampling,
+    ) -> Result<Vec<i32>, GptError> {
+        Llama::generate(self, ctx, prompt, sampling)
     }
 }

@@ -1,10 +1,11 @@
 //! [`LmTask`]: a language model's data, loss, validation and sampling for the Trainer.
 
-use super::{LanguageModel, LmSpec};
+use super::{LanguageModel, LmFamily, LmSpec, ShapeOverrides};
 use crate::data::tokens::{
-    Gpt2Bpe, TokenFile, TrainWindowSampler, ValidationWindows, GPT2_VOCAB_SIZE,
+    Gpt2Bpe, TokenFileU32, TrainWindowSampler, ValidationWindows, GPT2_VOCAB_SIZE,
 };
 use crate::gpt::{GptError, Sampling, GPT2_PADDED_VOCAB};
+use crate::hf::LlamaHfConfig;
 use fp8_kernels::rng::SplitMix64;
 use fsdp_nn::{TokenBatch, DEFAULT_HEAD_CHUNK};
 use fsdp_optim::{AdamOptions, FsdpAdamW, LrSchedule, Optimizer, StatePrecision, WarmupCosine};
@@ -34,6 +35,13 @@ pub struct LmOptions {
     pub layers: Option<usize>,
     /// See `d_model`.
     pub heads: Option<usize>,
+    /// Override of a Llama preset's key/value heads.
+    pub kv_heads: Option<usize>,
+    /// Override of a Llama preset's SwiGLU width.
+    pub ffn: Option<usize>,
+    /// The Hugging Face config of the checkpoint `--init-from` names: the model takes its shape,
+    /// vocabulary and RoPE from it instead of a preset's.
+    pub hf_config: Option<LlamaHfConfig>,
     /// Sequence length (rows of the position table).
     pub seq_len: usize,
     /// Windows per rank and micro-batch.
@@ -61,6 +69,9 @@ impl LmOptions {
             d_model: None,
             layers: None,
             heads: None,
+            kv_heads: None,
+            ffn: None,
+            hf_config: None,
             seq_len,
             batch_size: 8,
             data_dir,
@@ -76,18 +87,20 @@ impl LmOptions {
 /// The token data, shared by the thread ranks.
 #[derive(Debug)]
 struct Tokens {
-    train: Vec<u16>,
-    val: Vec<u16>,
-    /// Dense id -> GPT-2 id with `compact_vocab`.
-    dense_to_gpt2: Option<Vec<u16>>,
+    train: Vec<u32>,
+    val: Vec<u32>,
+    /// Dense id -> the data's id with `compact_vocab`.
+    dense_to_gpt2: Option<Vec<u32>>,
     vocab: usize,
     id: String,
 }
 
 impl Tokens {
-    fn load(o: &LmOptions) -> Result<Self, TrainError> {
+    /// Reads `train.bin` and `val.bin` (either token format), every id below `vocab_bound`; `vocab` is
+    /// the model's vocabulary when the ids are not renumbered.
+    fn load(o: &LmOptions, vocab_bound: u32, vocab: usize) -> Result<Self, TrainError> {
         let open = |name: &str| {
-            TokenFile::open(o.data_dir.join(name), GPT2_VOCAB_SIZE)
+            TokenFileU32::open(o.data_dir.join(name), vocab_bound)
                 .map_err(|e| TrainError::Config(format!("--data {}: {e}", o.data_dir.display())))
         };
         let (train, val) = (open("train.bin")?, open("val.bin")?);
@@ -101,16 +114,16 @@ impl Tokens {
                 train,
                 val,
                 dense_to_gpt2: None,
-                vocab: GPT2_PADDED_VOCAB,
+                vocab,
                 id,
             });
         }
-        let mut distinct: Vec<u16> = train.iter().chain(&val).copied().collect();
+        let mut distinct: Vec<u32> = train.iter().chain(&val).copied().collect();
         distinct.sort_unstable();
         distinct.dedup();
         for t in train.iter_mut().chain(val.iter_mut()) {
             // Every id is in `distinct` by construction.
-            *t = distinct.binary_search(t).unwrap_or(0) as u16;
+            *t = distinct.binary_search(t).unwrap_or(0) as u32;
         }
         let vocab = distinct.len().div_ceil(64) * 64;
         Ok(Tokens {
@@ -159,6 +172,8 @@ pub fn peer_schedule(steps: u64) -> Result<WarmupCosine, TrainError> {
 pub struct LmTask<M: LanguageModel> {
     options: LmOptions,
     spec: LmSpec,
+    /// Llama's Hugging Face export and import format.
+    hf_format: Option<crate::hf::HfLlamaFormat>,
     tokens: Tokens,
     world_size: usize,
     model: PhantomData<fn() -> M>,
@@ -195,7 +210,29 @@ impl<M: LanguageModel> LmTask<M> {
                 "--max-val-batches must be at least 1 (0 would silently do nothing)".into(),
             ));
         }
-        let tokens = Tokens::load(&options)?;
+        // GPT-2 ids unless the model's vocabulary came from a checkpoint's config.
+        let (bound, vocab) = match &spec.hf_config {
+            Some(hf) => (
+                u32::try_from(hf.vocab_size).unwrap_or(u32::MAX),
+                hf.vocab_size,
+            ),
+            None => (GPT2_VOCAB_SIZE, GPT2_PADDED_VOCAB),
+        };
+        if options.hf_config.is_some() && options.compact_vocab {
+            return Err(TrainError::Config(
+                "--compact-vocab renumbers the ids, but the model from --init-from has its own \
+                 vocabulary"
+                    .into(),
+            ));
+        }
+        if options.hf_config.is_some() && options.sample.is_some() {
+            return Err(TrainError::Config(
+                "--sample decodes with GPT-2's tokenizer; a model from a Hugging Face checkpoint has \
+                 its own (decode its ids with that tokenizer instead)"
+                    .into(),
+            ));
+        }
+        let tokens = Tokens::load(&options, bound, vocab)?;
         spec.vocab = tokens.vocab;
         if tokens.train.len() < spec.seq_len.saturating_add(2)
             || tokens.val.len() < spec.seq_len.saturating_add(1)
@@ -209,6 +246,7 @@ impl<M: LanguageModel> LmTask<M> {
         }
         Ok(LmTask {
             options,
+            hf_format: spec.hf_format().map_err(model_err)?,
             spec,
             tokens,
             world_size,
@@ -216,21 +254,25 @@ impl<M: LanguageModel> LmTask<M> {
         })
     }
 
-    /// A task without data, for the speed mode (random token batches, GPT-2's padded vocabulary):
-    /// nothing is read from disk.
+    /// A task without data, for the speed mode (random token batches; the peer's vocabulary of the
+    /// family: GPT-2's padded one, Llama 3's): nothing is read from disk.
     pub fn for_speed(options: LmOptions, world_size: usize) -> Result<Self, TrainError> {
-        let spec = Self::spec_of(&options)?;
+        let mut spec = Self::spec_of(&options)?;
         Self::check_sizes(&options, world_size)?;
+        if spec.hf_config.is_none() {
+            spec.vocab = spec.family.speed_vocab();
+        }
         Ok(LmTask {
             options,
-            spec,
+            hf_format: spec.hf_format().map_err(model_err)?,
             tokens: Tokens {
                 train: Vec::new(),
                 val: Vec::new(),
                 dense_to_gpt2: None,
-                vocab: GPT2_PADDED_VOCAB,
+                vocab: spec.vocab,
                 id: "none".into(),
             },
+            spec,
             world_size,
             model: PhantomData,
         })
@@ -238,14 +280,44 @@ impl<M: LanguageModel> LmTask<M> {
 
     /// The model's shape from the preset and the shape flags, with the run's recomputation and seed.
     fn spec_of(options: &LmOptions) -> Result<LmSpec, TrainError> {
-        let mut spec = LmSpec::from_preset(
-            &options.preset,
-            options.d_model,
-            options.layers,
-            options.heads,
-            options.seq_len,
-        )
-        .map_err(|e| TrainError::Config(e.to_string()))?;
+        let config = |e: crate::ModelError| TrainError::Config(e.to_string());
+        let mut spec = match &options.hf_config {
+            Some(hf) => {
+                if options.d_model.is_some()
+                    || options.layers.is_some()
+                    || options.heads.is_some()
+                    || options.kv_heads.is_some()
+                    || options.ffn.is_some()
+                {
+                    return Err(TrainError::Config(
+                        "the shape comes from the --init-from checkpoint's config.json: drop \
+                         --d-model, --layers, --heads, --kv-heads and --ffn"
+                            .into(),
+                    ));
+                }
+                LmSpec::from_hf(hf.clone(), options.seq_len).map_err(config)?
+            }
+            None => LmSpec::with_overrides(
+                &options.preset,
+                ShapeOverrides {
+                    d_model: options.d_model,
+                    layers: options.layers,
+                    heads: options.heads,
+                    kv_heads: options.kv_heads,
+                    ffn: options.ffn,
+                },
+                options.seq_len,
+            )
+            .map_err(config)?,
+        };
+        if spec.family != M::FAMILY {
+            return Err(TrainError::Config(format!(
+                "--preset {} is a {:?} model; this task builds {:?} models",
+                spec.preset,
+                spec.family,
+                M::FAMILY
+            )));
+        }
         spec.recompute_blocks = options.recompute_blocks;
         spec.seed = options.seed;
         Ok(spec)
@@ -280,7 +352,7 @@ impl<M: LanguageModel> LmTask<M> {
 
     /// Parameters of the model (the tied matrix once).
     pub fn num_params(&self) -> usize {
-        self.spec.gpt_config().num_params()
+        self.spec.num_params()
     }
 
     fn tokens_per_rank_batch(&self) -> usize {
@@ -299,7 +371,7 @@ impl<M: LanguageModel> LmTask<M> {
             // Prompt ids the data lacks map to the nearest known id (a smoke option only).
             prompt = prompt
                 .iter()
-                .map(|&t| match map.binary_search(&(t as u16)) {
+                .map(|&t| match map.binary_search(&(t as u32)) {
                     Ok(i) | Err(i) => i.min(map.len() - 1) as i32,
                 })
                 .collect();
@@ -322,8 +394,8 @@ impl<M: LanguageModel> LmTask<M> {
         let to_gpt2 = |ids: &[i32]| -> Vec<u16> {
             ids.iter()
                 .map(|&t| match &self.tokens.dense_to_gpt2 {
-                    Some(map) => map.get(t as usize).copied().unwrap_or(0),
-                    None => (t as u16).min(GPT2_VOCAB_SIZE as u16 - 1),
+                    Some(map) => map.get(t as usize).copied().unwrap_or(0) as u16,
+                    None => (t.max(0) as u32).min(GPT2_VOCAB_SIZE - 1) as u16,
                 })
                 .collect()
         };
@@ -349,7 +421,7 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
 
     fn identity(&self) -> Vec<RunSetting> {
         let s = &self.spec;
-        vec![
+        let mut settings = vec![
             RunSetting::new("preset", "--preset", &s.preset),
             RunSetting::new("d_model", "--d-model", s.d_model),
             RunSetting::new("layers", "--layers", s.layers),
@@ -362,7 +434,14 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
                 self.options.compact_vocab,
             ),
             RunSetting::new("data", "--data", &self.tokens.id),
-        ]
+        ];
+        if s.family == LmFamily::Llama3 {
+            // GPT-2 checkpoints predate these keys and keep resuming without them.
+            settings.push(RunSetting::new("kv_heads", "--kv-heads", s.kv_heads));
+            settings.push(RunSetting::new("ffn", "--ffn", s.ffn));
+            settings.push(RunSetting::new("vocab", "--init-from", s.vocab));
+        }
+        settings
     }
 
     fn build_model(&self, _env: &RankEnv) -> Result<M, TrainError> {
@@ -405,17 +484,25 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
         let tokens = (self.options.batch_size as u64)
             .checked_mul(s.seq_len as u64)
             .ok_or_else(over)?;
-        let params = d
-            .checked_mul(d)
-            .and_then(|x| x.checked_mul(12))
-            .and_then(|x| x.checked_mul(l))
+        // Per block: the attention's (H + 2 KV) hd d + d^2 and the MLP's 2 d ffn (GELU) or 3 d ffn
+        // (SwiGLU).
+        let hd = d / (s.heads as u64).max(1);
+        let mlp = match s.family {
+            LmFamily::Gpt2 => 2,
+            LmFamily::Llama3 => 3,
+        };
+        let block = ((s.heads + 2 * s.kv_heads) as u64)
+            .checked_mul(hd)
+            .and_then(|x| x.checked_mul(d))
+            .and_then(|x| x.checked_add(d.checked_mul(d)?))
+            .and_then(|x| x.checked_add(d.checked_mul(s.ffn as u64)?.checked_mul(mlp)?))
+            .ok_or_else(over)?;
+        let params = block
+            .checked_mul(l)
             .and_then(|x| x.checked_add(v.checked_mul(d)?))
             .ok_or_else(over)?;
         let state = params.checked_mul(8).ok_or_else(over)? / world_size.max(1) as u64;
-        let unit = d
-            .checked_mul(d)
-            .and_then(|x| x.checked_mul(12 * 4))
-            .ok_or_else(over)?;
+        let unit = block.checked_mul(4).ok_or_else(over)?;
         let acts = tokens
             .checked_mul(d)
             .and_then(|x| x.checked_mul(l))
@@ -596,14 +683,25 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
         let mut rng = SplitMix64::new(
             self.options.seed ^ (env.rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         );
-        let bound = u64::from(GPT2_VOCAB_SIZE).min(self.spec.vocab as u64);
+        // The peer's ids: GPT-2's 50257 for the GPT family, the whole vocabulary for Llama.
+        let bound = match self.spec.family {
+            LmFamily::Gpt2 => u64::from(GPT2_VOCAB_SIZE).min(self.spec.vocab as u64),
+            LmFamily::Llama3 => self.spec.vocab as u64,
+        };
         let mut ids = |n: usize| -> Vec<i32> { (0..n).map(|_| rng.below(bound) as i32).collect() };
         let (x, y) = (ids(b * t), ids(b * t));
         Ok(TokenBatch::new(&env.device, &x, &y, b, t, self.spec.vocab)?)
     }
 
     fn flops_per_unit(&self) -> Option<f64> {
-        Some(self.spec.gpt_config().flops_per_token())
+        Some(self.spec.flops_per_token())
+    }
+
+    fn weights_format(&self) -> Box<dyn fsdp_train::weights::WeightsFormat + '_> {
+        match &self.hf_format {
+            Some(f) => Box::new(f.clone()),
+            None => Box::new(fsdp_train::weights::SafetensorsFormat),
+        }
     }
 
     fn describe(&self) -> Vec<(String, serde_json::Value)> {
@@ -613,6 +711,8 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
             ("d_model".into(), serde_json::json!(s.d_model)),
             ("layers".into(), serde_json::json!(s.layers)),
             ("heads".into(), serde_json::json!(s.heads)),
+            ("kv_heads".into(), serde_json::json!(s.kv_heads)),
+            ("ffn".into(), serde_json::json!(s.ffn)),
             ("vocab".into(), serde_json::json!(s.vocab)),
             ("batch".into(), serde_json::json!(self.options.batch_size)),
             ("seq".into(), serde_json::json!(s.seq_len)),

@@ -16,6 +16,7 @@
 use std::ops::Range;
 
 use super::error::TokenDataError;
+use super::file::TokenId;
 
 /// SplitMix64's increment (the golden ratio in 64-bit fixed point).
 const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -29,12 +30,18 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A token id as the model's `i32` (ids are checked against the vocabulary when a file is opened; one
+/// above `i32::MAX` saturates, and the model's own vocabulary check then refuses it).
+fn token_i32<T: TokenId>(t: T) -> i32 {
+    i32::try_from(t.into()).unwrap_or(i32::MAX)
+}
+
 /// Copies windows of `tokens` into model inputs and targets: for the `k`-th start `s`,
 /// `inputs[k*T .. (k+1)*T] = tokens[s .. s+T]` and `targets[k*T .. (k+1)*T] = tokens[s+1 .. s+T+1]`.
 ///
 /// Both buffers must hold exactly `starts.len() * seq_len` ids, and every window must lie in `tokens`.
-pub fn fill_windows(
-    tokens: &[u16],
+pub fn fill_windows<T: TokenId>(
+    tokens: &[T],
     starts: &[usize],
     seq_len: usize,
     inputs: &mut [i32],
@@ -77,10 +84,10 @@ pub fn fill_windows(
                 )
             })?;
         for (o, &t) in x.iter_mut().zip(&window[..seq_len]) {
-            *o = i32::from(t);
+            *o = token_i32(t);
         }
         for (o, &t) in y.iter_mut().zip(&window[1..]) {
-            *o = i32::from(t);
+            *o = token_i32(t);
         }
     }
     Ok(())
@@ -213,9 +220,9 @@ impl TrainWindowSampler {
     /// Draws the next step's windows and copies them into `inputs` and `targets` (`batch * seq_len` ids
     /// each, row-major `[batch, seq_len]`); returns the starts. `tokens` must be the stream the sampler
     /// was built for (its length is checked).
-    pub fn fill_next(
+    pub fn fill_next<T: TokenId>(
         &mut self,
-        tokens: &[u16],
+        tokens: &[T],
         inputs: &mut [i32],
         targets: &mut [i32],
     ) -> Result<Vec<usize>, TokenDataError> {
@@ -316,9 +323,9 @@ impl ValidationWindows {
 
     /// Copies batch `b` into `inputs` and `targets` (at least `B * T` ids each; the first
     /// `windows * T` are written) and returns its number of windows.
-    pub fn fill_batch(
+    pub fn fill_batch<T: TokenId>(
         &self,
-        tokens: &[u16],
+        tokens: &[T],
         b: usize,
         inputs: &mut [i32],
         targets: &mut [i32],
