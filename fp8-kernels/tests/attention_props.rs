@@ -95,9 +95,8 @@ fn case() -> impl Strategy<Value = (AttentionShape, f32, Vec<f32>, Vec<f32>)> {
 /// Grouped-query shapes small enough for the naive reference: 1 or 2 key/value heads, groups of 1, 2 or
 /// 4, every head dim.
 fn small_gqa_shape() -> impl Strategy<Value = AttentionShape> {
-    (1usize..3, 1usize..3, 0usize..3, 1usize..24, 0usize..3).prop_map(|(b, kv, g, t, i)| {
-        AttentionShape::gqa(b, kv * [1, 2, 4][g], kv, t, HEAD_DIMS[i])
-    })
+    (1usize..3, 1usize..3, 0usize..3, 1usize..24, 0usize..3)
+        .prop_map(|(b, kv, g, t, i)| AttentionShape::gqa(b, kv * [1, 2, 4][g], kv, t, HEAD_DIMS[i]))
 }
 
 fn gqa_case() -> impl Strategy<Value = (AttentionShape, f32, Vec<f32>, Vec<f32>)> {
@@ -390,7 +389,9 @@ fn check_gqa_against_expanded(
     let (out_e, lse_e, dx_e) = cpu_reference(&mha, scale, &xe, dy);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     if bits(&out) != bits(&out_e) || bits(&lse) != bits(&lse_e) {
-        return Err(format!("{s:?}: out or lse differ from the expanded problem"));
+        return Err(format!(
+            "{s:?}: out or lse differ from the expanded problem"
+        ));
     }
     if bits(&slot(s, &dx, 0)) != bits(&slot(&mha, &dx_e, 0)) {
         return Err(format!("{s:?}: dq differs from the expanded problem"));

@@ -225,11 +225,16 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
     const int G = H / KV;  // query heads kvh * G .. kvh * G + G - 1 read this key/value head
     const int split = blockIdx.y, nsplit = gridDim.y;
     const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
-    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
-    const u16* gV = gK + (u64)KV * HD;
-    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
-    u16* gdV = gdK + (u64)KV * HD;
+    // k and v of this key/value head (and dk, dv) at qkv (dqkv) + kv_off and + kv_off + KV * HD: an
+    // offset from the parameters, where four pointers would stay live in registers.
+    const u64 kv_off = (u64)b * T * rs + (u64)(H + kvh) * HD;
     const int nkb = (T + BN - 1) / BN, nqb = (T + BM - 1) / BM;
+    // Q, dO, lse, D and the dQ accumulator of the group's first query head.
+    // Offsets of the current query head in qkv, in dout (and the dQ accumulator) and in lse (and D): three
+    // offsets from the parameters, where five pointers would stay live in registers.
+    u64 q_off = (u64)b * T * rs + (u64)kvh * G * HD, o_off = (u64)b * T * ors + (u64)kvh * G * HD;
+    u64 l_off = ((u64)b * H + (u64)kvh * G) * T;
+    float* const acc_split = dq_acc + (u64)split * dq_split_stride;
 
     for (int round = 0;; ++round) {
         const int j = round * nsplit + ((round & 1) ? nsplit - 1 - split : split);
@@ -237,8 +242,8 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
         const int k0 = j * BN;
         const int i0 = k0 / BM;  // first query block holding a query >= k0 (BM divides BN)
 
-        att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);  // committed with the first head's tiles
-        att_load_tile<HD, BN, NT>(sV, gV, rs, k0, T, tid);
+        att_load_tile<HD, BN, NT>(sK, qkv + kv_off, rs, k0, T, tid);  // committed with the first head's tiles
+        att_load_tile<HD, BN, NT>(sV, qkv + kv_off + (u64)KV * HD, rs, k0, T, tid);
 
         float dk[HD / 8][4], dv[HD / 8][4];
 #pragma unroll
@@ -249,18 +254,15 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 
         // The group's query heads in increasing order, all adding into dk and dv: the group sum of
         // grouped-query attention, in a fixed order (the same bits on every run).
-        for (int hg = 0; hg < G; ++hg) {
-            const int h = kvh * G + hg, bh = b * H + h;
-            const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-            const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
-            const float* gL = lse + (u64)bh * T;
-            const float* gD = dvec + (u64)bh * T;
-            float* acc = dq_acc + (u64)split * dq_split_stride + (u64)b * T * ors + (u64)h * HD;
+        // The pointers step to the next head at the end of each and back to the group's first head after
+        // the last (fewer live registers than recomputing them).
+#pragma unroll 1
+        for (int hg = 0; hg < G; ++hg, q_off += HD, o_off += HD, l_off += T) {
             if (hg > 0) __syncthreads();  // every warp is done with the previous head's tiles
-            att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
-            att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
-            att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
-            att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
+            att_load_tile<HD, BM, NT>(sQ, qkv + q_off, rs, i0 * BM, T, tid);
+            att_load_tile<HD, BM, NT>(sdO, dout + o_off, ors, i0 * BM, T, tid);
+            att_load_vec<BM, NT>(sL, lse + l_off, i0 * BM, T, tid);
+            att_load_vec<BM, NT>(sD, dvec + l_off, i0 * BM, T, tid);
             att_cp_commit();
 
             for (int i = i0; i < nqb; ++i) {
@@ -269,10 +271,10 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
                 __syncthreads();  // block i is in buffer `buf`; every warp is done with iteration i-1
                 if (i + 1 < nqb) {
                     const int nb = buf ^ 1;
-                    att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
-                    att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
-                    att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
-                    att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
+                    att_load_tile<HD, BM, NT>(sQ + nb * BM * S, qkv + q_off, rs, (i + 1) * BM, T, tid);
+                    att_load_tile<HD, BM, NT>(sdO + nb * BM * S, dout + o_off, ors, (i + 1) * BM, T, tid);
+                    att_load_vec<BM, NT>(sL + nb * BM, lse + l_off, (i + 1) * BM, T, tid);
+                    att_load_vec<BM, NT>(sD + nb * BM, dvec + l_off, (i + 1) * BM, T, tid);
                     att_cp_commit();
                 }
                 const u16* cQ = sQ + buf * BM * S;
@@ -348,6 +350,7 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 #pragma unroll
                         for (int n = 0; n < 2; ++n) {
                             const int col = col0 + n * 8 + 2 * q;
+                            float* acc = acc_split + o_off;
                             if (row < T) att_red_add2(acc + (u64)row * ors + col, c[n][0], c[n][1]);
                             if (row + 8 < T) att_red_add2(acc + (u64)(row + 8) * ors + col, c[n][2], c[n][3]);
                         }
@@ -355,14 +358,15 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
                 }
             }
         }  // query heads of the group
+        q_off -= (u64)G * HD, o_off -= (u64)G * HD, l_off -= (u64)G * T;
 
         // dK (times scale) and dV to dqkv, staged through sK / sV once every warp is done reading them.
         __syncthreads();
         att_store_c_bf16<HD, S>(sK, warp * 16, dk, scale, lane);
         att_store_c_bf16<HD, S>(sV, warp * 16, dv, 1.0f, lane);
         __syncwarp();
-        att_warp_store_rows<HD>(gdK, rs, sK, warp * 16, k0 + warp * 16, T, lane);
-        att_warp_store_rows<HD>(gdV, rs, sV, warp * 16, k0 + warp * 16, T, lane);
+        att_warp_store_rows<HD>(dqkv + kv_off, rs, sK, warp * 16, k0 + warp * 16, T, lane);
+        att_warp_store_rows<HD>(dqkv + kv_off + (u64)KV * HD, rs, sV, warp * 16, k0 + warp * 16, T, lane);
         __syncthreads();  // before the next key block overwrites the tiles
     }
 }

@@ -241,13 +241,14 @@ __device__ __forceinline__ void attn_bwd_dkdv_pairs(const u16* __restrict__ qkv,
     float acc[MT][HD / 8][4];  // dV (warp 0 of the pair) or dK / scale (warp 1), summed over the group
     att_zero_mt<MT, HD / 8>(acc);
 
-    // The group's query heads in increasing order (the group sum in a fixed order, as above).
-    for (int hg = 0; hg < G; ++hg) {
-        const int h = kvh * G + hg, bh = b * H + h;
-        const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-        const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
-        const float* gL = lse + (u64)bh * T;
-        const float* gD = dvec + (u64)bh * T;
+    // The group's query heads in increasing order (the group sum in a fixed order, as above); the
+    // pointers step to the next head at the end of each (fewer live registers than recomputing them).
+    const u16* gQ = qkv + (u64)b * T * rs + (u64)kvh * G * HD;
+    const u16* gdO = dout + (u64)b * T * ors + (u64)kvh * G * HD;
+    const float* gL = lse + ((u64)b * H + (u64)kvh * G) * T;
+    const float* gD = dvec + ((u64)b * H + (u64)kvh * G) * T;
+#pragma unroll 1
+    for (int hg = 0; hg < G; ++hg, gQ += HD, gdO += HD, gL += T, gD += T) {
         // Every warp is done with the previous head's tiles, and warp 1 of each pair with its P^T.
         if (hg > 0) __syncthreads();
         att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
