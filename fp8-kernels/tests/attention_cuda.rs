@@ -310,3 +310,90 @@ fn gpu_rejects_bad_calls() {
         Err(KernelError::WrongDevice(_))
     ));
 }
+
+/// Grouped-query shapes: groups of 2, 4 and 8 and one key/value head, `T` across and off the 64-row
+/// tiles, every head dim.
+fn gqa_shapes() -> Vec<AttentionShape> {
+    let mut v = Vec::new();
+    for hd in HEAD_DIMS {
+        v.push(AttentionShape::gqa(1, 4, 2, 17, hd));
+        v.push(AttentionShape::gqa(2, 4, 1, 65, hd));
+        v.push(AttentionShape::gqa(2, 6, 3, 200, hd));
+        v.push(AttentionShape::gqa(1, 8, 1, 1024, hd));
+    }
+    v.push(AttentionShape::gqa(4, 24, 8, 130, 32));
+    v
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gqa_cuda_matches_cpu() {
+    // Every family (simple, tensor cores), the deterministic backward (default separate kernels and the
+    // fused kernel with split buffers) and the atomic one, against the CPU reference.
+    let dev = gpu();
+    let mut fails = Vec::new();
+    for (i, shape) in gqa_shapes().iter().enumerate() {
+        let inp = inputs(*shape, 300 + i as u64);
+        let want = reference(&inp, AttentionConfig::default().scale_for(shape.head_dim));
+        for (name, cfg) in variants(shape.head_dim, shape.seq_len) {
+            let label = format!(
+                "B{} H{} KV{} T{} hd{} [{name}]",
+                shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.head_dim
+            );
+            match run(&dev, &inp, &cfg, &mut AttentionWorkspace::new()) {
+                Ok((got, _, _)) => fails.extend(check_all(&label, shape, &got, &want)),
+                Err(e) => {
+                    let line = format!("FAIL {label}: error {e}");
+                    println!("{line}");
+                    fails.push(line);
+                }
+            }
+        }
+    }
+    assert_no_failures(&fails);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gqa_backward_is_deterministic() {
+    // The dK/dV group sum runs inside the kernels in a fixed order: the same bits on every run.
+    let dev = gpu();
+    for hd in HEAD_DIMS {
+        let shape = AttentionShape::gqa(2, 8, 2, 333, hd);
+        let inp = inputs(shape, 78);
+        for (name, cfg) in [
+            ("mma default", AttentionConfig::default()),
+            (
+                "mma fused q32 splits 2",
+                AttentionConfig {
+                    tiles: AttentionTiles {
+                        backward: Some(BackwardKernels::Fused { query_rows: 32 }),
+                        backward_splits: Some(2),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            ),
+            (
+                "simple",
+                AttentionConfig {
+                    kernel: AttentionKernel::Simple,
+                    ..Default::default()
+                },
+            ),
+        ] {
+            let mut ws = AttentionWorkspace::new();
+            let (_, o1, g1) = run(&dev, &inp, &cfg, &mut ws).unwrap();
+            let (_, o2, g2) = run(&dev, &inp, &cfg, &mut ws).unwrap();
+            let (_, o3, g3) = run(&dev, &inp, &cfg, &mut AttentionWorkspace::new()).unwrap();
+            assert!(
+                o1 == o2 && o1 == o3,
+                "hd{hd} GQA [{name}]: forward not deterministic"
+            );
+            assert!(
+                g1 == g2 && g1 == g3,
+                "hd{hd} GQA [{name}]: backward not deterministic"
+            );
+        }
+    }
+}

@@ -180,7 +180,7 @@ fn run(bin: &Path, inp: &Inputs, v: &Variant, scale: f32, dir: &Path) -> Result<
         .arg("run")
         .arg(dir)
         .arg(dir)
-        .args([s.batch, s.heads, s.seq_len, s.head_dim].map(|x| x.to_string()))
+        .args([s.batch, s.heads, s.kv_heads, s.seq_len, s.head_dim].map(|x| x.to_string()))
         .arg(format!("{scale:e}"))
         .arg(v.copies)
         .arg(&v.fwd)
@@ -293,6 +293,62 @@ fn emulated_deterministic_backward_repeats_bits() {
     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     // The fused backward with two splits per head (several blocks add into their own buffers) and the
     // default (separate) backward.
+    for v in variants(32, true)
+        .into_iter()
+        .filter(|v| v.name.starts_with("default") || v.name == "fused q32 splits 2")
+    {
+        let a = run(&bin, &inp, &v, 0.2, &dir).unwrap();
+        let b = run(&bin, &inp, &v, 0.2, &dir).unwrap();
+        assert_eq!(bits(&a.dqkv), bits(&b.dqkv), "{}", v.name);
+        assert_eq!(bits(&a.out), bits(&b.out), "{}", v.name);
+    }
+}
+
+/// Grouped-query shapes (`kv_heads` < `heads`): groups of 2 and 4, one key/value head, `T` across the
+/// 64-row tiles with a partial last tile; every variant on the first (the dK/dV group sum runs in the
+/// separate dK/dV kernels, both warp layouts, and in the fused kernel with splits and atomics).
+fn gqa_cases() -> Vec<(AttentionShape, bool)> {
+    vec![
+        (AttentionShape::gqa(1, 4, 2, 130, 32), true),
+        (AttentionShape::gqa(2, 4, 1, 70, 64), false),
+        (AttentionShape::gqa(1, 4, 1, 65, 128), false),
+    ]
+}
+
+#[test]
+#[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
+fn emulated_gqa_kernels_match_cpu() {
+    let bin = emulator();
+    let dir = scratch("attention_emulated_gqa");
+    let mut fails = Vec::new();
+    for (i, (shape, all)) in gqa_cases().into_iter().enumerate() {
+        let inp = inputs(shape, 700 + i as u64);
+        let scale = AttentionConfig::default().scale_for(shape.head_dim);
+        let want = reference(&inp, scale);
+        for v in &variants(shape.head_dim, all) {
+            let label = format!(
+                "B{} H{} KV{} T{} hd{} [emulated {}]",
+                shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.head_dim, v.name
+            );
+            match run(&bin, &inp, v, scale, &dir) {
+                Ok(got) => fails.extend(check_all(&label, &shape, &got, &want)),
+                Err(e) => {
+                    println!("FAIL {label}: {e}");
+                    fails.push(format!("{label}: {e}"));
+                }
+            }
+        }
+    }
+    assert_no_failures(&fails);
+}
+
+#[test]
+#[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
+fn emulated_gqa_deterministic_backward_repeats_bits() {
+    let bin = emulator();
+    let dir = scratch("attention_emulated_gqa_determinism");
+    let inp = inputs(AttentionShape::gqa(1, 4, 2, 150, 32), 19);
+    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for v in variants(32, true)
         .into_iter()
         .filter(|v| v.name.starts_with("default") || v.name == "fused q32 splits 2")

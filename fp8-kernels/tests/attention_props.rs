@@ -3,8 +3,10 @@
 //! validation, and the NVRTC build of the CUDA module for sm_90 with ptxas' register report (ignored
 //! where the build found no NVRTC). The GPU comparisons are in `attention_cuda.rs`.
 
+mod attention_common;
 mod common;
 
+use attention_common::{expand_kv, slot};
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
 use fp8_kernels::attention::{
     attention_backward, attention_forward, attention_module, cpu, default_tiles, dkdv_variants,
@@ -17,10 +19,19 @@ use fp8_kernels::{Device, KernelError};
 use half::bf16;
 use proptest::prelude::*;
 
-/// Naive F64 causal attention: `(out [B,T,H,hd], lse [B,H,T])`.
+/// Naive F64 causal attention: `(out [B,T,H,hd], lse [B,H,T])`. Query head `h` reads key/value head
+/// `h / group` (`w` = 0, 1, 2: q, k, v).
 fn naive_forward(s: &AttentionShape, scale: f64, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let (bn, hn, tn, d) = (s.batch, s.heads, s.seq_len, s.head_dim);
-    let at = |b: usize, t: usize, w: usize, h: usize| ((b * tn + t) * 3 + w) * hn * d + h * d;
+    let (kvn, g, width) = (s.kv_heads, s.group(), s.qkv_width());
+    let at = |b: usize, t: usize, w: usize, h: usize| {
+        let col = match w {
+            0 => h,
+            1 => hn + h / g,
+            _ => hn + kvn + h / g,
+        };
+        (b * tn + t) * width + col * d
+    };
     let mut out = vec![0.0; s.out_len()];
     let mut lse = vec![0.0; s.lse_len()];
     for b in 0..bn {
@@ -78,7 +89,24 @@ fn values(n: usize, amp: f32) -> impl Strategy<Value = Vec<f32>> {
 }
 
 fn case() -> impl Strategy<Value = (AttentionShape, f32, Vec<f32>, Vec<f32>)> {
-    (small_shape(), 0.05f32..0.6).prop_flat_map(|(s, scale)| {
+    shape_case(small_shape())
+}
+
+/// Grouped-query shapes small enough for the naive reference: 1 or 2 key/value heads, groups of 1, 2 or
+/// 4, every head dim.
+fn small_gqa_shape() -> impl Strategy<Value = AttentionShape> {
+    (1usize..3, 1usize..3, 0usize..3, 1usize..24, 0usize..3)
+        .prop_map(|(b, kv, g, t, i)| AttentionShape::gqa(b, kv * [1, 2, 4][g], kv, t, HEAD_DIMS[i]))
+}
+
+fn gqa_case() -> impl Strategy<Value = (AttentionShape, f32, Vec<f32>, Vec<f32>)> {
+    shape_case(small_gqa_shape())
+}
+
+fn shape_case(
+    shapes: impl Strategy<Value = AttentionShape>,
+) -> impl Strategy<Value = (AttentionShape, f32, Vec<f32>, Vec<f32>)> {
+    (shapes, 0.05f32..0.6).prop_flat_map(|(s, scale)| {
         (
             Just(s),
             Just(scale),
@@ -216,7 +244,12 @@ proptest! {
 
 #[test]
 fn public_api_on_the_cpu_rounds_the_reference_to_bf16() {
-    let s = AttentionShape::new(2, 3, 19, 32);
+    public_api_rounds_the_reference(AttentionShape::new(2, 3, 19, 32));
+    public_api_rounds_the_reference(AttentionShape::gqa(2, 4, 2, 19, 32));
+    public_api_rounds_the_reference(AttentionShape::gqa(1, 4, 1, 70, 64));
+}
+
+fn public_api_rounds_the_reference(s: AttentionShape) {
     let mut rng = fp8_kernels::rng::SplitMix64::new(7);
     let x: Vec<bf16> = (0..s.qkv_len())
         .map(|_| bf16::from_f32(rng.uniform_f32() * 2.0))
@@ -237,7 +270,7 @@ fn public_api_on_the_cpu_rounds_the_reference_to_bf16() {
 
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     let dyf: Vec<f32> = dy.iter().map(|v| v.to_f32()).collect();
-    let scale = 1.0 / (32f32).sqrt();
+    let scale = 1.0 / (s.head_dim as f32).sqrt();
     let mut o = vec![0.0f32; s.out_len()];
     let mut l = vec![0.0f32; s.lse_len()];
     cpu::forward(&s, scale, &xf, &mut o, &mut l);
@@ -320,6 +353,193 @@ fn bad_calls_are_errors() {
     let mut none_out = dev.zeros::<bf16>(0).unwrap();
     let mut none_lse = dev.zeros::<f32>(0).unwrap();
     attention_forward(&empty, &cfg, &none, &mut none_out, &mut none_lse).unwrap();
+}
+
+/// The CPU reference's `(out, lse, d_qkv)`.
+fn cpu_reference(
+    s: &AttentionShape,
+    scale: f32,
+    x: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut out = vec![0.0f32; s.out_len()];
+    let mut lse = vec![0.0f32; s.lse_len()];
+    cpu::forward(s, scale, x, &mut out, &mut lse);
+    let mut dx = vec![0.0f32; s.qkv_len()];
+    cpu::backward(s, scale, x, dy, &mut dx);
+    (out, lse, dx)
+}
+
+/// The grouped-query CPU reference against the multi-head one on K and V repeated per group (Hugging
+/// Face's `repeat_kv`): out, lse and dq the same bits (each query head computes from the same numbers),
+/// dk and dv of a key/value head the sum over its group of the expanded problem's per-head dk and dv,
+/// within the rounding of an F32 sum of `group` terms.
+fn check_gqa_against_expanded(
+    s: &AttentionShape,
+    scale: f32,
+    x: &[f32],
+    dy: &[f32],
+) -> Result<(), String> {
+    let mha = AttentionShape::new(s.batch, s.heads, s.seq_len, s.head_dim);
+    let xe = expand_kv(s, x);
+    if xe.len() != mha.qkv_len() {
+        return Err(format!("expanded qkv has {} elements", xe.len()));
+    }
+    let (out, lse, dx) = cpu_reference(s, scale, x, dy);
+    let (out_e, lse_e, dx_e) = cpu_reference(&mha, scale, &xe, dy);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    if bits(&out) != bits(&out_e) || bits(&lse) != bits(&lse_e) {
+        return Err(format!(
+            "{s:?}: out or lse differ from the expanded problem"
+        ));
+    }
+    if bits(&slot(s, &dx, 0)) != bits(&slot(&mha, &dx_e, 0)) {
+        return Err(format!("{s:?}: dq differs from the expanded problem"));
+    }
+    let (hd, g) = (s.head_dim, s.group());
+    for w in 1..3 {
+        let got = slot(s, &dx, w); // [B, T, KV, hd]
+        let per_head = slot(&mha, &dx_e, w); // [B, T, H, hd]
+        for (i, &v) in got.iter().enumerate() {
+            let (d, j, bt) = (i % hd, (i / hd) % s.kv_heads, i / (hd * s.kv_heads));
+            let terms = (j * g..(j + 1) * g).map(|h| per_head[(bt * s.heads + h) * hd + d] as f64);
+            let (sum, abs) = terms.fold((0.0, 0.0), |(a, b), t| (a + t, b + t.abs()));
+            let tol = g as f64 * f32::EPSILON as f64 * abs;
+            if (v as f64 - sum).abs() > tol {
+                return Err(format!(
+                    "{s:?}: {}[{i}] = {v}, the group sum of the expanded problem is {sum}",
+                    ["dq", "dk", "dv"][w]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn cpu_gqa_forward_matches_naive_f64((s, scale, x, dy) in gqa_case()) {
+        let (out, lse, _) = cpu_reference(&s, scale, &x, &dy);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let (want, want_lse) = naive_forward(&s, scale as f64, &x64);
+        for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+            prop_assert!((g as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()), "out[{i}] {g} vs {w} ({s:?})");
+        }
+        for (i, (&g, &w)) in lse.iter().zip(&want_lse).enumerate() {
+            prop_assert!((g as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()), "lse[{i}] {g} vs {w} ({s:?})");
+        }
+    }
+
+    #[test]
+    fn cpu_gqa_backward_matches_finite_differences((s, scale, x, dy) in gqa_case(), picks in prop::collection::vec(any::<prop::sample::Index>(), 12)) {
+        // The finite differences of the naive forward, where a key/value head feeds every query head
+        // of its group: the group sum of dk and dv follows from the loss, not from the code under test.
+        let mut dx = vec![0.0f32; s.qkv_len()];
+        cpu::backward(&s, scale, &x, &dy, &mut dx);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let dy64: Vec<f64> = dy.iter().map(|&v| v as f64).collect();
+        let g_max = max_abs(&dx) as f64;
+        let eps = 1e-4;
+        // Half the picks in the k and v columns, which the group sum concerns.
+        let kv_cols = 2 * s.kv_heads * s.head_dim;
+        for (n, p) in picks.into_iter().enumerate() {
+            let i = if n % 2 == 0 {
+                p.index(x.len())
+            } else {
+                let j = p.index(x.len() / s.qkv_width() * kv_cols);
+                (j / kv_cols) * s.qkv_width() + s.heads * s.head_dim + j % kv_cols
+            };
+            let mut xp = x64.clone();
+            xp[i] += eps;
+            let mut xm = x64.clone();
+            xm[i] -= eps;
+            let fd = (naive_loss(&s, scale as f64, &xp, &dy64) - naive_loss(&s, scale as f64, &xm, &dy64)) / (2.0 * eps);
+            prop_assert!(
+                (dx[i] as f64 - fd).abs() <= 1e-4 * (1.0 + g_max),
+                "d_qkv[{i}] = {} but the finite difference is {fd} (shape {s:?})", dx[i]
+            );
+        }
+    }
+
+    #[test]
+    fn cpu_gqa_equals_mha_on_repeated_kv((s, scale, x, dy) in gqa_case()) {
+        let r = check_gqa_against_expanded(&s, scale, &x, &dy);
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+#[test]
+fn cpu_gqa_equals_mha_on_repeated_kv_across_tiles() {
+    // Groups of 1, 2 and 4 and one key/value head; T not a multiple of 64; every head dim.
+    let shapes = [
+        AttentionShape::gqa(1, 2, 2, 65, 32),
+        AttentionShape::gqa(2, 4, 2, 100, 32),
+        AttentionShape::gqa(1, 8, 2, 130, 64),
+        AttentionShape::gqa(1, 4, 1, 77, 128),
+        AttentionShape::gqa(2, 3, 1, 33, 64),
+    ];
+    for (i, s) in shapes.iter().enumerate() {
+        let inp = attention_common::inputs(*s, 40 + i as u64);
+        let x: Vec<f32> = inp.x.iter().map(|v| v.to_f32()).collect();
+        let dy: Vec<f32> = inp.dy.iter().map(|v| v.to_f32()).collect();
+        check_gqa_against_expanded(s, 0.9 / (s.head_dim as f32).sqrt(), &x, &dy).unwrap();
+    }
+}
+
+#[test]
+fn gqa_shapes_and_invalid_kv_heads() {
+    let mha = AttentionShape::new(2, 6, 10, 64);
+    assert_eq!(mha.kv_heads, 6);
+    assert_eq!(mha.group(), 1);
+    assert_eq!(mha.qkv_width(), 3 * 6 * 64);
+    assert_eq!(mha.qkv_len(), 3 * mha.out_len());
+    let s = AttentionShape::gqa(2, 6, 2, 10, 64);
+    assert_eq!(s.group(), 3);
+    assert_eq!(s.qkv_width(), (6 + 4) * 64);
+    assert_eq!(s.qkv_len(), 2 * 10 * 10 * 64);
+    assert_eq!((s.out_len(), s.lse_len()), (mha.out_len(), mha.lse_len()));
+    // Same FLOP count as the multi-head shape: it counts query heads.
+    assert_eq!(s.causal_flops_fwd_bwd(), mha.causal_flops_fwd_bwd());
+
+    let dev = Device::cpu();
+    let cfg = AttentionConfig::default();
+    for kv in [0, 4, 5, 12] {
+        let bad = AttentionShape::gqa(1, 6, kv, 8, 64);
+        let qkv = dev.zeros::<bf16>(bad.qkv_len()).unwrap();
+        let mut out = dev.zeros::<bf16>(bad.out_len()).unwrap();
+        let mut lse = dev.zeros::<f32>(bad.lse_len()).unwrap();
+        match attention_forward(&bad, &cfg, &qkv, &mut out, &mut lse) {
+            Err(KernelError::InvalidArgument { detail, .. }) => {
+                assert!(detail.contains("kv_heads"), "kv_heads {kv}: {detail}")
+            }
+            other => panic!("kv_heads {kv}: {other:?}"),
+        }
+        let mut dqkv = dev.zeros::<bf16>(bad.qkv_len()).unwrap();
+        let r = attention_backward(
+            &bad,
+            &cfg,
+            &qkv,
+            &out,
+            &out,
+            &lse,
+            &mut dqkv,
+            &mut AttentionWorkspace::new(),
+        );
+        assert!(
+            matches!(r, Err(KernelError::InvalidArgument { .. })),
+            "kv_heads {kv}: {r:?}"
+        );
+    }
+    // A qkv of the multi-head length is the wrong length for a grouped-query shape.
+    let qkv = dev.zeros::<bf16>(mha.qkv_len()).unwrap();
+    let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
+    let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
+    assert!(matches!(
+        attention_forward(&s, &cfg, &qkv, &mut out, &mut lse),
+        Err(KernelError::LengthMismatch { .. })
+    ));
 }
 
 /// The entry points of `ptx` whose names start with `prefix`.

@@ -4,10 +4,13 @@
 // and exponentials (ex2.approx) where they want them.
 //
 // Layouts (row-major, element offsets):
-//   qkv  [B, T, 3, H, HD] bf16: q(b,t,h,d) at ((b*T + t)*3*H + 0*H + h)*HD + d, k at +H*HD, v at +2*H*HD
+//   qkv  [B, T, H + 2*KV, HD] bf16: KV key/value heads serve the H query heads (KV divides H; query head h
+//        reads key/value head h / (H/KV), grouped-query attention; KV = H is multi-head attention);
+//        q(b,t,h,d) at ((b*T + t)*(H + 2*KV) + h)*HD + d, k(b,t,j,d) at ((b*T + t)*(H + 2*KV) + H + j)*HD + d,
+//        v(b,t,j,d) at ((b*T + t)*(H + 2*KV) + H + KV + j)*HD + d
 //   out  [B, T, H, HD]    bf16: ((b*T + t)*H + h)*HD + d              (also dout)
 //   lse  [B, H, T]        f32:  (b*H + h)*T + t, natural-log log-sum-exp of the scaled scores of row t
-//   dqkv [B, T, 3, H, HD] bf16, as qkv
+//   dqkv [B, T, H + 2*KV, HD] bf16, as qkv; dk and dv of head j sum over its group's query heads
 //   D    [B, H, T]        f32:  rowsum(dout * out) (backward workspace)
 //   dq_acc [nbuf][B, T, H, HD] f32: dQ / scale accumulated by the backward (workspace)
 //
@@ -40,7 +43,7 @@
 // warp that owns them, which also stages its output there at the end.
 template <int HD, int NW, int MT, int BN>
 __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* __restrict__ out,
-                                             float* __restrict__ lse, int T, int H, float scale_log2) {
+                                             float* __restrict__ lse, int T, int H, int KV, float scale_log2) {
     constexpr int WR = 16 * MT, BM = WR * NW, S = HD + 8, NT = 32 * NW;
     // The warp's Q fragments stay in registers (MT * HD / 4 of them: an eighth less shared-memory traffic
     // per key block) when O, S and they take at most 160 registers per thread; more spills (ptxas, sm_90).
@@ -53,10 +56,11 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
     const int g = lane >> 2, q = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
-    const u64 rs = (u64)3 * H * HD;  // qkv row stride
+    const u64 rs = (u64)(H + 2 * KV) * HD;  // qkv row stride
+    const int kvh = h / (H / KV);           // the key/value head of query head h
     const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-    const u16* gK = gQ + (u64)H * HD;
-    const u16* gV = gQ + (u64)2 * H * HD;
+    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const u16* gV = gK + (u64)KV * HD;
     // Keys 0 .. q_end-1 are all any valid row of this block can see.
     const int q_end = min(q0 + BM, T);
     const int nkb = (q_end - 1) / BN + 1;
@@ -179,11 +183,12 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
 // =====================================================================================================
 // Backward (tensor cores)
 // =====================================================================================================
-// Grid (B*H, nsplit); 4 warps; each block processes key blocks of BN = 64 rows (warp w owns keys
-// 16w..16w+15), taking key block j = r*nsplit + (r even ? split : nsplit-1-split) for r = 0, 1, ...
-// (a snake order that evens out the causal work between splits). For one key block it loops over the
-// query blocks of BM rows from the diagonal on, double-buffering Q, dO, lse and D with cp.async, and
-// keeps dK and dV in registers:
+// Grid (B*KV, nsplit), one block row per (batch, key/value head); 4 warps; each block processes key
+// blocks of BN = 64 rows (warp w owns keys 16w..16w+15), taking key block j = r*nsplit + (r even ? split
+// : nsplit-1-split) for r = 0, 1, ... (a snake order that evens out the causal work between splits). For
+// one key block it loops over the query heads of its group (H / KV of them, in increasing order) and for
+// each over the query blocks of BM rows from the diagonal on, double-buffering Q, dO, lse and D with
+// cp.async, and keeps dK and dV, summed over the group, in registers:
 //   S^T  = K Q^T         (16 keys x BM queries per warp)
 //   P^T  = 2^(S^T * scale * log2e - lse * log2e), 0 where key > query or query >= T
 //   dV  += P^T dO
@@ -192,7 +197,8 @@ __device__ __forceinline__ void attn_fwd_mma(const u16* __restrict__ qkv, u16* _
 //   dK  += dS^T Q                      (times scale at the end)
 //   dS^T -> shared (bf16); dQ(BM x HD) += dS K, added into dq_acc with vector reductions (dQ / scale).
 // dq_acc + split * dq_split_stride is this block's accumulator. Deterministic mode gives every split its
-// own buffer (dq_split_stride = B*T*H*HD): each address is then updated by one thread of one block only,
+// own buffer (dq_split_stride = B*T*H*HD): each address (a query head belongs to one key/value head's
+// group, so to one block row) is then updated by one thread of one block only,
 // in program order, so the sums are the same bits on every run. Atomic mode passes stride 0 and nsplit =
 // number of key blocks: all blocks of a head add into one buffer, in a varying order.
 // Shared memory: K, V [BN][HD+8]; Q, dO [2][BM][HD+8]; dS^T [BN][BM+8] bf16; lse, D [2][BM] f32.
@@ -200,7 +206,7 @@ template <int HD, int BM>
 __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                              const float* __restrict__ lse, const float* __restrict__ dvec,
                                              float* __restrict__ dq_acc, u64 dq_split_stride,
-                                             u16* __restrict__ dqkv, int T, int H, float scale,
+                                             u16* __restrict__ dqkv, int T, int H, int KV, float scale,
                                              float scale_log2) {
     constexpr int BN = 64, S = HD + 8, SD = BM + 8, NT = 128;
     constexpr int RG = BM / 16, DG = 4 / RG, DW = HD / DG;  // dQ step: row groups x column groups of warps
@@ -215,19 +221,20 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
+    const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;  // (batch, key/value head)
+    const int G = H / KV;  // query heads kvh * G .. kvh * G + G - 1 read this key/value head
     const int split = blockIdx.y, nsplit = gridDim.y;
-    const u64 rs = (u64)3 * H * HD, ors = (u64)H * HD;
-    const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-    const u16* gK = gQ + (u64)H * HD;
-    const u16* gV = gQ + (u64)2 * H * HD;
-    const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
-    const float* gL = lse + (u64)bh * T;
-    const float* gD = dvec + (u64)bh * T;
-    float* acc = dq_acc + (u64)split * dq_split_stride + (u64)b * T * ors + (u64)h * HD;
-    u16* gdK = dqkv + (u64)b * T * rs + (u64)H * HD + (u64)h * HD;
-    u16* gdV = gdK + (u64)H * HD;
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
+    // k and v of this key/value head (and dk, dv) at qkv (dqkv) + kv_off and + kv_off + KV * HD: an
+    // offset from the parameters, where four pointers would stay live in registers.
+    const u64 kv_off = (u64)b * T * rs + (u64)(H + kvh) * HD;
     const int nkb = (T + BN - 1) / BN, nqb = (T + BM - 1) / BM;
+    // Q, dO, lse, D and the dQ accumulator of the group's first query head.
+    // Offsets of the current query head in qkv, in dout (and the dQ accumulator) and in lse (and D): three
+    // offsets from the parameters, where five pointers would stay live in registers.
+    u64 q_off = (u64)b * T * rs + (u64)kvh * G * HD, o_off = (u64)b * T * ors + (u64)kvh * G * HD;
+    u64 l_off = ((u64)b * H + (u64)kvh * G) * T;
+    float* const acc_split = dq_acc + (u64)split * dq_split_stride;
 
     for (int round = 0;; ++round) {
         const int j = round * nsplit + ((round & 1) ? nsplit - 1 - split : split);
@@ -235,13 +242,8 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
         const int k0 = j * BN;
         const int i0 = k0 / BM;  // first query block holding a query >= k0 (BM divides BN)
 
-        att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);
-        att_load_tile<HD, BN, NT>(sV, gV, rs, k0, T, tid);
-        att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
-        att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
-        att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
-        att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
-        att_cp_commit();
+        att_load_tile<HD, BN, NT>(sK, qkv + kv_off, rs, k0, T, tid);  // committed with the first head's tiles
+        att_load_tile<HD, BN, NT>(sV, qkv + kv_off + (u64)KV * HD, rs, k0, T, tid);
 
         float dk[HD / 8][4], dv[HD / 8][4];
 #pragma unroll
@@ -250,105 +252,121 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
             for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
         const int key_a = k0 + warp * 16 + g;  // key of rows [.][0,1] of the S^T fragments; +8 for [2,3]
 
-        for (int i = i0; i < nqb; ++i) {
-            const int buf = (i - i0) & 1;
-            att_cp_wait<0>();
-            __syncthreads();  // block i is in buffer `buf`; every warp is done with iteration i-1
-            if (i + 1 < nqb) {
-                const int nb = buf ^ 1;
-                att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
-                att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
-                att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
-                att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
-                att_cp_commit();
-            }
-            const u16* cQ = sQ + buf * BM * S;
-            const u16* cdO = sdO + buf * BM * S;
-            const float* cL = sL + buf * BM;
-            const float* cD = sD + buf * BM;
-            const int q0 = i * BM;
+        // The group's query heads in increasing order, all adding into dk and dv: the group sum of
+        // grouped-query attention, in a fixed order (the same bits on every run).
+        // The pointers step to the next head at the end of each and back to the group's first head after
+        // the last (fewer live registers than recomputing them).
+#pragma unroll 1
+        for (int hg = 0; hg < G; ++hg, q_off += HD, o_off += HD, l_off += T) {
+            if (hg > 0) __syncthreads();  // every warp is done with the previous head's tiles
+            att_load_tile<HD, BM, NT>(sQ, qkv + q_off, rs, i0 * BM, T, tid);
+            att_load_tile<HD, BM, NT>(sdO, dout + o_off, ors, i0 * BM, T, tid);
+            att_load_vec<BM, NT>(sL, lse + l_off, i0 * BM, T, tid);
+            att_load_vec<BM, NT>(sD, dvec + l_off, i0 * BM, T, tid);
+            att_cp_commit();
 
-            // P^T
-            float pt[BM / 8][4];
-#pragma unroll
-            for (int n = 0; n < BM / 8; ++n) pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
-            att_warp_abt<HD, BM>(pt, sK, warp * 16, cQ, lane);
-#pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr)
-                        pt[nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
+            for (int i = i0; i < nqb; ++i) {
+                const int buf = (i - i0) & 1;
+                att_cp_wait<0>();
+                __syncthreads();  // block i is in buffer `buf`; every warp is done with iteration i-1
+                if (i + 1 < nqb) {
+                    const int nb = buf ^ 1;
+                    att_load_tile<HD, BM, NT>(sQ + nb * BM * S, qkv + q_off, rs, (i + 1) * BM, T, tid);
+                    att_load_tile<HD, BM, NT>(sdO + nb * BM * S, dout + o_off, ors, (i + 1) * BM, T, tid);
+                    att_load_vec<BM, NT>(sL + nb * BM, lse + l_off, (i + 1) * BM, T, tid);
+                    att_load_vec<BM, NT>(sD + nb * BM, dvec + l_off, (i + 1) * BM, T, tid);
+                    att_cp_commit();
                 }
-            // The causal mask, in a warp-uniform branch (inline, the compiler evaluates the conditions on
-            // every tile). query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
-            // their contributions vanish anyway.
-            if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {
+                const u16* cQ = sQ + buf * BM * S;
+                const u16* cdO = sdO + buf * BM * S;
+                const float* cL = sL + buf * BM;
+                const float* cD = sD + buf * BM;
+                const int q0 = i * BM;
+
+                // P^T
+                float pt[BM / 8][4];
+#pragma unroll
+                for (int n = 0; n < BM / 8; ++n) pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
+                att_warp_abt<HD, BM>(pt, sK, warp * 16, cQ, lane);
 #pragma unroll
                 for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int query = q0 + nt * 8 + 2 * q + e;
+                        const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
 #pragma unroll
                         for (int hr = 0; hr < 2; ++hr)
-                            if (key_a + 8 * hr > query || query >= T) pt[nt][2 * hr + e] = 0.0f;
+                            pt[nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
                     }
-            }
-
-            // dV += P^T dO
-            att_warp_pb<BM, HD, S>(dv, pt, cdO, 0, lane);
-
-            // dS^T = P^T * (V dO^T - D)
-            float ds[BM / 8][4];
+                // The causal mask, in a warp-uniform branch (inline, the compiler evaluates the conditions on
+                // every tile). query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
+                // their contributions vanish anyway.
+                if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {
 #pragma unroll
-            for (int n = 0; n < BM / 8; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.0f;
-            att_warp_abt<HD, BM>(ds, sV, warp * 16, cdO, lane);
+                    for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt)
+                        for (int e = 0; e < 2; ++e) {
+                            const int query = q0 + nt * 8 + 2 * q + e;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float dd = cD[nt * 8 + 2 * q + e];
-                    ds[nt][e] = pt[nt][e] * (ds[nt][e] - dd);
-                    ds[nt][2 + e] = pt[nt][2 + e] * (ds[nt][2 + e] - dd);
+                            for (int hr = 0; hr < 2; ++hr)
+                                if (key_a + 8 * hr > query || query >= T) pt[nt][2 * hr + e] = 0.0f;
+                        }
                 }
 
-            // dK += dS^T Q
-            att_warp_pb<BM, HD, S>(dk, ds, cQ, 0, lane);
+                // dV += P^T dO
+                att_warp_pb<BM, HD, S>(dv, pt, cdO, 0, lane);
 
-            // dS^T to shared memory (rows: keys, columns: queries), then dQ = dS K across the block.
-            att_store_c_bf16<BM, SD>(sdS, warp * 16, ds, 1.0f, lane);
-            __syncthreads();
-            {
-                const int rg = warp % RG, cg = warp / RG;
-                u32 af[BN / 16][4];
-                att_load_at<BN, SD>(af, sdS, rg * 16, lane);
-                const int row = q0 + rg * 16 + g;
+                // dS^T = P^T * (V dO^T - D)
+                float ds[BM / 8][4];
 #pragma unroll
-                for (int dp = 0; dp < DW / 16; ++dp) {
-                    float c[2][4];
+                for (int n = 0; n < BM / 8; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.0f;
+                att_warp_abt<HD, BM>(ds, sV, warp * 16, cdO, lane);
 #pragma unroll
-                    for (int n = 0; n < 2; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
-                    const int col0 = cg * DW + dp * 16;
-                    att_warp_ab<BN, 16, S>(c, af, sK, col0, lane);
+                for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-                    for (int n = 0; n < 2; ++n) {
-                        const int col = col0 + n * 8 + 2 * q;
-                        if (row < T) att_red_add2(acc + (u64)row * ors + col, c[n][0], c[n][1]);
-                        if (row + 8 < T) att_red_add2(acc + (u64)(row + 8) * ors + col, c[n][2], c[n][3]);
+                    for (int e = 0; e < 2; ++e) {
+                        const float dd = cD[nt * 8 + 2 * q + e];
+                        ds[nt][e] = pt[nt][e] * (ds[nt][e] - dd);
+                        ds[nt][2 + e] = pt[nt][2 + e] * (ds[nt][2 + e] - dd);
+                    }
+
+                // dK += dS^T Q
+                att_warp_pb<BM, HD, S>(dk, ds, cQ, 0, lane);
+
+                // dS^T to shared memory (rows: keys, columns: queries), then dQ = dS K across the block.
+                att_store_c_bf16<BM, SD>(sdS, warp * 16, ds, 1.0f, lane);
+                __syncthreads();
+                {
+                    const int rg = warp % RG, cg = warp / RG;
+                    u32 af[BN / 16][4];
+                    att_load_at<BN, SD>(af, sdS, rg * 16, lane);
+                    const int row = q0 + rg * 16 + g;
+#pragma unroll
+                    for (int dp = 0; dp < DW / 16; ++dp) {
+                        float c[2][4];
+#pragma unroll
+                        for (int n = 0; n < 2; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+                        const int col0 = cg * DW + dp * 16;
+                        att_warp_ab<BN, 16, S>(c, af, sK, col0, lane);
+#pragma unroll
+                        for (int n = 0; n < 2; ++n) {
+                            const int col = col0 + n * 8 + 2 * q;
+                            float* acc = acc_split + o_off;
+                            if (row < T) att_red_add2(acc + (u64)row * ors + col, c[n][0], c[n][1]);
+                            if (row + 8 < T) att_red_add2(acc + (u64)(row + 8) * ors + col, c[n][2], c[n][3]);
+                        }
                     }
                 }
             }
-        }
+        }  // query heads of the group
+        q_off -= (u64)G * HD, o_off -= (u64)G * HD, l_off -= (u64)G * T;
 
         // dK (times scale) and dV to dqkv, staged through sK / sV once every warp is done reading them.
         __syncthreads();
         att_store_c_bf16<HD, S>(sK, warp * 16, dk, scale, lane);
         att_store_c_bf16<HD, S>(sV, warp * 16, dv, 1.0f, lane);
         __syncwarp();
-        att_warp_store_rows<HD>(gdK, rs, sK, warp * 16, k0 + warp * 16, T, lane);
-        att_warp_store_rows<HD>(gdV, rs, sV, warp * 16, k0 + warp * 16, T, lane);
+        att_warp_store_rows<HD>(dqkv + kv_off, rs, sK, warp * 16, k0 + warp * 16, T, lane);
+        att_warp_store_rows<HD>(dqkv + kv_off + (u64)KV * HD, rs, sV, warp * 16, k0 + warp * 16, T, lane);
         __syncthreads();  // before the next key block overwrites the tiles
     }
 }
@@ -382,13 +400,14 @@ extern "C" __global__ void attn_bwd_dot_rows(const u16* __restrict__ out, const 
 // dq slot of dqkv = bf16(scale * sum_{s < nbuf} acc[s * stride + i]) for every i of [B, T, H, HD], the
 // buffers summed in order s = 0, 1, ... (deterministic).
 extern "C" __global__ void attn_bwd_dq_convert(const float* __restrict__ acc, int nbuf, u64 stride,
-                                               u16* __restrict__ dqkv, u64 n, int H, int HD, float scale) {
-    const u64 row_len = (u64)H * HD;
+                                               u16* __restrict__ dqkv, u64 n, int H, int KV, int HD,
+                                               float scale) {
+    const u64 row_len = (u64)H * HD, qkv_row = (u64)(H + 2 * KV) * HD;
     for (u64 i = global_thread(); i < n; i += grid_threads()) {
         float s = acc[i];
         for (int k = 1; k < nbuf; ++k) s += acc[(u64)k * stride + i];
         const u64 row = i / row_len, c = i - row * row_len;
-        dqkv[row * 3 * row_len + c] = f32_to_bf16(s * scale);
+        dqkv[row * qkv_row + c] = f32_to_bf16(s * scale);
     }
 }
 
@@ -425,19 +444,20 @@ __device__ __forceinline__ float att_dot_row(const float* s, const u16* g) {
 // Forward: block per (b, h, t) (grid-stride over B*H*T rows), online softmax over chunks of 128 keys.
 template <int HD>
 __device__ __forceinline__ void attn_fwd_simple(const u16* __restrict__ qkv, u16* __restrict__ out,
-                                                float* __restrict__ lse, int B, int T, int H, float scale) {
+                                                float* __restrict__ lse, int B, int T, int H, int KV,
+                                                float scale) {
     __shared__ float sq[HD];
     __shared__ float sp[128];
     __shared__ float red[4];
     const int tid = threadIdx.x;
-    const u64 rs = (u64)3 * H * HD, rows = (u64)B * H * T;
+    const u64 rs = (u64)(H + 2 * KV) * HD, rows = (u64)B * H * T;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const u64 bh = r / T;
         const int t = (int)(r - bh * T);
-        const u64 b = bh / H, h = bh - b * H;
+        const u64 b = bh / H, h = bh - b * H, kvh = h / (u64)(H / KV);
         const u16* gQ = qkv + b * T * rs + h * HD;
-        const u16* gK = gQ + (u64)H * HD;
-        const u16* gV = gQ + (u64)2 * H * HD;
+        const u16* gK = qkv + b * T * rs + ((u64)H + kvh) * HD;
+        const u16* gV = gK + (u64)KV * HD;
         __syncthreads();
         if (tid < HD) sq[tid] = bf16_to_f32(gQ[(u64)t * rs + tid]);
         __syncthreads();
@@ -470,18 +490,18 @@ template <int HD>
 __device__ __forceinline__ void attn_bwd_simple_dq(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                    const float* __restrict__ lse,
                                                    const float* __restrict__ dvec, u16* __restrict__ dqkv,
-                                                   int B, int T, int H, float scale) {
+                                                   int B, int T, int H, int KV, float scale) {
     __shared__ float sq[HD], sdo[HD];
     __shared__ float sds[128];
     const int tid = threadIdx.x;
-    const u64 rs = (u64)3 * H * HD, rows = (u64)B * H * T;
+    const u64 rs = (u64)(H + 2 * KV) * HD, rows = (u64)B * H * T;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const u64 bh = r / T;
         const int t = (int)(r - bh * T);
-        const u64 b = bh / H, h = bh - b * H;
+        const u64 b = bh / H, h = bh - b * H, kvh = h / (u64)(H / KV);
         const u16* gQ = qkv + b * T * rs + h * HD;
-        const u16* gK = gQ + (u64)H * HD;
-        const u16* gV = gQ + (u64)2 * H * HD;
+        const u16* gK = qkv + b * T * rs + ((u64)H + kvh) * HD;
+        const u16* gV = gK + (u64)KV * HD;
         __syncthreads();
         if (tid < HD) {
             sq[tid] = bf16_to_f32(gQ[(u64)t * rs + tid]);
@@ -509,24 +529,24 @@ __device__ __forceinline__ void attn_bwd_simple_dq(const u16* __restrict__ qkv, 
     }
 }
 
-// dK, dV: block per key row k; chunks of 128 queries t >= k.
+// dK, dV: block per key row k of a key/value head (grid-stride over B*KV*T rows); for each query head of
+// its group in increasing order (the group sum, in a fixed order), chunks of 128 queries t >= k.
 template <int HD>
 __device__ __forceinline__ void attn_bwd_simple_dkdv(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                      const float* __restrict__ lse,
                                                      const float* __restrict__ dvec, u16* __restrict__ dqkv,
-                                                     int B, int T, int H, float scale) {
+                                                     int B, int T, int H, int KV, float scale) {
     __shared__ float sk[HD], sv[HD];
     __shared__ float sp[128], sds[128];
     const int tid = threadIdx.x;
-    const u64 rs = (u64)3 * H * HD, ors = (u64)H * HD, rows = (u64)B * H * T;
+    const int G = H / KV;
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD, rows = (u64)B * KV * T;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const u64 bh = r / T;
-        const int k = (int)(r - bh * T);
-        const u64 b = bh / H, h = bh - b * H;
-        const u16* gQ = qkv + b * T * rs + h * HD;
-        const u16* gK = gQ + (u64)H * HD;
-        const u16* gV = gQ + (u64)2 * H * HD;
-        const u16* gdO = dout + b * T * ors + h * HD;
+        const u64 bkv = r / T;
+        const int k = (int)(r - bkv * T);
+        const u64 b = bkv / KV, kvh = bkv - b * KV;
+        const u16* gK = qkv + b * T * rs + ((u64)H + kvh) * HD;
+        const u16* gV = gK + (u64)KV * HD;
         __syncthreads();
         if (tid < HD) {
             sk[tid] = bf16_to_f32(gK[(u64)k * rs + tid]);
@@ -534,28 +554,34 @@ __device__ __forceinline__ void attn_bwd_simple_dkdv(const u16* __restrict__ qkv
         }
         __syncthreads();
         float dk = 0.0f, dv = 0.0f;
-        for (int c0 = k; c0 < T; c0 += 128) {
-            const int t = c0 + tid;
-            float p = 0.0f, ds = 0.0f;
-            if (t < T) {
-                p = expf(att_dot_row<HD>(sk, gQ + (u64)t * rs) * scale - lse[bh * T + t]);
-                ds = p * (att_dot_row<HD>(sv, gdO + (u64)t * ors) - dvec[bh * T + t]);
-            }
-            sp[tid] = p;
-            sds[tid] = ds;
-            __syncthreads();
-            if (tid < HD) {
-                const int n = min(128, T - c0);
-                for (int tt = 0; tt < n; ++tt) {
-                    dv = __fmaf_rn(sp[tt], bf16_to_f32(gdO[(u64)(c0 + tt) * ors + tid]), dv);
-                    dk = __fmaf_rn(sds[tt], bf16_to_f32(gQ[(u64)(c0 + tt) * rs + tid]), dk);
+        for (int hg = 0; hg < G; ++hg) {
+            const u64 h = kvh * G + hg, bh = b * H + h;
+            const u16* gQ = qkv + b * T * rs + h * HD;
+            const u16* gdO = dout + b * T * ors + h * HD;
+            for (int c0 = k; c0 < T; c0 += 128) {
+                const int t = c0 + tid;
+                float p = 0.0f, ds = 0.0f;
+                if (t < T) {
+                    p = expf(att_dot_row<HD>(sk, gQ + (u64)t * rs) * scale - lse[bh * T + t]);
+                    ds = p * (att_dot_row<HD>(sv, gdO + (u64)t * ors) - dvec[bh * T + t]);
                 }
+                sp[tid] = p;
+                sds[tid] = ds;
+                __syncthreads();
+                if (tid < HD) {
+                    const int n = min(128, T - c0);
+                    for (int tt = 0; tt < n; ++tt) {
+                        dv = __fmaf_rn(sp[tt], bf16_to_f32(gdO[(u64)(c0 + tt) * ors + tid]), dv);
+                        dk = __fmaf_rn(sds[tt], bf16_to_f32(gQ[(u64)(c0 + tt) * rs + tid]), dk);
+                    }
+                }
+                __syncthreads();
             }
-            __syncthreads();
         }
         if (tid < HD) {
-            dqkv[(b * T + k) * rs + (u64)H * HD + h * HD + tid] = f32_to_bf16(dk * scale);
-            dqkv[(b * T + k) * rs + (u64)2 * H * HD + h * HD + tid] = f32_to_bf16(dv);
+            u16* gdK = dqkv + (b * T + k) * rs + ((u64)H + kvh) * HD;
+            gdK[tid] = f32_to_bf16(dk * scale);
+            gdK[(u64)KV * HD + tid] = f32_to_bf16(dv);
         }
     }
 }
@@ -680,32 +706,33 @@ extern "C" __global__ void attn_probe_atb(const u16* at, const u16* b, float* ou
 
 #define ATT_FWD_ENTRY(HD, NW, MT, BN)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_w##NW##m##MT##n##BN##_hd##HD(             \
-        const u16* qkv, u16* out, float* lse, int T, int H, float scale_log2) {                                \
-        attn_fwd_mma<HD, NW, MT, BN>(qkv, out, lse, T, H, scale_log2);                                         \
+        const u16* qkv, u16* out, float* lse, int T, int H, int KV, float scale_log2) {                        \
+        attn_fwd_mma<HD, NW, MT, BN>(qkv, out, lse, T, H, KV, scale_log2);                                     \
     }
 
 #define ATT_FUSED_ENTRY(HD, BM)                                                                                \
     extern "C" __global__ void __launch_bounds__(128) attn_bwd_fused_q##BM##_hd##HD(                          \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
-        u64 dq_split_stride, u16* dqkv, int T, int H, float scale, float scale_log2) {                         \
-        attn_bwd_mma<HD, BM>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, scale, scale_log2);   \
+        u64 dq_split_stride, u16* dqkv, int T, int H, int KV, float scale, float scale_log2) {                 \
+        attn_bwd_mma<HD, BM>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, KV, scale,            \
+                             scale_log2);                                                                      \
     }
 #define ATT_FUSED_ENTRIES(HD) ATT_FUSED_ENTRY(HD, 64) ATT_FUSED_ENTRY(HD, 32)
 
 #define ATT_SIMPLE_ENTRIES(HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_simple_hd##HD(                                 \
-        const u16* qkv, u16* out, float* lse, int B, int T, int H, float scale) {                              \
-        attn_fwd_simple<HD>(qkv, out, lse, B, T, H, scale);                                                    \
+        const u16* qkv, u16* out, float* lse, int B, int T, int H, int KV, float scale) {                      \
+        attn_fwd_simple<HD>(qkv, out, lse, B, T, H, KV, scale);                                                \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_bwd_simple_dq_hd##HD(                              \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int B, int T, int H,  \
-        float scale) {                                                                                         \
-        attn_bwd_simple_dq<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, scale);                                    \
+        int KV, float scale) {                                                                                 \
+        attn_bwd_simple_dq<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, KV, scale);                                \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_bwd_simple_dkdv_hd##HD(                            \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int B, int T, int H,  \
-        float scale) {                                                                                         \
-        attn_bwd_simple_dkdv<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, scale);                                  \
+        int KV, float scale) {                                                                                 \
+        attn_bwd_simple_dkdv<HD>(qkv, dout, lse, dvec, dqkv, B, T, H, KV, scale);                              \
     }
 
 // ATT_HD, when defined (by the modules of mod.rs), builds the entry points of that head dim only: a

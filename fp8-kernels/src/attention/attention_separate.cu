@@ -24,7 +24,7 @@
 template <int HD, int NW, int MT, int BM>
 __device__ __forceinline__ void attn_bwd_dkdv(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                               const float* __restrict__ lse, const float* __restrict__ dvec,
-                                              u16* __restrict__ dqkv, int T, int H, float scale,
+                                              u16* __restrict__ dqkv, int T, int H, int KV, float scale,
                                               float scale_log2) {
     constexpr int WK = 16 * MT, BN = WK * NW, S = HD + 8, NT = 32 * NW;
     // K and V fragments in registers when they are small (16 registers per 16 x 64 tile each).
@@ -38,119 +38,127 @@ __device__ __forceinline__ void attn_bwd_dkdv(const u16* __restrict__ qkv, const
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
-    const u64 rs = (u64)3 * H * HD, ors = (u64)H * HD;
-    const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-    const u16* gK = gQ + (u64)H * HD;
-    const u16* gV = gQ + (u64)2 * H * HD;
-    const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
-    const float* gL = lse + (u64)bh * T;
-    const float* gD = dvec + (u64)bh * T;
-    u16* gdK = dqkv + (u64)b * T * rs + (u64)H * HD + (u64)h * HD;
-    u16* gdV = gdK + (u64)H * HD;
+    const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;  // (batch, key/value head)
+    const int G = H / KV;  // query heads kvh * G .. kvh * G + G - 1 read this key/value head
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
+    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const u16* gV = gK + (u64)KV * HD;
+    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    u16* gdV = gdK + (u64)KV * HD;
     const int nqb = (T + BM - 1) / BM;
     const int k0 = blockIdx.y * BN;
     const int i0 = k0 / BM;          // the first query block holding a query >= k0
     const int kw = k0 + warp * WK;   // the warp's first key; keys kw + 16 m + g (+ 8)
     const bool active = kw < T;      // a warp of the last block may hold no valid key
 
-    att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);
+    att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);  // committed with the first head's tiles
     att_load_tile<HD, BN, NT>(sV, gV, rs, k0, T, tid);
-    att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
-    att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
-    att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
-    att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
-    att_cp_commit();
 
     float dk[MT][HD / 8][4], dv[MT][HD / 8][4];
     att_zero_mt<MT, HD / 8>(dk);
     att_zero_mt<MT, HD / 8>(dv);
     u32 kf[KV_REGS ? MT : 1][KV_REGS ? HD / 16 : 1][4], vf[KV_REGS ? MT : 1][KV_REGS ? HD / 16 : 1][4];
 
-    for (int i = i0; i < nqb; ++i) {
-        const int buf = (i - i0) & 1;
-        att_cp_wait<0>();
-        __syncthreads();  // block i is in buffer `buf` for every thread; every warp is done with block i-1
-        if (i + 1 < nqb) {
-            const int nb = buf ^ 1;
-            att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
-            att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
-            att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
-            att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
-            att_cp_commit();
-        }
-        if constexpr (KV_REGS) {
-            if (i == i0) {
-                att_load_a_mt<HD, MT>(kf, sK, warp * WK, lane);
-                att_load_a_mt<HD, MT>(vf, sV, warp * WK, lane);
-            }
-        }
-        const int q0 = i * BM;
-        if (!active || kw > q0 + BM - 1) continue;  // every query of the block is before the warp's keys
-        const u16* cQ = sQ + buf * BM * S;
-        const u16* cdO = sdO + buf * BM * S;
-        const float* cL = sL + buf * BM;
-        const float* cD = sD + buf * BM;
+    // The group's query heads in increasing order, all adding into dk and dv: the group sum of
+    // grouped-query attention, in a fixed order (the same bits on every run).
+    for (int hg = 0; hg < G; ++hg) {
+        const int h = kvh * G + hg, bh = b * H + h;
+        const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
+        const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
+        const float* gL = lse + (u64)bh * T;
+        const float* gD = dvec + (u64)bh * T;
+        if (hg > 0) __syncthreads();  // every warp is done with the previous head's tiles (warps may skip)
+        att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
+        att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
+        att_cp_commit();
 
-        // P^T
-        float pt[MT][BM / 8][4];
-        att_zero_mt<MT, BM / 8>(pt);
-        if constexpr (KV_REGS)
-            att_warp_abt_mt_ra<HD, BM, MT>(pt, kf, cQ, lane);
-        else
-            att_warp_abt_mt<HD, BM, MT>(pt, sK, warp * WK, cQ, lane);
-#pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr)
-                        pt[mt][nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[mt][nt][2 * hr + e], scale_log2, -ml));
+        for (int i = i0; i < nqb; ++i) {
+            const int buf = (i - i0) & 1;
+            att_cp_wait<0>();
+            __syncthreads();  // block i is in buffer `buf` for every thread; every warp is done with block i-1
+            if (i + 1 < nqb) {
+                const int nb = buf ^ 1;
+                att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
+                att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
+                att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
+                att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
+                att_cp_commit();
             }
-        // The causal mask and the rows past T, in a separate warp-uniform branch: inline, the compiler
-        // evaluates the conditions on every tile.
-        if ((q0 < kw + WK - 1) || (q0 + BM > T)) {
+            if constexpr (KV_REGS) {
+                if (hg == 0 && i == i0) {
+                    att_load_a_mt<HD, MT>(kf, sK, warp * WK, lane);
+                    att_load_a_mt<HD, MT>(vf, sV, warp * WK, lane);
+                }
+            }
+            const int q0 = i * BM;
+            if (!active || kw > q0 + BM - 1) continue;  // every query of the block is before the warp's keys
+            const u16* cQ = sQ + buf * BM * S;
+            const u16* cdO = sdO + buf * BM * S;
+            const float* cL = sL + buf * BM;
+            const float* cD = sD + buf * BM;
+
+            // P^T
+            float pt[MT][BM / 8][4];
+            att_zero_mt<MT, BM / 8>(pt);
+            if constexpr (KV_REGS)
+                att_warp_abt_mt_ra<HD, BM, MT>(pt, kf, cQ, lane);
+            else
+                att_warp_abt_mt<HD, BM, MT>(pt, sK, warp * WK, cQ, lane);
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int query = q0 + nt * 8 + 2 * q + e;
+                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                         for (int hr = 0; hr < 2; ++hr)
-                            if (kw + 16 * mt + g + 8 * hr > query || query >= T) pt[mt][nt][2 * hr + e] = 0.0f;
+                            pt[mt][nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[mt][nt][2 * hr + e], scale_log2, -ml));
                 }
-        }
-
-        // dV += P^T dO
-        att_warp_pb_mt<BM, HD, S, MT>(dv, pt, cdO, 0, lane);
-
-        // dS^T = P^T * (V dO^T - D)
-        float ds[MT][BM / 8][4];
-        att_zero_mt<MT, BM / 8>(ds);
-        if constexpr (KV_REGS)
-            att_warp_abt_mt_ra<HD, BM, MT>(ds, vf, cdO, lane);
-        else
-            att_warp_abt_mt<HD, BM, MT>(ds, sV, warp * WK, cdO, lane);
+            // The causal mask and the rows past T, in a separate warp-uniform branch: inline, the compiler
+            // evaluates the conditions on every tile.
+            if ((q0 < kw + WK - 1) || (q0 + BM > T)) {
 #pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt)
+                for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float dd = cD[nt * 8 + 2 * q + e];
+                    for (int e = 0; e < 2; ++e) {
+                        const int query = q0 + nt * 8 + 2 * q + e;
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    ds[mt][nt][e] = pt[mt][nt][e] * (ds[mt][nt][e] - dd);
-                    ds[mt][nt][2 + e] = pt[mt][nt][2 + e] * (ds[mt][nt][2 + e] - dd);
-                }
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int hr = 0; hr < 2; ++hr)
+                                if (kw + 16 * mt + g + 8 * hr > query || query >= T) pt[mt][nt][2 * hr + e] = 0.0f;
+                    }
             }
 
-        // dK += dS^T Q
-        att_warp_pb_mt<BM, HD, S, MT>(dk, ds, cQ, 0, lane);
-    }
+            // dV += P^T dO
+            att_warp_pb_mt<BM, HD, S, MT>(dv, pt, cdO, 0, lane);
+
+            // dS^T = P^T * (V dO^T - D)
+            float ds[MT][BM / 8][4];
+            att_zero_mt<MT, BM / 8>(ds);
+            if constexpr (KV_REGS)
+                att_warp_abt_mt_ra<HD, BM, MT>(ds, vf, cdO, lane);
+            else
+                att_warp_abt_mt<HD, BM, MT>(ds, sV, warp * WK, cdO, lane);
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float dd = cD[nt * 8 + 2 * q + e];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        ds[mt][nt][e] = pt[mt][nt][e] * (ds[mt][nt][e] - dd);
+                        ds[mt][nt][2 + e] = pt[mt][nt][2 + e] * (ds[mt][nt][2 + e] - dd);
+                    }
+                }
+
+            // dK += dS^T Q
+            att_warp_pb_mt<BM, HD, S, MT>(dk, ds, cQ, 0, lane);
+        }
+    }  // query heads of the group
 
     // dK (times scale) and dV to dqkv, staged through the warp's own rows of sK / sV.
 #pragma unroll
@@ -199,7 +207,7 @@ template <int HD, int NP, int BM>
 __device__ __forceinline__ void attn_bwd_dkdv_pairs(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                     const float* __restrict__ lse,
                                                     const float* __restrict__ dvec, u16* __restrict__ dqkv,
-                                                    int T, int H, float scale, float scale_log2) {
+                                                    int T, int H, int KV, float scale, float scale_log2) {
     constexpr int MT = 2, WK = 16 * MT, BN = WK * NP, NW = 2 * NP, S = HD + 8, NT = 32 * NW;
     constexpr int XC = MT * BM / 8;  // float4 chunks of P^T per lane
     u16* sK = reinterpret_cast<u16*>(att_smem);
@@ -213,16 +221,13 @@ __device__ __forceinline__ void attn_bwd_dkdv_pairs(const u16* __restrict__ qkv,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
     const int pair = warp >> 1, role = warp & 1;
-    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
-    const u64 rs = (u64)3 * H * HD, ors = (u64)H * HD;
-    const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-    const u16* gK = gQ + (u64)H * HD;
-    const u16* gV = gQ + (u64)2 * H * HD;
-    const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
-    const float* gL = lse + (u64)bh * T;
-    const float* gD = dvec + (u64)bh * T;
-    u16* gdK = dqkv + (u64)b * T * rs + (u64)H * HD + (u64)h * HD;
-    u16* gdV = gdK + (u64)H * HD;
+    const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;  // (batch, key/value head)
+    const int G = H / KV;  // query heads kvh * G .. kvh * G + G - 1 read this key/value head
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
+    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const u16* gV = gK + (u64)KV * HD;
+    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    u16* gdV = gdK + (u64)KV * HD;
     const int nqb = (T + BM - 1) / BM;
     const int k0 = blockIdx.y * BN;
     const int i0 = k0 / BM;
@@ -230,93 +235,105 @@ __device__ __forceinline__ void attn_bwd_dkdv_pairs(const u16* __restrict__ qkv,
     const bool active = kp < T;
     float4* xp = sX + pair * XC * 32 + lane;
 
-    att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);
+    att_load_tile<HD, BN, NT>(sK, gK, rs, k0, T, tid);  // committed with the first head's tiles
     att_load_tile<HD, BN, NT>(sV, gV, rs, k0, T, tid);
-    att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
-    att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
-    att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
-    att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
-    att_cp_commit();
 
-    float acc[MT][HD / 8][4];  // dV (warp 0 of the pair) or dK / scale (warp 1)
+    float acc[MT][HD / 8][4];  // dV (warp 0 of the pair) or dK / scale (warp 1), summed over the group
     att_zero_mt<MT, HD / 8>(acc);
 
-    for (int i = i0; i < nqb; ++i) {
-        const int buf = (i - i0) & 1;
-        att_cp_wait<0>();
-        __syncthreads();  // block i is in buffer `buf` for every thread; every warp is done with block i-1
-        if (i + 1 < nqb) {
-            const int nb = buf ^ 1;
-            att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
-            att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
-            att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
-            att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
-            att_cp_commit();
-        }
-        const int q0 = i * BM;
-        // Both warps of a pair take the same branch, so the pair barrier below always has its 64 threads.
-        if (!active || kp > q0 + BM - 1) continue;
-        const u16* cQ = sQ + buf * BM * S;
-        const u16* cdO = sdO + buf * BM * S;
-        const float* cL = sL + buf * BM;
-        const float* cD = sD + buf * BM;
+    // The group's query heads in increasing order (the group sum in a fixed order, as above); the
+    // pointers step to the next head at the end of each (fewer live registers than recomputing them).
+    const u16* gQ = qkv + (u64)b * T * rs + (u64)kvh * G * HD;
+    const u16* gdO = dout + (u64)b * T * ors + (u64)kvh * G * HD;
+    const float* gL = lse + ((u64)b * H + (u64)kvh * G) * T;
+    const float* gD = dvec + ((u64)b * H + (u64)kvh * G) * T;
+#pragma unroll 1
+    for (int hg = 0; hg < G; ++hg, gQ += HD, gdO += HD, gL += T, gD += T) {
+        // Every warp is done with the previous head's tiles, and warp 1 of each pair with its P^T.
+        if (hg > 0) __syncthreads();
+        att_load_tile<HD, BM, NT>(sQ, gQ, rs, i0 * BM, T, tid);
+        att_load_tile<HD, BM, NT>(sdO, gdO, ors, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sL, gL, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sD, gD, i0 * BM, T, tid);
+        att_cp_commit();
 
-        float x[MT][BM / 8][4];
-        att_zero_mt<MT, BM / 8>(x);
-        if (role == 0) {
-            // P^T
-            att_warp_abt_mt<HD, BM, MT>(x, sK, pair * WK, cQ, lane);
-#pragma unroll
-            for (int nt = 0; nt < BM / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int hr = 0; hr < 2; ++hr)
-                            x[mt][nt][2 * hr + e] = att_ex2(__fmaf_rn(x[mt][nt][2 * hr + e], scale_log2, -ml));
-                }
-            if ((q0 < kp + WK - 1) || (q0 + BM > T)) {  // causal mask and rows past T (see above)
+        for (int i = i0; i < nqb; ++i) {
+            const int buf = (i - i0) & 1;
+            att_cp_wait<0>();
+            __syncthreads();  // block i is in buffer `buf` for every thread; every warp is done with block i-1
+            if (i + 1 < nqb) {
+                const int nb = buf ^ 1;
+                att_load_tile<HD, BM, NT>(sQ + nb * BM * S, gQ, rs, (i + 1) * BM, T, tid);
+                att_load_tile<HD, BM, NT>(sdO + nb * BM * S, gdO, ors, (i + 1) * BM, T, tid);
+                att_load_vec<BM, NT>(sL + nb * BM, gL, (i + 1) * BM, T, tid);
+                att_load_vec<BM, NT>(sD + nb * BM, gD, (i + 1) * BM, T, tid);
+                att_cp_commit();
+            }
+            const int q0 = i * BM;
+            // Both warps of a pair take the same branch, so the pair barrier below always has its 64 threads.
+            if (!active || kp > q0 + BM - 1) continue;
+            const u16* cQ = sQ + buf * BM * S;
+            const u16* cdO = sdO + buf * BM * S;
+            const float* cL = sL + buf * BM;
+            const float* cD = sD + buf * BM;
+
+            float x[MT][BM / 8][4];
+            att_zero_mt<MT, BM / 8>(x);
+            if (role == 0) {
+                // P^T
+                att_warp_abt_mt<HD, BM, MT>(x, sK, pair * WK, cQ, lane);
 #pragma unroll
                 for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int query = q0 + nt * 8 + 2 * q + e;
+                        const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
 #pragma unroll
                         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                             for (int hr = 0; hr < 2; ++hr)
-                                if (kp + 16 * mt + g + 8 * hr > query || query >= T) x[mt][nt][2 * hr + e] = 0.0f;
+                                x[mt][nt][2 * hr + e] = att_ex2(__fmaf_rn(x[mt][nt][2 * hr + e], scale_log2, -ml));
                     }
-            }
+                if ((q0 < kp + WK - 1) || (q0 + BM > T)) {  // causal mask and rows past T (see above)
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+                    for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-                for (int nt = 0; nt < BM / 8; ++nt)
-                    xp[(mt * (BM / 8) + nt) * 32] = make_float4(x[mt][nt][0], x[mt][nt][1], x[mt][nt][2], x[mt][nt][3]);
-            att_pair_barrier<NP, false>(pair);
-            // dV += P^T dO
-            att_warp_pb_mt<BM, HD, S, MT>(acc, x, cdO, 0, lane);
-        } else {
-            // dP^T, then dS^T = P^T * (dP^T - D) with P^T from the partner
-            att_warp_abt_mt<HD, BM, MT>(x, sV, pair * WK, cdO, lane);
-            att_pair_barrier<NP, true>(pair);
+                        for (int e = 0; e < 2; ++e) {
+                            const int query = q0 + nt * 8 + 2 * q + e;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+                            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < BM / 8; ++nt) {
-                    const float4 p = xp[(mt * (BM / 8) + nt) * 32];
-                    const float d0 = cD[nt * 8 + 2 * q], d1 = cD[nt * 8 + 2 * q + 1];
-                    x[mt][nt][0] = p.x * (x[mt][nt][0] - d0);
-                    x[mt][nt][1] = p.y * (x[mt][nt][1] - d1);
-                    x[mt][nt][2] = p.z * (x[mt][nt][2] - d0);
-                    x[mt][nt][3] = p.w * (x[mt][nt][3] - d1);
+                                for (int hr = 0; hr < 2; ++hr)
+                                    if (kp + 16 * mt + g + 8 * hr > query || query >= T) x[mt][nt][2 * hr + e] = 0.0f;
+                        }
                 }
-            // dK += dS^T Q
-            att_warp_pb_mt<BM, HD, S, MT>(acc, x, cQ, 0, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < BM / 8; ++nt)
+                        xp[(mt * (BM / 8) + nt) * 32] = make_float4(x[mt][nt][0], x[mt][nt][1], x[mt][nt][2], x[mt][nt][3]);
+                att_pair_barrier<NP, false>(pair);
+                // dV += P^T dO
+                att_warp_pb_mt<BM, HD, S, MT>(acc, x, cdO, 0, lane);
+            } else {
+                // dP^T, then dS^T = P^T * (dP^T - D) with P^T from the partner
+                att_warp_abt_mt<HD, BM, MT>(x, sV, pair * WK, cdO, lane);
+                att_pair_barrier<NP, true>(pair);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < BM / 8; ++nt) {
+                        const float4 p = xp[(mt * (BM / 8) + nt) * 32];
+                        const float d0 = cD[nt * 8 + 2 * q], d1 = cD[nt * 8 + 2 * q + 1];
+                        x[mt][nt][0] = p.x * (x[mt][nt][0] - d0);
+                        x[mt][nt][1] = p.y * (x[mt][nt][1] - d1);
+                        x[mt][nt][2] = p.z * (x[mt][nt][2] - d0);
+                        x[mt][nt][3] = p.w * (x[mt][nt][3] - d1);
+                    }
+                // dK += dS^T Q
+                att_warp_pb_mt<BM, HD, S, MT>(acc, x, cQ, 0, lane);
+            }
         }
-    }
+    }  // query heads of the group
 
     // dV (warp 0) and dK times scale (warp 1) to dqkv, staged through the pair's rows of sV / sK once
     // every warp is done reading them (warp 1 read the pair's V rows, warp 0 its K rows).
@@ -344,7 +361,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_pairs(const u16* __restrict__ qkv,
 template <int HD, int NW, int MT, int BN>
 __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                             const float* __restrict__ lse, const float* __restrict__ dvec,
-                                            u16* __restrict__ dqkv, int T, int H, float scale,
+                                            u16* __restrict__ dqkv, int T, int H, int KV, float scale,
                                             float scale_log2) {
     constexpr int WR = 16 * MT, BM = WR * NW, S = HD + 8, NT = 32 * NW;
     // The warp's Q and dO fragments stay in registers (MT * HD / 2 of them: a seventh less shared-memory
@@ -360,10 +377,11 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
     const int g = lane >> 2, q = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
-    const u64 rs = (u64)3 * H * HD, ors = (u64)H * HD;
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
+    const int kvh = h / (H / KV);  // the key/value head of query head h
     const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
-    const u16* gK = gQ + (u64)H * HD;
-    const u16* gV = gQ + (u64)2 * H * HD;
+    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const u16* gV = gK + (u64)KV * HD;
     const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
     const int q_end = min(q0 + BM, T);
     const int nkb = (q_end - 1) / BN + 1;
@@ -490,21 +508,21 @@ __device__ __forceinline__ void attn_bwd_dq(const u16* __restrict__ qkv, const u
 #define ATT_DKDV_PAIR_ENTRY(HD, NP, BM)                                                                        \
     extern "C" __global__ void __launch_bounds__(64 * NP) attn_bwd_dkdv_p##NP##q##BM##_hd##HD(                 \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H,         \
-        float scale, float scale_log2) {                                                                       \
-        attn_bwd_dkdv_pairs<HD, NP, BM>(qkv, dout, lse, dvec, dqkv, T, H, scale, scale_log2);                 \
+        int KV, float scale, float scale_log2) {                                                               \
+        attn_bwd_dkdv_pairs<HD, NP, BM>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale, scale_log2);                      \
     }
 
 #define ATT_DKDV_ENTRY(HD, NW, MT, BM)                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD(         \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H,         \
-        float scale, float scale_log2) {                                                                       \
-        attn_bwd_dkdv<HD, NW, MT, BM>(qkv, dout, lse, dvec, dqkv, T, H, scale, scale_log2);                   \
+        int KV, float scale, float scale_log2) {                                                               \
+        attn_bwd_dkdv<HD, NW, MT, BM>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale, scale_log2);                        \
     }
 #define ATT_DQ_ENTRY(HD, NW, MT, BN)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW) attn_bwd_dq_w##NW##m##MT##n##BN##_hd##HD(           \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H,         \
-        float scale, float scale_log2) {                                                                       \
-        attn_bwd_dq<HD, NW, MT, BN>(qkv, dout, lse, dvec, dqkv, T, H, scale, scale_log2);                     \
+        int KV, float scale, float scale_log2) {                                                               \
+        attn_bwd_dq<HD, NW, MT, BN>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale, scale_log2);                          \
     }
 
 #if defined(ATT_ONLY_KIND)

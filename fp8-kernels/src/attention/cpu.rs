@@ -1,5 +1,6 @@
 //! The CPU reference: plain causal attention in F32, on F32 slices in the layouts of [`super`]
-//! (`qkv [B, T, 3, H, hd]`, `out [B, T, H, hd]`, `lse [B, H, T]`).
+//! (`qkv [B, T, (H + 2*KV) * hd]`, `out [B, T, H, hd]`, `lse [B, H, T]`; query head `h` reads key/value
+//! head `h / (H / KV)`).
 //!
 //! Each row's softmax is computed from scratch (max, exponentials, sum); the backward recomputes it and
 //! forms the exact gradient (`D = sum_k p_k dp_k`, not the rounded output), so these functions are the
@@ -15,20 +16,27 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0.0f32, |s, (x, y)| s + x * y)
 }
 
-/// `(q, k, v)` of one `(b, h)` pair as `[T][hd]` row-major copies.
+/// Column offsets in a `qkv` row of query head `h`'s q and of the k and v it reads.
+fn head_columns(shape: &AttentionShape, h: usize) -> [usize; 3] {
+    let (hd, heads, kv) = (shape.head_dim, shape.heads, shape.kv_heads);
+    let j = h / shape.group();
+    [h * hd, (heads + j) * hd, (heads + kv + j) * hd]
+}
+
+/// `(q, k, v)` of one `(b, h)` pair (the k and v of `h`'s key/value head) as `[T][hd]` row-major copies.
 fn head_slices(shape: &AttentionShape, qkv: &[f32], b: usize, h: usize) -> [Vec<f32>; 3] {
-    let (t_len, hd, heads) = (shape.seq_len, shape.head_dim, shape.heads);
-    let row = 3 * heads * hd;
+    let (t_len, hd) = (shape.seq_len, shape.head_dim);
+    let row = shape.qkv_width();
+    let cols = head_columns(shape, h);
     let mut out = [
         Vec::with_capacity(t_len * hd),
         Vec::with_capacity(t_len * hd),
         Vec::with_capacity(t_len * hd),
     ];
     for t in 0..t_len {
-        let base = (b * t_len + t) * row + h * hd;
-        for (which, o) in out.iter_mut().enumerate() {
-            let at = base + which * heads * hd;
-            o.extend_from_slice(&qkv[at..at + hd]);
+        let base = (b * t_len + t) * row;
+        for (o, &c) in out.iter_mut().zip(&cols) {
+            o.extend_from_slice(&qkv[base + c..base + c + hd]);
         }
     }
     out
@@ -88,8 +96,10 @@ pub fn forward(shape: &AttentionShape, scale: f32, qkv: &[f32], out: &mut [f32],
     }
 }
 
-/// Backward of [`forward`] for the output gradient `d_out [B, T, H, hd]`: writes `d_qkv [B, T, 3, H, hd]`
-/// (dq, dk, dv in the slots of q, k, v).
+/// Backward of [`forward`] for the output gradient `d_out [B, T, H, hd]`: writes `d_qkv` in the layout
+/// of `qkv` (dq, dk, dv in the slots of q, k, v). dK and dV of a key/value head are the sums of its
+/// group's query heads' contributions, added in increasing query-head order (the first one copied, so
+/// `KV = H` stores each head's own result).
 pub fn backward(shape: &AttentionShape, scale: f32, qkv: &[f32], d_out: &[f32], d_qkv: &mut [f32]) {
     let (t_len, hd, heads) = (shape.seq_len, shape.head_dim, shape.heads);
     if shape.is_empty() {
@@ -138,14 +148,23 @@ pub fn backward(shape: &AttentionShape, scale: f32, qkv: &[f32], d_out: &[f32], 
             [dq, dk, dv]
         })
         .collect();
-    let row = 3 * heads * hd;
+    let row = shape.qkv_width();
+    let group = shape.group();
     for (bh, grads) in per_head.iter().enumerate() {
         let (b, h) = (bh / heads, bh % heads);
+        let first_of_group = h % group == 0;
         for t in 0..t_len {
-            let base = (b * t_len + t) * row + h * hd;
-            for (which, g) in grads.iter().enumerate() {
-                let at = base + which * heads * hd;
-                d_qkv[at..at + hd].copy_from_slice(&g[t * hd..(t + 1) * hd]);
+            let base = (b * t_len + t) * row;
+            for (which, (g, &c)) in grads.iter().zip(&head_columns(shape, h)).enumerate() {
+                let dst = &mut d_qkv[base + c..base + c + hd];
+                let src = &g[t * hd..(t + 1) * hd];
+                if which == 0 || first_of_group {
+                    dst.copy_from_slice(src);
+                } else {
+                    for (d, &x) in dst.iter_mut().zip(src) {
+                        *d += x;
+                    }
+                }
             }
         }
     }

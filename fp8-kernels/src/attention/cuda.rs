@@ -87,13 +87,20 @@ fn require_tensor_cores(dev: &CudaDevice, what: &'static str) -> Result<(), Kern
     Ok(())
 }
 
-/// Launch parameters shared by every kernel: `(T, H)` as the kernels' `int`s (validated to fit).
-fn dims(shape: &AttentionShape) -> (i32, i32, i32) {
-    (shape.batch as i32, shape.seq_len as i32, shape.heads as i32)
+/// Launch parameters shared by every kernel: `(B, T, H, KV)` as the kernels' `int`s (validated to fit).
+fn dims(shape: &AttentionShape) -> (i32, i32, i32, i32) {
+    (
+        shape.batch as i32,
+        shape.seq_len as i32,
+        shape.heads as i32,
+        shape.kv_heads as i32,
+    )
 }
 
-fn row_grid(shape: &AttentionShape) -> LaunchConfig {
-    let rows = shape.batch * shape.heads * shape.seq_len;
+/// A grid-stride launch of the simple kernels over `B * heads * T` rows (`heads`: query heads, or
+/// key/value heads for the dK/dV kernel).
+fn row_grid(shape: &AttentionShape, heads: usize) -> LaunchConfig {
+    let rows = shape.batch * heads * shape.seq_len;
     LaunchConfig {
         grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -111,20 +118,21 @@ pub(super) fn forward(
     lse: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "attention_forward";
-    let (b, t, h) = dims(shape);
+    let (b, t, h, kv) = dims(shape);
     let hd = shape.head_dim;
     match cfg.kernel {
         AttentionKernel::Simple => {
-            // qkv of B*T*3*H*HD, out of B*T*H*HD and lse of B*H*T elements (checked by the caller); bf16
-            // is a 16-bit word on both sides; grid-stride over the B*H*T rows.
+            // qkv of B*T*(H+2*KV)*HD, out of B*T*H*HD and lse of B*H*T elements (checked by the
+            // caller; KV divides H); bf16 is a 16-bit word on both sides; grid-stride over the B*H*T
+            // rows.
             launch!(
                 dev,
                 attention_module(hd, KernelFamily::Simple),
                 kernel_name!("attn_fwd_simple_hd", hd),
-                row_grid(shape),
+                row_grid(shape, shape.heads),
                 "attn_fwd_simple_hd<HD>(const u16* qkv, u16* out, float* lse, int B, int T, int H, \
-                 float scale)",
-                [qkv, out, lse, &b, &t, &h, &cfg.scale]
+                 int KV, float scale)",
+                [qkv, out, lse, &b, &t, &h, &kv, &cfg.scale]
             )?;
         }
         AttentionKernel::Mma => {
@@ -151,8 +159,8 @@ pub(super) fn forward(
                 kernel: &kernel,
                 launch,
                 "attn_fwd_w<NW>m<MT>n<BN>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
-                 float scale_log2)",
-                [qkv, out, lse, &t, &h, &scale_log2]
+                 int KV, float scale_log2)",
+                [qkv, out, lse, &t, &h, &kv, &scale_log2]
             )?;
         }
     }
@@ -161,7 +169,7 @@ pub(super) fn forward(
 
 /// How the fused tensor-core backward is launched for a call.
 pub(super) struct BackwardPlan {
-    /// Blocks per (batch, head) pair (grid.y).
+    /// Blocks per (batch, key/value head) pair (grid.y).
     pub splits: usize,
     /// dQ accumulator buffers of `B*T*H*hd` F32 each.
     pub buffers: usize,
@@ -216,7 +224,7 @@ pub(super) fn fused_plan(
                         .max(1) as usize;
                     let slots = per_sm * dev.sm_count() as usize;
                     auto_splits(
-                        shape.batch * shape.heads,
+                        shape.batch * shape.kv_heads,
                         slots,
                         key_blocks,
                         4 * shape.out_len(),
@@ -264,7 +272,7 @@ pub(super) fn backward(
     d_ws: &mut CudaSlice<f32>,
     dq_ws: Option<&mut CudaSlice<f32>>,
 ) -> Result<(), KernelError> {
-    let (b, t, h) = dims(shape);
+    let (b, t, h, kv) = dims(shape);
     let hd = shape.head_dim;
     let hd_i = hd as i32;
 
@@ -303,19 +311,22 @@ pub(super) fn backward(
 
     match cfg.kernel {
         AttentionKernel::Simple => {
-            for name in ["attn_bwd_simple_dq", "attn_bwd_simple_dkdv"] {
+            for (name, heads) in [
+                ("attn_bwd_simple_dq", shape.heads),
+                ("attn_bwd_simple_dkdv", shape.kv_heads),
+            ] {
                 let (ds, dq) = (&*d_ws, &mut *d_qkv);
-                // qkv and dqkv hold B*T*3*H*HD elements, dout B*T*H*HD, lse and D at least B*H*T
-                // (checked by the caller); grid-stride over the B*H*T rows. The two kernels write
-                // disjoint slots of dqkv.
+                // qkv and dqkv hold B*T*(H+2*KV)*HD elements, dout B*T*H*HD, lse and D at least B*H*T
+                // (checked by the caller; KV divides H); grid-stride over the B*H*T query rows (dQ) or
+                // the B*KV*T key rows (dK/dV). The two kernels write disjoint slots of dqkv.
                 launch!(
                     dev,
                     module,
                     kernel_name!(name, "_hd", hd),
-                    row_grid(shape),
+                    row_grid(shape, heads),
                     "attn_bwd_simple_{dq,dkdv}_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
-                     const float* D, u16* dqkv, int B, int T, int H, float scale)",
-                    [qkv, d_out, lse, ds, dq, &b, &t, &h, &cfg.scale]
+                     const float* D, u16* dqkv, int B, int T, int H, int KV, float scale)",
+                    [qkv, d_out, lse, ds, dq, &b, &t, &h, &kv, &cfg.scale]
                 )?;
             }
         }
@@ -343,14 +354,14 @@ pub(super) fn backward(
                 }
                 let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
                 let launch = LaunchConfig {
-                    grid_dim: ((shape.batch * shape.heads) as u32, plan.splits as u32, 1),
+                    grid_dim: ((shape.batch * shape.kv_heads) as u32, plan.splits as u32, 1),
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: plan.smem as u32,
                 };
                 let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
                 {
                     let (ds, acc, dq) = (&*d_ws, &mut *dq_ws, &mut *d_qkv);
-                    // Grid (B*H, splits) of 128 threads with the shared memory its tiles need (limit
+                    // Grid (B*KV, splits) of 128 threads with the shared memory its tiles need (limit
                     // raised by fused_plan); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0 else
                     // 1) buffers (checked above), the other lengths as in the simple path (checked by the
                     // caller); every global access is bounded by T.
@@ -359,8 +370,8 @@ pub(super) fn backward(
                         launch,
                         "attn_bwd_fused_q<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
                          const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, \
-                         float scale, float scale_log2)",
-                        [qkv, d_out, lse, ds, acc, &stride, dq, &t, &h, &cfg.scale, &scale_log2]
+                         int KV, float scale, float scale_log2)",
+                        [qkv, d_out, lse, ds, acc, &stride, dq, &t, &h, &kv, &cfg.scale, &scale_log2]
                     )?;
                 }
                 let cap = dev.sm_count() as u64 * 16;
@@ -371,16 +382,16 @@ pub(super) fn backward(
                 };
                 let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
                 let (acc, dq) = (&*dq_ws, &mut *d_qkv);
-                // acc holds nbuf buffers of n = B*T*H*HD elements (checked above), dqkv B*T*3*H*HD;
-                // grid-stride over n.
+                // acc holds nbuf buffers of n = B*T*H*HD elements (checked above), dqkv
+                // B*T*(H+2*KV)*HD; grid-stride over n.
                 launch!(
                     dev,
                     module,
                     "attn_bwd_dq_convert",
                     launch,
                     "attn_bwd_dq_convert(const float* acc, int nbuf, u64 stride, u16* dqkv, u64 n, int H, \
-                     int HD, float scale)",
-                    [acc, &nbuf_i, &nbuf_stride, dq, &n_u, &h, &hd_i, &cfg.scale]
+                     int KV, int HD, float scale)",
+                    [acc, &nbuf_i, &nbuf_stride, dq, &n_u, &h, &kv, &hd_i, &cfg.scale]
                 )?;
             }
         },
@@ -406,43 +417,46 @@ fn separate_backward(
     const WHAT: &str = "attention_backward";
     require_tensor_cores(dev, WHAT)?;
     let hd = shape.head_dim;
-    let (_, t, h) = dims(shape);
+    let (_, t, h, kv) = dims(shape);
     let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-    let pairs = (shape.batch * shape.heads) as u32;
+    // The dK/dV kernel's block rows are (batch, key/value head) pairs, the dQ kernel's (batch, head).
     let kernels = [
         (
             TensorKernel::DkDv(dkdv),
             dkdv_smem_bytes(hd, &dkdv),
             dkdv.warps,
+            shape.batch * shape.kv_heads,
             shape.seq_len.div_ceil(dkdv.block_keys()),
         ),
         (
             TensorKernel::Dq(dq),
             dq_smem_bytes(hd, &dq),
             dq.warps,
+            shape.batch * shape.heads,
             shape.seq_len.div_ceil(dq.block_rows()),
         ),
     ];
-    for (kernel, smem, warps, blocks) in kernels {
+    for (kernel, smem, warps, pairs, blocks) in kernels {
         let (module, entry) = kernel_entry(hd, kernel);
         let kernel = Kernel::new(dev, module, entry)?;
         allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
         let launch = LaunchConfig {
-            grid_dim: (pairs, blocks as u32, 1),
+            grid_dim: (pairs as u32, blocks as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let dq = &mut *d_qkv;
-        // Grid (B*H, ceil(T / rows per block)) of 32 * warps threads with the dynamic shared memory the
-        // tiles need (limit raised above); qkv and dqkv hold B*T*3*H*HD elements, dout B*T*H*HD, lse and
-        // D at least B*H*T (checked by the caller); every global access is bounded by T. The dK/dV
-        // kernel writes the k and v slots of dqkv, the dQ kernel the q slot.
+        // Grid (B*KV for dK/dV or B*H for dQ, ceil(T / rows per block)) of 32 * warps threads with
+        // the dynamic shared memory the tiles need (limit raised above); qkv and dqkv hold
+        // B*T*(H+2*KV)*HD elements, dout B*T*H*HD, lse and D at least B*H*T (checked by the caller; KV
+        // divides H); every global access is bounded by T. The dK/dV kernel writes the k and v slots of
+        // dqkv, the dQ kernel the q slot.
         launch!(
             kernel: &kernel,
             launch,
             "attn_bwd_{dkdv,dq}_<tiles>_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
-             const float* D, u16* dqkv, int T, int H, float scale, float scale_log2)",
-            [qkv, d_out, lse, d_ws, dq, &t, &h, &cfg.scale, &scale_log2]
+             const float* D, u16* dqkv, int T, int H, int KV, float scale, float scale_log2)",
+            [qkv, d_out, lse, d_ws, dq, &t, &h, &kv, &cfg.scale, &scale_log2]
         )?;
     }
     Ok(())

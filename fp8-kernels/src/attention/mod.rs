@@ -1,15 +1,19 @@
 //! Causal self-attention: a fused flash-attention forward and backward in BF16 with F32 accumulation.
 //!
-//! The QKV linear writes `qkv [B, T, 3, H, hd]` (row-major BF16: a `[B*T, 3d]` matrix with q in columns
-//! `h*hd..`, k in `d + h*hd..`, v in `2d + h*hd..`, `d = H*hd`), so no transpose is needed around the
-//! kernels:
+//! The QKV linear writes `qkv [B, T, (H + 2*KV) * hd]` (row-major BF16: a `[B*T, (H + 2*KV)*hd]` matrix
+//! with query head `h` in columns `h*hd..`, key head `j` in `H*hd + j*hd..`, value head `j` in
+//! `(H + KV)*hd + j*hd..`), so no transpose is needed around the kernels. `KV` key/value heads serve `H`
+//! query heads (grouped-query attention, [`AttentionShape::gqa`]): query head `h` reads key/value head
+//! `h / (H / KV)`. With `KV = H` (multi-head attention, [`AttentionShape::new`]) the layout is
+//! `[B, T, 3, H, hd]`.
 //!
 //! - [`attention_forward`] reads `qkv` and writes `out [B, T, H, hd]` BF16 (the `[B*T, d]` input of the
 //!   output projection) and `lse [B, H, T]` F32, the natural-log log-sum-exp of each row's scaled scores.
 //!   No `T x T` matrix is ever stored: only `out` and `lse` are kept for the backward.
 //! - [`attention_backward`] reads `qkv`, `out`, the output gradient `d_out [B, T, H, hd]` and `lse`, and
-//!   writes `d_qkv [B, T, 3, H, hd]` BF16, the gradient of the QKV linear's output, using an
-//!   [`AttentionWorkspace`] (F32 `D = rowsum(d_out * out)` per row and dQ accumulators).
+//!   writes `d_qkv` (the layout of `qkv`) BF16, the gradient of the QKV linear's output, using an
+//!   [`AttentionWorkspace`] (F32 `D = rowsum(d_out * out)` per row and dQ accumulators). dK and dV of a
+//!   key/value head sum over the query heads of its group, in a fixed order (deterministic).
 //!
 //! Scores are `scale * q . k` with `scale = 1/sqrt(hd)` unless [`AttentionConfig::softmax_scale`] says
 //! otherwise; key `k` is visible to query `t` when `k <= t`. Head dims 32, 64 and 128; any `T >= 1`.
@@ -262,8 +266,11 @@ pub const MAX_SEQ_LEN: usize = 1 << 21;
 pub struct AttentionShape {
     /// Sequences in the batch, `B`.
     pub batch: usize,
-    /// Attention heads, `H`.
+    /// Attention (query) heads, `H`.
     pub heads: usize,
+    /// Key/value heads, `KV` (divides `H`; `KV = H` is multi-head attention, fewer is grouped-query
+    /// attention: query head `h` reads key/value head `h / (H / KV)`).
+    pub kv_heads: usize,
     /// Tokens per sequence, `T`.
     pub seq_len: usize,
     /// Features per head, `hd` (32, 64 or 128).
@@ -271,14 +278,38 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    /// A shape `[B, T, H, hd]`.
+    /// A multi-head shape `[B, T, H, hd]` (`kv_heads = heads`).
     pub fn new(batch: usize, heads: usize, seq_len: usize, head_dim: usize) -> Self {
+        Self::gqa(batch, heads, heads, seq_len, head_dim)
+    }
+
+    /// A grouped-query shape: `heads` query heads sharing `kv_heads` key/value heads (`kv_heads` must
+    /// divide `heads`; checked by the kernels' validation).
+    pub fn gqa(
+        batch: usize,
+        heads: usize,
+        kv_heads: usize,
+        seq_len: usize,
+        head_dim: usize,
+    ) -> Self {
         AttentionShape {
             batch,
             heads,
+            kv_heads,
             seq_len,
             head_dim,
         }
+    }
+
+    /// Query heads per key/value head, `H / KV` (1 for multi-head attention; 0 for an invalid
+    /// `kv_heads` of 0).
+    pub fn group(&self) -> usize {
+        self.heads.checked_div(self.kv_heads).unwrap_or(0)
+    }
+
+    /// Columns of one token's row of `qkv`: `(H + 2 * KV) * hd`.
+    pub fn qkv_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
     }
 
     /// `d = H * hd`.
@@ -286,9 +317,9 @@ impl AttentionShape {
         self.heads * self.head_dim
     }
 
-    /// Elements of `qkv` and `d_qkv`: `B * T * 3 * H * hd`.
+    /// Elements of `qkv` and `d_qkv`: `B * T * (H + 2 * KV) * hd`.
     pub fn qkv_len(&self) -> usize {
-        3 * self.out_len()
+        self.batch * self.seq_len * self.qkv_width()
     }
 
     /// Elements of `out` and `d_out`: `B * T * H * hd`.
@@ -318,6 +349,17 @@ impl AttentionShape {
     }
 
     fn validate(&self, what: &'static str) -> Result<(), KernelError> {
+        // A shape without heads (MHA with H = KV = 0) is empty, as before grouped-query attention.
+        let no_heads = self.heads == 0 && self.kv_heads == 0;
+        if !no_heads && (self.kv_heads == 0 || self.heads % self.kv_heads != 0) {
+            return Err(bad(
+                what,
+                format!(
+                    "kv_heads {} must be at least 1 and divide heads {}",
+                    self.kv_heads, self.heads
+                ),
+            ));
+        }
         if !HEAD_DIMS.contains(&self.head_dim) {
             return Err(bad(
                 what,
@@ -343,7 +385,7 @@ impl AttentionShape {
         let total = self
             .batch
             .checked_mul(self.seq_len)
-            .and_then(|v| v.checked_mul(3 * self.heads))
+            .and_then(|v| v.checked_mul(self.heads + 2 * self.kv_heads))
             .and_then(|v| v.checked_mul(self.head_dim))
             .and_then(|v| v.checked_mul(4));
         if total.is_none_or(|v| v > i64::MAX as usize) {

@@ -21,12 +21,12 @@
 // accesses.
 //
 // Usage:
-//   emulator run IN OUT B H T HD SCALE early|late FWD BWD
+//   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
 //          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
-//     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs, capped by the key blocks.
+//     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
 //     IN/a.bin (bf16; f32 for pb), IN/b.bin (bf16), 64 x 64 each -> OUT/out.bin (f32 64 x 64).
 
@@ -341,12 +341,12 @@ static void reg(std::vector<T>& v) {
     g_regions.push_back(Region{reinterpret_cast<const unsigned char*>(v.data()), v.size() * sizeof(T)});
 }
 
-typedef void (*FwdMma)(const u16*, u16*, float*, int, int, float);
-typedef void (*FwdSimple)(const u16*, u16*, float*, int, int, int, float);
-typedef void (*BwdFused)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, float,
-                         float);
-typedef void (*BwdSep)(const u16*, const u16*, const float*, const float*, u16*, int, int, float, float);
-typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, float);
+typedef void (*FwdMma)(const u16*, u16*, float*, int, int, int, float);
+typedef void (*FwdSimple)(const u16*, u16*, float*, int, int, int, int, float);
+typedef void (*BwdFused)(const u16*, const u16*, const float*, const float*, float*, u64, u16*, int, int, int,
+                         float, float);
+typedef void (*BwdSep)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, float, float);
+typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, int, float);
 
 // Every tensor-core variant by its kernel name, from the kernel files' own variant lists.
 static std::map<std::string, FwdMma> g_fwd;
@@ -372,30 +372,33 @@ static F lookup(const std::map<std::string, F>& m, const std::string& name) {
 #define PICK(NAME, HD) (HD == 32 ? NAME##_hd32 : HD == 64 ? NAME##_hd64 : NAME##_hd128)
 
 static int run(int argc, char** argv) {
-    if (argc != 12) die("usage: emulator run IN OUT B H T HD SCALE early|late FWD BWD");
+    if (argc != 13) die("usage: emulator run IN OUT B H KV T HD SCALE early|late FWD BWD");
     register_variants();
     const std::string in = argv[2], out_dir = argv[3];
-    const int B = std::atoi(argv[4]), H = std::atoi(argv[5]), T = std::atoi(argv[6]), HD = std::atoi(argv[7]);
-    const float scale = std::strtof(argv[8], nullptr);
-    g_late_copies = std::string(argv[9]) == "late";
-    const std::string fwd = argv[10], bwd = argv[11];
+    const int B = std::atoi(argv[4]), H = std::atoi(argv[5]), KV = std::atoi(argv[6]), T = std::atoi(argv[7]),
+              HD = std::atoi(argv[8]);
+    const float scale = std::strtof(argv[9], nullptr);
+    g_late_copies = std::string(argv[10]) == "late";
+    const std::string fwd = argv[11], bwd = argv[12];
     if (HD != 32 && HD != 64 && HD != 128) die("head dim");
+    if (KV < 1 || H % KV != 0) die("kv heads must divide heads");
     const std::string hd_tag = "_hd" + std::to_string(HD);
-    const size_t n = (size_t)B * T * H * HD, nl = (size_t)B * H * T;
-    std::vector<u16> qkv = read_file<u16>(in + "/qkv.bin", 3 * n);
+    const size_t n = (size_t)B * T * H * HD, nl = (size_t)B * H * T, nqkv = (size_t)B * T * (H + 2 * KV) * HD;
+    std::vector<u16> qkv = read_file<u16>(in + "/qkv.bin", nqkv);
     std::vector<u16> dout = read_file<u16>(in + "/dout.bin", n);
-    std::vector<u16> out(n, 0xFFFF), dqkv(3 * n, 0xFFFF);
+    std::vector<u16> out(n, 0xFFFF), dqkv(nqkv, 0xFFFF);
     std::vector<float> lse(nl, NAN), dvec(nl, NAN);
     reg(qkv), reg(dout), reg(out), reg(dqkv), reg(lse), reg(dvec);
     const float scale_log2 = scale * 1.4426950408889634f;
     const size_t rows = (size_t)B * H * T;
-    const unsigned pairs = (unsigned)(B * H);
+    const unsigned pairs = (unsigned)(B * H), kv_pairs = (unsigned)(B * KV);
     const auto blocks = [&](int per_block) { return (unsigned)((T + per_block - 1) / per_block); };
 
     // Forward.
     if (fwd == "simple") {
         FwdSimple f = PICK(attn_fwd_simple, HD);
-        launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0}, [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, scale); });
+        launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0},
+               [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, KV, scale); });
     } else {
         int nw, mt, bn;
         if (std::sscanf(fwd.c_str(), "w%dm%dn%d", &nw, &mt, &bn) != 3) die("forward variant");
@@ -403,7 +406,7 @@ static int run(int argc, char** argv) {
         const int bm = 16 * mt * nw;
         const size_t smem = (size_t)(bm + 4 * bn) * (HD + 8) * 2;
         launch({pairs, blocks(bm), (unsigned)(32 * nw), smem},
-               [&] { f(qkv.data(), out.data(), lse.data(), T, H, scale_log2); });
+               [&] { f(qkv.data(), out.data(), lse.data(), T, H, KV, scale_log2); });
     }
     // Backward: D, then the kernels.
     launch({(unsigned)std::min<size_t>((rows + 7) / 8, 4), 1, 256, 0},
@@ -411,8 +414,10 @@ static int run(int argc, char** argv) {
     if (bwd == "simple") {
         BwdSimple a = PICK(attn_bwd_simple_dq, HD), b = PICK(attn_bwd_simple_dkdv, HD);
         const unsigned g = (unsigned)std::min<size_t>(rows, 8);
-        launch({g, 1, 128, 0}, [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
-        launch({g, 1, 128, 0}, [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, scale); });
+        launch({g, 1, 128, 0},
+               [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, KV, scale); });
+        launch({g, 1, 128, 0},
+               [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, KV, scale); });
     } else if (bwd.rfind("sep:", 0) == 0) {
         int kw, km, kq, qw, qm, qn, np = 0;
         const bool paired = std::sscanf(bwd.c_str(), "sep:p%dq%d:w%dm%dn%d", &np, &kq, &qw, &qm, &qn) == 5;
@@ -427,11 +432,11 @@ static int run(int argc, char** argv) {
         const int bn = paired ? 32 * np : 16 * km * kw, bm = 16 * qm * qw;
         const size_t smem_a = (size_t)(2 * bn + 4 * kq) * (HD + 8) * 2 + 4 * kq * 4 + (paired ? (size_t)bn * kq * 4 : 0);
         const size_t smem_b = (size_t)(2 * bm + 4 * qn) * (HD + 8) * 2;
-        launch({pairs, blocks(bn), (unsigned)(32 * kw), smem_a}, [&] {
-            a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
+        launch({kv_pairs, blocks(bn), (unsigned)(32 * kw), smem_a}, [&] {
+            a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
         });
         launch({pairs, blocks(bm), (unsigned)(32 * qw), smem_b}, [&] {
-            b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, scale, scale_log2);
+            b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
         });
     } else {
         int bwd_rows = 0, splits_arg = 0;
@@ -444,7 +449,7 @@ static int run(int argc, char** argv) {
             splits = nkb;
             nbuf = 1;
         } else {
-            const int np = std::max(1, B * H);
+            const int np = std::max(1, B * KV);
             splits = splits_arg > 0 ? splits_arg : (2 * 132 + np - 1) / np;
             splits = std::max(1, std::min(splits, nkb));
             nbuf = splits;
@@ -454,11 +459,12 @@ static int run(int argc, char** argv) {
         const u64 stride = nbuf > 1 ? (u64)n : 0;
         BwdFused f = bwd_rows == 64 ? PICK(attn_bwd_fused_q64, HD) : PICK(attn_bwd_fused_q32, HD);
         const size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
-        launch({pairs, (unsigned)splits, 128, smem}, [&] {
-            f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, scale, scale_log2);
+        launch({kv_pairs, (unsigned)splits, 128, smem}, [&] {
+            f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, KV, scale,
+              scale_log2);
         });
         launch({(unsigned)std::min<size_t>((n + 255) / 256, 4), 1, 256, 0},
-               [&] { attn_bwd_dq_convert(acc.data(), nbuf, (u64)n, dqkv.data(), (u64)n, H, HD, scale); });
+               [&] { attn_bwd_dq_convert(acc.data(), nbuf, (u64)n, dqkv.data(), (u64)n, H, KV, HD, scale); });
         g_regions.pop_back();
     }
     write_file(out_dir + "/out.bin", out);

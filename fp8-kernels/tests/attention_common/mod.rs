@@ -47,12 +47,41 @@ pub fn reference(inp: &Inputs, scale: f32) -> Outputs {
     Outputs { out, lse, dqkv }
 }
 
-/// Slot `w` (0 = q, 1 = k, 2 = v) of a `[B, T, 3, H, hd]` array as `[B, T, H, hd]`.
+/// Slot `w` (0 = q, 1 = k, 2 = v) of a `qkv`-layout array (`[B, T, (H + 2*KV) * hd]`) as
+/// `[B, T, H, hd]` (q) or `[B, T, KV, hd]` (k, v).
 pub fn slot(s: &AttentionShape, v: &[f32], w: usize) -> Vec<f32> {
-    let hd = s.model_dim();
-    v.chunks(3 * hd)
-        .flat_map(|row| row[w * hd..(w + 1) * hd].iter().copied())
+    let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    let (start, len) = [(0, q), (q, kv), (q + kv, kv)][w];
+    v.chunks(s.qkv_width())
+        .flat_map(|row| row[start..start + len].iter().copied())
         .collect()
+}
+
+/// The shape whose `[B, T, heads, hd]` layout slot `w` of [`slot`] has (for [`coords`]): `s` for q, `s`
+/// with `kv_heads` heads for k and v.
+pub fn slot_shape(s: &AttentionShape, w: usize) -> AttentionShape {
+    match w {
+        0 => *s,
+        _ => AttentionShape::new(s.batch, s.kv_heads, s.seq_len, s.head_dim),
+    }
+}
+
+/// `qkv` of the multi-head problem equivalent to the grouped-query `qkv` of `s` (Hugging Face's
+/// `repeat_kv`): every key/value head repeated for each query head of its group, in the layout of
+/// `AttentionShape::new(B, H, T, hd)`.
+pub fn expand_kv<T: Copy>(s: &AttentionShape, qkv: &[T]) -> Vec<T> {
+    let (hd, h, g) = (s.head_dim, s.heads, s.group());
+    let mut out = Vec::with_capacity(s.batch * s.seq_len * 3 * h * hd);
+    for row in qkv.chunks(s.qkv_width()) {
+        out.extend_from_slice(&row[..h * hd]);
+        for part in [h * hd, (h + s.kv_heads) * hd] {
+            for head in 0..h {
+                let at = part + (head / g) * hd;
+                out.extend_from_slice(&row[at..at + hd]);
+            }
+        }
+    }
+    out
 }
 
 /// Which layout a flat index is in, to name `(b, t, h, d)` and the query row `t`.
@@ -196,7 +225,7 @@ pub fn check_all(label: &str, s: &AttentionShape, got: &Outputs, want: &Outputs)
         fails.extend(check(
             label,
             name,
-            s,
+            &slot_shape(s, w),
             Layout::Rows,
             &slot(s, &got.dqkv, w),
             &slot(s, &want.dqkv, w),
