@@ -3,13 +3,14 @@
 //! (`recompute_gelu(true)`) to keeping it: over several optimizer steps, on one and two ranks, the losses,
 //! outputs, weights, weight scales, activation/gradient metas and optimizer masters are all bitwise equal.
 //! (The fused kernels write the same FP8 codes, transposes and amaxes as the unfused sequence: this is
-//! the layer-level form of fp8-kernels' former `linear_wrappers_equal_unfused_sequence`.)
+//! the layer-level form of fp8-kernels' former `linear_wrappers_equal_unfused_sequence`.) The same for
+//! the SwiGLU MLP, whose gate/up product is fused with the casts the same way.
 
 mod common;
 
 use common::{bits, on_ranks, values, TestResult};
 use fp8_kernels::elementwise::scale;
-use fsdp_nn::{Layer, LinearPrecision, Mlp, MlpBlock, Recompute, Shape, Tensor};
+use fsdp_nn::{Layer, LinearPrecision, Mlp, MlpActivation, MlpBlock, Recompute, Shape, Tensor};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdamW};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
 use half::bf16;
@@ -33,6 +34,7 @@ impl Module for Stack {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Variant {
+    activation: MlpActivation,
     fused: bool,
     recompute_gelu: bool,
     recompute_block: bool,
@@ -54,7 +56,7 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
         let rank = comm.rank() as u64;
         let mut h: Vec<Box<dyn Layer<bf16>>> = Vec::new();
         for b in 0..BLOCKS {
-            let mlp = Mlp::<bf16>::new(D, 4 * D)?
+            let mlp = Mlp::<bf16>::with_activation(D, 4 * D, variant.activation)?
                 .with_precision(LinearPrecision::Fp8)?
                 .with_seed(7 + b as u64)
                 .fused(variant.fused)
@@ -90,7 +92,13 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
         };
         for step in 0..STEPS {
             // Inputs that differ per rank and grow per step, so the delayed scales move.
-            let spread = (1.0 + 3.0 * step as f32) * (1 + rank) as f32;
+            // SwiGLU's product is quadratic in the input: larger inputs push its amax past E4M3's range
+            // as GELU's are.
+            let gain = match variant.activation {
+                MlpActivation::Gelu => 1.0,
+                MlpActivation::SwiGlu => 3.0,
+            };
+            let spread = gain * (1.0 + 3.0 * step as f32) * (1 + rank) as f32;
             let x: Vec<bf16> = values(100 * step as u64 + rank, TOKENS * D, spread)
                 .into_iter()
                 .map(bf16::from_f32)
@@ -145,8 +153,9 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
     })
 }
 
-fn check(ranks: usize) -> TestResult<()> {
+fn check(ranks: usize, activation: MlpActivation) -> TestResult<()> {
     let base = Variant {
+        activation,
         fused: false,
         recompute_gelu: false,
         recompute_block: false,
@@ -159,7 +168,11 @@ fn check(ranks: usize) -> TestResult<()> {
         "losses {l:?}"
     );
     let state = &reference[0].module_state[STEPS - 1];
-    let input_meta = &state["scaling.h.0.mlp.c_proj.input"];
+    let down = match activation {
+        MlpActivation::Gelu => "c_proj",
+        MlpActivation::SwiGlu => "down_proj",
+    };
+    let input_meta = &state[&format!("scaling.h.0.mlp.{down}.input")];
     assert!(
         !input_meta.starts_with("3f800000;"),
         "the down linear's input scale moved off 1: {input_meta}"
@@ -179,6 +192,7 @@ fn check(ranks: usize) -> TestResult<()> {
             fused: true,
             recompute_gelu: true,
             recompute_block: true,
+            ..base
         },
         Variant {
             recompute_block: true,
@@ -206,10 +220,20 @@ fn check(ranks: usize) -> TestResult<()> {
 
 #[test]
 fn fused_and_recomputed_gelu_train_bit_identically_on_one_rank() -> TestResult<()> {
-    check(1)
+    check(1, MlpActivation::Gelu)
 }
 
 #[test]
 fn fused_and_recomputed_gelu_train_bit_identically_on_two_ranks() -> TestResult<()> {
-    check(2)
+    check(2, MlpActivation::Gelu)
+}
+
+#[test]
+fn fused_and_recomputed_swiglu_train_bit_identically_on_one_rank() -> TestResult<()> {
+    check(1, MlpActivation::SwiGlu)
+}
+
+#[test]
+fn fused_and_recomputed_swiglu_train_bit_identically_on_two_ranks() -> TestResult<()> {
+    check(2, MlpActivation::SwiGlu)
 }

@@ -8,8 +8,8 @@
 mod transformer_common;
 
 use fsdp_nn::{
-    BlockConfig, CausalSelfAttention, Embedding, Layer, LmHead, NnError, Norm, Tensor, TokenBatch,
-    TransformerBlock,
+    BlockConfig, CausalSelfAttention, Embedding, Layer, LmHead, Mlp, MlpActivation, NnError, Norm,
+    Rope, Tensor, TokenBatch, TransformerBlock,
 };
 use fsdp_shard::{Ctx, FsdpModel, Mode, Module, ParamId, ShardError, Visitor};
 use transformer_common::*;
@@ -207,6 +207,58 @@ fn attention_backward() {
         .unwrap()
         .with_seed(5);
     check_layer("attention", attn, &[2, 5, 16], &[2, 5, 16], 3e-3);
+}
+
+/// Llama-style RoPE (a small base so the rotation turns noticeably within a few positions).
+fn rope() -> Rope {
+    Rope {
+        theta: 10.0,
+        scaling: None,
+        max_positions: 8,
+    }
+}
+
+#[test]
+fn grouped_query_attention_with_rope_backward() {
+    // d = 32 in 4 query heads of 8 over 2 and over 1 key/value heads, RoPE on the queries and keys.
+    for kv_heads in [2, 1] {
+        let attn = CausalSelfAttention::<f32>::grouped(32, 4, kv_heads, [0.4, 0.3])
+            .unwrap()
+            .with_seed(5)
+            .with_rope(rope())
+            .unwrap();
+        check_layer(
+            &format!("GQA attention ({kv_heads} kv heads) with RoPE"),
+            attn,
+            &[2, 5, 32],
+            &[2, 5, 32],
+            3e-3,
+        );
+    }
+}
+
+#[test]
+fn swiglu_mlp_backward() {
+    let mlp = Mlp::<f32>::with_activation(16, 24, MlpActivation::SwiGlu)
+        .unwrap()
+        .with_init(
+            fsdp_nn::WeightInit::Normal(0.4),
+            fsdp_nn::WeightInit::Normal(0.3),
+        )
+        .with_seed(3);
+    check_layer("SwiGLU MLP", mlp, &[2, 3, 16], &[2, 3, 16], 3e-3);
+}
+
+#[test]
+fn llama_block_backward() {
+    let cfg = BlockConfig {
+        init_std: 0.3,
+        proj_std: 0.2,
+        seed: Some(9),
+        ..BlockConfig::llama(32, 4, 2, 40, 2, rope())
+    };
+    let block = TransformerBlock::<f32>::new(&cfg).unwrap();
+    check_layer("Llama block", block, &[2, 4, 32], &[2, 4, 32], 3e-3);
 }
 
 #[test]
