@@ -13,7 +13,8 @@
 #
 # On the GPU machine, from the repository root with .bench/ packed (bench/run.sh pack llama): the binary
 # is .bench/bin/lm_fsdp. OUT_DIR (default $OUT/fidelity-PRESET or .bench/out/fidelity-PRESET) receives
-# every log, metrics file, export and table.md. FIDELITY_TIMEOUT bounds each run (default 500 s).
+# every log, metrics file and table.md; the exports go to FIDELITY_EXPORTS (default OUT_DIR). FIDELITY_TIMEOUT
+# bounds each run (default 500 s).
 set -uo pipefail
 [ $# -ge 6 ] || { sed -n 2,16p "$0"; exit 2; }
 PRESET=$1 B=$2 T=$3 STEPS=$4 SEEDS=$5 DATA=$6
@@ -28,7 +29,7 @@ run() {
   local name=$1 seed=$2
   shift 2
   local export=()
-  [ "$seed" = "${SEEDS%% *}" ] && export=(--export "$DEST/$name-export")
+  [ "$seed" = "${SEEDS%% *}" ] && export=(--export "${FIDELITY_EXPORTS:-$DEST}/$name-export")
   local cmd=("$LM" --device cuda --preset "$PRESET" --batch-size "$B" --seq-len "$T" --steps "$STEPS"
     --data "$DATA" --seed "$seed" --no-progress --metrics "$DEST/$name.jsonl" "${export[@]}" "$@")
   printf '%q ' "${cmd[@]}" >> "$DEST/commands.sh"
