@@ -7,8 +7,8 @@ downloaded; runs on the CPU):
     python3 scripts/llama_fixture.py fsdp-examples/testdata/llama-tiny-hf
     python3 scripts/llama_fixture.py DIR --rope-scaling llama3     (a variant with Llama 3.1's RoPE scaling)
 
-Its output is committed under fsdp-examples/testdata/llama-tiny-hf/ (regenerate it only on purpose: the
-tests compare against these bytes).
+Its output goes under fsdp-examples/testdata/llama-tiny-hf/ and is committed there (regenerate it only
+on purpose: tests compare against those bytes).
 
 The model: `LlamaForCausalLM` shaped like our `llama-tiny` preset (hidden 128, 2 layers, 4 query heads, 2
 key/value heads, head dim 32, intermediate 384, tied embeddings), vocabulary 256, 64 positions,
