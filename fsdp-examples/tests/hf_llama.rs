@@ -113,6 +113,68 @@ fn absent_optional_fields_take_hugging_face_defaults_and_head_dim_is_read() {
     assert!(c.rope_scaling.is_none());
 }
 
+/// A transformers 5 config.json: RoPE's settings in `rope_parameters` (no `rope_theta`, no
+/// `rope_scaling`), `dtype` for `torch_dtype`.
+fn transformers5_config(rope_parameters: &str) -> String {
+    format!(
+        r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "intermediate_size": 384, "vocab_size": 256, "rms_norm_eps": 1e-05, "dtype": "float32",
+            "rope_parameters": {rope_parameters}, "tie_word_embeddings": true,
+            "transformers_version": "5.17.0"}}"#
+    )
+}
+
+#[test]
+fn transformers5_rope_parameters_are_read_like_rope_theta_and_rope_scaling() {
+    let c = LlamaHfConfig::from_json_str(&transformers5_config(
+        r#"{"rope_theta": 500000.0, "rope_type": "default"}"#,
+    ))
+    .unwrap();
+    assert_eq!(c.rope_theta, 500000.0);
+    assert!(c.rope_scaling.is_none() && !c.extra.contains_key("rope_parameters"));
+    let c =
+        LlamaHfConfig::from_json_str(&transformers5_config(r#"{"rope_theta": 20000.0}"#)).unwrap();
+    assert_eq!(c.rope_theta, 20000.0);
+    assert!(c.rope_scaling.is_none());
+    let c = LlamaHfConfig::from_json_str(&transformers5_config(
+        r#"{"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}"#,
+    ))
+    .unwrap();
+    let s = c.rope_scaling.unwrap();
+    assert_eq!((s.factor, s.original_max_position_embeddings), (8.0, 16));
+    // Written back in the older keys, which read to the same config.
+    let again = LlamaHfConfig::from_json_str(&c.to_json_string()).unwrap();
+    assert_eq!((again.rope_theta, again.rope_scaling), (500000.0, Some(s)));
+    let err = LlamaHfConfig::from_json_str(&transformers5_config(
+        r#"{"rope_theta": 500000.0, "rope_type": "yarn", "factor": 4.0}"#,
+    ))
+    .unwrap_err();
+    assert!(
+        matches!(err, HfError::UnsupportedRopeScaling { .. }),
+        "{err:?}"
+    );
+    // Both forms present must agree.
+    let both = LLAMA31_8B.replace(
+        r#""rope_theta": 500000.0,"#,
+        r#""rope_theta": 500000.0, "rope_parameters": {"rope_theta": 10000.0},"#,
+    );
+    assert_ne!(both, LLAMA31_8B, "the replacement must apply");
+    let err = LlamaHfConfig::from_json_str(&both).unwrap_err();
+    assert!(
+        err.to_string().contains("rope_parameters.rope_theta"),
+        "{err}"
+    );
+    let both = LLAMA31_8B.replace(
+        r#""rope_theta": 500000.0,"#,
+        r#""rope_theta": 500000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},"#,
+    );
+    let err = LlamaHfConfig::from_json_str(&both).unwrap_err();
+    assert!(err.to_string().contains("differ"), "{err}");
+    assert!(LlamaHfConfig::from_json_str(&transformers5_config("[1]")).is_err());
+}
+
 fn with_rope_scaling(scaling: &str) -> String {
     LLAMA31_8B.replace(
         r#""rope_scaling": {

@@ -73,6 +73,7 @@ const KNOWN_KEYS: &[&str] = &[
     "rms_norm_eps",
     "rope_theta",
     "rope_scaling",
+    "rope_parameters",
     "tie_word_embeddings",
     "max_position_embeddings",
     "torch_dtype",
@@ -302,8 +303,8 @@ impl LlamaHfConfig {
             intermediate_size: required_usize(&map, "intermediate_size")?,
             vocab_size: required_usize(&map, "vocab_size")?,
             rms_norm_eps: optional_f64(&map, "rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta: optional_f64(&map, "rope_theta")?.unwrap_or(10000.0),
-            rope_scaling: rope_scaling(map.get("rope_scaling"))?,
+            rope_theta: rope_theta(&map)?.unwrap_or(10000.0),
+            rope_scaling: rope_scaling_of(&map)?,
             tie_word_embeddings: match map.get("tie_word_embeddings") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
@@ -374,6 +375,53 @@ fn optional_f64(map: &Map<String, Value>, key: &str) -> Result<Option<f64>, HfEr
             .map(Some)
             .ok_or_else(|| HfError::Config(format!("{key} {v} is not a number"))),
     }
+}
+
+/// `rope_parameters`, where transformers 5 writes RoPE's settings (`rope_theta`, `rope_type` and the
+/// scaling parameters in one object) instead of the top-level `rope_theta` and `rope_scaling`.
+fn rope_parameters(map: &Map<String, Value>) -> Result<Option<&Map<String, Value>>, HfError> {
+    match map.get("rope_parameters") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(params)) => Ok(Some(params)),
+        Some(other) => Err(HfError::Config(format!(
+            "rope_parameters {other} is not an object"
+        ))),
+    }
+}
+
+/// `rope_theta`, top-level or in `rope_parameters`; both present must agree.
+fn rope_theta(map: &Map<String, Value>) -> Result<Option<f64>, HfError> {
+    let top = optional_f64(map, "rope_theta")?;
+    let nested = match rope_parameters(map)? {
+        Some(params) => optional_f64(params, "rope_theta")?,
+        None => None,
+    };
+    match (top, nested) {
+        (Some(a), Some(b)) if a != b => Err(HfError::Config(format!(
+            "rope_theta {a} and rope_parameters.rope_theta {b} differ"
+        ))),
+        (top, nested) => Ok(top.or(nested)),
+    }
+}
+
+/// The RoPE scaling from `rope_scaling` or `rope_parameters` (read alike); both present must agree.
+fn rope_scaling_of(map: &Map<String, Value>) -> Result<Option<Llama3RopeScaling>, HfError> {
+    let top = rope_scaling(map.get("rope_scaling"))?;
+    let Some(params) = rope_parameters(map)? else {
+        return Ok(top);
+    };
+    // Without a type the object holds only `rope_theta`: no scaling.
+    let nested = if params.contains_key("rope_type") || params.contains_key("type") {
+        rope_scaling(Some(&Value::Object(params.clone())))?
+    } else {
+        None
+    };
+    if map.get("rope_scaling").is_some_and(|v| !v.is_null()) && top != nested {
+        return Err(HfError::Config(format!(
+            "rope_scaling {top:?} and rope_parameters {nested:?} differ"
+        )));
+    }
+    Ok(nested)
 }
 
 /// `rope_scaling`: null, `{"rope_type": "default"}` (no scaling) or the four `llama3` parameters; the

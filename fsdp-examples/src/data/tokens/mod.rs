@@ -7,6 +7,8 @@
 //! - [`windows`]: [`TrainWindowSampler`] (seeded random windows per step and rank, resumable from a
 //!   `u64`), [`ValidationWindows`] (every non-overlapping window, in batches), [`unigram_entropy_nats`].
 //! - [`gpt2_bpe`]: [`Gpt2Bpe`], GPT-2's BPE (r50k_base) for encoding the corpus and decoding samples.
+//! - [`hf_tokenizer`]: [`HfTokenizer`], a Hugging Face `tokenizer.json` (Llama 3's BPE), and the
+//!   document encoding, split and format choice of the `hf_tokenize` binary.
 //! - [`shakespeare`]: the corpus's file selection, order and split, its token counts and SHA-256.
 //!
 //! Get the data with `scripts/fetch-shakespeare.sh` (writes `data/shakespeare/`); a slice is committed in
@@ -40,6 +42,7 @@
 pub mod error;
 pub mod file;
 pub mod gpt2_bpe;
+pub mod hf_tokenizer;
 pub mod shakespeare;
 pub mod windows;
 
@@ -51,6 +54,11 @@ pub use file::{
     TOKEN_FILE_MAGIC, TOKEN_FILE_U32_MAGIC, TOKEN_FILE_U32_VERSION, TOKEN_FILE_VERSION,
 };
 pub use gpt2_bpe::Gpt2Bpe;
+pub use hf_tokenizer::{
+    choose_format, split_point, text_input_files, write_token_split, DocumentMarkers,
+    EncodedDocuments, HfTokenizeError, HfTokenizer, SplitAt, ValFraction, WrittenTokenFile,
+    U16_ID_LIMIT,
+};
 pub use shakespeare::{
     committed_shakespeare_slice_dir, read_utf8_text, shakespeare_text_files, split_train_val,
     train_val_split_index, DEFAULT_SHAKESPEARE_DIR, SHAKESPEARE_TEXT_COUNT,
