@@ -6,7 +6,11 @@
 //!   token's position) picks the tokens full forwards pick;
 //! - through the Trainer, `--export` writes a Hugging Face directory (config.json and split tensors)
 //!   that `--init-from` reads back to the same validation loss, and a second export after a step with
-//!   learning rate 0 is the same bytes.
+//!   learning rate 0 is the same bytes;
+//! - a checkpoint written by transformers' `save_pretrained` (`testdata/llama-tiny-hf`: `llama-tiny`'s
+//!   shape, vocabulary 256, 11 shards and an index, tied; `scripts/llama_fixture.py` made it on the GPU
+//!   machine with transformers 5.17) imports with its `config.json`, gives transformers' logits on its
+//!   fixed input within 1e-3 (F32), and exports back to the same tensors bit for bit.
 
 mod gpt_common;
 mod scratch;
@@ -16,7 +20,12 @@ use fsdp_examples::data::tokens::{
     committed_shakespeare_slice_dir, write_token_file, TokenFile, GPT2_VOCAB_SIZE,
 };
 use fsdp_examples::gpt::Sampling;
-use fsdp_examples::hf::{read_hf_safetensors, LlamaHfConfig, LlamaNameMap, CONFIG_FILE};
+use fsdp_examples::hf::{
+    read_hf_safetensors, HfLlamaFormat, LlamaHfConfig, LlamaNameMap, CONFIG_FILE,
+};
+use fsdp_optim::ExportDtype;
+use fsdp_shard::FullTensor;
+use fsdp_train::weights::WeightsFormat;
 use fsdp_examples::llama::{wrap_policy, Llama, LlamaConfig, PRESETS};
 use fsdp_examples::lm::{LmOptions, LmTask};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode};
@@ -217,4 +226,79 @@ fn hugging_face_export_then_init_from_gives_the_model_back() {
     let task = LmTask::<Llama<bf16>>::new(opts.clone(), 1).unwrap();
     let err = Trainer::new(over).run(&task).unwrap_err().to_string();
     assert!(err.contains("already holds a model"), "{err}");
+}
+
+#[test]
+fn a_transformers_checkpoint_gives_transformers_logits_and_exports_back_bitwise() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/llama-tiny-hf");
+    let hf = LlamaHfConfig::read(dir.join(CONFIG_FILE)).unwrap();
+    assert_eq!(hf.rope_theta, 500000.0);
+    let config = LlamaConfig::from_hf(&hf, hf.max_position_embeddings).unwrap();
+    let mut model = one_rank(config);
+    let format = HfLlamaFormat::new(hf.clone());
+    let source = format.read(&dir).unwrap();
+    let loaded = model.import_from(source.as_ref(), true).unwrap();
+    assert_eq!(loaded.len(), 2 + 2 * 6); // embedding, final norm, 6 per layer
+    // transformers' logits on the fixture's input.
+    let expected = safetensors::SafeTensors::deserialize(
+        &std::fs::read(dir.join("expected_logits.safetensors")).unwrap(),
+    )
+    .unwrap()
+    .tensor("logits")
+    .unwrap()
+    .data()
+    .chunks_exact(4)
+    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+    .collect::<Vec<f32>>();
+    let ids: Vec<i32> = (0..24).map(|i| (i * 37 + 11) % 256).collect();
+    let ours = model
+        .forward(Mode::Eval, |m, ctx| m.logits(ctx, &ids))
+        .unwrap();
+    assert_eq!(ours.len(), expected.len());
+    let worst = ours
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("largest logit difference against transformers: {worst:e}");
+    assert!(worst < 1e-3, "largest logit difference {worst}");
+    // Export the imported weights: the same tensors as the checkpoint, bit for bit.
+    let out = scratch_dir("llama-fixture-export").join("export");
+    let tensors: Vec<FullTensor> = model
+        .gathered_params()
+        .unwrap()
+        .into_iter()
+        .map(|(name, values)| {
+            let id = model
+                .param_names()
+                .unwrap()
+                .into_iter()
+                .find(|(n, _)| *n == name)
+                .unwrap()
+                .1;
+            let shape = model.sharded().layout().params[id.index().unwrap()]
+                .shape
+                .clone();
+            FullTensor {
+                name,
+                shape,
+                values,
+            }
+        })
+        .collect();
+    format.check_output(&out).unwrap();
+    format.write(&out, tensors, ExportDtype::F32).unwrap();
+    let (a, b) = (
+        read_hf_safetensors(&dir).unwrap(),
+        read_hf_safetensors(&out).unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    for (name, t) in a.iter() {
+        assert_eq!(b.get(name).map(|u| u.data()), Some(t.data()), "{name}");
+    }
+    let back = LlamaHfConfig::read(out.join(CONFIG_FILE)).unwrap();
+    assert_eq!(
+        (back.hidden_size, back.num_key_value_heads, back.rope_theta),
+        (128, 2, 500000.0)
+    );
 }
