@@ -234,7 +234,6 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
     // offsets from the parameters, where five pointers would stay live in registers.
     u64 q_off = (u64)b * T * rs + (u64)kvh * G * HD, o_off = (u64)b * T * ors + (u64)kvh * G * HD;
     u64 l_off = ((u64)b * H + (u64)kvh * G) * T;
-    float* const acc_split = dq_acc + (u64)split * dq_split_stride;
 
     for (int round = 0;; ++round) {
         const int j = round * nsplit + ((round & 1) ? nsplit - 1 - split : split);
@@ -252,112 +251,118 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
             for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
         const int key_a = k0 + warp * 16 + g;  // key of rows [.][0,1] of the S^T fragments; +8 for [2,3]
 
-        // The group's query heads in increasing order, all adding into dk and dv: the group sum of
-        // grouped-query attention, in a fixed order (the same bits on every run).
-        // The pointers step to the next head at the end of each and back to the group's first head after
-        // the last (fewer live registers than recomputing them).
-#pragma unroll 1
-        for (int hg = 0; hg < G; ++hg, q_off += HD, o_off += HD, l_off += T) {
-            if (hg > 0) __syncthreads();  // every warp is done with the previous head's tiles
-            att_load_tile<HD, BM, NT>(sQ, qkv + q_off, rs, i0 * BM, T, tid);
-            att_load_tile<HD, BM, NT>(sdO, dout + o_off, ors, i0 * BM, T, tid);
-            att_load_vec<BM, NT>(sL, lse + l_off, i0 * BM, T, tid);
-            att_load_vec<BM, NT>(sD, dvec + l_off, i0 * BM, T, tid);
-            att_cp_commit();
+        // The group's query heads in increasing order, each over the query blocks i0 .. nqb-1, as one
+        // pipeline of G * (nqb - i0) tiles (the prefetch crosses from one head to the next), all adding
+        // into dk and dv: the group sum of grouped-query attention in a fixed order (the same bits on every
+        // run). One loop rather than two nested keeps the kernel within its registers.
+        att_load_tile<HD, BM, NT>(sQ, qkv + q_off, rs, i0 * BM, T, tid);
+        att_load_tile<HD, BM, NT>(sdO, dout + o_off, ors, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sL, lse + l_off, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sD, dvec + l_off, i0 * BM, T, tid);
+        att_cp_commit();
+        // The query block and buffer of the current tile, of the head at q_off, o_off, l_off; query heads
+        // of the group after that one.
+        int i = i0, buf = 0, heads_after = G - 1;
+        for (;; buf ^= 1) {
+            att_cp_wait<0>();
+            __syncthreads();  // the tile is in buffer `buf`; every warp is done with the previous one
+            if (i + 1 < nqb || heads_after > 0) {
+                const int nb = buf ^ 1;
+                const bool next_head = i + 1 == nqb;  // the next tile is the next head's block i0
+                const int ni = next_head ? i0 : i + 1;
+                const u64 hs = next_head ? (u64)HD : 0, ls = next_head ? (u64)T : 0;
+                att_load_tile<HD, BM, NT>(sQ + nb * BM * S, qkv + q_off + hs, rs, ni * BM, T, tid);
+                att_load_tile<HD, BM, NT>(sdO + nb * BM * S, dout + o_off + hs, ors, ni * BM, T, tid);
+                att_load_vec<BM, NT>(sL + nb * BM, lse + l_off + ls, ni * BM, T, tid);
+                att_load_vec<BM, NT>(sD + nb * BM, dvec + l_off + ls, ni * BM, T, tid);
+                att_cp_commit();
+            }
+            const u16* cQ = sQ + buf * BM * S;
+            const u16* cdO = sdO + buf * BM * S;
+            const float* cL = sL + buf * BM;
+            const float* cD = sD + buf * BM;
+            const int q0 = i * BM;
 
-            for (int i = i0; i < nqb; ++i) {
-                const int buf = (i - i0) & 1;
-                att_cp_wait<0>();
-                __syncthreads();  // block i is in buffer `buf`; every warp is done with iteration i-1
-                if (i + 1 < nqb) {
-                    const int nb = buf ^ 1;
-                    att_load_tile<HD, BM, NT>(sQ + nb * BM * S, qkv + q_off, rs, (i + 1) * BM, T, tid);
-                    att_load_tile<HD, BM, NT>(sdO + nb * BM * S, dout + o_off, ors, (i + 1) * BM, T, tid);
-                    att_load_vec<BM, NT>(sL + nb * BM, lse + l_off, (i + 1) * BM, T, tid);
-                    att_load_vec<BM, NT>(sD + nb * BM, dvec + l_off, (i + 1) * BM, T, tid);
-                    att_cp_commit();
-                }
-                const u16* cQ = sQ + buf * BM * S;
-                const u16* cdO = sdO + buf * BM * S;
-                const float* cL = sL + buf * BM;
-                const float* cD = sD + buf * BM;
-                const int q0 = i * BM;
-
-                // P^T
-                float pt[BM / 8][4];
+            // P^T
+            float pt[BM / 8][4];
 #pragma unroll
-                for (int n = 0; n < BM / 8; ++n) pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
-                att_warp_abt<HD, BM>(pt, sK, warp * 16, cQ, lane);
+            for (int n = 0; n < BM / 8; ++n) pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
+            att_warp_abt<HD, BM>(pt, sK, warp * 16, cQ, lane);
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr)
+                        pt[nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
+                }
+            // The causal mask, in a warp-uniform branch (inline, the compiler evaluates the conditions on
+            // every tile). query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
+            // their contributions vanish anyway.
+            if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {
 #pragma unroll
                 for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float ml = cL[nt * 8 + 2 * q + e] * ATT_LOG2E;
+                        const int query = q0 + nt * 8 + 2 * q + e;
 #pragma unroll
                         for (int hr = 0; hr < 2; ++hr)
-                            pt[nt][2 * hr + e] = att_ex2(__fmaf_rn(pt[nt][2 * hr + e], scale_log2, -ml));
+                            if (key_a + 8 * hr > query || query >= T) pt[nt][2 * hr + e] = 0.0f;
                     }
-                // The causal mask, in a warp-uniform branch (inline, the compiler evaluates the conditions on
-                // every tile). query >= T is defensive: those rows of Q, dO, lse and D are zero-filled, so
-                // their contributions vanish anyway.
-                if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {
+            }
+
+            // dV += P^T dO
+            att_warp_pb<BM, HD, S>(dv, pt, cdO, 0, lane);
+
+            // dS^T = P^T * (V dO^T - D)
+            float ds[BM / 8][4];
 #pragma unroll
-                    for (int nt = 0; nt < BM / 8; ++nt)
+            for (int n = 0; n < BM / 8; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.0f;
+            att_warp_abt<HD, BM>(ds, sV, warp * 16, cdO, lane);
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int query = q0 + nt * 8 + 2 * q + e;
+            for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-                            for (int hr = 0; hr < 2; ++hr)
-                                if (key_a + 8 * hr > query || query >= T) pt[nt][2 * hr + e] = 0.0f;
-                        }
+                for (int e = 0; e < 2; ++e) {
+                    const float dd = cD[nt * 8 + 2 * q + e];
+                    ds[nt][e] = pt[nt][e] * (ds[nt][e] - dd);
+                    ds[nt][2 + e] = pt[nt][2 + e] * (ds[nt][2 + e] - dd);
                 }
 
-                // dV += P^T dO
-                att_warp_pb<BM, HD, S>(dv, pt, cdO, 0, lane);
+            // dK += dS^T Q
+            att_warp_pb<BM, HD, S>(dk, ds, cQ, 0, lane);
 
-                // dS^T = P^T * (V dO^T - D)
-                float ds[BM / 8][4];
+            // dS^T to shared memory (rows: keys, columns: queries), then dQ = dS K across the block.
+            att_store_c_bf16<BM, SD>(sdS, warp * 16, ds, 1.0f, lane);
+            __syncthreads();
+            {
+                const int rg = warp % RG, cg = warp / RG;
+                u32 af[BN / 16][4];
+                att_load_at<BN, SD>(af, sdS, rg * 16, lane);
+                const int row = q0 + rg * 16 + g;
 #pragma unroll
-                for (int n = 0; n < BM / 8; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.0f;
-                att_warp_abt<HD, BM>(ds, sV, warp * 16, cdO, lane);
+                for (int dp = 0; dp < DW / 16; ++dp) {
+                    float c[2][4];
 #pragma unroll
-                for (int nt = 0; nt < BM / 8; ++nt)
+                    for (int n = 0; n < 2; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+                    const int col0 = cg * DW + dp * 16;
+                    att_warp_ab<BN, 16, S>(c, af, sK, col0, lane);
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float dd = cD[nt * 8 + 2 * q + e];
-                        ds[nt][e] = pt[nt][e] * (ds[nt][e] - dd);
-                        ds[nt][2 + e] = pt[nt][2 + e] * (ds[nt][2 + e] - dd);
-                    }
-
-                // dK += dS^T Q
-                att_warp_pb<BM, HD, S>(dk, ds, cQ, 0, lane);
-
-                // dS^T to shared memory (rows: keys, columns: queries), then dQ = dS K across the block.
-                att_store_c_bf16<BM, SD>(sdS, warp * 16, ds, 1.0f, lane);
-                __syncthreads();
-                {
-                    const int rg = warp % RG, cg = warp / RG;
-                    u32 af[BN / 16][4];
-                    att_load_at<BN, SD>(af, sdS, rg * 16, lane);
-                    const int row = q0 + rg * 16 + g;
-#pragma unroll
-                    for (int dp = 0; dp < DW / 16; ++dp) {
-                        float c[2][4];
-#pragma unroll
-                        for (int n = 0; n < 2; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
-                        const int col0 = cg * DW + dp * 16;
-                        att_warp_ab<BN, 16, S>(c, af, sK, col0, lane);
-#pragma unroll
-                        for (int n = 0; n < 2; ++n) {
-                            const int col = col0 + n * 8 + 2 * q;
-                            float* acc = acc_split + o_off;
-                            if (row < T) att_red_add2(acc + (u64)row * ors + col, c[n][0], c[n][1]);
-                            if (row + 8 < T) att_red_add2(acc + (u64)(row + 8) * ors + col, c[n][2], c[n][3]);
-                        }
+                    for (int n = 0; n < 2; ++n) {
+                        const int col = col0 + n * 8 + 2 * q;
+                        float* acc = dq_acc + (u64)split * dq_split_stride + o_off;
+                        if (row < T) att_red_add2(acc + (u64)row * ors + col, c[n][0], c[n][1]);
+                        if (row + 8 < T) att_red_add2(acc + (u64)(row + 8) * ors + col, c[n][2], c[n][3]);
                     }
                 }
             }
-        }  // query heads of the group
+            if (++i == nqb) {  // on to the next head, if any (past the last: undone after the loop)
+                q_off += HD, o_off += HD, l_off += T;
+                if (heads_after-- == 0) break;
+                i = i0;
+            }
+        }
+        // Back to the group's first head for the next key block.
         q_off -= (u64)G * HD, o_off -= (u64)G * HD, l_off -= (u64)G * T;
 
         // dK (times scale) and dV to dqkv, staged through sK / sV once every warp is done reading them.
