@@ -23,12 +23,12 @@ use fsdp_examples::gpt::Sampling;
 use fsdp_examples::hf::{
     read_hf_safetensors, HfLlamaFormat, LlamaHfConfig, LlamaNameMap, CONFIG_FILE,
 };
-use fsdp_optim::ExportDtype;
-use fsdp_shard::FullTensor;
-use fsdp_train::weights::WeightsFormat;
 use fsdp_examples::llama::{wrap_policy, Llama, LlamaConfig, PRESETS};
 use fsdp_examples::lm::{LmOptions, LmTask};
+use fsdp_optim::ExportDtype;
+use fsdp_shard::FullTensor;
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode};
+use fsdp_train::weights::WeightsFormat;
 use fsdp_train::{DeviceChoice, Precision, RunLength, TrainConfig, TrainReport, Trainer};
 use gpt_common::{set_values, uniform, values};
 use half::bf16;
@@ -239,7 +239,7 @@ fn a_transformers_checkpoint_gives_transformers_logits_and_exports_back_bitwise(
     let source = format.read(&dir).unwrap();
     let loaded = model.import_from(source.as_ref(), true).unwrap();
     assert_eq!(loaded.len(), 2 + 2 * 6); // embedding, final norm, 6 per layer
-    // transformers' logits on the fixture's input.
+                                         // transformers' logits on the fixture's input.
     let expected = safetensors::SafeTensors::deserialize(
         &std::fs::read(dir.join("expected_logits.safetensors")).unwrap(),
     )

@@ -751,7 +751,7 @@ impl<M: Module> FsdpModel<M> {
             let p = id
                 .index()
                 .ok_or_else(|| ShardError::State(format!("{name}: unset id")))?;
-            let (shape, values) = source
+            let crate::full_weights::FullTensor { shape, values, .. } = source
                 .tensor(name)
                 .map_err(|e| ShardError::Checkpoint(format!("{origin}: {name}: {e}")))?
                 .ok_or_else(|| {

@@ -24,9 +24,9 @@ pub struct FullTensor {
 pub trait FullWeights {
     /// Where the tensors come from, for messages (a path).
     fn origin(&self) -> String;
-    /// The tensor `name` as `(shape, F32 values)`, `None` when the source has no such tensor; an error
-    /// names what is wrong with it (an unsupported element type, a bad encoding).
-    fn tensor(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, String>;
+    /// The tensor `name` with its shape and F32 values, `None` when the source has no such tensor; an
+    /// error names what is wrong with it (an unsupported element type, a bad encoding).
+    fn tensor(&self, name: &str) -> Result<Option<FullTensor>, String>;
     /// Every name the source holds (for a strict import, which refuses names the model lacks).
     fn names(&self) -> Vec<String>;
 }
@@ -64,12 +64,16 @@ impl FullWeights for SafetensorsFile {
         self.path.display().to_string()
     }
 
-    fn tensor(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, String> {
+    fn tensor(&self, name: &str) -> Result<Option<FullTensor>, String> {
         let file = self.view()?;
         let Ok(view) = file.tensor(name) else {
             return Ok(None);
         };
-        Ok(Some((view.shape().to_vec(), tensor_f32(&view)?)))
+        Ok(Some(FullTensor {
+            name: name.to_string(),
+            shape: view.shape().to_vec(),
+            values: tensor_f32(&view)?,
+        }))
     }
 
     fn names(&self) -> Vec<String> {

@@ -122,11 +122,12 @@ impl FullWeights for NamedTensors {
         self.origin.clone()
     }
 
-    fn tensor(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, String> {
-        Ok(self
-            .tensors
-            .get(name)
-            .map(|t| (t.shape().to_vec(), t.to_f32())))
+    fn tensor(&self, name: &str) -> Result<Option<FullTensor>, String> {
+        Ok(self.tensors.get(name).map(|t| FullTensor {
+            name: name.to_string(),
+            shape: t.shape().to_vec(),
+            values: t.to_f32(),
+        }))
     }
 
     fn names(&self) -> Vec<String> {
