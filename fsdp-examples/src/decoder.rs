@@ -7,7 +7,7 @@ use crate::ModelError;
 use fp8_kernels::rng::SplitMix64;
 use fsdp_nn::{
     Activation, KvCache, Layer, LmHead, LossStats, NnError, Norm, Recompute, Shape, Tensor,
-    TransformerBlock,
+    TokenBatch, TransformerBlock,
 };
 use fsdp_shard::{Ctx, Module, ShardError, Visitor};
 
@@ -74,17 +74,28 @@ pub(crate) struct DecoderStack<T: Activation> {
     pub(crate) norm: Norm<T>,
     pub(crate) head: LmHead<T>,
     d: usize,
+    /// Rows of the embedding (and the head).
+    vocab: usize,
+    /// The longest sequence (position table or RoPE tables).
+    seq_len: usize,
+    /// What bounds the sequence length, for messages ("position table", "RoPE tables").
+    positions: &'static str,
     last_x: Option<Tensor<T>>,
 }
 
 impl<T: Activation> DecoderStack<T> {
-    /// The stack of `blocks` (wrapped in [`Recompute`] when `recompute`), `norm` and `head` of width `d`.
+    /// The stack of `blocks` (wrapped in [`Recompute`] when `recompute`), `norm` and `head` of width `d`,
+    /// for `vocab` ids and sequences of up to `seq_len` tokens (bounded by the model's `positions`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         blocks: Vec<TransformerBlock<T>>,
         recompute: bool,
         norm: Norm<T>,
         head: LmHead<T>,
         d: usize,
+        vocab: usize,
+        seq_len: usize,
+        positions: &'static str,
     ) -> Self {
         let blocks = blocks
             .into_iter()
@@ -101,8 +112,63 @@ impl<T: Activation> DecoderStack<T> {
             norm,
             head,
             d,
+            vocab,
+            seq_len,
+            positions,
             last_x: None,
         }
+    }
+
+    /// A batch for the model: `batch` sequences of `seq <= seq_len` ids and their targets, checked
+    /// against the vocabulary and uploaded to `device` (see [`TokenBatch::new`]).
+    pub(crate) fn batch(
+        &self,
+        device: &fp8_kernels::Device,
+        inputs: &[i32],
+        targets: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<TokenBatch, ModelError> {
+        if seq > self.seq_len {
+            return Err(ModelError::Config(format!(
+                "sequences of {seq} tokens; the model takes up to {} (its {})",
+                self.seq_len, self.positions
+            )));
+        }
+        Ok(TokenBatch::new(
+            device, inputs, targets, batch, seq, self.vocab,
+        )?)
+    }
+
+    /// Refuses a batch made for another vocabulary or longer sequences.
+    pub(crate) fn check(&self, batch: &TokenBatch) -> Result<(), ModelError> {
+        if batch.vocab() != self.vocab || batch.seq() > self.seq_len {
+            return Err(ModelError::Config(format!(
+                "a batch of sequences of {} checked against {} ids; the model takes up to {} tokens of {}",
+                batch.seq(),
+                batch.vocab(),
+                self.seq_len,
+                self.vocab
+            )));
+        }
+        Ok(())
+    }
+
+    /// The head and its loss on the trunk's output `y`; with `with_grad` (a training forward) the head's
+    /// gradients too, so the backward does not recompute the logits.
+    pub(crate) fn head_forward(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        y: Tensor<T>,
+        targets: &fp8_kernels::Buffer<i32>,
+        with_grad: bool,
+    ) -> Result<(), ModelError> {
+        if with_grad {
+            self.head.forward_with_grad(ctx, y, targets, 1.0)?;
+        } else {
+            self.head.forward(ctx, y, targets)?;
+        }
+        Ok(())
     }
 
     /// Blocks and the final norm on the embedded input `x`: the head's input. A training pass keeps the

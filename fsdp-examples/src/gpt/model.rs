@@ -60,7 +60,16 @@ impl<T: Activation> Gpt<T> {
         Ok(Gpt {
             wte: Embedding::new(c.vocab, d)?.with_seed(s(WTE_STREAM)),
             wpe: Embedding::new(c.seq_len, d)?,
-            stack: DecoderStack::new(h, c.recompute_blocks, Norm::of_kind(c.norm, d)?, head, d),
+            stack: DecoderStack::new(
+                h,
+                c.recompute_blocks,
+                Norm::of_kind(c.norm, d)?,
+                head,
+                d,
+                c.vocab,
+                c.seq_len,
+                "position table",
+            ),
             config,
         })
     }
@@ -80,38 +89,12 @@ impl<T: Activation> Gpt<T> {
         batch: usize,
         seq: usize,
     ) -> Result<TokenBatch, GptError> {
-        if seq > self.config.seq_len {
-            return Err(GptError::Config(format!(
-                "sequences of {seq} tokens; the model's position table has {}",
-                self.config.seq_len
-            )));
-        }
-        Ok(TokenBatch::new(
-            device,
-            inputs,
-            targets,
-            batch,
-            seq,
-            self.config.vocab,
-        )?)
-    }
-
-    fn check(&self, batch: &TokenBatch) -> Result<(), GptError> {
-        if batch.vocab() != self.config.vocab || batch.seq() > self.config.seq_len {
-            return Err(GptError::Config(format!(
-                "a batch of sequences of {} checked against {} ids; the model takes up to {} tokens of {}",
-                batch.seq(),
-                batch.vocab(),
-                self.config.seq_len,
-                self.config.vocab
-            )));
-        }
-        Ok(())
+        self.stack.batch(device, inputs, targets, batch, seq)
     }
 
     /// Embeddings, blocks and `ln_f`: the head's input.
     fn trunk(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<Tensor<T>, GptError> {
-        self.check(batch)?;
+        self.stack.check(batch)?;
         let x = self.wte.forward::<T>(ctx, batch, Some(&self.wpe))?;
         self.stack.trunk(ctx, x)
     }
@@ -121,8 +104,7 @@ impl<T: Activation> Gpt<T> {
     /// in [`Gpt::loss`]; nothing is read back.
     pub fn forward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
         let y = self.trunk(ctx, batch)?;
-        self.stack.head.forward(ctx, y, batch.targets())?;
-        Ok(())
+        self.stack.head_forward(ctx, y, batch.targets(), false)
     }
 
     /// A training forward that also computes the LM head's gradients: the backward then does not
@@ -133,16 +115,13 @@ impl<T: Activation> Gpt<T> {
         batch: &TokenBatch,
     ) -> Result<(), GptError> {
         let y = self.trunk(ctx, batch)?;
-        self.stack
-            .head
-            .forward_with_grad(ctx, y, batch.targets(), 1.0)?;
-        Ok(())
+        self.stack.head_forward(ctx, y, batch.targets(), true)
     }
 
     /// The backward of the batch's mean loss, after a training forward of the same batch (the sharded
     /// model's reduction averages over ranks and micro-batches).
     pub fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        self.check(batch)?;
+        self.stack.check(batch)?;
         let dx = self.stack.backward(ctx, batch.targets())?;
         self.wte.backward(ctx, &dx, batch, Some(&self.wpe))?;
         Ok(())

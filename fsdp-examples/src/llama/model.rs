@@ -81,7 +81,16 @@ impl<T: Activation> Llama<T> {
         .with_chunk(c.head_chunk)?;
         Ok(Llama {
             embed_tokens: Embedding::new(c.vocab, d)?.with_seed(s(EMBED_STREAM)),
-            stack: DecoderStack::new(layers, c.recompute_blocks, norm(d)?, head, d),
+            stack: DecoderStack::new(
+                layers,
+                c.recompute_blocks,
+                norm(d)?,
+                head,
+                d,
+                c.vocab,
+                c.seq_len,
+                "RoPE tables",
+            ),
             config,
         })
     }
@@ -92,7 +101,7 @@ impl<T: Activation> Llama<T> {
     }
 
     /// A batch for this model: `batch` sequences of `seq <= seq_len` ids and their targets, checked
-    /// against the vocabulary and uploaded to `device` (see [`TokenBatch::new`]).
+    /// against the model's vocabulary and uploaded to `device` (see [`TokenBatch::new`]).
     pub fn batch(
         &self,
         device: &Device,
@@ -101,38 +110,12 @@ impl<T: Activation> Llama<T> {
         batch: usize,
         seq: usize,
     ) -> Result<TokenBatch, ModelError> {
-        if seq > self.config.seq_len {
-            return Err(ModelError::Config(format!(
-                "sequences of {seq} tokens; the model's RoPE tables cover {}",
-                self.config.seq_len
-            )));
-        }
-        Ok(TokenBatch::new(
-            device,
-            inputs,
-            targets,
-            batch,
-            seq,
-            self.config.vocab,
-        )?)
-    }
-
-    fn check(&self, batch: &TokenBatch) -> Result<(), ModelError> {
-        if batch.vocab() != self.config.vocab || batch.seq() > self.config.seq_len {
-            return Err(ModelError::Config(format!(
-                "a batch of sequences of {} checked against {} ids; the model takes up to {} tokens of {}",
-                batch.seq(),
-                batch.vocab(),
-                self.config.seq_len,
-                self.config.vocab
-            )));
-        }
-        Ok(())
+        self.stack.batch(device, inputs, targets, batch, seq)
     }
 
     /// The embedding, the layers and the final norm: the head's input.
     fn trunk(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<Tensor<T>, ModelError> {
-        self.check(batch)?;
+        self.stack.check(batch)?;
         let x = self.embed_tokens.forward::<T>(ctx, batch, None)?;
         self.stack.trunk(ctx, x)
     }
@@ -141,8 +124,7 @@ impl<T: Activation> Llama<T> {
     /// forward keeps nothing). The mean loss is then on the device in [`Llama::loss`].
     pub fn forward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), ModelError> {
         let y = self.trunk(ctx, batch)?;
-        self.stack.head.forward(ctx, y, batch.targets())?;
-        Ok(())
+        self.stack.head_forward(ctx, y, batch.targets(), false)
     }
 
     /// A training forward that also computes the LM head's gradients (the backward then does not
@@ -153,15 +135,12 @@ impl<T: Activation> Llama<T> {
         batch: &TokenBatch,
     ) -> Result<(), ModelError> {
         let y = self.trunk(ctx, batch)?;
-        self.stack
-            .head
-            .forward_with_grad(ctx, y, batch.targets(), 1.0)?;
-        Ok(())
+        self.stack.head_forward(ctx, y, batch.targets(), true)
     }
 
     /// The backward of the batch's mean loss, after a training forward of the same batch.
     pub fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), ModelError> {
-        self.check(batch)?;
+        self.stack.check(batch)?;
         let dx = self.stack.backward(ctx, batch.targets())?;
         self.embed_tokens.backward(ctx, &dx, batch, None)?;
         Ok(())
