@@ -225,6 +225,23 @@ impl<T: Activation> DecoderStack<T> {
         self.head.drop_saved();
     }
 
+    /// The f32 logits of every row of the head's input `y` (`[.., d]`), `[rows, vocab]` row-major: one
+    /// head GEMM and one read back.
+    pub(crate) fn logits(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        y: &Tensor<T>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let logits = self.head.logits(ctx, y)?;
+        Ok(logits
+            .data()
+            .to_vec()
+            .map_err(NnError::from)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
+    }
+
     /// The f32 logits of row `row` of the head's input `y` (`[.., d]`).
     pub(crate) fn logits_at(
         &mut self,
@@ -236,15 +253,7 @@ impl<T: Activation> DecoderStack<T> {
         let mut last = ctx.device().uninit::<T>(d)?;
         last.copy_range_from(0, y.data(), row * d, d)
             .map_err(NnError::from)?;
-        let last = Tensor::new(last, Shape::matrix(1, d)?)?;
-        let logits = self.head.logits(ctx, &last)?;
-        Ok(logits
-            .data()
-            .to_vec()
-            .map_err(NnError::from)?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect())
+        self.logits(ctx, &Tensor::new(last, Shape::matrix(1, d)?)?)
     }
 
     /// Continues `prompt` (one sequence) by `sampling.max_new_tokens` tokens, feeding each token once
@@ -296,8 +305,7 @@ impl<T: Activation> DecoderStack<T> {
                 prompt[position + 1]
             } else {
                 let y = self.norm.forward_ref(ctx, &x)?;
-                let y = y.reshape(Shape::matrix(1, self.d)?)?;
-                let logits = self.logits_at(ctx, &y, 0)?;
+                let logits = self.logits(ctx, &y)?;
                 let t = pick(&logits, sampling, &mut rng);
                 out.push(t);
                 t

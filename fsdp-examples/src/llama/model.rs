@@ -165,11 +165,7 @@ impl<T: Activation> Llama<T> {
         let dev = ctx.device().clone();
         let batch = self.batch(&dev, ids, ids, 1, ids.len())?;
         let y = self.trunk(ctx, &batch)?;
-        let mut all = Vec::with_capacity(ids.len() * self.config.vocab);
-        for row in 0..ids.len() {
-            all.extend(self.stack.logits_at(ctx, &y, row)?);
-        }
-        Ok(all)
+        self.stack.logits(ctx, &y)
     }
 
     /// Continues `prompt` (one sequence) by `sampling.max_new_tokens` tokens with a key/value cache per

@@ -340,62 +340,55 @@ impl LmSpec {
     }
 }
 
-impl<T: Activation> LanguageModel for Gpt<T> {
-    const FAMILY: LmFamily = LmFamily::Gpt2;
-    fn build(spec: &LmSpec) -> Result<Self, GptError> {
-        Gpt::new(spec.gpt_config())
-    }
-    fn wrap_policy() -> WrapPolicy {
-        crate::gpt::wrap_policy()
-    }
-    fn forward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        Gpt::forward(self, ctx, batch)
-    }
-    fn forward_train(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        self.forward_with_grad(ctx, batch)
-    }
-    fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        Gpt::backward(self, ctx, batch)
-    }
-    fn loss(&self) -> Result<&LossStats, GptError> {
-        Gpt::loss(self)
-    }
-    fn generate(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        prompt: &[i32],
-        sampling: &Sampling,
-    ) -> Result<Vec<i32>, GptError> {
-        Gpt::generate(self, ctx, prompt, sampling)
-    }
+/// The trait for a model type whose inherent methods have the trait's names and signatures.
+macro_rules! language_model {
+    ($model:ident, $family:expr, $build:expr, $wrap:path) => {
+        impl<T: Activation> LanguageModel for $model<T> {
+            const FAMILY: LmFamily = $family;
+            fn build(spec: &LmSpec) -> Result<Self, GptError> {
+                let build: fn(&LmSpec) -> Result<Self, GptError> = $build;
+                build(spec)
+            }
+            fn wrap_policy() -> WrapPolicy {
+                $wrap()
+            }
+            fn forward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
+                $model::forward(self, ctx, batch)
+            }
+            fn forward_train(
+                &mut self,
+                ctx: &mut Ctx<'_>,
+                batch: &TokenBatch,
+            ) -> Result<(), GptError> {
+                self.forward_with_grad(ctx, batch)
+            }
+            fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
+                $model::backward(self, ctx, batch)
+            }
+            fn loss(&self) -> Result<&LossStats, GptError> {
+                $model::loss(self)
+            }
+            fn generate(
+                &mut self,
+                ctx: &mut Ctx<'_>,
+                prompt: &[i32],
+                sampling: &Sampling,
+            ) -> Result<Vec<i32>, GptError> {
+                $model::generate(self, ctx, prompt, sampling)
+            }
+        }
+    };
 }
 
-impl<T: Activation> LanguageModel for Llama<T> {
-    const FAMILY: LmFamily = LmFamily::Llama3;
-    fn build(spec: &LmSpec) -> Result<Self, GptError> {
-        Llama::new(spec.llama_config()?)
-    }
-    fn wrap_policy() -> WrapPolicy {
-        llama::wrap_policy()
-    }
-    fn forward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        Llama::forward(self, ctx, batch)
-    }
-    fn forward_train(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        self.forward_with_grad(ctx, batch)
-    }
-    fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError> {
-        Llama::backward(self, ctx, batch)
-    }
-    fn loss(&self) -> Result<&LossStats, GptError> {
-        Llama::loss(self)
-    }
-    fn generate(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        prompt: &[i32],
-        sampling: &Sampling,
-    ) -> Result<Vec<i32>, GptError> {
-        Llama::generate(self, ctx, prompt, sampling)
-    }
-}
+language_model!(
+    Gpt,
+    LmFamily::Gpt2,
+    |spec| Gpt::new(spec.gpt_config()),
+    crate::gpt::wrap_policy
+);
+language_model!(
+    Llama,
+    LmFamily::Llama3,
+    |spec| Llama::new(spec.llama_config()?),
+    llama::wrap_policy
+);
