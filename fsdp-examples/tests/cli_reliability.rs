@@ -67,6 +67,12 @@ fn refused(bin: &str, args: &[String], words: &[&str], secs: u64) -> String {
     let o = Command::new(bin).args(args).output().unwrap();
     let t = text(&o);
     assert!(!o.status.success(), "{args:?} was accepted:\n{t}");
+    // A refusal is an error exit (1, or clap's 2), never a panic (101) or an abort (134).
+    assert!(
+        matches!(o.status.code(), Some(1 | 2)),
+        "{args:?}: exit {:?}, not a refusal:\n{t}",
+        o.status
+    );
     for w in words {
         assert!(t.contains(w), "{args:?}: no {w:?} in\n{t}");
     }
@@ -226,7 +232,10 @@ fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
         (&["--batch-size", "100000000"], &["GiB", "--batch-size"]),
         (&["--batch-size", "4294967297"], &["--batch-size"]),
         (&["--batch-size", "18446744073709551615"], &["--batch-size"]),
-        (&["--layers", "100000000"], &["GiB"]),
+        (
+            &["--layers", "100000000"],
+            &["GiB", "model state", "activations", "100000000 blocks"],
+        ),
         (
             &["--threads-per-rank", "100000"],
             &["--threads-per-rank", "limit"],
@@ -242,6 +251,37 @@ fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
         (
             &["--precision", "bf16", "--fp8-layers", "auto"],
             &["--fp8-layers"],
+        ),
+        // Every FP8 flag is refused where no linear is FP8, so the summary never names one unused.
+        (
+            &["--precision", "bf16", "--fp8-scaling", "current"],
+            &["--fp8-scaling", "bf16"],
+        ),
+        (
+            &["--precision", "fp32", "--fp8-margin", "2"],
+            &["--fp8-margin", "fp32"],
+        ),
+        (
+            &["--precision", "fp32", "--optimizer-states", "f32"],
+            &["--optimizer-states", "fp32"],
+        ),
+        (
+            &["--fp8-layers", "none", "--fp8-grad-comm"],
+            &["--fp8-grad-comm", "--fp8-layers none"],
+        ),
+        (
+            &["--fp8-scaling", "current", "--fp8-amax-history", "4"],
+            &["--fp8-amax-history", "--fp8-scaling current"],
+        ),
+        // Sizes near 2^64 are refused naming the flag, never an arithmetic panic.
+        (
+            &["--d-model", "18446744073709551615"],
+            &["--d-model", "too large"],
+        ),
+        (&["--seq-len", "18446744073709551615"], &["--seq-len"]),
+        (
+            &["--layers", "18446744073709551615"],
+            &["--layers", "overflows"],
         ),
         (
             &[

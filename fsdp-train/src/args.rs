@@ -120,24 +120,25 @@ pub struct TrainArgs {
     /// measured by the linear_crossover example].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub fp8_auto_threshold: Option<u64>,
-    /// With --precision fp8: scaling of activations and output gradients.
-    #[arg(long, value_enum, default_value_t = Fp8ScalingArg::Delayed)]
-    pub fp8_scaling: Fp8ScalingArg,
-    /// With delayed scaling: the amax history window.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
-    pub fp8_amax_history: u64,
-    /// Scales are divided by 2^margin (head-room), for activations, gradients and weights.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i64).range(0..=fp8_core::MAX_MARGIN as i64))]
-    pub fp8_margin: i64,
+    /// With --precision fp8: scaling of activations and output gradients [default: delayed].
+    #[arg(long, value_enum)]
+    pub fp8_scaling: Option<Fp8ScalingArg>,
+    /// With delayed scaling: the amax history window [default: 16].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub fp8_amax_history: Option<u64>,
+    /// With --precision fp8: scales are divided by 2^margin (head-room), for activations, gradients and
+    /// weights [default: 0].
+    #[arg(long, value_parser = clap::value_parser!(i64).range(0..=fp8_core::MAX_MARGIN as i64))]
+    pub fp8_margin: Option<i64>,
     /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
     #[arg(long)]
     pub fp8_grad_comm: bool,
     /// Storage of the reduced gradient shards (bf16: half the bytes, one rounding per reduction).
     #[arg(long, value_enum, default_value_t = GradShardsArg::F32)]
     pub grad_shards: GradShardsArg,
-    /// Optimizer states of the FP8 weights.
-    #[arg(long, value_enum, default_value_t = StatesArg::Low)]
-    pub optimizer_states: StatesArg,
+    /// Optimizer states of the FP8 weights (other parameters keep F32 states) [default: low].
+    #[arg(long, value_enum)]
+    pub optimizer_states: Option<StatesArg>,
     /// Ranks: threads on the CPU; on CUDA the launcher's process count [default: the program's].
     #[arg(long)]
     pub world_size: Option<usize>,
@@ -229,19 +230,45 @@ impl TrainArgs {
             (None, None) => defaults.length,
         };
         let precision = Precision::from(self.precision);
-        if precision != Precision::Fp8 {
+        // A flag that cannot apply is refused rather than accepted and ignored, so the summary never
+        // names a setting the run does not use.
+        let no_fp8 = if precision != Precision::Fp8 {
+            Some(format!(
+                "with --precision {} there are none",
+                precision.name()
+            ))
+        } else if self.fp8_layers == Some(Fp8LayersArg::None) {
+            Some("with --fp8-layers none there are none".to_string())
+        } else {
+            None
+        };
+        if let Some(why) = no_fp8 {
             for (given, flag) in [
-                (self.fp8_layers.is_some(), "--fp8-layers"),
+                (
+                    self.fp8_layers.is_some() && precision != Precision::Fp8,
+                    "--fp8-layers",
+                ),
                 (self.fp8_auto_threshold.is_some(), "--fp8-auto-threshold"),
                 (self.fp8_grad_comm, "--fp8-grad-comm"),
+                (self.fp8_scaling.is_some(), "--fp8-scaling"),
+                (self.fp8_amax_history.is_some(), "--fp8-amax-history"),
+                (self.fp8_margin.is_some(), "--fp8-margin"),
+                (self.optimizer_states.is_some(), "--optimizer-states"),
             ] {
                 if given {
                     return bad(format!(
-                        "{flag} applies to FP8 linears; with --precision {} there are none (drop the                          flag or use --precision fp8)",
-                        precision.name()
+                        "{flag} applies to FP8 linears; {why} (drop the flag, or use --precision fp8 \
+                         and an --fp8-layers choice that selects some)"
                     ));
                 }
             }
+        }
+        if self.fp8_amax_history.is_some() && self.fp8_scaling == Some(Fp8ScalingArg::Current) {
+            return bad(
+                "--fp8-amax-history sets the window of delayed scaling; --fp8-scaling current \
+                 keeps no history (drop one of them)"
+                    .into(),
+            );
         }
         if self.fp8_auto_threshold.is_some() && self.fp8_layers != Some(Fp8LayersArg::Auto) {
             return bad("--fp8-auto-threshold decides nothing without --fp8-layers auto".into());
@@ -262,11 +289,15 @@ impl TrainArgs {
                 },
             },
         };
-        let margin = i32::try_from(self.fp8_margin)
-            .map_err(|_| TrainError::Config(format!("--fp8-margin {}", self.fp8_margin)))?;
-        let scaling = match self.fp8_scaling {
+        let margin_arg = self.fp8_margin.unwrap_or(0);
+        let margin = i32::try_from(margin_arg)
+            .map_err(|_| TrainError::Config(format!("--fp8-margin {margin_arg}")))?;
+        let history = self.fp8_amax_history.unwrap_or(16);
+        let scaling = match self.fp8_scaling.unwrap_or(Fp8ScalingArg::Delayed) {
             Fp8ScalingArg::Delayed => ScalingRecipe::Delayed {
-                history_len: usize::try_from(self.fp8_amax_history).unwrap_or(16),
+                history_len: usize::try_from(history).map_err(|_| {
+                    TrainError::Config(format!("--fp8-amax-history {history} does not fit a usize"))
+                })?,
                 amax_compute: fp8_core::AmaxCompute::Max,
                 margin,
                 rounding: fp8_core::ScaleRounding::PowerOfTwo,
@@ -291,7 +322,7 @@ impl TrainArgs {
         };
         c.fp8_grad_comm = self.fp8_grad_comm;
         c.grad_shards = self.grad_shards.into();
-        c.optimizer_states = self.optimizer_states.into();
+        c.optimizer_states = self.optimizer_states.unwrap_or(StatesArg::Low).into();
         c.world_size = self.world_size.unwrap_or(defaults.world_size);
         c.device = self.device.into();
         c.threads_per_rank = self.threads_per_rank;

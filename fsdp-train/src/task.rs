@@ -9,7 +9,7 @@ use crate::TrainError;
 use fp8_kernels::{Buffer, CpuParallelism, Device};
 use fsdp_comm::Communicator;
 use fsdp_optim::{AdamOptions, FsdpAdamW, LrSchedule, Optimizer, StatePrecision};
-use fsdp_shard::{FsdpModel, Module, WrapPolicy};
+use fsdp_shard::{FsdpModel, GradDtype, Module, WrapPolicy};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -183,9 +183,11 @@ pub trait TrainTask: Sync {
         ScheduleClock::Step
     }
 
-    /// Bytes one rank will hold at its peak for this run (model state, activations, workspaces), when
-    /// the task can estimate them: the Trainer refuses a run that cannot fit before it allocates.
-    fn memory_estimate(&self, _world_size: usize) -> Result<Option<u64>, Self::Error> {
+    /// What one rank will hold at its peak for this run (model state, activations, workspaces), by
+    /// part, when the task can estimate it: the Trainer refuses a run that cannot fit before it
+    /// allocates, naming the parts and the flags that size them. [`MemoryPlan::model_state`] prices the
+    /// parameters for the run's precision, optimizer states, gradient shards and ranks.
+    fn memory_estimate(&self, _plan: &MemoryPlan) -> Result<Option<MemoryEstimate>, Self::Error> {
         Ok(None)
     }
 
@@ -335,5 +337,124 @@ pub trait TrainTask: Sync {
     /// model's parameter names, [`crate::weights::SafetensorsFormat`]).
     fn weights_format(&self) -> Box<dyn crate::weights::WeightsFormat + '_> {
         Box::new(crate::weights::SafetensorsFormat)
+    }
+}
+
+/// What the memory of a run depends on that the Trainer decides, for [`TrainTask::memory_estimate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Ranks the parameters are sharded over.
+    pub world_size: usize,
+    /// Whether the ranks are CUDA GPUs (activations in BF16) or CPU threads of one host.
+    pub cuda: bool,
+    /// Whether linears may run in FP8 (`--precision fp8` with a filter that selects some).
+    pub fp8_linears: bool,
+    /// Storage of the FP8 weights' optimizer states.
+    pub optimizer_states: StatePrecision,
+    /// Storage of the gradient shards.
+    pub grad_shards: GradDtype,
+}
+
+impl MemoryPlan {
+    /// One rank's share of the model state: the sharded weights, gradients and optimizer states of
+    /// `linear_weights` linear weight elements (FP8 when the run has FP8 linears: 1-byte weights,
+    /// 5 or 12 bytes of master and moments) and `other` parameters (F32 weights and moments), as the
+    /// optimizer's memory report counts them; `None` on overflow.
+    pub fn model_state(&self, linear_weights: u64, other: u64) -> Option<u64> {
+        let grad = self.grad_shards.size_bytes() as u64;
+        let (fp8, plain) = if self.fp8_linears {
+            (linear_weights, other)
+        } else {
+            (0, linear_weights.checked_add(other)?)
+        };
+        let states = match self.optimizer_states {
+            StatePrecision::LowPrecision => 5,
+            StatePrecision::F32 => 12,
+        };
+        let total = fp8
+            .checked_mul(1 + grad + states)?
+            .checked_add(plain.checked_mul(4 + grad + 8)?)?;
+        Some(total.div_ceil(self.world_size.max(1) as u64))
+    }
+}
+
+/// One part of a rank's peak memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryPart {
+    /// What it is and what sizes it, for the message (`"activations (--batch-size 8 x --seq-len
+    /// 1024 x 12 blocks)"`).
+    pub what: String,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One rank's estimated peak memory, by part.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// The parts.
+    pub parts: Vec<MemoryPart>,
+}
+
+impl MemoryEstimate {
+    /// Adds a part.
+    pub fn part(mut self, what: impl Into<String>, bytes: u64) -> Self {
+        self.parts.push(MemoryPart {
+            what: what.into(),
+            bytes,
+        });
+        self
+    }
+
+    /// The sum of the parts (saturating: an estimate beyond 2^64 bytes fits nowhere).
+    pub fn total(&self) -> u64 {
+        self.parts
+            .iter()
+            .fold(0u64, |a, p| a.saturating_add(p.bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(fp8: bool, states: StatePrecision, grads: GradDtype, ranks: usize) -> MemoryPlan {
+        MemoryPlan {
+            world_size: ranks,
+            cuda: false,
+            fp8_linears: fp8,
+            optimizer_states: states,
+            grad_shards: grads,
+        }
+    }
+
+    #[test]
+    fn model_state_prices_each_kind_of_parameter() {
+        use GradDtype::{Bf16, F32};
+        use StatePrecision::{LowPrecision as Low, F32 as S32};
+        // FP8 weight 1 + F32 grad 4 + F16 master, E4M3 m, F16 v 5; plain F32 weight, grad, m, v 16.
+        assert_eq!(
+            plan(true, Low, F32, 1).model_state(1000, 10),
+            Some(10_000 + 160)
+        );
+        assert_eq!(
+            plan(true, S32, F32, 1).model_state(1000, 10),
+            Some(17_000 + 160)
+        );
+        assert_eq!(
+            plan(true, Low, Bf16, 1).model_state(1000, 10),
+            Some(8_000 + 140)
+        );
+        // Without FP8 linears every parameter is plain.
+        assert_eq!(plan(false, Low, F32, 1).model_state(1000, 10), Some(16_160));
+        // Sharded over ranks, rounded up.
+        assert_eq!(plan(true, Low, F32, 3).model_state(1000, 10), Some(3_387));
+        assert_eq!(plan(true, Low, F32, 1).model_state(u64::MAX / 2, 0), None);
+    }
+
+    #[test]
+    fn an_estimate_sums_its_parts_saturating() {
+        let e = MemoryEstimate::default().part("a", 5).part("b", 7);
+        assert_eq!(e.total(), 12);
+        assert_eq!(e.part("c", u64::MAX).total(), u64::MAX);
     }
 }

@@ -7,7 +7,8 @@ use crate::progress::{EpochProgress, ProgressMode};
 use crate::settings::{check_resume, resume_metrics, saved_record, RunSetting, RunSettings};
 use crate::setup::{launch_ranks, RankLaunch, RunOutputs};
 use crate::task::{
-    BatchIndex, LossKind, OptimizerChoice, RankEnv, ScheduleClock, SchedulePlan, TrainTask,
+    BatchIndex, LossKind, MemoryEstimate, MemoryPlan, OptimizerChoice, RankEnv, ScheduleClock,
+    SchedulePlan, TrainTask,
 };
 use crate::{signal, TrainError};
 use fp8_core::Fp8Format;
@@ -496,36 +497,30 @@ impl Trainer {
         task.optimizer(model, &choice).map_err(TrainError::task)
     }
 
+    /// The [`MemoryPlan`] of this run on `env`.
+    fn memory_plan(&self, env: &RankEnv) -> MemoryPlan {
+        let c = &self.config;
+        MemoryPlan {
+            world_size: env.world_size,
+            cuda: env.device.is_cuda(),
+            fp8_linears: c.precision == Precision::Fp8
+                && !matches!(c.fp8_layers, fsdp_nn::Fp8Filter::None),
+            optimizer_states: c.optimizer_states,
+            grad_shards: c.grad_shards,
+        }
+    }
+
     fn check_memory<T: TrainTask>(&self, task: &T, env: &RankEnv) -> Result<(), TrainError> {
-        let Some(need) = task
-            .memory_estimate(env.world_size)
+        let Some(estimate) = task
+            .memory_estimate(&self.memory_plan(env))
             .map_err(TrainError::task)?
         else {
             return Ok(());
         };
-        // Thread ranks share the host: each needs its share.
-        let need_all = if env.device.is_cuda() {
-            need
-        } else {
-            need.saturating_mul(env.world_size as u64)
+        let Some(have) = available_bytes(&env.device)? else {
+            return Ok(());
         };
-        if let Some(have) = available_bytes(&env.device)? {
-            if need_all > have {
-                let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
-                return Err(TrainError::Config(format!(
-                    "this run needs about {:.2} GiB {} but {:.2} GiB are free: use a smaller model, \
-                     --batch-size or --seq-len, or more ranks",
-                    gib(need_all),
-                    if env.device.is_cuda() {
-                        "of GPU memory per rank"
-                    } else {
-                        "of host memory"
-                    },
-                    gib(have)
-                )));
-            }
-        }
-        Ok(())
+        memory_verdict(&estimate, env.device.is_cuda(), env.world_size, have)
     }
 
     fn run_rank<T: TrainTask>(&self, task: &T, env: &RankEnv) -> Result<RankOutcome, TrainError> {
@@ -1198,6 +1193,39 @@ pub fn available_bytes(device: &Device) -> Result<Option<u64>, TrainError> {
         .map(|kb| kb * 1024))
 }
 
+/// Refuses a run whose estimated peak exceeds the `have` bytes free (thread ranks share the host:
+/// each needs its share; a GPU rank needs its own), naming every part and what sizes it.
+pub fn memory_verdict(
+    estimate: &MemoryEstimate,
+    cuda: bool,
+    world_size: usize,
+    have: u64,
+) -> Result<(), TrainError> {
+    let ranks = if cuda { 1 } else { world_size.max(1) as u64 };
+    let need = estimate.total().saturating_mul(ranks);
+    if need <= have {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    let parts = estimate
+        .parts
+        .iter()
+        .map(|p| format!("{} {:.2} GiB", p.what, gib(p.bytes)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (whose, each) = match (cuda, ranks) {
+        (true, _) => ("of GPU memory per rank", ""),
+        (false, 1) => ("of host memory", ""),
+        (false, _) => ("of host memory for its thread ranks", "each: "),
+    };
+    Err(TrainError::Config(format!(
+        "this run needs at least about {:.2} GiB {whose} ({each}{parts}) but {:.2} GiB are free: use a \
+         smaller model, --batch-size or --seq-len, more ranks, or a device with more memory",
+        gib(need),
+        gib(have)
+    )))
+}
+
 /// An evaluation loop's sums over every rank: gathers every unit once for the pass (so ranks with
 /// fewer batches take part in the same collectives), runs `batch(model, i)` for this rank's batches
 /// `i` (each returning its `N` sums in f32, added in order), releases the units and all-reduces the
@@ -1233,4 +1261,32 @@ where
     M: fsdp_shard::Module,
 {
     model.forward(Mode::Eval, f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_verdict_counts_thread_ranks_and_names_the_parts() {
+        let e = MemoryEstimate::default()
+            .part("model state (--preset x)", 6 << 30)
+            .part("activations (--batch-size 8)", 4 << 30);
+        assert!(memory_verdict(&e, false, 1, 10 << 30).is_ok());
+        // Two thread ranks on one host need twice; a GPU rank needs its own only.
+        let m = memory_verdict(&e, false, 2, 19 << 30)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("20.00 GiB") && m.contains("19.00 GiB") && m.contains("thread ranks"),
+            "{m}"
+        );
+        assert!(m.contains("model state (--preset x) 6.00 GiB"), "{m}");
+        assert!(m.contains("activations (--batch-size 8) 4.00 GiB"), "{m}");
+        assert!(memory_verdict(&e, true, 2, 10 << 30).is_ok());
+        let m = memory_verdict(&e, true, 1, 9 << 30)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("GPU memory per rank"), "{m}");
+    }
 }

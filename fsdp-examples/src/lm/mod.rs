@@ -13,8 +13,9 @@ pub use task::{peer_adamw_options, peer_schedule, LmOptions, LmTask, SAMPLE_PROM
 use crate::gpt::{Gpt, GptConfig, GptError, Sampling, GPT2_PADDED_VOCAB, PRESETS};
 use crate::hf::{HfLlamaFormat, LlamaHfConfig};
 use crate::llama::{self, Llama, LlamaConfig, LLAMA3_VOCAB};
-use fsdp_nn::{Activation, LossStats, TokenBatch};
+use fsdp_nn::{Activation, LossStats, TokenBatch, DEFAULT_HEAD_CHUNK};
 use fsdp_shard::{Ctx, Module, WrapPolicy};
+use fsdp_train::{MemoryEstimate, MemoryPlan};
 
 /// A model family: its presets, its layers and its names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +166,11 @@ impl LmSpec {
                     GptError::Config(format!("--preset {name:?} is not a GPT-2 preset"))
                 })?;
                 let (d, h) = (o.d_model.unwrap_or(d), o.heads.unwrap_or(h));
+                let ffn = d.checked_mul(4).ok_or_else(|| {
+                    GptError::Config(format!(
+                        "--d-model {d} is too large (the MLP width 4 x d overflows)"
+                    ))
+                })?;
                 LmSpec {
                     preset: name.to_string(),
                     family,
@@ -172,7 +178,7 @@ impl LmSpec {
                     layers: o.layers.unwrap_or(l),
                     heads: h,
                     kv_heads: h,
-                    ffn: 4 * d,
+                    ffn,
                     tied: true,
                     vocab: GPT2_PADDED_VOCAB,
                     seq_len,
@@ -227,6 +233,118 @@ impl LmSpec {
         };
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// A lower bound of one rank's peak, by part (the Trainer refuses a run that cannot fit):
+    /// - model state: the shape's parameters priced by the run's plan (the same bytes the optimizer's
+    ///   memory report counts);
+    /// - two blocks' weights gathered in F32 (the one computing and the prefetched next);
+    /// - the activations the blocks keep: per token and block `k x (d + m x ffn / 2)` bytes, `m` the
+    ///   MLP's matrices (2 GELU, 3 SwiGLU), `k` = 4 on CUDA and 12 on the CPU, below every run
+    ///   measured (H200, `bench/run.sh`: gpt2, gpt-3b, gpt-6.7b, llama-1b, llama-3b and llama-8b held 4.6
+    ///   to 6.2 beyond their model state and head chunk; the CPU at d 256: 14.6 and 19.4; a test checks
+    ///   the H200 runs); with `--recompute` one block's worth plus each block's input;
+    /// - one chunk of head logits in F32.
+    pub fn memory_estimate(&self, b: usize, plan: &MemoryPlan) -> Result<MemoryEstimate, GptError> {
+        let s = self;
+        let over = |what: &str| {
+            GptError::Config(format!(
+                "{what} of --batch-size {b} x --seq-len {} x --d-model {} x --layers {} (--heads {}, \
+                 --kv-heads {}, --ffn {}) overflows a 64-bit byte count",
+                s.seq_len, s.d_model, s.layers, s.heads, s.kv_heads, s.ffn
+            ))
+        };
+        let (d, l, v, ffn) = (
+            s.d_model as u64,
+            s.layers as u64,
+            s.vocab as u64,
+            s.ffn as u64,
+        );
+        let hd = d / (s.heads as u64).max(1);
+        let mats = match s.family {
+            LmFamily::Gpt2 => 2,
+            LmFamily::Llama3 => 3,
+        };
+        // Per block: the attention's (H + 2 KV) hd x d and d x d, the MLP's m x d x ffn.
+        let block = (s.kv_heads as u64)
+            .checked_mul(2)
+            .and_then(|kv| kv.checked_add(s.heads as u64))
+            .and_then(|h| h.checked_mul(hd))
+            .and_then(|x| x.checked_mul(d))
+            .and_then(|x| x.checked_add(d.checked_mul(d)?))
+            .and_then(|x| x.checked_add(d.checked_mul(ffn)?.checked_mul(mats)?))
+            .ok_or_else(|| over("the parameters"))?;
+        let linear = block.checked_mul(l).ok_or_else(|| over("the parameters"))?;
+        // Embeddings (and an untied head, and GPT-2's position table); norms and biases are small.
+        let tables = if s.tied { 1 } else { 2 };
+        let positions = match s.family {
+            LmFamily::Gpt2 => s.seq_len as u64,
+            LmFamily::Llama3 => 0,
+        };
+        let other = v
+            .checked_mul(tables)
+            .and_then(|x| x.checked_add(positions))
+            .and_then(|x| x.checked_mul(d))
+            .ok_or_else(|| over("the parameters"))?;
+        let state = plan
+            .model_state(linear, other)
+            .ok_or_else(|| over("the model state"))?;
+        let tokens = (b as u64)
+            .checked_mul(s.seq_len as u64)
+            .ok_or_else(|| over("the tokens"))?;
+        let k = if plan.cuda { 4 } else { 12 };
+        let per_block = d
+            .checked_add(
+                ffn.checked_mul(mats)
+                    .ok_or_else(|| over("the activations"))?
+                    / 2,
+            )
+            .and_then(|x| x.checked_mul(k))
+            .and_then(|x| x.checked_mul(tokens))
+            .ok_or_else(|| over("the activations"))?;
+        let acts = if s.recompute_blocks {
+            // Each block's input (BF16 on CUDA, F32 on the CPU) and one block recomputed.
+            let input = tokens
+                .checked_mul(d)
+                .and_then(|x| x.checked_mul(if plan.cuda { 2 } else { 4 }))
+                .and_then(|x| x.checked_mul(l));
+            input.and_then(|x| x.checked_add(per_block))
+        } else {
+            per_block.checked_mul(l)
+        }
+        .ok_or_else(|| over("the activations"))?;
+        let gathered = block.checked_mul(8).ok_or_else(|| over("the parameters"))?;
+        let head = tokens
+            .min(DEFAULT_HEAD_CHUNK as u64)
+            .checked_mul(v)
+            .and_then(|x| x.checked_mul(4))
+            .ok_or_else(|| over("the head"))?;
+        let params = linear.saturating_add(other);
+        Ok(MemoryEstimate::default()
+            .part(
+                format!(
+                    "model state of {:.2}e9 parameters (--preset {}) over {} rank(s)",
+                    params as f64 * 1e-9,
+                    s.preset,
+                    plan.world_size
+                ),
+                state,
+            )
+            .part("two blocks gathered", gathered)
+            .part(
+                format!(
+                    "activations of --batch-size {b} x --seq-len {} tokens in {} blocks{}",
+                    s.seq_len,
+                    s.layers,
+                    if s.recompute_blocks {
+                        " (--recompute)"
+                    } else {
+                        ""
+                    }
+                ),
+                acts,
+            )
+            .part("a chunk of head logits", head))
     }
 
     /// Refuses shapes the kernels do not support, before any work, naming the flags.

@@ -7,12 +7,12 @@ use crate::data::tokens::{
 use crate::gpt::{GptError, Sampling, GPT2_PADDED_VOCAB};
 use crate::hf::LlamaHfConfig;
 use fp8_kernels::rng::SplitMix64;
-use fsdp_nn::{TokenBatch, DEFAULT_HEAD_CHUNK};
+use fsdp_nn::TokenBatch;
 use fsdp_optim::{AdamOptions, FsdpAdamW, LrSchedule, Optimizer, StatePrecision, WarmupCosine};
 use fsdp_shard::{FsdpModel, Mode, WrapPolicy};
 use fsdp_train::{
-    evaluate_sums, BatchIndex, Evaluation, LossKind, LossValue, OptimizerChoice, RankEnv,
-    RunSetting, SchedulePlan, TrainError, TrainTask,
+    evaluate_sums, BatchIndex, Evaluation, LossKind, LossValue, MemoryEstimate, MemoryPlan,
+    OptimizerChoice, RankEnv, RunSetting, SchedulePlan, TrainError, TrainTask,
 };
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -467,58 +467,12 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
         Ok(Some(Box::new(peer_schedule(plan.total_steps)?)))
     }
 
-    /// A lower bound of one rank's peak bytes: model state (FP8 weights, masters, moments and
-    /// gradients at about 8 bytes per parameter share, the F32 parameters of the largest unit gathered),
-    /// the activations the blocks keep (at least 16 bytes per token, feature and block) and one chunk of
-    /// head logits.
-    fn memory_estimate(&self, world_size: usize) -> Result<Option<u64>, TrainError> {
-        let s = &self.spec;
-        let over = || {
-            TrainError::Config(format!(
-                "--batch-size {} x --seq-len {} x --d-model {} x --layers {}: the run's sizes overflow a \
-                 64-bit byte count",
-                self.options.batch_size, s.seq_len, s.d_model, s.layers
-            ))
-        };
-        let (d, l, v) = (s.d_model as u64, s.layers as u64, s.vocab as u64);
-        let tokens = (self.options.batch_size as u64)
-            .checked_mul(s.seq_len as u64)
-            .ok_or_else(over)?;
-        // Per block: the attention's (H + 2 KV) hd d + d^2 and the MLP's 2 d ffn (GELU) or 3 d ffn
-        // (SwiGLU).
-        let hd = d / (s.heads as u64).max(1);
-        let mlp = match s.family {
-            LmFamily::Gpt2 => 2,
-            LmFamily::Llama3 => 3,
-        };
-        let block = ((s.heads + 2 * s.kv_heads) as u64)
-            .checked_mul(hd)
-            .and_then(|x| x.checked_mul(d))
-            .and_then(|x| x.checked_add(d.checked_mul(d)?))
-            .and_then(|x| x.checked_add(d.checked_mul(s.ffn as u64)?.checked_mul(mlp)?))
-            .ok_or_else(over)?;
-        let params = block
-            .checked_mul(l)
-            .and_then(|x| x.checked_add(v.checked_mul(d)?))
-            .ok_or_else(over)?;
-        let state = params.checked_mul(8).ok_or_else(over)? / world_size.max(1) as u64;
-        let unit = block.checked_mul(4).ok_or_else(over)?;
-        let acts = tokens
-            .checked_mul(d)
-            .and_then(|x| x.checked_mul(l))
-            .and_then(|x| x.checked_mul(16))
-            .ok_or_else(over)?;
-        let head = (tokens.min(DEFAULT_HEAD_CHUNK as u64))
-            .checked_mul(v)
-            .and_then(|x| x.checked_mul(4))
-            .ok_or_else(over)?;
-        Ok(Some(
-            state
-                .checked_add(unit)
-                .and_then(|x| x.checked_add(acts))
-                .and_then(|x| x.checked_add(head))
-                .ok_or_else(over)?,
-        ))
+    /// [`LmSpec::memory_estimate`] of this run's batch.
+    fn memory_estimate(&self, plan: &MemoryPlan) -> Result<Option<MemoryEstimate>, TrainError> {
+        self.spec
+            .memory_estimate(self.options.batch_size, plan)
+            .map(Some)
+            .map_err(model_err)
     }
 
     fn data(&self, env: &RankEnv) -> Result<LmData, TrainError> {

@@ -388,13 +388,15 @@ impl ShardedAdam {
             .schedule
             .as_ref()
             .map_or_else(|| "constant lr".to_string(), |s| format!("{s:?}"));
+        // The state precision applies to FP8 weights only: say so when there are none.
+        let states = if self.total_slots == 0 {
+            "f32 states: no FP8 weights".to_string()
+        } else {
+            format!("{} states for FP8 weights", o.state_precision.name())
+        };
         format!(
-            "fsdp-optim {kind} ({} states) lr {} betas {:?} eps {} weight decay {}, {schedule}",
-            o.state_precision.name(),
-            o.lr,
-            o.betas,
-            o.eps,
-            o.weight_decay
+            "fsdp-optim {kind} ({states}) lr {} betas {:?} eps {} weight decay {}, {schedule}",
+            o.lr, o.betas, o.eps, o.weight_decay
         )
     }
 
