@@ -167,3 +167,34 @@ fn a_cpu_run_under_a_multi_process_launcher_refuses() {
         "{err}"
     );
 }
+
+#[test]
+fn a_batch_larger_than_memory_is_refused_naming_the_flag() {
+    use fsdp_optim::StatePrecision;
+    use fsdp_shard::GradDtype;
+    use fsdp_train::{memory_verdict, MemoryPlan, TrainTask};
+    let task = MnistTask::new(MnistOptions {
+        batch_size: usize::MAX,
+        data_dir: committed_subset_dir(),
+        ..MnistOptions::default()
+    })
+    .unwrap();
+    let plan = |ranks| MemoryPlan {
+        world_size: ranks,
+        cuda: false,
+        fp8_linears: true,
+        optimizer_states: StatePrecision::LowPrecision,
+        grad_shards: GradDtype::F32,
+    };
+    // A batch beyond the data holds the rank's share of it: 4000 images on one rank, 2000 on two.
+    let one = task.memory_estimate(&plan(1)).unwrap().unwrap();
+    let two = task.memory_estimate(&plan(2)).unwrap().unwrap();
+    assert!(one.parts[1].what.contains("4000 images"), "{one:?}");
+    assert!(two.parts[1].what.contains("2000 images"), "{two:?}");
+    assert!(one.total() > 4000 * (1 << 20), "{one:?}");
+    let e = memory_verdict(&one, false, 1, 4 << 30)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--batch-size") && e.contains("GiB"), "{e}");
+    memory_verdict(&one, false, 1, 64 << 30).unwrap();
+}
