@@ -53,5 +53,5 @@ pub use nccl::{NcclComm, NcclConfig};
 pub use rendezvous::DistEnv;
 pub use thread_group::{
     run_ranks, run_ranks_each, run_ranks_failures, run_ranks_timeout, RankFailures, ThreadComm,
-    ThreadGroup, DEFAULT_THREAD_TIMEOUT,
+    ThreadGroup, DEFAULT_THREAD_TIMEOUT, MAX_THREAD_RANKS,
 };

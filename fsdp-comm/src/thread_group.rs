@@ -262,6 +262,10 @@ fn combine_deposits(deposits: Vec<Deposit>) -> Outcome {
     Ok(Arc::new(out))
 }
 
+/// The most thread ranks one group may have: each rank is an OS thread of this process, and far
+/// fewer already oversubscribe any machine (programs cap theirs by the cores).
+pub const MAX_THREAD_RANKS: usize = 4096;
+
 /// A group of thread ranks sharing one exchange.
 pub struct ThreadGroup;
 
@@ -280,6 +284,14 @@ impl ThreadGroup {
             return Err(CommError::InvalidArgument {
                 op: "ThreadGroup::new",
                 detail: "timeout must be positive".into(),
+            });
+        }
+        if world_size > MAX_THREAD_RANKS {
+            return Err(CommError::InvalidArgument {
+                op: "ThreadGroup::new",
+                detail: format!(
+                    "world size {world_size} exceeds the limit of {MAX_THREAD_RANKS} thread ranks"
+                ),
             });
         }
         let shared = Arc::new(Shared {

@@ -769,3 +769,21 @@ fn communicators_work_behind_arc_dyn() {
     // Chunk 0 of a 1-element buffer on 3 ranks: (2 + 3) + 1.
     assert_eq!(out, vec![6.0; 3]);
 }
+
+#[test]
+fn a_world_size_beyond_the_limit_is_an_error_not_a_panic() {
+    for ws in [fsdp_comm::MAX_THREAD_RANKS + 1, usize::MAX] {
+        let e = fsdp_comm::ThreadGroup::new(ws, Duration::from_secs(1))
+            .err()
+            .expect("accepted");
+        assert!(e.to_string().contains("exceeds the limit"), "{e}");
+        let r = fsdp_comm::run_ranks(ws, |_c| Ok::<(), fsdp_comm::CommError>(()));
+        assert!(r.is_err());
+    }
+    assert_eq!(
+        fsdp_comm::ThreadGroup::new(3, Duration::from_secs(1))
+            .unwrap()
+            .len(),
+        3
+    );
+}

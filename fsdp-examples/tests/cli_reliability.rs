@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 const LM: &str = env!("CARGO_BIN_EXE_lm_fsdp");
 const MNIST: &str = env!("CARGO_BIN_EXE_mnist_fsdp");
+const MLP: &str = env!("CARGO_BIN_EXE_mlp_bench");
 
 /// A small, fast LM run on the committed slice: d 64, 1 block of 2 heads, sequences of 32.
 fn lm_args() -> Vec<String> {
@@ -306,6 +307,15 @@ fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
     ];
     for (args, words) in cases {
         refused(LM, &with(&base, args), words, 20);
+    }
+    // The MLP bench's thread ranks are capped like the Trainer's (2^64 - 1 once panicked).
+    for threads in ["100000", "18446744073709551615"] {
+        refused(
+            MLP,
+            &["--device", "cpu", "--threads", threads].map(String::from),
+            &["--threads", "limit"],
+            10,
+        );
     }
     // MNIST: zero epochs, and no silent nothing.
     refused(

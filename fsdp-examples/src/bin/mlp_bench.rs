@@ -114,6 +114,19 @@ fn validate(args: &Args) -> Result<(), MlpError> {
             return Err(MlpError::Config(format!("{flag} must be at least 1")));
         }
     }
+    // Thread ranks beyond a few per core only oversubscribe the CPU (the Trainer's cap).
+    if args.device == Dev::Cpu {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cap = cores
+            .saturating_mul(fsdp_train::THREADS_PER_CORE_LIMIT)
+            .max(8);
+        if args.threads > cap {
+            return Err(MlpError::Config(format!(
+                "--threads {} exceeds the limit of {cap} thread ranks on this machine's {cores} core(s)",
+                args.threads
+            )));
+        }
+    }
     Ok(())
 }
 
