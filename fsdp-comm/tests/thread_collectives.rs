@@ -773,9 +773,9 @@ fn communicators_work_behind_arc_dyn() {
 #[test]
 fn a_world_size_beyond_the_limit_is_an_error_not_a_panic() {
     for ws in [fsdp_comm::MAX_THREAD_RANKS + 1, usize::MAX] {
-        let e = fsdp_comm::ThreadGroup::new(ws, Duration::from_secs(1))
-            .err()
-            .expect("accepted");
+        let Err(e) = fsdp_comm::ThreadGroup::new(ws, Duration::from_secs(1)) else {
+            panic!("a world size of {ws} was accepted");
+        };
         assert!(e.to_string().contains("exceeds the limit"), "{e}");
         let r = fsdp_comm::run_ranks(ws, |_c| Ok::<(), fsdp_comm::CommError>(()));
         assert!(r.is_err());
