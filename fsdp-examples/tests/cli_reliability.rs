@@ -308,6 +308,39 @@ fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
     for (args, words) in cases {
         refused(LM, &with(&base, args), words, 20);
     }
+    // Outputs renamed into place never replace a link; --compare files are read before training.
+    let dir = scratch_dir("paths");
+    std::fs::write(dir.join("target"), b"keep").unwrap();
+    std::os::unix::fs::symlink(dir.join("target"), dir.join("link")).unwrap();
+    std::fs::write(dir.join("empty.jsonl"), b"").unwrap();
+    std::fs::write(dir.join("garbage.jsonl"), [0xffu8, 0xfe, 0x00, 0x80]).unwrap();
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    refused(
+        LM,
+        &with(&base, &["--export", &p("link")]),
+        &["--export", "symbolic link"],
+        20,
+    );
+    assert_eq!(std::fs::read(dir.join("target")).unwrap(), b"keep");
+    for (file, word) in [("empty.jsonl", "no metrics records"), ("garbage.jsonl", "")] {
+        let args = with(
+            &base,
+            &[
+                "--metrics",
+                &p("m.jsonl"),
+                "--plot",
+                &p("m.svg"),
+                "--compare",
+                &p(file),
+            ],
+        );
+        let out = refused(LM, &args, &["--compare", file, word], 20);
+        assert!(
+            !out.contains("step 1:"),
+            "refused only after training:\n{out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     // The MLP bench's thread ranks are capped like the Trainer's (2^64 - 1 once panicked).
     for threads in ["100000", "18446744073709551615"] {
         refused(

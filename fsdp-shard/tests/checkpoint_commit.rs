@@ -8,8 +8,9 @@ mod common;
 use common::*;
 use fsdp_comm::{run_ranks, run_ranks_failures, Communicator, ThreadComm};
 use fsdp_shard::checkpoint::{
-    check_writable_dir, check_writable_file, load_sharded, read_commit, save_full, save_sharded,
-    save_sharded_with, CheckpointLock, FullWeights, SaveOptions, StopAfter, LOCK_FILE,
+    check_replaceable_file, check_writable_dir, check_writable_file, load_sharded, read_commit,
+    save_full, save_sharded, save_sharded_with, write_atomic, CheckpointLock, FullWeights,
+    SaveOptions, StopAfter, LOCK_FILE,
 };
 use fsdp_shard::{FsdpConfig, ShardError, ShardedModel, WrapPolicy};
 use std::collections::BTreeMap;
@@ -442,5 +443,37 @@ fn a_failed_save_reports_the_failing_rank_as_the_cause() {
             .contains("rank(s) [1] failed"),
         "{failures}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_file_renamed_into_place_never_replaces_a_link_or_a_special_file() {
+    let dir = temp_dir("special");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("target.bin"), b"keep").unwrap();
+    std::os::unix::fs::symlink(dir.join("target.bin"), dir.join("link.bin")).unwrap();
+    let socket = std::os::unix::net::UnixListener::bind(dir.join("sock")).unwrap();
+    for (name, what) in [
+        ("link.bin", "symbolic link"),
+        ("sock", "not a regular file"),
+    ] {
+        let path = dir.join(name);
+        let msg = check_replaceable_file(&path).unwrap_err().to_string();
+        assert!(msg.contains(name) && msg.contains(what), "{msg}");
+        // The writer itself refuses too (a library caller may skip the check).
+        let msg = write_atomic(&path, b"new").unwrap_err().to_string();
+        assert!(msg.contains(what), "{msg}");
+    }
+    drop(socket);
+    assert!(std::fs::symlink_metadata(dir.join("link.bin"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(std::fs::read(dir.join("target.bin")).unwrap(), b"keep");
+    // Regular files (existing or new) are fine, as with check_writable_file.
+    check_replaceable_file(dir.join("target.bin")).unwrap();
+    check_replaceable_file(dir.join("new.bin")).unwrap();
+    write_atomic(&dir.join("target.bin"), b"new").unwrap();
+    assert_eq!(std::fs::read(dir.join("target.bin")).unwrap(), b"new");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -348,9 +348,16 @@ impl TrainArgs {
         c.max_skipped_steps = self.max_skipped_steps;
         c.stop_on_signal = true;
         // Input files of the plot are checked before training, not after it.
+        // (read whole: an unreadable or empty file would otherwise fail, or plot nothing, after training)
         for f in &self.compare {
-            std::fs::metadata(f)
+            let records = crate::metrics::read_metrics(f)
                 .map_err(|e| TrainError::Config(format!("--compare {}: {e}", f.display())))?;
+            if records.is_empty() {
+                return bad(format!(
+                    "--compare {}: holds no metrics records (a --metrics file of another run)",
+                    f.display()
+                ));
+            }
         }
         c.validate()?;
         Ok(c)

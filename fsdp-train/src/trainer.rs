@@ -602,7 +602,7 @@ impl Trainer {
                     carried.as_ref(),
                 )?)
             }
-            (Some(path), true) => Some(MetricsWriter::create(path)?),
+            (Some(path), true) => Some(MetricsWriter::create(path).map_err(metrics_flag)?),
             _ => None,
         };
         let done = match c.length {
@@ -944,7 +944,7 @@ impl Trainer {
                     )?;
                 }
                 if let (Some(w), Some(r)) = (writer.as_deref_mut(), &record) {
-                    w.write(r)?;
+                    w.write(r).map_err(metrics_flag)?;
                 }
                 if let Some(r) = record {
                     st.records.push(r);
@@ -1191,6 +1191,11 @@ pub fn available_bytes(device: &Device) -> Result<Option<u64>, TrainError> {
         .find_map(|l| l.strip_prefix("MemAvailable:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kb| kb * 1024))
+}
+
+/// A metrics file's error, naming the flag (the error itself names the path and the cause).
+fn metrics_flag(e: crate::metrics::MetricsError) -> TrainError {
+    TrainError::Config(format!("--metrics {e}"))
 }
 
 /// Refuses a run whose estimated peak exceeds the `have` bytes free (thread ranks share the host:

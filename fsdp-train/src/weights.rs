@@ -24,10 +24,10 @@ pub trait WeightsFormat {
     /// Opens `path` as a source of full tensors under the model's parameter names (every rank reads).
     fn read(&self, path: &Path) -> Result<Box<dyn FullWeights>, ShardError>;
 
-    /// Checks, before any work, that [`WeightsFormat::write`] can write `path` (default: a file that
-    /// can be created or replaced in an existing directory).
+    /// Checks, before any work, that [`WeightsFormat::write`] can write `path` (default: a regular
+    /// file that can be created or replaced in an existing directory).
     fn check_output(&self, path: &Path) -> Result<(), ShardError> {
-        fsdp_shard::checkpoint::check_writable_file(path)
+        fsdp_shard::checkpoint::check_replaceable_file(path)
     }
 }
 

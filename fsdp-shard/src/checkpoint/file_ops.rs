@@ -147,6 +147,7 @@ impl<'a> FileOps<'a> {
     /// fsync), renamed over `path`, then the directory synced. A crash at any point leaves either the
     /// previous `path` or the new one, and at most a temporary that the next save removes.
     pub(crate) fn write_durable(&self, path: &Path, bytes: &[u8]) -> Result<(), ShardError> {
+        super::lock::refuse_special_file(path)?;
         let tmp = temporary_path(path)?;
         self.admit(&|| format!("create {}", tmp.display()))?;
         let mut f = std::fs::File::create(&tmp).map_err(|e| io_error(&tmp, e))?;

@@ -189,6 +189,38 @@ pub fn check_writable_file(path: impl AsRef<Path>) -> Result<(), ShardError> {
     Ok(())
 }
 
+/// Checks, before any work, that a file written whole under a temporary name and renamed over `path`
+/// (an export, a checkpoint file) can be: as [`check_writable_file`], and `path`, when it exists, is a
+/// regular file — the rename would replace a device, a pipe or a symbolic link itself, not write
+/// through it.
+pub fn check_replaceable_file(path: impl AsRef<Path>) -> Result<(), ShardError> {
+    let path = path.as_ref();
+    refuse_special_file(path)?;
+    check_writable_file(path)
+}
+
+/// Refuses an existing `path` that is not a regular file (see [`check_replaceable_file`]).
+pub(crate) fn refuse_special_file(path: &Path) -> Result<(), ShardError> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let kind = meta.file_type();
+    if kind.is_file() || kind.is_dir() {
+        // A directory is refused by the writers with their own message.
+        return Ok(());
+    }
+    let what = if kind.is_symlink() {
+        "a symbolic link"
+    } else {
+        "not a regular file (a device, pipe or socket)"
+    };
+    Err(ShardError::InvalidArgument(format!(
+        "{} is {what}: the file is written under a temporary name and renamed over it, which would \
+         replace it rather than write through it; name a regular file",
+        path.display()
+    )))
+}
+
 /// Checks that files can be written in directory `dir` (created if missing): a probe file is created
 /// and removed.
 pub fn check_writable_dir(dir: impl AsRef<Path>) -> Result<(), ShardError> {

@@ -11,7 +11,9 @@ mod sharded;
 pub use file::{write_atomic, CheckpointFile, TensorRecord, FORMAT_KEY, FORMAT_VERSION};
 pub use file_ops::StopAfter;
 pub use generation::{read_commit, Commit};
-pub use lock::{check_writable_dir, check_writable_file, CheckpointLock, LOCK_FILE};
+pub use lock::{
+    check_replaceable_file, check_writable_dir, check_writable_file, CheckpointLock, LOCK_FILE,
+};
 pub use sharded::{
     load_sharded, read_full, read_index, save_full, save_sharded, save_sharded_with, shard_file,
     FullParams, FullWeights, LoadedCheckpoint, SaveOptions,
