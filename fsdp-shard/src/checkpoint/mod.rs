@@ -14,5 +14,5 @@ pub use generation::{read_commit, Commit};
 pub use lock::{check_writable_dir, check_writable_file, CheckpointLock, LOCK_FILE};
 pub use sharded::{
     load_sharded, read_full, read_index, save_full, save_sharded, save_sharded_with, shard_file,
-    FullParams, FullWeights, LoadedCheckpoint, SaveOptions,
+    shard_file_bytes, FullParams, FullWeights, LoadedCheckpoint, SaveOptions, SHARD_FILE_MARGIN,
 };
