@@ -3,7 +3,10 @@
 //! checkpoint, and the resumed run is bit for bit the run that was not stopped; sizes, threads, head
 //! dims, input paths and flags that cannot apply are refused before any work, naming the flag; weights
 //! that are not finite are refused naming the tensor; a resume names the program that wrote a foreign
-//! checkpoint, accepts a flag equal to the preset's value, and says when there is nothing left to train.
+//! checkpoint, accepts a flag equal to the preset's value, and says when there is nothing left to train;
+//! an export that cannot be written (a file size limit standing in for a full disk) names the flag, the
+//! path and the operating system's error at one and two ranks, leaves no temporary file, and the
+//! checkpoint saved before it holds the trained weights.
 
 mod scratch;
 
@@ -441,4 +444,173 @@ fn resumes_name_the_writer_accept_preset_values_and_say_when_done() {
         20,
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs lm_fsdp with `args` under a file size limit of `limit` bytes (`RLIMIT_FSIZE`), with `SIGXFSZ`
+/// ignored so that a write past the limit fails with EFBIG ("File too large") as on a full disk,
+/// instead of killing the process.
+fn lm_with_file_limit(args: &[String], limit: u64) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(LM);
+    cmd.args(args);
+    // SAFETY: the closure runs in the child between fork and exec and calls only async-signal-safe
+    // functions (signal, setrlimit) on values on its own stack; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: limit as libc::rlim_t,
+                rlim_max: limit as libc::rlim_t,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().unwrap()
+}
+
+/// Sizes of the files of `ckpt`'s committed generation.
+fn rank_file_sizes(ckpt: &std::path::Path) -> Vec<u64> {
+    let commit = fsdp_shard::checkpoint::read_commit(ckpt).unwrap();
+    (0..commit.world_size)
+        .map(|r| std::fs::metadata(commit.shard_file(r)).unwrap().len())
+        .collect()
+}
+
+/// Entries of `dir` that a failed write of `name` could have left: the file or a temporary of it.
+fn leftovers(dir: &std::path::Path, name: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n == name || (n.contains(name) && n.contains(".tmp")))
+        .collect()
+}
+
+#[test]
+fn an_export_that_cannot_be_written_names_the_os_error_and_the_weights_survive() {
+    let dir = scratch_dir("efbig");
+    let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    // FP8 linears dominate this model and their low-precision states take 3 bytes a weight, so each of
+    // the two ranks' checkpoint files is smaller than the F32 export (4 bytes a parameter): a file size
+    // limit between the two lets the --save files be written but not the --export file.
+    let base = with(
+        &lm_args(),
+        &[
+            "--d-model",
+            "128",
+            "--layers",
+            "16",
+            "--steps",
+            "2",
+            "--world-size",
+            "2",
+            "--optimizer-states",
+            "low",
+        ],
+    );
+    let free = Command::new(LM)
+        .args(with(
+            &base,
+            &[
+                "--save",
+                &path("free"),
+                "--export",
+                &path("free.safetensors"),
+            ],
+        ))
+        .output()
+        .unwrap();
+    assert!(free.status.success(), "{}", text(&free));
+    let export_size = std::fs::metadata(path("free.safetensors")).unwrap().len();
+    let ranks = rank_file_sizes(&dir.join("free"));
+    assert_eq!(ranks.len(), 2);
+    let largest = ranks.iter().copied().max().unwrap();
+    assert!(
+        largest < export_size,
+        "rank files {ranks:?} are not smaller than the export ({export_size} bytes)"
+    );
+    let limit = largest + (export_size - largest) / 2;
+
+    let o = lm_with_file_limit(
+        &with(
+            &base,
+            &["--save", &path("ckpt"), "--export", &path("w.safetensors")],
+        ),
+        limit,
+    );
+    let t = text(&o);
+    assert!(
+        !o.status.success(),
+        "the export past the limit succeeded:\n{t}"
+    );
+    let named = format!("--export {}", path("w.safetensors"));
+    for w in [
+        named.as_str(),
+        "File too large",
+        "os error 27",
+        "the trained weights are in the --save checkpoint",
+    ] {
+        assert!(t.contains(w), "no {w:?} in\n{t}");
+    }
+    assert!(
+        leftovers(&dir, "w.safetensors").is_empty(),
+        "left beside the export: {:?}",
+        leftovers(&dir, "w.safetensors")
+    );
+    // The checkpoint was saved before the export: committed, each file within the limit, at the last
+    // step, so a resume to the same step has nothing to train.
+    let saved = rank_file_sizes(&dir.join("ckpt"));
+    assert!(saved.iter().all(|&s| s <= limit), "{saved:?} over {limit}");
+    let resumed = Command::new(LM)
+        .args(with(&base, &["--resume", &path("ckpt")]))
+        .output()
+        .unwrap();
+    let r = text(&resumed);
+    assert!(resumed.status.success(), "{r}");
+    assert!(
+        r.contains("nothing to train") && r.contains("at step 2"),
+        "{r}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failed_export_names_the_os_error_at_one_and_two_ranks() {
+    for ws in ["1", "2"] {
+        let dir = scratch_dir(&format!("efbig-ws{ws}"));
+        let out = dir.join("w.safetensors");
+        let o = lm_with_file_limit(
+            &with(
+                &lm_args(),
+                &[
+                    "--steps",
+                    "1",
+                    "--world-size",
+                    ws,
+                    "--export",
+                    out.to_str().unwrap(),
+                ],
+            ),
+            // The export of this model is about 1.8 MB; nothing else this run writes comes near 64 KiB.
+            64 << 10,
+        );
+        let t = text(&o);
+        assert!(!o.status.success(), "--world-size {ws}: accepted:\n{t}");
+        let named = format!("--export {}", out.display());
+        for w in [named.as_str(), "File too large", "os error 27"] {
+            assert!(t.contains(w), "--world-size {ws}: no {w:?} in\n{t}");
+        }
+        assert!(
+            !t.contains("could not write the export"),
+            "--world-size {ws}: another rank's error was reported instead of rank 0's:\n{t}"
+        );
+        assert!(
+            leftovers(&dir, "w.safetensors").is_empty(),
+            "--world-size {ws}: {:?}",
+            leftovers(&dir, "w.safetensors")
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

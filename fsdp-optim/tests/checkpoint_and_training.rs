@@ -7,7 +7,7 @@ use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_optim::{
     AdamOptions, CosineWithWarmup, FsdpAdamW, OptimError, ShardedAdam, StatePrecision, StepLr,
 };
-use fsdp_shard::checkpoint::{load_sharded, save_sharded};
+use fsdp_shard::checkpoint::{load_sharded, read_commit, save_sharded, shard_file_bytes};
 use fsdp_shard::{FsdpConfig, ModelLayout, ParamKind, ParamSpec, ShardedModel, WrapPolicy};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -103,6 +103,50 @@ fn checkpoints_of_another_configuration_are_refused() {
     });
     assert!(other.is_err(), "a different schedule was accepted");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_checkpoint_size_estimate_bounds_each_rank_file_closely() {
+    // Large enough that the shards and the optimizer states dwarf the header allowances: an estimate
+    // that left out either would fall below the file.
+    let shapes = [
+        (256, 192, true),
+        (256, 1, false),
+        (64, 256, true),
+        (300, 40, false),
+    ];
+    let p = random_problem(34, &shapes, WrapPolicy::MinParams(10_000), 0.4, 0.05, 2);
+    for precision in [StatePrecision::F32, StatePrecision::LowPrecision] {
+        for ws in [1, 3] {
+            let dir = temp_dir(&format!("estimate{ws}{precision:?}"));
+            let estimates = run_ranks(ws, |comm: ThreadComm| {
+                let comm: Arc<dyn Communicator> = Arc::new(comm);
+                let init = |i: usize| p.init[i].clone();
+                let (mut model, masters) =
+                    ShardedModel::new(p.layout.clone(), comm, FsdpConfig::default(), &init)?;
+                let mut opt = FsdpAdamW::new(&model, masters, options(precision))?;
+                for g in &p.grads {
+                    set_grads(&mut model, g)?;
+                    opt.step(&mut model)?;
+                }
+                let extra: BTreeMap<String, String> =
+                    [("step".to_string(), "2".to_string())].into();
+                let estimate = shard_file_bytes(&model, Some(&*opt), &extra)?;
+                save_sharded(&dir, &model, Some(&*opt), &extra)?;
+                Ok::<_, OptimError>(estimate)
+            })
+            .unwrap();
+            let commit = read_commit(&dir).unwrap();
+            for (r, &estimate) in estimates.iter().enumerate() {
+                let actual = std::fs::metadata(commit.shard_file(r)).unwrap().len();
+                assert!(
+                    actual <= estimate && estimate - actual <= 64 << 10,
+                    "{precision:?} rank {r} of {ws}: file {actual} bytes, estimate {estimate}"
+                );
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
 }
 
 // ---- A small regression problem trained end to end (FP8 forward, gradient reduction, optimizer). ----

@@ -14,7 +14,8 @@
 //! - evaluation every N steps or at each epoch's end, JSON-lines metrics, a progress bar;
 //! - checkpoints (every N steps, each epoch's end, at the end, and on SIGINT / SIGTERM, agreed over the
 //!   ranks), resume with the settings check naming the flag, no silent overwrite of a checkpoint,
-//!   export of the master weights, non-finite steps watched, sizes checked before any allocation;
+//!   export of the master weights, non-finite steps watched, sizes checked before any allocation and
+//!   room on disk for the outputs before the first step;
 //! - the step profiler (`--profile`) and the speed mode (`--speed`, [`SpeedReport`]);
 //! - the flags every program shares, declared once ([`TrainArgs`]), and the binary's `main`
 //!   ([`run_main`]).
@@ -111,6 +112,7 @@ pub mod progress;
 pub mod settings;
 pub mod setup;
 pub mod signal;
+mod space;
 mod speed;
 mod task;
 mod trainer;

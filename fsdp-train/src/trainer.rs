@@ -10,13 +10,13 @@ use crate::task::{
     BatchIndex, LossKind, MemoryEstimate, MemoryPlan, OptimizerChoice, RankEnv, ScheduleClock,
     SchedulePlan, TrainTask,
 };
-use crate::{signal, TrainError};
+use crate::{signal, space, TrainError};
 use fp8_core::Fp8Format;
 use fp8_kernels::{elementwise, Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::{convert_to_fp8, linear_precisions, set_linear_precision, LinearPrecision};
-use fsdp_optim::{export_with, step_model, LrSchedule, Optimizer};
-use fsdp_shard::checkpoint::read_index;
+use fsdp_optim::{export_with, step_model, ExportDtype, LrSchedule, Optimizer};
+use fsdp_shard::checkpoint::{read_index, shard_file_bytes};
 use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode, ShardError};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -196,6 +196,16 @@ const PLAN_STEPS_KEY: &str = "plan.total_steps";
 const PLAN_EPOCHS_KEY: &str = "plan.epochs";
 /// The program that wrote a checkpoint.
 const PROGRAM_KEY: &str = "run.program";
+
+/// Bytes allowed, in each checkpoint file and in its index, for the metrics record a save adds (a line
+/// of about 1 KiB) when the room for a checkpoint is checked before training.
+const RECORD_ALLOWANCE: u64 = 16 << 10;
+/// Header bytes allowed per tensor of an export (its name not counted: that is added).
+const EXPORT_TENSOR_HEADER: u64 = 512;
+/// Bytes allowed for an export's fixed parts (the header's metadata, a format's small files).
+const EXPORT_MARGIN: u64 = 64 << 10;
+/// Bytes allowed for a metrics file (a line of about 1 KiB per evaluation point).
+const METRICS_ALLOWANCE: u64 = 1 << 20;
 
 /// The one training loop for every model (see the crate documentation).
 #[derive(Debug, Clone)]
@@ -523,6 +533,167 @@ impl Trainer {
         memory_verdict(&estimate, env.device.is_cuda(), env.world_size, have)
     }
 
+    /// Refuses a run whose outputs would not fit on their filesystems, before the first step (see
+    /// `space.rs` and step 1 in docs/architecture.md). What each output takes:
+    ///
+    /// - `--save`: one checkpoint generation, the sum over ranks of each rank's file
+    ///   ([`fsdp_shard::checkpoint::shard_file_bytes`]: the shards, the optimizer's states and the
+    ///   headers, from above) plus [`RECORD_ALLOWANCE`] per file for the metrics record a save adds,
+    ///   plus `index.json` (the same key/values). A save writes the new generation beside the committed
+    ///   one and removes the old after the commit, so a run that saves more than once needs two
+    ///   generations at the second save, less what the directory holds now (removed at the first).
+    /// - `--export`: every parameter in the export's element type, plus [`EXPORT_TENSOR_HEADER`] per
+    ///   tensor and [`EXPORT_MARGIN`] (the header, a format's small files).
+    /// - `--metrics`: [`METRICS_ALLOWANCE`].
+    ///
+    /// Outputs on one filesystem (the same device) add up. Every rank checks `--save` (each writes its
+    /// file there), rank 0 also the files only it writes; the ranks then agree, so none fails alone and
+    /// leaves the others waiting in a collective.
+    #[allow(clippy::too_many_arguments)]
+    fn check_room<T: TrainTask>(
+        &self,
+        task: &T,
+        env: &RankEnv,
+        model: &mut FsdpModel<T::Model>,
+        opt: &dyn Optimizer,
+        data: &mut T::Data,
+        (settings, pos): (&RunSettings, Position),
+        total_steps: u64,
+    ) -> Result<(), TrainError> {
+        let c = &self.config;
+        if c.save.is_none() && c.export.is_none() && c.metrics.is_none() {
+            return Ok(());
+        }
+        let (rank, ws) = (env.rank, env.world_size);
+        let mut outputs = Vec::new();
+        if let Some(dir) = &c.save {
+            // The key/values of a save (all but the last metrics record, allowed for).
+            let mut extra = pos.to_extra();
+            extra.extend(settings.to_extra());
+            extra.extend(task.data_state(data));
+            extra.insert(PLAN_STEPS_KEY.into(), total_steps.to_string());
+            if let RunLength::Epochs(e) = c.length {
+                extra.insert(PLAN_EPOCHS_KEY.into(), e.to_string());
+            }
+            extra.extend(model.export_module_state()?);
+            let own =
+                shard_file_bytes(model.sharded(), Some(opt.as_state()), &extra)? + RECORD_ALLOWANCE;
+            // Summed over ranks in 4 KiB blocks: exact in an f32 up to 64 GiB, within 1e-7 beyond.
+            let mut blocks = [own.div_ceil(4096) as f32];
+            if ws > 1 {
+                env.comm.all_reduce_host_f32(&mut blocks, ReduceOp::Sum)?;
+            }
+            let index = serde_json::to_string(&extra)
+                .map_or(0, |t| t.len() as u64)
+                .saturating_add(RECORD_ALLOWANCE);
+            let generation = (blocks[0] as u64).saturating_mul(4096) + index;
+            let (what, bytes) = if self.saves_more_than_once(task, data, env, &pos, total_steps)? {
+                let held = space::bytes_under(dir);
+                (
+                    format!(
+                        "this run's checkpoints (each save writes one of about {} beside the \
+                         previous until it commits)",
+                        space::size_text(generation)
+                    ),
+                    generation.max(generation.saturating_mul(2).saturating_sub(held)),
+                )
+            } else {
+                ("a checkpoint of this run".to_string(), generation)
+            };
+            outputs.push(space::Output {
+                flag: "--save",
+                path: dir.clone(),
+                what,
+                bytes,
+            });
+        }
+        if rank == 0 {
+            if let Some(path) = &c.export {
+                let layout = model.sharded().layout();
+                let (element, dtype) = match c.export_dtype {
+                    ExportDtype::F32 => (4, "F32"),
+                    ExportDtype::Bf16 => (2, "BF16"),
+                };
+                let headers: u64 = layout
+                    .params
+                    .iter()
+                    .map(|p| p.name.len() as u64 + EXPORT_TENSOR_HEADER)
+                    .sum();
+                outputs.push(space::Output {
+                    flag: "--export",
+                    path: path.clone(),
+                    what: format!("the exported weights in {dtype}"),
+                    bytes: (layout.numel() as u64 * element) + headers + EXPORT_MARGIN,
+                });
+            }
+            if let Some(path) = &c.metrics {
+                outputs.push(space::Output {
+                    flag: "--metrics",
+                    path: path.clone(),
+                    what: "the metrics".to_string(),
+                    bytes: METRICS_ALLOWANCE,
+                });
+            }
+        }
+        // A filesystem that cannot be measured is not a refusal: the writability checks passed, and a
+        // write that fails says why.
+        let measured: Vec<_> = outputs
+            .into_iter()
+            .filter_map(|o| space::filesystem_of(&o.path).ok().map(|fs| (o, fs)))
+            .collect();
+        let own = space::check_room(&measured).err();
+        if ws > 1 {
+            let mut failed = vec![0f32; ws];
+            failed[rank] = if own.is_some() { 1.0 } else { 0.0 };
+            env.comm.all_reduce_host_f32(&mut failed, ReduceOp::Max)?;
+            if own.is_none() {
+                if let Some(r) = failed.iter().position(|f| *f != 0.0) {
+                    env.comm.note_failure_caused_by_peer();
+                    return Err(TrainError::Config(format!(
+                        "rank {r} found too little free disk space for this run's outputs (its error \
+                         says why)"
+                    )));
+                }
+            }
+        }
+        own.map_or(Ok(()), |e| Err(TrainError::Config(e)))
+    }
+
+    /// Whether the rest of the run saves more than once (a periodic save, or an epoch's end, before its
+    /// last step): then two checkpoint generations are on disk at once while the second commits.
+    fn saves_more_than_once<T: TrainTask>(
+        &self,
+        task: &T,
+        data: &mut T::Data,
+        env: &RankEnv,
+        pos: &Position,
+        total_steps: u64,
+    ) -> Result<bool, TrainError> {
+        let c = &self.config;
+        let end = c
+            .stop_after_steps
+            .map_or(total_steps, |s| s.min(total_steps));
+        if c.save_every
+            .is_some_and(|k| k > 0 && (pos.step / k + 1).saturating_mul(k) < end)
+        {
+            return Ok(true);
+        }
+        match c.length {
+            RunLength::Epochs(e) => Ok(pos.epoch < e),
+            RunLength::Steps(_) => {
+                // Finite data saves at each epoch's end too.
+                let Some(n) = task
+                    .epoch_batches(data, env, pos.epoch)
+                    .map_err(TrainError::task)?
+                else {
+                    return Ok(false);
+                };
+                let to_epoch_end = n.saturating_sub(pos.batch).div_ceil(c.grad_accum as u64);
+                Ok(pos.step.saturating_add(to_epoch_end) < end)
+            }
+        }
+    }
+
     fn run_rank<T: TrainTask>(&self, task: &T, env: &RankEnv) -> Result<RankOutcome, TrainError> {
         let c = &self.config;
         let device = env.device.clone();
@@ -589,6 +760,22 @@ impl Trainer {
             opt.set_schedule_position(at);
             opt.set_lr(c.lr)?;
         }
+        let done = match c.length {
+            RunLength::Steps(s) => pos.step >= s,
+            RunLength::Epochs(e) => pos.epoch > e,
+        };
+        if !done {
+            // Before the metrics file is rewritten and before any step: the outputs fit.
+            self.check_room(
+                task,
+                env,
+                &mut model,
+                opt.as_ref(),
+                &mut data,
+                (&settings, pos),
+                total_steps,
+            )?;
+        }
         let mut writer = match (&c.metrics, rank == 0) {
             (Some(path), true) if c.resume.is_some() => {
                 let through = pos.step;
@@ -604,10 +791,6 @@ impl Trainer {
             }
             (Some(path), true) => Some(MetricsWriter::create(path).map_err(metrics_flag)?),
             _ => None,
-        };
-        let done = match c.length {
-            RunLength::Steps(s) => pos.step >= s,
-            RunLength::Epochs(e) => pos.epoch > e,
         };
         let recipe = self.recipe_name();
         let num_params = model.num_params();

@@ -16,5 +16,5 @@ pub use lock::{
 };
 pub use sharded::{
     load_sharded, read_full, read_index, save_full, save_sharded, save_sharded_with, shard_file,
-    FullParams, FullWeights, LoadedCheckpoint, SaveOptions,
+    shard_file_bytes, FullParams, FullWeights, LoadedCheckpoint, SaveOptions, SHARD_FILE_MARGIN,
 };

@@ -129,6 +129,58 @@ fn rank_file(
     Ok(file)
 }
 
+/// Header bytes allowed per tensor of a rank file: its entry (name, type, shape, offsets) and its CRC-32
+/// metadata entry; 256 holds names of up to about 60 characters with 12-digit lengths.
+const TENSOR_HEADER_BYTES: u64 = 256;
+/// Tensors per unit at most: the FP8 codes, plain shard and weight scales, and up to five optimizer
+/// state shards (Adam's FP8 master and moments, the plain moments) each with its scales.
+const TENSORS_PER_UNIT: u64 = 3 + 5 * 2;
+/// What [`shard_file_bytes`] adds for the fixed metadata (format, world size, rank, generation, save
+/// id, checksums) and the filesystem's rounding of the file to whole blocks.
+pub const SHARD_FILE_MARGIN: u64 = 16 << 10;
+
+/// The bytes of this rank's file of a sharded checkpoint saved now with `state` and the key/values
+/// `extra`, from above, without reading the device's large buffers: the model's shards exactly (FP8
+/// codes, plain shard, weight scales), the state's [`ShardedState::state_bytes`] (every state buffer
+/// it holds, so at least what it exports), the layout, `extra` and the state's scalars as they are
+/// escaped into the header, 256 bytes for each of up to 13 tensors per unit (its header entry and
+/// checksum), and [`SHARD_FILE_MARGIN`]. A test holds it at most 64 KiB above the file written. Each
+/// rank estimates its own file (the ranks' metadata differ).
+pub fn shard_file_bytes(
+    model: &ShardedModel,
+    state: Option<&dyn ShardedState>,
+    extra: &BTreeMap<String, String>,
+) -> Result<u64, ShardError> {
+    let json = |v: &str| -> Result<u64, ShardError> {
+        serde_json::to_string(v)
+            .map(|t| t.len() as u64)
+            .map_err(|e| ShardError::Checkpoint(format!("estimating a checkpoint: {e}")))
+    };
+    let entry = |prefix: &str, k: &str, v: &str| -> Result<u64, ShardError> {
+        // "prefix.key":"value", with the separators.
+        Ok(prefix.len() as u64 + json(k)? + json(v)? + 2)
+    };
+    let mut bytes = SHARD_FILE_MARGIN;
+    for u in 0..model.num_units() {
+        let s = model.unit(u)?;
+        bytes += (s.fp8.num_bytes() + s.plain.num_bytes() + s.weight_scales.num_bytes()) as u64;
+    }
+    bytes += model.num_units() as u64 * TENSORS_PER_UNIT * TENSOR_HEADER_BYTES;
+    let layout = serde_json::to_string(model.layout().as_ref())
+        .map_err(|e| ShardError::Checkpoint(format!("layout: {e}")))?;
+    bytes += entry("", "layout", &layout)?;
+    for (k, v) in extra {
+        bytes += entry(USER_PREFIX, k, v)?;
+    }
+    if let Some(st) = state {
+        bytes += st.state_bytes() as u64;
+        for (k, v) in st.scalar_state() {
+            bytes += entry(OPT_PREFIX, &k, &v)?;
+        }
+    }
+    Ok(bytes)
+}
+
 /// Saves a sharded checkpoint into `dir` (call on every rank; collective). The save is committed as a
 /// whole or not at all: see [`save_sharded_with`].
 pub fn save_sharded(
