@@ -162,6 +162,13 @@ impl<'a> FileOps<'a> {
             // which the next write of the same path removes).
             if self.stop.is_none() {
                 let _ = std::fs::remove_file(&tmp);
+                // Name the file asked for, not the temporary that is gone.
+                if let ShardError::Io { source, .. } = e {
+                    return Err(ShardError::Io {
+                        path: path.to_path_buf(),
+                        source,
+                    });
+                }
             }
             return Err(e);
         }
