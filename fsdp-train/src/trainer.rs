@@ -1398,9 +1398,9 @@ pub fn memory_verdict(
     let parts = estimate
         .parts
         .iter()
-        .map(|p| format!("{} {:.2} GiB", p.what, gib(p.bytes)))
+        .map(|p| format!("{}: {:.2} GiB", p.what, gib(p.bytes)))
         .collect::<Vec<_>>()
-        .join(", ");
+        .join("; ");
     let (whose, each) = match (cuda, ranks) {
         (true, _) => ("of GPU memory per rank", ""),
         (false, 1) => ("of host memory", ""),
@@ -1469,8 +1469,8 @@ mod tests {
             m.contains("20.00 GiB") && m.contains("19.00 GiB") && m.contains("thread ranks"),
             "{m}"
         );
-        assert!(m.contains("model state (--preset x) 6.00 GiB"), "{m}");
-        assert!(m.contains("activations (--batch-size 8) 4.00 GiB"), "{m}");
+        assert!(m.contains("model state (--preset x): 6.00 GiB"), "{m}");
+        assert!(m.contains("activations (--batch-size 8): 4.00 GiB"), "{m}");
         assert!(memory_verdict(&e, true, 2, 10 << 30).is_ok());
         let m = memory_verdict(&e, true, 1, 9 << 30)
             .unwrap_err()

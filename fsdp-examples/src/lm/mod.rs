@@ -323,8 +323,8 @@ impl LmSpec {
         Ok(MemoryEstimate::default()
             .part(
                 format!(
-                    "model state of {:.2}e9 parameters (--preset {}) over {} rank(s)",
-                    params as f64 * 1e-9,
+                    "model state of {} parameters (--preset {}) over {} rank(s)",
+                    count_text(params),
                     s.preset,
                     plan.world_size
                 ),
@@ -510,3 +510,13 @@ language_model!(
     |spec| Llama::new(spec.llama_config()?),
     llama::wrap_policy
 );
+
+/// A count for messages: `1.20M`, `7.39B`.
+fn count_text(n: u64) -> String {
+    let x = n as f64;
+    match n {
+        0..1_000_000 => n.to_string(),
+        1_000_000..1_000_000_000 => format!("{:.2}M", x * 1e-6),
+        _ => format!("{:.2}B", x * 1e-9),
+    }
+}
