@@ -614,3 +614,28 @@ fn a_failed_export_names_the_os_error_at_one_and_two_ranks() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[test]
+fn non_finite_steps_stop_the_run_after_the_stated_limit() {
+    // lr 1e30 drives the weights out of range after the first step: every later gradient is
+    // non-finite, each such step is skipped, and the third in a row stops the run naming the flag.
+    let out = refused(
+        LM,
+        &with(
+            &lm_args(),
+            &[
+                "--lr",
+                "1e30",
+                "--steps",
+                "30",
+                "--max-skipped-steps",
+                "3",
+                "--log-every",
+                "1",
+            ],
+        ),
+        &["3 consecutive steps", "non-finite", "--max-skipped-steps 3"],
+        60,
+    );
+    assert!(!out.contains("step 30:"), "{out}");
+}
