@@ -39,6 +39,26 @@ pub enum Fp8Error {
     /// An operation that needs an FP8 type was given another one.
     #[error("{0} is not an FP8 type")]
     NotFp8(QType),
+    /// A scale block with a side of zero.
+    #[error("block shape {block_rows}x{block_cols}: both sides must be at least 1")]
+    InvalidBlockShape {
+        block_rows: usize,
+        block_cols: usize,
+    },
+    /// An element outside its matrix.
+    #[error("element ({row}, {col}) is outside a {rows}x{cols} matrix")]
+    ElementOutOfRange {
+        row: usize,
+        col: usize,
+        rows: usize,
+        cols: usize,
+    },
+    /// A block index not below the number of blocks.
+    #[error("block {block} does not exist (the layout has {blocks} blocks)")]
+    BlockOutOfRange { block: usize, blocks: usize },
+    /// A recipe whose parts contradict each other (named in the message).
+    #[error("invalid FP8 recipe: {0}")]
+    InvalidRecipe(String),
     /// A type name that is not one of the known ones.
     #[error("unknown type name {0:?} (expected e4m3, e5m2, f16, bf16 or f32)")]
     UnknownQType(String),

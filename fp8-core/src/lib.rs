@@ -8,6 +8,9 @@
 //! - [`QType`]: the storage types of tensors (E4M3, E5M2, F16, BF16, F32) and their ranges.
 //! - [`ScalingMeta`], [`ScalingRecipe`]: a tensor's scale, inverse scale and amax history window;
 //!   delayed and current scaling; power-of-two scales by default.
+//! - [`block`]: block scaling ([`ScalingGranularity`]: per tensor, 1x128 tiles, 128x128 blocks),
+//!   [`BlockLayout`] (the blocks of a shape, partial last blocks included) and the block scale rule.
+//! - [`Fp8Recipe`]: the model-wide recipe (formats, scaling of each operand, [`BlockRecipe`]).
 //! - [`ScaledTensor`]: a host tensor with its bytes and meta; quantize from f32/bf16/f16 and dequantize.
 //! - [`reference`]: slow, independent conversions used to check the fast paths.
 //!
@@ -33,6 +36,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod block;
 mod error;
 mod format;
 mod qtype;
@@ -41,10 +45,11 @@ pub mod reference;
 mod scaling;
 mod tensor;
 
+pub use block::{block_scale, BlockExtent, BlockLayout, ScalingGranularity, BLOCK_SIZE};
 pub use error::Fp8Error;
 pub use format::Fp8Format;
 pub use qtype::QType;
-pub use recipe::{Fp8Formats, Fp8Recipe};
+pub use recipe::{BlockRecipe, Fp8Formats, Fp8Recipe};
 pub use scaling::{
     compute_scale, AmaxCompute, ScaleRounding, ScalingMeta, ScalingRecipe, MAX_MARGIN,
     SCALE_EXP_LIMIT,

@@ -146,6 +146,7 @@ pub const MODULES: &[KernelModule] = &[
     ROPE_MODULE,
     SWIGLU_CAST_MODULE,
     crate::attention::ATTENTION_MODULE,
+    crate::block_quantize::BLOCK_QUANTIZE_MODULE,
     crate::cross_entropy::CROSS_ENTROPY_MODULE,
     crate::embedding::EMBEDDING_MODULE,
     crate::layer_norm::LAYER_NORM_FORWARD_MODULE,

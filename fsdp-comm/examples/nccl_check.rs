@@ -3,7 +3,7 @@
 //! Run through the launcher on a GPU machine: `fsdp-run --nproc N -- nccl_check` (N GPUs). Each rank
 //! builds every rank's inputs from a fixed seed, so it can run the same collective on N thread ranks in
 //! process and compare its own NCCL output with the reference:
-//! - gathers, broadcasts, max and min: bit for bit;
+//! - gathers, broadcasts, all-to-alls, max and min: bit for bit;
 //! - sums on one rank: bit for bit (NCCL copies);
 //! - sums on several ranks: within the per-step rounding bound against the exact sum (NCCL may pick
 //!   another order or algorithm than the emulated ring); the share of bit-exact matches with the
@@ -42,6 +42,7 @@ enum Call {
     AllReduceInPlace(ReduceOp),
     Broadcast(usize),
     BroadcastInPlace(usize),
+    AllToAll,
 }
 
 impl Call {
@@ -183,6 +184,7 @@ fn invoke(
         Call::ReduceScatter(op) => comm.reduce_scatter(x.send(kind), y.recv(kind), op)?,
         Call::AllReduce(op) => comm.all_reduce(x.send(kind), y.recv(kind), op)?,
         Call::Broadcast(root) => comm.broadcast(x.send(kind), y.recv(kind), root)?,
+        Call::AllToAll => comm.all_to_all(x.send(kind), y.recv(kind))?,
         Call::AllReduceInPlace(op) => {
             let mut z = Buf::new(&dev, kind, input)?;
             comm.all_reduce_in_place(z.recv(kind), op)?;
@@ -373,6 +375,7 @@ fn main() -> ExitCode {
             ck.collective(&comm, kind, Call::AllGatherAsync, len);
             ck.collective(&comm, kind, Call::Broadcast(n - 1), len);
             ck.collective(&comm, kind, Call::BroadcastInPlace(0), len);
+            ck.collective(&comm, kind, Call::AllToAll, len * n);
             if !kind.reducible() {
                 continue;
             }

@@ -9,7 +9,10 @@
 //!   callers pad);
 //! - all-reduce: `recv` (same length as `send`) is the element-wise reduction over ranks;
 //! - broadcast: every rank's `recv` receives the root's `send` (only the root's `send` is read, but every
-//!   rank passes one of the same length).
+//!   rank passes one of the same length);
+//! - all-to-all: `send` and `recv` are `world_size` equal chunks; chunk `j` of rank `r`'s `send` lands in
+//!   chunk `r` of rank `j`'s `recv` (`send.len() == recv.len()`, divisible by the world size; callers
+//!   pad). No arithmetic, so every element type moves, FP8 codes and bytes included.
 
 use crate::error::CommError;
 use fp8_core::Fp8Format;
@@ -283,6 +286,13 @@ pub enum Collective<'a> {
         /// The source rank.
         root: usize,
     },
+    /// All-to-all (see the module docs for the layout).
+    AllToAll {
+        /// `world_size` chunks, chunk `j` for rank `j`.
+        send: SendBuf<'a>,
+        /// Same length: chunk `j` from rank `j`.
+        recv: RecvBuf<'a>,
+    },
 }
 
 /// The kind of a collective, for messages and cross-rank checks.
@@ -298,6 +308,8 @@ pub enum CollectiveKind {
     Broadcast,
     /// Barrier.
     Barrier,
+    /// All-to-all.
+    AllToAll,
 }
 
 impl CollectiveKind {
@@ -309,6 +321,7 @@ impl CollectiveKind {
             CollectiveKind::AllReduce => "all_reduce",
             CollectiveKind::Broadcast => "broadcast",
             CollectiveKind::Barrier => "barrier",
+            CollectiveKind::AllToAll => "all_to_all",
         }
     }
 }
@@ -325,6 +338,7 @@ impl Collective<'_> {
             Collective::Broadcast { .. } | Collective::BroadcastInPlace { .. } => {
                 CollectiveKind::Broadcast
             }
+            Collective::AllToAll { .. } => CollectiveKind::AllToAll,
         }
     }
 
@@ -334,7 +348,8 @@ impl Collective<'_> {
             Collective::AllGather { recv, .. }
             | Collective::ReduceScatter { recv, .. }
             | Collective::AllReduce { recv, .. }
-            | Collective::Broadcast { recv, .. } => recv.dtype(),
+            | Collective::Broadcast { recv, .. }
+            | Collective::AllToAll { recv, .. } => recv.dtype(),
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 buf.dtype()
             }
@@ -367,7 +382,8 @@ impl Collective<'_> {
             Collective::AllGather { send, recv }
             | Collective::ReduceScatter { send, recv, .. }
             | Collective::AllReduce { send, recv, .. }
-            | Collective::Broadcast { send, recv, .. } => (send.len(), recv.len()),
+            | Collective::Broadcast { send, recv, .. }
+            | Collective::AllToAll { send, recv } => (send.len(), recv.len()),
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 (buf.len(), buf.len())
             }
@@ -381,7 +397,8 @@ impl Collective<'_> {
             Collective::AllGather { send, .. }
             | Collective::ReduceScatter { send, .. }
             | Collective::AllReduce { send, .. }
-            | Collective::Broadcast { send, .. } => send.dtype(),
+            | Collective::Broadcast { send, .. }
+            | Collective::AllToAll { send, .. } => send.dtype(),
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 buf.dtype()
             }
@@ -434,6 +451,18 @@ impl Collective<'_> {
                 r.checked_mul(world_size),
                 s,
             ),
+            CollectiveKind::AllToAll => {
+                required("receive buffer (send length)", Some(s), r)?;
+                if world_size == 0 || s % world_size != 0 {
+                    return Err(CommError::NotDivisible {
+                        op: op_name,
+                        what: "send and receive buffers",
+                        len: s,
+                        world_size,
+                    });
+                }
+                Ok(())
+            }
             _ => required("receive buffer (send length)", Some(s), r),
         }
     }
@@ -656,6 +685,22 @@ pub trait Communicator: Send + Sync {
     fn broadcast_in_place(&self, buf: RecvBuf<'_>, root: usize) -> Result<(), CommError> {
         self.start(Collective::BroadcastInPlace { buf, root })?
             .wait()
+    }
+
+    /// All-to-all: `send` and `recv` are `world_size` equal chunks; chunk `j` of this rank's `send`
+    /// goes to rank `j`, and chunk `j` of `recv` receives chunk `rank` of rank `j`'s `send` (e.g. FP8
+    /// codes and their block scales, each rank getting the rows it owns).
+    fn all_to_all(&self, send: SendBuf<'_>, recv: RecvBuf<'_>) -> Result<(), CommError> {
+        self.start(Collective::AllToAll { send, recv })?.wait()
+    }
+
+    /// All-to-all, returning the handle.
+    fn all_to_all_async(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+    ) -> Result<CommWork, CommError> {
+        self.start(Collective::AllToAll { send, recv })
     }
 
     /// All-reduce a small host vector of f32 (amaxes, non-finite counts) in place. On CUDA this copies

@@ -17,6 +17,16 @@ pub enum CommError {
         expected: usize,
         actual: usize,
     },
+    /// A buffer that must split into `world_size` equal chunks does not.
+    #[error(
+        "{op}: {what} have {len} elements, not divisible by the world size {world_size} (pad them)"
+    )]
+    NotDivisible {
+        op: &'static str,
+        what: &'static str,
+        len: usize,
+        world_size: usize,
+    },
     /// Send and receive buffers hold different element types.
     #[error("{op}: send buffer holds {send} but receive buffer holds {recv}")]
     DTypeMismatch {

@@ -400,7 +400,8 @@ impl ThreadComm {
             Collective::AllGather { send, .. }
             | Collective::ReduceScatter { send, .. }
             | Collective::AllReduce { send, .. }
-            | Collective::Broadcast { send, .. } => *send,
+            | Collective::Broadcast { send, .. }
+            | Collective::AllToAll { send, .. } => *send,
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 buf.as_send()
             }
@@ -424,7 +425,8 @@ impl ThreadComm {
             Collective::AllGather { recv, .. }
             | Collective::ReduceScatter { recv, .. }
             | Collective::AllReduce { recv, .. }
-            | Collective::Broadcast { recv, .. } => recv,
+            | Collective::Broadcast { recv, .. }
+            | Collective::AllToAll { recv, .. } => recv,
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 buf
             }
@@ -454,7 +456,8 @@ fn check_recv_on_host(call: &Collective<'_>) -> Result<(), CommError> {
         Collective::AllGather { recv, .. }
         | Collective::ReduceScatter { recv, .. }
         | Collective::AllReduce { recv, .. }
-        | Collective::Broadcast { recv, .. } => recv.device(),
+        | Collective::Broadcast { recv, .. }
+        | Collective::AllToAll { recv, .. } => recv.device(),
         Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
             buf.device()
         }
@@ -509,6 +512,14 @@ impl Plan {
                     let range = ring::chunk_range(len, n, c);
                     let dst = &mut out[range.clone()];
                     ring::reduce_chunk_with(&inputs, c, range, dst, &combine);
+                }
+            }
+            CollectiveKind::AllToAll => {
+                // validate() checked that the length splits into n chunks on every rank.
+                let chunk = out.len() / n;
+                let mine = self.rank * chunk..(self.rank + 1) * chunk;
+                for (j, dst) in out.chunks_exact_mut(chunk.max(1)).enumerate() {
+                    dst.copy_from_slice(&input(j)?[mine.clone()]);
                 }
             }
             CollectiveKind::Barrier => {}

@@ -15,7 +15,9 @@
 //!   (and waits on outstanding work) return the reason.
 //!
 //! FP8 sums use NCCL's native FP8 types (`ncclFloat8e4m3`, `ncclFloat8e5m2`: NCCL >= 2.24, sm_90);
-//! gathers and broadcasts of FP8 payloads move bytes. NCCL's `Avg` is never used.
+//! gathers, broadcasts and all-to-alls of FP8 payloads move bytes. NCCL's `Avg` is never used. NCCL has
+//! no all-to-all call: it is one group (`ncclGroupStart`/`ncclGroupEnd`) of a `ncclSend` and a
+//! `ncclRecv` per peer, this rank included.
 //!
 //! Files: this one holds [`NcclComm`] (init, issue, the [`Communicator`] implementation); `library.rs`
 //! the calls into the NCCL library (types, status, errors, the init configuration); `watchdog.rs` the
@@ -498,6 +500,7 @@ impl Communicator for NcclComm {
                 (NcclEntry::Broadcast(root), Some(send), recv)
             }
             Collective::BroadcastInPlace { buf, root } => (NcclEntry::Broadcast(root), None, buf),
+            Collective::AllToAll { send, recv } => (NcclEntry::AllToAll, Some(send), recv),
         };
         // The pointer guards record the buffers' read/write events on the communication stream when
         // they drop, after the call is queued, so cudarc orders later uses and frees after it.
@@ -511,13 +514,21 @@ impl Communicator for NcclComm {
         let (r, _gr) = self.recv_ptr(recv, &stream)?;
         let s = s.unwrap_or(r) as usize as *const c_void;
         let r = r as usize as *mut c_void;
+        // All-to-all: chunk bytes per peer (the lengths were checked to split into world_size chunks).
+        let world = self.world_size;
+        let chunk = recv_len / world;
+        let chunk_bytes = chunk * dtype.size_bytes();
         self.issue(name, |comm, st| {
             // SAFETY: device pointers of live buffers on this communicator's GPU, their lengths
             // validated for the collective (all-gather: recv = world_size * send elements;
-            // reduce-scatter: send = world_size * recv; all-reduce and broadcast: equal), the root
-            // checked below world_size.
+            // reduce-scatter: send = world_size * recv; all-reduce and broadcast: equal; all-to-all:
+            // equal, world_size chunks of `chunk` elements, so every peer's offset and extent lie inside
+            // both buffers), the root checked below world_size.
             unsafe {
                 match entry {
+                    NcclEntry::AllToAll => {
+                        all_to_all(s, r, chunk, chunk_bytes, world, dt, comm, st)
+                    }
                     NcclEntry::AllGather => result::all_gather(s, r, send_len, dt, comm, st),
                     NcclEntry::ReduceScatter => {
                         result::reduce_scatter(s, r, recv_len, dt, red, comm, st)
@@ -539,6 +550,60 @@ enum NcclEntry {
     ReduceScatter,
     AllReduce,
     Broadcast(usize),
+    AllToAll,
+}
+
+/// The all-to-all as one NCCL group: for each peer `p` (this rank included), send chunk `p` of `send`
+/// and receive chunk `p` of `recv`, `chunk` elements (`chunk_bytes` bytes) of `dt` each. NCCL runs the
+/// group's transfers concurrently when the group ends. A failing call inside the group still ends the
+/// group, and its error is the one returned.
+///
+/// # Safety
+/// `send` and `recv` are device pointers of buffers on the communicator's GPU holding `world * chunk`
+/// elements of `dt`; `comm` is live and used by no other thread during the call; `stream` belongs to the
+/// communicator's device.
+#[allow(clippy::too_many_arguments)]
+unsafe fn all_to_all(
+    send: *const c_void,
+    recv: *mut c_void,
+    chunk: usize,
+    chunk_bytes: usize,
+    world: usize,
+    dt: sys::ncclDataType_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> Result<NcclStatus, NcclError> {
+    result::group_start()?;
+    let mut failed = None;
+    for peer in 0..world {
+        let offset = peer * chunk_bytes;
+        // SAFETY: peer < world, so `offset + chunk_bytes` is within both buffers (the caller's
+        // contract); the pointers are only offset here, NCCL dereferences them on the device.
+        let (sp, rp) = unsafe {
+            (
+                send.cast::<u8>().add(offset).cast::<c_void>(),
+                recv.cast::<u8>().add(offset).cast::<c_void>(),
+            )
+        };
+        // `peer` is below the world size, which fits an i32 (checked at init).
+        let p = peer as i32;
+        // SAFETY: `sp` points at `chunk` elements of `dt` inside `send` on the communicator's GPU;
+        // `comm` and `stream` as the caller guarantees.
+        if let Err(e) = unsafe { result::send(sp, chunk, dt, p, comm, stream) } {
+            failed = Some(e);
+            break;
+        }
+        // SAFETY: `rp` points at `chunk` elements of `dt` inside `recv`; `comm` and `stream` as above.
+        if let Err(e) = unsafe { result::recv(rp, chunk, dt, p, comm, stream) } {
+            failed = Some(e);
+            break;
+        }
+    }
+    let end = result::group_end();
+    match failed {
+        Some(e) => Err(e),
+        None => end,
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,201 @@
+// Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh. Kernel names:
+// bq_<layout>_<input type>_<fp8 format>, bdq_<fp8 format>_<output type>.
+//
+// Every block's scale is compute_scale_dev(amax, fmax, 0, exact, 1.0f) (fp8_core::block_scale: margin 0,
+// scale 1 for a zero or non-finite amax), from the amax of the block's real elements (NaN ignored); the
+// code of x is fp8(x * scale) with one f32 multiply, and scale_inv = 1 / scale (one f32 division), as
+// on the CPU. Partial blocks at the edges read only their real elements.
+
+#define BQ_TILE 128
+
+// One lane's part of a block's amax, the warp's maximum in every lane.
+__device__ __forceinline__ int warp_max_bits(int m) { return __reduce_max_sync(0xFFFFFFFFu, m); }
+
+// ---- 1x128 tiles along the last dimension: x [rows, cols] -> y [rows, cols], scales [rows, ceil(cols/128)] ----
+// One warp per tile, grid-stride over tiles; lane l holds elements l, l + 32, l + 64, l + 96 of its tile
+// (coalesced loads and stores whatever the alignment). Block size: a multiple of 32.
+template <class In, int FMT>
+__device__ void bq_1x128_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, float fmax, int exact,
+                              int rows, int cols) {
+    const int lane = threadIdx.x & 31;
+    const u64 warp = global_thread() >> 5, warps = grid_threads() >> 5;
+    const u64 per_row = (u64)((cols + BQ_TILE - 1) / BQ_TILE);
+    const u64 tiles = (u64)rows * per_row;
+    for (u64 t = warp; t < tiles; t += warps) {
+        const u64 r = t / per_row;
+        const int c0 = (int)(t % per_row) * BQ_TILE;
+        const int len = min(BQ_TILE, cols - c0);
+        const u64 base = r * (u64)cols + c0;
+        float v[4];
+        int m = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int k = lane + 32 * q;
+            v[q] = k < len ? In::load(x, base + k) : 0.0f;
+            m = max(m, abs_bits_no_nan(v[q]));
+        }
+        m = warp_max_bits(m);
+        const float s = compute_scale_dev(__int_as_float(m), fmax, 0, exact, 1.0f);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int k = lane + 32 * q;
+            if (k < len) y[base + k] = (u8)(fp8x2<FMT>(mul_rn(v[q], s), 0.0f) & 0xFF);
+        }
+        if (lane == 0) {
+            scale[t] = s;
+            scale_inv[t] = div_rn(1.0f, s);
+        }
+    }
+}
+
+// ---- 128x1 tiles (128 rows of one column), written transposed ----
+// x [rows, cols] -> yt [cols, rows], scales [cols, ceil(rows/128)]: exactly the 1x128 cast of x^T. Block
+// (32, 8) per slab of 128 rows x 32 columns: loads along rows (coalesced over the 32 columns), the column
+// amaxes through shared memory, then each warp writes 128 consecutive codes of a transposed row.
+template <class In, int FMT>
+__device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, float* scale_inv, float fmax, int exact,
+                               int rows, int cols) {
+    __shared__ float vals[BQ_TILE][33];
+    __shared__ int part[8][32];
+    __shared__ float col_scale[32];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int tiles_r = (rows + BQ_TILE - 1) / BQ_TILE, slabs_c = (cols + 31) / 32;
+    for (u64 t = blockIdx.x; t < (u64)tiles_r * slabs_c; t += gridDim.x) {
+        const int tr = (int)(t / slabs_c);
+        const int r0 = tr * BQ_TILE, c0 = (int)(t % slabs_c) * 32;
+        const int c = c0 + tx;
+        int m = 0;
+        for (int k = ty; k < BQ_TILE; k += 8) {
+            const int r = r0 + k;
+            float v = 0.0f;
+            if (r < rows && c < cols) {
+                v = In::load(x, (u64)r * cols + c);
+                m = max(m, abs_bits_no_nan(v));
+            }
+            vals[k][tx] = v;
+        }
+        part[ty][tx] = m;
+        __syncthreads();
+        if (ty == 0) {
+            int mm = part[0][tx];
+#pragma unroll
+            for (int j = 1; j < 8; ++j) mm = max(mm, part[j][tx]);
+            const float s = compute_scale_dev(__int_as_float(mm), fmax, 0, exact, 1.0f);
+            col_scale[tx] = s;
+            if (c < cols) {
+                const u64 i = (u64)c * tiles_r + tr;
+                scale[i] = s;
+                scale_inv[i] = div_rn(1.0f, s);
+            }
+        }
+        __syncthreads();
+        for (int j = ty; j < 32; j += 8) {
+            const int cc = c0 + j;
+            if (cc >= cols) continue;
+            const float s = col_scale[j];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int k = tx + 32 * q, r = r0 + k;
+                if (r < rows) yt[(u64)cc * rows + r] = (u8)(fp8x2<FMT>(mul_rn(vals[k][j], s), 0.0f) & 0xFF);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---- 128x128 blocks: x [rows, cols] -> y [rows, cols], scales [ceil(rows/128), ceil(cols/128)] ----
+// One block of 256 threads per scale block, grid-stride over blocks: thread (lane, warp) covers columns
+// lane + 32q and rows warp + 8k; a first pass takes the amax, a second (from cache) encodes.
+template <class In, int FMT>
+__device__ void bq_128x128_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, float fmax,
+                                int exact, int rows, int cols) {
+    __shared__ int warp_max[8];
+    __shared__ float s_scale;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grid_r = (rows + BQ_TILE - 1) / BQ_TILE, grid_c = (cols + BQ_TILE - 1) / BQ_TILE;
+    for (u64 b = blockIdx.x; b < (u64)grid_r * grid_c; b += gridDim.x) {
+        const int r0 = (int)(b / grid_c) * BQ_TILE, c0 = (int)(b % grid_c) * BQ_TILE;
+        const int h = min(BQ_TILE, rows - r0), w = min(BQ_TILE, cols - c0);
+        int m = 0;
+        for (int k = warp; k < h; k += 8) {
+            const u64 row = (u64)(r0 + k) * cols + c0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int cc = lane + 32 * q;
+                if (cc < w) m = max(m, abs_bits_no_nan(In::load(x, row + cc)));
+            }
+        }
+        m = warp_max_bits(m);
+        if (lane == 0) warp_max[warp] = m;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int mm = warp_max[0];
+#pragma unroll
+            for (int j = 1; j < 8; ++j) mm = max(mm, warp_max[j]);
+            const float s = compute_scale_dev(__int_as_float(mm), fmax, 0, exact, 1.0f);
+            s_scale = s;
+            scale[b] = s;
+            scale_inv[b] = div_rn(1.0f, s);
+        }
+        __syncthreads();
+        const float s = s_scale;
+        for (int k = warp; k < h; k += 8) {
+            const u64 row = (u64)(r0 + k) * cols + c0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int cc = lane + 32 * q;
+                if (cc < w) y[row + cc] = (u8)(fp8x2<FMT>(mul_rn(In::load(x, row + cc), s), 0.0f) & 0xFF);
+            }
+        }
+        // warp_max and s_scale are rewritten by the next block.
+        __syncthreads();
+    }
+}
+
+// ---- dequantize any block layout: y[i] = decode(q[i]) * scale_inv[block of i] ----
+// q, y [rows, cols]; blocks of block_rows x block_cols numbered row-major over a grid with grid_cols columns.
+template <class Out, int FMT>
+__device__ void bdq_impl(const u8* q, typename Out::T* y, const float* scale_inv, int rows, int cols, int block_rows,
+                         int block_cols, int grid_cols) {
+    const u64 n = (u64)rows * cols;
+    for (u64 i = global_thread(); i < n; i += grid_threads()) {
+        const u64 r = i / cols, c = i % cols;
+        const u64 b = (r / block_rows) * grid_cols + c / block_cols;
+        float lo, hi;
+        fp8x2_decode<FMT>((u16)q[i], lo, hi);
+        Out::store(y, i, mul_rn(lo, scale_inv[b]));
+    }
+}
+
+// ---- extern "C" entry points ----
+#define BQ_ENTRY(NAME, IN, FNAME, FMT)                                                                          \
+    extern "C" __global__ void bq_1x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,   \
+                                                         float fmax, int exact, int rows, int cols) {           \
+        bq_1x128_impl<IN, FMT>(x, y, scale, scale_inv, fmax, exact, rows, cols);                                \
+    }                                                                                                           \
+    extern "C" __global__ void bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
+                                                          float fmax, int exact, int rows, int cols) {          \
+        bq_128x1t_impl<IN, FMT>(x, yt, scale, scale_inv, fmax, exact, rows, cols);                              \
+    }                                                                                                           \
+    extern "C" __global__ void bq_128x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv, \
+                                                           float fmax, int exact, int rows, int cols) {         \
+        bq_128x128_impl<IN, FMT>(x, y, scale, scale_inv, fmax, exact, rows, cols);                              \
+    }
+BQ_ENTRY(f32, TF32, e4m3, FP8_E4M3)
+BQ_ENTRY(f32, TF32, e5m2, FP8_E5M2)
+BQ_ENTRY(bf16, TBF16, e4m3, FP8_E4M3)
+BQ_ENTRY(bf16, TBF16, e5m2, FP8_E5M2)
+BQ_ENTRY(f16, TF16, e4m3, FP8_E4M3)
+BQ_ENTRY(f16, TF16, e5m2, FP8_E5M2)
+
+#define BDQ_ENTRY(FNAME, FMT, NAME, OUT)                                                                         \
+    extern "C" __global__ void bdq_##FNAME##_##NAME(const u8* q, OUT::T* y, const float* scale_inv, int rows,    \
+                                                    int cols, int block_rows, int block_cols, int grid_cols) {   \
+        bdq_impl<OUT, FMT>(q, y, scale_inv, rows, cols, block_rows, block_cols, grid_cols);                      \
+    }
+BDQ_ENTRY(e4m3, FP8_E4M3, f32, TF32)
+BDQ_ENTRY(e4m3, FP8_E4M3, bf16, TBF16)
+BDQ_ENTRY(e4m3, FP8_E4M3, f16, TF16)
+BDQ_ENTRY(e5m2, FP8_E5M2, f32, TF32)
+BDQ_ENTRY(e5m2, FP8_E5M2, bf16, TBF16)
+BDQ_ENTRY(e5m2, FP8_E5M2, f16, TF16)

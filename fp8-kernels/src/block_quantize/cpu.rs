@@ -1,0 +1,95 @@
+//! The CPU implementation of the block-scaled casts (rayon over bands of block rows): the reference of
+//! the CUDA kernels.
+
+use crate::cpu_kernel::transpose_copy;
+use crate::FloatElement;
+use fp8_core::{block_scale, BlockLayout, Fp8Format, ScaleRounding};
+use rayon::prelude::*;
+
+/// Output rows per task of the transpose.
+const TRANSPOSE_BAND: usize = 32;
+
+/// `x^T` of row-major `x [rows, cols]`, as `[cols, rows]`.
+pub(super) fn transpose<T: FloatElement>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
+    if x.is_empty() {
+        return Vec::new();
+    }
+    let mut t = vec![x[0]; x.len()];
+    transpose_copy(x, rows, cols, TRANSPOSE_BAND, &mut t);
+    t
+}
+
+/// Casts `x` (row-major, the shape of `layout`) block by block: for each block the amax of its real
+/// elements (NaN ignored), its scale by [`block_scale`], `scale_inv = 1 / scale`, and the codes
+/// `encode(x * scale)`. One rayon task per band of `block_rows` rows.
+pub(super) fn quantize<T: FloatElement>(
+    x: &[T],
+    layout: &BlockLayout,
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    codes: &mut [u8],
+    scale: &mut [f32],
+    scale_inv: &mut [f32],
+) {
+    if layout.numel() == 0 {
+        return;
+    }
+    let cols = layout.cols();
+    let [br, bc] = layout.block_shape();
+    let gc = layout.grid()[1];
+    let fmax = format.max();
+    // A band of block rows (fewer when the matrix is shorter: no overflow, rows * cols fits).
+    let band = br.min(layout.rows()) * cols;
+    codes
+        .par_chunks_mut(band)
+        .zip(x.par_chunks(band))
+        .zip(scale.par_chunks_mut(gc).zip(scale_inv.par_chunks_mut(gc)))
+        .for_each(|((q, xs), (s, si))| {
+            let h = xs.len() / cols;
+            for j in 0..gc {
+                let (c0, w) = (j * bc, bc.min(cols - j * bc));
+                let mut amax = 0.0f32;
+                for r in 0..h {
+                    for v in &xs[r * cols + c0..r * cols + c0 + w] {
+                        // f32::max ignores NaN.
+                        amax = amax.max(v.to_f32().abs());
+                    }
+                }
+                let sc = block_scale(amax, fmax, rounding);
+                s[j] = sc;
+                si[j] = 1.0 / sc;
+                for r in 0..h {
+                    let span = r * cols + c0..r * cols + c0 + w;
+                    for (o, v) in q[span.clone()].iter_mut().zip(&xs[span]) {
+                        *o = format.encode(v.to_f32() * sc);
+                    }
+                }
+            }
+        });
+}
+
+/// `out[i] = T(decode(codes[i]) * scale_inv[block of i])`, one rayon task per band of block rows.
+pub(super) fn dequantize<T: FloatElement>(
+    codes: &[u8],
+    layout: &BlockLayout,
+    format: Fp8Format,
+    scale_inv: &[f32],
+    out: &mut [T],
+) {
+    if layout.numel() == 0 {
+        return;
+    }
+    let cols = layout.cols();
+    let [br, bc] = layout.block_shape();
+    let gc = layout.grid()[1];
+    let table = format.decode_table();
+    let band = br.min(layout.rows()) * cols;
+    out.par_chunks_mut(band)
+        .zip(codes.par_chunks(band))
+        .zip(scale_inv.par_chunks(gc))
+        .for_each(|((o, q), si)| {
+            for (k, (o, &c)) in o.iter_mut().zip(q).enumerate() {
+                *o = T::from_f32(table[c as usize] * si[(k % cols) / bc]);
+            }
+        });
+}

@@ -1,0 +1,99 @@
+//! Launches of the block-scaled casts (`block_quantize.cu`). `mod.rs` validated every argument: the
+//! lengths of the input, codes and scales against the layout, sides within 32-bit indices, one device,
+//! and a non-empty matrix.
+
+use super::{BlockQuantLayout, BlockQuantSpec, BLOCK_QUANTIZE_MODULE};
+use crate::cast::format_name;
+use crate::launch::{grid, kernel_name, launch};
+use crate::{CudaDevice, FloatElement, KernelError};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, BLOCK_SIZE};
+
+/// At most this many thread blocks per SM for the tile kernels (grid-stride loops cover the rest).
+const TILE_BLOCKS_PER_SM: usize = 16;
+
+/// `items` thread blocks of `block` threads, at most [`TILE_BLOCKS_PER_SM`] per SM, at least one.
+fn tile_launch(dev: &CudaDevice, items: usize, block: (u32, u32, u32)) -> LaunchConfig {
+    let cap = dev.sm_count().max(1) as usize * TILE_BLOCKS_PER_SM;
+    LaunchConfig {
+        grid_dim: (items.clamp(1, cap) as u32, 1, 1),
+        block_dim: block,
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `x [rows, cols]` to codes and block scales in `spec.layout`.
+pub(super) fn quantize<T: FloatElement>(
+    dev: &CudaDevice,
+    x: &CudaSlice<T>,
+    [rows, cols]: [usize; 2],
+    spec: BlockQuantSpec,
+    codes: &mut CudaSlice<u8>,
+    scale: &mut CudaSlice<f32>,
+    scale_inv: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    dev.require_fp8()?;
+    let fmax = spec.format.max();
+    let exact = matches!(spec.rounding, ScaleRounding::Exact) as i32;
+    let (r, c) = (rows as i32, cols as i32);
+    let cfg = match spec.layout {
+        // One warp per 1x128 tile.
+        BlockQuantLayout::Rows1x128 => grid(dev, (rows * cols.div_ceil(BLOCK_SIZE) * 32) as u64),
+        // One (32, 8) block per slab of 128 rows x 32 columns.
+        BlockQuantLayout::Columns128x1Transposed => tile_launch(
+            dev,
+            rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(32),
+            (32, 8, 1),
+        ),
+        // One block of 256 threads per 128x128 block.
+        BlockQuantLayout::Blocks128x128 => tile_launch(
+            dev,
+            rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(BLOCK_SIZE),
+            (256, 1, 1),
+        ),
+    };
+    // x and codes hold rows * cols elements, scale and scale_inv one per block of the layout's output
+    // (checked by mod.rs); every kernel of this family reads and writes only inside those extents.
+    launch!(
+        dev,
+        &BLOCK_QUANTIZE_MODULE,
+        kernel_name!(
+            "bq_",
+            spec.layout.name(),
+            "_",
+            T::NAME,
+            "_",
+            format_name(spec.format)
+        ),
+        cfg,
+        "bq_<layout>_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, float fmax, int exact, \
+         int rows, int cols)",
+        [x, codes, scale, scale_inv, &fmax, &exact, &r, &c]
+    )
+}
+
+/// `out = T(decode(codes) * scale_inv[block])` over `layout`.
+pub(super) fn dequantize<T: FloatElement>(
+    dev: &CudaDevice,
+    codes: &CudaSlice<u8>,
+    layout: &BlockLayout,
+    format: Fp8Format,
+    scale_inv: &CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+) -> Result<(), KernelError> {
+    dev.require_fp8()?;
+    let [br, bc] = layout.block_shape();
+    let (r, c) = (layout.rows() as i32, layout.cols() as i32);
+    let (br, bc, gc) = (br as i32, bc as i32, layout.grid()[1] as i32);
+    let cfg = grid(dev, layout.numel() as u64);
+    // codes and out hold rows * cols elements, scale_inv one per block (checked by mod.rs).
+    launch!(
+        dev,
+        &BLOCK_QUANTIZE_MODULE,
+        kernel_name!("bdq_", format_name(format), "_", T::NAME),
+        cfg,
+        "bdq_<fmt>_<T>(const u8* q, T* y, const float* scale_inv, int rows, int cols, int block_rows, \
+         int block_cols, int grid_cols)",
+        [codes, out, scale_inv, &r, &c, &br, &bc, &gc]
+    )
+}

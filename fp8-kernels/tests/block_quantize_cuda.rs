@@ -1,0 +1,138 @@
+//! Block-scaled casts on CUDA against the CPU reference, bit for bit (codes, scales, inverse scales, and
+//! the dequantization of the codes to f32 and bf16), for the three layouts, f32/bf16/f16 inputs, both
+//! formats and both scale roundings, on random inputs with wide magnitude ranges, special values and
+//! all-zero blocks, in shapes that are and are not multiples of 128; and CUDA run twice gives the same
+//! bits. GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
+//! GPU can be opened.
+
+mod common;
+
+use common::{first_difference, fp8_gpu, join_differences, matches_cpu_and_deterministic};
+use fp8_core::{Fp8Format, ScaleRounding};
+use fp8_kernels::rng::SplitMix64;
+use fp8_kernels::{
+    block_dequantize, block_quantize, BlockQuantLayout, BlockQuantSpec, Buffer, Device,
+    FloatElement,
+};
+use half::{bf16, f16};
+
+/// `rows * cols` values: uniform in [-1, 1) times 2^e with e in -20..20 varying by row band (so blocks
+/// get different scales), a few NaNs and infinities, and the first 128 x 128 corner zero (zero blocks
+/// of every layout).
+fn input(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    let mut x: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            let band = (i / cols / 7 + i % cols / 50) as u64;
+            let e = (SplitMix64::mix(seed ^ band) % 40) as i32 - 20;
+            rng.uniform_f32() * 2f32.powi(e)
+        })
+        .collect();
+    for r in 0..rows.min(128) {
+        for c in 0..cols.min(128) {
+            x[r * cols + c] = 0.0;
+        }
+    }
+    if x.len() > 1000 {
+        for k in 0..5 {
+            let i = rng.below(x.len() as u64) as usize;
+            x[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, 3e38][k];
+        }
+    }
+    x
+}
+
+/// Codes, scale bits, inverse scale bits, and the f32 and bf16 dequantizations' bits.
+type Outputs = [Vec<u32>; 5];
+
+fn run<T: FloatElement>(
+    dev: &Device,
+    x: &[f32],
+    [rows, cols]: [usize; 2],
+    spec: BlockQuantSpec,
+) -> Outputs {
+    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let xb = dev.upload(&xt).unwrap();
+    let layout = spec.layout.output_layout(rows, cols).unwrap();
+    let mut q: Buffer<u8> = dev.zeros(rows * cols).unwrap();
+    let mut s: Buffer<f32> = dev.zeros(layout.num_blocks()).unwrap();
+    let mut si: Buffer<f32> = dev.zeros(layout.num_blocks()).unwrap();
+    block_quantize(&xb, [rows, cols], spec, &mut q, &mut s, &mut si).unwrap();
+    let mut y32: Buffer<f32> = dev.zeros(rows * cols).unwrap();
+    let mut y16: Buffer<bf16> = dev.zeros(rows * cols).unwrap();
+    block_dequantize(&q, &layout, spec.format, &si, &mut y32).unwrap();
+    block_dequantize(&q, &layout, spec.format, &si, &mut y16).unwrap();
+    [
+        q.to_vec().unwrap().into_iter().map(u32::from).collect(),
+        common::bits(&s),
+        common::bits(&si),
+        common::bits(&y32),
+        common::bits(&y16),
+    ]
+}
+
+fn compare<T: FloatElement>(
+    gpu: &Device,
+    x: &[f32],
+    shape: [usize; 2],
+    spec: BlockQuantSpec,
+) -> bool {
+    let cpu = run::<T>(&Device::cpu(), x, shape, spec);
+    let g1 = run::<T>(gpu, x, shape, spec);
+    let g2 = run::<T>(gpu, x, shape, spec);
+    let what = format!("{}x{} {} {:?}", shape[0], shape[1], T::NAME, spec);
+    matches_cpu_and_deterministic(&what, &cpu, &g1, &g2, |a, b| {
+        join_differences(
+            [
+                "codes",
+                "scale",
+                "scale_inv",
+                "dequantized f32",
+                "dequantized bf16",
+            ]
+            .iter()
+            .zip(a.iter().zip(b))
+            .map(|(name, (a, b))| first_difference(name, a, b)),
+        )
+    })
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_matches_cpu_bitwise_and_is_deterministic() {
+    let gpu = fp8_gpu();
+    let shapes = [
+        [1, 1],
+        [3, 130],
+        [127, 129],
+        [128, 128],
+        [129, 1],
+        [1, 1000],
+        [300, 257],
+        [256, 4096],
+        [2048, 768],
+    ];
+    let mut ok = true;
+    for (k, &shape) in shapes.iter().enumerate() {
+        let x = input(shape[0], shape[1], 0xB10C + k as u64);
+        for layout in [
+            BlockQuantLayout::Rows1x128,
+            BlockQuantLayout::Columns128x1Transposed,
+            BlockQuantLayout::Blocks128x128,
+        ] {
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                for rounding in [ScaleRounding::PowerOfTwo, ScaleRounding::Exact] {
+                    let spec = BlockQuantSpec {
+                        layout,
+                        format,
+                        rounding,
+                    };
+                    ok &= compare::<bf16>(&gpu, &x, shape, spec);
+                    ok &= compare::<f32>(&gpu, &x, shape, spec);
+                    ok &= compare::<f16>(&gpu, &x, shape, spec);
+                }
+            }
+        }
+    }
+    assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}
