@@ -418,9 +418,11 @@ table_mnist() {
 
 table_layers() {
   local row=$1 label="transformer layer kernels"
-  run_case "$row" "$label" ours:layer_kernel_bench 150 "$PACK/bin/layer_kernel_bench"
-  run_case "$row" "$label" ours:attention_bench 150 "$PACK/bin/attention_bench"
+  # The peer first: our benches print its figures of this call beside ours (--peer).
   peer_pair "$row" "$label" layers 300 peer_layers.py
+  local peer="$RES/$row.peer-layers.log"
+  run_case "$row" "$label" ours:layer_kernel_bench 150 "$PACK/bin/layer_kernel_bench"
+  run_case "$row" "$label" ours:attention_bench 240 "$PACK/bin/attention_bench" --peer "$peer"
 }
 
 table_kernels() {

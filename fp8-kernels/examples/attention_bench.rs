@@ -2,15 +2,18 @@
 //! input/output dump for `scripts/check_attention_vs_torch.py`.
 //!
 //! ```text
-//! attention_bench [--sweep] [--dump DIR] [--iters N]
+//! attention_bench [--sweep] [--dump DIR] [--iters N] [--peer FILE]
 //! ```
 //!
-//! - Table: for each peer shape (B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32) and each
-//!   mode (the deterministic default, the fused backward with split buffers, the fused backward with
-//!   atomics), the median over N (default 20) timed iterations after 5 warm-up ones of the forward, the
-//!   backward and their sum, timed with CUDA events on the compute stream, and TFLOP/s by the peer's
-//!   formula `3.5 * 4 * B * H * T^2 * hd / 2 / time`, beside PyTorch's figures measured on the H200
-//!   (default, flash and cuDNN backends of `scaled_dot_product_attention`).
+//! - Table: for each shape (the GPT shapes B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32, and
+//!   the Llama presets' grouped-query shapes B4 H32 KV8 T4096 hd64, B2 H24 KV8 T4096 hd128, B1 H32 KV8
+//!   T8192 hd128) and each mode (the deterministic default, the fused backward with split buffers, the
+//!   fused backward with atomics), the median over N (default 20) timed iterations after 5 warm-up ones
+//!   of the forward, the backward and their sum, timed with CUDA events on the compute stream, and
+//!   TFLOP/s by the peer's formula `3.5 * 4 * B * H * T^2 * hd / 2 / time`. Last, a short table of ours
+//!   against PyTorch's backends (default, flash, cuDNN, cuDNN on expanded K/V) read from `--peer FILE`,
+//!   the JSON lines `peer_layers.py` printed in the same device call (`bench/run.sh layers` passes it),
+//!   with the ratio of our deterministic default to the fastest backend.
 //! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
 //!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
 //!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
@@ -36,41 +39,81 @@ use fp8_kernels::{Buffer, Device, KernelError};
 use half::bf16;
 use std::path::{Path, PathBuf};
 
-/// A peer shape and PyTorch's TFLOP/s there (H200, `peer_layers.py`): default, flash, cuDNN.
-struct Peer {
-    shape: AttentionShape,
-    default: f64,
-    flash: f64,
-    cudnn: f64,
+/// The shapes of the table: the GPT shapes (multi-head) and the Llama presets' grouped-query shapes
+/// (llama-1b 4 x 4096, llama-3b 2 x 4096, llama-8b 1 x 8192), as `peer_layers.py` measures them.
+fn shapes() -> [AttentionShape; 6] {
+    [
+        AttentionShape::new(16, 12, 1024, 64),
+        AttentionShape::new(4, 20, 2048, 128),
+        AttentionShape::new(8, 4, 1024, 32),
+        AttentionShape::gqa(4, 32, 8, 4096, 64),
+        AttentionShape::gqa(2, 24, 8, 4096, 128),
+        AttentionShape::gqa(1, 32, 8, 8192, 128),
+    ]
 }
 
-fn peers() -> [Peer; 3] {
-    [
-        Peer {
-            shape: AttentionShape::new(16, 12, 1024, 64),
-            default: 179.0,
-            flash: 134.0,
-            cudnn: 193.0,
-        },
-        Peer {
-            shape: AttentionShape::new(4, 20, 2048, 128),
-            default: 348.0,
-            flash: 204.0,
-            cudnn: 356.0,
-        },
-        Peer {
-            shape: AttentionShape::new(8, 4, 1024, 32),
-            default: 25.0,
-            flash: 35.0,
-            cudnn: 37.0,
-        },
-    ]
+/// PyTorch's TFLOP/s at one shape, per backend, from `peer_layers.py`'s JSON lines of the same call.
+#[derive(Default, Clone)]
+struct PeerRates {
+    default: Option<f64>,
+    flash: Option<f64>,
+    cudnn: Option<f64>,
+    /// cuDNN on K/V repeated to `H` heads (grouped-query shapes only).
+    cudnn_expanded: Option<f64>,
+}
+
+impl PeerRates {
+    /// The fastest backend and its rate.
+    fn best(&self) -> Option<(&'static str, f64)> {
+        [
+            ("default", self.default),
+            ("flash", self.flash),
+            ("cuDNN", self.cudnn),
+            ("cuDNN exp.", self.cudnn_expanded),
+        ]
+        .into_iter()
+        .filter_map(|(n, r)| r.map(|r| (n, r)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+    }
+}
+
+/// The peer's rates at `s` among `records` (`op` "attention_fwd_bwd"; records with an `error` carry
+/// no rate).
+fn peer_rates(records: &[serde_json::Value], s: &AttentionShape) -> PeerRates {
+    let mut r = PeerRates::default();
+    let num = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64());
+    for rec in records {
+        let same = rec.get("op").and_then(|o| o.as_str()) == Some("attention_fwd_bwd")
+            && num(rec, "B") == Some(s.batch as u64)
+            && num(rec, "H") == Some(s.heads as u64)
+            && num(rec, "KV").unwrap_or(s.heads as u64) == s.kv_heads as u64
+            && num(rec, "T") == Some(s.seq_len as u64)
+            && num(rec, "hd") == Some(s.head_dim as u64);
+        let rate = rec.get("TFLOPs").and_then(|x| x.as_f64());
+        if !same {
+            continue;
+        }
+        match rec.get("backend").and_then(|b| b.as_str()) {
+            Some("default") => r.default = rate,
+            Some("flash") => r.flash = rate,
+            Some("cudnn") => r.cudnn = rate,
+            Some("cudnn_expanded") => r.cudnn_expanded = rate,
+            _ => {}
+        }
+    }
+    r
+}
+
+fn rate_cell(r: Option<f64>) -> String {
+    r.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
 }
 
 struct Args {
     sweep: bool,
     dump: Option<PathBuf>,
     iters: usize,
+    /// `peer_layers.py`'s output of the same call.
+    peer: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -78,12 +121,14 @@ fn parse_args() -> Result<Args, String> {
         sweep: false,
         dump: None,
         iters: 20,
+        peer: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--sweep" => a.sweep = true,
             "--dump" => a.dump = Some(it.next().ok_or("--dump needs a folder")?.into()),
+            "--peer" => a.peer = Some(it.next().ok_or("--peer needs a file")?.into()),
             "--iters" => {
                 a.iters = it
                     .next()
@@ -92,7 +137,7 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or("--iters needs a positive integer")?
             }
             "-h" | "--help" => {
-                println!("attention_bench [--sweep] [--dump DIR] [--iters N]");
+                println!("attention_bench [--sweep] [--dump DIR] [--iters N] [--peer FILE]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -186,7 +231,14 @@ fn time_pass(
 }
 
 fn label(s: &AttentionShape) -> String {
-    format!("B{} H{} T{} hd{}", s.batch, s.heads, s.seq_len, s.head_dim)
+    if s.kv_heads == s.heads {
+        format!("B{} H{} T{} hd{}", s.batch, s.heads, s.seq_len, s.head_dim)
+    } else {
+        format!(
+            "B{} H{} KV{} T{} hd{}",
+            s.batch, s.heads, s.kv_heads, s.seq_len, s.head_dim
+        )
+    }
 }
 
 fn tflops(s: &AttentionShape, ms: f64) -> f64 {
@@ -196,10 +248,9 @@ fn tflops(s: &AttentionShape, ms: f64) -> f64 {
 fn dump(
     dir: &Path,
     dev: &Device,
-    p: &Peer,
+    s: &AttentionShape,
     b: &mut Bufs,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let s = &p.shape;
     let cfg = AttentionConfig::default();
     attention_forward(s, &cfg, &b.qkv, &mut b.out, &mut b.lse)?;
     attention_backward(
@@ -251,6 +302,17 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // The peer's file is read before any work, so a wrong path is said at once.
+    let records = match &args.peer {
+        Some(path) => match common::read_json_lines(path) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("attention_bench: --peer {}: {e}", path.display());
+                std::process::exit(2);
+            }
+        },
+        None => Vec::new(),
+    };
     let dev = match Device::cuda(0) {
         Ok(d) => d,
         Err(e) => {
@@ -258,7 +320,7 @@ fn main() {
             return;
         }
     };
-    if let Err(e) = run(&dev, &args) {
+    if let Err(e) = run(&dev, &args, &records) {
         eprintln!("attention_bench: {e}");
         std::process::exit(1);
     }
@@ -286,34 +348,32 @@ fn modes() -> [(&'static str, AttentionConfig); 3] {
     ]
 }
 
-fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+fn run(
+    dev: &Device,
+    args: &Args,
+    records: &[serde_json::Value],
+) -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "causal attention fwd+bwd, BF16, median of {} after 5 warm-up (CUDA events); TFLOP/s = 3.5 * \
-         4*B*H*T^2*hd / 2 / time; PyTorch peer figures measured on the H200",
-        args.iters
+         4*B*H*T^2*hd / 2 / time; PyTorch's figures {}",
+        args.iters,
+        match &args.peer {
+            Some(p) => format!("from {} (peer_layers.py, GPU time)", p.display()),
+            None => "not given (--peer FILE: peer_layers.py's output of the same call)".into(),
+        }
     );
     println!(
-        "{:<20} {:<13} {:>7} {:>7} {:>8} {:>7} | {:>7} {:>5} {:>5} | {:>6} {:>8} | {:>6} {:>7} | kernels",
-        "shape",
-        "mode",
-        "fwd ms",
-        "bwd ms",
-        "total ms",
-        "TFLOP/s",
-        "default",
-        "flash",
-        "cuDNN",
-        "/flash",
-        "/default",
-        "splits",
-        "ws MiB"
+        "{:<24} {:<13} {:>7} {:>7} {:>8} {:>7} | {:>6} {:>7} | kernels",
+        "shape", "mode", "fwd ms", "bwd ms", "total ms", "TFLOP/s", "splits", "ws MiB"
     );
-    for p in peers() {
-        let s = p.shape;
+    // Per shape: our deterministic default's rate, our best rate and its mode, the peer's rates.
+    let mut summary = Vec::new();
+    for s in shapes() {
         let mut b = buffers(dev, &s)?;
+        let (mut default_rate, mut best): (Option<f64>, Option<(&str, f64)>) = (None, None);
         for (name, cfg) in modes() {
-            b.ws = AttentionWorkspace::new(); // each mode's own workspace size
-                                              // The forward, then the backward from its outputs.
+            // Each mode's own workspace size; the forward, then the backward from its outputs.
+            b.ws = AttentionWorkspace::new();
             let timed = time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward).and_then(|f| {
                 Ok((
                     f,
@@ -323,38 +383,74 @@ fn run(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             let (f, bw) = match timed {
                 Ok(t) => t,
                 Err(e) => {
-                    println!("{:<20} {name:<13} error: {e}", label(&s));
+                    println!("{:<24} {name:<13} error: {e}", label(&s));
                     continue;
                 }
             };
             let tf = tflops(&s, f + bw);
+            if default_rate.is_none() {
+                default_rate = Some(tf);
+            }
+            if best.is_none_or(|(_, r)| tf > r) {
+                best = Some((name, tf));
+            }
             let (splits, _) = backward_splits(dev, &s, &cfg)?;
             let (fwd_tiles, bwd_kernels) = cfg.kernels_for(s.head_dim)?;
             println!(
-                "{:<20} {:<13} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>7.0} {:>5.0} {:>5.0} | {:>5.2}x {:>7.2}x | {:>6} {:>7.1} | fwd {fwd_tiles}, {bwd_kernels}",
+                "{:<24} {:<13} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>6} {:>7.1} | fwd {fwd_tiles}, {bwd_kernels}",
                 label(&s),
                 name,
                 f,
                 bw,
                 f + bw,
                 tf,
-                p.default,
-                p.flash,
-                p.cudnn,
-                tf / p.flash,
-                tf / p.default,
                 splits,
                 b.ws.bytes() as f64 / (1u64 << 20) as f64
             );
         }
+        summary.push((s, default_rate, best, peer_rates(records, &s)));
         if let Some(dir) = &args.dump {
-            if let Err(e) = dump(dir, dev, &p, &mut b) {
+            if let Err(e) = dump(dir, dev, &s, &mut b) {
                 println!("dump of {} failed: {e}", label(&s));
             }
         }
     }
     if args.sweep {
         sweep(dev, args)?;
+    }
+    // The short table last: ours (the deterministic default, and the best mode) against PyTorch's
+    // backends measured in the same call.
+    println!("\nattention fwd+bwd TFLOP/s, ours against PyTorch (same call)");
+    println!(
+        "{:<24} {:>8} {:>18} | {:>7} {:>5} {:>5} {:>10} | {:>11} {:>9}",
+        "shape",
+        "ours det",
+        "ours best (mode)",
+        "default",
+        "flash",
+        "cuDNN",
+        "cuDNN exp.",
+        "det / best",
+        "ratio vs"
+    );
+    for (s, det, best, peer) in summary {
+        let peer_best = peer.best();
+        let ratio = match (det, peer_best) {
+            (Some(d), Some((_, p))) => format!("{:.2}x", d / p),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<24} {:>8} {:>18} | {:>7} {:>5} {:>5} {:>10} | {:>11} {:>9}",
+            label(&s),
+            rate_cell(det),
+            best.map_or_else(|| "-".into(), |(n, r)| format!("{r:.0} ({n})")),
+            rate_cell(peer.default),
+            rate_cell(peer.flash),
+            rate_cell(peer.cudnn),
+            rate_cell(peer.cudnn_expanded),
+            ratio,
+            peer_best.map_or("-", |(n, _)| n),
+        );
     }
     Ok(())
 }
@@ -375,8 +471,7 @@ fn better<T: Copy>(best: &mut Option<(T, f64)>, what: T, ms: f64) {
 
 fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut bests = Vec::new();
-    for p in peers() {
-        let s = p.shape;
+    for s in shapes() {
         let hd = s.head_dim;
         let mut b = buffers(dev, &s)?;
         println!(

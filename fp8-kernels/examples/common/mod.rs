@@ -3,7 +3,23 @@
 #![allow(dead_code)]
 
 use fp8_kernels::{CudaDevice, KernelError};
+use std::path::Path;
 use std::process::ExitCode;
+
+/// The JSON objects of a file of JSON lines (a peer script's output); other lines (a warning, a
+/// traceback) are skipped. An unreadable file or one without any JSON object is an error.
+pub fn read_json_lines(path: &Path) -> Result<Vec<serde_json::Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let records: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok())
+        .filter(|v| v.is_object())
+        .collect();
+    if records.is_empty() {
+        return Err("holds no JSON records (the peer script's output of this call?)".into());
+    }
+    Ok(records)
+}
 
 /// Milliseconds of each of `iters` runs of `f` after 5 warm-up runs, timed with CUDA events on the
 /// compute stream around each run, in the order run.
