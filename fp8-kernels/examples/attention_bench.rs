@@ -579,7 +579,8 @@ fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!(
-        "\nfastest per head dim: the lines of DEFAULT_TILES (fp8-kernels/src/attention/tiles.rs)"
+        "\nfastest per shape, as lines of DEFAULT_TILES (fp8-kernels/src/attention/tiles.rs; it holds one \
+         entry per head dim: where two shapes share a head dim, choose between their lines)"
     );
     for bst in &bests {
         let s = &bst.shape;
