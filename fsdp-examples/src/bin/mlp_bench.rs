@@ -37,8 +37,9 @@ enum Reduction {
     Bf16,
     Fp8E4m3,
     Fp8E5m2,
-    /// The block-scaled FP8 exchange (1x128 tiles, all-to-all, F32 sum on the receiver).
+    /// The block-scaled FP8 exchange in E4M3 (1x128 tiles, all-to-all, F32 sum on the receiver).
     Fp8BlockE4m3,
+    /// The block-scaled FP8 exchange in E5M2.
     Fp8BlockE5m2,
 }
 
