@@ -11,7 +11,7 @@
 //! | family | kernels |
 //! | --- | --- |
 //! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, conversions |
-//! | [`block_quantize`] | block-scaled FP8 casts (1x128 tiles, 128x1 tiles transposed, 128x128 blocks) and their dequantization |
+//! | [`block_quantize`] | block-scaled FP8 casts (1x128 tiles, 128x1 tiles transposed, 128x128 blocks), their dequantization, 1x128 casts into packed row records and the F32 sum of their dequantized rows |
 //! | [`scaling`] | scales from amaxes: the delayed-scaling meta update, the scale of one amax |
 //! | [`gemm`] | F32, BF16 and FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
 //! | [`elementwise`] | bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset |
@@ -70,7 +70,10 @@ pub use attention::{
     attention_backward, attention_forward, AttentionConfig, AttentionKernel, AttentionShape,
     AttentionWorkspace, DqAccumulation,
 };
-pub use block_quantize::{block_dequantize, block_quantize, BlockQuantLayout, BlockQuantSpec};
+pub use block_quantize::{
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
+    BlockQuantLayout, BlockQuantSpec, PackedRows1x128,
+};
 pub use cast::{
     add_decoded_fp8, amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert,
     dequantize_fp8, AmaxSlot, CurrentScaling,

@@ -1,8 +1,9 @@
 //! Block-scaled casts on CUDA against the CPU reference, bit for bit (codes, scales, inverse scales, and
 //! the dequantization of the codes to f32 and bf16), for the three layouts, f32/bf16/f16 inputs, both
 //! formats and both scale roundings, on random inputs with wide magnitude ranges, special values and
-//! all-zero blocks, in shapes that are and are not multiples of 128; and CUDA run twice gives the same
-//! bits. GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
+//! all-zero blocks, in shapes that are and are not multiples of 128; the packed 1x128 records and the
+//! dequantized sum of their rows likewise (1 to 8 rows, f32/bf16/f16 accumulators, several scales
+//! alpha); and CUDA run twice gives the same bits. GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
 //! GPU can be opened.
 
 mod common;
@@ -11,8 +12,8 @@ use common::{first_difference, fp8_gpu, join_differences, matches_cpu_and_determ
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
-    block_dequantize, block_quantize, BlockQuantLayout, BlockQuantSpec, Buffer, Device,
-    FloatElement,
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
+    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128,
 };
 use half::{bf16, f16};
 
@@ -130,6 +131,111 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
                     ok &= compare::<bf16>(&gpu, &x, shape, spec);
                     ok &= compare::<f32>(&gpu, &x, shape, spec);
                     ok &= compare::<f16>(&gpu, &x, shape, spec);
+                }
+            }
+        }
+    }
+    assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}
+
+/// The packed records of `x [rows, cols]` and, from the CPU's records, the dequantized sum of the rows
+/// added to `start` with `alpha`, as bits (records as bytes widened to u32).
+fn run_packed<T: FloatElement, D: FloatElement>(
+    dev: &Device,
+    x: &[f32],
+    [rows, cols]: [usize; 2],
+    (format, rounding, alpha): (Fp8Format, ScaleRounding, f32),
+    cpu_packed: &[u8],
+    start: &[f32],
+) -> [Vec<u32>; 2] {
+    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let xb = dev.upload(&xt).unwrap();
+    let packing = PackedRows1x128::new(rows, cols).unwrap();
+    let mut p: Buffer<u8> = dev.zeros(packing.num_bytes()).unwrap();
+    block_quantize_packed(&xb, packing, format, rounding, &mut p).unwrap();
+    let records = p.to_vec().unwrap().into_iter().map(u32::from).collect();
+    let p = dev.upload(cpu_packed).unwrap();
+    let s: Vec<D> = start.iter().map(|&v| D::from_f32(v)).collect();
+    let mut out = dev.upload(&s).unwrap();
+    block_dequantize_sum(&p, packing, format, alpha, &mut out).unwrap();
+    [records, common::bits(&out)]
+}
+
+fn compare_packed<T: FloatElement, D: FloatElement>(
+    gpu: &Device,
+    x: &[f32],
+    shape: [usize; 2],
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    alpha: f32,
+) -> bool {
+    let packing = PackedRows1x128::new(shape[0], shape[1]).unwrap();
+    let cpu_dev = Device::cpu();
+    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let mut cp: Buffer<u8> = cpu_dev.zeros(packing.num_bytes()).unwrap();
+    block_quantize_packed(
+        &cpu_dev.upload(&xt).unwrap(),
+        packing,
+        format,
+        rounding,
+        &mut cp,
+    )
+    .unwrap();
+    let cpu_packed = cp.to_vec().unwrap();
+    let start: Vec<f32> = (0..shape[1])
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+        .collect();
+    let run = |dev: &Device| {
+        run_packed::<T, D>(
+            dev,
+            x,
+            shape,
+            (format, rounding, alpha),
+            &cpu_packed,
+            &start,
+        )
+    };
+    let (cpu, g1, g2) = (run(&cpu_dev), run(gpu), run(gpu));
+    let what = format!(
+        "packed {}x{} {} -> {} {format:?} {rounding:?} alpha {alpha}",
+        shape[0],
+        shape[1],
+        T::NAME,
+        D::NAME
+    );
+    matches_cpu_and_deterministic(&what, &cpu, &g1, &g2, |a, b| {
+        join_differences(
+            ["records", "dequantized sum"]
+                .iter()
+                .zip(a.iter().zip(b))
+                .map(|(name, (a, b))| first_difference(name, a, b)),
+        )
+    })
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_packed_records_and_dequantized_sum_match_cpu() {
+    let gpu = fp8_gpu();
+    let shapes = [
+        [1, 1],
+        [1, 16],
+        [2, 130],
+        [3, 1000],
+        [4, 4096],
+        [4, 4112],
+        [8, 65552],
+        [2, 1 << 20],
+    ];
+    let mut ok = true;
+    for (k, &shape) in shapes.iter().enumerate() {
+        let x = input(shape[0], shape[1], 0xE7C4 + k as u64);
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for rounding in [ScaleRounding::PowerOfTwo, ScaleRounding::Exact] {
+                for alpha in [1.0, 0.125, 0.3] {
+                    ok &= compare_packed::<f32, f32>(&gpu, &x, shape, format, rounding, alpha);
+                    ok &= compare_packed::<bf16, bf16>(&gpu, &x, shape, format, rounding, alpha);
+                    ok &= compare_packed::<f16, f16>(&gpu, &x, shape, format, rounding, alpha);
                 }
             }
         }

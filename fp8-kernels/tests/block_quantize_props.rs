@@ -1,8 +1,9 @@
 //! Property tests of the CPU block-scaled casts against a scalar reference written here (loops over the
 //! blocks of each layout, fp8-core's slow reference encoder, a scale found by doubling and halving), the
 //! transposed layout against the 1x128 cast of the transposed input, bf16 inputs against f32, and the
-//! round trip within half an FP8 step of each element at its block's scale. Also the NVRTC build of the
-//! CUDA module (ignored, with the reason, where the build found no NVRTC).
+//! round trip within half an FP8 step of each element at its block's scale; the packed 1x128 records
+//! against the same reference and the dequantized sum of their rows against a scalar loop. Also the NVRTC
+//! build of the CUDA module (ignored, with the reason, where the build found no NVRTC).
 
 mod common;
 
@@ -11,10 +12,10 @@ use fp8_core::reference::ReferenceEncoder;
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::BLOCK_QUANTIZE_MODULE;
 use fp8_kernels::{
-    block_dequantize, block_quantize, BlockQuantLayout, BlockQuantSpec, Buffer, Device,
-    FloatElement,
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
+    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128,
 };
-use half::bf16;
+use half::{bf16, f16};
 use proptest::prelude::*;
 
 const LAYOUTS: [BlockQuantLayout; 3] = [
@@ -194,8 +195,141 @@ fn half_step(format: Fp8Format, v: f32) -> f64 {
     step / 2.0
 }
 
+/// The packed 1x128 records of `x [rows, cols]` (CPU), from a zeroed buffer.
+fn run_packed<T: FloatElement>(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    format: Fp8Format,
+    rounding: ScaleRounding,
+) -> Vec<u8> {
+    let dev = Device::cpu();
+    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let xb = dev.upload(&xt).unwrap();
+    let packing = PackedRows1x128::new(rows, cols).unwrap();
+    let mut p: Buffer<u8> = dev.zeros(packing.num_bytes()).unwrap();
+    block_quantize_packed(&xb, packing, format, rounding, &mut p).unwrap();
+    p.to_vec().unwrap()
+}
+
+/// The record layout from its definition: codes, zeros to 16 bytes, the inverse scales little-endian,
+/// zeros to 16 bytes; one record per row.
+fn pack_reference(q: &Quantized, rows: usize, cols: usize) -> Vec<u8> {
+    let gc = cols.div_ceil(128);
+    let mut out = Vec::new();
+    for r in 0..rows {
+        out.extend_from_slice(&q.codes[r * cols..(r + 1) * cols]);
+        out.resize(out.len().next_multiple_of(16), 0);
+        for &b in &q.scale_inv[r * gc..(r + 1) * gc] {
+            out.extend_from_slice(&b.to_le_bytes());
+        }
+        out.resize(out.len().next_multiple_of(16), 0);
+    }
+    out
+}
+
+/// `D(out + alpha * sum_r decode(code_r) * scale_inv_r)` element by element, the sum in row order from
+/// row 0, reading records by the layout's definition and decoding with fp8-core's `decode`.
+fn dequantize_sum_reference<D: FloatElement>(
+    packed: &[u8],
+    rows: usize,
+    cols: usize,
+    format: Fp8Format,
+    alpha: f32,
+    out: &[D],
+) -> Vec<D> {
+    let row_bytes = cols.next_multiple_of(16) + (4 * cols.div_ceil(128)).next_multiple_of(16);
+    (0..cols)
+        .map(|i| {
+            let mut sum = None;
+            for r in 0..rows {
+                let rec = &packed[r * row_bytes..];
+                let at = cols.next_multiple_of(16) + 4 * (i / 128);
+                let si = f32::from_le_bytes(rec[at..at + 4].try_into().unwrap());
+                let d = format.decode(rec[i]) * si;
+                sum = Some(match sum {
+                    None => d,
+                    Some(s) => s + d,
+                });
+            }
+            D::from_f32(out[i].to_f32() + alpha * sum.unwrap())
+        })
+        .collect()
+}
+
+/// A dequantized sum on the CPU: `out` (initial values) plus the records of `packed`.
+fn run_dequantize_sum<D: FloatElement>(
+    packed: &[u8],
+    rows: usize,
+    cols: usize,
+    format: Fp8Format,
+    alpha: f32,
+    out: &[D],
+) -> Vec<D> {
+    let dev = Device::cpu();
+    let p = dev.upload(packed).unwrap();
+    let mut o = dev.upload(out).unwrap();
+    let packing = PackedRows1x128::new(rows, cols).unwrap();
+    block_dequantize_sum(&p, packing, format, alpha, &mut o).unwrap();
+    o.to_vec().unwrap()
+}
+
+/// Bits of floats with NaN canonical (NaN payloads are not compared).
+fn canon_bits<D: FloatElement>(v: &[D]) -> Vec<u32> {
+    v.iter()
+        .map(|x| {
+            let f = x.to_f32();
+            if f.is_nan() {
+                0x7FC0_0000
+            } else {
+                f.to_bits()
+            }
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn packed_records_match_the_scalar_reference(
+        (rows, cols, x) in input(),
+        format in format(),
+        rounding in rounding(),
+    ) {
+        let spec = BlockQuantSpec { layout: BlockQuantLayout::Rows1x128, format, rounding };
+        let want = pack_reference(&reference(&x, rows, cols, spec), rows, cols);
+        prop_assert!(run_packed::<f32>(&x, rows, cols, format, rounding) == want, "f32 {}x{}", rows, cols);
+        let xb: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        let want = pack_reference(&reference(&xb, rows, cols, spec), rows, cols);
+        prop_assert!(run_packed::<bf16>(&x, rows, cols, format, rounding) == want, "bf16 {}x{}", rows, cols);
+        let packing = PackedRows1x128::new(rows, cols).unwrap();
+        prop_assert_eq!(packing.num_bytes(), pack_reference(&reference(&x, rows, cols, spec), rows, cols).len());
+    }
+
+    #[test]
+    fn dequantized_sum_matches_a_scalar_loop(
+        (rows, cols, x) in input(),
+        format in format(),
+        rounding in rounding(),
+        alpha in prop_oneof![Just(1.0f32), Just(0.25f32), 0.01f32..3.0],
+        init in proptest::collection::vec(-100.0f32..100.0, 300),
+    ) {
+        prop_assume!(rows > 0);
+        let packed = run_packed::<f32>(&x, rows, cols, format, rounding);
+        let start: Vec<f32> = (0..cols).map(|i| init[i % init.len()] * (i % 3) as f32).collect();
+        let got = run_dequantize_sum(&packed, rows, cols, format, alpha, &start);
+        let want = dequantize_sum_reference(&packed, rows, cols, format, alpha, &start);
+        prop_assert_eq!(canon_bits(&got), canon_bits(&want));
+        let start: Vec<bf16> = start.iter().map(|&v| bf16::from_f32(v)).collect();
+        let got = run_dequantize_sum(&packed, rows, cols, format, alpha, &start);
+        let want = dequantize_sum_reference(&packed, rows, cols, format, alpha, &start);
+        prop_assert_eq!(canon_bits(&got), canon_bits(&want));
+        let start: Vec<f16> = start.iter().map(|&v| f16::from_f32(v.to_f32())).collect();
+        let got = run_dequantize_sum(&packed, rows, cols, format, alpha, &start);
+        let want = dequantize_sum_reference(&packed, rows, cols, format, alpha, &start);
+        prop_assert_eq!(canon_bits(&got), canon_bits(&want));
+    }
 
     #[test]
     fn cpu_matches_scalar_reference(
@@ -337,6 +471,8 @@ nvrtc_test! {
                     kernels.push(format!("bq_{l}_{t}_{f}"));
                 }
                 kernels.push(format!("bdq_{f}_{t}"));
+                kernels.push(format!("bqp_1x128_{t}_{f}"));
+                kernels.push(format!("bdqs_{f}_{t}"));
             }
         }
         let names: Vec<&str> = kernels.iter().map(String::as_str).collect();
@@ -345,4 +481,51 @@ nvrtc_test! {
             assert!(ptx.contains(insn), "block_quantize module lacks {insn}");
         }
     }
+}
+
+#[test]
+fn dequantized_sum_of_one_row_is_the_dequantization() {
+    // One piece, alpha 1, added to zeros: block_dequantize's values (as 0 + d).
+    let (rows, cols) = (1, 300);
+    let x: Vec<f32> = (0..cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+        .collect();
+    let spec = BlockQuantSpec::new(BlockQuantLayout::Rows1x128, Fp8Format::E4M3);
+    let q = run::<f32>(&Device::cpu(), &x, rows, cols, spec);
+    let want: Vec<f32> = dequantize(&Device::cpu(), &q, rows, cols, spec)
+        .iter()
+        .map(|v| 0.0 + v)
+        .collect();
+    let packed = run_packed::<f32>(&x, rows, cols, spec.format, spec.rounding);
+    let got = run_dequantize_sum(&packed, rows, cols, spec.format, 1.0, &vec![0.0f32; cols]);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn packed_argument_errors() {
+    let dev = Device::cpu();
+    let packing = PackedRows1x128::new(3, 130).unwrap();
+    // 130 codes -> 144 bytes, 2 scales -> 16 bytes: 160 per record.
+    assert_eq!(
+        (
+            packing.scales_offset(),
+            packing.row_bytes(),
+            packing.num_bytes()
+        ),
+        (144, 160, 480)
+    );
+    assert!(PackedRows1x128::new(1, usize::MAX / 2).is_err());
+    let x: Buffer<f32> = dev.zeros(3 * 130).unwrap();
+    let mut p: Buffer<u8> = dev.zeros(479).unwrap();
+    let f = Fp8Format::E4M3;
+    let r = ScaleRounding::PowerOfTwo;
+    assert!(block_quantize_packed(&x, packing, f, r, &mut p).is_err());
+    let mut p: Buffer<u8> = dev.zeros(480).unwrap();
+    block_quantize_packed(&x, packing, f, r, &mut p).unwrap();
+    let mut out: Buffer<f32> = dev.zeros(129).unwrap();
+    assert!(block_dequantize_sum(&p, packing, f, 1.0, &mut out).is_err());
+    let none = PackedRows1x128::new(0, 130).unwrap();
+    let mut out: Buffer<f32> = dev.zeros(130).unwrap();
+    let empty: Buffer<u8> = dev.zeros(0).unwrap();
+    assert!(block_dequantize_sum(&empty, none, f, 1.0, &mut out).is_err());
 }

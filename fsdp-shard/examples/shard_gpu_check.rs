@@ -3,8 +3,9 @@
 //! `fsdp-run --nproc 1 -- shard_gpu_check` (or plainly `shard_gpu_check` for one rank on GPU 0).
 //!
 //! The step: gather every unit, gradients = 0.01 * dequantized gathered weight + per-rank noise (so a
-//! wrong gather shows), reduce-scatter (F32, BF16, FP8 E4M3, FP8 E5M2), SGD on F32 masters, FP8 weight
-//! re-quantization (segmented amax, one all-reduce MAX, segmented cast). Prints PASS/FAIL per mode;
+//! wrong gather shows), reduce-scatter (F32, BF16, FP8 E4M3, FP8 E5M2) or the block-scaled FP8 exchange
+//! (E4M3, E5M2), SGD on F32 masters, FP8 weight re-quantization (segmented amax, one all-reduce MAX,
+//! segmented cast). Prints PASS/FAIL per mode;
 //! exits non-zero on any FAIL, and also without a GPU (saying why: nothing was checked).
 
 use fp8_core::Fp8Format;
@@ -261,6 +262,26 @@ fn main() -> ExitCode {
             GradReduction::Fp8(Fp8Format::E5M2),
             GradDtype::Bf16,
             0.2,
+        ),
+        // The block exchange sums on the receiving rank in rank order: its FP8 gradient shards match the
+        // CPU bit for bit at any world size; only the plain group's F32 reduce-scatter order differs.
+        (
+            "fp8-block-e4m3",
+            GradReduction::Fp8Block(Fp8Format::E4M3),
+            GradDtype::F32,
+            1e-5,
+        ),
+        (
+            "fp8-block-e5m2",
+            GradReduction::Fp8Block(Fp8Format::E5M2),
+            GradDtype::F32,
+            1e-5,
+        ),
+        (
+            "fp8-block-e4m3, bf16 shards",
+            GradReduction::Fp8Block(Fp8Format::E4M3),
+            GradDtype::Bf16,
+            1e-2,
         ),
     ];
     for (name, mode, dtype, tol) in modes {

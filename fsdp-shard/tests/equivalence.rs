@@ -153,6 +153,20 @@ fn fp8_gradient_reduction_is_close_to_exact() {
         assert!(d > 0.0, "{format}: FP8 reduction cannot be exact here");
         assert!(d < 0.05, "{format}: relative difference {d:e}");
     }
+    for format in Fp8Format::ALL {
+        let cfg = FsdpConfig {
+            grad_reduction: GradReduction::Fp8Block(format),
+            ..FsdpConfig::default()
+        };
+        let got = train(4, true, cfg, 2, 48, 1);
+        for r in &got {
+            assert_eq!(r.0, got[0].0, "block {format}: ranks disagree");
+        }
+        let d = rel_diff(&got[0].0, &exact[0].0);
+        report.push((format, d));
+        assert!(d > 0.0, "block {format}: FP8 exchange cannot be exact here");
+        assert!(d < 0.05, "block {format}: relative difference {d:e}");
+    }
     let bf16 = FsdpConfig {
         grad_reduction: GradReduction::Bf16,
         ..FsdpConfig::default()
@@ -160,6 +174,7 @@ fn fp8_gradient_reduction_is_close_to_exact() {
     let got = train(4, true, bf16, 2, 48, 1);
     let d = rel_diff(&got[0].0, &exact[0].0);
     assert!(d < 1e-2, "bf16: relative difference {d:e}");
+    // Per-tensor E4M3, E5M2, then block E4M3, E5M2.
     println!("weights after 2 steps vs exact reduction: {report:?}, bf16 {d:e}");
 }
 

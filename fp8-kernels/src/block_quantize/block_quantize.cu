@@ -1,5 +1,6 @@
 // Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh. Kernel names:
-// bq_<layout>_<input type>_<fp8 format>, bdq_<fp8 format>_<output type>.
+// bq_<layout>_<input type>_<fp8 format>, bqp_1x128_<input type>_<fp8 format> (packed row records),
+// bdq_<fp8 format>_<output type>, bdqs_<fp8 format>_<output type> (dequantize packed pieces and sum).
 //
 // Every block's scale is compute_scale_dev(amax, fmax, 0, exact, 1.0f) (fp8_core::block_scale: margin 0,
 // scale 1 for a zero or non-finite amax), from the amax of the block's real elements (NaN ignored); the
@@ -13,19 +14,43 @@ __device__ __forceinline__ int warp_max_bits(int m) { return __reduce_max_sync(0
 
 // ---- 1x128 tiles along the last dimension: x [rows, cols] -> y [rows, cols], scales [rows, ceil(cols/128)] ----
 // One warp per tile, grid-stride over tiles; lane l holds elements l, l + 32, l + 64, l + 96 of its tile
-// (coalesced loads and stores whatever the alignment). Block size: a multiple of 32.
-template <class In, int FMT>
-__device__ void bq_1x128_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, float fmax, int exact,
-                              int rows, int cols) {
+// (coalesced loads and stores whatever the alignment). Block size: a multiple of 32. Where the codes and
+// scales go is the sink's business: separate arrays (BqRowsSink) or packed row records (BqPackedSink).
+struct BqRowsSink {
+    u8* y;
+    float* scale;
+    float* scale_inv;
+    int cols;
+    __device__ __forceinline__ u8* codes(u64 r, int c0) const { return y + r * (u64)cols + c0; }
+    // Tile t (tile j of row r) has scale s.
+    __device__ __forceinline__ void scales(u64 t, u64, int, float s) const {
+        scale[t] = s;
+        scale_inv[t] = div_rn(1.0f, s);
+    }
+};
+// Record r = [codes of row r | pad | scale_inv of its tiles] (PackedRows1x128 in src/block_quantize/mod.rs).
+struct BqPackedSink {
+    u8* p;
+    u64 row_bytes;
+    u64 scales_offset;
+    __device__ __forceinline__ u8* codes(u64 r, int c0) const { return p + r * row_bytes + c0; }
+    __device__ __forceinline__ void scales(u64, u64 r, int j, float s) const {
+        reinterpret_cast<float*>(p + r * row_bytes + scales_offset)[j] = div_rn(1.0f, s);
+    }
+};
+template <class In, int FMT, class Sink>
+__device__ void bq_1x128_impl(const typename In::T* x, Sink out, float fmax, int exact, int rows, int cols) {
     const int lane = threadIdx.x & 31;
     const u64 warp = global_thread() >> 5, warps = grid_threads() >> 5;
     const u64 per_row = (u64)((cols + BQ_TILE - 1) / BQ_TILE);
     const u64 tiles = (u64)rows * per_row;
     for (u64 t = warp; t < tiles; t += warps) {
         const u64 r = t / per_row;
-        const int c0 = (int)(t % per_row) * BQ_TILE;
+        const int j = (int)(t % per_row);
+        const int c0 = j * BQ_TILE;
         const int len = min(BQ_TILE, cols - c0);
         const u64 base = r * (u64)cols + c0;
+        u8* y = out.codes(r, c0);
         float v[4];
         int m = 0;
 #pragma unroll
@@ -39,12 +64,9 @@ __device__ void bq_1x128_impl(const typename In::T* x, u8* y, float* scale, floa
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const int k = lane + 32 * q;
-            if (k < len) y[base + k] = (u8)(fp8x2<FMT>(mul_rn(v[q], s), 0.0f) & 0xFF);
+            if (k < len) y[k] = (u8)(fp8x2<FMT>(mul_rn(v[q], s), 0.0f) & 0xFF);
         }
-        if (lane == 0) {
-            scale[t] = s;
-            scale_inv[t] = div_rn(1.0f, s);
-        }
+        if (lane == 0) out.scales(t, r, j, s);
     }
 }
 
@@ -167,11 +189,69 @@ __device__ void bdq_impl(const u8* q, typename Out::T* y, const float* scale_inv
     }
 }
 
+// ---- dequantize packed pieces and sum them in piece order ----
+// out[i] = Out(f32(out[i]) + alpha * (((d_0 + d_1) + d_2) + ...)), d_r = decode(code_r[i]) * scale_inv_r[i / 128],
+// from the `pieces` records of `p` (PackedRows1x128). Each thread takes 8 consecutive elements (of one tile,
+// since 128 % 8 == 0): one 8-byte load of codes per record when the records allow it, 16-byte accesses to out
+// when it is aligned; element accesses otherwise and for the tail.
+template <class Out, int FMT>
+__device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pieces, int cols, u64 row_bytes,
+                          u64 scales_offset) {
+    const u64 groups = ((u64)cols + 7) / 8;
+    const bool vec_codes = ((row_bytes & 7) == 0) && ((((u64)p) & 7) == 0);
+    const bool vec_out = ((((u64)out) & 15) == 0);
+    for (u64 g = global_thread(); g < groups; g += grid_threads()) {
+        const u64 i0 = g * 8;
+        const int n = (int)min((u64)8, (u64)cols - i0);
+        const u64 tile = i0 / BQ_TILE;
+        float acc[8];
+        for (int r = 0; r < pieces; ++r) {
+            const u8* rec = p + (u64)r * row_bytes;
+            const float si = reinterpret_cast<const float*>(rec + scales_offset)[tile];
+            u8 c[8];
+            if (n == 8 && vec_codes) {
+                const uint2 w = *reinterpret_cast<const uint2*>(rec + i0);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    c[k] = (u8)((w.x >> (8 * k)) & 0xFFu);
+                    c[k + 4] = (u8)((w.y >> (8 * k)) & 0xFFu);
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) c[k] = k < n ? rec[i0 + k] : (u8)0;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k += 2) {
+                float lo, hi;
+                fp8x2_decode<FMT>((u16)(c[k] | ((u16)c[k + 1] << 8)), lo, hi);
+                const float dlo = mul_rn(lo, si), dhi = mul_rn(hi, si);
+                // Piece 0 starts the sum (0 + d would turn -0 into +0).
+                acc[k] = r == 0 ? dlo : add_rn(acc[k], dlo);
+                acc[k + 1] = r == 0 ? dhi : add_rn(acc[k + 1], dhi);
+            }
+        }
+        if (n == 8 && vec_out) {
+            float v[8];
+            Out::load8(out, i0, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = add_rn(v[k], mul_rn(alpha, acc[k]));
+            Out::store8(out, i0, v);
+        } else {
+            for (int k = 0; k < n; ++k) Out::store(out, i0 + k, add_rn(Out::load(out, i0 + k), mul_rn(alpha, acc[k])));
+        }
+    }
+}
+
 // ---- extern "C" entry points ----
 #define BQ_ENTRY(NAME, IN, FNAME, FMT)                                                                          \
     extern "C" __global__ void bq_1x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,   \
                                                          float fmax, int exact, int rows, int cols) {           \
-        bq_1x128_impl<IN, FMT>(x, y, scale, scale_inv, fmax, exact, rows, cols);                                \
+        bq_1x128_impl<IN, FMT>(x, BqRowsSink{y, scale, scale_inv, cols}, fmax, exact, rows, cols);              \
+    }                                                                                                           \
+    extern "C" __global__ void bqp_1x128_##NAME##_##FNAME(const IN::T* x, u8* p, u64 row_bytes,                  \
+                                                          u64 scales_offset, float fmax, int exact, int rows,    \
+                                                          int cols) {                                           \
+        bq_1x128_impl<IN, FMT>(x, BqPackedSink{p, row_bytes, scales_offset}, fmax, exact, rows, cols);           \
     }                                                                                                           \
     extern "C" __global__ void bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
                                                           float fmax, int exact, int rows, int cols) {          \
@@ -199,3 +279,15 @@ BDQ_ENTRY(e4m3, FP8_E4M3, f16, TF16)
 BDQ_ENTRY(e5m2, FP8_E5M2, f32, TF32)
 BDQ_ENTRY(e5m2, FP8_E5M2, bf16, TBF16)
 BDQ_ENTRY(e5m2, FP8_E5M2, f16, TF16)
+
+#define BDQS_ENTRY(FNAME, FMT, NAME, OUT)                                                                        \
+    extern "C" __global__ void bdqs_##FNAME##_##NAME(const u8* p, OUT::T* out, float alpha, int pieces,          \
+                                                     int cols, u64 row_bytes, u64 scales_offset) {               \
+        bdqs_impl<OUT, FMT>(p, out, alpha, pieces, cols, row_bytes, scales_offset);                              \
+    }
+BDQS_ENTRY(e4m3, FP8_E4M3, f32, TF32)
+BDQS_ENTRY(e4m3, FP8_E4M3, bf16, TBF16)
+BDQS_ENTRY(e4m3, FP8_E4M3, f16, TF16)
+BDQS_ENTRY(e5m2, FP8_E5M2, f32, TF32)
+BDQS_ENTRY(e5m2, FP8_E5M2, bf16, TBF16)
+BDQS_ENTRY(e5m2, FP8_E5M2, f16, TF16)

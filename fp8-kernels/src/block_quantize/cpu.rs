@@ -1,9 +1,10 @@
 //! The CPU implementation of the block-scaled casts (rayon over bands of block rows): the reference of
 //! the CUDA kernels.
 
+use super::PackedRows1x128;
 use crate::cpu_kernel::transpose_copy;
 use crate::FloatElement;
-use fp8_core::{block_scale, BlockLayout, Fp8Format, ScaleRounding};
+use fp8_core::{block_scale, BlockLayout, Fp8Format, ScaleRounding, BLOCK_SIZE};
 use rayon::prelude::*;
 
 /// Output rows per task of the transpose.
@@ -90,6 +91,79 @@ pub(super) fn dequantize<T: FloatElement>(
         .for_each(|((o, q), si)| {
             for (k, (o, &c)) in o.iter_mut().zip(q).enumerate() {
                 *o = T::from_f32(table[c as usize] * si[(k % cols) / bc]);
+            }
+        });
+}
+
+/// The 1x128 cast of `x [rows, cols]` into packed row records: as [`quantize`] with the 1x128 layout
+/// (the same amax, scale, codes and `scale_inv`), writing each row's codes and inverse scales into its
+/// record. One rayon task per tile.
+pub(super) fn quantize_packed<T: FloatElement>(
+    x: &[T],
+    packing: &PackedRows1x128,
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    packed: &mut [u8],
+) {
+    let (cols, row_bytes) = (packing.cols(), packing.row_bytes());
+    if packing.rows() * cols == 0 {
+        return;
+    }
+    let (soff, fmax) = (packing.scales_offset(), format.max());
+    packed
+        .par_chunks_mut(row_bytes)
+        .zip(x.par_chunks(cols))
+        .for_each(|(record, xs)| {
+            let (codes, scales) = record.split_at_mut(soff);
+            codes[..cols]
+                .par_chunks_mut(BLOCK_SIZE)
+                .zip(xs.par_chunks(BLOCK_SIZE))
+                .zip(scales.par_chunks_mut(4))
+                .for_each(|((q, xs), si)| {
+                    // f32::max ignores NaN.
+                    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.to_f32().abs()));
+                    let sc = block_scale(amax, fmax, rounding);
+                    si.copy_from_slice(&(1.0 / sc).to_le_bytes());
+                    for (o, v) in q.iter_mut().zip(xs) {
+                        *o = format.encode(v.to_f32() * sc);
+                    }
+                });
+        });
+}
+
+/// `out[i] = D(f32(out[i]) + alpha * sum_r decode(code_r[i]) * scale_inv_r[i / 128])`, the sum in row
+/// order from row 0. One rayon task per 128-element tile of `out`.
+pub(super) fn dequantize_sum<D: FloatElement>(
+    packed: &[u8],
+    packing: &PackedRows1x128,
+    format: Fp8Format,
+    alpha: f32,
+    out: &mut [D],
+) {
+    let (rows, row_bytes, soff) = (packing.rows(), packing.row_bytes(), packing.scales_offset());
+    let table = format.decode_table();
+    out.par_chunks_mut(BLOCK_SIZE)
+        .enumerate()
+        .for_each(|(j, o)| {
+            let c0 = j * BLOCK_SIZE;
+            let mut sum = [0.0f32; BLOCK_SIZE];
+            for r in 0..rows {
+                let record = &packed[r * row_bytes..(r + 1) * row_bytes];
+                let at = soff + 4 * j;
+                let si = f32::from_le_bytes([
+                    record[at],
+                    record[at + 1],
+                    record[at + 2],
+                    record[at + 3],
+                ]);
+                for (s, &c) in sum.iter_mut().zip(&record[c0..c0 + o.len()]) {
+                    let d = table[c as usize] * si;
+                    // Row 0 starts the sum (0 + d would turn -0 into +0).
+                    *s = if r == 0 { d } else { *s + d };
+                }
+            }
+            for (o, s) in o.iter_mut().zip(&sum) {
+                *o = D::from_f32(o.to_f32() + alpha * s);
             }
         });
 }

@@ -2,7 +2,7 @@
 //! lengths of the input, codes and scales against the layout, sides within 32-bit indices, one device,
 //! and a non-empty matrix.
 
-use super::{BlockQuantLayout, BlockQuantSpec, BLOCK_QUANTIZE_MODULE};
+use super::{BlockQuantLayout, BlockQuantSpec, PackedRows1x128, BLOCK_QUANTIZE_MODULE};
 use crate::cast::format_name;
 use crate::launch::{grid, kernel_name, launch};
 use crate::{CudaDevice, FloatElement, KernelError};
@@ -95,5 +95,62 @@ pub(super) fn dequantize<T: FloatElement>(
         "bdq_<fmt>_<T>(const u8* q, T* y, const float* scale_inv, int rows, int cols, int block_rows, \
          int block_cols, int grid_cols)",
         [codes, out, scale_inv, &r, &c, &br, &bc, &gc]
+    )
+}
+
+/// `x [rows, cols]` to packed 1x128 row records.
+pub(super) fn quantize_packed<T: FloatElement>(
+    dev: &CudaDevice,
+    x: &CudaSlice<T>,
+    packing: &PackedRows1x128,
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    packed: &mut CudaSlice<u8>,
+) -> Result<(), KernelError> {
+    dev.require_fp8()?;
+    let fmax = format.max();
+    let exact = matches!(rounding, ScaleRounding::Exact) as i32;
+    let (rows, cols) = (packing.rows(), packing.cols());
+    let (r, c) = (rows as i32, cols as i32);
+    let (row_bytes, soff) = (packing.row_bytes() as u64, packing.scales_offset() as u64);
+    // One warp per 1x128 tile.
+    let cfg = grid(dev, (rows * packing.blocks_per_row() * 32) as u64);
+    // x holds rows * cols elements and packed rows * row_bytes bytes (checked by mod.rs); each record's
+    // codes end before scales_offset and its scales (4-byte aligned: offsets are multiples of 16) before
+    // row_bytes.
+    launch!(
+        dev,
+        &BLOCK_QUANTIZE_MODULE,
+        kernel_name!("bqp_1x128_", T::NAME, "_", format_name(format)),
+        cfg,
+        "bqp_1x128_<T>_<fmt>(const T* x, u8* p, u64 row_bytes, u64 scales_offset, float fmax, int exact, \
+         int rows, int cols)",
+        [x, packed, &row_bytes, &soff, &fmax, &exact, &r, &c]
+    )
+}
+
+/// `out += alpha * sum over the records of their dequantized codes`, in record order.
+pub(super) fn dequantize_sum<D: FloatElement>(
+    dev: &CudaDevice,
+    packed: &CudaSlice<u8>,
+    packing: &PackedRows1x128,
+    format: Fp8Format,
+    alpha: f32,
+    out: &mut CudaSlice<D>,
+) -> Result<(), KernelError> {
+    dev.require_fp8()?;
+    let (pieces, cols) = (packing.rows() as i32, packing.cols() as i32);
+    let (row_bytes, soff) = (packing.row_bytes() as u64, packing.scales_offset() as u64);
+    // One thread per 8 elements.
+    let cfg = grid(dev, packing.cols().div_ceil(8) as u64);
+    // packed holds rows * row_bytes bytes and out cols elements (checked by mod.rs).
+    launch!(
+        dev,
+        &BLOCK_QUANTIZE_MODULE,
+        kernel_name!("bdqs_", format_name(format), "_", D::NAME),
+        cfg,
+        "bdqs_<fmt>_<D>(const u8* p, D* out, float alpha, int pieces, int cols, u64 row_bytes, \
+         u64 scales_offset)",
+        [packed, out, &alpha, &pieces, &cols, &row_bytes, &soff]
     )
 }

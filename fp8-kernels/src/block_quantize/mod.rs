@@ -23,9 +23,16 @@
 //! `scale_inv = 1 / scale` (one f32 division). [`block_dequantize`] computes
 //! `decode(q) * scale_inv[block]` rounded to the output type, for any [`BlockLayout`].
 //!
+//! For exchanging block-scaled data between ranks, [`block_quantize_packed`] writes the `Rows1x128`
+//! cast of `[rows, cols]` as one record per row, its codes followed by its inverse scales
+//! ([`PackedRows1x128`]), so that row `r` is one contiguous chunk of an all-to-all; and
+//! [`block_dequantize_sum`] dequantizes the rows of such a buffer and adds their F32 sum, taken in row
+//! order, to an F32/BF16/F16 buffer (the receiving side of a block-scaled FP8 gradient exchange).
+//!
 //! The CPU implementation (`cpu.rs`, rayon over bands of block rows) is the reference; `cuda.rs` and
-//! `block_quantize.cu` launch one warp per 1x128 tile, one 128 x 32 slab per block of threads for the
-//! transposed tiles, and one block of threads per 128x128 block.
+//! `block_quantize.cu` launch one warp per 1x128 tile (packed or not), one 128 x 32 slab per block of
+//! threads for the transposed tiles, one block of threads per 128x128 block, and one thread per 8
+//! elements of the dequantized sum.
 
 mod cpu;
 mod cuda;
@@ -33,7 +40,7 @@ mod cuda;
 use crate::device::dispatch;
 use crate::kernel_source::KernelModule;
 use crate::{check_len, Buffer, FloatElement, KernelError};
-use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity};
+use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity, BLOCK_SIZE};
 
 /// The CUDA module: `cuda/common.cuh`, then `src/block_quantize/block_quantize.cu`.
 pub const BLOCK_QUANTIZE_MODULE: KernelModule = KernelModule {
@@ -191,6 +198,147 @@ pub fn block_dequantize<T: FloatElement>(
         }
         let (q, si) = (codes.cuda(WHAT)?, scale_inv.cuda(WHAT)?);
         cuda::dequantize(&dev, q, layout, format, si, out.cuda_mut(WHAT)?)
+    })
+}
+
+/// Bytes each packed row's parts are aligned to (codes, then inverse scales, then the next row).
+const PACK_ALIGN: usize = 16;
+
+/// The byte layout [`block_quantize_packed`] writes and [`block_dequantize_sum`] reads: `rows` rows of
+/// `cols` elements cast in 1x128 tiles (the `Rows1x128` layout of `[rows, cols]`), each row stored as
+/// one contiguous record
+///
+/// ```text
+/// [ codes: cols bytes | pad to 16 | scale_inv: ceil(cols/128) f32, little-endian | pad to 16 ]
+/// ```
+///
+/// so row `r` alone (its codes and the inverse scales that decode them) is bytes
+/// `r * row_bytes() .. (r + 1) * row_bytes()`: one chunk of an all-to-all per destination rank, codes
+/// and scales in one collective. Tiles never cross a row boundary (a row whose length is not a multiple
+/// of 128 ends in a partial tile of its real elements), so a row can be decoded by whoever receives it.
+///
+/// Bytes per element on the wire: `row_bytes() / cols`, that is `1 + 4/128 = 1.03125` plus at most 30
+/// bytes of padding per row (F32 takes 4, BF16 2, per-tensor FP8 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PackedRows1x128 {
+    rows: usize,
+    cols: usize,
+}
+
+impl PackedRows1x128 {
+    /// `rows` records of `cols` elements. Errors when a side exceeds the kernels' 32-bit indices or the
+    /// byte count overflows.
+    pub fn new(rows: usize, cols: usize) -> Result<Self, KernelError> {
+        const WHAT: &str = "PackedRows1x128";
+        check_sides(WHAT, &[rows, cols])?;
+        let p = PackedRows1x128 { rows, cols };
+        let overflow = || KernelError::InvalidArgument {
+            what: WHAT,
+            detail: format!("{rows} rows of {cols} elements overflow the byte count"),
+        };
+        cols.checked_next_multiple_of(PACK_ALIGN)
+            .and_then(|c| c.checked_add((4 * p.blocks_per_row()).next_multiple_of(PACK_ALIGN)))
+            .and_then(|r| r.checked_mul(rows))
+            .ok_or_else(overflow)?;
+        Ok(p)
+    }
+
+    /// Rows (records).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// 1x128 tiles (inverse scales) per row: `ceil(cols / 128)`.
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols.div_ceil(BLOCK_SIZE)
+    }
+
+    /// Offset of a row's inverse scales in its record: `cols` rounded up to 16.
+    pub fn scales_offset(&self) -> usize {
+        self.cols.next_multiple_of(PACK_ALIGN)
+    }
+
+    /// Bytes per row record (a multiple of 16).
+    pub fn row_bytes(&self) -> usize {
+        self.scales_offset() + (4 * self.blocks_per_row()).next_multiple_of(PACK_ALIGN)
+    }
+
+    /// Bytes of all records.
+    pub fn num_bytes(&self) -> usize {
+        self.rows * self.row_bytes()
+    }
+
+    /// The 1x128 [`BlockLayout`] of the `[rows, cols]` matrix the records hold.
+    pub fn layout(&self) -> Result<BlockLayout, KernelError> {
+        Ok(BlockLayout::new(
+            self.rows,
+            self.cols,
+            ScalingGranularity::Block1x128,
+        )?)
+    }
+}
+
+/// [`block_quantize`] of row-major `x [rows, cols]` in the `Rows1x128` layout, written packed (see
+/// [`PackedRows1x128`]): row `r`'s codes and inverse scales form record `r` of `packed`. Codes and
+/// inverse scales are bit for bit those of [`block_quantize`] (the scales themselves are not kept);
+/// padding bytes are left as they are. On CUDA the cast runs on the compute stream, asynchronously.
+pub fn block_quantize_packed<T: FloatElement>(
+    x: &Buffer<T>,
+    packing: PackedRows1x128,
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    packed: &mut Buffer<u8>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "block_quantize_packed";
+    check_len(WHAT, packing.rows * packing.cols, x.len())?;
+    check_len(WHAT, packing.num_bytes(), packed.len())?;
+    dispatch!(WHAT, [x, packed],
+    cpu: cpu::quantize_packed(x.host(WHAT)?, &packing, format, rounding, packed.host_mut(WHAT)?),
+    cuda(dev): {
+        if packing.rows * packing.cols == 0 {
+            return Ok(());
+        }
+        cuda::quantize_packed(&dev, x.cuda(WHAT)?, &packing, format, rounding, packed.cuda_mut(WHAT)?)
+    })
+}
+
+/// Dequantizes the `rows` pieces of `packed` (see [`PackedRows1x128`]) and adds their sum to `out`
+/// (`cols` elements): with `d_r[i] = decode(code_r[i]) * scale_inv_r[i / 128]` (one f32 multiply),
+///
+/// `out[i] = D(f32(out[i]) + alpha * (((d_0[i] + d_1[i]) + d_2[i]) + ... + d_{rows-1}[i]))`,
+///
+/// every operation one f32 rounding, the sum in row (rank) order from row 0, and one rounding to `D` at
+/// the end (exact for f32, nearest even for bf16 and f16). The order is fixed, so the result is the same
+/// on every rank and device, bit for bit. This is the receiving half of a block-scaled FP8 gradient
+/// exchange: row `r` is the piece of this rank's shard that rank `r` quantized. `rows` must be at least 1.
+pub fn block_dequantize_sum<D: FloatElement>(
+    packed: &Buffer<u8>,
+    packing: PackedRows1x128,
+    format: Fp8Format,
+    alpha: f32,
+    out: &mut Buffer<D>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "block_dequantize_sum";
+    if packing.rows == 0 {
+        return Err(KernelError::InvalidArgument {
+            what: WHAT,
+            detail: "no pieces to sum (0 rows)".into(),
+        });
+    }
+    check_len(WHAT, packing.num_bytes(), packed.len())?;
+    check_len(WHAT, packing.cols, out.len())?;
+    dispatch!(WHAT, [packed, out],
+    cpu: cpu::dequantize_sum(packed.host(WHAT)?, &packing, format, alpha, out.host_mut(WHAT)?),
+    cuda(dev): {
+        if packing.cols == 0 {
+            return Ok(());
+        }
+        cuda::dequantize_sum(&dev, packed.cuda(WHAT)?, &packing, format, alpha, out.cuda_mut(WHAT)?)
     })
 }
 

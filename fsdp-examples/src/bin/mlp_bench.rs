@@ -37,6 +37,10 @@ enum Reduction {
     Bf16,
     Fp8E4m3,
     Fp8E5m2,
+    /// The block-scaled FP8 exchange in E4M3 (1x128 tiles, all-to-all, F32 sum on the receiver).
+    Fp8BlockE4m3,
+    /// The block-scaled FP8 exchange in E5M2.
+    Fp8BlockE5m2,
 }
 
 /// MLP-stack FSDP benchmark (BF16 vs FP8).
@@ -183,6 +187,8 @@ fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
             Reduction::Bf16 => GradReduction::Bf16,
             Reduction::Fp8E4m3 => GradReduction::Fp8(Fp8Format::E4M3),
             Reduction::Fp8E5m2 => GradReduction::Fp8(Fp8Format::E5M2),
+            Reduction::Fp8BlockE4m3 => GradReduction::Fp8Block(Fp8Format::E4M3),
+            Reduction::Fp8BlockE5m2 => GradReduction::Fp8Block(Fp8Format::E5M2),
         },
         grad_dtype: args.grad_shards.into(),
         recompute: args.recompute,
