@@ -70,7 +70,9 @@ pub use attention::{
     attention_backward, attention_forward, AttentionConfig, AttentionKernel, AttentionShape,
     AttentionWorkspace, DqAccumulation,
 };
-pub use block_quantize::{block_dequantize, block_quantize, BlockQuantLayout, BlockQuantSpec};
+pub use block_quantize::{
+    block_dequantize, block_quantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder,
+};
 pub use cast::{
     add_decoded_fp8, amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert,
     dequantize_fp8, AmaxSlot, CurrentScaling,
