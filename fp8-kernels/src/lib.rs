@@ -13,7 +13,7 @@
 //! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, conversions |
 //! | [`block_quantize`] | block-scaled FP8 casts (1x128 tiles, 128x1 tiles transposed, 128x128 blocks) and their dequantization |
 //! | [`scaling`] | scales from amaxes: the delayed-scaling meta update, the scale of one amax |
-//! | [`gemm`] | F32, BF16 and FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
+//! | [`gemm`] | F32, BF16, FP8 and block-scaled FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
 //! | [`elementwise`] | bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset |
 //! | [`gelu_cast`] | GELU forward/backward fused with the FP8 cast + transpose of its result |
 //! | [`reduce`] | sums over rows and columns, amax and count of non-finite values, norm statistics |
@@ -79,5 +79,7 @@ pub use cast::{
 };
 pub use device::{check_len, Buffer, CudaDevice, DType, Device, Element, FloatElement, GpuEvent};
 pub use error::KernelError;
-pub use gemm::{CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose};
+pub use gemm::{
+    BlockFp8Matrix, CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose,
+};
 pub use scaling::{scale_from_amax, update_scaling_meta, AmaxInput, ScalingMetaBuffers};

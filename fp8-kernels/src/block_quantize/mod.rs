@@ -122,13 +122,6 @@ impl ScaleOrder {
             }
         })
     }
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            ScaleOrder::RowMajor => "row-major",
-            ScaleOrder::Gemm => "GEMM order",
-        }
-    }
 }
 
 /// The CUDA module: `cuda/common.cuh`, then `src/block_quantize/block_quantize.cu`.
@@ -412,6 +405,5 @@ mod tests {
         );
         let empty = BlockLayout::new(0, 300, ScalingGranularity::Block1x128).unwrap();
         assert_eq!(ScaleOrder::Gemm.strides(&empty).unwrap().len, 0);
-        assert_eq!(ScaleOrder::Gemm.name(), "GEMM order");
     }
 }
