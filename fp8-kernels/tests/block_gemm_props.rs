@@ -195,7 +195,15 @@ impl Cast {
             format,
         };
         let xb = dev.upload(x).unwrap();
-        block_quantize(&xb, shape, spec, &mut c.codes, &mut c.scale, &mut c.scale_inv).unwrap();
+        block_quantize(
+            &xb,
+            shape,
+            spec,
+            &mut c.codes,
+            &mut c.scale,
+            &mut c.scale_inv,
+        )
+        .unwrap();
         c
     }
 
@@ -293,7 +301,11 @@ fn quantized_products_approximate_the_f64_gemm() {
         // Bounds per element of `vals` (row-major as the GEMM reads it, K-major); the cast's stored
         // element is (r, c) or (c, r).
         let (rows, cols) = (cast.layout.rows(), cast.layout.cols());
-        let (outer, k) = if transposed { (cols, rows) } else { (rows, cols) };
+        let (outer, k) = if transposed {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
         (0..outer * k)
             .map(|i| {
                 let (o, p) = (i / k, i % k);

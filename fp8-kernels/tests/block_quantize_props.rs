@@ -138,7 +138,15 @@ fn dequantize(
     let si: Vec<f32> = q.scale_inv.iter().map(|&b| f32::from_bits(b)).collect();
     let si = dev.upload(&si).unwrap();
     let mut out: Buffer<f32> = dev.zeros(rows * cols).unwrap();
-    block_dequantize(&codes, &layout, spec.scale_order, spec.format, &si, &mut out).unwrap();
+    block_dequantize(
+        &codes,
+        &layout,
+        spec.scale_order,
+        spec.format,
+        &si,
+        &mut out,
+    )
+    .unwrap();
     out.to_vec().unwrap()
 }
 

@@ -85,11 +85,12 @@ impl ScaleOrder {
     pub fn strides(self, layout: &BlockLayout) -> Result<ScaleStrides, KernelError> {
         let [gr, gc] = layout.grid();
         let pad = |n: usize| {
-            n.checked_next_multiple_of(GEMM_SCALE_ALIGN)
-                .ok_or_else(|| KernelError::InvalidArgument {
+            n.checked_next_multiple_of(GEMM_SCALE_ALIGN).ok_or_else(|| {
+                KernelError::InvalidArgument {
                     what: "block scales",
                     detail: format!("{n} blocks overflow when padded"),
-                })
+                }
+            })
         };
         let mul = |a: usize, b: usize| {
             a.checked_mul(b)

@@ -152,19 +152,21 @@ fn operand<'a>(
     let [br, bc] = x.layout.block_shape();
     let kind = match BlockKind::of(&seen) {
         Some(kind) => kind,
-        None if transposed && [br, bc] == [1, BLOCK_SIZE] => {
-            return Err(invalid(format!(
-                "{name} is transposed (stored [k, {}]) with 1x128 tiles, which run along the output \
+        None if transposed && [br, bc] == [1, BLOCK_SIZE] => return Err(invalid(format!(
+            "{name} is transposed (stored [k, {}]) with 1x128 tiles, which run along the output \
                  dimension, not along the reduction: quantize it K-major (BlockQuantLayout::\
                  Columns128x1Transposed writes the transposed codes and tiles)",
-                if name == "A" { "m" } else { "n" }
-            )))
-        }
+            if name == "A" { "m" } else { "n" }
+        ))),
         None => {
             return Err(invalid(format!(
                 "{name} has {br}x{bc} blocks{}; the block-scaled GEMM takes 1x128 tiles along the \
                  reduction or 128x128 blocks (per-tensor operands go to gemm_fp8)",
-                if transposed { " (stored transposed)" } else { "" }
+                if transposed {
+                    " (stored transposed)"
+                } else {
+                    ""
+                }
             )))
         }
     };
@@ -186,7 +188,8 @@ fn check<'a>(
     spec.check(a.data.len(), b.data.len(), c_len)?;
     if spec.fp8_fast_accum {
         return Err(invalid(
-            "fp8_fast_accum is not available with block scales (cuBLASLt has no such kernel)".into(),
+            "fp8_fast_accum is not available with block scales (cuBLASLt has no such kernel)"
+                .into(),
         ));
     }
     let (m, n, k) = (spec.m, spec.n, spec.k);
@@ -350,7 +353,10 @@ mod tests {
         let e = refuse(&spec, matrix(xl2, &x2), matrix(wl2, &w2), &mut c2);
         assert!(e.contains("multiple of 16"), "{e}");
         // A scale buffer one short of the layout's blocks.
-        let short = (dev.zeros(xl.numel()).unwrap(), dev.zeros(xl.num_blocks() - 1).unwrap());
+        let short = (
+            dev.zeros(xl.numel()).unwrap(),
+            dev.zeros(xl.num_blocks() - 1).unwrap(),
+        );
         let e = gemm_fp8_block(&tn, matrix(xl, &short), matrix(wl, &w), &mut c).unwrap_err();
         assert!(matches!(e, KernelError::LengthMismatch { .. }), "{e}");
         // Wrong output length.

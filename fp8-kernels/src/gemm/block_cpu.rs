@@ -80,7 +80,10 @@ pub(super) fn gemm<O: GemmOutput>(
     for j in 0..kb {
         let k0 = j * BLOCK_SIZE;
         let w = BLOCK_SIZE.min(k - k0);
-        let (ab, bb) = (columns(&ak.decoded, m, k, k0, w), columns(&bk.decoded, n, k, k0, w));
+        let (ab, bb) = (
+            columns(&ak.decoded, m, k, k0, w),
+            columns(&bk.decoded, n, k, k0, w),
+        );
         let block = GemmSpec::new(m, n, w)
             .transposes(Transpose::No, Transpose::Yes)
             .parallelism(spec.parallelism);
@@ -98,7 +101,10 @@ pub(super) fn gemm<O: GemmOutput>(
                 .enumerate()
                 .for_each(add);
         } else {
-            acc.chunks_mut(n).zip(part.chunks(n)).enumerate().for_each(add);
+            acc.chunks_mut(n)
+                .zip(part.chunks(n))
+                .enumerate()
+                .for_each(add);
         }
     }
     let (alpha, beta) = (spec.alpha, spec.beta);

@@ -7,8 +7,8 @@
 use super::blaslt::{BlasLt, ColMajorMatmul, PlanKey, SCALE_BLK128X128, SCALE_VEC128};
 use super::block::{BlockFp8Matrix, BlockKind, BlockOperand};
 use super::cuda::{
-    cuda_type, elementwise_grid, fp8_type, gemm_float, relayout_u8, relayout_u8_into,
-    same_device, scale_output, to_i64,
+    cuda_type, elementwise_grid, fp8_type, gemm_float, relayout_u8, relayout_u8_into, same_device,
+    scale_output, to_i64,
 };
 use super::{GemmOutput, GemmSpec};
 use crate::block_quantize::{block_dequantize, ScaleOrder, ScaleStrides};

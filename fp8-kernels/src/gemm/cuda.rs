@@ -33,7 +33,11 @@ pub(super) fn fp8_type(f: Fp8Format) -> sys::cudaDataType_t {
     }
 }
 
-pub(super) fn same_device(what: &'static str, dev: &CudaDevice, other: &Device) -> Result<(), KernelError> {
+pub(super) fn same_device(
+    what: &'static str,
+    dev: &CudaDevice,
+    other: &Device,
+) -> Result<(), KernelError> {
     if *other == Device::Cuda(dev.clone()) {
         Ok(())
     } else {
