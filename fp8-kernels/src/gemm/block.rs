@@ -152,12 +152,14 @@ fn operand<'a>(
     let [br, bc] = x.layout.block_shape();
     let kind = match BlockKind::of(&seen) {
         Some(kind) => kind,
-        None if transposed && [br, bc] == [1, BLOCK_SIZE] => return Err(invalid(format!(
+        None if transposed && [br, bc] == [1, BLOCK_SIZE] => {
+            return Err(invalid(format!(
             "{name} is transposed (stored [k, {}]) with 1x128 tiles, which run along the output \
                  dimension, not along the reduction: quantize it K-major (BlockQuantLayout::\
                  Columns128x1Transposed writes the transposed codes and tiles)",
             if name == "A" { "m" } else { "n" }
-        ))),
+        )))
+        }
         None => {
             return Err(invalid(format!(
                 "{name} has {br}x{bc} blocks{}; the block-scaled GEMM takes 1x128 tiles along the \
