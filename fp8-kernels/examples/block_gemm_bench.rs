@@ -16,7 +16,8 @@
 //! Time: CUDA events around each call on the compute stream, 5 warm-up calls, the median of `--iters`
 //! (default 20). TFLOP/s = `2 m n k / time`.
 //!
-//! `--peer FILE` reads the JSON lines `peer_blockwise_gemm.py` prints on the same machine (`torch._scaled_mm`:
+//! `--peer FILE` reads the JSON lines `bench/peers/peer_blockwise_gemm.py` prints on the same machine
+//! (`bench/run.sh kernels` runs it first and passes its log; `torch._scaled_mm`:
 //! `fp8_tensor`, `fp8_block_1x128_128x128`, `fp8_block_1x128_1x128` at each `(M, K, N)`) and prints the
 //! peer's figure of the same GEMM (same `m, k, n` and block pairing) beside ours. The short table last
 //! gives the block / per-tensor ratios against the targets: forward and data gradient >= 0.9,
