@@ -22,7 +22,8 @@
 #   mnist    whole    14 epochs each (MNIST_EPOCHS): ~100 s, ~200 s with the external peer (it reads CSV, which
 #                     is written from the IDX files first)
 #   layers   whole    layer_kernel_bench, attention_bench, peer_layers.py: ~80 s
-#   kernels  whole    kernel_bench, gemm_bench, peer_kernels.py, peer_blockwise_gemm.py: ~100 s
+#   kernels  whole    kernel_bench, gemm_bench, peer_kernels.py, peer_blockwise_gemm.py, block_gemm_bench (reads
+#                     the blockwise peer's log for its side-by-side columns): ~130 s
 #
 # Environment (GPU side):
 #   LM_BIN             the language-model binary in .bench/bin (default lm_fsdp; gpt_fsdp when only it is there)
@@ -75,7 +76,7 @@ binaries_of() {
     mlp) echo "mlp_bench" ;;
     mnist) echo "mnist_fsdp" ;;
     layers) echo "example:layer_kernel_bench example:attention_bench" ;;
-    kernels) echo "example:kernel_bench example:gemm_bench" ;;
+    kernels) echo "example:kernel_bench example:gemm_bench example:block_gemm_bench" ;;
   esac
 }
 
@@ -431,6 +432,9 @@ table_kernels() {
   run_case "$row" "$label" ours:gemm_bench 180 "$PACK/bin/gemm_bench"
   peer_pair "$row" "$label" kernels 180 peer_kernels.py
   peer_pair "$row" "$label" blockwise 180 peer_blockwise_gemm.py
+  # After the blockwise peer: its JSON lines give the peer's figure beside each of our block GEMMs.
+  run_case "$row" "$label" ours:block_gemm_bench 180 "$PACK/bin/block_gemm_bench" \
+    --peer "$RES/$row.peer-blockwise.log"
 }
 
 write_env_facts() {

@@ -13,7 +13,7 @@
 //! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, conversions |
 //! | [`block_quantize`] | block-scaled FP8 casts (1x128 tiles, 128x1 tiles transposed, 128x128 blocks), their dequantization, 1x128 casts into packed row records and the F32 sum of their dequantized rows |
 //! | [`scaling`] | scales from amaxes: the delayed-scaling meta update, the scale of one amax |
-//! | [`gemm`] | F32, BF16 and FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
+//! | [`gemm`] | F32, BF16, FP8 and block-scaled FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
 //! | [`elementwise`] | bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset |
 //! | [`gelu_cast`] | GELU forward/backward fused with the FP8 cast + transpose of its result |
 //! | [`reduce`] | sums over rows and columns, amax and count of non-finite values, norm statistics |
@@ -72,7 +72,7 @@ pub use attention::{
 };
 pub use block_quantize::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
-    BlockQuantLayout, BlockQuantSpec, PackedRows1x128,
+    BlockQuantLayout, BlockQuantSpec, PackedRows1x128, ScaleOrder,
 };
 pub use cast::{
     add_decoded_fp8, amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert,
@@ -80,5 +80,7 @@ pub use cast::{
 };
 pub use device::{check_len, Buffer, CudaDevice, DType, Device, Element, FloatElement, GpuEvent};
 pub use error::KernelError;
-pub use gemm::{CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose};
+pub use gemm::{
+    BlockFp8Matrix, CpuParallelism, DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, Transpose,
+};
 pub use scaling::{scale_from_amax, update_scaling_meta, AmaxInput, ScalingMetaBuffers};

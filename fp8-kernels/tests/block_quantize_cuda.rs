@@ -1,9 +1,10 @@
 //! Block-scaled casts on CUDA against the CPU reference, bit for bit (codes, scales, inverse scales, and
 //! the dequantization of the codes to f32 and bf16), for the three layouts, f32/bf16/f16 inputs, both
 //! formats and both scale roundings, on random inputs with wide magnitude ranges, special values and
-//! all-zero blocks, in shapes that are and are not multiples of 128; the packed 1x128 records and the
-//! dequantized sum of their rows likewise (1 to 8 rows, f32/bf16/f16 accumulators, several scales
-//! alpha); and CUDA run twice gives the same bits. GPU tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
+//! all-zero blocks, in shapes that are and are not multiples of 128, with the scales stored row-major
+//! and in the GEMM's order; the packed 1x128 records and the dequantized sum of their rows likewise (1 to
+//! 8 rows, f32/bf16/f16 accumulators, several scales alpha); and CUDA run twice gives the same bits. GPU
+//! tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
 //! GPU can be opened.
 
 mod common;
@@ -13,7 +14,7 @@ use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
-    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128,
+    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 
@@ -56,13 +57,14 @@ fn run<T: FloatElement>(
     let xb = dev.upload(&xt).unwrap();
     let layout = spec.layout.output_layout(rows, cols).unwrap();
     let mut q: Buffer<u8> = dev.zeros(rows * cols).unwrap();
-    let mut s: Buffer<f32> = dev.zeros(layout.num_blocks()).unwrap();
-    let mut si: Buffer<f32> = dev.zeros(layout.num_blocks()).unwrap();
+    let scales = spec.scale_order.strides(&layout).unwrap().len;
+    let mut s: Buffer<f32> = dev.zeros(scales).unwrap();
+    let mut si: Buffer<f32> = dev.zeros(scales).unwrap();
     block_quantize(&xb, [rows, cols], spec, &mut q, &mut s, &mut si).unwrap();
     let mut y32: Buffer<f32> = dev.zeros(rows * cols).unwrap();
     let mut y16: Buffer<bf16> = dev.zeros(rows * cols).unwrap();
-    block_dequantize(&q, &layout, spec.format, &si, &mut y32).unwrap();
-    block_dequantize(&q, &layout, spec.format, &si, &mut y16).unwrap();
+    block_dequantize(&q, &layout, spec.scale_order, spec.format, &si, &mut y32).unwrap();
+    block_dequantize(&q, &layout, spec.scale_order, spec.format, &si, &mut y16).unwrap();
     [
         q.to_vec().unwrap().into_iter().map(u32::from).collect(),
         common::bits(&s),
@@ -127,10 +129,14 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
                         layout,
                         format,
                         rounding,
+                        scale_order: ScaleOrder::RowMajor,
                     };
                     ok &= compare::<bf16>(&gpu, &x, shape, spec);
                     ok &= compare::<f32>(&gpu, &x, shape, spec);
                     ok &= compare::<f16>(&gpu, &x, shape, spec);
+                    // The GEMM's scale order (padding entries stay zero on both devices).
+                    let gemm = spec.with_scale_order(ScaleOrder::Gemm);
+                    ok &= compare::<bf16>(&gpu, &x, shape, gemm);
                 }
             }
         }

@@ -13,7 +13,7 @@ use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::BLOCK_QUANTIZE_MODULE;
 use fp8_kernels::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
-    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128,
+    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -112,7 +112,8 @@ fn run<T: FloatElement>(
 ) -> Quantized {
     let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
     let xb = dev.upload(&xt).unwrap();
-    let blocks = spec.layout.output_layout(rows, cols).unwrap().num_blocks();
+    let layout = spec.layout.output_layout(rows, cols).unwrap();
+    let blocks = spec.scale_order.strides(&layout).unwrap().len;
     let mut q: Buffer<u8> = dev.zeros(rows * cols).unwrap();
     let mut s: Buffer<f32> = dev.zeros(blocks).unwrap();
     let mut si: Buffer<f32> = dev.zeros(blocks).unwrap();
@@ -138,7 +139,15 @@ fn dequantize(
     let si: Vec<f32> = q.scale_inv.iter().map(|&b| f32::from_bits(b)).collect();
     let si = dev.upload(&si).unwrap();
     let mut out: Buffer<f32> = dev.zeros(rows * cols).unwrap();
-    block_dequantize(&codes, &layout, spec.format, &si, &mut out).unwrap();
+    block_dequantize(
+        &codes,
+        &layout,
+        spec.scale_order,
+        spec.format,
+        &si,
+        &mut out,
+    )
+    .unwrap();
     out.to_vec().unwrap()
 }
 
@@ -297,7 +306,7 @@ proptest! {
         format in format(),
         rounding in rounding(),
     ) {
-        let spec = BlockQuantSpec { layout: BlockQuantLayout::Rows1x128, format, rounding };
+        let spec = BlockQuantSpec { layout: BlockQuantLayout::Rows1x128, format, rounding, scale_order: ScaleOrder::RowMajor };
         let want = pack_reference(&reference(&x, rows, cols, spec), rows, cols);
         prop_assert!(run_packed::<f32>(&x, rows, cols, format, rounding) == want, "f32 {}x{}", rows, cols);
         let xb: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
@@ -339,7 +348,7 @@ proptest! {
     ) {
         let dev = Device::cpu();
         for layout in LAYOUTS {
-            let spec = BlockQuantSpec { layout, format, rounding };
+            let spec = BlockQuantSpec { layout, format, rounding, scale_order: ScaleOrder::RowMajor };
             let got = run::<f32>(&dev, &x, rows, cols, spec);
             let want = reference(&x, rows, cols, spec);
             prop_assert!(got == want, "{:?} {}x{}: {}", spec, rows, cols, first_diff(&got, &want));
@@ -350,7 +359,7 @@ proptest! {
         }
         // The transposed 128x1 tiles are the 1x128 tiles of the transposed input.
         let xt: Vec<f32> = (0..rows * cols).map(|i| x[(i % rows) * cols + i / rows]).collect();
-        let spec = |layout| BlockQuantSpec { layout, format, rounding };
+        let spec = |layout| BlockQuantSpec { layout, format, rounding, scale_order: ScaleOrder::RowMajor };
         prop_assert_eq!(
             run::<f32>(&dev, &x, rows, cols, spec(BlockQuantLayout::Columns128x1Transposed)),
             run::<f32>(&dev, &xt, cols, rows, spec(BlockQuantLayout::Rows1x128))
@@ -365,7 +374,7 @@ proptest! {
     ) {
         let dev = Device::cpu();
         for layout in LAYOUTS {
-            let spec = BlockQuantSpec { layout, format, rounding };
+            let spec = BlockQuantSpec { layout, format, rounding, scale_order: ScaleOrder::RowMajor };
             let q = run::<f32>(&dev, &x, rows, cols, spec);
             let y = dequantize(&dev, &q, rows, cols, spec);
             let out = layout.output_layout(rows, cols).unwrap();
@@ -415,6 +424,50 @@ proptest! {
                     prop_assert!(err <= bound, "{:?} element {}: {} -> {} (scale {}, bound {})", layout, i, v, y64, s, bound);
                 }
             }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// The GEMM's scale order holds the row-major scales at its own indices (padding left zero), with the
+    /// same codes, and dequantizes to the same values.
+    #[test]
+    fn gemm_scale_order_is_a_permutation_of_row_major(
+        (rows, cols, x) in input(),
+        format in format(),
+        rounding in rounding(),
+    ) {
+        let dev = Device::cpu();
+        for layout in LAYOUTS {
+            let spec = BlockQuantSpec { layout, format, rounding, scale_order: ScaleOrder::RowMajor };
+            let gemm = spec.with_scale_order(ScaleOrder::Gemm);
+            let row = run::<f32>(&dev, &x, rows, cols, spec);
+            let got = run::<f32>(&dev, &x, rows, cols, gemm);
+            prop_assert_eq!(&got.codes, &row.codes);
+            let out = layout.output_layout(rows, cols).unwrap();
+            let st = ScaleOrder::Gemm.strides(&out).unwrap();
+            let [gr, gc] = out.grid();
+            let mut want = vec![0u32; st.len];
+            let mut want_inv = vec![0u32; st.len];
+            for i in 0..gr {
+                for j in 0..gc {
+                    // 1x128 tiles: column-major with rows padded to 4; else row-major, columns padded.
+                    let at = if out.block_shape()[0] == 1 {
+                        j * gr.next_multiple_of(4) + i
+                    } else {
+                        i * gc.next_multiple_of(4) + j
+                    };
+                    want[at] = row.scale[i * gc + j];
+                    want_inv[at] = row.scale_inv[i * gc + j];
+                }
+            }
+            prop_assert_eq!(&got.scale, &want, "{:?} {}x{}", layout, rows, cols);
+            prop_assert_eq!(&got.scale_inv, &want_inv);
+            let a = dequantize(&dev, &row, rows, cols, spec);
+            let b = dequantize(&dev, &got, rows, cols, gemm);
+            prop_assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
         }
     }
 }

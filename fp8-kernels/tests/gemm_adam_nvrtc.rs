@@ -47,6 +47,7 @@ nvrtc_test! {
                 "gemm_unpad_f32",
                 "gemm_unpad_bf16",
                 "gemm_fp8_to_bf16",
+                "gemm_block_scales_copy",
             ],
         );
     }

@@ -93,7 +93,7 @@ fn dequantized_pieces(grads: &[Vec<f32>], n: usize, format: Fp8Format) -> Vec<Ve
             let mut si: Buffer<f32> = dev.zeros(layout.num_blocks()).unwrap();
             block_quantize(&x, [ws, n], spec, &mut q, &mut s, &mut si).unwrap();
             let mut y: Buffer<f32> = dev.zeros(ws * n).unwrap();
-            block_dequantize(&q, &layout, format, &si, &mut y).unwrap();
+            block_dequantize(&q, &layout, spec.scale_order, format, &si, &mut y).unwrap();
             y.to_vec().unwrap()
         })
         .collect()

@@ -5,7 +5,8 @@
 // Every block's scale is compute_scale_dev(amax, fmax, 0, exact, 1.0f) (fp8_core::block_scale: margin 0,
 // scale 1 for a zero or non-finite amax), from the amax of the block's real elements (NaN ignored); the
 // code of x is fp8(x * scale) with one f32 multiply, and scale_inv = 1 / scale (one f32 division), as
-// on the CPU. Partial blocks at the edges read only their real elements.
+// on the CPU. Partial blocks at the edges read only their real elements. The scale of block (i, j) of the
+// output grid is stored at i * srs + j * scs (ScaleOrder: row-major or the GEMM's order).
 
 #define BQ_TILE 128
 
@@ -16,16 +17,19 @@ __device__ __forceinline__ int warp_max_bits(int m) { return __reduce_max_sync(0
 // One warp per tile, grid-stride over tiles; lane l holds elements l, l + 32, l + 64, l + 96 of its tile
 // (coalesced loads and stores whatever the alignment). Block size: a multiple of 32. Where the codes and
 // scales go is the sink's business: separate arrays (BqRowsSink) or packed row records (BqPackedSink).
+// The separate scale arrays are strided: tile j of row r at r * srs + j * scs (the ScaleOrder).
 struct BqRowsSink {
     u8* y;
     float* scale;
     float* scale_inv;
     int cols;
+    u64 srs, scs;
     __device__ __forceinline__ u8* codes(u64 r, int c0) const { return y + r * (u64)cols + c0; }
     // Tile t (tile j of row r) has scale s.
-    __device__ __forceinline__ void scales(u64 t, u64, int, float s) const {
-        scale[t] = s;
-        scale_inv[t] = div_rn(1.0f, s);
+    __device__ __forceinline__ void scales(u64, u64 r, int j, float s) const {
+        const u64 at = r * srs + (u64)j * scs;
+        scale[at] = s;
+        scale_inv[at] = div_rn(1.0f, s);
     }
 };
 // Record r = [codes of row r | pad | scale_inv of its tiles] (PackedRows1x128 in src/block_quantize/mod.rs).
@@ -75,8 +79,8 @@ __device__ void bq_1x128_impl(const typename In::T* x, Sink out, float fmax, int
 // (32, 8) per slab of 128 rows x 32 columns: loads along rows (coalesced over the 32 columns), the column
 // amaxes through shared memory, then each warp writes 128 consecutive codes of a transposed row.
 template <class In, int FMT>
-__device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, float* scale_inv, float fmax, int exact,
-                               int rows, int cols) {
+__device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, float* scale_inv, u64 srs, u64 scs,
+                               float fmax, int exact, int rows, int cols) {
     __shared__ float vals[BQ_TILE][33];
     __shared__ int part[8][32];
     __shared__ float col_scale[32];
@@ -105,7 +109,7 @@ __device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, fl
             const float s = compute_scale_dev(__int_as_float(mm), fmax, 0, exact, 1.0f);
             col_scale[tx] = s;
             if (c < cols) {
-                const u64 i = (u64)c * tiles_r + tr;
+                const u64 i = (u64)c * srs + (u64)tr * scs;
                 scale[i] = s;
                 scale_inv[i] = div_rn(1.0f, s);
             }
@@ -129,8 +133,8 @@ __device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, fl
 // One block of 256 threads per scale block, grid-stride over blocks: thread (lane, warp) covers columns
 // lane + 32q and rows warp + 8k; a first pass takes the amax, a second (from cache) encodes.
 template <class In, int FMT>
-__device__ void bq_128x128_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, float fmax,
-                                int exact, int rows, int cols) {
+__device__ void bq_128x128_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs,
+                                float fmax, int exact, int rows, int cols) {
     __shared__ int warp_max[8];
     __shared__ float s_scale;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -156,8 +160,9 @@ __device__ void bq_128x128_impl(const typename In::T* x, u8* y, float* scale, fl
             for (int j = 1; j < 8; ++j) mm = max(mm, warp_max[j]);
             const float s = compute_scale_dev(__int_as_float(mm), fmax, 0, exact, 1.0f);
             s_scale = s;
-            scale[b] = s;
-            scale_inv[b] = div_rn(1.0f, s);
+            const u64 at = (b / grid_c) * srs + (b % grid_c) * scs;
+            scale[at] = s;
+            scale_inv[at] = div_rn(1.0f, s);
         }
         __syncthreads();
         const float s = s_scale;
@@ -175,14 +180,14 @@ __device__ void bq_128x128_impl(const typename In::T* x, u8* y, float* scale, fl
 }
 
 // ---- dequantize any block layout: y[i] = decode(q[i]) * scale_inv[block of i] ----
-// q, y [rows, cols]; blocks of block_rows x block_cols numbered row-major over a grid with grid_cols columns.
+// q, y [rows, cols]; blocks of block_rows x block_cols, block (i, j)'s scale at i * srs + j * scs.
 template <class Out, int FMT>
-__device__ void bdq_impl(const u8* q, typename Out::T* y, const float* scale_inv, int rows, int cols, int block_rows,
-                         int block_cols, int grid_cols) {
+__device__ void bdq_impl(const u8* q, typename Out::T* y, const float* scale_inv, u64 srs, u64 scs, int rows,
+                         int cols, int block_rows, int block_cols) {
     const u64 n = (u64)rows * cols;
     for (u64 i = global_thread(); i < n; i += grid_threads()) {
         const u64 r = i / cols, c = i % cols;
-        const u64 b = (r / block_rows) * grid_cols + c / block_cols;
+        const u64 b = (r / block_rows) * srs + (c / block_cols) * scs;
         float lo, hi;
         fp8x2_decode<FMT>((u16)q[i], lo, hi);
         Out::store(y, i, mul_rn(lo, scale_inv[b]));
@@ -245,8 +250,9 @@ __device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pi
 // ---- extern "C" entry points ----
 #define BQ_ENTRY(NAME, IN, FNAME, FMT)                                                                          \
     extern "C" __global__ void bq_1x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,   \
-                                                         float fmax, int exact, int rows, int cols) {           \
-        bq_1x128_impl<IN, FMT>(x, BqRowsSink{y, scale, scale_inv, cols}, fmax, exact, rows, cols);              \
+                                                         u64 srs, u64 scs, float fmax, int exact, int rows,     \
+                                                         int cols) {                                            \
+        bq_1x128_impl<IN, FMT>(x, BqRowsSink{y, scale, scale_inv, cols, srs, scs}, fmax, exact, rows, cols);    \
     }                                                                                                           \
     extern "C" __global__ void bqp_1x128_##NAME##_##FNAME(const IN::T* x, u8* p, u64 row_bytes,                  \
                                                           u64 scales_offset, float fmax, int exact, int rows,    \
@@ -254,12 +260,14 @@ __device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pi
         bq_1x128_impl<IN, FMT>(x, BqPackedSink{p, row_bytes, scales_offset}, fmax, exact, rows, cols);           \
     }                                                                                                           \
     extern "C" __global__ void bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
-                                                          float fmax, int exact, int rows, int cols) {          \
-        bq_128x1t_impl<IN, FMT>(x, yt, scale, scale_inv, fmax, exact, rows, cols);                              \
+                                                          u64 srs, u64 scs, float fmax, int exact, int rows,    \
+                                                          int cols) {                                           \
+        bq_128x1t_impl<IN, FMT>(x, yt, scale, scale_inv, srs, scs, fmax, exact, rows, cols);                    \
     }                                                                                                           \
     extern "C" __global__ void bq_128x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv, \
-                                                           float fmax, int exact, int rows, int cols) {         \
-        bq_128x128_impl<IN, FMT>(x, y, scale, scale_inv, fmax, exact, rows, cols);                              \
+                                                           u64 srs, u64 scs, float fmax, int exact, int rows,   \
+                                                           int cols) {                                          \
+        bq_128x128_impl<IN, FMT>(x, y, scale, scale_inv, srs, scs, fmax, exact, rows, cols);                    \
     }
 BQ_ENTRY(f32, TF32, e4m3, FP8_E4M3)
 BQ_ENTRY(f32, TF32, e5m2, FP8_E5M2)
@@ -269,9 +277,10 @@ BQ_ENTRY(f16, TF16, e4m3, FP8_E4M3)
 BQ_ENTRY(f16, TF16, e5m2, FP8_E5M2)
 
 #define BDQ_ENTRY(FNAME, FMT, NAME, OUT)                                                                         \
-    extern "C" __global__ void bdq_##FNAME##_##NAME(const u8* q, OUT::T* y, const float* scale_inv, int rows,    \
-                                                    int cols, int block_rows, int block_cols, int grid_cols) {   \
-        bdq_impl<OUT, FMT>(q, y, scale_inv, rows, cols, block_rows, block_cols, grid_cols);                      \
+    extern "C" __global__ void bdq_##FNAME##_##NAME(const u8* q, OUT::T* y, const float* scale_inv, u64 srs,     \
+                                                    u64 scs, int rows, int cols, int block_rows,                 \
+                                                    int block_cols) {                                            \
+        bdq_impl<OUT, FMT>(q, y, scale_inv, srs, scs, rows, cols, block_rows, block_cols);                       \
     }
 BDQ_ENTRY(e4m3, FP8_E4M3, f32, TF32)
 BDQ_ENTRY(e4m3, FP8_E4M3, bf16, TBF16)

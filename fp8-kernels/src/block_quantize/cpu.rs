@@ -2,10 +2,32 @@
 //! the CUDA kernels.
 
 use super::PackedRows1x128;
+use super::ScaleStrides;
 use crate::cpu_kernel::transpose_copy;
 use crate::FloatElement;
 use fp8_core::{block_scale, BlockLayout, Fp8Format, ScaleRounding, BLOCK_SIZE};
 use rayon::prelude::*;
+
+/// The scale outputs of a cast and where each block's values go.
+pub(super) struct ScaleOut<'a> {
+    pub(super) scale: &'a mut [f32],
+    pub(super) scale_inv: &'a mut [f32],
+    pub(super) strides: ScaleStrides,
+}
+
+/// `layout`'s scales read from `stored` (at `strides`) into a row-major vector over the grid.
+pub(crate) fn gather_row_major(
+    stored: &[f32],
+    layout: &BlockLayout,
+    strides: &ScaleStrides,
+) -> Vec<f32> {
+    let [gr, gc] = layout.grid();
+    let mut out = Vec::with_capacity(gr * gc);
+    for i in 0..gr {
+        out.extend((0..gc).map(|j| stored[strides.index(i, j)]));
+    }
+    out
+}
 
 /// Output rows per task of the transpose.
 const TRANSPOSE_BAND: usize = 32;
@@ -22,19 +44,21 @@ pub(super) fn transpose<T: FloatElement>(x: &[T], rows: usize, cols: usize) -> V
 
 /// Casts `x` (row-major, the shape of `layout`) block by block: for each block the amax of its real
 /// elements (NaN ignored), its scale by [`block_scale`], `scale_inv = 1 / scale`, and the codes
-/// `encode(x * scale)`. One rayon task per band of `block_rows` rows.
+/// `encode(x * scale)`. One rayon task per band of `block_rows` rows; the scales are computed row-major
+/// and then stored at their indices in `out`.
 pub(super) fn quantize<T: FloatElement>(
     x: &[T],
     layout: &BlockLayout,
     format: Fp8Format,
     rounding: ScaleRounding,
     codes: &mut [u8],
-    scale: &mut [f32],
-    scale_inv: &mut [f32],
+    out: ScaleOut<'_>,
 ) {
     if layout.numel() == 0 {
         return;
     }
+    let mut scale = vec![0.0f32; layout.num_blocks()];
+    let mut scale_inv = vec![0.0f32; layout.num_blocks()];
     let cols = layout.cols();
     let [br, bc] = layout.block_shape();
     let gc = layout.grid()[1];
@@ -67,6 +91,11 @@ pub(super) fn quantize<T: FloatElement>(
                 }
             }
         });
+    for (b, (&s, &si)) in scale.iter().zip(&scale_inv).enumerate() {
+        let at = out.strides.index(b / gc, b % gc);
+        out.scale[at] = s;
+        out.scale_inv[at] = si;
+    }
 }
 
 /// `out[i] = T(decode(codes[i]) * scale_inv[block of i])`, one rayon task per band of block rows.

@@ -2,7 +2,9 @@
 //! lengths of the input, codes and scales against the layout, sides within 32-bit indices, one device,
 //! and a non-empty matrix.
 
-use super::{BlockQuantLayout, BlockQuantSpec, PackedRows1x128, BLOCK_QUANTIZE_MODULE};
+use super::{
+    BlockQuantLayout, BlockQuantSpec, PackedRows1x128, ScaleStrides, BLOCK_QUANTIZE_MODULE,
+};
 use crate::cast::format_name;
 use crate::launch::{grid, kernel_name, launch};
 use crate::{CudaDevice, FloatElement, KernelError};
@@ -22,12 +24,14 @@ fn tile_launch(dev: &CudaDevice, items: usize, block: (u32, u32, u32)) -> Launch
     }
 }
 
-/// `x [rows, cols]` to codes and block scales in `spec.layout`.
+/// `x [rows, cols]` to codes and block scales in `spec.layout`, the scales stored at `strides`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn quantize<T: FloatElement>(
     dev: &CudaDevice,
     x: &CudaSlice<T>,
     [rows, cols]: [usize; 2],
     spec: BlockQuantSpec,
+    strides: ScaleStrides,
     codes: &mut CudaSlice<u8>,
     scale: &mut CudaSlice<f32>,
     scale_inv: &mut CudaSlice<f32>,
@@ -36,6 +40,7 @@ pub(super) fn quantize<T: FloatElement>(
     let fmax = spec.format.max();
     let exact = matches!(spec.rounding, ScaleRounding::Exact) as i32;
     let (r, c) = (rows as i32, cols as i32);
+    let (srs, scs) = (strides.row as u64, strides.col as u64);
     let cfg = match spec.layout {
         // One warp per 1x128 tile.
         BlockQuantLayout::Rows1x128 => grid(dev, (rows * cols.div_ceil(BLOCK_SIZE) * 32) as u64),
@@ -52,8 +57,9 @@ pub(super) fn quantize<T: FloatElement>(
             (256, 1, 1),
         ),
     };
-    // x and codes hold rows * cols elements, scale and scale_inv one per block of the layout's output
-    // (checked by mod.rs); every kernel of this family reads and writes only inside those extents.
+    // x and codes hold rows * cols elements, scale and scale_inv `strides.len` values, which hold the
+    // index `i * srs + j * scs` of every block (i, j) of the layout's output (checked by mod.rs); every
+    // kernel of this family reads and writes only inside those extents.
     launch!(
         dev,
         &BLOCK_QUANTIZE_MODULE,
@@ -66,17 +72,18 @@ pub(super) fn quantize<T: FloatElement>(
             format_name(spec.format)
         ),
         cfg,
-        "bq_<layout>_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, float fmax, int exact, \
-         int rows, int cols)",
-        [x, codes, scale, scale_inv, &fmax, &exact, &r, &c]
+        "bq_<layout>_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, \
+         float fmax, int exact, int rows, int cols)",
+        [x, codes, scale, scale_inv, &srs, &scs, &fmax, &exact, &r, &c]
     )
 }
 
-/// `out = T(decode(codes) * scale_inv[block])` over `layout`.
+/// `out = T(decode(codes) * scale_inv[block])` over `layout`, the scales stored at `strides`.
 pub(super) fn dequantize<T: FloatElement>(
     dev: &CudaDevice,
     codes: &CudaSlice<u8>,
     layout: &BlockLayout,
+    strides: &ScaleStrides,
     format: Fp8Format,
     scale_inv: &CudaSlice<f32>,
     out: &mut CudaSlice<T>,
@@ -84,17 +91,19 @@ pub(super) fn dequantize<T: FloatElement>(
     dev.require_fp8()?;
     let [br, bc] = layout.block_shape();
     let (r, c) = (layout.rows() as i32, layout.cols() as i32);
-    let (br, bc, gc) = (br as i32, bc as i32, layout.grid()[1] as i32);
+    let (br, bc) = (br as i32, bc as i32);
+    let (srs, scs) = (strides.row as u64, strides.col as u64);
     let cfg = grid(dev, layout.numel() as u64);
-    // codes and out hold rows * cols elements, scale_inv one per block (checked by mod.rs).
+    // codes and out hold rows * cols elements, scale_inv `strides.len` values holding every block's
+    // index (checked by mod.rs).
     launch!(
         dev,
         &BLOCK_QUANTIZE_MODULE,
         kernel_name!("bdq_", format_name(format), "_", T::NAME),
         cfg,
-        "bdq_<fmt>_<T>(const u8* q, T* y, const float* scale_inv, int rows, int cols, int block_rows, \
-         int block_cols, int grid_cols)",
-        [codes, out, scale_inv, &r, &c, &br, &bc, &gc]
+        "bdq_<fmt>_<T>(const u8* q, T* y, const float* scale_inv, u64 srs, u64 scs, int rows, int cols, \
+         int block_rows, int block_cols)",
+        [codes, out, scale_inv, &srs, &scs, &r, &c, &br, &bc]
     )
 }
 

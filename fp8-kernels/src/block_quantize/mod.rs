@@ -28,6 +28,11 @@
 //! ([`PackedRows1x128`]), so that row `r` is one contiguous chunk of an all-to-all; and
 //! [`block_dequantize_sum`] dequantizes the rows of such a buffer and adds their F32 sum, taken in row
 //! order, to an F32/BF16/F16 buffer (the receiving side of a block-scaled FP8 gradient exchange).
+//! Where each block's scale is stored is a [`ScaleOrder`]: row-major over the grid (the table above, the
+//! default), or [`ScaleOrder::Gemm`], the order cuBLASLt's block-scaled FP8 GEMMs read (1x128 scales
+//! column-major, 128x128 scales row-major, leading dimensions padded to multiples of 4), so that
+//! [`crate::gemm::gemm_fp8_block`] takes the cast's output as it is, with no re-layout pass.
+//! [`ScaleOrder::strides`] gives the index of every block's scale and the buffer length.
 //!
 //! The CPU implementation (`cpu.rs`, rayon over bands of block rows) is the reference; `cuda.rs` and
 //! `block_quantize.cu` launch one warp per 1x128 tile (packed or not), one 128 x 32 slab per block of
@@ -41,6 +46,90 @@ use crate::device::dispatch;
 use crate::kernel_source::KernelModule;
 use crate::{check_len, Buffer, FloatElement, KernelError};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity, BLOCK_SIZE};
+
+/// Leading dimensions of scales in [`ScaleOrder::Gemm`] are multiples of this (16 bytes of f32, the
+/// alignment cuBLASLt wants of every column of scales).
+pub const GEMM_SCALE_ALIGN: usize = 4;
+
+/// Where the scale of each block of a [`BlockLayout`] is stored in its buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ScaleOrder {
+    /// Row-major over the grid, no padding: block `(i, j)` at `i * grid_cols + j` (as
+    /// [`BlockLayout::block_of`] numbers blocks).
+    #[default]
+    RowMajor,
+    /// The order cuBLASLt's block-scaled FP8 GEMMs read (`VEC128_32F`, `BLK128x128_32F`): blocks one row
+    /// high (1x128 tiles) column-major over the grid, block `(i, j)` at `j * round_up(grid_rows, 4) + i`
+    /// (the reduction dimension's blocks outermost, the rows contiguous); other blocks (128x128) row-major
+    /// with each row of the grid padded, `(i, j)` at `i * round_up(grid_cols, 4) + j`. The padding
+    /// entries are never written nor read.
+    Gemm,
+}
+
+/// Where the scales of a layout live in their buffer: block `(i, j)` of the grid at
+/// `i * row + j * col`, in a buffer of `len` values (padding included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScaleStrides {
+    /// Stride between block rows of the grid.
+    pub row: usize,
+    /// Stride between block columns of the grid.
+    pub col: usize,
+    /// Length of the scale buffer.
+    pub len: usize,
+}
+
+impl ScaleStrides {
+    /// The buffer index of block `(i, j)`'s scale (no bounds check: `i`, `j` inside the grid).
+    pub fn index(&self, i: usize, j: usize) -> usize {
+        i * self.row + j * self.col
+    }
+}
+
+impl ScaleOrder {
+    /// The strides and buffer length of `layout`'s scales stored in this order. Errors when the padded
+    /// length overflows.
+    pub fn strides(self, layout: &BlockLayout) -> Result<ScaleStrides, KernelError> {
+        let [gr, gc] = layout.grid();
+        let pad = |n: usize| {
+            n.checked_next_multiple_of(GEMM_SCALE_ALIGN).ok_or_else(|| {
+                KernelError::InvalidArgument {
+                    what: "block scales",
+                    detail: format!("{n} blocks overflow when padded"),
+                }
+            })
+        };
+        let mul = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| KernelError::InvalidArgument {
+                    what: "block scales",
+                    detail: format!("{a} x {b} scales overflow usize"),
+                })
+        };
+        Ok(match self {
+            ScaleOrder::RowMajor => ScaleStrides {
+                row: gc,
+                col: 1,
+                len: gr * gc,
+            },
+            ScaleOrder::Gemm if layout.block_shape()[0] == 1 => {
+                let ld = pad(gr)?;
+                ScaleStrides {
+                    row: 1,
+                    col: ld,
+                    len: mul(ld, gc)?,
+                }
+            }
+            ScaleOrder::Gemm => {
+                let ld = pad(gc)?;
+                ScaleStrides {
+                    row: ld,
+                    col: 1,
+                    len: mul(gr, ld)?,
+                }
+            }
+        })
+    }
+}
 
 /// The CUDA module: `cuda/common.cuh`, then `src/block_quantize/block_quantize.cu`.
 pub const BLOCK_QUANTIZE_MODULE: KernelModule = KernelModule {
@@ -92,7 +181,8 @@ impl BlockQuantLayout {
     }
 }
 
-/// What [`block_quantize`] does: the tiles and output layout, the FP8 format, the scales' rounding.
+/// What [`block_quantize`] does: the tiles and output layout, the FP8 format, the scales' rounding and
+/// where they are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BlockQuantSpec {
     /// Tiles and output layout.
@@ -101,16 +191,25 @@ pub struct BlockQuantSpec {
     pub format: Fp8Format,
     /// Power-of-two or exact block scales ([`fp8_core::block_scale`]).
     pub rounding: ScaleRounding,
+    /// How the scales and inverse scales are stored ([`ScaleOrder::Gemm`] for the block-scaled GEMM).
+    pub scale_order: ScaleOrder,
 }
 
 impl BlockQuantSpec {
-    /// `layout` to `format` with power-of-two scales.
+    /// `layout` to `format` with power-of-two scales stored row-major.
     pub const fn new(layout: BlockQuantLayout, format: Fp8Format) -> Self {
         BlockQuantSpec {
             layout,
             format,
             rounding: ScaleRounding::PowerOfTwo,
+            scale_order: ScaleOrder::RowMajor,
         }
+    }
+
+    /// The same cast with its scales stored in `order`.
+    pub const fn with_scale_order(mut self, order: ScaleOrder) -> Self {
+        self.scale_order = order;
+        self
     }
 }
 
@@ -131,8 +230,9 @@ fn check_sides(what: &'static str, sides: &[usize]) -> Result<(), KernelError> {
 /// Block-scaled cast of row-major `x [rows, cols]` (`shape`) as `spec` says: writes the codes into
 /// `codes` (`rows * cols`, transposed for [`BlockQuantLayout::Columns128x1Transposed`]) and each block's
 /// scale and inverse into `scale` and `scale_inv` (one per block of
-/// `spec.layout.output_layout(rows, cols)`, row-major over its grid). Every buffer on one device; on
-/// CUDA the cast runs on the compute stream, asynchronously, with no host round trip.
+/// `spec.layout.output_layout(rows, cols)`, at the indices of `spec.scale_order`; both buffers hold
+/// `spec.scale_order.strides(&layout)?.len` values, padding entries untouched). Every buffer on one
+/// device; on CUDA the cast runs on the compute stream, asynchronously, with no host round trip.
 pub fn block_quantize<T: FloatElement>(
     x: &Buffer<T>,
     shape: [usize; 2],
@@ -144,21 +244,23 @@ pub fn block_quantize<T: FloatElement>(
     const WHAT: &str = "block_quantize";
     let [rows, cols] = shape;
     let out = spec.layout.output_layout(rows, cols)?;
-    check_sides(WHAT, &[rows, cols])?;
+    let strides = spec.scale_order.strides(&out)?;
+    check_sides(WHAT, &[rows, cols, strides.len])?;
     check_len(WHAT, out.numel(), x.len())?;
     check_len(WHAT, out.numel(), codes.len())?;
-    check_len(WHAT, out.num_blocks(), scale.len())?;
-    check_len(WHAT, out.num_blocks(), scale_inv.len())?;
+    check_len(WHAT, strides.len, scale.len())?;
+    check_len(WHAT, strides.len, scale_inv.len())?;
     dispatch!(WHAT, [x, codes, scale, scale_inv],
     cpu: {
         let (xs, q) = (x.host(WHAT)?, codes.host_mut(WHAT)?);
         let (s, si) = (scale.host_mut(WHAT)?, scale_inv.host_mut(WHAT)?);
+        let scales = cpu::ScaleOut { scale: s, scale_inv: si, strides };
         match spec.layout {
             BlockQuantLayout::Columns128x1Transposed => {
                 let xt = cpu::transpose(xs, rows, cols);
-                cpu::quantize(&xt, &out, spec.format, spec.rounding, q, s, si);
+                cpu::quantize(&xt, &out, spec.format, spec.rounding, q, scales);
             }
-            _ => cpu::quantize(xs, &out, spec.format, spec.rounding, q, s, si),
+            _ => cpu::quantize(xs, &out, spec.format, spec.rounding, q, scales),
         }
     },
     cuda(dev): {
@@ -167,37 +269,39 @@ pub fn block_quantize<T: FloatElement>(
         }
         let (xs, q) = (x.cuda(WHAT)?, codes.cuda_mut(WHAT)?);
         let (s, si) = (scale.cuda_mut(WHAT)?, scale_inv.cuda_mut(WHAT)?);
-        cuda::quantize(&dev, xs, shape, spec, q, s, si)
+        cuda::quantize(&dev, xs, shape, spec, strides, q, s, si)
     })
 }
 
-/// Dequantizes block-scaled codes: `out[i] = T(decode(codes[i]) * scale_inv[b])` where `b` is the block
-/// of element `i` in `layout` (the layout of the codes, e.g. from [`BlockQuantLayout::output_layout`];
-/// any block shape, per tensor included).
+/// Dequantizes block-scaled codes: `out[i] = T(decode(codes[i]) * scale_inv[b])` where `b` is the index,
+/// in `order`, of the block of element `i` in `layout` (the layout of the codes, e.g. from
+/// [`BlockQuantLayout::output_layout`]; any block shape, per tensor included).
 pub fn block_dequantize<T: FloatElement>(
     codes: &Buffer<u8>,
     layout: &BlockLayout,
+    order: ScaleOrder,
     format: Fp8Format,
     scale_inv: &Buffer<f32>,
     out: &mut Buffer<T>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "block_dequantize";
     let [br, bc] = layout.block_shape();
-    check_sides(
-        WHAT,
-        &[layout.rows(), layout.cols(), br, bc, layout.grid()[1]],
-    )?;
+    let strides = order.strides(layout)?;
+    check_sides(WHAT, &[layout.rows(), layout.cols(), br, bc, strides.len])?;
     check_len(WHAT, layout.numel(), codes.len())?;
     check_len(WHAT, layout.numel(), out.len())?;
-    check_len(WHAT, layout.num_blocks(), scale_inv.len())?;
+    check_len(WHAT, strides.len, scale_inv.len())?;
     dispatch!(WHAT, [codes, scale_inv, out],
-    cpu: cpu::dequantize(codes.host(WHAT)?, layout, format, scale_inv.host(WHAT)?, out.host_mut(WHAT)?),
+    cpu: {
+        let si = cpu::gather_row_major(scale_inv.host(WHAT)?, layout, &strides);
+        cpu::dequantize(codes.host(WHAT)?, layout, format, &si, out.host_mut(WHAT)?)
+    },
     cuda(dev): {
         if layout.numel() == 0 {
             return Ok(());
         }
         let (q, si) = (codes.cuda(WHAT)?, scale_inv.cuda(WHAT)?);
-        cuda::dequantize(&dev, q, layout, format, si, out.cuda_mut(WHAT)?)
+        cuda::dequantize(&dev, q, layout, &strides, format, si, out.cuda_mut(WHAT)?)
     })
 }
 
@@ -389,7 +493,65 @@ mod tests {
         assert!(matches!(e, KernelError::Core(_)), "{e}");
         let layout = spec.layout.output_layout(3, 130).unwrap();
         let mut out: Buffer<f32> = dev.zeros(130 * 3 - 1).unwrap();
-        let e = block_dequantize(&q, &layout, Fp8Format::E4M3, &si, &mut out).unwrap_err();
+        let e = block_dequantize(
+            &q,
+            &layout,
+            ScaleOrder::RowMajor,
+            Fp8Format::E4M3,
+            &si,
+            &mut out,
+        )
+        .unwrap_err();
         assert!(matches!(e, KernelError::LengthMismatch { .. }), "{e}");
+        // In the GEMM's order the 3 rows of 1x128 tiles are padded to 4: 8 scales.
+        let gemm = spec.with_scale_order(ScaleOrder::Gemm);
+        let e = block_quantize(&x, [3, 130], gemm, &mut q, &mut s, &mut si).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KernelError::LengthMismatch {
+                    expected: 8,
+                    actual: 6,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn scale_strides_of_both_orders() {
+        let row = BlockLayout::new(6, 300, ScalingGranularity::Block1x128).unwrap();
+        assert_eq!(
+            ScaleOrder::RowMajor.strides(&row).unwrap(),
+            ScaleStrides {
+                row: 3,
+                col: 1,
+                len: 18
+            }
+        );
+        // 1x128 tiles: the reduction dimension's 3 blocks outermost, 6 rows padded to 8.
+        let g = ScaleOrder::Gemm.strides(&row).unwrap();
+        assert_eq!(
+            g,
+            ScaleStrides {
+                row: 1,
+                col: 8,
+                len: 24
+            }
+        );
+        assert_eq!(g.index(5, 2), 21);
+        // 128x128 blocks: row-major, 3 block columns padded to 4.
+        let w = BlockLayout::new(300, 300, ScalingGranularity::Block128x128).unwrap();
+        assert_eq!(
+            ScaleOrder::Gemm.strides(&w).unwrap(),
+            ScaleStrides {
+                row: 4,
+                col: 1,
+                len: 12
+            }
+        );
+        let empty = BlockLayout::new(0, 300, ScalingGranularity::Block1x128).unwrap();
+        assert_eq!(ScaleOrder::Gemm.strides(&empty).unwrap().len, 0);
     }
 }

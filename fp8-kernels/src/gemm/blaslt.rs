@@ -78,7 +78,21 @@ pub(crate) struct PlanKey {
     /// A and B carry scale pointers (FP8).
     pub(crate) scaled: bool,
     pub(crate) fast_accum: bool,
+    /// cuBLASLt's scale modes of A and B (`cublasLtMatmulMatrixScale_t`): [`SCALE_SCALAR`] for one f32
+    /// each, [`SCALE_VEC128`] or [`SCALE_BLK128X128`] for block scales.
+    pub(crate) a_scale_mode: u32,
+    pub(crate) b_scale_mode: u32,
 }
+
+/// One f32 scale for the whole matrix (cuBLASLt's default mode).
+pub(crate) const SCALE_SCALAR: u32 =
+    sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F as u32;
+/// One f32 scale per 128 elements along K (1x128 tiles of a K-major operand).
+pub(crate) const SCALE_VEC128: u32 =
+    sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32;
+/// One f32 scale per 128x128 block.
+pub(crate) const SCALE_BLK128X128: u32 =
+    sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32;
 
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -118,7 +132,8 @@ pub(crate) struct ColMajorMatmul {
     pub(crate) d: u64,
     pub(crate) alpha: f32,
     pub(crate) beta: f32,
-    /// Addresses of the f32 scales of A and B (FP8), any alignment.
+    /// Addresses of the f32 scales of A and B (FP8): any alignment for one scale ([`SCALE_SCALAR`]),
+    /// 16-byte aligned block scales in the order cuBLASLt reads them otherwise.
     pub(crate) a_scale: Option<u64>,
     pub(crate) b_scale: Option<u64>,
 }
@@ -178,6 +193,20 @@ impl State {
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                     &fast,
                 )?;
+                // Block scales: the modes tell cuBLASLt how to read the scale pointers (the scalar
+                // default is left unset, as before block scales existed).
+                if key.a_scale_mode != SCALE_SCALAR || key.b_scale_mode != SCALE_SCALAR {
+                    set_desc(
+                        plan.desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                        &key.a_scale_mode,
+                    )?;
+                    set_desc(
+                        plan.desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                        &key.b_scale_mode,
+                    )?;
+                }
             }
         }
         let (a_rows, a_cols) = if key.trans_a {
@@ -297,9 +326,15 @@ impl BlasLt {
         let (scratch, _scratch_guard) = state.scale_scratch.device_ptr_mut(&stream);
         let mut aligned = [0u64; 2];
         if let (Some(sa), Some(sb)) = (mm.a_scale, mm.b_scale) {
+            let modes = [mm.key.a_scale_mode, mm.key.b_scale_mode];
             for (i, p) in [sa, sb].into_iter().enumerate() {
                 aligned[i] = if p % 16 == 0 {
                     p
+                } else if modes[i] != SCALE_SCALAR {
+                    // Block scales are whole buffers (always aligned); a copy of one value would not do.
+                    return Err(KernelError::Internal(format!(
+                        "block scales at {p:#x} are not 16-byte aligned"
+                    )));
                 } else {
                     let dst = scratch + (i * SCALE_SLOT * std::mem::size_of::<f32>()) as u64;
                     // SAFETY: `p` addresses one f32 of a live device buffer (the caller's contract), `dst` a

@@ -2,7 +2,7 @@
 //! op(B)^T op(A)^T`, so B becomes cuBLASLt's "A" and A its "B"), and the layout kernels (`layout.cu`) that
 //! bring FP8 operands into the one layout cuBLASLt's FP8 kernels accept. `mod.rs` checked the lengths.
 
-use super::blaslt::{BlasLt, ColMajorMatmul, PlanKey};
+use super::blaslt::{BlasLt, ColMajorMatmul, PlanKey, SCALE_SCALAR};
 use super::{DeviceScalar, Fp8Matrix, GemmOutput, GemmSpec, FP8_DIM_MULTIPLE};
 use crate::device::{cuda_slice, cuda_slice_mut};
 use crate::kernel_source::GEMM_LAYOUT_MODULE;
@@ -14,7 +14,7 @@ use fp8_core::Fp8Format;
 use half::bf16;
 
 /// cuBLASLt type tags of the element types GEMMs take.
-fn cuda_type(d: DType) -> Result<sys::cudaDataType_t, KernelError> {
+pub(super) fn cuda_type(d: DType) -> Result<sys::cudaDataType_t, KernelError> {
     match d {
         DType::F32 => Ok(sys::cudaDataType_t::CUDA_R_32F),
         DType::BF16 => Ok(sys::cudaDataType_t::CUDA_R_16BF),
@@ -26,14 +26,18 @@ fn cuda_type(d: DType) -> Result<sys::cudaDataType_t, KernelError> {
     }
 }
 
-fn fp8_type(f: Fp8Format) -> sys::cudaDataType_t {
+pub(super) fn fp8_type(f: Fp8Format) -> sys::cudaDataType_t {
     match f {
         Fp8Format::E4M3 => sys::cudaDataType_t::CUDA_R_8F_E4M3,
         Fp8Format::E5M2 => sys::cudaDataType_t::CUDA_R_8F_E5M2,
     }
 }
 
-fn same_device(what: &'static str, dev: &CudaDevice, other: &Device) -> Result<(), KernelError> {
+pub(super) fn same_device(
+    what: &'static str,
+    dev: &CudaDevice,
+    other: &Device,
+) -> Result<(), KernelError> {
     if *other == Device::Cuda(dev.clone()) {
         Ok(())
     } else {
@@ -42,7 +46,7 @@ fn same_device(what: &'static str, dev: &CudaDevice, other: &Device) -> Result<(
 }
 
 /// One thread per element in blocks of 256, at most 2^16 blocks (grid-stride beyond).
-fn elementwise_grid(n: usize) -> LaunchConfig {
+pub(super) fn elementwise_grid(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -51,7 +55,7 @@ fn elementwise_grid(n: usize) -> LaunchConfig {
     }
 }
 
-fn to_i64(what: &'static str, x: usize) -> Result<i64, KernelError> {
+pub(super) fn to_i64(what: &'static str, x: usize) -> Result<i64, KernelError> {
     i64::try_from(x).map_err(|_| KernelError::InvalidArgument {
         what,
         detail: format!("{x} does not fit in i64"),
@@ -59,7 +63,7 @@ fn to_i64(what: &'static str, x: usize) -> Result<i64, KernelError> {
 }
 
 /// `c = beta * c` on the device (the empty-sum GEMM, k = 0).
-fn scale_output<O: GemmOutput>(
+pub(super) fn scale_output<O: GemmOutput>(
     dev: &CudaDevice,
     rows: usize,
     cols: usize,
@@ -111,15 +115,43 @@ fn unpad_into<O: GemmOutput>(
 }
 
 /// Copies `op(src)` (src is `src_rows x src_cols` codes) into a zero-padded `dst_rows x dst_cols` buffer.
-fn relayout_u8(
+pub(super) fn relayout_u8(
     dev: &CudaDevice,
     src: &CudaSlice<u8>,
-    [src_rows, src_cols]: [usize; 2],
+    src_shape: [usize; 2],
     transpose: bool,
     [dst_rows, dst_cols]: [usize; 2],
 ) -> Result<CudaSlice<u8>, KernelError> {
     // SAFETY: every element is written by the kernel below (zeros outside the source).
     let mut dst = unsafe { dev.stream().alloc::<u8>(dst_rows * dst_cols) }?;
+    relayout_u8_into(
+        dev,
+        src,
+        src_shape,
+        transpose,
+        [dst_rows, dst_cols],
+        &mut dst,
+    )?;
+    Ok(dst)
+}
+
+/// [`relayout_u8`] into `dst`, which holds at least `dst_rows * dst_cols` codes; `src` holds
+/// `src_rows * src_cols`.
+pub(super) fn relayout_u8_into(
+    dev: &CudaDevice,
+    src: &CudaSlice<u8>,
+    [src_rows, src_cols]: [usize; 2],
+    transpose: bool,
+    [dst_rows, dst_cols]: [usize; 2],
+    dst: &mut CudaSlice<u8>,
+) -> Result<(), KernelError> {
+    if src.len() < src_rows * src_cols || dst.len() < dst_rows * dst_cols {
+        return Err(KernelError::Internal(format!(
+            "relayout of {src_rows} x {src_cols} codes ({} held) into {dst_rows} x {dst_cols} ({} held)",
+            src.len(),
+            dst.len()
+        )));
+    }
     let (sr, sc, dr, dc) = (
         to_i64("gemm", src_rows)?,
         to_i64("gemm", src_cols)?,
@@ -138,7 +170,7 @@ fn relayout_u8(
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
-    let d = &mut dst;
+    // The kernel reads op(src) inside src_rows x src_cols (checked above) and writes dst_rows x dst_cols.
     launch!(
         dev,
         &GEMM_LAYOUT_MODULE,
@@ -146,9 +178,8 @@ fn relayout_u8(
         cfg,
         "gemm_relayout_u8(const u8* src, long long src_rows, long long src_cols, int transpose, u8* dst, \
          long long dst_rows, long long dst_cols)",
-        [src, &sr, &sc, &tr, d, &dr, &dc]
-    )?;
-    Ok(dst)
+        [src, &sr, &sc, &tr, dst, &dr, &dc]
+    )
 }
 
 /// F32 or BF16 GEMM (any transposes, any shape) through cuBLASLt.
@@ -189,6 +220,8 @@ pub(super) fn gemm_float<T: Element, O: GemmOutput>(
         ldd: to_i64("gemm", n)?,
         scaled: false,
         fast_accum: false,
+        a_scale_mode: SCALE_SCALAR,
+        b_scale_mode: SCALE_SCALAR,
     };
     let blas = BlasLt::for_device(dev)?;
     let stream = dev.stream().clone();
@@ -321,6 +354,8 @@ pub(super) fn gemm_fp8<O: GemmOutput>(
             ldd: to_i64("gemm", np)?,
             scaled: true,
             fast_accum: spec.fp8_fast_accum,
+            a_scale_mode: SCALE_SCALAR,
+            b_scale_mode: SCALE_SCALAR,
         })
     };
     if fits {

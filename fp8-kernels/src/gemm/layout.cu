@@ -95,3 +95,17 @@ extern "C" __global__ void gemm_fp8_to_bf16(const unsigned char* __restrict__ sr
         dst[idx] = f32_to_bf16(mul_rn(lo, s));
     }
 }
+
+// Block scales into the order cuBLASLt's block-scaled GEMMs read (src/gemm/block.rs): dst[i * dst_rs + j *
+// dst_cs] = src[i * src_rs + j * src_cs] over a rows x cols grid of blocks. A transpose of the grid is the
+// same copy with the source strides swapped. Padding entries of dst are not written.
+extern "C" __global__ void gemm_block_scales_copy(const float* __restrict__ src, long long src_rs, long long src_cs,
+                                                  float* __restrict__ dst, long long dst_rs, long long dst_cs,
+                                                  long long rows, long long cols) {
+    long long total = rows * cols;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        long long i = idx / cols, j = idx - i * cols;
+        dst[i * dst_rs + j * dst_cs] = src[i * src_rs + j * src_cs];
+    }
+}

@@ -33,13 +33,24 @@
 //! copied out of a padded f32 temporary, and E5M2 x E5M2 runs as a BF16 GEMM on dequantized operands.
 //! See `docs/kernels-gemm-adam.md`.
 //!
+//! # Block-scaled FP8
+//! [`gemm_fp8_block`] multiplies operands with one scale per 1x128 tile or 128x128 block (DeepSeek-V3's
+//! recipe, [`crate::block_quantize`]'s casts) through cuBLASLt's block scale modes; its rules are in
+//! `block.rs` ([`BlockFp8Matrix`]).
+//!
 //! Files: `mod.rs` (API, validation, dispatch), `cpu.rs` (the `gemm` crate), `cuda.rs` (the row-major to
 //! column-major mapping and the layout kernels of `layout.cu`), `blaslt.rs` (the cuBLASLt handle, plans
-//! and workspace, which knows nothing of the types here).
+//! and workspace, which knows nothing of the types here), `block.rs` / `block_cpu.rs` / `block_cuda.rs`
+//! (the block-scaled GEMM: API and checks, CPU reference, cuBLASLt).
 
 mod blaslt;
+mod block;
+mod block_cpu;
+mod block_cuda;
 mod cpu;
 mod cuda;
+
+pub use block::{gemm_fp8_block, transpose_block_fp8, BlockFp8Matrix};
 
 pub use crate::cast::dequantize_fp8_host;
 pub use cpu::gemm_f32_host;
