@@ -16,6 +16,7 @@
 
 mod scratch;
 
+use fp8_core::Fp8Format;
 use fsdp_examples::data::tokens::{
     committed_shakespeare_slice_dir, unigram_entropy_nats, write_token_file, TokenFile,
     GPT2_VOCAB_SIZE,
@@ -24,8 +25,8 @@ use fsdp_examples::gpt::Gpt;
 use fsdp_examples::lm::{LmOptions, LmTask};
 use fsdp_shard::GradDtype;
 use fsdp_train::{
-    DeviceChoice, Precision, RunLength, SpeedOptions, StopReason, TrainConfig, TrainError,
-    TrainReport, Trainer,
+    DeviceChoice, Fp8GradComm, Precision, RunLength, SpeedOptions, StopReason, TrainConfig,
+    TrainError, TrainReport, Trainer,
 };
 use half::bf16;
 use scratch::scratch_dir;
@@ -217,10 +218,14 @@ fn fp8_gradient_reduction_and_bf16_shards_stay_near_the_exact_ones() {
         c.grad_shards = grad_shards;
         c
     };
-    let (exact, _) = run(&opts, &mk(false, GradDtype::F32));
-    let (fp8, _) = run(&opts, &mk(true, GradDtype::F32));
+    let (exact, _) = run(&opts, &mk(Fp8GradComm::Off, GradDtype::F32));
+    let (fp8, _) = run(&opts, &mk(Fp8GradComm::Tensor, GradDtype::F32));
+    let (block, _) = run(
+        &opts,
+        &mk(Fp8GradComm::Block(Fp8Format::E4M3), GradDtype::F32),
+    );
     // BF16 gradient shards (one rounding per reduction) stay near the F32 shards too.
-    let (half, _) = run(&opts, &mk(false, GradDtype::Bf16));
+    let (half, _) = run(&opts, &mk(Fp8GradComm::Off, GradDtype::Bf16));
     let largest = |a: &TrainReport, b: &TrainReport| {
         global_losses(a)
             .iter()
@@ -243,6 +248,17 @@ fn fp8_gradient_reduction_and_bf16_shards_stay_near_the_exact_ones() {
     assert!(
         diff < 0.05 && (ve - vf).abs() < 0.03,
         "{diff} / {ve} vs {vf}"
+    );
+    // The block-scaled exchange (E4M3 tiles, all-to-all) likewise.
+    let diff_block = largest(&exact, &block);
+    let vb = final_val(&block);
+    eprintln!(
+        "block-scaled E4M3 exchange: val {vb:.4}; largest step-loss difference {diff_block:.3e}"
+    );
+    assert!(diff_block > 0.0, "the block exchange changed nothing");
+    assert!(
+        diff_block < 0.05 && (ve - vb).abs() < 0.03,
+        "{diff_block} / {ve} vs {vb}"
     );
 }
 

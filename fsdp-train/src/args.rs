@@ -28,14 +28,14 @@
 //! ```
 
 use clap::{Args, ValueEnum};
-use fp8_core::{Fp8Recipe, ScalingRecipe};
+use fp8_core::{Fp8Format, Fp8Recipe, ScalingRecipe};
 use fp8_kernels::{Device, KernelError};
 use fsdp_nn::{Fp8Filter, LinearPrecision, DEFAULT_FP8_AUTO_THRESHOLD};
 use fsdp_optim::{ExportDtype, StatePrecision};
 use fsdp_shard::GradDtype;
 use std::path::PathBuf;
 
-use crate::config::{Precision, RunLength, TrainConfig, DEFAULT_MAX_SKIPPED_STEPS};
+use crate::config::{Fp8GradComm, Precision, RunLength, TrainConfig, DEFAULT_MAX_SKIPPED_STEPS};
 use crate::progress::ProgressMode;
 use crate::setup::DeviceChoice;
 use crate::TrainError;
@@ -130,9 +130,11 @@ pub struct TrainArgs {
     /// weights [default: 0].
     #[arg(long, value_parser = clap::value_parser!(i64).range(0..=fp8_core::MAX_MARGIN as i64))]
     pub fp8_margin: Option<i64>,
-    /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
-    #[arg(long)]
-    pub fp8_grad_comm: bool,
+    /// The FP8 weights' gradients travel in FP8 instead of F32: `tensor` (the value when none is given)
+    /// a per-tensor E5M2 reduce-scatter; `block` (E4M3) or `block-e5m2` the block-scaled exchange
+    /// (1x128 tiles with their own scales, one all-to-all, F32 sum on the receiver).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "tensor", require_equals = false)]
+    pub fp8_grad_comm: Option<Fp8GradCommArg>,
     /// Storage of the reduced gradient shards (bf16: half the bytes, one rounding per reduction).
     #[arg(long, value_enum, default_value_t = GradShardsArg::F32)]
     pub grad_shards: GradShardsArg,
@@ -249,7 +251,7 @@ impl TrainArgs {
                     "--fp8-layers",
                 ),
                 (self.fp8_auto_threshold.is_some(), "--fp8-auto-threshold"),
-                (self.fp8_grad_comm, "--fp8-grad-comm"),
+                (self.fp8_grad_comm.is_some(), "--fp8-grad-comm"),
                 (self.fp8_scaling.is_some(), "--fp8-scaling"),
                 (self.fp8_amax_history.is_some(), "--fp8-amax-history"),
                 (self.fp8_margin.is_some(), "--fp8-margin"),
@@ -320,7 +322,9 @@ impl TrainArgs {
             weight_margin: margin,
             ..Fp8Recipe::default()
         };
-        c.fp8_grad_comm = self.fp8_grad_comm;
+        c.fp8_grad_comm = self
+            .fp8_grad_comm
+            .map_or(Fp8GradComm::Off, Fp8GradComm::from);
         c.grad_shards = self.grad_shards.into();
         c.optimizer_states = self.optimizer_states.unwrap_or(StatesArg::Low).into();
         c.world_size = self.world_size.unwrap_or(defaults.world_size);
@@ -473,6 +477,25 @@ impl From<ExportArg> for ExportDtype {
         match arg {
             ExportArg::F32 => ExportDtype::F32,
             ExportArg::Bf16 => ExportDtype::Bf16,
+        }
+    }
+}
+
+/// `--fp8-grad-comm`: how the FP8 weights' gradients travel.
+#[allow(missing_docs)] // the values name themselves; docs here would change `--help` (see the module)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Fp8GradCommArg {
+    Tensor,
+    Block,
+    BlockE5m2,
+}
+
+impl From<Fp8GradCommArg> for Fp8GradComm {
+    fn from(arg: Fp8GradCommArg) -> Self {
+        match arg {
+            Fp8GradCommArg::Tensor => Fp8GradComm::Tensor,
+            Fp8GradCommArg::Block => Fp8GradComm::Block(Fp8Format::E4M3),
+            Fp8GradCommArg::BlockE5m2 => Fp8GradComm::Block(Fp8Format::E5M2),
         }
     }
 }

@@ -4,10 +4,10 @@
 use crate::progress::ProgressMode;
 use crate::setup::DeviceChoice;
 use crate::TrainError;
-use fp8_core::Fp8Recipe;
+use fp8_core::{Fp8Format, Fp8Recipe};
 use fsdp_nn::Fp8Filter;
 use fsdp_optim::{ExportDtype, StatePrecision};
-use fsdp_shard::GradDtype;
+use fsdp_shard::{GradDtype, GradReduction};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -68,8 +68,8 @@ pub struct TrainConfig {
     pub fp8_layers: Fp8Filter,
     /// With [`Precision::Fp8`]: scaling and formats, model-wide.
     pub fp8_recipe: Fp8Recipe,
-    /// Reduce-scatter the FP8 weights' gradients in FP8 (E5M2) instead of F32.
-    pub fp8_grad_comm: bool,
+    /// How the FP8 weights' gradients travel between ranks (F32 by default).
+    pub fp8_grad_comm: Fp8GradComm,
     /// Storage of the reduced gradient shards.
     pub grad_shards: GradDtype,
     /// Storage of the FP8 weights' optimizer states.
@@ -136,7 +136,7 @@ impl TrainConfig {
             precision: Precision::Fp8,
             fp8_layers: Fp8Filter::All,
             fp8_recipe: Fp8Recipe::default(),
-            fp8_grad_comm: false,
+            fp8_grad_comm: Fp8GradComm::Off,
             grad_shards: GradDtype::F32,
             optimizer_states: StatePrecision::default(),
             world_size: 1,
@@ -206,7 +206,7 @@ impl TrainConfig {
                 "--overwrite needs --save (it allows replacing the checkpoint there)".into(),
             );
         }
-        if self.fp8_grad_comm && self.precision != Precision::Fp8 {
+        if self.fp8_grad_comm.is_on() && self.precision != Precision::Fp8 {
             return bad(format!(
                 "--fp8-grad-comm reduces the gradients of FP8 weights; with --precision {} there are \
                  none (drop the flag or use --precision fp8)",
@@ -252,5 +252,62 @@ impl TrainConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// How the gradients of the FP8 weights travel between ranks (`--fp8-grad-comm`); every other gradient
+/// is reduced exactly in F32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8GradComm {
+    /// An exact F32 reduce-scatter.
+    #[default]
+    Off,
+    /// A per-tensor FP8 (E5M2) reduce-scatter: one amax all-reduce for a shared scale, then FP8 codes
+    /// summed by the collective.
+    Tensor,
+    /// The block-scaled exchange: each rank casts its gradient in 1x128 tiles with its own scales, one
+    /// all-to-all of codes and scales, a dequantized F32 sum in rank order on the receiver
+    /// (`fsdp_shard::GradReduction::Fp8Block`; about 1.03 bytes per element on the wire).
+    Block(Fp8Format),
+}
+
+impl Fp8GradComm {
+    /// Whether the gradients travel in FP8.
+    pub fn is_on(self) -> bool {
+        self != Fp8GradComm::Off
+    }
+
+    /// The FP8 weights' gradient reduction of the sharded model.
+    pub fn reduction(self) -> GradReduction {
+        match self {
+            Fp8GradComm::Off => GradReduction::F32,
+            Fp8GradComm::Tensor => GradReduction::Fp8(Fp8Format::E5M2),
+            Fp8GradComm::Block(f) => GradReduction::Fp8Block(f),
+        }
+    }
+
+    /// The value checkpoints record (`false` and `true` for the first two, as before the block
+    /// exchange existed, so older checkpoints resume).
+    pub fn setting(self) -> &'static str {
+        match self {
+            Fp8GradComm::Off => "false",
+            Fp8GradComm::Tensor => "true",
+            Fp8GradComm::Block(Fp8Format::E4M3) => "block-e4m3",
+            Fp8GradComm::Block(Fp8Format::E5M2) => "block-e5m2",
+        }
+    }
+
+    /// The reduction in words, for the run's recipe line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Fp8GradComm::Off => "F32 gradient reduce-scatter",
+            Fp8GradComm::Tensor => "FP8 E5M2 gradient reduce-scatter of the FP8 weights",
+            Fp8GradComm::Block(Fp8Format::E4M3) => {
+                "block-scaled FP8 E4M3 gradient exchange of the FP8 weights (1x128 tiles, all-to-all)"
+            }
+            Fp8GradComm::Block(Fp8Format::E5M2) => {
+                "block-scaled FP8 E5M2 gradient exchange of the FP8 weights (1x128 tiles, all-to-all)"
+            }
+        }
     }
 }

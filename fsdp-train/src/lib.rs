@@ -119,12 +119,13 @@ mod trainer;
 pub mod weights;
 
 pub use args::{
-    DeviceArg, ExportArg, Fp8LayersArg, Fp8ScalingArg, GradShardsArg, PrecisionArg, StatesArg,
-    TaskDefaults, TrainArgs,
+    DeviceArg, ExportArg, Fp8GradCommArg, Fp8LayersArg, Fp8ScalingArg, GradShardsArg, PrecisionArg,
+    StatesArg, TaskDefaults, TrainArgs,
 };
 pub use cli::{run, run_main, PlotStyle};
 pub use config::{
-    Precision, RunLength, TrainConfig, DEFAULT_MAX_SKIPPED_STEPS, THREADS_PER_CORE_LIMIT,
+    Fp8GradComm, Precision, RunLength, TrainConfig, DEFAULT_MAX_SKIPPED_STEPS,
+    THREADS_PER_CORE_LIMIT,
 };
 pub use error::TrainError;
 pub use metrics::{MetricsRecord, PlotKind};

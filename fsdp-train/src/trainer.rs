@@ -11,13 +11,12 @@ use crate::task::{
     SchedulePlan, TrainTask,
 };
 use crate::{signal, space, TrainError};
-use fp8_core::Fp8Format;
 use fp8_kernels::{elementwise, Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::{convert_to_fp8, linear_precisions, set_linear_precision, LinearPrecision};
 use fsdp_optim::{export_with, step_model, ExportDtype, LrSchedule, Optimizer};
 use fsdp_shard::checkpoint::{read_index, shard_file_bytes};
-use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode, ShardError};
+use fsdp_shard::{FsdpConfig, FsdpModel, MemoryReport, Mode, ShardError};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -227,11 +226,7 @@ impl Trainer {
     /// The arithmetic of the run in words.
     pub fn recipe_name(&self) -> String {
         let c = &self.config;
-        let comm = if c.fp8_grad_comm {
-            "FP8 E5M2 gradient reduce-scatter of the FP8 weights"
-        } else {
-            "F32 gradient reduce-scatter"
-        };
+        let comm = c.fp8_grad_comm.describe();
         let comm = format!(
             "{comm}, {} gradient shards",
             c.grad_shards.name().to_uppercase()
@@ -277,7 +272,7 @@ impl Trainer {
             identity.push(RunSetting::new(
                 "fp8_grad_comm",
                 "--fp8-grad-comm",
-                c.fp8_grad_comm,
+                c.fp8_grad_comm.setting(),
             ));
         }
         identity.extend(task.identity());
@@ -451,11 +446,7 @@ impl Trainer {
             .map(|(n, _, _, p)| (n, p))
             .collect();
         let fsdp = FsdpConfig {
-            grad_reduction: if c.fp8_grad_comm {
-                GradReduction::Fp8(Fp8Format::E5M2)
-            } else {
-                GradReduction::F32
-            },
+            grad_reduction: c.fp8_grad_comm.reduction(),
             grad_dtype: c.grad_shards,
             weight_margin: c.fp8_recipe.weight_margin,
             init_seed: c.seed,
