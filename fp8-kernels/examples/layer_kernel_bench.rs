@@ -78,9 +78,7 @@ impl PeerFigures {
     /// Field `want` of the record of `op` whose other named fields are `keys` (integers), if measured.
     fn figure(&self, op: &str, keys: &[(&str, usize)], want: &str) -> Option<f64> {
         let field = |r: &[(String, String)], k: &str| {
-            r.iter()
-                .find(|(name, _)| name == k)
-                .map(|(_, v)| v.clone())
+            r.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone())
         };
         self.records
             .iter()
@@ -110,7 +108,10 @@ fn parse_flat_json(line: &str) -> Option<Vec<(String, String)>> {
         let after_key = rest.strip_prefix('"')?;
         let end = after_key.find('"')?;
         let key = &after_key[..end];
-        rest = after_key[end + 1..].trim_start().strip_prefix(':')?.trim_start();
+        rest = after_key[end + 1..]
+            .trim_start()
+            .strip_prefix(':')?
+            .trim_start();
         let value;
         if let Some(text) = rest.strip_prefix('"') {
             // Strings here hold no escaped quotes (op names, backends, error text is not read).
@@ -597,7 +598,9 @@ fn bench(
             "peer: {} records of peer_layers.py from {src}",
             peer.records.len()
         ),
-        None => println!("peer: none given (--peer FILE, the JSON lines of peer_layers.py): ours only"),
+        None => {
+            println!("peer: none given (--peer FILE, the JSON lines of peer_layers.py): ours only")
+        }
     }
     // The copy ceiling: a bf16 device-to-device copy of 2^27 elements (read + write).
     let big = gpu.upload(&random_bf16(1 << 27, 1.0, 9))?;
@@ -908,10 +911,15 @@ mod tests {
         let us = p.micros("rmsnorm_bwd", &[("rows", 8192), ("d", 4096)]);
         assert!((us - 215.0).abs() < 1e-9, "{us}");
         // Another shape, or an op the peer did not measure: no figure.
-        assert!(p.micros("layernorm_e4m3_fwd", &[("rows", 8192), ("d", 768)]).is_nan());
+        assert!(p
+            .micros("layernorm_e4m3_fwd", &[("rows", 8192), ("d", 768)])
+            .is_nan());
         assert!(p.micros("attention_fwd_bwd", &[("B", 16)]).is_nan());
         let keys = [("tokens", 8192), ("d", 2560), ("vocab", 50304)];
-        assert_eq!(p.figure("lmhead_ce_fwd_bwd", &keys, "extra_peak_GiB"), Some(1.26));
+        assert_eq!(
+            p.figure("lmhead_ce_fwd_bwd", &keys, "extra_peak_GiB"),
+            Some(1.26)
+        );
         assert!(PeerFigures::read(&dir.join("missing")).is_err());
     }
 }

@@ -179,15 +179,15 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
         (4096, 3072, false), // 12 vectors per lane
         (2049, 768, false),  // chunks of 2 rows, the last of one (odd rows for the row prefetch)
         (64, 1024, false),   // exactly 4 vectors per lane
-        (48, 4096, false),   // exactly 16 vectors per lane; LayerNorm's sums (with bias) in global memory
-        (40, 1000, false),   // a partial last FP8 tile; 8-row transposed pieces
-        (48, 4104, false),   // d > 4096: rows re-read from memory
-        (37, 100, false),    // d not a multiple of 8: element loads, byte-wise stores
-        (37, 96, true),      // a NaN input
-        (33, 2560, false),   // rows not a multiple of 8: byte-wise transposed stores
-        (3, 70_000, false),  // wider than the FP8 output allows: plain forward and backward only
-        (1000, 8, false),    // many parameter chunks of short rows
-        (20000, 64, false),  // chunks of 10 rows, 32 runs of 8 tiles
+        (48, 4096, false), // exactly 16 vectors per lane; LayerNorm's sums (with bias) in global memory
+        (40, 1000, false), // a partial last FP8 tile; 8-row transposed pieces
+        (48, 4104, false), // d > 4096: rows re-read from memory
+        (37, 100, false),  // d not a multiple of 8: element loads, byte-wise stores
+        (37, 96, true),    // a NaN input
+        (33, 2560, false), // rows not a multiple of 8: byte-wise transposed stores
+        (3, 70_000, false), // wider than the FP8 output allows: plain forward and backward only
+        (1000, 8, false),  // many parameter chunks of short rows
+        (20000, 64, false), // chunks of 10 rows, 32 runs of 8 tiles
     ];
     let mut ok = true;
     let mut seed = 1;

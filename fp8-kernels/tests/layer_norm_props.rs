@@ -509,7 +509,10 @@ fn parameter_order_is_a_function_of_rows() {
     assert_eq!(at(1061), (1, 1061, 133, 5, 27));
     for rows in (0..70_000).step_by(997) {
         let o = param_order(rows);
-        assert!(o.chunks <= MAX_PARAM_CHUNKS && o.chunks * o.chunk_rows >= rows, "{rows}: {o:?}");
+        assert!(
+            o.chunks <= MAX_PARAM_CHUNKS && o.chunks * o.chunk_rows >= rows,
+            "{rows}: {o:?}"
+        );
         assert!((o.chunks - 1) * o.chunk_rows < rows.max(1), "{rows}: {o:?}");
         assert_eq!(o.tiles, o.chunks.div_ceil(TILE_CHUNKS));
         assert!(o.runs <= 32 && o.run * o.runs >= o.tiles && (o.runs - 1) * o.run < o.tiles);
@@ -530,7 +533,13 @@ fn parameter_sums_use_four_levels_on_tall_inputs() {
     let dev = Device::cpu();
     let order = param_order(rows);
     assert_eq!(
-        (order.chunk_rows, order.chunks, order.tiles, order.run, order.runs),
+        (
+            order.chunk_rows,
+            order.chunks,
+            order.tiles,
+            order.run,
+            order.runs
+        ),
         (3, 1378, 173, 6, 29)
     );
     for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {

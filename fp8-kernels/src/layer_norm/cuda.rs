@@ -143,7 +143,8 @@ fn fp8_forward_plan(
             t
         }
     };
-    if tile * (spec.d + TILE_PAD) > smem_limit {
+    // 1 KiB kept for the kernel's static shared memory (the block amax).
+    if tile * (spec.d + TILE_PAD) > smem_limit.saturating_sub(1024) {
         return Err(KernelError::InvalidArgument {
             what: WHAT,
             detail: format!(
@@ -330,7 +331,12 @@ struct BackwardPlan {
     global: bool,
 }
 
-fn backward_plan(spec: &NormSpec, all_bf16: bool, has_bias: bool, smem_limit: usize) -> BackwardPlan {
+fn backward_plan(
+    spec: &NormSpec,
+    all_bf16: bool,
+    has_bias: bool,
+    smem_limit: usize,
+) -> BackwardPlan {
     let nv = vectors_per_lane(spec, all_bf16, &BACKWARD_VECTORS_PER_LANE);
     let prefetch = spec.launch.prefetch.unwrap_or(true) && BACKWARD_PREFETCH_VECTORS.contains(&nv);
     let tiles = param_order(spec.rows).tiles;
@@ -693,7 +699,10 @@ mod tests {
         let p = plan(768, auto);
         assert_eq!((p.nv, p.rows_per_warp, p.warps, p.tile_rows), (3, 2, 8, 16));
         let p = plan(2048, auto);
-        assert_eq!((p.nv, p.rows_per_warp, p.warps, p.tile_rows), (8, 1, 16, 16));
+        assert_eq!(
+            (p.nv, p.rows_per_warp, p.warps, p.tile_rows),
+            (8, 1, 16, 16)
+        );
         let p = plan(4096, auto);
         assert_eq!((p.nv, p.rows_per_warp, p.warps, p.tile_rows), (16, 1, 8, 8));
         // Wide rows: the tile shrinks to fit 96 KiB.
