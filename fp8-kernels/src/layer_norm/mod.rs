@@ -1,6 +1,6 @@
 //! LayerNorm and RMSNorm over the rows of a row-major `[rows, d]` tensor: forward (output in the input's
 //! element type, or fused with the FP8 cast + transpose and the amax of the output), and backward (dx,
-//! optionally accumulated into an existing gradient; dweight and dbias in a fixed two-level order).
+//! optionally accumulated into an existing gradient; dweight and dbias in a fixed four-level order).
 //!
 //! # Definitions (both devices, f32 arithmetic, one rounding per operation)
 //! Row sums use the *warp order*: element `e` goes to lane `(e / 8) % 32`, each lane adds its elements in
@@ -18,7 +18,7 @@
 //!   RMSNorm); `dx = (g - c2 - xhat * c1) * rstd`, or with [`GradMode::Accumulate`]
 //!   `dx = G(dx_old + that)` (one rounding to the gradient type `G`).
 //! - `dweight[c] = sum_r dy * xhat`, `dbias[c] = sum_r dy` in four fixed levels ([`ParamOrder`], a function
-//!   of `rows` only): rows in chunks of `chunk_rows = ceil(rows / MAX_PARAM_CHUNKS)` (at least 1), each
+//!   of `rows` only): rows in chunks of `ceil(rows / 2048)` rows ([`MAX_PARAM_CHUNKS`]; at least 1), each
 //!   chunk summed in row order from zero; chunk sums in tiles of [`TILE_CHUNKS`] consecutive chunks, each
 //!   tile summed in chunk order from its first; tile sums in runs of `run` consecutive tiles (at most 32
 //!   runs), each summed in tile order from its first; run sums added in run order from the first. The totals
