@@ -21,7 +21,8 @@
 #                     by row (~150 s each) with the external peers
 #   mnist    whole    14 epochs each (MNIST_EPOCHS): ~100 s, ~200 s with the external peer (it reads CSV, which
 #                     is written from the IDX files first)
-#   layers   whole    layer_kernel_bench, attention_bench, peer_layers.py: ~80 s
+#   layers   whole    peer_layers.py, then layer_kernel_bench and attention_bench (--peer: its figures beside
+#                     ours): ~150 s
 #   kernels  whole    kernel_bench, gemm_bench, peer_kernels.py, peer_blockwise_gemm.py, block_gemm_bench (reads
 #                     the blockwise peer's log for its side-by-side columns): ~130 s
 #
@@ -419,11 +420,12 @@ table_mnist() {
 
 table_layers() {
   local row=$1 label="transformer layer kernels"
-  # The peer first: our benches print its figures of this call beside ours (--peer).
+  # The peer first: our benches print its figures of this call beside ours (--peer: its JSON lines).
   peer_pair "$row" "$label" layers 300 peer_layers.py
-  local peer="$RES/$row.peer-layers.log"
-  run_case "$row" "$label" ours:layer_kernel_bench 150 "$PACK/bin/layer_kernel_bench"
-  run_case "$row" "$label" ours:attention_bench 240 "$PACK/bin/attention_bench" --peer "$peer"
+  local peer_log="$RES/$row.peer-layers.log" peer_args=()
+  [ -s "$peer_log" ] && peer_args=(--peer "$peer_log")
+  run_case "$row" "$label" ours:layer_kernel_bench 150 "$PACK/bin/layer_kernel_bench" "${peer_args[@]}"
+  run_case "$row" "$label" ours:attention_bench 240 "$PACK/bin/attention_bench" "${peer_args[@]}"
 }
 
 table_kernels() {

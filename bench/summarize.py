@@ -302,6 +302,8 @@ ATTN_OURS = re.compile(r"^B(\d+) H(\d+)(?: KV(\d+))? T(\d+) hd(\d+)\s+determinis
                        r"([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", re.M)
 LN_FWD = re.compile(r"^LayerNorm \+ E4M3 \+ amax fwd \[(\d+), (\d+)\]\s+([\d.]+) µs", re.M)
 LN_BWD = re.compile(r"^LayerNorm bwd \(dx, dw\) \[(\d+), (\d+)\]\s+([\d.]+) µs", re.M)
+RMS_FWD = re.compile(r"^RMSNorm \+ E4M3 \+ amax fwd \[(\d+), (\d+)\]\s+([\d.]+) µs", re.M)
+RMS_BWD = re.compile(r"^RMSNorm bwd \(dx, dw\) \[(\d+), (\d+)\]\s+([\d.]+) µs", re.M)
 LM_HEAD = re.compile(r"^LM head \+ CE fwd\+bwd (\d+)x(\d+)x(\d+), chunk (\d+)\s+([\d.]+) ms.*?extra peak ([\d.]+) GiB",
                      re.M)
 
@@ -359,10 +361,14 @@ def summarize_layers(runs):
     # norms and the LM head: time (lower is better)
     krows = []
     text = lkb.text if lkb is not None and not lkb.status() else ""
-    ln_f, ln_b = peer_records(peer, "layernorm_e4m3_fwd"), peer_records(peer, "layernorm_bwd")
-    for regex, records, what in ((LN_FWD, ln_f, "LayerNorm + E4M3 + amax fwd"), (LN_BWD, ln_b, "LayerNorm bwd")):
+    norm_ops = ((LN_FWD, "layernorm_e4m3_fwd", "LayerNorm + E4M3 + amax fwd"), (LN_BWD, "layernorm_bwd", "LayerNorm bwd"),
+                (RMS_FWD, "rmsnorm_e4m3_fwd", "RMSNorm + E4M3 + amax fwd"), (RMS_BWD, "rmsnorm_bwd", "RMSNorm bwd"))
+    ours_norms = set()
+    for regex, op, what in norm_ops:
+        records = peer_records(peer, op)
         for m in regex.finditer(text):
             rows, d, us = int(m.group(1)), int(m.group(2)), float(m.group(3))
+            ours_norms.add((op, rows, d))
             p = find(records, rows=rows, d=d)
             krows.append([f"{what} [{rows}, {d}]", f"{us:.1f} µs", f"{p['s'] * 1e6:.1f} µs" if p else "-",
                           ratio(us / (p["s"] * 1e6)) if p else "-", ""])
@@ -375,9 +381,11 @@ def summarize_layers(runs):
                                                if p and p.get("extra_peak_GiB") else "")
         krows.append([f"LM head + CE fwd+bwd {tokens}x{d}x{vocab}, chunk {chunk}", f"{ms:.2f} ms",
                       f"{p['s'] * 1e3:.2f} ms" if p else "-", ratio(ms / (p["s"] * 1e3)) if p else "-", mem])
-    for op, what in (("rmsnorm_e4m3_fwd", "RMSNorm + E4M3 + amax fwd"), ("rmsnorm_bwd", "RMSNorm bwd")):
+    # Shapes only the peer measured (our log from before the RMSNorm rows, or a failed run).
+    for _, op, what in norm_ops:
         for p in peer_records(peer, op):
-            krows.append([f"{what} [{p['rows']}, {p['d']}]", "-", f"{p['s'] * 1e6:.1f} µs", "-", "PyTorch only"])
+            if (op, p["rows"], p["d"]) not in ours_norms:
+                krows.append([f"{what} [{p['rows']}, {p['d']}]", "-", f"{p['s'] * 1e6:.1f} µs", "-", "PyTorch only"])
     for name, run, found in (("layer_kernel_bench", lkb, LN_FWD.search(text) or LM_HEAD.search(text)),
                              ("attention_bench", att, ours_att)):
         if run is not None and (run.status() or not found):

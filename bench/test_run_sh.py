@@ -35,6 +35,22 @@ print(json.dumps({"mode": mode, "compile": os.environ.get("COMPILE") == "1", "to
 """
 
 
+FAKE_LAYER_KERNEL_BENCH = """#!/usr/bin/env bash
+# stand-in for layer_kernel_bench: with --peer FILE it reads the peer's JSON lines (as the real one does)
+if [ "${1:-}" = --peer ]; then
+  [ -f "$2" ] || { echo "error: --peer $2: missing"; exit 1; }
+  echo "peer: $(grep -c '^{' "$2") records of peer_layers.py from $2"
+fi
+echo "LayerNorm + E4M3 + amax fwd [16384, 768]               18.00 µs   24.00 µs   0.75x  <=0.8x  notes"
+"""
+
+FAKE_PEER_LAYERS = """import json
+# stand-in for peer_layers.py: a warning line, then the JSON records
+print("UserWarning: something torch says")
+print(json.dumps({"op": "layernorm_e4m3_fwd", "rows": 16384, "d": 768, "s": 24.0e-6, "GBps": 1572.8}))
+"""
+
+
 def read(path):
     with open(path, encoding="utf-8") as f:
         return f.read()
@@ -119,6 +135,25 @@ class RunShell(unittest.TestCase):
         again = self.run_sh("unpack", tar_path)
         self.assertEqual(again.returncode, 2)
         self.assertIn("exists", again.stderr)
+
+    def test_layers_runs_the_peer_first_and_hands_its_log_to_ours(self):
+        bins = os.path.join(self.root, ".bench", "bin")
+        make_executable(os.path.join(bins, "layer_kernel_bench"), FAKE_LAYER_KERNEL_BENCH)
+        make_executable(os.path.join(bins, "attention_bench"), "#!/usr/bin/env bash\necho attention\n")
+        with open(os.path.join(self.root, ".bench", "peers", "peer_layers.py"), "w") as f:
+            f.write(FAKE_PEER_LAYERS)
+        r = self.run_sh("layers", BENCH_EXTERNAL="none")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        folder = self.extracted(self.tarball())
+        commands = read(os.path.join(folder, "commands.sh")).splitlines()[2:]
+        self.assertEqual(len(commands), 3, commands)
+        self.assertEqual(commands[0], "env python3 .bench/peers/peer_layers.py")
+        self.assertRegex(commands[1], r"^\.bench/bin/layer_kernel_bench --peer \S*/layers\.peer-layers\.log$")
+        self.assertEqual(commands[2], ".bench/bin/attention_bench")
+        ours = read(os.path.join(folder, "layers.ours-layer_kernel_bench.log"))
+        self.assertIn("peer: 1 records of peer_layers.py", ours)
+        summary = read(os.path.join(folder, "summary.md"))
+        self.assertIn("| LayerNorm + E4M3 + amax fwd [16384, 768] | 18.0 µs | 24.0 µs | 0.75x |", summary)
 
     def test_the_budget_skips_what_no_longer_fits(self):
         # 60 s budget, 15 s kept for the tarball, a run needs 20 s: ours (28 s) starts with 45 s less the setup

@@ -156,6 +156,8 @@ kernel                                                     ours       peer   rat
 LayerNorm + E4M3 + amax fwd [16384, 768]               38.78 µs   95.00 µs   0.41x  <=0.5x  1.30 TB/s
 LayerNorm fwd, bf16 out [16384, 768]                   25.12 µs          -       -       -  copy ceiling
 LayerNorm bwd (dx, dw) [16384, 768]                    52.32 µs  309.00 µs   0.17x  <=0.5x  1.44 TB/s
+RMSNorm + E4M3 + amax fwd [16384, 2048]                50.10 µs          -       -       -  2.68 TB/s
+RMSNorm bwd (dx, dw) [16384, 2048]                     54.00 µs          -       -       -  3.73 TB/s
 LM head + CE fwd+bwd 8192x2560x50304, chunk 4096        9.89 ms   10.06 ms   0.98x  <=1.0x  640 TFLOP/s; extra peak 0.42 GiB (peer 1.26: 0.34x, target <= 0.5x); mean loss 10.9499
 """
 ATTENTION_BENCH = """causal attention fwd+bwd, BF16, median of 20 after 5 warm-up (CUDA events)
@@ -177,6 +179,7 @@ class LayersTable(unittest.TestCase):
                 + line(op="layernorm_e4m3_fwd", rows=16384, d=768, s=112.0e-6, GBps=337.0)
                 + line(op="layernorm_bwd", rows=16384, d=768, s=419.8e-6, GBps=179.8)
                 + line(op="rmsnorm_bwd", rows=8192, d=4096, s=215.0e-6, GBps=900.0)
+                + line(op="rmsnorm_bwd", rows=16384, d=2048, s=69.5e-6, GBps=2896.0)
                 + line(op="lmhead_ce_fwd_bwd", tokens=8192, d=2560, vocab=50304, s=9.95e-3, TFLOPs=636.0,
                        extra_peak_GiB=1.26))
         f.add_runs("transformer layer kernels", {
@@ -196,6 +199,9 @@ class LayersTable(unittest.TestCase):
         self.assertEqual(head[1:4], ["9.89 ms", "9.95 ms", "0.99x"])
         self.assertEqual(head[4], "extra peak 0.42 GiB vs 1.26 (0.33x)")
         self.assertEqual(row_of(md, "RMSNorm bwd [8192, 4096]")[1:3], ["-", "215.0 µs"])
+        self.assertEqual(row_of(md, "RMSNorm bwd [16384, 2048]")[1:4], ["54.0 µs", "69.5 µs", "0.78x"])
+        self.assertEqual(row_of(md, "RMSNorm + E4M3 + amax fwd [16384, 2048]")[1:3], ["50.1 µs", "-"])
+        self.assertEqual(len([l for l in md.splitlines() if l.startswith("| RMSNorm bwd [16384, 2048] |")]), 1)
         lines = [l for l in md.splitlines() if l.startswith("| layernorm_e4m3_fwd |")]
         self.assertEqual(len(lines), 1)
         self.assertIn("0.933", lines[0])    # 112 / 120

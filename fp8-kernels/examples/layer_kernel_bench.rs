@@ -1,24 +1,28 @@
-//! GPU bench of the transformer layer kernels beside the peer figures (PyTorch compiled, H200, from
-//! `peer_layers.py`), timed with CUDA events (5 warm-up runs, then the median of `--iters`, default 20):
+//! GPU bench of the transformer layer kernels beside the PyTorch peer (`peer_layers.py`, compiled, GPU
+//! time), timed with CUDA events (5 warm-up runs, then the median of `--iters`, default 20):
 //!
-//! - LayerNorm (weight, no bias, eps 1e-5) + E4M3 cast (scale 64) + amax, bf16 input, at [16384, 768] and
-//!   [8192, 2560] (we also write the transposed codes the weight-gradient GEMM needs; the peer does not);
-//! - LayerNorm backward (dx bf16, dweight f32) from a bf16 dy, same shapes;
+//! - LayerNorm (weight, no bias, eps 1e-5) at [16384, 768] and [8192, 2560], RMSNorm (weight, eps 1e-5) at
+//!   the Llama widths [16384, 2048], [8192, 3072], [8192, 4096], bf16 input: the forward fused with the E4M3
+//!   cast (scale 64) and the amax (we also write the transposed codes the weight-gradient GEMM needs; the
+//!   peer does not), the forward with a bf16 output, and the backward (dx bf16, dweight f32) from a bf16
+//!   dy; the previous forward kernels (`NormLaunch::legacy_forward`) beside the current ones;
 //! - LM head + cross-entropy forward and backward, chunked over tokens: per chunk `logits = x W^T` (BF16
 //!   GEMM, bf16 logits), the cross-entropy kernel (loss, gradient in place), `dx = dlogits W`,
 //!   `dW += dlogits^T x` (bf16 dW accumulated by the GEMM's beta = 1), at 8192 x 2560 x 50304 and
 //!   16384 x 768 x 50304, for several chunk sizes. The extra peak is the CUDA pool's high-water mark
 //!   minus what was allocated before the step (x, W, targets, dx, dW: the peer's baseline).
 //!
-//! Without a GPU it prints why and exits 0.
+//! The peer's figures come from `--peer FILE`, the JSON lines `peer_layers.py` printed (other lines are
+//! skipped); without it only ours are printed. A table of every row with notes comes first, a short table
+//! (ours, peer, ratio, target, met) last. Without a GPU it prints why and exits 0.
 //!
 //! `--export DIR` instead writes inputs and our outputs of LayerNorm, RMSNorm and cross-entropy as raw
 //! little-endian files plus `manifest.json` into DIR (on the GPU when there is one, else on the CPU), for
 //! `scripts/check_layers_vs_torch.py DIR`, which compares them with PyTorch.
 //!
-//! Usage: `layer_kernel_bench [--iters N] [--chunks 1024,2048,4096,8192] [--sweep]` (chunk sizes in tokens;
-//! each must divide the token count; `--sweep` also times every `NormLaunch` choice of the LayerNorm rows and
-//! every `CrossEntropyLaunch` choice of the CE kernel per chunk)
+//! Usage: `layer_kernel_bench [--peer FILE] [--iters N] [--chunks 1024,2048,4096,8192] [--sweep]` (chunk
+//! sizes in tokens; each must divide the token count; `--sweep` also times the `NormLaunch` choices of the
+//! norm rows and every `CrossEntropyLaunch` choice of the CE kernel per chunk)
 //! or `layer_kernel_bench --export DIR`.
 
 mod common;
@@ -31,8 +35,8 @@ use fp8_kernels::cross_entropy::{
 };
 use fp8_kernels::gemm::{gemm_bf16, GemmSpec, Transpose};
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormLaunch,
-    NormSpec, NormStats,
+    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
+    NormLaunch, NormSpec, NormStats,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{AmaxSlot, Buffer, CudaDevice, Device, Element, KernelError};
@@ -47,18 +51,99 @@ fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
-/// One row of the printed table.
+/// The peer's measurements: the JSON objects `peer_layers.py` printed, one a line (flat objects of
+/// strings and numbers; other lines, such as warnings, are skipped).
+#[derive(Default)]
+struct PeerFigures {
+    /// Per record: its fields as (key, raw value: a string's text or a number's digits).
+    records: Vec<Vec<(String, String)>>,
+    /// Where they came from.
+    source: Option<String>,
+}
+
+impl PeerFigures {
+    fn read(path: &Path) -> Result<Self, String> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("--peer {}: {e}", path.display()))?;
+        let records = text
+            .lines()
+            .filter_map(|l| parse_flat_json(l.trim()))
+            .collect::<Vec<_>>();
+        Ok(PeerFigures {
+            records,
+            source: Some(path.display().to_string()),
+        })
+    }
+
+    /// Field `want` of the record of `op` whose other named fields are `keys` (integers), if measured.
+    fn figure(&self, op: &str, keys: &[(&str, usize)], want: &str) -> Option<f64> {
+        let field = |r: &[(String, String)], k: &str| {
+            r.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone())
+        };
+        self.records
+            .iter()
+            .find(|r| {
+                field(r, "op").as_deref() == Some(op)
+                    && keys
+                        .iter()
+                        .all(|(k, v)| field(r, k).and_then(|s| s.parse::<usize>().ok()) == Some(*v))
+            })
+            .and_then(|r| field(r, want))
+            .and_then(|v| v.parse::<f64>().ok())
+    }
+
+    /// Seconds of `op` at `keys`, in microseconds (NaN when the peer did not measure it).
+    fn micros(&self, op: &str, keys: &[(&str, usize)]) -> f64 {
+        self.figure(op, keys, "s").map_or(f64::NAN, |s| s * 1e6)
+    }
+}
+
+/// The fields of one flat JSON object (`{"op": "x", "rows": 1, "s": 2.5e-05}`), values as raw text; None
+/// for anything else. Nested values are not needed: the peer prints none in the records read here.
+fn parse_flat_json(line: &str) -> Option<Vec<(String, String)>> {
+    let body = line.strip_prefix('{')?.strip_suffix('}')?;
+    let mut fields = Vec::new();
+    let mut rest = body.trim_start();
+    while !rest.is_empty() {
+        let after_key = rest.strip_prefix('"')?;
+        let end = after_key.find('"')?;
+        let key = &after_key[..end];
+        rest = after_key[end + 1..]
+            .trim_start()
+            .strip_prefix(':')?
+            .trim_start();
+        let value;
+        if let Some(text) = rest.strip_prefix('"') {
+            // Strings here hold no escaped quotes (op names, backends, error text is not read).
+            let close = text.find('"')?;
+            value = text[..close].to_string();
+            rest = &text[close + 1..];
+        } else {
+            let close = rest.find(',').unwrap_or(rest.len());
+            value = rest[..close].trim().to_string();
+            rest = &rest[close..];
+        }
+        fields.push((key.to_string(), value));
+        rest = rest.trim_start();
+        rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
+    }
+    Some(fields)
+}
+
+/// One row of the printed tables.
 struct Row {
     what: String,
     ours: f64,
     unit: &'static str,
+    /// NaN when there is no peer figure.
     peer: f64,
+    /// Target of ours / peer (NaN: none).
     target: f64,
     note: String,
 }
 
-/// One LayerNorm shape's device tensors, and its two timed calls (so the table rows and the launch sweep
-/// time the same work).
+/// One norm shape's device tensors, and its timed calls (so the table rows and the launch sweep time the
+/// same work).
 struct NormBench {
     x: Buffer<bf16>,
     w: Buffer<bf16>,
@@ -91,7 +176,7 @@ impl NormBench {
         })
     }
 
-    /// LayerNorm fused with the E4M3 cast, both code layouts and the amax.
+    /// The norm fused with the E4M3 cast, both code layouts and the amax.
     fn forward_fp8(&mut self, spec: &NormSpec) -> Result<(), KernelError> {
         norm_forward_fp8(
             spec,
@@ -109,7 +194,7 @@ impl NormBench {
         )
     }
 
-    /// LayerNorm with a bf16 output.
+    /// The norm with a bf16 output.
     fn forward(&mut self, spec: &NormSpec) -> Result<(), KernelError> {
         norm_forward(spec, &self.x, &self.w, None, &mut self.stats, &mut self.y)
     }
@@ -133,85 +218,158 @@ impl NormBench {
     }
 }
 
-fn layer_norm_rows(
+/// The norm shapes: the peer's (LayerNorm at the GPT widths, RMSNorm at the Llama widths).
+const NORM_SHAPES: [(NormKind, usize, usize); 5] = [
+    (NormKind::LayerNorm, 16384, 768),
+    (NormKind::LayerNorm, 8192, 2560),
+    (NormKind::RmsNorm, 16384, 2048),
+    (NormKind::RmsNorm, 8192, 3072),
+    (NormKind::RmsNorm, 8192, 4096),
+];
+
+/// Target of ours / peer for the norm rows.
+const NORM_TARGET: f64 = 0.8;
+
+fn norm_rows(
     gpu: &Device,
     dev: &CudaDevice,
     iters: usize,
     copy_tbs: f64,
+    peer: &PeerFigures,
     sweep: bool,
     out: &mut Vec<Row>,
 ) -> Result<(), KernelError> {
-    // (rows, d, peer forward µs, peer backward µs)
-    for (rows, d, peer_fwd, peer_bwd) in [(16384, 768, 95.0, 309.0), (8192, 2560, 203.0, 306.0)] {
-        let n = rows * d;
-        let spec = NormSpec::layer_norm(rows, d);
+    for (kind, rows, d) in NORM_SHAPES {
+        let n = (rows * d) as f64;
+        let (name, op) = match kind {
+            NormKind::LayerNorm => ("LayerNorm", "layernorm"),
+            NormKind::RmsNorm => ("RMSNorm", "rmsnorm"),
+        };
+        let spec = match kind {
+            NormKind::LayerNorm => NormSpec::layer_norm(rows, d),
+            NormKind::RmsNorm => NormSpec::rms_norm(rows, d),
+        };
+        let legacy = spec.with_launch(NormLaunch {
+            legacy_forward: true,
+            ..NormLaunch::default()
+        });
+        let keys = [("rows", rows), ("d", d)];
         let mut b = NormBench::new(gpu, rows, d)?;
         let ceiling_us = |bytes: f64| bytes / (copy_tbs * 1e12) * 1e6;
+        let tbs = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
 
         let ms = time_ms(dev, iters, || b.forward_fp8(&spec))?;
+        let old = time_ms(dev, iters, || b.forward_fp8(&legacy))?;
         out.push(Row {
-            what: format!("LayerNorm + E4M3 + amax fwd [{rows}, {d}]"),
+            what: format!("{name} + E4M3 + amax fwd [{rows}, {d}]"),
             ours: ms * 1e3,
             unit: "µs",
-            peer: peer_fwd,
-            target: 0.5,
+            peer: peer.micros(&format!("{op}_e4m3_fwd"), &keys),
+            target: NORM_TARGET,
             note: format!(
-                "{:.2} TB/s; copy ceiling of 2+1+1 B/elem {:.0} µs",
-                4.0 * n as f64 / (ms * 1e-3) / 1e12,
-                ceiling_us(4.0 * n as f64)
+                "{:.2} TB/s of 2+1+1 B/elem (copy ceiling {:.1} µs; the peer writes no transposed codes); \
+                 previous kernel {:.2} µs",
+                tbs(4.0 * n, ms),
+                ceiling_us(4.0 * n),
+                old * 1e3
             ),
         });
         let ms = time_ms(dev, iters, || b.forward(&spec))?;
+        let old = time_ms(dev, iters, || b.forward(&legacy))?;
         out.push(Row {
-            what: format!("LayerNorm fwd, bf16 out [{rows}, {d}]"),
+            what: format!("{name} fwd, bf16 out [{rows}, {d}]"),
             ours: ms * 1e3,
             unit: "µs",
             peer: f64::NAN,
             target: f64::NAN,
             note: format!(
-                "copy ceiling of 2+2 B/elem {:.0} µs",
-                ceiling_us(4.0 * n as f64)
+                "{:.2} TB/s of 2+2 B/elem (copy ceiling {:.1} µs); previous kernel {:.2} µs",
+                tbs(4.0 * n, ms),
+                ceiling_us(4.0 * n),
+                old * 1e3
             ),
         });
         let ms = time_ms(dev, iters, || b.backward(&spec))?;
         out.push(Row {
-            what: format!("LayerNorm bwd (dx, dw) [{rows}, {d}]"),
+            what: format!("{name} bwd (dx, dw) [{rows}, {d}]"),
             ours: ms * 1e3,
             unit: "µs",
-            peer: peer_bwd,
-            target: 0.5,
+            peer: peer.micros(&format!("{op}_bwd"), &keys),
+            target: NORM_TARGET,
             note: format!(
-                "{:.2} TB/s of 6 B/elem; copy ceiling {:.0} µs",
-                6.0 * n as f64 / (ms * 1e-3) / 1e12,
-                ceiling_us(6.0 * n as f64)
+                "{:.2} TB/s of 6 B/elem (copy ceiling {:.1} µs)",
+                tbs(6.0 * n, ms),
+                ceiling_us(6.0 * n)
             ),
         });
         if sweep {
-            // Every launch choice of the two timed kernels (results are the same bits; layer_norm_cuda).
-            let mut line = format!("sweep fwd fp8 [{rows}, {d}] µs:");
-            for nv in [0u32, 4, 8, 12, 16] {
-                for tile in [8usize, 16, 32] {
-                    let sp = spec.with_launch(NormLaunch {
-                        vectors_per_lane: Some(nv),
-                        tile_rows: Some(tile),
-                    });
-                    let ms = time_ms(dev, iters, || b.forward_fp8(&sp))?;
-                    line += &format!(" nv{nv}/t{tile} {:.1}", ms * 1e3);
-                }
-            }
-            println!("{line}");
-            let mut line = format!("sweep bwd [{rows}, {d}] µs:");
-            for nv in [0u32, 4, 8, 12, 16] {
-                let sp = spec.with_launch(NormLaunch {
-                    vectors_per_lane: Some(nv),
-                    tile_rows: None,
-                });
-                let ms = time_ms(dev, iters, || b.backward(&sp))?;
-                line += &format!(" nv{nv} {:.1}", ms * 1e3);
-            }
-            println!("{line}");
+            norm_sweep(dev, iters, &spec, &mut b)?;
         }
     }
+    Ok(())
+}
+
+/// Times the `NormLaunch` choices of one shape (results are the same bits: layer_norm_cuda): the FP8
+/// forward over register bound (the default or 0: re-read), rows per warp and tile height, the previous
+/// kernel over its tile heights; the backward over register bound and the row prefetch.
+fn norm_sweep(
+    dev: &CudaDevice,
+    iters: usize,
+    spec: &NormSpec,
+    b: &mut NormBench,
+) -> Result<(), KernelError> {
+    let (rows, d) = (spec.rows, spec.d);
+    let auto = NormLaunch::default();
+    let mut line = format!("sweep {:?} fwd fp8 [{rows}, {d}] µs:", spec.kind);
+    for nv in [None, Some(0u32)] {
+        for rpw in [1u32, 2, 4] {
+            for tile in [8usize, 16, 32] {
+                let launch = NormLaunch {
+                    vectors_per_lane: nv,
+                    rows_per_warp: Some(rpw),
+                    tile_rows: Some(tile),
+                    ..auto
+                };
+                let sp = spec.with_launch(launch);
+                let label = format!(
+                    "{}/r{rpw}/t{tile}",
+                    nv.map_or("auto".to_string(), |v| format!("nv{v}"))
+                );
+                match time_ms(dev, iters, || b.forward_fp8(&sp)) {
+                    Ok(ms) => line += &format!(" {label} {:.1}", ms * 1e3),
+                    Err(e) => line += &format!(" {label} ({e})"),
+                }
+            }
+        }
+    }
+    for tile in [8usize, 16, 32] {
+        let sp = spec.with_launch(NormLaunch {
+            legacy_forward: true,
+            tile_rows: Some(tile),
+            ..auto
+        });
+        let ms = time_ms(dev, iters, || b.forward_fp8(&sp))?;
+        line += &format!(" previous/t{tile} {:.1}", ms * 1e3);
+    }
+    println!("{line}");
+    let mut line = format!("sweep {:?} bwd [{rows}, {d}] µs:", spec.kind);
+    for nv in [None, Some(0u32)] {
+        for prefetch in [false, true] {
+            let sp = spec.with_launch(NormLaunch {
+                vectors_per_lane: nv,
+                prefetch: Some(prefetch),
+                ..auto
+            });
+            let ms = time_ms(dev, iters, || b.backward(&sp))?;
+            line += &format!(
+                " {}/pf{} {:.1}",
+                nv.map_or("auto".to_string(), |v| format!("nv{v}")),
+                prefetch as u32,
+                ms * 1e3
+            );
+        }
+    }
+    println!("{line}");
     Ok(())
 }
 
@@ -298,14 +456,16 @@ fn lm_head_rows(
     dev: &CudaDevice,
     iters: usize,
     chunks: &[usize],
+    peer: &PeerFigures,
     sweep: bool,
     out: &mut Vec<Row>,
 ) -> Result<(), KernelError> {
-    // (tokens, d, vocab, peer ms, peer extra GiB)
-    for (tokens, d, vocab, peer_ms, peer_gib) in [
-        (8192, 2560, 50304, 10.06, 1.26),
-        (16384, 768, 50304, 7.67, 2.98),
-    ] {
+    for (tokens, d, vocab) in [(8192, 2560, 50304), (16384, 768, 50304)] {
+        let keys = [("tokens", tokens), ("d", d), ("vocab", vocab)];
+        let peer_ms = peer.micros("lmhead_ce_fwd_bwd", &keys) / 1e3;
+        let peer_gib = peer
+            .figure("lmhead_ce_fwd_bwd", &keys, "extra_peak_GiB")
+            .unwrap_or(f64::NAN);
         let mut rng = SplitMix64::new(7);
         let tg: Vec<i32> = (0..tokens).map(|_| rng.below(50257) as i32).collect();
         // Uniform values with the peer's standard deviations (0.5 for x, 0.02 for W).
@@ -399,10 +559,14 @@ fn lm_head_rows(
                 peer: peer_ms,
                 target: 1.0,
                 note: format!(
-                    "{:.0} TFLOP/s; extra peak {extra:.2} GiB (peer {peer_gib:.2}: {:.2}x, target <= 0.5x); \
+                    "{:.0} TFLOP/s; extra peak {extra:.2} GiB (peer {}, target <= 0.5x); \
                      mean loss {mean:.4}; CE kernel {:.3} ms per chunk ({:.2} TB/s of 2+2 B/logit), {:.2} ms in all",
                     flops / (ms * 1e-3) / 1e12,
-                    extra / peer_gib,
+                    if peer_gib.is_nan() {
+                        "-".to_string()
+                    } else {
+                        format!("{peer_gib:.2}: {:.2}x", extra / peer_gib)
+                    },
                     ce_ms,
                     ce_bytes / (ce_ms * 1e-3) / 1e12,
                     ce_ms * (tokens / chunk) as f64
@@ -413,7 +577,12 @@ fn lm_head_rows(
     Ok(())
 }
 
-fn bench(iters: usize, chunks: &[usize], sweep: bool) -> Result<(), KernelError> {
+fn bench(
+    iters: usize,
+    chunks: &[usize],
+    peer: &PeerFigures,
+    sweep: bool,
+) -> Result<(), KernelError> {
     let gpu = Device::cuda(0)?;
     let dev = gpu.as_cuda("layer_kernel_bench")?.clone();
     dev.require_fp8()?;
@@ -424,6 +593,15 @@ fn bench(iters: usize, chunks: &[usize], sweep: bool) -> Result<(), KernelError>
         dev.ordinal(),
         dev.compute_capability()
     );
+    match &peer.source {
+        Some(src) => println!(
+            "peer: {} records of peer_layers.py from {src}",
+            peer.records.len()
+        ),
+        None => {
+            println!("peer: none given (--peer FILE, the JSON lines of peer_layers.py): ours only")
+        }
+    }
     // The copy ceiling: a bf16 device-to-device copy of 2^27 elements (read + write).
     let big = gpu.upload(&random_bf16(1 << 27, 1.0, 9))?;
     let mut big2 = gpu.zeros::<bf16>(1 << 27)?;
@@ -432,31 +610,53 @@ fn bench(iters: usize, chunks: &[usize], sweep: bool) -> Result<(), KernelError>
     drop((big, big2));
     println!("device copy: {copy_tbs:.2} TB/s (read + write)");
     let mut rows = Vec::new();
-    layer_norm_rows(&gpu, &dev, iters, copy_tbs, sweep, &mut rows)?;
-    lm_head_rows(&gpu, &dev, iters, chunks, sweep, &mut rows)?;
+    norm_rows(&gpu, &dev, iters, copy_tbs, peer, sweep, &mut rows)?;
+    lm_head_rows(&gpu, &dev, iters, chunks, peer, sweep, &mut rows)?;
+    let cells = |r: &Row| {
+        let ours = format!("{:.2} {}", r.ours, r.unit);
+        if r.peer.is_nan() {
+            return (ours, "-".to_string(), "-".to_string(), "-".to_string(), "-");
+        }
+        let ratio = r.ours / r.peer;
+        let met = if r.target.is_nan() {
+            "-"
+        } else if ratio <= r.target {
+            "yes"
+        } else {
+            "no"
+        };
+        (
+            ours,
+            format!("{:.2} {}", r.peer, r.unit),
+            format!("{ratio:.2}x"),
+            if r.target.is_nan() {
+                "-".to_string()
+            } else {
+                format!("<={:.1}x", r.target)
+            },
+            met,
+        )
+    };
     println!(
         "\n{:<52} {:>10} {:>10} {:>7} {:>7}  notes",
         "kernel", "ours", "peer", "ratio", "target"
     );
     for r in &rows {
-        let ratio = r.ours / r.peer;
-        let (peer, ratio, target) = if r.peer.is_nan() {
-            ("-".to_string(), "-".to_string(), "-".to_string())
-        } else {
-            (
-                format!("{:.2} {}", r.peer, r.unit),
-                format!("{ratio:.2}x"),
-                format!("<={:.1}x", r.target),
-            )
-        };
+        let (ours, peer, ratio, target, _) = cells(r);
         println!(
-            "{:<52} {:>10} {:>10} {:>7} {:>7}  {}",
-            r.what,
-            format!("{:.2} {}", r.ours, r.unit),
-            peer,
-            ratio,
-            target,
-            r.note
+            "{:<52} {ours:>10} {peer:>10} {ratio:>7} {target:>7}  {}",
+            r.what, r.note
+        );
+    }
+    // The short table: the rows with a target (ours against the peer).
+    println!("\nsummary (ratio = ours / peer, GPU time):");
+    println!("| kernel | ours | peer | ratio | target | met |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for r in rows.iter().filter(|r| !r.target.is_nan()) {
+        let (ours, peer, ratio, target, met) = cells(r);
+        println!(
+            "| {} | {ours} | {peer} | {ratio} | {target} | {met} |",
+            r.what
         );
     }
     Ok(())
@@ -627,7 +827,9 @@ fn export(dir: &Path) -> Result<(), String> {
 }
 
 fn usage() -> ExitCode {
-    eprintln!("usage: layer_kernel_bench [--iters N] [--chunks N,N,...] [--sweep] | --export DIR");
+    eprintln!(
+        "usage: layer_kernel_bench [--peer FILE] [--iters N] [--chunks N,N,...] [--sweep] | --export DIR"
+    );
     ExitCode::from(2)
 }
 
@@ -636,6 +838,7 @@ fn main() -> ExitCode {
     let mut iters = 20usize;
     let mut chunks = vec![1024usize, 2048, 4096, 8192];
     let mut export_dir = None;
+    let mut peer_file = None;
     let mut sweep = false;
     let mut i = 0;
     while i < args.len() {
@@ -655,6 +858,7 @@ fn main() -> ExitCode {
                 Err(_) => return usage(),
             },
             ("--export", Some(v)) => export_dir = Some(v.clone()),
+            ("--peer", Some(v)) => peer_file = Some(v.clone()),
             _ => return usage(),
         }
         i += 2;
@@ -668,5 +872,54 @@ fn main() -> ExitCode {
             }
         };
     }
-    bench_exit(bench(iters, &chunks, sweep))
+    let peer = match peer_file {
+        Some(f) => match PeerFigures::read(Path::new(&f)) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => PeerFigures::default(),
+    };
+    bench_exit(bench(iters, &chunks, &peer, sweep))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_lines_are_read_and_others_skipped() {
+        let dir = std::env::temp_dir().join(format!("lkb-peer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("peer.log");
+        std::fs::write(
+            &path,
+            "W1203 some torch warning {not json}\n\
+             {\"op\": \"layernorm_e4m3_fwd\", \"rows\": 16384, \"d\": 768, \"s\": 2.4e-05, \"GBps\": 1572.8}\n\
+             {\"op\": \"rmsnorm_bwd\", \"rows\": 8192, \"d\": 4096, \"s\": 0.000215, \"GBps\": 936.2}\n\
+             {\"op\": \"attention_fwd_bwd\", \"backend\": \"cudnn\", \"B\": 16, \"error\": \"no kernel, sorry\"}\n\
+             {\"op\": \"lmhead_ce_fwd_bwd\", \"tokens\": 8192, \"d\": 2560, \"vocab\": 50304, \"s\": 0.01006, \"TFLOPs\": 1.0, \"extra_peak_GiB\": 1.26}\n",
+        )
+        .unwrap();
+        let p = PeerFigures::read(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(p.records.len(), 4);
+        let us = p.micros("layernorm_e4m3_fwd", &[("rows", 16384), ("d", 768)]);
+        assert!((us - 24.0).abs() < 1e-9, "{us}");
+        let us = p.micros("rmsnorm_bwd", &[("rows", 8192), ("d", 4096)]);
+        assert!((us - 215.0).abs() < 1e-9, "{us}");
+        // Another shape, or an op the peer did not measure: no figure.
+        assert!(p
+            .micros("layernorm_e4m3_fwd", &[("rows", 8192), ("d", 768)])
+            .is_nan());
+        assert!(p.micros("attention_fwd_bwd", &[("B", 16)]).is_nan());
+        let keys = [("tokens", 8192), ("d", 2560), ("vocab", 50304)];
+        assert_eq!(
+            p.figure("lmhead_ce_fwd_bwd", &keys, "extra_peak_GiB"),
+            Some(1.26)
+        );
+        assert!(PeerFigures::read(&dir.join("missing")).is_err());
+    }
 }

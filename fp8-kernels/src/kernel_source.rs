@@ -151,6 +151,7 @@ pub const MODULES: &[KernelModule] = &[
     crate::embedding::EMBEDDING_MODULE,
     crate::layer_norm::LAYER_NORM_FORWARD_MODULE,
     crate::layer_norm::LAYER_NORM_BACKWARD_MODULE,
+    crate::layer_norm::LAYER_NORM_LEGACY_MODULE,
 ];
 
 /// NVRTC options of these modules: IEEE arithmetic (no fast math, no flush-to-zero, no contraction of

@@ -1,9 +1,11 @@
 //! LayerNorm / RMSNorm on CUDA against the CPU reference, bit for bit, on random inputs of shapes that take
-//! every kernel path (register-held rows of 4 to 16 vectors per lane, re-read rows for d not a multiple of
-//! 8 and for d > 4096, 16-byte and byte-wise transposed stores, one and several parameter chunks and
-//! groups, the backward's staging in shared and in global memory), both element types, both norms, with and
+//! every kernel path (register-held rows of 3 to 16 vectors per lane, re-read rows for d not a multiple of
+//! 8 and for wide rows, several rows per warp, FP8 tiles of 8 and 16 rows with partial last tiles,
+//! transposed pieces of 16 and 8 rows and byte-wise transposed stores, one tile and many tiles of
+//! parameter chunks with short last chunks, tiles and runs, the backward with and without the next row
+//! loaded ahead, its running sums in shared and in global memory), both element types, both norms, with and
 //! without bias, overwrite and accumulate; CUDA run twice gives the same bits; and every launch choice
-//! (`NormLaunch`) gives the same bits. GPU tests: ignored unless run with `--ignored`
+//! (`NormLaunch`, the previous forward kernels included) gives the same bits. GPU tests: ignored unless run with `--ignored`
 //! (`scripts/gpu-tests.sh`), and failing where no GPU can be opened.
 
 mod common;
@@ -171,17 +173,21 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
     let gpu = cuda_device();
     // (rows, d, with a NaN)
     let shapes = [
-        (16384, 768, false), // 4 vectors per lane, tiles of 32 rows
-        (8192, 2560, false), // 16 vectors per lane, tiles of 32 rows in 82 KiB of shared memory
+        (16384, 768, false), // 3 vectors per lane, 2 rows per warp, tiles of 16 rows; 256 parameter tiles
+        (8192, 2560, false), // 10 vectors per lane, tiles of 8 rows (8-row pieces); backward re-reads
+        (8192, 2048, false), // 8 vectors per lane, 16 warps per block; backward holds 8 vectors
+        (4096, 3072, false), // 12 vectors per lane
+        (2049, 768, false),  // chunks of 2 rows, the last of one (odd rows for the row prefetch)
         (64, 1024, false),   // exactly 4 vectors per lane
-        (48, 4096, false),   // exactly 16 vectors per lane
-        (48, 4104, false),   // d > 4096: rows re-read from memory
-        (37, 100, false),    // d not a multiple of 8: element loads, byte-wise stores
-        (37, 96, true),      // a NaN input
-        (33, 2560, false),   // rows not a multiple of 16: byte-wise transposed stores
-        (3, 70_000, false),  // wider than the FP8 output allows: plain forward and backward only
-        (1000, 8, false),    // many parameter chunks of short rows
-        (20000, 64, false),  // more than 32 x 32 chunks: groups of more than 32 chunks
+        (48, 4096, false), // exactly 16 vectors per lane; LayerNorm's sums (with bias) in global memory
+        (40, 1000, false), // a partial last FP8 tile; 8-row transposed pieces
+        (48, 4104, false), // d > 4096: rows re-read from memory
+        (37, 100, false),  // d not a multiple of 8: element loads, byte-wise stores
+        (37, 96, true),    // a NaN input
+        (33, 2560, false), // rows not a multiple of 8: byte-wise transposed stores
+        (3, 70_000, false), // wider than the FP8 output allows: plain forward and backward only
+        (1000, 8, false),  // many parameter chunks of short rows
+        (20000, 64, false), // chunks of 10 rows, 32 runs of 8 tiles
     ];
     let mut ok = true;
     let mut seed = 1;
@@ -209,6 +215,51 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
     assert!(ok, "CUDA differs from the CPU or between runs (see above)");
 }
 
+/// The launch choices the test runs: each field varied alone, a few combinations, and the previous forward
+/// kernels.
+fn launch_choices() -> Vec<NormLaunch> {
+    let auto = NormLaunch::default();
+    let mut v = Vec::new();
+    for nv in [0, 2, 3, 4, 6, 8, 10, 12, 16] {
+        v.push(NormLaunch {
+            vectors_per_lane: Some(nv),
+            ..auto
+        });
+    }
+    for tile in [1, 8, 16, 32, 64] {
+        v.push(NormLaunch {
+            tile_rows: Some(tile),
+            ..auto
+        });
+    }
+    for rpw in [1, 2, 4] {
+        v.push(NormLaunch {
+            rows_per_warp: Some(rpw),
+            ..auto
+        });
+        v.push(NormLaunch {
+            rows_per_warp: Some(rpw),
+            tile_rows: Some(32),
+            vectors_per_lane: Some(4),
+            ..auto
+        });
+    }
+    for prefetch in [false, true] {
+        v.push(NormLaunch {
+            prefetch: Some(prefetch),
+            ..auto
+        });
+    }
+    for tile in [None, Some(8), Some(32)] {
+        v.push(NormLaunch {
+            legacy_forward: true,
+            tile_rows: tile,
+            ..auto
+        });
+    }
+    v
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_launch_choice_gives_the_same_bits() {
@@ -229,26 +280,18 @@ fn every_launch_choice_gives_the_same_bits() {
             };
             seed += 1;
             let cpu = run::<bf16, bf16>(&Device::cpu(), &c);
-            let nvs = [Some(0), Some(4), Some(8), Some(12), Some(16)].map(|nv| (nv, None));
-            let tiles = [Some(8), Some(16), Some(32)].map(|t| (None, t));
-            for (nv, tile) in nvs.into_iter().chain(tiles) {
-                {
-                    let launch = NormLaunch {
-                        vectors_per_lane: nv,
-                        tile_rows: tile,
-                    };
-                    let ci = Inputs {
-                        spec: c.spec.with_launch(launch),
-                        ..c.clone()
-                    };
-                    let g = run::<bf16, bf16>(&gpu, &ci);
-                    if g != cpu {
-                        println!(
-                            "MISMATCH {kind:?} [{rows}, {d}] {launch:?}: {}",
-                            differences(&g, &cpu)
-                        );
-                        ok = false;
-                    }
+            for launch in launch_choices() {
+                let ci = Inputs {
+                    spec: c.spec.with_launch(launch),
+                    ..c.clone()
+                };
+                let g = run::<bf16, bf16>(&gpu, &ci);
+                if g != cpu {
+                    println!(
+                        "MISMATCH {kind:?} [{rows}, {d}] {launch:?}: {}",
+                        differences(&g, &cpu)
+                    );
+                    ok = false;
                 }
             }
             println!("ok {kind:?} [{rows}, {d}]: every launch choice");

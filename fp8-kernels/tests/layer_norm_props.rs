@@ -492,62 +492,120 @@ fn backward_matches_finite_differences() {
 }
 
 #[test]
-fn parameter_sums_use_three_levels_on_tall_inputs() {
-    // 1061 rows: 67 chunks of 16 rows in groups of 32 chunks (3 groups, the last short, the last chunk
-    // short), so every level runs; compare with the documented order computed here directly.
-    let (rows, d) = (1061, 24);
+fn parameter_order_is_a_function_of_rows() {
+    use fp8_kernels::layer_norm::{param_order, ParamOrder, MAX_PARAM_CHUNKS, TILE_CHUNKS};
+    let at = |rows| {
+        let o: ParamOrder = param_order(rows);
+        (o.chunk_rows, o.chunks, o.tiles, o.run, o.runs)
+    };
+    assert_eq!(at(0), (1, 1, 1, 1, 1));
+    assert_eq!(at(1), (1, 1, 1, 1, 1));
+    assert_eq!(at(8), (1, 8, 1, 1, 1));
+    assert_eq!(at(9), (1, 9, 2, 1, 2));
+    assert_eq!(at(2048), (1, 2048, 256, 8, 32));
+    assert_eq!(at(2049), (2, 1025, 129, 5, 26));
+    assert_eq!(at(16_384), (8, 2048, 256, 8, 32));
+    assert_eq!(at(8192), (4, 2048, 256, 8, 32));
+    assert_eq!(at(1061), (1, 1061, 133, 5, 27));
+    for rows in (0..70_000).step_by(997) {
+        let o = param_order(rows);
+        assert!(
+            o.chunks <= MAX_PARAM_CHUNKS && o.chunks * o.chunk_rows >= rows,
+            "{rows}: {o:?}"
+        );
+        assert!((o.chunks - 1) * o.chunk_rows < rows.max(1), "{rows}: {o:?}");
+        assert_eq!(o.tiles, o.chunks.div_ceil(TILE_CHUNKS));
+        assert!(o.runs <= 32 && o.run * o.runs >= o.tiles && (o.runs - 1) * o.run < o.tiles);
+    }
+}
+
+#[test]
+fn parameter_sums_use_four_levels_on_tall_inputs() {
+    // 4133 rows: chunks of 3 rows (the last of 2), 1378 chunks in 173 tiles of 8 (the last of 2 chunks),
+    // 29 runs of 6 tiles (the last of 5), so every level runs and every last piece is short; compare with
+    // the documented order computed here directly, for both norms (RMSNorm's xhat does not read the mean).
+    use fp8_kernels::layer_norm::{param_order, TILE_CHUNKS};
+    let (rows, d) = (4133, 24);
     let mut rng = fp8_kernels::rng::SplitMix64::new(9);
     let x: Vec<f32> = (0..rows * d).map(|_| rng.uniform_f32() * 4.0).collect();
     let g: Vec<f32> = (0..rows * d).map(|_| rng.uniform_f32()).collect();
     let w = vec![1.0f32; d];
     let dev = Device::cpu();
-    let s = NormSpec::layer_norm(rows, d);
-    let (xb, wb, gb) = (
-        dev.upload(&x).unwrap(),
-        dev.upload(&w).unwrap(),
-        dev.upload(&g).unwrap(),
+    let order = param_order(rows);
+    assert_eq!(
+        (
+            order.chunk_rows,
+            order.chunks,
+            order.tiles,
+            order.run,
+            order.runs
+        ),
+        (3, 1378, 173, 6, 29)
     );
-    let stats = forward_stats(&dev, &s, &xb, &wb, None);
-    let mut dx = dev.zeros::<f32>(rows * d).unwrap();
-    let mut dw = dev.zeros::<f32>(d).unwrap();
-    norm_backward(
-        &s,
-        &xb,
-        &wb,
-        &stats,
-        &gb,
-        norm_grads(GradMode::Overwrite, &mut dx, &mut dw, None),
-    )
-    .unwrap();
-    let (mean, rstd) = (stats.mean.to_vec().unwrap(), stats.rstd.to_vec().unwrap());
-    let order = fp8_kernels::layer_norm::param_order(rows);
-    assert_eq!((order.chunks, order.group, order.groups), (67, 32, 3));
-    let big = fp8_kernels::layer_norm::param_order(20_000);
-    assert_eq!((big.chunks, big.group, big.groups), (1250, 40, 32));
-    let chunk = fp8_kernels::layer_norm::PARAM_CHUNK_ROWS;
-    let dw = dw.to_vec().unwrap();
-    let mut differs_from_one_chain = 0;
-    for c in 0..d {
-        let mut total = 0.0f32;
-        let mut plain = 0.0f32;
-        for gi in 0..order.groups {
-            let mut gsum = 0.0f32;
-            for k in gi * order.group..((gi + 1) * order.group).min(order.chunks) {
-                let mut p = 0.0f32;
-                for r in k * chunk..((k + 1) * chunk).min(rows) {
-                    let v = g[r * d + c] * ((x[r * d + c] - mean[r]) * rstd[r]);
-                    p += v;
-                    plain += v;
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        let s = NormSpec {
+            kind,
+            ..NormSpec::layer_norm(rows, d)
+        };
+        let (xb, wb, gb) = (
+            dev.upload(&x).unwrap(),
+            dev.upload(&w).unwrap(),
+            dev.upload(&g).unwrap(),
+        );
+        let stats = forward_stats(&dev, &s, &xb, &wb, None);
+        let mut dx = dev.zeros::<f32>(rows * d).unwrap();
+        let mut dw = dev.zeros::<f32>(d).unwrap();
+        let mut db = dev.zeros::<f32>(d).unwrap();
+        norm_backward(
+            &s,
+            &xb,
+            &wb,
+            &stats,
+            &gb,
+            norm_grads(GradMode::Overwrite, &mut dx, &mut dw, Some(&mut db)),
+        )
+        .unwrap();
+        let (mean, rstd) = (stats.mean.to_vec().unwrap(), stats.rstd.to_vec().unwrap());
+        let xhat = |at: usize, r: usize| match kind {
+            NormKind::LayerNorm => (x[at] - mean[r]) * rstd[r],
+            NormKind::RmsNorm => x[at] * rstd[r],
+        };
+        let (dw, db) = (dw.to_vec().unwrap(), db.to_vec().unwrap());
+        let mut differs_from_one_chain = 0;
+        for c in 0..d {
+            let (mut total, mut total_b, mut plain) = (0.0f32, 0.0f32, 0.0f32);
+            for ri in 0..order.runs {
+                let (t0, t1) = (ri * order.run, ((ri + 1) * order.run).min(order.tiles));
+                let (mut run, mut run_b) = (0.0f32, 0.0f32);
+                for t in t0..t1 {
+                    let (k0, k1) = (t * TILE_CHUNKS, ((t + 1) * TILE_CHUNKS).min(order.chunks));
+                    let (mut tile, mut tile_b) = (0.0f32, 0.0f32);
+                    for k in k0..k1 {
+                        let (mut p, mut pb) = (0.0f32, 0.0f32);
+                        let r1 = ((k + 1) * order.chunk_rows).min(rows);
+                        for r in k * order.chunk_rows..r1 {
+                            let at = r * d + c;
+                            let v = g[at] * xhat(at, r);
+                            p += v;
+                            pb += g[at];
+                            plain += v;
+                        }
+                        tile = if k == k0 { p } else { tile + p };
+                        tile_b = if k == k0 { pb } else { tile_b + pb };
+                    }
+                    run = if t == t0 { tile } else { run + tile };
+                    run_b = if t == t0 { tile_b } else { run_b + tile_b };
                 }
-                gsum = if k == gi * order.group { p } else { gsum + p };
+                total = if ri == 0 { run } else { total + run };
+                total_b = if ri == 0 { run_b } else { total_b + run_b };
             }
-            total = if gi == 0 { gsum } else { total + gsum };
+            assert_eq!(dw[c].to_bits(), total.to_bits(), "{kind:?} dw column {c}");
+            assert_eq!(db[c].to_bits(), total_b.to_bits(), "{kind:?} db column {c}");
+            differs_from_one_chain += usize::from(plain.to_bits() != total.to_bits());
         }
-        assert_eq!(dw[c].to_bits(), total.to_bits(), "column {c}");
-        differs_from_one_chain += usize::from(plain.to_bits() != total.to_bits());
+        // The levels change the rounding: a single chain over the rows would differ somewhere.
+        assert!(differs_from_one_chain > 0);
     }
-    // The levels change the rounding: a single chain over the rows would differ somewhere.
-    assert!(differs_from_one_chain > 0);
 }
 
 #[test]

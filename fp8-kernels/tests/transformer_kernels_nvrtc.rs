@@ -1,6 +1,7 @@
-//! Compiles the CUDA modules of the transformer kernel families (layer_norm forward and backward,
-//! cross_entropy, embedding) for sm_90 with NVRTC, as the crate builds them (no GPU needed), and checks
-//! properties of the code: every entry point the launchers name exists, no kernel spills registers
+//! Compiles the CUDA modules of the transformer kernel families (layer_norm forward and backward per
+//! register bound, and the previous forward; cross_entropy, embedding) for sm_90 with NVRTC, as the crate
+//! builds them (no GPU needed), and checks properties of the code: every entry point the launchers name
+//! exists (and, for layer_norm, no other), no kernel spills registers
 //! (ptxas's report), the FP8 cast uses the hardware conversion, the register-held row kernels keep their
 //! rows in registers (no local-memory arrays), and the cross-entropy kernel uses its own exp (fused
 //! multiply-adds), not the hardware approximation. Ignored, with the reason, where the build found no NVRTC.
@@ -12,7 +13,10 @@ use cudarc::nvrtc::result as nvrtc;
 use fp8_kernels::cross_entropy::CROSS_ENTROPY_MODULE;
 use fp8_kernels::embedding::EMBEDDING_MODULE;
 use fp8_kernels::kernel_source::{nvrtc_status, KernelModule, PRECISE_OPTIONS};
-use fp8_kernels::layer_norm::{LAYER_NORM_BACKWARD_MODULE, LAYER_NORM_FORWARD_MODULE};
+use fp8_kernels::layer_norm::{
+    backward_module, forward_module, BACKWARD_PREFETCH_VECTORS, BACKWARD_VECTORS_PER_LANE,
+    FORWARD_VECTORS_PER_LANE, LAYER_NORM_LEGACY_MODULE,
+};
 use std::ffi::{c_char, CString};
 use std::time::Instant;
 
@@ -90,60 +94,69 @@ fn entry<'a>(ptx: &'a str, name: &str) -> &'a str {
 }
 
 nvrtc_test! {
-    fn layer_norm_forward_module_compiles_for_sm90() {
-        let ptx = compile(&LAYER_NORM_FORWARD_MODULE);
-        for nv in ["nv0", "nv4", "nv8", "nv12", "nv16"] {
-            entry(&ptx, &format!("ln_fwd_bf16_{nv}"));
-            let fused = entry(&ptx, &format!("ln_fwd_fp8_bf16_e4m3_{nv}"));
-            assert!(fused.contains("cvt.rn.satfinite.e4m3x2.f32"));
-        }
-        entry(&ptx, "ln_fwd_f32_nv0");
-        entry(&ptx, "ln_fwd_fp8_f32_e4m3_nv0");
-        assert!(
-            !ptx.contains(".entry ln_bwd_"),
-            "backward entries in the forward module"
-        );
-        // A dynamically indexed register cache would show up as a local-memory array.
-        for nv in ["nv4", "nv8", "nv12", "nv16"] {
-            for name in [
-                format!("ln_fwd_bf16_{nv}"),
-                format!("ln_fwd_fp8_bf16_e4m3_{nv}"),
-            ] {
-                assert!(
-                    !entry(&ptx, &name).contains(".local"),
-                    "{name} uses local memory"
-                );
+    fn layer_norm_forward_modules_compile_for_sm90() {
+        // The per-width modules the launches load: each holds its register bound's entries, for both norms
+        // and every rows-per-warp count built, and nothing else.
+        for nv in FORWARD_VECTORS_PER_LANE {
+            let m = forward_module(nv);
+            let ptx = compile(m);
+            let types: &[&str] = if nv == 0 { &["f32", "bf16"] } else { &["bf16"] };
+            let rpws: &[u32] = match nv {
+                0 | 2 | 3 | 4 => &[1, 2, 4],
+                6 | 8 => &[1, 2],
+                _ => &[1],
+            };
+            for t in types {
+                for rpw in rpws {
+                    for kind in ["ln", "rms"] {
+                        let plain = format!("ln_fwd_{t}_nv{nv}_r{rpw}_{kind}");
+                        let fused = format!("ln_fwd_fp8_{t}_e4m3_nv{nv}_r{rpw}_{kind}");
+                        assert!(!entry(&ptx, &plain).contains(".local"), "{plain} uses local memory");
+                        let body = entry(&ptx, &fused);
+                        assert!(body.contains("cvt.rn.satfinite.e4m3x2.f32"), "{fused}");
+                        assert!(!body.contains(".local"), "{fused} uses local memory");
+                    }
+                }
             }
+            let entries = ptx.matches(".entry ").count();
+            assert_eq!(entries, types.len() * rpws.len() * 4, "{}: entries", m.name);
         }
+        let legacy = compile(&LAYER_NORM_LEGACY_MODULE);
+        for nv in ["nv0", "nv4", "nv8", "nv12", "nv16"] {
+            entry(&legacy, &format!("ln_legacy_fwd_bf16_{nv}"));
+            entry(&legacy, &format!("ln_legacy_fwd_fp8_bf16_e4m3_{nv}"));
+        }
+        entry(&legacy, "ln_legacy_fwd_f32_nv0");
+        entry(&legacy, "ln_legacy_fwd_fp8_f32_e4m3_nv0");
     }
 }
 
 nvrtc_test! {
-    fn layer_norm_backward_module_compiles_for_sm90() {
-        let ptx = compile(&LAYER_NORM_BACKWARD_MODULE);
-        for (x, g) in [
-            ("f32", "f32"),
-            ("f32", "bf16"),
-            ("bf16", "f32"),
-            ("bf16", "bf16"),
-        ] {
-            entry(&ptx, &format!("ln_bwd_{x}_{g}_nv0"));
-        }
-        entry(&ptx, "ln_param_reduce");
-        assert!(
-            !ptx.contains(".entry ln_fwd_"),
-            "forward entries in the backward module"
-        );
-        for name in [
-            "ln_bwd_bf16_bf16_nv4",
-            "ln_bwd_bf16_bf16_nv8",
-            "ln_bwd_bf16_bf16_nv12",
-            "ln_bwd_bf16_bf16_nv16",
-        ] {
-            assert!(
-                !entry(&ptx, name).contains(".local"),
-                "{name} uses local memory"
-            );
+    fn layer_norm_backward_modules_compile_for_sm90() {
+        for nv in BACKWARD_VECTORS_PER_LANE {
+            let m = backward_module(nv);
+            let ptx = compile(m);
+            let types: &[(&str, &str)] = if nv == 0 {
+                &[("f32", "f32"), ("f32", "bf16"), ("bf16", "f32"), ("bf16", "bf16")]
+            } else {
+                &[("bf16", "bf16")]
+            };
+            let prefetch: &[u32] = if BACKWARD_PREFETCH_VECTORS.contains(&nv) {
+                &[0, 1]
+            } else {
+                &[0]
+            };
+            for (x, g) in types {
+                for pf in prefetch {
+                    for kind in ["ln", "rms"] {
+                        let name = format!("ln_bwd_{x}_{g}_nv{nv}_{kind}_pf{pf}");
+                        assert!(!entry(&ptx, &name).contains(".local"), "{name} uses local memory");
+                    }
+                }
+            }
+            entry(&ptx, "ln_param_reduce");
+            let entries = ptx.matches(".entry ").count();
+            assert_eq!(entries, types.len() * prefetch.len() * 2 + 1, "{}: entries", m.name);
         }
     }
 }

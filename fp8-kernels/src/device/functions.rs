@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-/// Most pieces a [`KernelName`] holds (`ln_fwd_fp8_`, `bf16`, `_`, `e4m3`, `_nv`, `4`).
-pub(crate) const MAX_NAME_PARTS: usize = 6;
+/// Most pieces a [`KernelName`] holds (`ln_bwd_`, `bf16`, `_`, `bf16`, `_nv`, `4`, `_`, `ln`, `_pf`, `1`).
+pub(crate) const MAX_NAME_PARTS: usize = 10;
 
 /// One piece of a kernel's entry-point name: text, or a number written in decimal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -2,7 +2,7 @@
 //! CUDA kernels are tested against. Every value is computed with the operations, and every sum in the
 //! order, of `layer_norm.cu`, so the two agree bit for bit.
 
-use super::{param_order, NormKind, NormSpec, PARAM_CHUNK_ROWS};
+use super::{param_order, NormKind, NormSpec, TILE_CHUNKS};
 use crate::cpu_kernel::{transpose_copy, xor_butterfly};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
@@ -137,8 +137,17 @@ pub(crate) fn forward_fp8<T: FloatElement>(
     amax
 }
 
+/// `xhat = (x - mean) * rstd`, or `x * rstd` for RMSNorm (whose mean is not read).
+#[inline]
+fn xhat(kind: NormKind, x: f32, mean: f32, rstd: f32) -> f32 {
+    match kind {
+        NormKind::LayerNorm => (x - mean) * rstd,
+        NormKind::RmsNorm => x * rstd,
+    }
+}
+
 /// Backward, dx: `dx = (g - c2 - xhat * c1) * rstd` (optionally added to `dx`), with `g = dy * w`,
-/// `xhat = (x - mean) * rstd`, `c1 = sum(g xhat) / d`, `c2 = sum(g) / d` (0 for RMSNorm).
+/// `c1 = sum(g xhat) / d`, `c2 = sum(g) / d` (0 for RMSNorm, and not subtracted: `g - 0` is `g`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_dx<T: FloatElement, G: FloatElement>(
     spec: &NormSpec,
@@ -158,23 +167,25 @@ pub(crate) fn backward_dx<T: FloatElement, G: FloatElement>(
             let (xr, gr) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d]);
             let (mu, rs) = (mean[r], rstd[r]);
             let g = |e: usize| gr[e].to_f32() * w[e].to_f32();
-            let xh = |e: usize| (xr[e].to_f32() - mu) * rs;
+            let xh = |e: usize| xhat(spec.kind, xr[e].to_f32(), mu, rs);
             let c1 = warp_vector_sum(d, |e| g(e) * xh(e)) / d as f32;
             let c2 = match spec.kind {
-                NormKind::LayerNorm => warp_vector_sum(d, g) / d as f32,
-                NormKind::RmsNorm => 0.0,
+                NormKind::LayerNorm => Some(warp_vector_sum(d, g) / d as f32),
+                NormKind::RmsNorm => None,
             };
             for (e, o) in drow.iter_mut().enumerate() {
-                let v = (g(e) - c2 - xh(e) * c1) * rs;
+                let centred = c2.map_or(g(e), |c2| g(e) - c2);
+                let v = (centred - xh(e) * c1) * rs;
                 *o = G::from_f32(if accumulate { o.to_f32() + v } else { v });
             }
         }
     });
 }
 
-/// Backward, parameters: `dw[c] = sum_r dy xhat`, `db[c] = sum_r dy` in the three levels of
-/// [`param_order`]`(rows)` (chunks of [`PARAM_CHUNK_ROWS`] rows from zero, chunk sums per group from the
-/// group's first, group sums from the first); the totals overwrite or are added to `dw` / `db`.
+/// Backward, parameters: `dw[c] = sum_r dy xhat`, `db[c] = sum_r dy` in the four levels of
+/// [`param_order`]`(rows)` (chunks of rows from zero, chunk sums per tile from the tile's first, tile sums
+/// per run from the run's first, run sums from the first); the totals overwrite or are added to `dw` /
+/// `db`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_params<T: FloatElement, G: FloatElement>(
     spec: &NormSpec,
@@ -193,13 +204,12 @@ pub(crate) fn backward_params<T: FloatElement, G: FloatElement>(
     let chunk_sums = |k: usize, c0: usize, width: usize, pw: &mut [f32], pb: &mut [f32]| {
         pw.fill(0.0);
         pb.fill(0.0);
-        for r in k * PARAM_CHUNK_ROWS..((k + 1) * PARAM_CHUNK_ROWS).min(rows) {
+        for r in k * order.chunk_rows..((k + 1) * order.chunk_rows).min(rows) {
             let (mu, rs) = (mean[r], rstd[r]);
             for i in 0..width {
                 let at = r * d + c0 + i;
                 let g = dy[at].to_f32();
-                let xh = (x[at].to_f32() - mu) * rs;
-                pw[i] += g * xh;
+                pw[i] += g * xhat(spec.kind, x[at].to_f32(), mu, rs);
                 pb[i] += g;
             }
         }
@@ -211,20 +221,27 @@ pub(crate) fn backward_params<T: FloatElement, G: FloatElement>(
         }
     };
     let band_sums = |c0: usize, width: usize| -> (Vec<f32>, Vec<f32>) {
-        let (mut tw, mut tb) = (vec![0.0f32; width], vec![0.0f32; width]);
-        let (mut gw, mut gb) = (vec![0.0f32; width], vec![0.0f32; width]);
-        let (mut pw, mut pb) = (vec![0.0f32; width], vec![0.0f32; width]);
-        for gi in 0..order.groups {
-            let (k0, k1) = (gi * order.group, ((gi + 1) * order.group).min(order.chunks));
-            for k in k0..k1 {
-                chunk_sums(k, c0, width, &mut pw, &mut pb);
-                fold(&mut gw, &pw, k == k0);
-                fold(&mut gb, &pb, k == k0);
+        let zeros = || vec![0.0f32; width];
+        let (mut total_w, mut total_b) = (zeros(), zeros());
+        let (mut run_w, mut run_b) = (zeros(), zeros());
+        let (mut tile_w, mut tile_b) = (zeros(), zeros());
+        let (mut chunk_w, mut chunk_b) = (zeros(), zeros());
+        for ri in 0..order.runs {
+            let (t0, t1) = (ri * order.run, ((ri + 1) * order.run).min(order.tiles));
+            for t in t0..t1 {
+                let (k0, k1) = (t * TILE_CHUNKS, ((t + 1) * TILE_CHUNKS).min(order.chunks));
+                for k in k0..k1 {
+                    chunk_sums(k, c0, width, &mut chunk_w, &mut chunk_b);
+                    fold(&mut tile_w, &chunk_w, k == k0);
+                    fold(&mut tile_b, &chunk_b, k == k0);
+                }
+                fold(&mut run_w, &tile_w, t == t0);
+                fold(&mut run_b, &tile_b, t == t0);
             }
-            fold(&mut tw, &gw, gi == 0);
-            fold(&mut tb, &gb, gi == 0);
+            fold(&mut total_w, &run_w, ri == 0);
+            fold(&mut total_b, &run_b, ri == 0);
         }
-        (tw, tb)
+        (total_w, total_b)
     };
     let bands: Vec<(Vec<f32>, Vec<f32>)> = (0..d.div_ceil(BAND))
         .into_par_iter()

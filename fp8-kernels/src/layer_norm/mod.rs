@@ -1,6 +1,6 @@
 //! LayerNorm and RMSNorm over the rows of a row-major `[rows, d]` tensor: forward (output in the input's
 //! element type, or fused with the FP8 cast + transpose and the amax of the output), and backward (dx,
-//! optionally accumulated into an existing gradient; dweight and dbias in a fixed two-level order).
+//! optionally accumulated into an existing gradient; dweight and dbias in a fixed four-level order).
 //!
 //! # Definitions (both devices, f32 arithmetic, one rounding per operation)
 //! Row sums use the *warp order*: element `e` goes to lane `(e / 8) % 32`, each lane adds its elements in
@@ -13,17 +13,22 @@
 //!   [`crate::cast_transpose_to_fp8`], bit for bit), `code = encode(h * scale)` (saturating, round to
 //!   nearest even, NaN to `0x7F` as [`fp8_core::Fp8Format::encode_scaled`]); the amax of `h` (NaN ignored)
 //!   accumulates into the slot: `slot = max(slot, amax)`.
-//! - Backward: `g = dy * w`, `xhat = (x - mean) * rstd`, `c1 = sum(g * xhat) / d` and, for LayerNorm,
-//!   `c2 = sum(g) / d` (warp order; `c2 = 0` for RMSNorm); `dx = (g - c2 - xhat * c1) * rstd`, or with
-//!   [`GradMode::Accumulate`] `dx = G(dx_old + that)` (one rounding to the gradient type `G`).
-//! - `dweight[c] = sum_r dy * xhat`, `dbias[c] = sum_r dy` in three fixed levels ([`ParamOrder`]): rows in
-//!   chunks of [`PARAM_CHUNK_ROWS`], each chunk summed in row order from zero; chunk sums in groups of
-//!   `group` consecutive chunks, each group summed in chunk order from its first; group sums added in group
-//!   order from the first. The totals overwrite or are added to the f32 outputs. (Short chunks give the
-//!   GPU one chunk per block with x and dy read once; at most 32 groups keep the last two levels short.)
+//! - Backward: `g = dy * w`, `xhat = (x - mean) * rstd` (RMSNorm: `xhat = x * rstd`, the mean is not
+//!   read), `c1 = sum(g * xhat) / d` and, for LayerNorm, `c2 = sum(g) / d` (warp order; `c2 = 0` for
+//!   RMSNorm); `dx = (g - c2 - xhat * c1) * rstd`, or with [`GradMode::Accumulate`]
+//!   `dx = G(dx_old + that)` (one rounding to the gradient type `G`).
+//! - `dweight[c] = sum_r dy * xhat`, `dbias[c] = sum_r dy` in four fixed levels ([`ParamOrder`], a function
+//!   of `rows` only): rows in chunks of `ceil(rows / 2048)` rows ([`MAX_PARAM_CHUNKS`]; at least 1), each
+//!   chunk summed in row order from zero; chunk sums in tiles of [`TILE_CHUNKS`] consecutive chunks, each
+//!   tile summed in chunk order from its first; tile sums in runs of `run` consecutive tiles (at most 32
+//!   runs), each summed in tile order from its first; run sums added in run order from the first. The totals
+//!   overwrite or are added to the f32 outputs. (On the GPU a warp walks a chunk keeping its columns'
+//!   running sums, a block of [`TILE_CHUNKS`] warps adds its tile's chunk sums, and a small kernel adds the
+//!   tile sums: x and dy are read once, and at most 256 tiles of partial sums go through memory.)
 //!
-//! CPU (rayon) and CUDA perform exactly these operations in this order, so all outputs agree bit for bit.
-//! Element types: `T` (x, weight, bias, y) and `G` (dy, dx) are each f32 or bf16.
+//! CPU (rayon) and CUDA perform exactly these operations in this order, so all outputs agree bit for bit,
+//! whatever the [`NormLaunch`] choices. Element types: `T` (x, weight, bias, y) and `G` (dy, dx) are each
+//! f32 or bf16.
 
 mod cpu;
 mod cuda;
@@ -35,9 +40,10 @@ use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
 use fp8_core::Fp8Format;
 
-/// The forward kernels: `cuda/common.cuh`, then `src/layer_norm/layer_norm.cu` built with
-/// `LN_BUILD_FORWARD` (paths relative to the crate). Forward and backward are separate NVRTC programs so a
-/// process compiles only what it runs.
+/// Every forward kernel: `cuda/common.cuh`, then `src/layer_norm/layer_norm.cu` built with
+/// `LN_BUILD_FORWARD` (paths relative to the crate). Compile checks; launches load the module of their
+/// width class ([`forward_module`]), so a process compiles only the variants it runs. Forward and backward
+/// are separate NVRTC programs for the same reason.
 pub const LAYER_NORM_FORWARD_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_layer_norm_forward",
     files: &["cuda/common.cuh", "src/layer_norm/layer_norm.cu"],
@@ -48,8 +54,8 @@ pub const LAYER_NORM_FORWARD_MODULE: KernelModule = KernelModule {
     ),
 };
 
-/// The backward kernels: `cuda/common.cuh`, then `src/layer_norm/layer_norm.cu` built with
-/// `LN_BUILD_BACKWARD`.
+/// Every backward kernel: `cuda/common.cuh`, then `src/layer_norm/layer_norm.cu` built with
+/// `LN_BUILD_BACKWARD` (compile checks; launches use [`backward_module`]).
 pub const LAYER_NORM_BACKWARD_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_layer_norm_backward",
     files: &["cuda/common.cuh", "src/layer_norm/layer_norm.cu"],
@@ -59,6 +65,96 @@ pub const LAYER_NORM_BACKWARD_MODULE: KernelModule = KernelModule {
         include_str!("layer_norm.cu")
     ),
 };
+
+/// The previous forward kernels (`src/layer_norm/layer_norm_legacy.cu`), run when
+/// [`NormLaunch::legacy_forward`] asks for them.
+pub const LAYER_NORM_LEGACY_MODULE: KernelModule = KernelModule {
+    name: "fp8_kernels_layer_norm_legacy",
+    files: &["cuda/common.cuh", "src/layer_norm/layer_norm_legacy.cu"],
+    source: concat!(
+        include_str!("../../cuda/common.cuh"),
+        include_str!("layer_norm_legacy.cu")
+    ),
+};
+
+/// The forward module of one register bound `NV` (`LN_NV_ONLY`), or the backward one.
+macro_rules! norm_module {
+    (forward, $nv:literal) => {
+        KernelModule {
+            name: concat!("fp8_kernels_layer_norm_forward_nv", $nv),
+            files: LAYER_NORM_FORWARD_MODULE.files,
+            source: concat!(
+                include_str!("../../cuda/common.cuh"),
+                "#define LN_BUILD_FORWARD 1\n#define LN_NV_ONLY ",
+                $nv,
+                "\n",
+                include_str!("layer_norm.cu")
+            ),
+        }
+    };
+    (backward, $nv:literal) => {
+        KernelModule {
+            name: concat!("fp8_kernels_layer_norm_backward_nv", $nv),
+            files: LAYER_NORM_BACKWARD_MODULE.files,
+            source: concat!(
+                include_str!("../../cuda/common.cuh"),
+                "#define LN_BUILD_BACKWARD 1\n#define LN_NV_ONLY ",
+                $nv,
+                "\n",
+                include_str!("layer_norm.cu")
+            ),
+        }
+    };
+}
+
+/// Register bounds (vectors of 8 per lane) of the forward kernels, 0 being the re-reading variants.
+pub const FORWARD_VECTORS_PER_LANE: [u32; 9] = [0, 2, 3, 4, 6, 8, 10, 12, 16];
+
+/// Register bounds of the backward kernels (wider rows re-read: two rows of x and dy would not fit).
+pub const BACKWARD_VECTORS_PER_LANE: [u32; 6] = [0, 2, 3, 4, 6, 8];
+
+/// Register bounds whose backward kernels also exist with the next row loaded ahead
+/// ([`NormLaunch::prefetch`]).
+pub const BACKWARD_PREFETCH_VECTORS: [u32; 3] = [2, 3, 4];
+
+const FORWARD_MODULES: [KernelModule; 9] = [
+    norm_module!(forward, 0),
+    norm_module!(forward, 2),
+    norm_module!(forward, 3),
+    norm_module!(forward, 4),
+    norm_module!(forward, 6),
+    norm_module!(forward, 8),
+    norm_module!(forward, 10),
+    norm_module!(forward, 12),
+    norm_module!(forward, 16),
+];
+
+const BACKWARD_MODULES: [KernelModule; 6] = [
+    norm_module!(backward, 0),
+    norm_module!(backward, 2),
+    norm_module!(backward, 3),
+    norm_module!(backward, 4),
+    norm_module!(backward, 6),
+    norm_module!(backward, 8),
+];
+
+/// The module holding the forward kernels of register bound `nv` (one of [`FORWARD_VECTORS_PER_LANE`];
+/// any other gets the module of every forward kernel).
+pub fn forward_module(nv: u32) -> &'static KernelModule {
+    match FORWARD_VECTORS_PER_LANE.iter().position(|&v| v == nv) {
+        Some(i) => &FORWARD_MODULES[i],
+        None => &LAYER_NORM_FORWARD_MODULE,
+    }
+}
+
+/// The module holding the backward kernels of register bound `nv` (one of [`BACKWARD_VECTORS_PER_LANE`];
+/// any other gets the module of every backward kernel) and the parameter reduction.
+pub fn backward_module(nv: u32) -> &'static KernelModule {
+    match BACKWARD_VECTORS_PER_LANE.iter().position(|&v| v == nv) {
+        Some(i) => &BACKWARD_MODULES[i],
+        None => &LAYER_NORM_BACKWARD_MODULE,
+    }
+}
 
 /// PyTorch's default `eps` of `F.layer_norm`.
 pub const DEFAULT_EPS: f32 = 1e-5;
@@ -212,30 +308,43 @@ pub struct NormGrads<'a, G: FloatElement> {
     pub param_mode: GradMode,
 }
 
-/// Rows per chunk of the parameter-gradient sums (`LN_PARAM_CHUNK` in the kernel).
-pub const PARAM_CHUNK_ROWS: usize = 16;
+/// Chunks of rows per tile of the parameter-gradient sums (`LN_TILE_CHUNKS` in the kernel: the warps of a
+/// backward block).
+pub const TILE_CHUNKS: usize = 8;
+
+/// Most chunks of rows of the parameter-gradient sums: rows are cut into at most this many chunks, so at
+/// most 256 tiles.
+pub const MAX_PARAM_CHUNKS: usize = 2048;
 
 /// The order of the parameter-gradient column sums for a given number of rows: `chunks` chunks of
-/// [`PARAM_CHUNK_ROWS`] rows (the last may be shorter), in `groups` groups of `group` chunks (the last may
-/// be shorter). `group` is at least 32 and large enough that there are at most 32 groups.
+/// `chunk_rows` rows (the last may be shorter), in `tiles` tiles of [`TILE_CHUNKS`] chunks (the last may be
+/// shorter), in `runs` runs of `run` tiles (the last may be shorter; at most 32 runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParamOrder {
-    /// Chunks of rows (at least 1).
+    /// Rows per chunk (at least 1).
+    pub chunk_rows: usize,
+    /// Chunks of rows (at least 1, at most [`MAX_PARAM_CHUNKS`]).
     pub chunks: usize,
-    /// Chunks per group.
-    pub group: usize,
-    /// Groups (at most 32).
-    pub groups: usize,
+    /// Tiles of [`TILE_CHUNKS`] chunks (at most 256).
+    pub tiles: usize,
+    /// Tiles per run.
+    pub run: usize,
+    /// Runs (at most 32).
+    pub runs: usize,
 }
 
 /// The [`ParamOrder`] of `rows` rows.
 pub fn param_order(rows: usize) -> ParamOrder {
-    let chunks = rows.div_ceil(PARAM_CHUNK_ROWS).max(1);
-    let group = chunks.div_ceil(32).max(32);
+    let chunk_rows = rows.div_ceil(MAX_PARAM_CHUNKS).max(1);
+    let chunks = rows.div_ceil(chunk_rows).max(1);
+    let tiles = chunks.div_ceil(TILE_CHUNKS);
+    let run = tiles.div_ceil(32);
     ParamOrder {
+        chunk_rows,
         chunks,
-        group,
-        groups: chunks.div_ceil(group),
+        tiles,
+        run,
+        runs: tiles.div_ceil(run),
     }
 }
 
@@ -243,11 +352,24 @@ pub fn param_order(rows: usize) -> ParamOrder {
 /// `None` fields are chosen from the shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct NormLaunch {
-    /// Vectors of 8 elements per lane held in registers by the row kernels (0, 4, 8, 12 or 16; bf16 rows
-    /// of a multiple of 8 only, others always re-read): more registers per thread, fewer resident warps.
+    /// Vectors of 8 elements per lane held in registers by the row kernels: one of
+    /// [`FORWARD_VECTORS_PER_LANE`] (forward) or [`BACKWARD_VECTORS_PER_LANE`] (backward) at least
+    /// `ceil(d / 256)`, or 0 to re-read the row; bf16 rows of a multiple of 8 only, others always re-read.
+    /// A bound that is too small or has no kernel falls back to 0. More registers per thread, fewer
+    /// resident warps.
     pub vectors_per_lane: Option<u32>,
-    /// Rows per block tile of the FP8 forward (a power of two up to 32).
+    /// Rows per block tile of the FP8 forward (a power of two up to 64; its codes stay in shared memory
+    /// until the block writes them transposed).
     pub tile_rows: Option<usize>,
+    /// Rows a warp of the forward holds at once (1, 2 or 4; 4 and 2 only with at most 4 and 8 vectors
+    /// per lane, else the rows are re-read). A block of the FP8 forward has `tile_rows / rows_per_warp`
+    /// warps (at most 16: more rows per warp are taken when the tile needs it).
+    pub rows_per_warp: Option<u32>,
+    /// Backward: load the next row of a chunk while computing the current one (kernels of
+    /// [`BACKWARD_PREFETCH_VECTORS`] only).
+    pub prefetch: Option<bool>,
+    /// Run the previous forward kernels (`layer_norm_legacy.cu`), for comparison.
+    pub legacy_forward: bool,
 }
 
 fn bad(what: &'static str, detail: String) -> KernelError {
