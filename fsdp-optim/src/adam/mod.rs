@@ -27,8 +27,10 @@ use half::f16;
 use std::ops::Range;
 
 mod checkpoint;
+mod in_backward;
 mod memory;
 
+pub(crate) use in_backward::unit_step_error;
 pub use memory::BytesPerParam;
 
 const FP8: usize = ParamGroup::Fp8 as usize;
@@ -171,6 +173,8 @@ pub struct ShardedAdam {
     coef_no_decay: Buffer<f32>,
     /// Two zero words (the L2 and decoupled flags of the coefficients).
     zero_flags: Buffer<f32>,
+    /// A step begun in the backward, unit by unit, not yet finished (see `in_backward`).
+    in_backward: Option<in_backward::StepInBackward>,
     rank: usize,
     world_size: usize,
     device: Device,
@@ -318,6 +322,7 @@ impl ShardedAdam {
             total_slots: slot_base,
             coef_no_decay: device.zeros(COEF_LEN)?,
             zero_flags: device.zeros(2)?,
+            in_backward: None,
             rank,
             world_size,
             device,
@@ -496,6 +501,17 @@ impl ShardedAdam {
         scaling: Option<&mut ScalingRegistry>,
     ) -> Result<PendingStepReport, OptimError> {
         self.check_model(model)?;
+        if self.in_backward.is_some() {
+            return Err(mismatch(
+                "a step begun in the backward is not finished: finish it (finish_step_in_backward) \
+                 before a whole-model step"
+                    .into(),
+            ));
+        }
+        // Transient gradient shards of units that got no gradient (zeros); a no-op otherwise.
+        for u in 0..model.num_units() {
+            model.ensure_grad_shards(u)?;
+        }
         let lr = self.current_lr();
         let low = self.options.state_precision == StatePrecision::LowPrecision;
         let (rank, ws, n) = (self.rank, self.world_size, self.total_slots);
@@ -801,6 +817,12 @@ macro_rules! adam_face {
         impl std::ops::DerefMut for $name {
             fn deref_mut(&mut self) -> &mut ShardedAdam {
                 &mut self.0
+            }
+        }
+
+        impl fsdp_shard::UnitGradsReady for $name {
+            fn unit_ready(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), ShardError> {
+                self.0.unit_ready(model, u)
             }
         }
 
