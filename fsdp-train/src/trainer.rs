@@ -15,7 +15,10 @@ use fp8_core::Fp8Format;
 use fp8_kernels::{elementwise, Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::{convert_to_fp8, linear_precisions, set_linear_precision, LinearPrecision};
-use fsdp_optim::{export_with, step_model, ExportDtype, LrSchedule, Optimizer};
+use fsdp_optim::{
+    export_with, finish_step_model, step_model, ExportDtype, LrSchedule, Optimizer,
+    PendingStepReport, SharedOptimizer,
+};
 use fsdp_shard::checkpoint::{read_index, shard_file_bytes};
 use fsdp_shard::{FsdpConfig, FsdpModel, GradReduction, MemoryReport, Mode, ShardError};
 use std::collections::BTreeMap;
@@ -285,7 +288,16 @@ impl Trainer {
             RunLength::Steps(s) => RunSetting::new("hyper.steps", "--steps", s),
             RunLength::Epochs(e) => RunSetting::new("hyper.epochs", "--epochs", e),
         };
-        let mut hyperparameters = vec![RunSetting::new("hyper.lr", "--lr", c.lr), length];
+        // The step in the backward computes the same numbers: a resume may switch it.
+        let mut hyperparameters = vec![
+            RunSetting::new("hyper.lr", "--lr", c.lr),
+            length,
+            RunSetting::new(
+                "optimizer_in_backward",
+                "--optimizer-in-backward",
+                c.optimizer_in_backward,
+            ),
+        ];
         hyperparameters.extend(task.hyperparameters());
         RunSettings {
             binary: task.name().to_string(),
@@ -504,7 +516,30 @@ impl Trainer {
             lr: self.config.lr,
             states: self.config.optimizer_states,
         };
-        task.optimizer(model, &choice).map_err(TrainError::task)
+        let opt = task.optimizer(model, &choice).map_err(TrainError::task)?;
+        if !self.config.optimizer_in_backward {
+            return Ok(opt);
+        }
+        // The optimizer is shared with the model's backward, which steps each unit as soon as its
+        // gradients are reduced; the loop then only finishes the step (`finish_step`).
+        match SharedOptimizer::install(opt, model) {
+            Ok(shared) => Ok(Box::new(shared)),
+            Err(e) => Err(TrainError::Config(format!("--optimizer-in-backward: {e}"))),
+        }
+    }
+
+    /// The optimizer step after a training step's backward passes: the whole step, or with the step
+    /// in the backward only its end (the units were stepped by the backward).
+    pub(crate) fn finish_step<M: fsdp_shard::Module>(
+        &self,
+        opt: &mut dyn Optimizer,
+        model: &mut FsdpModel<M>,
+    ) -> Result<PendingStepReport, TrainError> {
+        Ok(if self.config.optimizer_in_backward {
+            finish_step_model(opt, model)?
+        } else {
+            step_model(opt, model)?
+        })
     }
 
     /// The [`MemoryPlan`] of this run on `env`.
@@ -517,6 +552,7 @@ impl Trainer {
                 && !matches!(c.fp8_layers, fsdp_nn::Fp8Filter::None),
             optimizer_states: c.optimizer_states,
             grad_shards: c.grad_shards,
+            optimizer_in_backward: c.optimizer_in_backward,
         }
     }
 
@@ -1031,7 +1067,7 @@ impl Trainer {
                     task.backward(model, &batch).map_err(TrainError::task)?;
                     mark(&mut prof, Phase::Backward)?;
                 }
-                let report = step_model(opt, model)?;
+                let report = self.finish_step(opt, model)?;
                 mark(&mut prof, Phase::Optimizer)?;
                 finish_profiled_step(&mut st.profiler, prof, &mut st.profile, lead)?;
                 st.steps_run += 1;
@@ -1256,6 +1292,10 @@ impl Trainer {
         ];
         for (k, v) in extra {
             r.extra.insert(k.to_string(), v);
+        }
+        if c.optimizer_in_backward {
+            r.extra
+                .insert("optimizer_in_backward".into(), serde_json::json!(true));
         }
         for (k, v) in eval.extra {
             r.extra.insert(k, v);
