@@ -7,6 +7,7 @@
 //!   states, F32 and BF16 gradient shards, the FP8 gradient reduce-scatter and block recomputation;
 //! - no gradient shard persists: the model state reports 0 bytes of them, and at most the largest
 //!   unit's existed at once;
+//! - the MNIST task (Adam, a StepLR schedule per epoch) trains bit for bit both ways too;
 //! - a checkpoint saved in either mode resumes bitwise in the other;
 //! - what cannot apply is refused naming the flags.
 
@@ -15,9 +16,11 @@ mod scratch;
 use fsdp_examples::data::tokens::{
     committed_shakespeare_slice_dir, write_token_file, TokenFile, GPT2_VOCAB_SIZE,
 };
+use fsdp_examples::data::committed_subset_dir;
 use fsdp_examples::gpt::Gpt;
 use fsdp_examples::llama::Llama;
 use fsdp_examples::lm::{LanguageModel, LmOptions, LmTask};
+use fsdp_examples::mnist::{MnistOptions, MnistTask};
 use fsdp_optim::StatePrecision;
 use fsdp_shard::checkpoint::{read_commit, CheckpointFile};
 use fsdp_shard::GradDtype;
@@ -212,6 +215,39 @@ fn llama_trains_bit_for_bit_with_the_optimizer_in_the_backward() {
 }
 
 #[test]
+fn mnist_trains_bit_for_bit_with_the_optimizer_in_the_backward() {
+    let run = |in_backward: bool| {
+        let mut c = TrainConfig::new(RunLength::Epochs(1));
+        c.world_size = 2;
+        c.device = DeviceChoice::Cpu;
+        c.threads_per_rank = Some(1);
+        c.collect_params = true;
+        c.optimizer_in_backward = in_backward;
+        let task = MnistTask::new(MnistOptions {
+            batch_size: 64,
+            test_batch_size: 500,
+            data_dir: committed_subset_dir(),
+            ..MnistOptions::default()
+        })
+        .unwrap();
+        Trainer::new(c).run(&task).unwrap()
+    };
+    let (after, inside) = (run(false), run(true));
+    for rank in 0..2 {
+        assert_eq!(
+            bits(&after.step_losses[rank]),
+            bits(&inside.step_losses[rank])
+        );
+    }
+    for ((n, a), (_, b)) in after.params.iter().zip(&inside.params) {
+        assert_eq!(bits(a), bits(b), "{n}");
+    }
+    let acc = |r: &TrainReport| r.last().map(|p| p.test_accuracy.to_bits());
+    assert_eq!(acc(&after), acc(&inside));
+    assert!(inside.memory.iter().all(|m| m.grad_shards == 0));
+}
+
+#[test]
 fn a_checkpoint_saved_in_either_mode_resumes_bitwise_in_the_other() {
     let data = data_dir();
     let opts = small("llama-tiny", &data, 4);
@@ -289,4 +325,61 @@ fn what_cannot_step_in_the_backward_is_refused_naming_the_flags() {
         text.contains("Summary") && text.contains("stepped per unit in the backward"),
         "{text}"
     );
+}
+
+/// On a GPU: the step in the backward gives the same bits as the step after it on CUDA too (the
+/// device-side counters, the per-unit all-reduces, transient shards freed into the pool), and the speed
+/// mode reports no persistent gradient shards. Prints both speed lines (peak memory side by side).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_the_step_in_the_backward_is_bit_for_bit_and_holds_no_gradient_shards() {
+    let data = data_dir();
+    for (states, shards, fp8_comm) in [
+        (StatePrecision::LowPrecision, GradDtype::Bf16, false),
+        (StatePrecision::F32, GradDtype::F32, true),
+    ] {
+        let mut c = config(6, 1, false);
+        c.device = DeviceChoice::Cuda;
+        c.optimizer_states = states;
+        c.grad_shards = shards;
+        c.fp8_grad_comm = fp8_comm;
+        let opts = small("llama-tiny", &data, 8);
+        let what = format!("CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm}");
+        let run = |in_backward: bool| {
+            let mut c = c.clone();
+            c.optimizer_in_backward = in_backward;
+            train::<Llama<bf16>>(&opts, &c).unwrap_or_else(|e| panic!("{what}: {e}"))
+        };
+        let (after, inside) = (run(false), run(true));
+        for ((n, a), (_, b)) in after.params.iter().zip(&inside.params) {
+            assert_eq!(bits(a), bits(b), "{what}: {n}");
+        }
+        let val = |r: &TrainReport| r.last().map(|p| p.test_loss.to_bits());
+        assert_eq!(val(&after), val(&inside), "{what}");
+        assert_eq!(inside.memory[0].grad_shards, 0, "{what}");
+    }
+    let speed = LmOptions {
+        batch_size: 4,
+        ..LmOptions::new("llama-tiny", 256, data.clone())
+    };
+    let task = LmTask::<Llama<bf16>>::new(speed, 1).unwrap();
+    for in_backward in [false, true] {
+        let mut c = config(6, 1, in_backward);
+        c.device = DeviceChoice::Cuda;
+        let r = Trainer::new(c)
+            .speed(
+                &task,
+                fsdp_train::SpeedOptions {
+                    warmup_steps: 2,
+                    timed_steps: 3,
+                    profile: false,
+                },
+            )
+            .unwrap();
+        println!("{}", r.table());
+        println!("{}", r.json());
+        assert!(r.loss.is_finite());
+        assert_eq!(r.memory.grad_shards == 0, in_backward);
+        assert_eq!(r.json()["optimizer_in_backward"] == true, in_backward);
+    }
 }
