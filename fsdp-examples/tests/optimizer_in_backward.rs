@@ -13,10 +13,10 @@
 
 mod scratch;
 
+use fsdp_examples::data::committed_subset_dir;
 use fsdp_examples::data::tokens::{
     committed_shakespeare_slice_dir, write_token_file, TokenFile, GPT2_VOCAB_SIZE,
 };
-use fsdp_examples::data::committed_subset_dir;
 use fsdp_examples::gpt::Gpt;
 use fsdp_examples::llama::Llama;
 use fsdp_examples::lm::{LanguageModel, LmOptions, LmTask};
@@ -155,10 +155,17 @@ fn both_ways<M: LanguageModel>(
         );
     }
     // The optimizer says how it steps; no gradient shard outlives the step, one unit's existed at once.
-    assert!(inside.optimizer.contains("in the backward"), "{}", inside.optimizer);
+    assert!(
+        inside.optimizer.contains("in the backward"),
+        "{}",
+        inside.optimizer
+    );
     assert!(!after.optimizer.contains("in the backward"));
     for (a, b) in after.memory.iter().zip(&inside.memory) {
-        assert!(a.grad_shards > 0 && a.peak_grad_shards == a.grad_shards, "{what}: {a:?}");
+        assert!(
+            a.grad_shards > 0 && a.peak_grad_shards == a.grad_shards,
+            "{what}: {a:?}"
+        );
         assert_eq!(b.grad_shards, 0, "{what}: {b:?}");
         assert!(
             b.peak_grad_shards > 0 && b.peak_grad_shards < a.grad_shards,
@@ -208,7 +215,8 @@ fn llama_trains_bit_for_bit_with_the_optimizer_in_the_backward() {
             let mut c = config(4, ws, false);
             c.optimizer_states = states;
             c.grad_shards = shards;
-            let what = format!("llama, {ws} rank(s), {states:?} states, {shards:?} gradient shards");
+            let what =
+                format!("llama, {ws} rank(s), {states:?} states, {shards:?} gradient shards");
             both_ways::<Llama<bf16>>(&what, &small("llama-tiny", &data, 8 / ws), &c);
         }
     }
@@ -301,7 +309,12 @@ fn what_cannot_step_in_the_backward_is_refused_naming_the_flags() {
     // The binary refuses it before any work, and names the mode in its summary when it trains.
     let bin = env!("CARGO_BIN_EXE_lm_fsdp");
     let out = Command::new(bin)
-        .args(["--device", "cpu", "--no-progress", "--optimizer-in-backward"])
+        .args([
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--optimizer-in-backward",
+        ])
         .args(["--grad-accum", "2"])
         .output()
         .unwrap();
@@ -312,7 +325,12 @@ fn what_cannot_step_in_the_backward_is_refused_naming_the_flags() {
         "{e}"
     );
     let out = Command::new(bin)
-        .args(["--device", "cpu", "--no-progress", "--optimizer-in-backward"])
+        .args([
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--optimizer-in-backward",
+        ])
         .args(["--data", data.to_str().unwrap(), "--compact-vocab"])
         .args(["--d-model", "64", "--layers", "1", "--heads", "2"])
         .args(["--seq-len", "32", "--batch-size", "2", "--steps", "2"])
@@ -320,7 +338,11 @@ fn what_cannot_step_in_the_backward_is_refused_naming_the_flags() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         text.contains("Summary") && text.contains("stepped per unit in the backward"),
         "{text}"
@@ -344,7 +366,8 @@ fn cuda_the_step_in_the_backward_is_bit_for_bit_and_holds_no_gradient_shards() {
         c.grad_shards = shards;
         c.fp8_grad_comm = fp8_comm;
         let opts = small("llama-tiny", &data, 8);
-        let what = format!("CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm}");
+        let what =
+            format!("CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm}");
         let run = |in_backward: bool| {
             let mut c = c.clone();
             c.optimizer_in_backward = in_backward;

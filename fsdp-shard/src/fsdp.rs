@@ -667,7 +667,6 @@ impl<M: Module> FsdpModel<M> {
         let pass_hook = hook.as_deref_mut().map(|h| h as &mut dyn UnitGradsReady);
         let (module, mut ctx) = self.ctx(Phase::Backward, pass_hook);
         let r = f(module, &mut ctx);
-        drop(ctx);
         let end = self.end_backward(if r.is_ok() { hook } else { None });
         let r = r?;
         end?;

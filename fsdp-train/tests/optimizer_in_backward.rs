@@ -145,7 +145,9 @@ fn the_weights_are_those_of_the_step_after_the_backward() {
             assert_eq!(bits(a), bits(b), "{ranks} rank(s): {n}");
         }
         assert_eq!(after.step_losses, inside.step_losses);
-        assert!(inside.optimizer.contains("stepped per unit in the backward"));
+        assert!(inside
+            .optimizer
+            .contains("stepped per unit in the backward"));
         assert!(inside.memory.iter().all(|m| m.grad_shards == 0));
         assert!(after.memory.iter().all(|m| m.grad_shards > 0));
     }
