@@ -80,7 +80,8 @@ use std::sync::Arc;
 /// released and it is not used again in the pass, so its shards, gradients and weights may change.
 /// Collective where it calls collectives: every rank gets the same calls in the same order.
 pub trait UnitGradsReady {
-    /// Unit `u`'s gradient shards hold its reduced gradients of this backward.
+    /// Unit `u`'s gradient shards hold its reduced gradients of this backward (zeros for a unit that got
+    /// none; transient shards are allocated before the call).
     fn unit_ready(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), ShardError>;
 }
 
@@ -238,6 +239,7 @@ impl Ctx<'_> {
                     self.sharded.release(c)?;
                     s.reduced[c] = true;
                     if let Some(h) = self.hook.as_deref_mut() {
+                        self.sharded.ensure_grad_shards(c)?;
                         h.unit_ready(self.sharded, c)?;
                     }
                 } else if self.phase == Phase::Forward(Mode::Eval)
@@ -694,6 +696,8 @@ impl<M: Module> FsdpModel<M> {
             self.schedule.reduced[u] = true;
             if let Some(h) = hook.as_deref_mut() {
                 self.sharded.release(u)?;
+                // A unit that got no gradient is handed over with zeroed shards (transient ones made).
+                self.sharded.ensure_grad_shards(u)?;
                 h.unit_ready(&mut self.sharded, u)?;
             }
         }
