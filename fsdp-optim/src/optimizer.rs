@@ -4,6 +4,7 @@
 
 use crate::adam::{unit_step_error, PendingStepReport, ShardedAdam};
 use crate::{AdamOptions, FsdpAdam, FsdpAdamW, LrSchedule, OptimError};
+use fp8_kernels::Buffer;
 use fsdp_shard::{
     FsdpModel, MemoryReport, Module, ScalingRegistry, ShardError, ShardedModel, ShardedState,
     StateShard, UnitGradsReady,
@@ -57,6 +58,15 @@ pub trait Optimizer: ShardedState + Send {
             "{} cannot step inside the backward",
             self.describe()
         )))
+    }
+    /// Begins a step inside the backward; `loss` (this rank's loss of the forward whose backward
+    /// follows), when given and not finite on some rank, makes every unit skip.
+    fn begin_step_in_backward(
+        &mut self,
+        _model: &ShardedModel,
+        _loss: Option<&Buffer<f32>>,
+    ) -> Result<(), OptimError> {
+        self.check_step_in_backward()
     }
     /// Steps unit `u` from its reduced gradients (inside the backward), then clears them; begins a step
     /// when none is (collective).
@@ -226,6 +236,13 @@ impl Optimizer for SharedOptimizer {
     fn check_step_in_backward(&self) -> Result<(), OptimError> {
         self.lock().check_step_in_backward()
     }
+    fn begin_step_in_backward(
+        &mut self,
+        model: &ShardedModel,
+        loss: Option<&Buffer<f32>>,
+    ) -> Result<(), OptimError> {
+        self.lock().begin_step_in_backward(model, loss)
+    }
     fn step_unit(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), OptimError> {
         self.lock().step_unit(model, u)
     }
@@ -281,6 +298,13 @@ impl Optimizer for ShardedAdam {
     }
     fn check_step_in_backward(&self) -> Result<(), OptimError> {
         ShardedAdam::check_step_in_backward(self)
+    }
+    fn begin_step_in_backward(
+        &mut self,
+        model: &ShardedModel,
+        loss: Option<&Buffer<f32>>,
+    ) -> Result<(), OptimError> {
+        ShardedAdam::begin_step_in_backward(self, model, loss)
     }
     fn step_unit(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), OptimError> {
         ShardedAdam::step_unit(self, model, u)
@@ -339,6 +363,13 @@ macro_rules! delegate_optimizer {
             }
             fn check_step_in_backward(&self) -> Result<(), OptimError> {
                 Optimizer::check_step_in_backward(&**self)
+            }
+            fn begin_step_in_backward(
+                &mut self,
+                model: &ShardedModel,
+                loss: Option<&Buffer<f32>>,
+            ) -> Result<(), OptimError> {
+                Optimizer::begin_step_in_backward(&mut **self, model, loss)
             }
             fn step_unit(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), OptimError> {
                 Optimizer::step_unit(&mut **self, model, u)

@@ -305,3 +305,49 @@ fn clipping_is_refused_and_misuse_is_an_error() {
     assert!(e[5].contains("middle of a step"), "{}", e[5]);
     assert!(*pending && !*after);
 }
+
+#[test]
+fn a_non_finite_loss_skips_every_unit() {
+    let p = random_problem(37, SHAPES, WrapPolicy::PerModule, 0.4, 0.05, 2);
+    for precision in [StatePrecision::F32, StatePrecision::LowPrecision] {
+        let out = run_ranks(2, |comm: ThreadComm| {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            let rank = comm.rank();
+            let init = |i: usize| p.init[i].clone();
+            let (mut model, masters) =
+                ShardedModel::new(p.layout.clone(), comm, FsdpConfig::default(), &init)?;
+            model.set_transient_grads(true)?;
+            let mut opt = FsdpAdamW::new(&model, masters, options(precision))?;
+            let mut scaling = ScalingRegistry::new(model.device())?;
+            let mut reports = Vec::new();
+            let mut before = None;
+            for (t, loss) in [1.5f32, f32::NAN].into_iter().enumerate() {
+                // Rank 1 alone sees the NaN loss; every gradient is finite.
+                let loss = if rank == 1 { loss } else { 2.0 };
+                let loss = model.device().upload(&[loss, 7.0])?;
+                before = Some((collect(&model, &opt)?, opt.export_state()?));
+                Optimizer::begin_step_in_backward(&mut *opt, &model, Some(&loss))?;
+                for u in (0..model.num_units()).rev() {
+                    set_unit_grads(&mut model, &p.grads[t], u)?;
+                    Optimizer::step_unit(&mut *opt, &mut model, u)?;
+                }
+                let r = Optimizer::finish_step_in_backward(&mut *opt, &mut model, &mut scaling)?;
+                reports.push(r.read()?);
+            }
+            let after = (collect(&model, &opt)?, opt.export_state()?);
+            Ok::<_, OptimError>((reports, before == Some(after)))
+        })
+        .unwrap();
+        for (reports, unchanged) in out {
+            assert_eq!(
+                counters(&reports),
+                [(1, false, 0, 0), (1, true, 1, p.layout.units.len() as u64)],
+                "{precision:?}"
+            );
+            assert!(
+                unchanged,
+                "{precision:?}: a unit moved on a non-finite loss"
+            );
+        }
+    }
+}

@@ -118,8 +118,8 @@ pub struct TrainConfig {
     /// Step the optimizer inside the backward (`--optimizer-in-backward`): each FSDP unit as soon as its
     /// gradients are reduce-scattered, its gradient shards freed at once (transient), so no gradient
     /// shards persist across the step. The same numbers as the step after the backward when no step is
-    /// skipped; a step with a non-finite gradient skips the units that saw one and counts as skipped
-    /// (`fsdp_optim`'s `in_backward` docs). Needs one micro-batch per step and an optimizer without
+    /// skipped; a non-finite loss skips every unit, a non-finite gradient of a finite loss the units
+    /// that saw one, and either step counts as skipped (docs/optimizers.md). Needs one micro-batch per step and an optimizer without
     /// gradient clipping.
     pub optimizer_in_backward: bool,
     /// Stop cleanly on SIGINT / SIGTERM (the binary installs the handler, see [`crate::signal`]).

@@ -322,6 +322,7 @@ impl Trainer {
             mark(prof, Phase::Data)?;
             task.forward(model, &batch).map_err(TrainError::task)?;
             mark(prof, Phase::Forward)?;
+            self.begin_step(task, opt.as_mut(), model)?;
             task.backward(model, &batch).map_err(TrainError::task)?;
             mark(prof, Phase::Backward)?;
             self.finish_step(opt.as_mut(), model)?;

@@ -528,6 +528,31 @@ impl Trainer {
         }
     }
 
+    /// With the step in the backward, begins it before the backward with the loss of the forward: a
+    /// non-finite loss on any rank then skips every unit (no unit updated from the gradients of a
+    /// diverged loss). A no-op otherwise.
+    pub(crate) fn begin_step<T: TrainTask>(
+        &self,
+        task: &T,
+        opt: &mut dyn Optimizer,
+        model: &FsdpModel<T::Model>,
+    ) -> Result<(), TrainError> {
+        if !self.config.optimizer_in_backward {
+            return Ok(());
+        }
+        let loss = task.loss(model).map_err(TrainError::task)?;
+        // Element 0 is the loss; further elements are the task's own sums.
+        let first = if loss.values.is_empty() {
+            None
+        } else {
+            let mut b = model.device().zeros::<f32>(1)?;
+            b.copy_range_from(0, loss.values, 0, 1)?;
+            Some(b)
+        };
+        opt.begin_step_in_backward(model.sharded(), first.as_ref())?;
+        Ok(())
+    }
+
     /// The optimizer step after a training step's backward passes: the whole step, or with the step
     /// in the backward only its end (the units were stepped by the backward).
     pub(crate) fn finish_step<M: fsdp_shard::Module>(
@@ -1064,6 +1089,7 @@ impl Trainer {
                     }
                     step_weight += weight;
                     mark(&mut prof, Phase::Forward)?;
+                    self.begin_step(task, opt, model)?;
                     task.backward(model, &batch).map_err(TrainError::task)?;
                     mark(&mut prof, Phase::Backward)?;
                 }

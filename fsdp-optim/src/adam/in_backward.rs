@@ -23,7 +23,9 @@
 //!   refuses a hook while gradient sync is off.
 //! - **Non-finite gradients**: a unit whose gradients (on any rank) hold a non-finite value, or whose
 //!   sum of squares is not finite, skips its own update; the units stepped before it in this backward
-//!   are already updated (a partial step). The step then counts as skipped (its counters stay, its
+//!   are already updated (a partial step). A non-finite loss (the usual divergence), given to
+//!   [`ShardedAdam::begin_step_in_backward`], skips every unit: no partial step then (its non-finite
+//!   values count once per unit in the reported count). The step then counts as skipped (its counters stay, its
 //!   report says `skipped`), so a training loop's limit on consecutive skipped steps applies as before.
 //!   Units that did update took Adam's step `t + 1`; with the counter unchanged they take `t + 1` again
 //!   next step (a bias correction one step behind, which fades with `t`). The one case where a step is
@@ -34,6 +36,7 @@
 
 use super::*;
 use fp8_kernels::elementwise::axpy;
+use fp8_kernels::reduce::{finite_amax_count, norm_stats_take_count};
 
 /// A step begun in the backward and not yet finished.
 #[derive(Debug)]
@@ -44,6 +47,9 @@ pub(super) struct StepInBackward {
     stepped: Vec<bool>,
     /// `[non-finite count, sum of squares]` of the units stepped so far, over all ranks.
     totals: Buffer<f32>,
+    /// Non-finite values of this rank's loss (when given): added to every unit's count, so a non-finite
+    /// loss on any rank skips every unit.
+    loss_nonfinite: Option<Buffer<u32>>,
 }
 
 /// The words `offset..offset + len` of `src` in a buffer of their own.
@@ -76,8 +82,15 @@ impl ShardedAdam {
     }
 
     /// Begins a step taken unit by unit in the backward (see the module docs): fixes its learning rate
-    /// (the schedule's now). [`ShardedAdam::step_unit`] begins one itself when none is.
-    pub fn begin_step_in_backward(&mut self, model: &ShardedModel) -> Result<(), OptimError> {
+    /// (the schedule's now). `loss`, this rank's loss of the forward whose backward follows (its
+    /// elements are checked, on the device): when one is not finite on any rank, every unit skips, so a
+    /// diverged loss skips the whole step as the step after the backward would, with no unit updated.
+    /// [`ShardedAdam::step_unit`] begins a step itself (without a loss) when none is.
+    pub fn begin_step_in_backward(
+        &mut self,
+        model: &ShardedModel,
+        loss: Option<&Buffer<f32>>,
+    ) -> Result<(), OptimError> {
         self.check_step_in_backward()?;
         self.check_model(model)?;
         if self.in_backward.is_some() {
@@ -85,10 +98,20 @@ impl ShardedAdam {
                 "a step in the backward is already begun: finish it first".into(),
             ));
         }
+        let loss_nonfinite = match loss {
+            Some(l) => {
+                let mut count = self.device.zeros::<u32>(1)?;
+                let mut amax = self.device.zeros::<f32>(1)?;
+                finite_amax_count(l, &mut amax, &mut count)?;
+                Some(count)
+            }
+            None => None,
+        };
         self.in_backward = Some(StepInBackward {
             lr: self.current_lr(),
             stepped: vec![false; self.units.len()],
             totals: self.device.zeros(2)?,
+            loss_nonfinite,
         });
         Ok(())
     }
@@ -99,7 +122,7 @@ impl ShardedAdam {
     /// a step in the backward when none is. Each unit is stepped at most once per step.
     pub fn step_unit(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), OptimError> {
         if self.in_backward.is_none() {
-            self.begin_step_in_backward(model)?;
+            self.begin_step_in_backward(model, None)?;
         }
         let (lr, done) = match &self.in_backward {
             Some(s) => (s.lr, s.stepped.get(u).copied()),
@@ -143,6 +166,15 @@ impl ShardedAdam {
             amax_row,
         )?;
         model.take_nonfinite_before_cast_into(&mut self.stats_acc)?;
+        if let Some(bad) = self
+            .in_backward
+            .as_ref()
+            .and_then(|s| s.loss_nonfinite.as_ref())
+        {
+            let mut count = dev.zeros::<u32>(1)?;
+            count.copy_from(bad)?;
+            norm_stats_take_count(&mut self.stats_acc, &mut count)?;
+        }
         norm_stats_finish(&mut self.stats_acc, 0, &mut sums)?;
         model
             .comm()
