@@ -8,7 +8,9 @@ mod common;
 use common::{canon, cuda_device};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::elementwise::add_at;
-use fp8_kernels::reduce::finite_amax_count;
+use fp8_kernels::reduce::{
+    finite_amax_count, norm_stats, norm_stats_finish, norm_stats_take_count, NORM_STATS_ACC_LEN,
+};
 use fp8_kernels::segmented::{
     segmented_amax, segmented_cast, segmented_scales, Segment, SegmentTable,
 };
@@ -231,6 +233,28 @@ proptest! {
         prop_assert_eq!(c.to_vec().unwrap()[0], count0 + bad);
     }
 
+    /// A device counter moved into the statistics counts as non-finite values of the gradient, wrapping
+    /// as the accumulator does, and is cleared.
+    #[test]
+    fn norm_stats_take_count_adds_the_counter_and_clears_it(
+        x in prop::collection::vec(value(), 0..200),
+        counter in prop_oneof![0u32..10, Just(u32::MAX), Just(u32::MAX - 3)],
+    ) {
+        let dev = Device::cpu();
+        let mut acc = dev.zeros::<f32>(NORM_STATS_ACC_LEN).unwrap();
+        let xb = dev.upload(&x).unwrap();
+        norm_stats(&xb, 0..x.len(), &mut acc, None).unwrap();
+        let mut c = dev.upload(&[counter]).unwrap();
+        norm_stats_take_count(&mut acc, &mut c).unwrap();
+        let mut sums = dev.zeros::<f32>(2).unwrap();
+        norm_stats_finish(&mut acc, 0, &mut sums).unwrap();
+        let bad = x.iter().filter(|v| !v.is_finite()).count() as u32;
+        prop_assert_eq!(sums.to_vec().unwrap()[0], bad.wrapping_add(counter) as f32);
+        prop_assert_eq!(c.to_vec().unwrap(), vec![0u32]);
+        let mut short = dev.zeros::<f32>(2).unwrap();
+        prop_assert!(norm_stats_take_count(&mut short, &mut c).is_err());
+    }
+
     #[test]
     fn scale_from_amax_is_compute_scale_with_previous_one(
         amax in prop_oneof![0.0f32..1e6, Just(0.0), Just(f32::INFINITY), Just(f32::NAN)],
@@ -405,4 +429,34 @@ fn segmented_cuda_check(gpu: &Device, n: usize, seed: u64) -> Vec<String> {
         ));
     }
     errs
+}
+
+/// `norm_stats_take_count` on CUDA against the CPU: the counter lands in the statistics and is cleared.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_norm_stats_take_count_matches_cpu() {
+    let gpu = cuda_device();
+    for (len, counter) in [(0usize, 5u32), (1000, 0), (4097, 17), (33, u32::MAX)] {
+        let x: Vec<f32> = (0..len)
+            .map(|i| match i % 97 {
+                3 => f32::NAN,
+                5 => f32::INFINITY,
+                _ => i as f32 * 0.25 - 100.0,
+            })
+            .collect();
+        let run = |d: &Device| {
+            let mut acc = d.zeros::<f32>(NORM_STATS_ACC_LEN).unwrap();
+            norm_stats(&d.upload(&x).unwrap(), 0..len, &mut acc, None).unwrap();
+            let mut c = d.upload(&[counter]).unwrap();
+            norm_stats_take_count(&mut acc, &mut c).unwrap();
+            let mut sums = d.zeros::<f32>(2).unwrap();
+            norm_stats_finish(&mut acc, 0, &mut sums).unwrap();
+            (sums.to_vec().unwrap()[0], c.to_vec().unwrap())
+        };
+        assert_eq!(
+            run(&Device::cpu()),
+            run(&gpu),
+            "{len} values, counter {counter}"
+        );
+    }
 }

@@ -56,6 +56,7 @@ fn the_estimate_is_below_every_measured_h200_peak_and_near_it() {
             } else {
                 GradDtype::F32
             },
+            optimizer_in_backward: false,
         };
         let estimate = spec.memory_estimate(n("batch"), &plan).unwrap();
         let peak = j["peak_GiB"].as_f64().unwrap() * f64::from(1u32 << 30);

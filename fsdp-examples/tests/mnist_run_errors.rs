@@ -185,6 +185,7 @@ fn a_batch_larger_than_memory_is_refused_naming_the_flag() {
         fp8_linears: true,
         optimizer_states: StatePrecision::LowPrecision,
         grad_shards: GradDtype::F32,
+        optimizer_in_backward: false,
     };
     // A batch beyond the data holds the rank's share of it: 4000 images on one rank, 2000 on two.
     let one = task.memory_estimate(&plan(1)).unwrap().unwrap();

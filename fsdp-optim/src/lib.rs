@@ -71,7 +71,7 @@ pub use adam::{
 pub use config::{AdamOptions, StatePrecision};
 pub use error::OptimError;
 pub use export::{export_full, export_with, write_safetensors, ExportDtype};
-pub use optimizer::{step_model, Optimizer};
+pub use optimizer::{finish_step_model, step_model, Optimizer, SharedOptimizer};
 pub use schedule::{
     ConstantLr, CosineWithWarmup, LinearWarmupDecay, LrSchedule, StepLr, WarmupCosine,
 };

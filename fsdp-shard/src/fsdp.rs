@@ -18,6 +18,15 @@
 //! At the end of a training forward every non-root unit is released; at the end of a backward every
 //! unit is reduced and released. `docs/architecture.md` has the data flow of a step.
 //!
+//! # A hook on each unit's reduced gradients
+//! A [`UnitGradsReady`] hook ([`FsdpModel::backward_with_hook`], or registered with
+//! [`FsdpModel::set_grads_hook`] for every backward) is called once per unit and backward, right after
+//! the unit's gradients are reduce-scattered into this rank's shards and its gathered parameters are
+//! released: the non-root units in the order their gradients complete, then the root unit, then the
+//! units that got no gradient. An optimizer steps the unit there and frees its gradient shards
+//! (`fsdp-optim`'s step in the backward), so with transient shards
+//! ([`ShardedModel::set_transient_grads`]) no more than one unit's gradient shards exist at a time.
+//!
 //! ```
 //! use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 //! use fsdp_shard::{Ctx, FsdpConfig, FsdpModel, Mode, Module, ParamDecl, ParamId, ParamKind};
@@ -65,6 +74,16 @@ use fp8_kernels::{Buffer, CpuParallelism, Device};
 use fsdp_comm::Communicator;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+/// Called by the backward as soon as a unit's gradients are reduce-scattered into this rank's shards
+/// (see the module docs): the unit's gradients are final for this backward, its gathered parameters are
+/// released and it is not used again in the pass, so its shards, gradients and weights may change.
+/// Collective where it calls collectives: every rank gets the same calls in the same order.
+pub trait UnitGradsReady {
+    /// Unit `u`'s gradient shards hold its reduced gradients of this backward (zeros for a unit that got
+    /// none; transient shards are allocated before the call).
+    fn unit_ready(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), ShardError>;
+}
 
 /// Whether a forward pass trains (saves for the backward, records FP8 amaxes, draws dropout masks) or
 /// evaluates (none of that; e.g. validation, sampling).
@@ -142,6 +161,8 @@ pub struct Ctx<'a> {
     schedule: &'a mut Schedule,
     phase: Phase,
     parallelism: CpuParallelism,
+    /// Called after each unit's reduction in a backward.
+    hook: Option<&'a mut dyn UnitGradsReady>,
 }
 
 impl std::fmt::Debug for Ctx<'_> {
@@ -217,6 +238,10 @@ impl Ctx<'_> {
                     self.sharded.reduce_grads(c)?;
                     self.sharded.release(c)?;
                     s.reduced[c] = true;
+                    if let Some(h) = self.hook.as_deref_mut() {
+                        self.sharded.ensure_grad_shards(c)?;
+                        h.unit_ready(self.sharded, c)?;
+                    }
                 } else if self.phase == Phase::Forward(Mode::Eval)
                     || self.sharded.config().reshard_after_forward
                 {
@@ -359,6 +384,8 @@ pub struct FsdpModel<M> {
     schedule: Schedule,
     initial_masters: Option<Vec<Vec<f32>>>,
     parallelism: CpuParallelism,
+    /// The hook every backward calls after each unit's reduction ([`FsdpModel::set_grads_hook`]).
+    grads_hook: Option<Box<dyn UnitGradsReady + Send>>,
 }
 
 impl<M> std::fmt::Debug for FsdpModel<M> {
@@ -464,6 +491,7 @@ impl<M: Module> FsdpModel<M> {
             schedule,
             initial_masters: Some(masters),
             parallelism: CpuParallelism::default(),
+            grads_hook: None,
         })
     }
 
@@ -524,7 +552,11 @@ impl<M: Module> FsdpModel<M> {
         self.parallelism = parallelism;
     }
 
-    fn ctx(&mut self, phase: Phase) -> (&mut M, Ctx<'_>) {
+    fn ctx<'s>(
+        &'s mut self,
+        phase: Phase,
+        hook: Option<&'s mut dyn UnitGradsReady>,
+    ) -> (&'s mut M, Ctx<'s>) {
         (
             &mut self.module,
             Ctx {
@@ -533,8 +565,24 @@ impl<M: Module> FsdpModel<M> {
                 schedule: &mut self.schedule,
                 phase,
                 parallelism: self.parallelism,
+                hook,
             },
         )
+    }
+
+    /// Registers the hook every following backward calls after each unit's reduction (see the module
+    /// docs), or removes it (`None`); returns the previous one. [`FsdpModel::backward_with_hook`] takes
+    /// a hook for one backward instead.
+    pub fn set_grads_hook(
+        &mut self,
+        hook: Option<Box<dyn UnitGradsReady + Send>>,
+    ) -> Option<Box<dyn UnitGradsReady + Send>> {
+        std::mem::replace(&mut self.grads_hook, hook)
+    }
+
+    /// Whether a hook is registered ([`FsdpModel::set_grads_hook`]).
+    pub fn has_grads_hook(&self) -> bool {
+        self.grads_hook.is_some()
     }
 
     /// Runs a forward pass: `f` calls the model's forward with the pass's context. Afterwards the non-root
@@ -546,7 +594,7 @@ impl<M: Module> FsdpModel<M> {
         f: impl FnOnce(&mut M, &mut Ctx<'_>) -> Result<R, E>,
     ) -> Result<R, E> {
         self.schedule.start_pass();
-        let (module, mut ctx) = self.ctx(Phase::Forward(mode));
+        let (module, mut ctx) = self.ctx(Phase::Forward(mode), None);
         let r = f(module, &mut ctx);
         let end = self.end_forward(mode);
         let r = r?;
@@ -577,34 +625,80 @@ impl<M: Module> FsdpModel<M> {
     /// Runs a backward pass after a training forward: `f` calls the model's backward with the pass's
     /// context. Units are reduce-scattered as soon as their gradients are complete; at the end every
     /// unit is reduced (or kept for accumulation in no-sync mode, see
-    /// [`ShardedModel::set_grad_sync`]) and released.
+    /// [`ShardedModel::set_grad_sync`]) and released. A registered hook
+    /// ([`FsdpModel::set_grads_hook`]) is called after each unit's reduction.
     pub fn backward<R, E: From<ShardError>>(
         &mut self,
         f: impl FnOnce(&mut M, &mut Ctx<'_>) -> Result<R, E>,
     ) -> Result<R, E> {
+        // Taken out for the pass, so the pass borrows it beside the model's other parts.
+        let mut hook = self.grads_hook.take();
+        let r = self.run_backward(hook.as_deref_mut().map(|h| h as &mut dyn UnitGradsReady), f);
+        self.grads_hook = hook;
+        r
+    }
+
+    /// [`FsdpModel::backward`] calling `hook` once per unit right after the unit's gradients are
+    /// reduce-scattered into this rank's shards (see the module docs), instead of a registered hook.
+    /// The gradients must be reduced in this backward: no-sync accumulation
+    /// ([`FsdpModel::set_grad_sync`] off) is refused. When `f` fails, no further unit is handed to the
+    /// hook.
+    pub fn backward_with_hook<R, E: From<ShardError>>(
+        &mut self,
+        hook: &mut dyn UnitGradsReady,
+        f: impl FnOnce(&mut M, &mut Ctx<'_>) -> Result<R, E>,
+    ) -> Result<R, E> {
+        self.run_backward(Some(hook), f)
+    }
+
+    fn run_backward<R, E: From<ShardError>>(
+        &mut self,
+        mut hook: Option<&mut dyn UnitGradsReady>,
+        f: impl FnOnce(&mut M, &mut Ctx<'_>) -> Result<R, E>,
+    ) -> Result<R, E> {
+        if hook.is_some() && !self.sharded.grad_sync() {
+            return Err(ShardError::State(
+                "a hook on reduced gradients (an optimizer step in the backward) needs the gradients \
+                 reduced in this backward; with gradient sync off (accumulation over micro-batches) \
+                 they are not"
+                    .into(),
+            )
+            .into());
+        }
         self.schedule.start_pass();
-        let (module, mut ctx) = self.ctx(Phase::Backward);
+        let pass_hook = hook.as_deref_mut().map(|h| h as &mut dyn UnitGradsReady);
+        let (module, mut ctx) = self.ctx(Phase::Backward, pass_hook);
         let r = f(module, &mut ctx);
-        let end = self.end_backward();
+        let end = self.end_backward(if r.is_ok() { hook } else { None });
         let r = r?;
         end?;
         Ok(r)
     }
 
-    fn end_backward(&mut self) -> Result<(), ShardError> {
+    fn end_backward(
+        &mut self,
+        mut hook: Option<&mut dyn UnitGradsReady>,
+    ) -> Result<(), ShardError> {
         let s = &mut self.schedule;
-        if let Some(c) = s.current.take() {
-            self.sharded.reduce_grads(c)?;
-            s.reduced[c] = true;
-        }
+        // The unit in use, the root unit, then the units whose gradients came without a use of their
+        // parameters in this backward (or none came): each reduced, released and handed to the hook.
+        let mut last: Vec<usize> = s.current.take().into_iter().collect();
         if let Some(r) = s.root {
-            self.sharded.reduce_grads(r)?;
-            s.reduced[r] = true;
+            last.push(r);
         }
-        // Units whose gradients came without a use of their parameters in this backward.
         for u in 0..self.sharded.num_units() {
-            if !s.reduced[u] {
-                self.sharded.reduce_grads(u)?;
+            if !s.reduced[u] && !last.contains(&u) {
+                last.push(u);
+            }
+        }
+        for u in last {
+            self.sharded.reduce_grads(u)?;
+            self.schedule.reduced[u] = true;
+            if let Some(h) = hook.as_deref_mut() {
+                self.sharded.release(u)?;
+                // A unit that got no gradient is handed over with zeroed shards (transient ones made).
+                self.sharded.ensure_grad_shards(u)?;
+                h.unit_ready(&mut self.sharded, u)?;
             }
         }
         self.release_all()

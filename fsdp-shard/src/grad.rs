@@ -153,6 +153,16 @@ impl GradReducer {
         }
     }
 
+    /// [`GradReducer::take_nonfinite`] on the device: moves the count into the non-finite count of
+    /// `acc`, an accumulator of `fp8_kernels::reduce::norm_stats`, without reading it (a step taken unit
+    /// by unit in the backward keeps the device queue full).
+    pub fn take_nonfinite_into(&mut self, acc: &mut Buffer<f32>) -> Result<(), ShardError> {
+        if let Some(c) = self.nonfinite.as_mut() {
+            fp8_kernels::reduce::norm_stats_take_count(acc, c)?;
+        }
+        Ok(())
+    }
+
     /// The FP8 scale pair `[scale]`, `[scale_inv]` of the last FP8 reduction (device buffers), if any.
     pub fn last_fp8_scales(&self) -> Option<(&Buffer<f32>, &Buffer<f32>)> {
         Some((self.scale.as_ref()?, self.scale_inv.as_ref()?))

@@ -36,7 +36,7 @@ pub mod scaling;
 pub mod state;
 
 pub use error::ShardError;
-pub use fsdp::{Ctx, FsdpModel, Mode, Phase};
+pub use fsdp::{Ctx, FsdpModel, Mode, Phase, UnitGradsReady};
 pub use full_weights::{FullTensor, FullWeights, SafetensorsFile};
 pub use grad::{GradReducer, GradReduction};
 pub use layout::{

@@ -10,8 +10,13 @@ pub struct MemoryReport {
     pub fp8_weight_shards: usize,
     /// Plain parameter shards (F32; the master copy of plain parameters).
     pub plain_param_shards: usize,
-    /// Reduced gradient shards, their real bytes (F32 or BF16, see `GradDtype`).
+    /// Reduced gradient shards held now, their real bytes (F32 or BF16, see `GradDtype`): 0 between
+    /// steps when they are transient (`ShardedModel::set_transient_grads`).
     pub grad_shards: usize,
+    /// Most gradient-shard bytes held at once: `grad_shards` when the shards persist; with transient
+    /// shards stepped unit by unit, the largest unit's (they are not model state, but a transient of the
+    /// backward).
+    pub peak_grad_shards: usize,
     /// Full gradients awaiting reduction (no-sync accumulation keeps them across micro-batches).
     pub full_grads: usize,
     /// Gathered parameters held now.
@@ -71,6 +76,13 @@ impl fmt::Display for MemoryReport {
             mib(self.model_state()),
             mib(self.peak_gathered)
         )?;
+        if self.peak_grad_shards > self.grad_shards {
+            write!(
+                f,
+                ", transient grads peak {:.2} MiB",
+                mib(self.peak_grad_shards)
+            )?;
+        }
         if let Some(d) = self.device_used {
             write!(f, ", device in use {:.2} MiB", mib(d))?;
         }

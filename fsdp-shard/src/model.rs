@@ -189,6 +189,12 @@ pub struct UnitShards {
 }
 
 impl UnitShards {
+    /// Bytes of the unit's reduced gradient shards held now.
+    fn grad_shard_bytes(&self) -> usize {
+        self.grads.iter().map(Buffer::num_bytes).sum::<usize>()
+            + self.grads_bf16.iter().map(Buffer::num_bytes).sum::<usize>()
+    }
+
     /// The reduced gradient shard of group `g` (index of [`ParamGroup`]), in its storage type.
     pub fn grad(&self, g: ParamGroup) -> GradShard<'_> {
         let i = g as usize;
@@ -246,7 +252,12 @@ pub struct ShardedModel {
     reducer: GradReducer,
     /// When false, gradients stay in the full buffers across micro-batches (no-sync accumulation).
     sync_grads: bool,
+    /// Gradient shards exist only from a unit's reduction until its gradients are consumed
+    /// ([`ShardedModel::set_transient_grads`]).
+    transient_grads: bool,
     peak_gathered_bytes: usize,
+    /// Most gradient-shard bytes held at once.
+    peak_grad_shard_bytes: usize,
 }
 
 impl std::fmt::Debug for ShardedModel {
@@ -375,6 +386,7 @@ impl ShardedModel {
             });
         }
         let reducer = GradReducer::new(config.grad_reduction, &device);
+        let peak_grad_shard_bytes = units.iter().map(UnitShards::grad_shard_bytes).sum();
         Ok((
             ShardedModel {
                 layout,
@@ -384,7 +396,9 @@ impl ShardedModel {
                 units,
                 reducer,
                 sync_grads: true,
+                transient_grads: false,
                 peak_gathered_bytes: 0,
+                peak_grad_shard_bytes,
             },
             masters,
         ))
@@ -699,10 +713,11 @@ impl ShardedModel {
         if !self.sync_grads {
             return Ok(());
         }
-        let shards = self
-            .units
-            .get_mut(u)
-            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?;
+        let has_grads = self.unit(u)?.full_grads.iter().any(Option::is_some);
+        if has_grads {
+            self.ensure_grad_shards(u)?;
+        }
+        let shards = &mut self.units[u];
         for g in ParamGroup::ALL {
             if let Some(mut full) = shards.full_grads[g as usize].take() {
                 // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
@@ -732,17 +747,79 @@ impl ShardedModel {
         Ok(())
     }
 
-    /// Zeroes the gradient shards (after an optimizer step).
+    /// Zeroes the gradient shards (after an optimizer step); transient shards are freed.
     pub fn zero_grads(&mut self) -> Result<(), ShardError> {
-        for s in &mut self.units {
+        for u in 0..self.units.len() {
+            self.clear_unit_grads(u)?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes unit `u`'s gradient shards and drops its full gradients (after the unit's optimizer step);
+    /// transient shards ([`ShardedModel::set_transient_grads`]) are freed instead, so their memory goes
+    /// back to the device's pool.
+    pub fn clear_unit_grads(&mut self, u: usize) -> Result<(), ShardError> {
+        let transient = self.transient_grads;
+        let device = self.device.clone();
+        let s = self.unit_mut(u)?;
+        if transient {
+            s.grads = [device.zeros::<f32>(0)?, device.zeros::<f32>(0)?];
+            s.grads_bf16 = [device.zeros::<bf16>(0)?, device.zeros::<bf16>(0)?];
+        } else {
             for g in &mut s.grads {
                 g.fill_zero()?;
             }
             for g in &mut s.grads_bf16 {
                 g.fill_zero()?;
             }
-            s.full_grads = [None, None];
         }
+        s.full_grads = [None, None];
+        Ok(())
+    }
+
+    /// Whether gradient shards are transient ([`ShardedModel::set_transient_grads`]).
+    pub fn transient_grads(&self) -> bool {
+        self.transient_grads
+    }
+
+    /// Makes the gradient shards transient (`true`): a unit's shards are allocated (zeroed) when its
+    /// gradients are reduced or [`ShardedModel::ensure_grad_shards`] asks for them, and freed by
+    /// [`ShardedModel::clear_unit_grads`] / [`ShardedModel::zero_grads`], so no gradient shard persists
+    /// between steps. An optimizer that steps each unit as soon as its gradients are reduced (inside the
+    /// backward) then holds one unit's shards at a time instead of the whole model's. `false` (the
+    /// default) keeps zeroed shards of every unit allocated. Switching discards the shards' values: call
+    /// it between steps.
+    pub fn set_transient_grads(&mut self, transient: bool) -> Result<(), ShardError> {
+        self.transient_grads = transient;
+        for u in 0..self.units.len() {
+            self.clear_unit_grads(u)?;
+            if !transient {
+                self.ensure_grad_shards(u)?;
+            }
+        }
+        // The peak counts from here: the shards held before the switch are gone.
+        self.peak_grad_shard_bytes = self.units.iter().map(UnitShards::grad_shard_bytes).sum();
+        Ok(())
+    }
+
+    /// Allocates unit `u`'s gradient shards, zeroed, when they are not (transient shards before the
+    /// unit's reduction, e.g. for a unit that got no gradient in this backward); a no-op otherwise.
+    pub fn ensure_grad_shards(&mut self, u: usize) -> Result<(), ShardError> {
+        let device = self.device.clone();
+        let dtype = self.config.grad_dtype;
+        let s = self.unit_mut(u)?;
+        let lens = [s.fp8.len(), s.plain.len()];
+        for (i, &n) in lens.iter().enumerate() {
+            match dtype {
+                GradDtype::F32 if s.grads[i].len() != n => s.grads[i] = device.zeros::<f32>(n)?,
+                GradDtype::Bf16 if s.grads_bf16[i].len() != n => {
+                    s.grads_bf16[i] = device.zeros::<bf16>(n)?
+                }
+                _ => {}
+            }
+        }
+        let held = self.units.iter().map(UnitShards::grad_shard_bytes).sum();
+        self.peak_grad_shard_bytes = self.peak_grad_shard_bytes.max(held);
         Ok(())
     }
 
@@ -772,8 +849,7 @@ impl ShardedModel {
         for s in &self.units {
             r.fp8_weight_shards += s.fp8.num_bytes() + s.weight_scales.num_bytes();
             r.plain_param_shards += s.plain.num_bytes();
-            r.grad_shards += s.grads.iter().map(Buffer::num_bytes).sum::<usize>()
-                + s.grads_bf16.iter().map(Buffer::num_bytes).sum::<usize>();
+            r.grad_shards += s.grad_shard_bytes();
             r.full_grads += s
                 .full_grads
                 .iter()
@@ -784,6 +860,7 @@ impl ShardedModel {
         // Full buffers of gathers in flight are gathered memory too.
         r.gathered = self.gathered_bytes() + self.pending_bytes();
         r.peak_gathered = self.peak_gathered_bytes;
+        r.peak_grad_shards = self.peak_grad_shard_bytes.max(r.grad_shards);
         r.device_used = self.device.memory_used()?;
         Ok(r)
     }
@@ -849,6 +926,38 @@ impl ShardedModel {
             )?;
             base += counts[u];
         }
+        Ok(())
+    }
+
+    /// [`ShardedModel::set_fp8_weight_scales`] for unit `u` alone: `amaxes` holds the global amax of
+    /// each of the unit's FP8 weights, in slot order (a step taken unit by unit).
+    pub fn set_unit_fp8_weight_scales(
+        &mut self,
+        u: usize,
+        amaxes: &Buffer<f32>,
+    ) -> Result<(), ShardError> {
+        let count = self
+            .layout
+            .units
+            .get(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?
+            .group(ParamGroup::Fp8)
+            .slots
+            .len();
+        if amaxes.len() != count {
+            return Err(ShardError::InvalidArgument(format!(
+                "{} amaxes given for the {count} FP8 weights of unit {u}",
+                amaxes.len()
+            )));
+        }
+        let margin = self.config.weight_margin;
+        segmented_scales(
+            amaxes,
+            0,
+            Fp8Format::E4M3,
+            margin,
+            &mut self.units[u].weight_scales,
+        )?;
         Ok(())
     }
 
@@ -934,6 +1043,15 @@ impl ShardedModel {
     /// the reduced shards, because the cast saturates infinities).
     pub fn take_nonfinite_before_cast(&mut self) -> u64 {
         self.reducer.take_nonfinite()
+    }
+
+    /// [`ShardedModel::take_nonfinite_before_cast`] on the device: the count moves into the non-finite
+    /// count of `acc`, an accumulator of `fp8_kernels::reduce::norm_stats` (no read of the device).
+    pub fn take_nonfinite_before_cast_into(
+        &mut self,
+        acc: &mut Buffer<f32>,
+    ) -> Result<(), ShardError> {
+        self.reducer.take_nonfinite_into(acc)
     }
 
     /// Current scale pairs of every FP8 weight, by parameter index (reads the device buffers).

@@ -201,6 +201,11 @@ pub struct TrainArgs {
     /// Stop with an error after N consecutive steps skipped for non-finite gradients.
     #[arg(long, default_value_t = DEFAULT_MAX_SKIPPED_STEPS)]
     pub max_skipped_steps: u64,
+    /// Step the optimizer inside the backward, each FSDP unit as soon as its gradients are reduced,
+    /// and free its gradient shard at once: no gradient shards persist across the step (less peak
+    /// memory; the same numbers). Not with --grad-accum > 1 or gradient clipping.
+    #[arg(long)]
+    pub optimizer_in_backward: bool,
     /// Time 20 steps after 5 warm-up steps on one batch and print a table and a JSON line (no training).
     #[arg(long)]
     pub speed: bool,
@@ -350,6 +355,7 @@ impl TrainArgs {
         c.profile_steps = if self.speed { None } else { self.profile };
         c.profile_sync = self.profile_sync;
         c.max_skipped_steps = self.max_skipped_steps;
+        c.optimizer_in_backward = self.optimizer_in_backward;
         c.stop_on_signal = true;
         // Input files of the plot are checked before training, not after it.
         // (read whole: an unreadable or empty file would otherwise fail, or plot nothing, after training)

@@ -115,6 +115,13 @@ pub struct TrainConfig {
     pub profile_sync: bool,
     /// Stop with an error after this many consecutive steps skipped for non-finite gradients.
     pub max_skipped_steps: u64,
+    /// Step the optimizer inside the backward (`--optimizer-in-backward`): each FSDP unit as soon as its
+    /// gradients are reduce-scattered, its gradient shards freed at once (transient), so no gradient
+    /// shards persist across the step. The same numbers as the step after the backward when no step is
+    /// skipped; a non-finite loss skips every unit, a non-finite gradient of a finite loss the units
+    /// that saw one, and either step counts as skipped (docs/optimizers.md). Needs one micro-batch per step and an optimizer without
+    /// gradient clipping.
+    pub optimizer_in_backward: bool,
     /// Stop cleanly on SIGINT / SIGTERM (the binary installs the handler, see [`crate::signal`]).
     pub stop_on_signal: bool,
     /// Gather every parameter into the report at the end (tests; costs a full gather).
@@ -158,6 +165,7 @@ impl TrainConfig {
             profile_steps: None,
             profile_sync: false,
             max_skipped_steps: DEFAULT_MAX_SKIPPED_STEPS,
+            optimizer_in_backward: false,
             stop_on_signal: false,
             collect_params: false,
             timeout: Duration::from_secs(1800),
@@ -218,6 +226,14 @@ impl TrainConfig {
                 "--fp8-layers chooses linears for FP8; with --precision {} none are (drop the flag or \
                  use --precision fp8)",
                 self.precision.name()
+            ));
+        }
+        if self.optimizer_in_backward && self.grad_accum > 1 {
+            return bad(format!(
+                "--optimizer-in-backward steps each unit as soon as its gradients of one backward are \
+                 reduced, so they cannot accumulate over micro-batches: --grad-accum {} needs the step \
+                 after the backward (drop one of the two flags)",
+                self.grad_accum
             ));
         }
         self.fp8_recipe

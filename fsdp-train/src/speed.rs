@@ -11,7 +11,6 @@ use crate::task::TrainTask;
 use crate::trainer::Trainer;
 use crate::TrainError;
 use fp8_kernels::{Device, KernelError};
-use fsdp_optim::step_model;
 use fsdp_shard::MemoryReport;
 use std::time::Instant;
 
@@ -81,6 +80,8 @@ pub struct SpeedReport {
     pub describe: Vec<(String, serde_json::Value)>,
     /// Precision flag value.
     pub precision: &'static str,
+    /// The optimizer stepped inside the backward (`--optimizer-in-backward`).
+    pub optimizer_in_backward: bool,
 }
 
 impl SpeedReport {
@@ -145,6 +146,13 @@ impl SpeedReport {
             row(&format!("{label} (GiB)"), format!("{:.3}", gib(bytes)));
         }
         row("model state (GiB)", format!("{:.3}", gib(m.model_state())));
+        if m.peak_grad_shards > m.grad_shards {
+            // Transient shards (the step in the backward): not model state, but part of the peak.
+            row(
+                "gradient shards held at once, transient (GiB)",
+                format!("{:.3}", gib(m.peak_grad_shards)),
+            );
+        }
         row("last loss", format!("{:.4}", self.loss));
         if let Some(p) = &self.profile {
             t.push_str(&p.table());
@@ -177,6 +185,13 @@ impl SpeedReport {
             "profile_ms": self.profile.as_ref().map(StepProfile::json_ms),
         });
         if let Some(obj) = j.as_object_mut() {
+            if self.optimizer_in_backward {
+                obj.insert("optimizer_in_backward".into(), true.into());
+                obj.insert(
+                    "transient_grad_shards_peak_bytes".into(),
+                    m.peak_grad_shards.into(),
+                );
+            }
             for (k, v) in &self.describe {
                 obj.entry(k.clone()).or_insert(v.clone());
             }
@@ -279,6 +294,7 @@ impl Trainer {
             profile: first.profile,
             describe: task.describe(),
             precision: c.precision.name(),
+            optimizer_in_backward: c.optimizer_in_backward,
         })
     }
 
@@ -306,9 +322,10 @@ impl Trainer {
             mark(prof, Phase::Data)?;
             task.forward(model, &batch).map_err(TrainError::task)?;
             mark(prof, Phase::Forward)?;
+            self.begin_step(task, opt.as_mut(), model)?;
             task.backward(model, &batch).map_err(TrainError::task)?;
             mark(prof, Phase::Backward)?;
-            step_model(opt.as_mut(), model)?;
+            self.finish_step(opt.as_mut(), model)?;
             mark(prof, Phase::Optimizer)?;
             Ok(())
         };

@@ -353,15 +353,23 @@ pub struct MemoryPlan {
     pub optimizer_states: StatePrecision,
     /// Storage of the gradient shards.
     pub grad_shards: GradDtype,
+    /// The optimizer steps inside the backward (`--optimizer-in-backward`): gradient shards are
+    /// transient, one unit's at a time ([`MemoryPlan::transient_grad_shards`]), not model state.
+    pub optimizer_in_backward: bool,
 }
 
 impl MemoryPlan {
     /// One rank's share of the model state: the sharded weights, gradients and optimizer states of
     /// `linear_weights` linear weight elements (FP8 when the run has FP8 linears: 1-byte weights,
     /// 5 or 12 bytes of master and moments) and `other` parameters (F32 weights and moments), as the
-    /// optimizer's memory report counts them; `None` on overflow.
+    /// optimizer's memory report counts them; `None` on overflow. With the optimizer in the backward
+    /// the gradient shards are not in it: add [`MemoryPlan::transient_grad_shards`].
     pub fn model_state(&self, linear_weights: u64, other: u64) -> Option<u64> {
-        let grad = self.grad_shards.size_bytes() as u64;
+        let grad = if self.optimizer_in_backward {
+            0
+        } else {
+            self.grad_shards.size_bytes() as u64
+        };
         let (fp8, plain) = if self.fp8_linears {
             (linear_weights, other)
         } else {
@@ -375,6 +383,19 @@ impl MemoryPlan {
             .checked_mul(1 + grad + states)?
             .checked_add(plain.checked_mul(4 + grad + 8)?)?;
         Some(total.div_ceil(self.world_size.max(1) as u64))
+    }
+}
+
+impl MemoryPlan {
+    /// With the optimizer in the backward, one rank's gradient shard of the largest unit
+    /// (`largest_unit` parameters), the one that lives during its step; 0 otherwise (the shards are in
+    /// [`MemoryPlan::model_state`]). `None` on overflow.
+    pub fn transient_grad_shards(&self, largest_unit: u64) -> Option<u64> {
+        if !self.optimizer_in_backward {
+            return Some(0);
+        }
+        let bytes = largest_unit.checked_mul(self.grad_shards.size_bytes() as u64)?;
+        Some(bytes.div_ceil(self.world_size.max(1) as u64))
     }
 }
 
@@ -424,6 +445,7 @@ mod tests {
             fp8_linears: fp8,
             optimizer_states: states,
             grad_shards: grads,
+            optimizer_in_backward: false,
         }
     }
 
@@ -449,6 +471,14 @@ mod tests {
         // Sharded over ranks, rounded up.
         assert_eq!(plan(true, Low, F32, 3).model_state(1000, 10), Some(3_387));
         assert_eq!(plan(true, Low, F32, 1).model_state(u64::MAX / 2, 0), None);
+        // With the optimizer in the backward the gradient shards leave the model state; the largest
+        // unit's comes back as a transient.
+        let mut p = plan(true, Low, Bf16, 2);
+        assert_eq!(p.transient_grad_shards(1000), Some(0));
+        p.optimizer_in_backward = true;
+        assert_eq!(p.model_state(1000, 10), Some((6_000 + 120) / 2));
+        assert_eq!(p.transient_grad_shards(1001), Some(1_001));
+        assert_eq!(p.transient_grad_shards(u64::MAX), None);
     }
 
     #[test]

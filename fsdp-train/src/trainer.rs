@@ -14,7 +14,10 @@ use crate::{signal, space, TrainError};
 use fp8_kernels::{elementwise, Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
 use fsdp_nn::{convert_to_fp8, linear_precisions, set_linear_precision, LinearPrecision};
-use fsdp_optim::{export_with, step_model, ExportDtype, LrSchedule, Optimizer};
+use fsdp_optim::{
+    export_with, finish_step_model, step_model, ExportDtype, LrSchedule, Optimizer,
+    PendingStepReport, SharedOptimizer,
+};
 use fsdp_shard::checkpoint::{read_index, shard_file_bytes};
 use fsdp_shard::{FsdpConfig, FsdpModel, MemoryReport, Mode, ShardError};
 use std::collections::BTreeMap;
@@ -280,7 +283,16 @@ impl Trainer {
             RunLength::Steps(s) => RunSetting::new("hyper.steps", "--steps", s),
             RunLength::Epochs(e) => RunSetting::new("hyper.epochs", "--epochs", e),
         };
-        let mut hyperparameters = vec![RunSetting::new("hyper.lr", "--lr", c.lr), length];
+        // The step in the backward computes the same numbers: a resume may switch it.
+        let mut hyperparameters = vec![
+            RunSetting::new("hyper.lr", "--lr", c.lr),
+            length,
+            RunSetting::new(
+                "optimizer_in_backward",
+                "--optimizer-in-backward",
+                c.optimizer_in_backward,
+            ),
+        ];
         hyperparameters.extend(task.hyperparameters());
         RunSettings {
             binary: task.name().to_string(),
@@ -495,7 +507,55 @@ impl Trainer {
             lr: self.config.lr,
             states: self.config.optimizer_states,
         };
-        task.optimizer(model, &choice).map_err(TrainError::task)
+        let opt = task.optimizer(model, &choice).map_err(TrainError::task)?;
+        if !self.config.optimizer_in_backward {
+            return Ok(opt);
+        }
+        // The optimizer is shared with the model's backward, which steps each unit as soon as its
+        // gradients are reduced; the loop then only finishes the step (`finish_step`).
+        match SharedOptimizer::install(opt, model) {
+            Ok(shared) => Ok(Box::new(shared)),
+            Err(e) => Err(TrainError::Config(format!("--optimizer-in-backward: {e}"))),
+        }
+    }
+
+    /// With the step in the backward, begins it before the backward with the loss of the forward: a
+    /// non-finite loss on any rank then skips every unit (no unit updated from the gradients of a
+    /// diverged loss). A no-op otherwise.
+    pub(crate) fn begin_step<T: TrainTask>(
+        &self,
+        task: &T,
+        opt: &mut dyn Optimizer,
+        model: &FsdpModel<T::Model>,
+    ) -> Result<(), TrainError> {
+        if !self.config.optimizer_in_backward {
+            return Ok(());
+        }
+        let loss = task.loss(model).map_err(TrainError::task)?;
+        // Element 0 is the loss; further elements are the task's own sums.
+        let first = if loss.values.is_empty() {
+            None
+        } else {
+            let mut b = model.device().zeros::<f32>(1)?;
+            b.copy_range_from(0, loss.values, 0, 1)?;
+            Some(b)
+        };
+        opt.begin_step_in_backward(model.sharded(), first.as_ref())?;
+        Ok(())
+    }
+
+    /// The optimizer step after a training step's backward passes: the whole step, or with the step
+    /// in the backward only its end (the units were stepped by the backward).
+    pub(crate) fn finish_step<M: fsdp_shard::Module>(
+        &self,
+        opt: &mut dyn Optimizer,
+        model: &mut FsdpModel<M>,
+    ) -> Result<PendingStepReport, TrainError> {
+        Ok(if self.config.optimizer_in_backward {
+            finish_step_model(opt, model)?
+        } else {
+            step_model(opt, model)?
+        })
     }
 
     /// The [`MemoryPlan`] of this run on `env`.
@@ -508,6 +568,7 @@ impl Trainer {
                 && !matches!(c.fp8_layers, fsdp_nn::Fp8Filter::None),
             optimizer_states: c.optimizer_states,
             grad_shards: c.grad_shards,
+            optimizer_in_backward: c.optimizer_in_backward,
         }
     }
 
@@ -1019,10 +1080,11 @@ impl Trainer {
                     }
                     step_weight += weight;
                     mark(&mut prof, Phase::Forward)?;
+                    self.begin_step(task, opt, model)?;
                     task.backward(model, &batch).map_err(TrainError::task)?;
                     mark(&mut prof, Phase::Backward)?;
                 }
-                let report = step_model(opt, model)?;
+                let report = self.finish_step(opt, model)?;
                 mark(&mut prof, Phase::Optimizer)?;
                 finish_profiled_step(&mut st.profiler, prof, &mut st.profile, lead)?;
                 st.steps_run += 1;
@@ -1247,6 +1309,10 @@ impl Trainer {
         ];
         for (k, v) in extra {
             r.extra.insert(k.to_string(), v);
+        }
+        if c.optimizer_in_backward {
+            r.extra
+                .insert("optimizer_in_backward".into(), serde_json::json!(true));
         }
         for (k, v) in eval.extra {
             r.extra.insert(k, v);

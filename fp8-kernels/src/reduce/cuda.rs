@@ -138,3 +138,18 @@ pub(super) fn norm_stats_finish(
         [acc, &extra_nonfinite, sums]
     )
 }
+
+pub(super) fn norm_stats_take_count(
+    dev: &CudaDevice,
+    acc: &mut CudaSlice<f32>,
+    count: &mut CudaSlice<u32>,
+) -> Result<(), KernelError> {
+    launch!(
+        dev,
+        &REDUCE_MODULE,
+        "norm_stats_take_count",
+        LaunchConfig::for_num_elems(1),
+        "norm_stats_take_count(float* acc, u32* count)",
+        [acc, count]
+    )
+}

@@ -176,6 +176,27 @@ pub fn norm_stats_finish(
     })
 }
 
+/// Moves a device counter of non-finite values into a [`norm_stats`] accumulator: `acc`'s count +=
+/// `count[0]` (wrapping, as the accumulator counts) and `count[0] = 0`. E.g. the values an FP8 gradient
+/// cast would have saturated, counted before it ([`finite_amax_count`]): the count reaches the step's
+/// statistics without a read of the device.
+pub fn norm_stats_take_count(
+    acc: &mut Buffer<f32>,
+    count: &mut Buffer<u32>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "norm_stats_take_count";
+    check_at_least(WHAT, acc.len(), NORM_STATS_ACC_LEN)?;
+    check_at_least(WHAT, count.len(), 1)?;
+    dispatch!(WHAT, [acc, count],
+    cpu: {
+        let c = &mut count.host_mut(WHAT)?[0];
+        let a = &mut acc.host_mut(WHAT)?[2];
+        *a = f32::from_bits(a.to_bits().wrapping_add(*c));
+        *c = 0;
+    },
+    cuda(dev): cuda::norm_stats_take_count(&dev, acc.cuda_mut(WHAT)?, count.cuda_mut(WHAT)?))
+}
+
 fn check_at_least(what: &'static str, len: usize, need: usize) -> Result<(), KernelError> {
     if len < need {
         return Err(KernelError::InvalidArgument {

@@ -118,6 +118,14 @@ extern "C" __global__ void norm_stats_bf16(const u16* g, u64 off, u64 n, float* 
     norm_stats_impl<TBF16>(g, off, n, acc, amax, slot, with_amax);
 }
 
+// The accumulator's non-finite count += count[0] (wrapping); count[0] = 0.
+extern "C" __global__ void norm_stats_take_count(float* acc, u32* count) {
+    if (global_thread() != 0) return;
+    u32* nf = reinterpret_cast<u32*>(acc + 2);
+    *nf = *nf + *count;
+    *count = 0u;
+}
+
 // sums[0] = non-finite count (+ extra), sums[1] = sum of squares as f32; the accumulator is cleared.
 extern "C" __global__ void norm_stats_finish(float* acc, u32 extra_nonfinite, float* sums) {
     if (global_thread() != 0) return;

@@ -244,7 +244,9 @@ impl LmSpec {
     ///   measured (H200, `bench/run.sh`: gpt2, gpt-3b, gpt-6.7b, llama-1b, llama-3b and llama-8b held 4.6
     ///   to 6.2 beyond their model state and head chunk; the CPU at d 256: 14.6 and 19.4; a test checks
     ///   the H200 runs); with `--recompute` one block's worth plus each block's input;
-    /// - one chunk of head logits in F32.
+    /// - one chunk of head logits in F32;
+    /// - with the optimizer in the backward, the largest unit's gradient shard (a block's, or the
+    ///   embeddings' and head's), which the model state then leaves out.
     pub fn memory_estimate(&self, b: usize, plan: &MemoryPlan) -> Result<MemoryEstimate, GptError> {
         let s = self;
         let over = |what: &str| {
@@ -320,7 +322,12 @@ impl LmSpec {
             .and_then(|x| x.checked_mul(4))
             .ok_or_else(|| over("the head"))?;
         let params = linear.saturating_add(other);
-        Ok(MemoryEstimate::default()
+        // With the optimizer in the backward one unit's gradient shard lives at a time: a block, or the
+        // root (embeddings and head), whichever is larger.
+        let transient = plan
+            .transient_grad_shards(block.max(other))
+            .ok_or_else(|| over("the gradient shards"))?;
+        let estimate = MemoryEstimate::default()
             .part(
                 format!(
                     "model state of {} parameters (--preset {}) over {} rank(s)",
@@ -344,7 +351,15 @@ impl LmSpec {
                 ),
                 acts,
             )
-            .part("a chunk of head logits", head))
+            .part("a chunk of head logits", head);
+        Ok(if transient > 0 {
+            estimate.part(
+                "the largest unit's gradient shard, stepped in the backward (--optimizer-in-backward)",
+                transient,
+            )
+        } else {
+            estimate
+        })
     }
 
     /// Refuses shapes the kernels do not support, before any work, naming the flags.

@@ -215,7 +215,11 @@ impl TrainTask for MnistTask {
         };
         // fc1 9216 x 128 and fc2 128 x 10 are the linears; the convolutions and biases are plain.
         let (linear, other) = (9216 * 128 + 128 * 10, 320 + 18_496 + 128 + 10);
-        let state = plan.model_state(linear, other).unwrap_or(u64::MAX);
+        // With the optimizer in the backward the gradient shards are transient: fc1's is the largest.
+        let state = plan
+            .model_state(linear, other)
+            .and_then(|s| s.checked_add(plan.transient_grad_shards(9216 * 128 + 128)?))
+            .unwrap_or(u64::MAX);
         Ok(Some(
             MemoryEstimate::default()
                 .part(format!("model state over {ws} rank(s)"), state)

@@ -69,6 +69,14 @@ fn decode_f32_list(s: &str) -> Result<Vec<f32>, ShardError> {
 
 impl ShardedState for ShardedAdam {
     fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
+        if self.in_backward.is_some() {
+            // Some units hold this step's update, the counters do not yet: not a state to save.
+            return Err(ShardError::State(
+                "the optimizer is in the middle of a step taken in the backward: save after it \
+                 finishes"
+                    .into(),
+            ));
+        }
         let mut out = Vec::new();
         let all_scales = Self::host_triples(&self.scales)?;
         for (u, st) in self.units.iter().enumerate() {

@@ -21,14 +21,16 @@ use fp8_kernels::{Buffer, Device, WeightDecay};
 use fsdp_comm::ReduceOp;
 use fsdp_shard::{
     GradDtype, GradShard, MemoryReport, ParamGroup, ScalingRegistry, ShardError, ShardedModel,
-    ShardedState, StateShard,
+    ShardedState, StateShard, UnitShards,
 };
 use half::f16;
 use std::ops::Range;
 
 mod checkpoint;
+mod in_backward;
 mod memory;
 
+pub(crate) use in_backward::unit_step_error;
 pub use memory::BytesPerParam;
 
 const FP8: usize = ParamGroup::Fp8 as usize;
@@ -171,6 +173,8 @@ pub struct ShardedAdam {
     coef_no_decay: Buffer<f32>,
     /// Two zero words (the L2 and decoupled flags of the coefficients).
     zero_flags: Buffer<f32>,
+    /// A step begun in the backward, unit by unit, not yet finished (see `in_backward`).
+    in_backward: Option<in_backward::StepInBackward>,
     rank: usize,
     world_size: usize,
     device: Device,
@@ -318,6 +322,7 @@ impl ShardedAdam {
             total_slots: slot_base,
             coef_no_decay: device.zeros(COEF_LEN)?,
             zero_flags: device.zeros(2)?,
+            in_backward: None,
             rank,
             world_size,
             device,
@@ -496,6 +501,17 @@ impl ShardedAdam {
         scaling: Option<&mut ScalingRegistry>,
     ) -> Result<PendingStepReport, OptimError> {
         self.check_model(model)?;
+        if self.in_backward.is_some() {
+            return Err(mismatch(
+                "a step begun in the backward is not finished: finish it (finish_step_in_backward) \
+                 before a whole-model step"
+                    .into(),
+            ));
+        }
+        // Transient gradient shards of units that got no gradient (zeros); a no-op otherwise.
+        for u in 0..model.num_units() {
+            model.ensure_grad_shards(u)?;
+        }
         let lr = self.current_lr();
         let low = self.options.state_precision == StatePrecision::LowPrecision;
         let (rank, ws, n) = (self.rank, self.world_size, self.total_slots);
@@ -507,20 +523,8 @@ impl ShardedAdam {
         let before_cast = model.take_nonfinite_before_cast();
         for (u, st) in self.units.iter().enumerate() {
             let s = model.unit(u)?;
-            for (i, r) in &st.segments {
-                let amax = low.then_some((&mut sums, 2 + rank * n + st.slot_base + i));
-                match s.grad(ParamGroup::Fp8) {
-                    GradShard::F32(g) => norm_stats(g, r.clone(), &mut self.stats_acc, amax)?,
-                    GradShard::Bf16(g) => norm_stats(g, r.clone(), &mut self.stats_acc, amax)?,
-                }
-            }
-            if st.plain_len > 0 {
-                let acc = &mut self.stats_acc;
-                match s.grad(ParamGroup::Plain) {
-                    GradShard::F32(g) => norm_stats(g, 0..st.plain_len, acc, None)?,
-                    GradShard::Bf16(g) => norm_stats(g, 0..st.plain_len, acc, None)?,
-                }
-            }
+            let amax_row = low.then_some((&mut sums, 2 + rank * n + st.slot_base));
+            unit_stats(st, s, &mut self.stats_acc, amax_row)?;
         }
         let extra = u32::try_from(before_cast).unwrap_or(u32::MAX);
         norm_stats_finish(&mut self.stats_acc, extra, &mut sums)?;
@@ -569,104 +573,17 @@ impl ShardedAdam {
         let bf16_grads = model.config().grad_dtype == GradDtype::Bf16;
         for (u, st) in self.units.iter_mut().enumerate() {
             let s = model.unit_mut(u)?;
-            for (decay, r) in &st.plain_runs {
-                let (w, m, v) = (&mut s.plain, &mut st.plain_m, &mut st.plain_v);
-                let c = if *decay {
-                    &self.coef
-                } else {
-                    &self.coef_no_decay
-                };
-                let r = r.clone();
-                if bf16_grads {
-                    adam_step_f32(
-                        Coefficients::Device(c),
-                        r,
-                        w,
-                        m,
-                        v,
-                        &s.grads_bf16[PLAIN],
-                        None,
-                    )?;
-                } else {
-                    adam_step_f32(Coefficients::Device(c), r, w, m, v, &s.grads[PLAIN], None)?;
-                }
-            }
-            match &mut st.fp8 {
-                Fp8States::F32 { master, m, v } => {
-                    for (i, r) in &st.segments {
-                        let slots = Some(AmaxSlots {
-                            buffer: &mut amax,
-                            base: st.slot_base + i,
-                        });
-                        let c = if st.fp8_decay[*i] {
-                            &self.coef
-                        } else {
-                            &self.coef_no_decay
-                        };
-                        let r = r.clone();
-                        if bf16_grads {
-                            adam_step_f32(
-                                Coefficients::Device(c),
-                                r,
-                                master,
-                                m,
-                                v,
-                                &s.grads_bf16[FP8],
-                                slots,
-                            )?;
-                        } else {
-                            adam_step_f32(
-                                Coefficients::Device(c),
-                                r,
-                                master,
-                                m,
-                                v,
-                                &s.grads[FP8],
-                                slots,
-                            )?;
-                        }
-                    }
-                }
-                Fp8States::Low { master, m, v } => {
-                    for (i, r) in &st.segments {
-                        let state = LowPrecisionAdamState { master, m, v };
-                        let base = lp_slot::SCALES * (st.slot_base + i);
-                        let slots = AmaxSlots {
-                            buffer: &mut amax,
-                            base: lp_slot::AMAXES * (st.slot_base + i),
-                        };
-                        let c = if st.fp8_decay[*i] {
-                            &self.coef
-                        } else {
-                            &self.coef_no_decay
-                        };
-                        let (r, ks) = (r.clone(), &self.kernel_scales);
-                        if bf16_grads {
-                            let g = &s.grads_bf16[FP8];
-                            adam_step_low_precision(
-                                Coefficients::Device(c),
-                                r,
-                                state,
-                                g,
-                                ks,
-                                base,
-                                slots,
-                            )?;
-                        } else {
-                            let g = &s.grads[FP8];
-                            adam_step_low_precision(
-                                Coefficients::Device(c),
-                                r,
-                                state,
-                                g,
-                                ks,
-                                base,
-                                slots,
-                            )?;
-                        }
-                    }
-                }
-            }
+            let coefs = (&self.coef, &self.coef_no_decay);
+            let slot_base = st.slot_base;
+            update_unit(
+                st,
+                s,
+                coefs,
+                &self.kernel_scales,
+                slot_base,
+                &mut amax,
+                bf16_grads,
+            )?;
         }
 
         // 4. ONE all-reduce(MAX) of every amax: new weights' (for the FP8 casts) and, for low-precision
@@ -706,25 +623,7 @@ impl ShardedAdam {
         // whole model at the step's end, the largest transient of a step).
         model.set_fp8_weight_scales(&weight_amax)?;
         for (u, st) in self.units.iter().enumerate() {
-            let s = model.unit_mut(u)?;
-            for (i, r) in &st.segments {
-                let source = match &st.fp8 {
-                    Fp8States::F32 { master, .. } => MasterSource::F32(master),
-                    Fp8States::Low { master, .. } => MasterSource::F16 {
-                        master,
-                        scales: &self.scales,
-                        slot: st.slot_base + i,
-                    },
-                };
-                cast_weight_source(
-                    &self.coef,
-                    &mut s.fp8,
-                    r.clone(),
-                    &s.weight_scales,
-                    *i,
-                    source,
-                )?;
-            }
+            cast_unit_weights(st, model.unit_mut(u)?, &self.coef, &self.scales)?;
         }
         model.zero_grads()?;
         Ok(PendingStepReport {
@@ -738,6 +637,148 @@ impl ShardedAdam {
     pub fn step_with_report(&mut self, model: &mut ShardedModel) -> Result<StepReport, OptimError> {
         self.step(model)?.read()
     }
+}
+
+/// Adds the gradient statistics of one unit's shards to `acc` (see `fp8_kernels::reduce::norm_stats`):
+/// every FP8 weight segment, its amax into `amax_row.0[amax_row.1 + slot]` when given, then the plain
+/// shard.
+fn unit_stats(
+    st: &UnitStates,
+    s: &UnitShards,
+    acc: &mut Buffer<f32>,
+    mut amax_row: Option<(&mut Buffer<f32>, usize)>,
+) -> Result<(), OptimError> {
+    for (i, r) in &st.segments {
+        let amax = amax_row.as_mut().map(|(b, base)| (&mut **b, *base + i));
+        match s.grad(ParamGroup::Fp8) {
+            GradShard::F32(g) => norm_stats(g, r.clone(), acc, amax)?,
+            GradShard::Bf16(g) => norm_stats(g, r.clone(), acc, amax)?,
+        }
+    }
+    if st.plain_len > 0 {
+        match s.grad(ParamGroup::Plain) {
+            GradShard::F32(g) => norm_stats(g, 0..st.plain_len, acc, None)?,
+            GradShard::Bf16(g) => norm_stats(g, 0..st.plain_len, acc, None)?,
+        }
+    }
+    Ok(())
+}
+
+/// The fused updates of one unit: its plain runs, then each FP8 weight segment. `coefs` are the
+/// coefficients with and without weight decay; the FP8 segment of slot `i` writes its amaxes at slot
+/// `slot_base + i` of `amax` and, for low-precision states, reads its scales at slot `slot_base + i` of
+/// `kernel_scales`. Every kernel returns at once on a skipped step.
+fn update_unit(
+    st: &mut UnitStates,
+    s: &mut UnitShards,
+    (coef, coef_no_decay): (&Buffer<f32>, &Buffer<f32>),
+    kernel_scales: &Buffer<f32>,
+    slot_base: usize,
+    amax: &mut Buffer<f32>,
+    bf16_grads: bool,
+) -> Result<(), OptimError> {
+    for (decay, r) in &st.plain_runs {
+        let (w, m, v) = (&mut s.plain, &mut st.plain_m, &mut st.plain_v);
+        let c = if *decay { coef } else { coef_no_decay };
+        let r = r.clone();
+        if bf16_grads {
+            adam_step_f32(
+                Coefficients::Device(c),
+                r,
+                w,
+                m,
+                v,
+                &s.grads_bf16[PLAIN],
+                None,
+            )?;
+        } else {
+            adam_step_f32(Coefficients::Device(c), r, w, m, v, &s.grads[PLAIN], None)?;
+        }
+    }
+    match &mut st.fp8 {
+        Fp8States::F32 { master, m, v } => {
+            for (i, r) in &st.segments {
+                let slots = Some(AmaxSlots {
+                    buffer: &mut *amax,
+                    base: slot_base + i,
+                });
+                let c = if st.fp8_decay[*i] {
+                    coef
+                } else {
+                    coef_no_decay
+                };
+                let r = r.clone();
+                if bf16_grads {
+                    adam_step_f32(
+                        Coefficients::Device(c),
+                        r,
+                        master,
+                        m,
+                        v,
+                        &s.grads_bf16[FP8],
+                        slots,
+                    )?;
+                } else {
+                    adam_step_f32(
+                        Coefficients::Device(c),
+                        r,
+                        master,
+                        m,
+                        v,
+                        &s.grads[FP8],
+                        slots,
+                    )?;
+                }
+            }
+        }
+        Fp8States::Low { master, m, v } => {
+            for (i, r) in &st.segments {
+                let state = LowPrecisionAdamState { master, m, v };
+                let base = lp_slot::SCALES * (slot_base + i);
+                let slots = AmaxSlots {
+                    buffer: &mut *amax,
+                    base: lp_slot::AMAXES * (slot_base + i),
+                };
+                let c = if st.fp8_decay[*i] {
+                    coef
+                } else {
+                    coef_no_decay
+                };
+                let (r, ks) = (r.clone(), kernel_scales);
+                if bf16_grads {
+                    let g = &s.grads_bf16[FP8];
+                    adam_step_low_precision(Coefficients::Device(c), r, state, g, ks, base, slots)?;
+                } else {
+                    let g = &s.grads[FP8];
+                    adam_step_low_precision(Coefficients::Device(c), r, state, g, ks, base, slots)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each FP8 weight segment of one unit cast in place from its master with the unit's new weight scales
+/// (on a skipped step from its current codes: the same codes). `scales` are the states' scales
+/// (model-wide slots).
+fn cast_unit_weights(
+    st: &UnitStates,
+    s: &mut UnitShards,
+    coef: &Buffer<f32>,
+    scales: &Buffer<f32>,
+) -> Result<(), OptimError> {
+    for (i, r) in &st.segments {
+        let source = match &st.fp8 {
+            Fp8States::F32 { master, .. } => MasterSource::F32(master),
+            Fp8States::Low { master, .. } => MasterSource::F16 {
+                master,
+                scales,
+                slot: st.slot_base + i,
+            },
+        };
+        cast_weight_source(coef, &mut s.fp8, r.clone(), &s.weight_scales, *i, source)?;
+    }
+    Ok(())
 }
 
 macro_rules! adam_face {
@@ -776,6 +817,12 @@ macro_rules! adam_face {
         impl std::ops::DerefMut for $name {
             fn deref_mut(&mut self) -> &mut ShardedAdam {
                 &mut self.0
+            }
+        }
+
+        impl fsdp_shard::UnitGradsReady for $name {
+            fn unit_ready(&mut self, model: &mut ShardedModel, u: usize) -> Result<(), ShardError> {
+                self.0.unit_ready(model, u)
             }
         }
 
