@@ -24,7 +24,9 @@ use fsdp_examples::mnist::{MnistOptions, MnistTask};
 use fsdp_optim::StatePrecision;
 use fsdp_shard::checkpoint::{read_commit, CheckpointFile};
 use fsdp_shard::GradDtype;
-use fsdp_train::{DeviceChoice, RunLength, StopReason, TrainConfig, TrainReport, Trainer};
+use fsdp_train::{
+    DeviceChoice, Fp8GradComm, RunLength, StopReason, TrainConfig, TrainReport, Trainer,
+};
 use half::bf16;
 use scratch::scratch_dir;
 use std::path::{Path, PathBuf};
@@ -196,7 +198,7 @@ fn gpt_trains_bit_for_bit_with_the_optimizer_in_the_backward() {
     // The FP8 gradient reduce-scatter (its non-finite count reaches each unit's step on the device)
     // and recomputed blocks.
     let mut c = config(4, 2, false);
-    c.fp8_grad_comm = true;
+    c.fp8_grad_comm = Fp8GradComm::Tensor;
     let opts = LmOptions {
         recompute_blocks: true,
         ..small("tiny", &data, 4)
@@ -357,8 +359,12 @@ fn what_cannot_step_in_the_backward_is_refused_naming_the_flags() {
 fn cuda_the_step_in_the_backward_is_bit_for_bit_and_holds_no_gradient_shards() {
     let data = data_dir();
     for (states, shards, fp8_comm) in [
-        (StatePrecision::LowPrecision, GradDtype::Bf16, false),
-        (StatePrecision::F32, GradDtype::F32, true),
+        (
+            StatePrecision::LowPrecision,
+            GradDtype::Bf16,
+            Fp8GradComm::Off,
+        ),
+        (StatePrecision::F32, GradDtype::F32, Fp8GradComm::Tensor),
     ] {
         let mut c = config(6, 1, false);
         c.device = DeviceChoice::Cuda;
@@ -367,7 +373,7 @@ fn cuda_the_step_in_the_backward_is_bit_for_bit_and_holds_no_gradient_shards() {
         c.fp8_grad_comm = fp8_comm;
         let opts = small("llama-tiny", &data, 8);
         let what =
-            format!("CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm}");
+            format!("CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm:?}");
         let run = |in_backward: bool| {
             let mut c = c.clone();
             c.optimizer_in_backward = in_backward;
