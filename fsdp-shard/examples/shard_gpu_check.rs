@@ -84,7 +84,7 @@ fn step(
         let (w, b) = (format!("l{u}.weight"), format!("l{u}.bias"));
         let (codes, scales) = match model.param(model.index(&w)?)? {
             GatheredParam::Fp8 { codes, scales } => (codes, scales),
-            GatheredParam::Plain(_) => return Err(ShardError::State("weight not FP8".into())),
+            _ => return Err(ShardError::State("weight not per-tensor FP8".into())),
         };
         let mut si = dev.zeros::<f32>(1)?;
         si.copy_range_from(0, scales, 1, 1)?;

@@ -299,7 +299,7 @@ impl Ctx<'_> {
         let [p] = self.params([id])?;
         match p {
             GatheredParam::Plain(b) => Ok(b),
-            GatheredParam::Fp8 { .. } => Err(ShardError::InvalidArgument(format!(
+            _ => Err(ShardError::InvalidArgument(format!(
                 "parameter {id:?} is an FP8 weight, not a plain parameter"
             ))),
         }
@@ -310,8 +310,25 @@ impl Ctx<'_> {
         let [p] = self.params([id])?;
         match p {
             GatheredParam::Fp8 { codes, scales } => Ok((codes, scales)),
-            GatheredParam::Plain(_) => Err(ShardError::InvalidArgument(format!(
-                "parameter {id:?} is a plain parameter, not an FP8 weight"
+            _ => Err(ShardError::InvalidArgument(format!(
+                "parameter {id:?} is not a per-tensor FP8 weight"
+            ))),
+        }
+    }
+
+    /// A gathered block-scaled FP8 weight: E4M3 codes `[out, in]` and one inverse scale per 128x128
+    /// block in the block-scaled GEMM's order (see [`GatheredParam::Fp8Block`]).
+    pub fn fp8_block_weight(
+        &mut self,
+        id: ParamId,
+    ) -> Result<(&Buffer<u8>, &Buffer<f32>), ShardError> {
+        let [p] = self.params([id])?;
+        match p {
+            GatheredParam::Fp8Block {
+                codes, scale_inv, ..
+            } => Ok((codes, scale_inv)),
+            _ => Err(ShardError::InvalidArgument(format!(
+                "parameter {id:?} is not a block-scaled FP8 weight"
             ))),
         }
     }
@@ -368,8 +385,8 @@ impl Ctx<'_> {
         let state = self.scaling.get(meta)?;
         match p {
             GatheredParam::Fp8 { codes, scales } => Ok(((codes, scales), state)),
-            GatheredParam::Plain(_) => Err(ShardError::InvalidArgument(format!(
-                "parameter {weight:?} is a plain parameter, not an FP8 weight"
+            _ => Err(ShardError::InvalidArgument(format!(
+                "parameter {weight:?} is not a per-tensor FP8 weight"
             ))),
         }
     }

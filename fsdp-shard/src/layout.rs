@@ -6,6 +6,16 @@
 //! multiple of `ALIGN * world_size` so every rank's shard has the same length and starts aligned. Offsets do
 //! not depend on the world size (only the tail padding does), which makes resharding a matter of
 //! concatenating shards and cutting them again.
+//!
+//! Block-scaled FP8 weights ([`ParamKind::Fp8BlockWeight`]: one scale per 128x128 block) are cut
+//! differently: a rank must hold whole 128-row block rows of each weight, so that it quantizes its rows
+//! from its own master shard with no scale agreement across ranks. Their group is not padded; its shards
+//! end on block-row boundaries chosen as close as possible to equal shares ([`GroupLayout::shard_range`]),
+//! so shards are uneven (a rank may even hold none). Offsets still do not depend on the world size, only
+//! the cut points, and resharding stays a matter of concatenating and cutting again. Beside the codes
+//! the group has a flat buffer of inverse block scales ([`GroupLayout::block_scales`]), laid out per
+//! weight in the order the block-scaled GEMM reads (block rows of `round_up(ceil(in/128), 4)` values)
+//! and cut at the same block rows.
 
 use crate::ShardError;
 use serde::{Deserialize, Serialize};
@@ -18,6 +28,9 @@ pub const ALIGN: usize = 16;
 pub enum ParamKind {
     /// The weight of an FP8 linear layer: gathered as FP8 E4M3 (one byte per element), one `ScalingMeta` each.
     Fp8Weight,
+    /// The weight of a block-scaled FP8 linear layer: gathered as E4M3 codes with one inverse scale per
+    /// 128x128 block; its group's shards end on 128-row block rows (see the module docs).
+    Fp8BlockWeight,
     /// Any other parameter (bias, convolution kernel, BF16/F32 linear weight): gathered as F32.
     Plain,
 }
@@ -48,7 +61,7 @@ impl ParamKind {
     /// The storage group of this kind.
     pub fn group(self) -> ParamGroup {
         match self {
-            ParamKind::Fp8Weight => ParamGroup::Fp8,
+            ParamKind::Fp8Weight | ParamKind::Fp8BlockWeight => ParamGroup::Fp8,
             ParamKind::Plain => ParamGroup::Plain,
         }
     }
@@ -114,6 +127,40 @@ pub struct ParamSlot {
     pub offset: usize,
     /// Number of elements.
     pub numel: usize,
+    /// Columns of a 2-D parameter (`in_features` of a weight); the block rows of a block-scaled weight
+    /// are `BLOCK_ROWS * cols` elements. 0 in layouts written before block-scaled weights existed.
+    #[serde(default)]
+    pub cols: usize,
+}
+
+/// Rows (and columns) of a block of a block-scaled FP8 weight.
+pub const BLOCK_ROWS: usize = 128;
+
+/// Inverse block scales of each row of blocks are padded to a multiple of this many values (16 bytes,
+/// the alignment the block-scaled GEMM wants of its scales).
+pub const SCALE_ROW_ALIGN: usize = 4;
+
+/// Where the inverse block scales of one block-scaled weight sit in its group's scale buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockScaleSlot {
+    /// Offset in the scale buffer (a multiple of [`SCALE_ROW_ALIGN`]).
+    pub offset: usize,
+    /// Rows of blocks, `ceil(rows / 128)`.
+    pub block_rows: usize,
+    /// Values per row of blocks: `ceil(cols / 128)` rounded up to [`SCALE_ROW_ALIGN`].
+    pub row_len: usize,
+}
+
+impl BlockScaleSlot {
+    /// Number of values (padding included).
+    pub fn len(&self) -> usize {
+        self.block_rows * self.row_len
+    }
+
+    /// Whether the weight has no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// One flat buffer of a unit: its parameters and its unpadded length.
@@ -125,24 +172,155 @@ pub struct GroupLayout {
     pub slots: Vec<ParamSlot>,
     /// End of the last parameter, rounded up to [`ALIGN`].
     pub len: usize,
+    /// The group holds block-scaled FP8 weights: its shards end on their block rows and it has a scale
+    /// buffer (see the module docs).
+    #[serde(default)]
+    pub block_scaled: bool,
 }
 
 impl GroupLayout {
-    /// Buffer length padded so `world_size` equal shards each start at a multiple of [`ALIGN`].
+    /// Length of the gathered buffer: padded so `world_size` equal shards each start at a multiple of
+    /// [`ALIGN`]; a block-scaled group is not padded (its shards are uneven).
     pub fn padded_len(&self, world_size: usize) -> usize {
+        if self.block_scaled {
+            return self.len;
+        }
         let q = ALIGN * world_size.max(1);
         self.len.div_ceil(q) * q
     }
 
-    /// Elements per rank.
+    /// Elements of every rank's stored shard: the equal share, or for a block-scaled group the largest
+    /// shard (every rank stores its shard padded to that length with zeros, so the all-gather and the
+    /// reduce-scatter move equal chunks; the rank's real elements are the first
+    /// `shard_range(rank).len()`).
     pub fn shard_len(&self, world_size: usize) -> usize {
+        if self.block_scaled {
+            return self.shard_counts(world_size).into_iter().max().unwrap_or(0);
+        }
         self.padded_len(world_size) / world_size.max(1)
+    }
+
+    /// Whether every rank's shard has the same length (not so for a block-scaled group).
+    pub fn is_even(&self) -> bool {
+        !self.block_scaled
     }
 
     /// The `[start, end)` range of the flat buffer that `rank` holds.
     pub fn shard_range(&self, rank: usize, world_size: usize) -> std::ops::Range<usize> {
+        if self.block_scaled {
+            let cuts = self.cuts(world_size);
+            let r = rank.min(world_size.max(1) - 1);
+            return cuts[r]..cuts[r + 1];
+        }
         let s = self.shard_len(world_size);
         rank * s..(rank + 1) * s
+    }
+
+    /// Every rank's shard length, in rank order (they add up to [`GroupLayout::padded_len`]).
+    pub fn shard_counts(&self, world_size: usize) -> Vec<usize> {
+        let ws = world_size.max(1);
+        (0..ws).map(|r| self.shard_range(r, ws).len()).collect()
+    }
+
+    /// Positions where a shard of a block-scaled group may end: every block-row start of every weight
+    /// and the group's end, ascending.
+    fn cut_candidates(&self) -> Vec<usize> {
+        let mut c = Vec::new();
+        for s in &self.slots {
+            let step = BLOCK_ROWS * s.cols.max(1);
+            let mut p = s.offset;
+            while p < s.offset + s.numel {
+                c.push(p);
+                p += step;
+            }
+        }
+        c.push(self.len);
+        c
+    }
+
+    /// The `world_size + 1` cut points of a block-scaled group: `0`, then for each rank boundary the
+    /// allowed position nearest to an equal share (ties to the lower one, never before the previous
+    /// cut), then the group's end.
+    fn cuts(&self, world_size: usize) -> Vec<usize> {
+        let ws = world_size.max(1);
+        let cand = self.cut_candidates();
+        let mut cuts = Vec::with_capacity(ws + 1);
+        cuts.push(0);
+        for r in 1..ws {
+            let target = (self.len as u128 * r as u128 / ws as u128) as usize;
+            let prev = cuts[r - 1];
+            let best = cand
+                .iter()
+                .copied()
+                .filter(|&c| c >= prev)
+                .min_by_key(|&c| c.abs_diff(target))
+                .unwrap_or(self.len);
+            cuts.push(best);
+        }
+        cuts.push(self.len);
+        cuts
+    }
+
+    /// Where each slot's inverse block scales sit in the group's scale buffer (empty unless the group
+    /// is block-scaled), in slot order.
+    pub fn block_scales(&self) -> Vec<BlockScaleSlot> {
+        if !self.block_scaled {
+            return Vec::new();
+        }
+        let mut offset = 0;
+        self.slots
+            .iter()
+            .map(|s| {
+                let cols = s.cols.max(1);
+                let rows = s.numel / cols;
+                let slot = BlockScaleSlot {
+                    offset,
+                    block_rows: rows.div_ceil(BLOCK_ROWS),
+                    row_len: cols.div_ceil(BLOCK_ROWS).next_multiple_of(SCALE_ROW_ALIGN),
+                };
+                offset += slot.len();
+                slot
+            })
+            .collect()
+    }
+
+    /// Length of the group's scale buffer (0 unless block-scaled).
+    pub fn scales_len(&self) -> usize {
+        self.block_scales().last().map_or(0, |s| s.offset + s.len())
+    }
+
+    /// The index in the scale buffer that corresponds to code position `pos` (a block-row start of a
+    /// slot, or a slot's or the group's end): the scales of the blocks from `pos` on start there.
+    pub fn scale_position(&self, pos: usize) -> usize {
+        let scales = self.block_scales();
+        for (s, b) in self.slots.iter().zip(&scales) {
+            if pos < s.offset + s.numel {
+                let row = pos.saturating_sub(s.offset) / (BLOCK_ROWS * s.cols.max(1));
+                return b.offset + row * b.row_len;
+            }
+        }
+        scales.last().map_or(0, |s| s.offset + s.len())
+    }
+
+    /// The range of the scale buffer that `rank` holds (empty unless block-scaled).
+    pub fn scale_range(&self, rank: usize, world_size: usize) -> std::ops::Range<usize> {
+        if !self.block_scaled {
+            return 0..0;
+        }
+        let r = self.shard_range(rank, world_size);
+        self.scale_position(r.start)..self.scale_position(r.end)
+    }
+
+    /// Length of every rank's stored scale shard: the largest scale range (shards are stored padded to
+    /// one length so the all-gather moves equal chunks).
+    pub fn scale_shard_len(&self, world_size: usize) -> usize {
+        self.scale_counts(world_size).into_iter().max().unwrap_or(0)
+    }
+
+    /// Every rank's scale-shard length, in rank order.
+    pub fn scale_counts(&self, world_size: usize) -> Vec<usize> {
+        let ws = world_size.max(1);
+        (0..ws).map(|r| self.scale_range(r, ws).len()).collect()
     }
 
     /// Whether the group holds no parameter.
@@ -231,7 +409,7 @@ impl ModelLayout {
                     p.name
                 )));
             }
-            if p.kind == ParamKind::Fp8Weight && p.shape.len() != 2 {
+            if p.kind != ParamKind::Plain && p.shape.len() != 2 {
                 return Err(ShardError::InvalidModel(format!(
                     "FP8 weight {} must be 2-D [out, in], got shape {:?}",
                     p.name, p.shape
@@ -309,18 +487,34 @@ impl ModelLayout {
                             param: i,
                             offset,
                             numel,
+                            cols: params[i].shape.last().copied().unwrap_or(1),
                         });
                         offset += numel.div_ceil(ALIGN) * ALIGN;
                     }
+                    let block_scaled = slots
+                        .iter()
+                        .any(|sl| params[sl.param].kind == ParamKind::Fp8BlockWeight);
                     GroupLayout {
                         group: g,
                         slots,
                         len: offset,
+                        block_scaled,
                     }
                 });
                 UnitLayout { name, groups }
             })
-            .collect();
+            .collect::<Vec<UnitLayout>>();
+        for u in &units {
+            let g = u.group(ParamGroup::Fp8);
+            let kinds = |k: ParamKind| g.slots.iter().any(|sl| params[sl.param].kind == k);
+            if kinds(ParamKind::Fp8BlockWeight) && kinds(ParamKind::Fp8Weight) {
+                return Err(ShardError::InvalidModel(format!(
+                    "unit {} mixes per-tensor and block-scaled FP8 weights; a model uses one FP8 \
+                     recipe for all its FP8 linears",
+                    u.name
+                )));
+            }
+        }
         Ok(ModelLayout::from_parts(params, units))
     }
 
@@ -440,6 +634,88 @@ mod tests {
         let p = vec![ParamSpec::new("x", "w", &[2, 3, 4], ParamKind::Fp8Weight)];
         assert!(ModelLayout::new(p, &WrapPolicy::PerModule).is_err());
         let p = vec![ParamSpec::new("x", "w", &[], ParamKind::Plain)];
+        assert!(ModelLayout::new(p, &WrapPolicy::PerModule).is_err());
+    }
+
+    fn block_params() -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("b.qkv", "weight", &[384, 256], ParamKind::Fp8BlockWeight),
+            ParamSpec::new("b.o", "weight", &[200, 144], ParamKind::Fp8BlockWeight),
+            ParamSpec::new("b.o", "bias", &[200], ParamKind::Plain),
+            ParamSpec::new("b.fc", "weight", &[16, 1040], ParamKind::Fp8BlockWeight),
+        ]
+    }
+
+    #[test]
+    fn block_scaled_shards_end_on_block_rows_and_cover_the_group() {
+        let l = ModelLayout::new(block_params(), &WrapPolicy::Single).unwrap();
+        let g = l.units[0].group(ParamGroup::Fp8);
+        assert!(g.block_scaled && !g.is_even());
+        assert!(!l.units[0].group(ParamGroup::Plain).block_scaled);
+        // Block-row starts of every weight, and the end.
+        let mut allowed = vec![0, 128 * 256, 256 * 256];
+        let o = g.slots[1].offset;
+        allowed.extend([o, o + 128 * 144]);
+        allowed.extend([g.slots[2].offset, g.len]);
+        for ws in 1..=9 {
+            let counts = g.shard_counts(ws);
+            assert_eq!(counts.iter().sum::<usize>(), g.padded_len(ws));
+            assert_eq!(g.padded_len(ws), g.len);
+            let mut next = 0;
+            for r in 0..ws {
+                let range = g.shard_range(r, ws);
+                assert_eq!(range.start, next, "ws {ws} rank {r}");
+                assert!(allowed.contains(&range.end), "ws {ws}: cut {}", range.end);
+                next = range.end;
+            }
+            assert_eq!(next, g.len);
+            // Scales: contiguous ranges in rank order covering the scale buffer.
+            let mut s_next = 0;
+            for r in 0..ws {
+                let sr = g.scale_range(r, ws);
+                assert_eq!(sr.start, s_next);
+                s_next = sr.end;
+            }
+            assert_eq!(s_next, g.scales_len());
+        }
+        // Two ranks: the cut nearest to half the group.
+        let half = g.len / 2;
+        let end0 = g.shard_range(0, 2).end;
+        let best = allowed.iter().map(|a| a.abs_diff(half)).min().unwrap();
+        assert_eq!(end0.abs_diff(half), best);
+        let sc = g.block_scales();
+        // 384 x 256: 3 block rows of 2 blocks padded to 4; 200 x 144: 2 x 2 -> 4; 16 x 1040: 1 x 9 -> 12.
+        assert_eq!(
+            sc.iter()
+                .map(|b| (b.offset, b.block_rows, b.row_len))
+                .collect::<Vec<_>>(),
+            vec![(0, 3, 4), (12, 2, 4), (20, 1, 12)]
+        );
+        assert_eq!(g.scales_len(), 32);
+        assert_eq!(g.scale_position(128 * 256), 4);
+        assert_eq!(g.scale_position(o + 128 * 144), 16);
+    }
+
+    #[test]
+    fn per_tensor_and_block_scaled_weights_do_not_share_a_unit() {
+        let mut p = block_params();
+        p.push(ParamSpec::new(
+            "b.x",
+            "weight",
+            &[16, 16],
+            ParamKind::Fp8Weight,
+        ));
+        let e = ModelLayout::new(p, &WrapPolicy::Single).unwrap_err();
+        assert!(
+            e.to_string().contains("mixes per-tensor and block-scaled"),
+            "{e}"
+        );
+        let p = vec![ParamSpec::new(
+            "x",
+            "w",
+            &[2, 3, 4],
+            ParamKind::Fp8BlockWeight,
+        )];
         assert!(ModelLayout::new(p, &WrapPolicy::PerModule).is_err());
     }
 }

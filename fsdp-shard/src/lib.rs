@@ -40,11 +40,14 @@ pub use fsdp::{Ctx, FsdpModel, Mode, Phase, UnitGradsReady};
 pub use full_weights::{FullTensor, FullWeights, SafetensorsFile};
 pub use grad::{GradReducer, GradReduction};
 pub use layout::{
-    GroupLayout, ModelLayout, ParamGroup, ParamKind, ParamLocation, ParamSlot, ParamSpec,
-    UnitLayout, WrapPolicy, ALIGN,
+    BlockScaleSlot, GroupLayout, ModelLayout, ParamGroup, ParamKind, ParamLocation, ParamSlot,
+    ParamSpec, UnitLayout, WrapPolicy, ALIGN, BLOCK_ROWS, SCALE_ROW_ALIGN,
 };
 pub use memory::MemoryReport;
-pub use model::{FsdpConfig, GatheredParam, GradDtype, GradShard, ShardedModel, UnitShards};
+pub use model::{
+    decode_block_rows, quantize_block_rows, FsdpConfig, GatheredParam, GradDtype, GradShard,
+    ShardedModel, UnitShards,
+};
 pub use module::{
     param_seed, Module, ModulePath, ParamDecl, ParamId, ParamInit, ScalingDecl, ScalingId, Visitor,
 };

@@ -9,6 +9,9 @@
 //! - the reduced gradient shards of both groups, F32 (the default: micro-batches add up exactly) or BF16
 //!   ([`FsdpConfig::grad_dtype`], half the bytes: each reduction's F32 sum is added to the shard in f32 and
 //!   rounded once to BF16);
+//! - for block-scaled FP8 weights ([`ParamKind::Fp8BlockWeight`]), this rank's inverse block scales
+//!   ([`UnitShards::block_scales`]): the rank's whole 128-row block rows are quantized from its own master
+//!   rows, so no scale is agreed across ranks; the all-gather moves codes and scales (uneven shards);
 //! - while gathered: the full flat buffers and each parameter cut out of them.
 //!
 //! Master weights of FP8 parameters are not here: the optimizer owns them, once.
@@ -17,10 +20,11 @@
 //! their invariants (what is live when) are checked in one place.
 
 use crate::grad::{GradReducer, GradReduction};
-use crate::layout::{ModelLayout, ParamGroup, ParamKind};
+use crate::layout::{ModelLayout, ParamGroup};
 use crate::memory::MemoryReport;
 use crate::ShardError;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
+use fp8_kernels::block_quantize::{block_quantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder};
 use fp8_kernels::segmented::segmented_scales;
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::{CommWork, Communicator, RecvBuf, SendBuf};
@@ -144,6 +148,17 @@ pub enum GatheredParam {
         /// `[scale, scale_inv]`.
         scales: Buffer<f32>,
     },
+    /// A block-scaled FP8 weight: E4M3 codes `[out, in]` (row-major) and one inverse scale per 128x128
+    /// block in the order the block-scaled GEMM reads (`fp8_kernels::block_quantize::ScaleOrder::Gemm`:
+    /// row-major over the blocks, each row of blocks padded to a multiple of 4 values).
+    Fp8Block {
+        /// E4M3 codes.
+        codes: Buffer<u8>,
+        /// Inverse block scales.
+        scale_inv: Buffer<f32>,
+        /// Columns (`in`) of the weight.
+        cols: usize,
+    },
     /// A plain F32 parameter.
     Plain(Buffer<f32>),
 }
@@ -162,8 +177,91 @@ impl GatheredParam {
                 fp8_core::Fp8Format::E4M3.decode_scaled(&c, inv, &mut v)?;
                 Ok(v)
             }
+            GatheredParam::Fp8Block {
+                codes,
+                scale_inv,
+                cols,
+            } => decode_block_rows(&codes.to_vec()?, &scale_inv.to_vec()?, *cols),
         }
     }
+
+    /// Bytes held.
+    fn num_bytes(&self) -> usize {
+        match self {
+            GatheredParam::Fp8 { codes, scales } => codes.num_bytes() + scales.num_bytes(),
+            GatheredParam::Fp8Block {
+                codes, scale_inv, ..
+            } => codes.num_bytes() + scale_inv.num_bytes(),
+            GatheredParam::Plain(b) => b.num_bytes(),
+        }
+    }
+}
+
+/// Decodes row-major block-scaled codes of width `cols` (128x128 blocks, scales as
+/// [`GatheredParam::Fp8Block`] stores them) to F32 on the host.
+pub fn decode_block_rows(
+    codes: &[u8],
+    scale_inv: &[f32],
+    cols: usize,
+) -> Result<Vec<f32>, ShardError> {
+    use crate::layout::{BLOCK_ROWS, SCALE_ROW_ALIGN};
+    if cols == 0 || codes.len() % cols != 0 {
+        return Err(ShardError::InvalidArgument(format!(
+            "{} block-scaled codes are not rows of {cols}",
+            codes.len()
+        )));
+    }
+    let row_len = cols.div_ceil(BLOCK_ROWS).next_multiple_of(SCALE_ROW_ALIGN);
+    let rows = codes.len() / cols;
+    if scale_inv.len() != rows.div_ceil(BLOCK_ROWS) * row_len {
+        return Err(ShardError::InvalidArgument(format!(
+            "{} inverse scales for a {rows} x {cols} block-scaled weight",
+            scale_inv.len()
+        )));
+    }
+    let mut out = vec![0f32; codes.len()];
+    for (i, (c, o)) in codes.chunks(cols).zip(out.chunks_mut(cols)).enumerate() {
+        let srow = &scale_inv[(i / BLOCK_ROWS) * row_len..];
+        for (j, (cc, oo)) in c
+            .chunks(BLOCK_ROWS)
+            .zip(o.chunks_mut(BLOCK_ROWS))
+            .enumerate()
+        {
+            Fp8Format::E4M3.decode_scaled(cc, srow[j], oo)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Quantizes the row-major `[values.len() / cols, cols]` rows of a block-scaled weight on the host (the
+/// CPU kernel, the reference of the optimizer's device cast): codes and inverse scales in the layout of
+/// [`GatheredParam::Fp8Block`].
+pub fn quantize_block_rows(values: &[f32], cols: usize) -> Result<(Vec<u8>, Vec<f32>), ShardError> {
+    if cols == 0 || values.len() % cols != 0 {
+        return Err(ShardError::InvalidArgument(format!(
+            "{} values are not rows of {cols}",
+            values.len()
+        )));
+    }
+    let rows = values.len() / cols;
+    let spec = BlockQuantSpec::new(BlockQuantLayout::Blocks128x128, Fp8Format::E4M3)
+        .with_scale_order(ScaleOrder::Gemm);
+    let layout = spec.layout.output_layout(rows, cols)?;
+    let n_scales = spec.scale_order.strides(&layout)?.len;
+    let cpu = Device::Cpu;
+    let x = cpu.upload(values)?;
+    let mut codes = cpu.zeros::<u8>(values.len())?;
+    let mut scale = cpu.zeros::<f32>(n_scales)?;
+    let mut scale_inv = cpu.zeros::<f32>(n_scales)?;
+    block_quantize(
+        &x,
+        [rows, cols],
+        spec,
+        &mut codes,
+        &mut scale,
+        &mut scale_inv,
+    )?;
+    Ok((codes.to_vec()?, scale_inv.to_vec()?))
 }
 
 /// One unit's shards on this rank.
@@ -173,8 +271,14 @@ pub struct UnitShards {
     pub fp8: Buffer<u8>,
     /// This rank's plain parameters (padded flat layout); the master copy of plain parameters.
     pub plain: Buffer<f32>,
-    /// `[scale, scale_inv]` of every FP8 weight of the unit, in slot order.
+    /// `[scale, scale_inv]` of every FP8 weight of the unit, in slot order. For block-scaled weights
+    /// it is the per-tensor pair of the whole weight, kept as a bound for the optimizer's master scale;
+    /// the codes use [`UnitShards::block_scales`].
     pub weight_scales: Buffer<f32>,
+    /// This rank's inverse block scales of block-scaled FP8 weights (the group's scale buffer cut at the
+    /// rank's block rows, [`crate::GroupLayout::scale_range`], stored padded to
+    /// [`crate::GroupLayout::scale_shard_len`]); empty for per-tensor weights.
+    pub block_scales: Buffer<f32>,
     /// Reduced gradient shards of the FP8 group and the plain group when they are F32 (the default
     /// [`GradDtype`]); empty when the model keeps BF16 shards.
     pub grads: [Buffer<f32>; 2],
@@ -213,6 +317,8 @@ impl UnitShards {
 #[derive(Debug)]
 struct PendingGather {
     fp8: Option<Buffer<u8>>,
+    /// Inverse block scales of block-scaled weights.
+    scales: Option<Buffer<f32>>,
     plain: Option<Buffer<f32>>,
     works: Vec<CommWork>,
 }
@@ -220,6 +326,7 @@ struct PendingGather {
 impl PendingGather {
     fn num_bytes(&self) -> usize {
         self.fp8.as_ref().map_or(0, Buffer::num_bytes)
+            + self.scales.as_ref().map_or(0, Buffer::num_bytes)
             + self.plain.as_ref().map_or(0, Buffer::num_bytes)
     }
 }
@@ -348,7 +455,9 @@ impl ShardedModel {
             let fp8_group = unit.group(ParamGroup::Fp8);
             let mut scales = Vec::with_capacity(fp8_group.slots.len() * 2);
             let mut codes_full = vec![0u8; fp8_group.padded_len(ws)];
-            for slot in &fp8_group.slots {
+            let mut block_full = vec![0f32; fp8_group.scales_len()];
+            let block_slots = fp8_group.block_scales();
+            for (i, slot) in fp8_group.slots.iter().enumerate() {
                 let values = &full[0][slot.offset..slot.offset + slot.numel];
                 let amax = fp8_core::amax_f32(values);
                 let s = compute_scale(
@@ -358,26 +467,36 @@ impl ShardedModel {
                     ScaleRounding::PowerOfTwo,
                     1.0,
                 );
-                Fp8Format::E4M3.encode_scaled(
-                    values,
-                    s,
-                    &mut codes_full[slot.offset..slot.offset + slot.numel],
-                )?;
+                let codes = &mut codes_full[slot.offset..slot.offset + slot.numel];
+                if let Some(b) = block_slots.get(i) {
+                    let (c, si) = quantize_block_rows(values, slot.cols)?;
+                    codes.copy_from_slice(&c);
+                    block_full[b.offset..b.offset + b.len()].copy_from_slice(&si);
+                } else {
+                    Fp8Format::E4M3.encode_scaled(values, s, codes)?;
+                }
                 scales.extend([s, 1.0 / s]);
             }
             let r8 = fp8_group.shard_range(rank, ws);
+            let rs = fp8_group.scale_range(rank, ws);
             let rp = unit.group(ParamGroup::Plain).shard_range(rank, ws);
-            masters.push(full[0][r8.clone()].to_vec());
+            // Stored shards have the group's shard length: a block-scaled group's shorter shards are
+            // padded with zeros (the real elements come first).
+            let n8 = fp8_group.shard_len(ws);
+            let padded = |v: &[f32], n: usize| crate::layout::pad_to(v, n);
+            masters.push(padded(&full[0][r8.clone()], n8));
             let (n32, n16) = match config.grad_dtype {
-                GradDtype::F32 => ([r8.len(), rp.len()], [0, 0]),
-                GradDtype::Bf16 => ([0, 0], [r8.len(), rp.len()]),
+                GradDtype::F32 => ([n8, rp.len()], [0, 0]),
+                GradDtype::Bf16 => ([0, 0], [n8, rp.len()]),
             };
             let grads = [device.zeros::<f32>(n32[0])?, device.zeros::<f32>(n32[1])?];
             let grads_bf16 = [device.zeros::<bf16>(n16[0])?, device.zeros::<bf16>(n16[1])?];
             units.push(UnitShards {
-                fp8: device.upload(&codes_full[r8])?,
+                fp8: device.upload(&crate::layout::pad_to(&codes_full[r8], n8))?,
                 plain: device.upload(&full[1][rp])?,
                 weight_scales: device.upload(&scales)?,
+                block_scales: device
+                    .upload(&padded(&block_full[rs], fp8_group.scale_shard_len(ws)))?,
                 grads,
                 grads_bf16,
                 full_grads: [None, None],
@@ -473,10 +592,26 @@ impl ShardedModel {
         let gp = unit_layout.group(ParamGroup::Plain);
         let mut pending = PendingGather {
             fp8: None,
+            scales: None,
             plain: None,
-            works: Vec::with_capacity(2),
+            works: Vec::with_capacity(3),
         };
-        if !g8.is_empty() {
+        if g8.block_scaled {
+            // Uneven shards stored padded to one length: the gathered buffers hold each rank's chunk
+            // at `rank * shard_len`, and the cut in `wait_gather` skips the padding.
+            let mut full = self.device.zeros::<u8>(ws * shards.fp8.len())?;
+            pending.works.push(self.comm.all_gather_async(
+                SendBuf::fp8(&shards.fp8, Fp8Format::E4M3),
+                RecvBuf::Fp8(&mut full, Fp8Format::E4M3),
+            )?);
+            pending.fp8 = Some(full);
+            let mut scales = self.device.zeros::<f32>(ws * shards.block_scales.len())?;
+            pending.works.push(
+                self.comm
+                    .all_gather_async((&shards.block_scales).into(), (&mut scales).into())?,
+            );
+            pending.scales = Some(scales);
+        } else if !g8.is_empty() {
             let mut full = self.device.zeros::<u8>(g8.padded_len(ws))?;
             pending.works.push(self.comm.all_gather_async(
                 SendBuf::fp8(&shards.fp8, Fp8Format::E4M3),
@@ -525,7 +660,38 @@ impl ShardedModel {
         let shards = &self.units[u];
         let mut params: [Vec<GatheredParam>; 2] = [Vec::new(), Vec::new()];
         let mut bytes = 0;
-        if let Some(full) = &pending.fp8 {
+        if let (Some(full), Some(all_scales)) = (&pending.fp8, &pending.scales) {
+            bytes += full.num_bytes() + all_scales.num_bytes();
+            let g8 = unit_layout.group(ParamGroup::Fp8);
+            let ws = self.comm.world_size();
+            let (n8, ns) = (g8.shard_len(ws), g8.scale_shard_len(ws));
+            for (slot, b) in g8.slots.iter().zip(g8.block_scales()) {
+                let mut codes = self.device.zeros::<u8>(slot.numel)?;
+                let mut scale_inv = self.device.zeros::<f32>(b.len())?;
+                // The slot's pieces in each rank's chunk (a weight may span several ranks' block rows).
+                for r in 0..ws {
+                    let range = g8.shard_range(r, ws);
+                    let (start, end) = (
+                        slot.offset.max(range.start),
+                        (slot.offset + slot.numel).min(range.end),
+                    );
+                    if start >= end {
+                        continue;
+                    }
+                    let src = r * n8 + (start - range.start);
+                    codes.copy_range_from(start - slot.offset, full, src, end - start)?;
+                    let (s0, s1) = (g8.scale_position(start), g8.scale_position(end));
+                    let src = r * ns + (s0 - g8.scale_range(r, ws).start);
+                    scale_inv.copy_range_from(s0 - b.offset, all_scales, src, s1 - s0)?;
+                }
+                bytes += codes.num_bytes() + scale_inv.num_bytes();
+                params[ParamGroup::Fp8 as usize].push(GatheredParam::Fp8Block {
+                    codes,
+                    scale_inv,
+                    cols: slot.cols,
+                });
+            }
+        } else if let Some(full) = &pending.fp8 {
             bytes += full.num_bytes();
             for (i, slot) in unit_layout.group(ParamGroup::Fp8).slots.iter().enumerate() {
                 let mut codes = self.device.zeros::<u8>(slot.numel)?;
@@ -602,7 +768,7 @@ impl ShardedModel {
     pub fn plain(&self, name: &str) -> Result<&Buffer<f32>, ShardError> {
         match self.param(self.index(name)?)? {
             GatheredParam::Plain(b) => Ok(b),
-            GatheredParam::Fp8 { .. } => Err(ShardError::InvalidArgument(format!(
+            _ => Err(ShardError::InvalidArgument(format!(
                 "{name} is an FP8 weight, not a plain parameter"
             ))),
         }
@@ -612,8 +778,23 @@ impl ShardedModel {
     pub fn fp8_weight(&self, name: &str) -> Result<(&Buffer<u8>, &Buffer<f32>), ShardError> {
         match self.param(self.index(name)?)? {
             GatheredParam::Fp8 { codes, scales } => Ok((codes, scales)),
-            GatheredParam::Plain(_) => Err(ShardError::InvalidArgument(format!(
-                "{name} is a plain parameter, not an FP8 weight"
+            other => Err(ShardError::InvalidArgument(format!(
+                "{name} is {}, not a per-tensor FP8 weight",
+                gathered_kind(other)
+            ))),
+        }
+    }
+
+    /// The gathered block-scaled FP8 weight named `name`: its E4M3 codes and inverse block scales (see
+    /// [`GatheredParam::Fp8Block`]).
+    pub fn fp8_block_weight(&self, name: &str) -> Result<(&Buffer<u8>, &Buffer<f32>), ShardError> {
+        match self.param(self.index(name)?)? {
+            GatheredParam::Fp8Block {
+                codes, scale_inv, ..
+            } => Ok((codes, scale_inv)),
+            other => Err(ShardError::InvalidArgument(format!(
+                "{name} is {}, not a block-scaled FP8 weight",
+                gathered_kind(other)
             ))),
         }
     }
@@ -717,9 +898,24 @@ impl ShardedModel {
         if has_grads {
             self.ensure_grad_shards(u)?;
         }
+        let ws = self.comm.world_size();
+        let layout = self.layout.clone();
         let shards = &mut self.units[u];
         for g in ParamGroup::ALL {
             if let Some(mut full) = shards.full_grads[g as usize].take() {
+                let group = layout.units[u].group(g);
+                if group.block_scaled && ws > 1 {
+                    // Uneven shards: lay the gradient out as `world_size` chunks of the stored shard
+                    // length (rank r's region first in chunk r, zeros after) so every reduction mode
+                    // runs its even collective.
+                    let n = group.shard_len(ws);
+                    let mut chunks = self.device.zeros::<f32>(ws * n)?;
+                    for r in 0..ws {
+                        let range = group.shard_range(r, ws);
+                        chunks.copy_range_from(r * n, &full, range.start, range.len())?;
+                    }
+                    full = chunks;
+                }
                 // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
                 let mode = if g == ParamGroup::Fp8 {
                     self.config.grad_reduction
@@ -823,12 +1019,12 @@ impl ShardedModel {
         Ok(())
     }
 
-    /// Whether a parameter is an FP8 weight.
+    /// Whether a parameter is an FP8 weight (per-tensor or block-scaled).
     pub fn is_fp8(&self, param: usize) -> bool {
         self.layout
             .params
             .get(param)
-            .is_some_and(|p| p.kind == ParamKind::Fp8Weight)
+            .is_some_and(|p| p.kind.group() == ParamGroup::Fp8)
     }
 
     fn gathered_bytes(&self) -> usize {
@@ -836,10 +1032,7 @@ impl ShardedModel {
             .iter()
             .filter_map(|s| s.gathered.as_ref())
             .flat_map(|v| v.iter().flatten())
-            .map(|p| match p {
-                GatheredParam::Fp8 { codes, scales } => codes.num_bytes() + scales.num_bytes(),
-                GatheredParam::Plain(b) => b.num_bytes(),
-            })
+            .map(GatheredParam::num_bytes)
             .sum()
     }
 
@@ -847,7 +1040,8 @@ impl ShardedModel {
     pub fn memory(&self) -> Result<MemoryReport, ShardError> {
         let mut r = MemoryReport::default();
         for s in &self.units {
-            r.fp8_weight_shards += s.fp8.num_bytes() + s.weight_scales.num_bytes();
+            r.fp8_weight_shards +=
+                s.fp8.num_bytes() + s.weight_scales.num_bytes() + s.block_scales.num_bytes();
             r.plain_param_shards += s.plain.num_bytes();
             r.grad_shards += s.grad_shard_bytes();
             r.full_grads += s
@@ -1016,6 +1210,17 @@ impl ShardedModel {
                     .copy_range_from(2 * loc.slot, &scales, 0, 2)?;
                 if start < end {
                     let piece = &values[start - slot.offset..end - slot.offset];
+                    if group.block_scaled {
+                        // Whole block rows (shards end on them): quantized here, no agreement.
+                        let (codes, scale_inv) = quantize_block_rows(piece, slot.cols)?;
+                        let s0 = group.scale_position(start) - group.scale_range(rank, ws).start;
+                        let scale_inv = self.device.upload(&scale_inv)?;
+                        unit.block_scales
+                            .copy_range_from(s0, &scale_inv, 0, scale_inv.len())?;
+                        let codes = self.device.upload(&codes)?;
+                        unit.fp8
+                            .copy_range_from(start - shard.start, &codes, 0, end - start)?;
+                    }
                     let master = masters.get_mut(loc.unit).ok_or_else(|| {
                         ShardError::InvalidArgument(format!(
                             "no master shard for unit {}",
@@ -1028,11 +1233,13 @@ impl ShardedModel {
                             ShardError::InvalidArgument("master shard too short".into())
                         })?
                         .copy_from_slice(piece);
-                    let mut codes = vec![0u8; piece.len()];
-                    Fp8Format::E4M3.encode_scaled(piece, s, &mut codes)?;
-                    let codes = self.device.upload(&codes)?;
-                    unit.fp8
-                        .copy_range_from(start - shard.start, &codes, 0, end - start)?;
+                    if !group.block_scaled {
+                        let mut codes = vec![0u8; piece.len()];
+                        Fp8Format::E4M3.encode_scaled(piece, s, &mut codes)?;
+                        let codes = self.device.upload(&codes)?;
+                        unit.fp8
+                            .copy_range_from(start - shard.start, &codes, 0, end - start)?;
+                    }
                 }
             }
         }
@@ -1054,6 +1261,26 @@ impl ShardedModel {
         self.reducer.take_nonfinite_into(acc)
     }
 
+    /// Where this rank's piece of FP8 slot `slot` of unit `u` starts in [`UnitShards::block_scales`], for
+    /// its piece starting at local position `local` of the FP8 shard (a block-row start; see
+    /// [`ShardedModel::fp8_segments`]). An error unless the unit's FP8 group is block-scaled.
+    pub fn block_scale_offset(&self, u: usize, local: usize) -> Result<usize, ShardError> {
+        let g = self
+            .layout
+            .units
+            .get(u)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no unit {u}")))?
+            .group(ParamGroup::Fp8);
+        if !g.block_scaled {
+            return Err(ShardError::InvalidArgument(format!(
+                "unit {u} has no block-scaled FP8 weights"
+            )));
+        }
+        let (rank, ws) = (self.comm.rank(), self.comm.world_size());
+        let shard = g.shard_range(rank, ws);
+        Ok(g.scale_position(shard.start + local) - g.scale_range(rank, ws).start)
+    }
+
     /// Current scale pairs of every FP8 weight, by parameter index (reads the device buffers).
     pub fn weight_scales(&self) -> Result<Vec<(usize, f32, f32)>, ShardError> {
         let mut out = Vec::new();
@@ -1064,5 +1291,14 @@ impl ShardedModel {
             }
         }
         Ok(out)
+    }
+}
+
+/// What a gathered parameter is, for error messages.
+fn gathered_kind(p: &GatheredParam) -> &'static str {
+    match p {
+        GatheredParam::Fp8 { .. } => "a per-tensor FP8 weight",
+        GatheredParam::Fp8Block { .. } => "a block-scaled FP8 weight",
+        GatheredParam::Plain(_) => "a plain parameter",
     }
 }

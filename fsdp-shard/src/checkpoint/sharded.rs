@@ -104,6 +104,13 @@ fn rank_file(
             unit_key(u, "weight_scales"),
             TensorRecord::from_f32(&[scales.len()], &scales),
         );
+        if layout.units[u].group(ParamGroup::Fp8).block_scaled {
+            let b = s.block_scales.to_vec()?;
+            file.insert(
+                unit_key(u, "block_scales"),
+                TensorRecord::from_f32(&[b.len()], &b),
+            );
+        }
     }
     if let Some(st) = state {
         for sh in st.export_state()? {
@@ -132,9 +139,9 @@ fn rank_file(
 /// Header bytes allowed per tensor of a rank file: its entry (name, type, shape, offsets) and its CRC-32
 /// metadata entry; 256 holds names of up to about 60 characters with 12-digit lengths.
 const TENSOR_HEADER_BYTES: u64 = 256;
-/// Tensors per unit at most: the FP8 codes, plain shard and weight scales, and up to five optimizer
+/// Tensors per unit at most: the FP8 codes, plain shard, weight scales and block scales, and up to five optimizer
 /// state shards (Adam's FP8 master and moments, the plain moments) each with its scales.
-const TENSORS_PER_UNIT: u64 = 3 + 5 * 2;
+const TENSORS_PER_UNIT: u64 = 4 + 5 * 2;
 /// What [`shard_file_bytes`] adds for the fixed metadata (format, world size, rank, generation, save
 /// id, checksums) and the filesystem's rounding of the file to whole blocks.
 pub const SHARD_FILE_MARGIN: u64 = 16 << 10;
@@ -163,7 +170,10 @@ pub fn shard_file_bytes(
     let mut bytes = SHARD_FILE_MARGIN;
     for u in 0..model.num_units() {
         let s = model.unit(u)?;
-        bytes += (s.fp8.num_bytes() + s.plain.num_bytes() + s.weight_scales.num_bytes()) as u64;
+        bytes += (s.fp8.num_bytes()
+            + s.plain.num_bytes()
+            + s.weight_scales.num_bytes()
+            + s.block_scales.num_bytes()) as u64;
     }
     bytes += model.num_units() as u64 * TENSORS_PER_UNIT * TENSOR_HEADER_BYTES;
     let layout = serde_json::to_string(model.layout().as_ref())
@@ -352,34 +362,89 @@ fn read_all(dir: &Path, layout: &ModelLayout) -> Result<(Commit, Vec<CheckpointF
     Ok((commit, files))
 }
 
-/// Concatenates the saved shards of tensor `key`, checks each has `saved_shard` elements of `qtype`, and
-/// cuts this rank's new shard (`len` = unpadded group length, re-padded for `ws`).
-fn reshard(
+/// How a group's data is split into per-rank shards at one world size: every rank stores `stored`
+/// elements, of which the first `counts[rank]` are real (the rest padding).
+struct Pieces {
+    stored: usize,
+    counts: Vec<usize>,
+}
+
+impl Pieces {
+    /// The pieces of group `g` at world size `ws`: equal shards whose real data ends at the group's
+    /// length (the last shards hold the padding), or a block-scaled group's uneven shards.
+    fn of(g: &crate::layout::GroupLayout, ws: usize) -> Self {
+        let stored = g.shard_len(ws);
+        let counts = if g.block_scaled {
+            g.shard_counts(ws)
+        } else {
+            (0..ws)
+                .map(|r| g.len.saturating_sub(r * stored).min(stored))
+                .collect()
+        };
+        Pieces { stored, counts }
+    }
+}
+
+/// [`reshard_pieces`] of group `g`'s tensor `key`, saved at world size `n`, for `rank` of `ws`.
+fn reshard_group(
     files: &[CheckpointFile],
     key: &str,
     qtype: QType,
-    saved_shard: usize,
-    len: usize,
+    g: &crate::layout::GroupLayout,
+    n: usize,
     rank: usize,
-    new_shard: usize,
+    ws: usize,
+) -> Result<Vec<u8>, ShardError> {
+    reshard_pieces(
+        files,
+        key,
+        qtype,
+        &Pieces::of(g, n),
+        &Pieces::of(g, ws),
+        rank,
+    )
+}
+
+/// Concatenates the real parts of the saved shards of tensor `key` (each checked to hold
+/// `saved.stored` elements of `qtype`) and cuts this rank's new shard, padded to `new.stored`.
+fn reshard_pieces(
+    files: &[CheckpointFile],
+    key: &str,
+    qtype: QType,
+    saved: &Pieces,
+    new: &Pieces,
+    rank: usize,
 ) -> Result<Vec<u8>, ShardError> {
     let es = qtype.size_bytes();
-    let mut full = Vec::with_capacity(files.len() * saved_shard * es);
+    let mut full = Vec::with_capacity(saved.counts.iter().sum::<usize>() * es);
     for (r, f) in files.iter().enumerate() {
         let t = f.tensor(key)?;
-        if t.qtype != qtype || t.bytes.len() != saved_shard * es {
+        if t.qtype != qtype || t.bytes.len() != saved.stored * es {
             return Err(ShardError::Checkpoint(format!(
                 "rank {r}: tensor {key} is {} x {} bytes, expected {qtype} x {}",
                 t.qtype,
                 t.bytes.len(),
-                saved_shard * es
+                saved.stored * es
             )));
         }
-        full.extend_from_slice(&t.bytes);
+        let real = saved.counts.get(r).copied().unwrap_or(0) * es;
+        full.extend_from_slice(&t.bytes[..real]);
     }
-    full.truncate(len * es);
-    full.resize(new_shard * (rank + 1) * es, 0);
-    Ok(full[new_shard * rank * es..].to_vec())
+    let start: usize = new.counts[..rank.min(new.counts.len())].iter().sum();
+    let real = new.counts.get(rank).copied().unwrap_or(0);
+    let mut out = full
+        .get(start * es..(start + real) * es)
+        .ok_or_else(|| {
+            ShardError::Checkpoint(format!(
+                "tensor {key}: the saved shards hold {} elements, rank {rank} needs {}..{}",
+                full.len() / es,
+                start,
+                start + real
+            ))
+        })?
+        .to_vec();
+    out.resize(new.stored * es, 0);
+    Ok(out)
 }
 
 /// The one copy of a tensor that every rank saved identically (scales); differing copies are an error.
@@ -415,24 +480,29 @@ pub fn load_sharded(
     for (u, unit) in layout.units.iter().enumerate() {
         let g8 = unit.group(ParamGroup::Fp8);
         let gp = unit.group(ParamGroup::Plain);
-        let codes = reshard(
-            &files,
-            &unit_key(u, "fp8"),
-            QType::E4M3,
-            g8.shard_len(n),
-            g8.len,
-            rank,
-            g8.shard_len(ws),
-        )?;
-        let plain = reshard(
-            &files,
-            &unit_key(u, "plain"),
-            QType::F32,
-            gp.shard_len(n),
-            gp.len,
-            rank,
-            gp.shard_len(ws),
-        )?;
+        let codes = reshard_group(&files, &unit_key(u, "fp8"), QType::E4M3, g8, n, rank, ws)?;
+        let plain = reshard_group(&files, &unit_key(u, "plain"), QType::F32, gp, n, rank, ws)?;
+        let block_scales = if g8.block_scaled {
+            let key = unit_key(u, "block_scales");
+            let saved = Pieces {
+                stored: g8.scale_shard_len(n),
+                counts: g8.scale_counts(n),
+            };
+            let new = Pieces {
+                stored: g8.scale_shard_len(ws),
+                counts: g8.scale_counts(ws),
+            };
+            Some(reshard_pieces(
+                &files,
+                &key,
+                QType::F32,
+                &saved,
+                &new,
+                rank,
+            )?)
+        } else {
+            None
+        };
         let scales = agreed(&files, &unit_key(u, "weight_scales"))?;
         if scales.len() != 2 * g8.slots.len() {
             return Err(ShardError::Checkpoint(format!(
@@ -445,6 +515,9 @@ pub fn load_sharded(
         s.fp8.copy_from_host(&codes)?;
         s.plain.copy_from_host(&f32s(&plain))?;
         s.weight_scales.copy_from_host(&scales)?;
+        if let Some(b) = block_scales {
+            s.block_scales.copy_from_host(&f32s(&b))?;
+        }
     }
     let own = if n == ws { rank } else { 0 };
     if let Some(st) = state {
@@ -455,15 +528,7 @@ pub fn load_sharded(
                 ShardError::Checkpoint(format!("optimizer state names unit {}", sh.unit))
             })?;
             let g = unit.group(sh.group);
-            sh.bytes = reshard(
-                &files,
-                &key,
-                sh.qtype,
-                g.shard_len(n),
-                g.len,
-                rank,
-                g.shard_len(ws),
-            )?;
+            sh.bytes = reshard_group(&files, &key, sh.qtype, g, n, rank, ws)?;
             sh.slot_scales = agreed(&files, &format!("{key}.scales"))?;
         }
         st.import_state(shards)?;
@@ -528,6 +593,51 @@ pub fn save_full(
                                 TensorRecord::from_f32(&spec.shape, &b.to_vec()?),
                             );
                         }
+                        crate::model::GatheredParam::Fp8Block {
+                            codes,
+                            scale_inv,
+                            cols,
+                        } => match weights {
+                            FullWeights::F32 => {
+                                let v = crate::model::decode_block_rows(
+                                    &codes.to_vec()?,
+                                    &scale_inv.to_vec()?,
+                                    *cols,
+                                )?;
+                                file.insert(
+                                    spec.name.clone(),
+                                    TensorRecord::from_f32(&spec.shape, &v),
+                                );
+                            }
+                            FullWeights::Fp8WithScaleInv => {
+                                // As DeepSeek-V3's checkpoints hold them: one inverse scale per
+                                // 128x128 block, `[ceil(out/128), ceil(in/128)]` (named
+                                // `<name>.scale_inv` here, like a per-tensor weight's scalar).
+                                let grid_cols = cols.div_ceil(crate::layout::BLOCK_ROWS);
+                                let row_len =
+                                    grid_cols.next_multiple_of(crate::layout::SCALE_ROW_ALIGN);
+                                let si = scale_inv.to_vec()?;
+                                let grid: Vec<f32> = si
+                                    .chunks(row_len)
+                                    .flat_map(|r| r[..grid_cols].to_vec())
+                                    .collect();
+                                file.insert(
+                                    spec.name.clone(),
+                                    TensorRecord {
+                                        qtype: QType::E4M3,
+                                        shape: spec.shape.clone(),
+                                        bytes: codes.to_vec()?,
+                                    },
+                                );
+                                file.insert(
+                                    format!("{}.scale_inv", spec.name),
+                                    TensorRecord::from_f32(
+                                        &[grid.len() / grid_cols, grid_cols],
+                                        &grid,
+                                    ),
+                                );
+                            }
+                        },
                         crate::model::GatheredParam::Fp8 { codes, scales } => {
                             let codes = codes.to_vec()?;
                             let sc = scales.to_vec()?;
@@ -609,16 +719,36 @@ pub fn read_full(path: &Path) -> Result<FullParams, ShardError> {
             QType::F32 => t.to_f32(name)?,
             QType::E4M3 | QType::E5M2 => {
                 let inv_key = format!("{name}.scale_inv");
-                let inv = f.tensor(&inv_key)?.to_f32(&inv_key)?;
-                let inv = *inv
-                    .first()
-                    .ok_or_else(|| ShardError::Checkpoint(format!("{inv_key} is empty")))?;
+                let inv_t = f.tensor(&inv_key)?;
+                let inv = inv_t.to_f32(&inv_key)?;
                 let fmt = t
                     .qtype
                     .fp8_format()
                     .ok_or(fp8_core::Fp8Error::NotFp8(t.qtype))?;
                 let mut v = vec![0f32; t.bytes.len()];
-                fmt.decode_scaled(&t.bytes, inv, &mut v)?;
+                if let ([_, gc], [_, cols]) = (inv_t.shape.as_slice(), t.shape.as_slice()) {
+                    // 128x128 block scales, `[ceil(rows/128), ceil(cols/128)]`.
+                    let bs = crate::layout::BLOCK_ROWS;
+                    let rows = t.bytes.len() / (*cols).max(1);
+                    if *gc != cols.div_ceil(bs) || inv.len() != rows.div_ceil(bs) * gc {
+                        return Err(ShardError::Checkpoint(format!(
+                            "{}: {inv_key} has shape {:?}, not the 128x128 block grid of {name} {:?}",
+                            path.display(),
+                            inv_t.shape,
+                            t.shape
+                        )));
+                    }
+                    for (i, (c, o)) in t.bytes.chunks(*cols).zip(v.chunks_mut(*cols)).enumerate() {
+                        for (j, (cc, oo)) in c.chunks(bs).zip(o.chunks_mut(bs)).enumerate() {
+                            fmt.decode_scaled(cc, inv[(i / bs) * gc + j], oo)?;
+                        }
+                    }
+                } else {
+                    let inv = *inv
+                        .first()
+                        .ok_or_else(|| ShardError::Checkpoint(format!("{inv_key} is empty")))?;
+                    fmt.decode_scaled(&t.bytes, inv, &mut v)?;
+                }
                 v
             }
             q => {
