@@ -63,9 +63,9 @@ pub fn export_with<M: Module>(
                 continue;
             }
             let send = dev.upload(&shard)?;
-            let mut recv = dev.zeros::<f32>(group.padded_len(ws))?;
+            let mut recv = dev.zeros::<f32>(ws * shard.len())?;
             comm.all_gather((&send).into(), (&mut recv).into())?;
-            both[g as usize] = recv.to_vec()?;
+            both[g as usize] = group.compact_gathered(&recv.to_vec()?, ws);
         }
         full.push(both);
     }

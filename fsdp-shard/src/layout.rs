@@ -222,6 +222,24 @@ impl GroupLayout {
         (0..ws).map(|r| self.shard_range(r, ws).len()).collect()
     }
 
+    /// The group's flat data from the concatenation of every rank's stored shard (an all-gather of
+    /// them): as it is for an even group; a block-scaled group's padding after each rank's real
+    /// elements dropped.
+    pub fn compact_gathered<T: Copy>(&self, gathered: &[T], world_size: usize) -> Vec<T> {
+        if !self.block_scaled {
+            return gathered.to_vec();
+        }
+        let ws = world_size.max(1);
+        let stored = self.shard_len(ws);
+        let mut out = Vec::with_capacity(self.len);
+        for (r, n) in self.shard_counts(ws).into_iter().enumerate() {
+            if let Some(piece) = gathered.get(r * stored..r * stored + n) {
+                out.extend_from_slice(piece);
+            }
+        }
+        out
+    }
+
     /// Positions where a shard of a block-scaled group may end: every block-row start of every weight
     /// and the group's end, ascending.
     fn cut_candidates(&self) -> Vec<usize> {

@@ -92,6 +92,18 @@ pub enum Fp8ScalingArg {
     Current,
 }
 
+/// `--recipe`: the scale granularity of FP8 linears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RecipeArg {
+    /// One scale per tensor: delayed or current scaling of activations and gradients agreed across
+    /// ranks, weights scaled currently by the optimizer.
+    Tensor,
+    /// DeepSeek-V3's block scaling: E4M3 everywhere, one scale per 1x128 tile of activations and
+    /// gradients and per 128x128 block of weights (power-of-two scales); no scale agreement between
+    /// ranks, weight shards end on 128-row block rows.
+    Block,
+}
+
 /// The flags every training program shares.
 #[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
@@ -120,6 +132,10 @@ pub struct TrainArgs {
     /// measured by the linear_crossover example].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub fp8_auto_threshold: Option<u64>,
+    /// With --precision fp8: one scale per tensor, or per 1x128 tile / 128x128 weight block
+    /// (DeepSeek-V3's recipe) [default: tensor].
+    #[arg(long, value_enum)]
+    pub recipe: Option<RecipeArg>,
     /// With --precision fp8: scaling of activations and output gradients [default: delayed].
     #[arg(long, value_enum)]
     pub fp8_scaling: Option<Fp8ScalingArg>,
@@ -256,6 +272,7 @@ impl TrainArgs {
                     "--fp8-layers",
                 ),
                 (self.fp8_auto_threshold.is_some(), "--fp8-auto-threshold"),
+                (self.recipe.is_some(), "--recipe"),
                 (self.fp8_grad_comm.is_some(), "--fp8-grad-comm"),
                 (self.fp8_scaling.is_some(), "--fp8-scaling"),
                 (self.fp8_amax_history.is_some(), "--fp8-amax-history"),
@@ -266,6 +283,20 @@ impl TrainArgs {
                     return bad(format!(
                         "{flag} applies to FP8 linears; {why} (drop the flag, or use --precision fp8 \
                          and an --fp8-layers choice that selects some)"
+                    ));
+                }
+            }
+        }
+        if self.recipe == Some(RecipeArg::Block) {
+            for (given, flag) in [
+                (self.fp8_scaling.is_some(), "--fp8-scaling"),
+                (self.fp8_amax_history.is_some(), "--fp8-amax-history"),
+                (self.fp8_margin.is_some(), "--fp8-margin"),
+            ] {
+                if given {
+                    return bad(format!(
+                        "{flag} sets per-tensor scaling; --recipe block scales every 1x128 tile and \
+                         128x128 weight block by its own amax (drop one of them)"
                     ));
                 }
             }
@@ -321,11 +352,14 @@ impl TrainArgs {
         c.seed = self.seed;
         c.precision = precision;
         c.fp8_layers = fp8_layers;
-        c.fp8_recipe = Fp8Recipe {
-            activations: scaling,
-            gradients: scaling,
-            weight_margin: margin,
-            ..Fp8Recipe::default()
+        c.fp8_recipe = match self.recipe.unwrap_or(RecipeArg::Tensor) {
+            RecipeArg::Tensor => Fp8Recipe {
+                activations: scaling,
+                gradients: scaling,
+                weight_margin: margin,
+                ..Fp8Recipe::default()
+            },
+            RecipeArg::Block => Fp8Recipe::deepseek_v3(fp8_core::ScaleRounding::PowerOfTwo),
         };
         c.fp8_grad_comm = self
             .fp8_grad_comm

@@ -9,7 +9,8 @@ use crate::schedule::LrSchedule;
 use crate::OptimError;
 use fp8_core::{Fp8Format, QType};
 use fp8_kernels::adam::control::{
-    adam_coefficients_from_stats, adam_commit_amaxes, cast_weight_source, ctl, MasterSource,
+    adam_coefficients_from_stats, adam_commit_amaxes, cast_weight_blocks, cast_weight_source, ctl,
+    MasterSource,
     SlotScales, COEF_LEN,
 };
 use fp8_kernels::adam::{
@@ -133,6 +134,9 @@ struct UnitStates {
     plain_v: Buffer<f32>,
     /// `(slot, local range)` pieces of this rank's FP8 shard.
     segments: Vec<(usize, Range<usize>)>,
+    /// For block-scaled FP8 weights, per segment: the weight's columns and where the segment's first
+    /// row of block scales is in the unit's block-scale shard. Empty for per-tensor weights.
+    block_cast: Vec<(usize, usize)>,
     /// Model parameter index of every FP8 slot.
     params: Vec<usize>,
     /// Index of this unit's first slot in the model-wide slot numbering.
@@ -233,6 +237,14 @@ impl ShardedAdam {
             let slots = &model.layout().units[u].group(ParamGroup::Fp8).slots;
             let params: Vec<usize> = slots.iter().map(|s| s.param).collect();
             let segments = model.fp8_segments(u)?;
+            let block_cast = if model.layout().units[u].group(ParamGroup::Fp8).block_scaled {
+                segments
+                    .iter()
+                    .map(|(i, r)| Ok((slots[*i].cols, model.block_scale_offset(u, r.start)?)))
+                    .collect::<Result<Vec<_>, OptimError>>()?
+            } else {
+                Vec::new()
+            };
             let decays = |p: &usize| model.layout().params.get(*p).is_none_or(|s| s.decay);
             let fp8_decay: Vec<bool> = params.iter().map(decays).collect();
             let plain_slots = &model.layout().units[u].group(ParamGroup::Plain).slots;
@@ -294,6 +306,7 @@ impl ShardedAdam {
                 plain_m: device.zeros(plain_len)?,
                 plain_v: device.zeros(plain_len)?,
                 segments,
+                block_cast,
                 slot_base,
                 fp8_len,
                 plain_len,
@@ -520,14 +533,15 @@ impl ShardedAdam {
         // 1. Local statistics and ONE all-reduce SUM: [non-finite count, sum of squares, per-rank rows of
         //    gradient amaxes (low precision only; zeros elsewhere, so the sum is the exact maximum)].
         let mut sums = dev.zeros::<f32>(2 + if low { ws * n } else { 0 })?;
-        let before_cast = model.take_nonfinite_before_cast();
         for (u, st) in self.units.iter().enumerate() {
             let s = model.unit(u)?;
             let amax_row = low.then_some((&mut sums, 2 + rank * n + st.slot_base));
             unit_stats(st, s, &mut self.stats_acc, amax_row)?;
         }
-        let extra = u32::try_from(before_cast).unwrap_or(u32::MAX);
-        norm_stats_finish(&mut self.stats_acc, extra, &mut sums)?;
+        // The FP8 reductions' count of non-finite values seen before their casts moves into the
+        // statistics on the device: no read of the device inside the step.
+        model.take_nonfinite_before_cast_into(&mut self.stats_acc)?;
+        norm_stats_finish(&mut self.stats_acc, 0, &mut sums)?;
         model
             .comm()
             .all_reduce_in_place((&mut sums).into(), ReduceOp::Sum)?;
@@ -760,14 +774,36 @@ fn update_unit(
 
 /// Each FP8 weight segment of one unit cast in place from its master with the unit's new weight scales
 /// (on a skipped step from its current codes: the same codes). `scales` are the states' scales
-/// (model-wide slots).
+/// (model-wide slots). Block-scaled weights are quantized per 128x128 block of the segment's rows
+/// (whole block rows of one weight) instead, their scales written to the unit's block-scale shard: no
+/// agreed scale enters.
 fn cast_unit_weights(
     st: &UnitStates,
     s: &mut UnitShards,
     coef: &Buffer<f32>,
     scales: &Buffer<f32>,
 ) -> Result<(), OptimError> {
-    for (i, r) in &st.segments {
+    for (k, (i, r)) in st.segments.iter().enumerate() {
+        if let Some(&(cols, scale_offset)) = st.block_cast.get(k) {
+            let source = match &st.fp8 {
+                Fp8States::F32 { master, .. } => MasterSource::F32(master),
+                Fp8States::Low { master, .. } => MasterSource::F16 {
+                    master,
+                    scales,
+                    slot: st.slot_base + i,
+                },
+            };
+            cast_weight_blocks(
+                coef,
+                &mut s.fp8,
+                r.clone(),
+                cols,
+                &mut s.block_scales,
+                scale_offset,
+                source,
+            )?;
+            continue;
+        }
         let source = match &st.fp8 {
             Fp8States::F32 { master, .. } => MasterSource::F32(master),
             Fp8States::Low { master, .. } => MasterSource::F16 {

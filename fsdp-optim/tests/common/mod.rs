@@ -96,13 +96,16 @@ pub fn set_grads(model: &mut ShardedModel, grads: &[Vec<f32>]) -> Result<(), Opt
                 full[slot.offset..slot.offset + slot.numel].copy_from_slice(&grads[slot.param]);
             }
             let r = gl.shard_range(rank, ws);
+            // A block-scaled group's shard is stored padded to the largest rank's length.
+            let mut piece = full[r].to_vec();
+            piece.resize(gl.shard_len(ws), 0.0);
             let s = model.unit_mut(u)?;
             // BF16 shards get the values rounded to nearest even, as a reduction would store them.
             if model_grad_dtype(s) == GradDtype::Bf16 {
-                let h: Vec<half::bf16> = full[r].iter().map(|&x| half::bf16::from_f32(x)).collect();
+                let h: Vec<half::bf16> = piece.iter().map(|&x| half::bf16::from_f32(x)).collect();
                 s.grads_bf16[g as usize].copy_from_host(&h)?;
             } else {
-                s.grads[g as usize].copy_from_host(&full[r])?;
+                s.grads[g as usize].copy_from_host(&piece)?;
             }
         }
     }
