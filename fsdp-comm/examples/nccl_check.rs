@@ -3,7 +3,7 @@
 //! Run through the launcher on a GPU machine: `fsdp-run --nproc N -- nccl_check` (N GPUs). Each rank
 //! builds every rank's inputs from a fixed seed, so it can run the same collective on N thread ranks in
 //! process and compare its own NCCL output with the reference:
-//! - gathers, broadcasts, all-to-alls, max and min: bit for bit;
+//! - gathers, broadcasts, all-to-alls (the variable-count forms too), max and min: bit for bit;
 //! - sums on one rank: bit for bit (NCCL copies);
 //! - sums on several ranks: within the per-step rounding bound against the exact sum (NCCL may pick
 //!   another order or algorithm than the emulated ring); the share of bit-exact matches with the
@@ -43,14 +43,58 @@ enum Call {
     Broadcast(usize),
     BroadcastInPlace(usize),
     AllToAll,
+    /// Uneven shards of [`shard_counts`].
+    AllGatherV,
+    ReduceScatterV(ReduceOp),
+    /// Counts per pair of [`exchange_counts`].
+    AllToAllV,
 }
 
 impl Call {
     fn op(self) -> Option<ReduceOp> {
         match self {
-            Call::ReduceScatter(o) | Call::AllReduce(o) | Call::AllReduceInPlace(o) => Some(o),
+            Call::ReduceScatter(o)
+            | Call::ReduceScatterV(o)
+            | Call::AllReduce(o)
+            | Call::AllReduceInPlace(o) => Some(o),
             _ => None,
         }
+    }
+}
+
+/// Uneven shards around `len` for the variable-count checks, the same in every process: every third
+/// rank (from rank 1) holds none, the others `len + rank` elements.
+fn shard_counts(len: usize, n: usize) -> Vec<usize> {
+    (0..n)
+        .map(|r| if r % 3 == 1 { 0 } else { len + r })
+        .collect()
+}
+
+/// `matrix[r][j]`: what rank `r` sends rank `j` in the all-to-all-v check: zero for about a third of
+/// the pairs (never on one rank, where the one pair is the whole exchange), else around `len`.
+fn exchange_counts(len: usize, n: usize) -> Vec<Vec<usize>> {
+    (0..n)
+        .map(|r| {
+            (0..n)
+                .map(|j| {
+                    if n > 1 && (r + 2 * j) % 3 == 1 {
+                        0
+                    } else {
+                        len + r + 2 * j
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The input length of `rank` for `call` around `len`.
+fn input_len(call: Call, len: usize, n: usize, rank: usize) -> usize {
+    match call {
+        Call::AllGatherV => shard_counts(len, n)[rank],
+        Call::ReduceScatterV(_) => shard_counts(len, n).iter().sum(),
+        Call::AllToAllV => exchange_counts(len, n)[rank].iter().sum(),
+        _ => len,
     }
 }
 
@@ -163,13 +207,23 @@ fn invoke(
     comm: &dyn Communicator,
     kind: CommDType,
     call: Call,
+    len: usize,
     input: &[u32],
 ) -> Result<Vec<u32>, CommError> {
     let dev = comm.device().clone();
     let n = comm.world_size();
+    let rank = comm.rank();
+    // The variable-count calls: `len` is the base their counts are built around.
+    let counts = shard_counts(len, n);
+    let matrix = exchange_counts(len, n);
+    let send_counts = matrix[rank].clone();
+    let recv_counts: Vec<usize> = matrix.iter().map(|row| row[rank]).collect();
     let out_len = match call {
         Call::AllGather | Call::AllGatherAsync => input.len() * n,
         Call::ReduceScatter(_) => input.len() / n,
+        Call::AllGatherV => counts.iter().sum(),
+        Call::ReduceScatterV(_) => counts[rank],
+        Call::AllToAllV => recv_counts.iter().sum(),
         _ => input.len(),
     };
     let x = Buf::new(&dev, kind, input)?;
@@ -185,6 +239,13 @@ fn invoke(
         Call::AllReduce(op) => comm.all_reduce(x.send(kind), y.recv(kind), op)?,
         Call::Broadcast(root) => comm.broadcast(x.send(kind), y.recv(kind), root)?,
         Call::AllToAll => comm.all_to_all(x.send(kind), y.recv(kind))?,
+        Call::AllGatherV => comm.all_gather_v(x.send(kind), y.recv(kind), &counts)?,
+        Call::ReduceScatterV(op) => {
+            comm.reduce_scatter_v(x.send(kind), y.recv(kind), &counts, op)?
+        }
+        Call::AllToAllV => {
+            comm.all_to_all_v(x.send(kind), &send_counts, y.recv(kind), &recv_counts)?
+        }
         Call::AllReduceInPlace(op) => {
             let mut z = Buf::new(&dev, kind, input)?;
             comm.all_reduce_in_place(z.recv(kind), op)?;
@@ -239,11 +300,14 @@ impl Checker {
                 return;
             }
         }
-        let all: Vec<Vec<u32>> = (0..n).map(|r| inputs(kind, call, len, n, r)).collect();
+        let all: Vec<Vec<u32>> = (0..n)
+            .map(|r| inputs(kind, call, input_len(call, len, n, r), n, r))
+            .collect();
         let result = (|| -> Result<String, String> {
-            let got = invoke(comm, kind, call, &all[rank]).map_err(|e| format!("NCCL: {e}"))?;
+            let got =
+                invoke(comm, kind, call, len, &all[rank]).map_err(|e| format!("NCCL: {e}"))?;
             let reference = run_ranks_timeout(n, Duration::from_secs(120), |tc| {
-                invoke(&tc, kind, call, &all[tc.rank()])
+                invoke(&tc, kind, call, len, &all[tc.rank()])
             })
             .map_err(|e| format!("thread reference: {e}"))?;
             let want = &reference[rank];
@@ -277,6 +341,7 @@ impl Checker {
                 // sum. Element i of this rank's output is element `base + i` of the inputs.
                 let base = match call {
                     Call::ReduceScatter(_) => rank * got.len(),
+                    Call::ReduceScatterV(_) => shard_counts(len, n)[..rank].iter().sum(),
                     _ => 0,
                 };
                 let xs: Vec<f64> = all.iter().map(|v| decode(kind, v[base + i])).collect();
@@ -376,6 +441,8 @@ fn main() -> ExitCode {
             ck.collective(&comm, kind, Call::Broadcast(n - 1), len);
             ck.collective(&comm, kind, Call::BroadcastInPlace(0), len);
             ck.collective(&comm, kind, Call::AllToAll, len * n);
+            ck.collective(&comm, kind, Call::AllGatherV, len);
+            ck.collective(&comm, kind, Call::AllToAllV, len);
             if !kind.reducible() {
                 continue;
             }
@@ -383,6 +450,10 @@ fn main() -> ExitCode {
                 ck.collective(&comm, kind, Call::ReduceScatter(op), len * n);
                 ck.collective(&comm, kind, Call::AllReduce(op), len);
                 ck.collective(&comm, kind, Call::AllReduceInPlace(op), len);
+                // FP8 reduce-scatter-v is refused (checked below).
+                if !matches!(kind, CommDType::Fp8(_)) {
+                    ck.collective(&comm, kind, Call::ReduceScatterV(op), len);
+                }
             }
         }
     }
@@ -419,6 +490,36 @@ fn main() -> ExitCode {
         }
     })();
     ck.report("size mismatch is an error", sizes);
+
+    // The variable-count forms check their counts before NCCL sees them, and refuse FP8 sums.
+    let v_errors = (|| -> Result<String, String> {
+        let d = comm.device();
+        let counts = vec![4usize; n];
+        let x = d.zeros::<u8>(4 * n).map_err(|e| e.to_string())?;
+        let mut y = d.zeros::<u8>(4).map_err(|e| e.to_string())?;
+        match comm.reduce_scatter_v(
+            SendBuf::fp8(&x, Fp8Format::E4M3),
+            RecvBuf::fp8(&mut y, Fp8Format::E4M3),
+            &counts,
+            ReduceOp::Sum,
+        ) {
+            Err(CommError::Unsupported { .. }) => {}
+            other => {
+                return Err(format!(
+                    "FP8 reduce_scatter_v: expected Unsupported, got {other:?}"
+                ))
+            }
+        }
+        let short = vec![4usize; n + 1];
+        let mut full = d.zeros::<u8>(4 * n).map_err(|e| e.to_string())?;
+        match comm.all_gather_v((&y).into(), (&mut full).into(), &short) {
+            Err(CommError::LengthMismatch { .. }) => Ok(String::new()),
+            other => Err(format!(
+                "all_gather_v with n + 1 counts: expected a length error, got {other:?}"
+            )),
+        }
+    })();
+    ck.report("variable-count argument errors", v_errors);
 
     if n == 1 && !skip_init_timeout {
         // A second communicator of two ranks whose peer never joins: init must time out, not hang.

@@ -13,6 +13,22 @@
 //! - all-to-all: `send` and `recv` are `world_size` equal chunks; chunk `j` of rank `r`'s `send` lands in
 //!   chunk `r` of rank `j`'s `recv` (`send.len() == recv.len()`, divisible by the world size; callers
 //!   pad). No arithmetic, so every element type moves, FP8 codes and bytes included.
+//!
+//! Variable-count ("v") forms, for uneven shards (some ranks may hold none). `counts` has one entry per
+//! rank and is the same on every rank; `offset(r) = sum(counts[..r])`:
+//! - all-gather-v: rank `r`'s `send` has `counts[r]` elements; `recv` (`sum(counts)` elements) is every
+//!   rank's `send` concatenated in rank order;
+//! - reduce-scatter-v: `send` has `sum(counts)` elements on every rank; rank `r`'s `recv` (`counts[r]`
+//!   elements) is the reduction over ranks of `send[offset(r)..offset(r) + counts[r]]`. F32, BF16 and
+//!   F16 only: FP8 sums are refused (see [`Collective::ReduceScatterV`]);
+//! - all-to-all-v: `send_counts` and `recv_counts` are this rank's own (they differ by rank). Chunk `j`
+//!   of `send` (`send_counts[j]` elements, chunks consecutive in peer order) goes to rank `j`; chunk `j`
+//!   of `recv` (`recv_counts[j]` elements) comes from rank `j`. Rank `r`'s `send_counts[j]` must equal
+//!   rank `j`'s `recv_counts[r]`: thread ranks check it on every rank; NCCL cannot without an extra
+//!   exchange, so there it is the caller's contract (a mismatch ends in the watchdog's timeout).
+//!
+//! Every length, every `counts` length and every overflowing sum of counts is an error before any data
+//! moves.
 
 use crate::error::CommError;
 use fp8_core::Fp8Format;
@@ -293,6 +309,39 @@ pub enum Collective<'a> {
         /// Same length: chunk `j` from rank `j`.
         recv: RecvBuf<'a>,
     },
+    /// All-gather of uneven shards (see the module docs for the layout).
+    AllGatherV {
+        /// This rank's shard: `counts[rank]` elements.
+        send: SendBuf<'a>,
+        /// `sum(counts)` elements: every rank's shard, in rank order.
+        recv: RecvBuf<'a>,
+        /// Elements of each rank's shard, one entry per rank, the same on every rank.
+        counts: &'a [usize],
+    },
+    /// Reduce-scatter into uneven shards. Not for FP8: the FP8 [`Collective::ReduceScatter`] emulates
+    /// NCCL's ring order on thread ranks, while NCCL runs this one as one reduction per root, whose
+    /// order and per-step rounding the thread backend could not match.
+    ReduceScatterV {
+        /// `sum(counts)` elements.
+        send: SendBuf<'a>,
+        /// This rank's reduced shard: `counts[rank]` elements.
+        recv: RecvBuf<'a>,
+        /// Elements of each rank's shard, one entry per rank, the same on every rank.
+        counts: &'a [usize],
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// All-to-all with a count per peer (see the module docs for the layout).
+    AllToAllV {
+        /// `sum(send_counts)` elements: chunk `j` (`send_counts[j]` elements) for rank `j`.
+        send: SendBuf<'a>,
+        /// Elements this rank sends to each rank, one entry per rank.
+        send_counts: &'a [usize],
+        /// `sum(recv_counts)` elements: chunk `j` (`recv_counts[j]` elements) from rank `j`.
+        recv: RecvBuf<'a>,
+        /// Elements this rank receives from each rank, one entry per rank.
+        recv_counts: &'a [usize],
+    },
 }
 
 /// The kind of a collective, for messages and cross-rank checks.
@@ -310,6 +359,12 @@ pub enum CollectiveKind {
     Barrier,
     /// All-to-all.
     AllToAll,
+    /// All-gather of uneven shards.
+    AllGatherV,
+    /// Reduce-scatter into uneven shards.
+    ReduceScatterV,
+    /// All-to-all with a count per peer.
+    AllToAllV,
 }
 
 impl CollectiveKind {
@@ -322,11 +377,14 @@ impl CollectiveKind {
             CollectiveKind::Broadcast => "broadcast",
             CollectiveKind::Barrier => "barrier",
             CollectiveKind::AllToAll => "all_to_all",
+            CollectiveKind::AllGatherV => "all_gather_v",
+            CollectiveKind::ReduceScatterV => "reduce_scatter_v",
+            CollectiveKind::AllToAllV => "all_to_all_v",
         }
     }
 }
 
-impl Collective<'_> {
+impl<'a> Collective<'a> {
     /// The kind of the call.
     pub fn kind(&self) -> CollectiveKind {
         match self {
@@ -339,6 +397,9 @@ impl Collective<'_> {
                 CollectiveKind::Broadcast
             }
             Collective::AllToAll { .. } => CollectiveKind::AllToAll,
+            Collective::AllGatherV { .. } => CollectiveKind::AllGatherV,
+            Collective::ReduceScatterV { .. } => CollectiveKind::ReduceScatterV,
+            Collective::AllToAllV { .. } => CollectiveKind::AllToAllV,
         }
     }
 
@@ -349,7 +410,10 @@ impl Collective<'_> {
             | Collective::ReduceScatter { recv, .. }
             | Collective::AllReduce { recv, .. }
             | Collective::Broadcast { recv, .. }
-            | Collective::AllToAll { recv, .. } => recv.dtype(),
+            | Collective::AllToAll { recv, .. }
+            | Collective::AllGatherV { recv, .. }
+            | Collective::ReduceScatterV { recv, .. }
+            | Collective::AllToAllV { recv, .. } => recv.dtype(),
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 buf.dtype()
             }
@@ -360,6 +424,7 @@ impl Collective<'_> {
     pub fn op(&self) -> Option<ReduceOp> {
         match self {
             Collective::ReduceScatter { op, .. }
+            | Collective::ReduceScatterV { op, .. }
             | Collective::AllReduce { op, .. }
             | Collective::AllReduceInPlace { op, .. } => Some(*op),
             _ => None,
@@ -383,26 +448,96 @@ impl Collective<'_> {
             | Collective::ReduceScatter { send, recv, .. }
             | Collective::AllReduce { send, recv, .. }
             | Collective::Broadcast { send, recv, .. }
-            | Collective::AllToAll { send, recv } => (send.len(), recv.len()),
+            | Collective::AllToAll { send, recv }
+            | Collective::AllGatherV { send, recv, .. }
+            | Collective::ReduceScatterV { send, recv, .. }
+            | Collective::AllToAllV { send, recv, .. } => (send.len(), recv.len()),
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
                 (buf.len(), buf.len())
             }
         }
     }
 
-    /// Checks types, sizes, the root and the reduction against `world_size`, before any data moves.
-    pub fn validate(&self, world_size: usize) -> Result<(), CommError> {
-        let op_name = self.kind().name();
-        let send_dtype = match self {
+    /// The per-rank counts of an all-gather-v or reduce-scatter-v (the same on every rank).
+    pub fn counts(&self) -> Option<&'a [usize]> {
+        match self {
+            Collective::AllGatherV { counts, .. } | Collective::ReduceScatterV { counts, .. } => {
+                Some(counts)
+            }
+            _ => None,
+        }
+    }
+
+    /// `(send_counts, recv_counts)` of an all-to-all-v (this rank's own).
+    pub fn exchange_counts(&self) -> Option<(&'a [usize], &'a [usize])> {
+        match self {
+            Collective::AllToAllV {
+                send_counts,
+                recv_counts,
+                ..
+            } => Some((send_counts, recv_counts)),
+            _ => None,
+        }
+    }
+
+    /// The send buffer (in-place forms: their one buffer).
+    pub(crate) fn send_buf(&self) -> SendBuf<'_> {
+        match self {
             Collective::AllGather { send, .. }
             | Collective::ReduceScatter { send, .. }
             | Collective::AllReduce { send, .. }
             | Collective::Broadcast { send, .. }
-            | Collective::AllToAll { send, .. } => send.dtype(),
+            | Collective::AllToAll { send, .. }
+            | Collective::AllGatherV { send, .. }
+            | Collective::ReduceScatterV { send, .. }
+            | Collective::AllToAllV { send, .. } => *send,
             Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
-                buf.dtype()
+                buf.as_send()
             }
-        };
+        }
+    }
+
+    /// The receive buffer (in-place forms: their one buffer).
+    pub(crate) fn into_recv_buf(self) -> RecvBuf<'a> {
+        match self {
+            Collective::AllGather { recv, .. }
+            | Collective::ReduceScatter { recv, .. }
+            | Collective::AllReduce { recv, .. }
+            | Collective::Broadcast { recv, .. }
+            | Collective::AllToAll { recv, .. }
+            | Collective::AllGatherV { recv, .. }
+            | Collective::ReduceScatterV { recv, .. }
+            | Collective::AllToAllV { recv, .. } => recv,
+            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
+                buf
+            }
+        }
+    }
+
+    /// Where the receive buffer lives.
+    pub(crate) fn recv_device(&self) -> Device {
+        match self {
+            Collective::AllGather { recv, .. }
+            | Collective::ReduceScatter { recv, .. }
+            | Collective::AllReduce { recv, .. }
+            | Collective::Broadcast { recv, .. }
+            | Collective::AllToAll { recv, .. }
+            | Collective::AllGatherV { recv, .. }
+            | Collective::ReduceScatterV { recv, .. }
+            | Collective::AllToAllV { recv, .. } => recv.device(),
+            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
+                buf.device()
+            }
+        }
+    }
+
+    /// Checks types, sizes, the root and the reduction against `world_size`, before any data moves:
+    /// everything that is the same on every rank of a correct call. The rank's own lengths of the "v"
+    /// forms (its shard, its self-exchange) are checked by [`Collective::validate_on_rank`], which the
+    /// backends call.
+    pub fn validate(&self, world_size: usize) -> Result<(), CommError> {
+        let op_name = self.kind().name();
+        let send_dtype = self.send_buf().dtype();
         let dtype = self.dtype();
         if send_dtype != dtype {
             return Err(CommError::DTypeMismatch {
@@ -416,6 +551,16 @@ impl Collective<'_> {
                 op: op_name,
                 dtype: dtype.to_string(),
                 why: "bytes have no arithmetic; pass FP8 payloads with their format".into(),
+            });
+        }
+        if self.kind() == CollectiveKind::ReduceScatterV && matches!(dtype, CommDType::Fp8(_)) {
+            return Err(CommError::Unsupported {
+                op: op_name,
+                dtype: dtype.to_string(),
+                why: "FP8 sums round at every step, and the thread backend emulates NCCL's ring \
+                      reduce-scatter, not the per-root reductions NCCL runs for uneven shards; reduce \
+                      in BF16 or F32, or pad the shards to equal lengths and use reduce_scatter"
+                    .into(),
             });
         }
         if let Some(root) = self.root() {
@@ -440,32 +585,139 @@ impl Collective<'_> {
                 detail: format!("{s} elements times world size {world_size} overflows"),
             }),
         };
-        match self.kind() {
-            CollectiveKind::AllGather => required(
-                "receive buffer (world_size x send length)",
-                s.checked_mul(world_size),
-                r,
-            ),
-            CollectiveKind::ReduceScatter => required(
-                "send buffer (world_size x receive length)",
-                r.checked_mul(world_size),
-                s,
-            ),
-            CollectiveKind::AllToAll => {
-                required("receive buffer (send length)", Some(s), r)?;
-                if world_size == 0 || s % world_size != 0 {
-                    return Err(CommError::NotDivisible {
-                        op: op_name,
-                        what: "send and receive buffers",
-                        len: s,
-                        world_size,
-                    });
-                }
-                Ok(())
+        match self {
+            Collective::AllGatherV { counts, .. } => {
+                let total = counts_total(op_name, "counts (one per rank)", counts, world_size)?;
+                required("receive buffer (sum of counts)", Some(total), r)
             }
-            _ => required("receive buffer (send length)", Some(s), r),
+            Collective::ReduceScatterV { counts, .. } => {
+                let total = counts_total(op_name, "counts (one per rank)", counts, world_size)?;
+                required("send buffer (sum of counts)", Some(total), s)
+            }
+            Collective::AllToAllV {
+                send_counts,
+                recv_counts,
+                ..
+            } => {
+                let sent = counts_total(
+                    op_name,
+                    "send_counts (one per rank)",
+                    send_counts,
+                    world_size,
+                )?;
+                let received = counts_total(
+                    op_name,
+                    "recv_counts (one per rank)",
+                    recv_counts,
+                    world_size,
+                )?;
+                required("send buffer (sum of send_counts)", Some(sent), s)?;
+                required("receive buffer (sum of recv_counts)", Some(received), r)
+            }
+            _ => match self.kind() {
+                CollectiveKind::AllGather => required(
+                    "receive buffer (world_size x send length)",
+                    s.checked_mul(world_size),
+                    r,
+                ),
+                CollectiveKind::ReduceScatter => required(
+                    "send buffer (world_size x receive length)",
+                    r.checked_mul(world_size),
+                    s,
+                ),
+                CollectiveKind::AllToAll => {
+                    required("receive buffer (send length)", Some(s), r)?;
+                    if world_size == 0 || s % world_size != 0 {
+                        return Err(CommError::NotDivisible {
+                            op: op_name,
+                            what: "send and receive buffers",
+                            len: s,
+                            world_size,
+                        });
+                    }
+                    Ok(())
+                }
+                _ => required("receive buffer (send length)", Some(s), r),
+            },
         }
     }
+
+    /// [`Collective::validate`], then what depends on the calling rank: the "v" forms' own lengths
+    /// (all-gather-v: `send` has `counts[rank]` elements; reduce-scatter-v: `recv` has `counts[rank]`;
+    /// all-to-all-v: what this rank sends itself equals what it receives from itself).
+    pub fn validate_on_rank(&self, rank: usize, world_size: usize) -> Result<(), CommError> {
+        let op_name = self.kind().name();
+        if rank >= world_size {
+            return Err(CommError::InvalidArgument {
+                op: op_name,
+                detail: format!("rank {rank} is not below the world size {world_size}"),
+            });
+        }
+        self.validate(world_size)?;
+        let (s, r) = self.lengths();
+        let own = |what, counts: &[usize], actual| match counts.get(rank) {
+            Some(&expected) if expected == actual => Ok(()),
+            Some(&expected) => Err(CommError::LengthMismatch {
+                op: op_name,
+                what,
+                expected,
+                actual,
+            }),
+            // validate() checked that there is one count per rank.
+            None => Err(CommError::InvalidArgument {
+                op: op_name,
+                detail: format!("no count for rank {rank}"),
+            }),
+        };
+        match self {
+            Collective::AllGatherV { counts, .. } => own("send buffer (counts[rank])", counts, s),
+            Collective::ReduceScatterV { counts, .. } => {
+                own("receive buffer (counts[rank])", counts, r)
+            }
+            Collective::AllToAllV {
+                send_counts,
+                recv_counts,
+                ..
+            } => match (send_counts.get(rank), recv_counts.get(rank)) {
+                (Some(&sent), Some(&received)) if sent != received => {
+                    Err(CommError::LengthMismatch {
+                        op: op_name,
+                        what: "recv_counts[rank] (this rank's exchange with itself: \
+                                   send_counts[rank])",
+                        expected: sent,
+                        actual: received,
+                    })
+                }
+                _ => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The sum of a "v" collective's counts (`what` names them, "counts (one per rank)"), after checking
+/// there is one per rank.
+fn counts_total(
+    op: &'static str,
+    what: &'static str,
+    counts: &[usize],
+    world_size: usize,
+) -> Result<usize, CommError> {
+    if counts.len() != world_size {
+        return Err(CommError::LengthMismatch {
+            op,
+            what,
+            expected: world_size,
+            actual: counts.len(),
+        });
+    }
+    counts
+        .iter()
+        .try_fold(0usize, |acc, &c| acc.checked_add(c))
+        .ok_or_else(|| CommError::InvalidArgument {
+            op,
+            detail: format!("the sum of {what} overflows"),
+        })
 }
 
 /// The host-side state of a failure that later waits must report (shared with NCCL watchdogs).
@@ -701,6 +953,105 @@ pub trait Communicator: Send + Sync {
         recv: RecvBuf<'_>,
     ) -> Result<CommWork, CommError> {
         self.start(Collective::AllToAll { send, recv })
+    }
+
+    /// All-gather of uneven shards: `counts` has one entry per rank (the same on every rank), this
+    /// rank's `send` has `counts[rank]` elements (zero is allowed), and `recv` (`sum(counts)` elements)
+    /// receives every rank's `send`, concatenated in rank order. Every element type moves.
+    fn all_gather_v(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.start(Collective::AllGatherV { send, recv, counts })?
+            .wait()
+    }
+
+    /// All-gather of uneven shards, returning the handle (wait on it before using `recv`).
+    fn all_gather_v_async(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+        counts: &[usize],
+    ) -> Result<CommWork, CommError> {
+        self.start(Collective::AllGatherV { send, recv, counts })
+    }
+
+    /// Reduce-scatter into uneven shards: `counts` has one entry per rank (the same on every rank),
+    /// `send` has `sum(counts)` elements, and this rank's `recv` (`counts[rank]` elements, zero allowed)
+    /// receives the reduction over ranks of `send[offset..offset + counts[rank]]`, where `offset` is
+    /// `sum(counts[..rank])`. F32, BF16 and F16; FP8 is refused with [`CommError::Unsupported`] (see
+    /// [`Collective::ReduceScatterV`]), bytes have no arithmetic.
+    fn reduce_scatter_v(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.start(Collective::ReduceScatterV {
+            send,
+            recv,
+            counts,
+            op,
+        })?
+        .wait()
+    }
+
+    /// Reduce-scatter into uneven shards, returning the handle.
+    fn reduce_scatter_v_async(
+        &self,
+        send: SendBuf<'_>,
+        recv: RecvBuf<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<CommWork, CommError> {
+        self.start(Collective::ReduceScatterV {
+            send,
+            recv,
+            counts,
+            op,
+        })
+    }
+
+    /// All-to-all with a count per peer: this rank sends `send_counts[j]` elements to rank `j` (the
+    /// chunks of `send` are consecutive, in peer order) and receives `recv_counts[j]` elements from rank
+    /// `j` into consecutive chunks of `recv`, in peer order. Both count slices have one entry per rank,
+    /// zeros allowed; rank `r`'s `send_counts[j]` must equal rank `j`'s `recv_counts[r]`. Thread ranks
+    /// check that on every rank ([`CommError::RankMismatch`]); NCCL cannot without an extra exchange,
+    /// so there a mismatch is the caller's error and ends in the watchdog's timeout. Every element
+    /// type moves.
+    fn all_to_all_v(
+        &self,
+        send: SendBuf<'_>,
+        send_counts: &[usize],
+        recv: RecvBuf<'_>,
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.start(Collective::AllToAllV {
+            send,
+            send_counts,
+            recv,
+            recv_counts,
+        })?
+        .wait()
+    }
+
+    /// All-to-all with a count per peer, returning the handle.
+    fn all_to_all_v_async(
+        &self,
+        send: SendBuf<'_>,
+        send_counts: &[usize],
+        recv: RecvBuf<'_>,
+        recv_counts: &[usize],
+    ) -> Result<CommWork, CommError> {
+        self.start(Collective::AllToAllV {
+            send,
+            send_counts,
+            recv,
+            recv_counts,
+        })
     }
 
     /// All-reduce a small host vector of f32 (amaxes, non-finite counts) in place. On CUDA this copies

@@ -2,7 +2,8 @@
 //!
 //! One interface, [`Communicator`]: all-gather, reduce-scatter, all-reduce (sum, max, min), broadcast,
 //! all-to-all and barrier on [`fp8_kernels::Buffer`]s of f32, bf16, f16, bytes, and FP8 E4M3/E5M2 codes
-//! (sums rounded per step the way NCCL does). Two backends:
+//! (sums rounded per step the way NCCL does), and variable-count forms for uneven shards
+//! (`all_gather_v`, `reduce_scatter_v`, `all_to_all_v`; see [`collective`]). Two backends:
 //!
 //! - [`thread_group`]: ranks as threads of one process on the CPU, exchanging through shared memory,
 //!   with a fixed reduction order ([`ring`]) so results are reproducible; [`run_ranks`] runs a closure

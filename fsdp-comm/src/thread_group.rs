@@ -10,6 +10,10 @@
 //! whose communicator is dropped while others wait for it, poisons the group so every rank gets an
 //! error. A rank whose own arguments are wrong (sizes, types) still takes part in the round with an
 //! error marker, so every rank fails at once instead of waiting for a timeout.
+//!
+//! The variable-count collectives take part the same way: all-gather-v and reduce-scatter-v compare
+//! their counts across ranks like any size, and all-to-all-v compares every pair of ranks (rank `r`'s
+//! `send_counts[j]` against rank `j`'s `recv_counts[r]`) before any rank writes its output.
 
 use crate::collective::{
     Collective, CollectiveKind, CommDType, CommWork, Communicator, RecvBuf, ReduceOp, SendBuf,
@@ -67,9 +71,51 @@ struct OpDesc {
     dtype: Option<CommDType>,
     op: Option<ReduceOp>,
     root: Option<usize>,
-    send_len: usize,
-    recv_len: usize,
+    /// The send length every rank must share; `None` where it differs by rank by design (the shard of
+    /// an all-gather-v, the chunks of an all-to-all-v).
+    send_len: Option<usize>,
+    /// The receive length every rank must share, or `None` likewise.
+    recv_len: Option<usize>,
+    /// The counts of an all-gather-v or reduce-scatter-v, the same on every rank.
+    counts: Option<Vec<usize>>,
 }
+
+impl OpDesc {
+    /// The description of `call`: only what every rank of a correct call shares.
+    fn of(call: &Collective<'_>) -> Self {
+        let (send_len, recv_len) = call.lengths();
+        let (send_len, recv_len) = match call.kind() {
+            CollectiveKind::AllGatherV => (None, Some(recv_len)),
+            CollectiveKind::ReduceScatterV => (Some(send_len), None),
+            CollectiveKind::AllToAllV => (None, None),
+            _ => (Some(send_len), Some(recv_len)),
+        };
+        OpDesc {
+            kind: call.kind(),
+            dtype: Some(call.dtype()),
+            op: call.op(),
+            root: call.root(),
+            send_len,
+            recv_len,
+            counts: call.counts().map(<[usize]>::to_vec),
+        }
+    }
+
+    fn barrier() -> Self {
+        OpDesc {
+            kind: CollectiveKind::Barrier,
+            dtype: None,
+            op: None,
+            root: None,
+            send_len: None,
+            recv_len: None,
+            counts: None,
+        }
+    }
+}
+
+/// At most this many counts are named in messages (a group may have thousands of ranks).
+const COUNTS_SHOWN: usize = 16;
 
 impl fmt::Display for OpDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -83,8 +129,24 @@ impl fmt::Display for OpDesc {
         if let Some(root) = self.root {
             write!(f, " root {root}")?;
         }
-        if self.kind != CollectiveKind::Barrier {
-            write!(f, " send {} recv {}", self.send_len, self.recv_len)?;
+        if let Some(counts) = &self.counts {
+            let shown: Vec<String> = counts
+                .iter()
+                .take(COUNTS_SHOWN)
+                .map(usize::to_string)
+                .collect();
+            let more = if counts.len() > COUNTS_SHOWN {
+                ", ..."
+            } else {
+                ""
+            };
+            write!(f, " counts [{}{more}]", shown.join(", "))?;
+        }
+        if let Some(n) = self.send_len {
+            write!(f, " send {n}")?;
+        }
+        if let Some(n) = self.recv_len {
+            write!(f, " recv {n}")?;
         }
         Ok(())
     }
@@ -93,9 +155,18 @@ impl fmt::Display for OpDesc {
 struct Deposit {
     desc: OpDesc,
     data: Result<HostData, CommError>,
+    /// `(send_counts, recv_counts)` of an all-to-all-v: this rank's own, checked against its peers'.
+    exchange: Option<(Vec<usize>, Vec<usize>)>,
 }
 
-type Outcome = Result<Arc<Vec<HostData>>, CommError>;
+/// What every rank of a completed round sees: each rank's input and, for an all-to-all-v, each rank's
+/// `send_counts` (where its chunk for a given peer starts).
+struct Round {
+    data: Vec<HostData>,
+    send_counts: Vec<Vec<usize>>,
+}
+
+type Outcome = Result<Arc<Round>, CommError>;
 
 struct State {
     generation: u64,
@@ -157,7 +228,8 @@ impl Shared {
         rank: usize,
         desc: OpDesc,
         data: Result<HostData, CommError>,
-    ) -> Result<Arc<Vec<HostData>>, CommError> {
+        exchange: Option<(Vec<usize>, Vec<usize>)>,
+    ) -> Result<Arc<Round>, CommError> {
         let mut st = self.lock()?;
         if let Some(e) = &st.poisoned {
             return Err(e.clone());
@@ -168,7 +240,11 @@ impl Shared {
             )));
         }
         let op_name = desc.to_string();
-        st.slots[rank] = Some(Deposit { desc, data });
+        st.slots[rank] = Some(Deposit {
+            desc,
+            data,
+            exchange,
+        });
         st.arrived += 1;
         let my_generation = st.generation;
         if st.arrived == self.world_size {
@@ -255,11 +331,54 @@ fn combine_deposits(deposits: Vec<Deposit>) -> Outcome {
             detail: format!("rank 0 called `{first}` but rank {r} called `{}`", d.desc),
         });
     }
-    let mut out = Vec::with_capacity(deposits.len());
+    let send_counts = if first.kind == CollectiveKind::AllToAllV {
+        check_exchange_counts(&deposits)?
+    } else {
+        Vec::new()
+    };
+    let mut data = Vec::with_capacity(deposits.len());
     for d in deposits {
-        out.push(d.data?);
+        data.push(d.data?);
     }
-    Ok(Arc::new(out))
+    Ok(Arc::new(Round { data, send_counts }))
+}
+
+/// Checks that what every rank of an all-to-all-v sends each peer is what that peer expects from it;
+/// returns every rank's `send_counts`.
+fn check_exchange_counts(deposits: &[Deposit]) -> Result<Vec<Vec<usize>>, CommError> {
+    let op = CollectiveKind::AllToAllV.name().to_string();
+    let n = deposits.len();
+    let mut sends = Vec::with_capacity(n);
+    let mut recvs = Vec::with_capacity(n);
+    for (r, d) in deposits.iter().enumerate() {
+        // validate() gave every rank one count per rank; anything else is a bug here, not a hang.
+        match &d.exchange {
+            Some((s, rc)) if s.len() == n && rc.len() == n => {
+                sends.push(s.as_slice());
+                recvs.push(rc.as_slice());
+            }
+            _ => {
+                return Err(CommError::Poisoned(format!(
+                    "rank {r} deposited no counts for {op}"
+                )))
+            }
+        }
+    }
+    for (r, sent) in sends.iter().enumerate() {
+        for (j, received) in recvs.iter().enumerate() {
+            if sent[j] != received[r] {
+                return Err(CommError::RankMismatch {
+                    op,
+                    detail: format!(
+                        "rank {r} sends {} elements to rank {j} (send_counts[{j}]), but rank {j} \
+                         expects {} from rank {r} (recv_counts[{r}])",
+                        sent[j], received[r]
+                    ),
+                });
+            }
+        }
+    }
+    Ok(sends.into_iter().map(<[usize]>::to_vec).collect())
 }
 
 /// The most thread ranks one group may have: each rank is an OS thread of this process, and far
@@ -364,22 +483,17 @@ impl ThreadComm {
 
     fn run(&self, call: Collective<'_>) -> Result<(), CommError> {
         let n = self.shared.world_size;
-        let (send_len, recv_len) = call.lengths();
-        let desc = OpDesc {
-            kind: call.kind(),
-            dtype: Some(call.dtype()),
-            op: call.op(),
-            root: call.root(),
-            send_len,
-            recv_len,
-        };
+        let desc = OpDesc::of(&call);
+        let exchange = call
+            .exchange_counts()
+            .map(|(s, r)| (s.to_vec(), r.to_vec()));
         let deposit = call
-            .validate(n)
+            .validate_on_rank(self.rank, n)
             .and_then(|()| self.deposit_of(&call))
             .and_then(|d| check_recv_on_host(&call).map(|()| d));
         // A rank whose own arguments are wrong reports its own error; the others report it as a peer's.
         let own_error = deposit.as_ref().err().cloned();
-        let data = self.shared.exchange(self.rank, desc, deposit);
+        let data = self.shared.exchange(self.rank, desc, deposit, exchange);
         if let Some(e) = own_error {
             return Err(e);
         }
@@ -396,16 +510,7 @@ impl ThreadComm {
         if !needs_input {
             return Ok(HostData::None);
         }
-        let send = match call {
-            Collective::AllGather { send, .. }
-            | Collective::ReduceScatter { send, .. }
-            | Collective::AllReduce { send, .. }
-            | Collective::Broadcast { send, .. }
-            | Collective::AllToAll { send, .. } => *send,
-            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
-                buf.as_send()
-            }
-        };
+        let send = call.send_buf();
         let what = "thread backend (send buffer must be on the CPU)";
         Ok(match send {
             SendBuf::F32(b) => HostData::F32(b.host(what)?.to_vec()),
@@ -415,27 +520,26 @@ impl ThreadComm {
         })
     }
 
-    fn write_output(&self, call: Collective<'_>, data: &[HostData]) -> Result<(), CommError> {
+    fn write_output(&self, call: Collective<'_>, round: &Round) -> Result<(), CommError> {
         let rank = self.rank;
         let kind = call.kind();
         let op = call.op().unwrap_or(ReduceOp::Sum);
         let root = call.root().unwrap_or(0);
         let (send_len, _) = call.lengths();
-        let recv = match call {
-            Collective::AllGather { recv, .. }
-            | Collective::ReduceScatter { recv, .. }
-            | Collective::AllReduce { recv, .. }
-            | Collective::Broadcast { recv, .. }
-            | Collective::AllToAll { recv, .. } => recv,
-            Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
-                buf
-            }
+        // All-gather-v and reduce-scatter-v: the shared counts; all-to-all-v: this rank's recv_counts.
+        let counts = match call.exchange_counts() {
+            Some((_, recv_counts)) => recv_counts,
+            None => call.counts().unwrap_or(&[]),
         };
+        let recv = call.into_recv_buf();
+        let data = &round.data;
         let plan = Plan {
             kind,
             rank,
             root,
             send_len,
+            counts,
+            peer_send_counts: &round.send_counts,
         };
         match recv {
             RecvBuf::F32(b) => plan.apply(data, b, |a, x| f32::combine(op, a, x)),
@@ -452,17 +556,7 @@ impl ThreadComm {
 }
 
 fn check_recv_on_host(call: &Collective<'_>) -> Result<(), CommError> {
-    let dev = match call {
-        Collective::AllGather { recv, .. }
-        | Collective::ReduceScatter { recv, .. }
-        | Collective::AllReduce { recv, .. }
-        | Collective::Broadcast { recv, .. }
-        | Collective::AllToAll { recv, .. } => recv.device(),
-        Collective::AllReduceInPlace { buf, .. } | Collective::BroadcastInPlace { buf, .. } => {
-            buf.device()
-        }
-    };
-    if dev.is_cuda() {
+    if call.recv_device().is_cuda() {
         return Err(CommError::Device(
             "thread backend: receive buffer must be on the CPU".into(),
         ));
@@ -471,14 +565,35 @@ fn check_recv_on_host(call: &Collective<'_>) -> Result<(), CommError> {
 }
 
 /// How a rank turns the published deposits into its output.
-struct Plan {
+struct Plan<'c> {
     kind: CollectiveKind,
     rank: usize,
     root: usize,
     send_len: usize,
+    /// All-gather-v and reduce-scatter-v: every rank's count; all-to-all-v: this rank's `recv_counts`.
+    counts: &'c [usize],
+    /// All-to-all-v: every rank's `send_counts`.
+    peer_send_counts: &'c [Vec<usize>],
 }
 
-impl Plan {
+/// `start..start + len` of `v`, or an error instead of a panic (validation makes this unreachable).
+fn piece<T>(v: &[T], start: usize, len: usize) -> Result<&[T], CommError> {
+    start
+        .checked_add(len)
+        .and_then(|end| v.get(start..end))
+        .ok_or_else(|| CommError::Poisoned(format!("piece {start}+{len} outside {}", v.len())))
+}
+
+/// The mutable form of [`piece`].
+fn piece_mut<T>(v: &mut [T], start: usize, len: usize) -> Result<&mut [T], CommError> {
+    let have = v.len();
+    start
+        .checked_add(len)
+        .and_then(|end| v.get_mut(start..end))
+        .ok_or_else(|| CommError::Poisoned(format!("piece {start}+{len} outside {have}")))
+}
+
+impl Plan<'_> {
     fn apply<T: HostElem>(
         &self,
         data: &[HostData],
@@ -522,6 +637,36 @@ impl Plan {
                     dst.copy_from_slice(&input(j)?[mine.clone()]);
                 }
             }
+            CollectiveKind::AllGatherV => {
+                let mut offset = 0;
+                for (r, &count) in self.counts.iter().enumerate() {
+                    piece_mut(out, offset, count)?.copy_from_slice(piece(input(r)?, 0, count)?);
+                    offset += count;
+                }
+            }
+            CollectiveKind::ReduceScatterV => {
+                let inputs = (0..n).map(input).collect::<Result<Vec<_>, _>>()?;
+                let offset: usize = self.counts.iter().take(self.rank).sum();
+                let count = out.len();
+                for x in &inputs {
+                    piece(x, offset, count)?;
+                }
+                // The ring order of chunk `rank`, as the even reduce-scatter; NCCL's per-root reduction
+                // may add in another order (the float sums agree to rounding).
+                ring::reduce_chunk_with(&inputs, self.rank, offset..offset + count, out, combine);
+            }
+            CollectiveKind::AllToAllV => {
+                let mut offset = 0;
+                for (j, &count) in self.counts.iter().enumerate() {
+                    // Where rank j's chunk for this rank starts in its send buffer.
+                    let peer = self.peer_send_counts.get(j).ok_or_else(|| {
+                        CommError::Poisoned(format!("no send_counts of rank {j}"))
+                    })?;
+                    let start: usize = peer.iter().take(self.rank).sum();
+                    piece_mut(out, offset, count)?.copy_from_slice(piece(input(j)?, start, count)?);
+                    offset += count;
+                }
+            }
             CollectiveKind::Barrier => {}
         }
         Ok(())
@@ -546,16 +691,8 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        let desc = OpDesc {
-            kind: CollectiveKind::Barrier,
-            dtype: None,
-            op: None,
-            root: None,
-            send_len: 0,
-            recv_len: 0,
-        };
         self.shared
-            .exchange(self.rank, desc, Ok(HostData::None))
+            .exchange(self.rank, OpDesc::barrier(), Ok(HostData::None), None)
             .map(|_| ())
             .inspect_err(|_| self.shared.mark_peer_failure(self.rank))
     }

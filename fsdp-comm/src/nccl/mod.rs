@@ -19,6 +19,13 @@
 //! no all-to-all call: it is one group (`ncclGroupStart`/`ncclGroupEnd`) of a `ncclSend` and a
 //! `ncclRecv` per peer, this rank included.
 //!
+//! NCCL has no variable-count collectives either; each is one group: all-gather-v a `ncclBroadcast`
+//! per rank with a non-empty shard (into that rank's offset of `recv`), reduce-scatter-v a `ncclReduce`
+//! per such rank (from its offset of `send`), all-to-all-v a `ncclSend` and a `ncclRecv` per peer with
+//! a non-zero count. Pieces of zero elements are skipped, the same on both ends because the counts are
+//! (all-gather-v and reduce-scatter-v share theirs; all-to-all-v's match pairwise by contract, which
+//! only the thread backend can check).
+//!
 //! Files: this one holds [`NcclComm`] (init, issue, the [`Communicator`] implementation); `library.rs`
 //! the calls into the NCCL library (types, status, errors, the init configuration); `watchdog.rs` the
 //! shared state of a communicator and the thread that aborts it.
@@ -472,7 +479,7 @@ impl Communicator for NcclComm {
     }
 
     fn start(&self, call: Collective<'_>) -> Result<CommWork, CommError> {
-        call.validate(self.world_size)?;
+        call.validate_on_rank(self.rank, self.world_size)?;
         let dtype = call.dtype();
         let reduction = call.op();
         if reduction.is_some() && matches!(dtype, CommDType::Fp8(_)) {
@@ -501,6 +508,25 @@ impl Communicator for NcclComm {
             }
             Collective::BroadcastInPlace { buf, root } => (NcclEntry::Broadcast(root), None, buf),
             Collective::AllToAll { send, recv } => (NcclEntry::AllToAll, Some(send), recv),
+            Collective::AllGatherV { send, recv, counts } => {
+                (NcclEntry::AllGatherV(counts), Some(send), recv)
+            }
+            Collective::ReduceScatterV {
+                send, recv, counts, ..
+            } => (NcclEntry::ReduceScatterV(counts), Some(send), recv),
+            Collective::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => (
+                NcclEntry::AllToAllV {
+                    send_counts,
+                    recv_counts,
+                },
+                Some(send),
+                recv,
+            ),
         };
         // The pointer guards record the buffers' read/write events on the communication stream when
         // they drop, after the call is queued, so cudarc orders later uses and frees after it.
@@ -517,18 +543,32 @@ impl Communicator for NcclComm {
         // All-to-all: chunk bytes per peer (the lengths were checked to split into world_size chunks).
         let world = self.world_size;
         let chunk = recv_len / world;
-        let chunk_bytes = chunk * dtype.size_bytes();
+        let elem_bytes = dtype.size_bytes();
+        let chunk_bytes = chunk * elem_bytes;
         self.issue(name, |comm, st| {
             // SAFETY: device pointers of live buffers on this communicator's GPU, their lengths
             // validated for the collective (all-gather: recv = world_size * send elements;
             // reduce-scatter: send = world_size * recv; all-reduce and broadcast: equal; all-to-all:
             // equal, world_size chunks of `chunk` elements, so every peer's offset and extent lie inside
-            // both buffers), the root checked below world_size.
+            // both buffers; the "v" forms: one count per rank, recv = sum(counts) and send =
+            // counts[rank] (all-gather-v), send = sum(counts) and recv = counts[rank]
+            // (reduce-scatter-v), send = sum(send_counts) and recv = sum(recv_counts) (all-to-all-v)),
+            // the root checked below world_size.
             unsafe {
                 match entry {
                     NcclEntry::AllToAll => {
                         all_to_all(s, r, chunk, chunk_bytes, world, dt, comm, st)
                     }
+                    NcclEntry::AllGatherV(counts) => {
+                        all_gather_v(s, r, counts, elem_bytes, dt, comm, st)
+                    }
+                    NcclEntry::ReduceScatterV(counts) => {
+                        reduce_scatter_v(s, r, counts, elem_bytes, dt, red, comm, st)
+                    }
+                    NcclEntry::AllToAllV {
+                        send_counts,
+                        recv_counts,
+                    } => all_to_all_v(s, r, send_counts, recv_counts, elem_bytes, dt, comm, st),
                     NcclEntry::AllGather => result::all_gather(s, r, send_len, dt, comm, st),
                     NcclEntry::ReduceScatter => {
                         result::reduce_scatter(s, r, recv_len, dt, red, comm, st)
@@ -545,12 +585,158 @@ impl Communicator for NcclComm {
 
 /// The NCCL call a [`Collective`] becomes.
 #[derive(Clone, Copy)]
-enum NcclEntry {
+enum NcclEntry<'c> {
     AllGather,
     ReduceScatter,
     AllReduce,
     Broadcast(usize),
     AllToAll,
+    AllGatherV(&'c [usize]),
+    ReduceScatterV(&'c [usize]),
+    AllToAllV {
+        send_counts: &'c [usize],
+        recv_counts: &'c [usize],
+    },
+}
+
+/// `base` moved by `bytes` bytes. Only address arithmetic (NCCL dereferences on the device), so
+/// `wrapping_add`, which needs no `unsafe`; callers keep the result inside the buffer.
+fn byte_offset(base: *const c_void, bytes: usize) -> *const c_void {
+    base.cast::<u8>().wrapping_add(bytes).cast()
+}
+
+/// The mutable form of [`byte_offset`].
+fn byte_offset_mut(base: *mut c_void, bytes: usize) -> *mut c_void {
+    base.cast::<u8>().wrapping_add(bytes).cast()
+}
+
+/// Runs `body` (NCCL calls) between `ncclGroupStart` and `ncclGroupEnd`. The group is ended even when
+/// a call inside fails, and that call's error is the one returned.
+fn grouped(body: impl FnOnce() -> Result<(), NcclError>) -> Result<NcclStatus, NcclError> {
+    result::group_start()?;
+    let inside = body();
+    let end = result::group_end();
+    match inside {
+        Err(e) => Err(e),
+        Ok(()) => end,
+    }
+}
+
+/// All-gather-v as one group of `ncclBroadcast`s, one per rank `root` with `counts[root] > 0`: the
+/// root's `send` into `recv` at element `sum(counts[..root])`.
+///
+/// Broadcasts rather than send/receive pairs: they run on the ring and tree channels the even
+/// collectives already use, each rank receiving `sum(counts)` elements and forwarding them along the
+/// ring as in NCCL's own all-gather, where pairs would connect every rank to every peer (a buffer per
+/// peer) and make each rank push its shard `world_size - 1` times through its own links. (PyTorch
+/// gathers uneven shards the same way.)
+///
+/// # Safety
+/// `send` points at `counts[rank]` elements of `dt` and `recv` at `sum(counts)` elements, both on the
+/// communicator's GPU; `counts` has one entry per rank; `comm` is live and used by no other thread during
+/// the call; `stream` belongs to the communicator's device.
+#[allow(clippy::too_many_arguments)]
+unsafe fn all_gather_v(
+    send: *const c_void,
+    recv: *mut c_void,
+    counts: &[usize],
+    elem_bytes: usize,
+    dt: sys::ncclDataType_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> Result<NcclStatus, NcclError> {
+    grouped(|| {
+        let mut offset = 0usize;
+        for (root, &count) in counts.iter().enumerate() {
+            if count > 0 {
+                let dst = byte_offset_mut(recv, offset * elem_bytes);
+                // `root` is below the world size, which fits an i32 (checked at init).
+                // SAFETY: `dst` is `count` elements inside `recv` (offset + count <= sum(counts)); on
+                // the root `send` holds `count` elements, elsewhere NCCL does not read it; `comm` and
+                // `stream` as the caller guarantees.
+                unsafe { result::broadcast(send, dst, count, dt, root as i32, comm, stream) }?;
+            }
+            offset += count;
+        }
+        Ok(())
+    })
+}
+
+/// Reduce-scatter-v as one group of `ncclReduce`s, one per rank `root` with `counts[root] > 0`: the
+/// `counts[root]` elements of `send` at `sum(counts[..root])`, reduced into the root's `recv`. (Reduces
+/// to each root, as PyTorch does for uneven shards: NCCL's even reduce-scatter needs equal chunks.)
+///
+/// # Safety
+/// `send` points at `sum(counts)` elements of `dt` and `recv` at `counts[rank]` elements, both on the
+/// communicator's GPU; `counts` has one entry per rank; `comm` and `stream` as for [`all_gather_v`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn reduce_scatter_v(
+    send: *const c_void,
+    recv: *mut c_void,
+    counts: &[usize],
+    elem_bytes: usize,
+    dt: sys::ncclDataType_t,
+    op: sys::ncclRedOp_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> Result<NcclStatus, NcclError> {
+    grouped(|| {
+        let mut offset = 0usize;
+        for (root, &count) in counts.iter().enumerate() {
+            if count > 0 {
+                let src = byte_offset(send, offset * elem_bytes);
+                // SAFETY: `src` is `count` elements inside `send` (offset + count <= sum(counts)); on
+                // the root `recv` holds `count` elements, elsewhere NCCL does not write it; `root` fits
+                // an i32 (world size checked at init); `comm` and `stream` as the caller guarantees.
+                unsafe { result::reduce(src, recv, count, dt, op, root as i32, comm, stream) }?;
+            }
+            offset += count;
+        }
+        Ok(())
+    })
+}
+
+/// All-to-all-v as one group: for each peer `p` (this rank included), send `send_counts[p]` elements of
+/// `send` from `sum(send_counts[..p])` and receive `recv_counts[p]` into `recv` at
+/// `sum(recv_counts[..p])`, skipping zero counts (the peer skips the matching call, the counts agreeing
+/// pairwise).
+///
+/// # Safety
+/// `send` points at `sum(send_counts)` and `recv` at `sum(recv_counts)` elements of `dt` on the
+/// communicator's GPU; both count slices have one entry per rank; `comm` and `stream` as for
+/// [`all_gather_v`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn all_to_all_v(
+    send: *const c_void,
+    recv: *mut c_void,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+    elem_bytes: usize,
+    dt: sys::ncclDataType_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> Result<NcclStatus, NcclError> {
+    grouped(|| {
+        let (mut send_offset, mut recv_offset) = (0usize, 0usize);
+        for (peer, (&sc, &rc)) in send_counts.iter().zip(recv_counts).enumerate() {
+            // `peer` is below the world size, which fits an i32 (checked at init).
+            let p = peer as i32;
+            if sc > 0 {
+                let sp = byte_offset(send, send_offset * elem_bytes);
+                // SAFETY: `sp` is `sc` elements inside `send`; `comm` and `stream` as the caller
+                // guarantees.
+                unsafe { result::send(sp, sc, dt, p, comm, stream) }?;
+            }
+            if rc > 0 {
+                let rp = byte_offset_mut(recv, recv_offset * elem_bytes);
+                // SAFETY: `rp` is `rc` elements inside `recv`; `comm` and `stream` as above.
+                unsafe { result::recv(rp, rc, dt, p, comm, stream) }?;
+            }
+            send_offset += sc;
+            recv_offset += rc;
+        }
+        Ok(())
+    })
 }
 
 /// The all-to-all as one NCCL group: for each peer `p` (this rank included), send chunk `p` of `send`
