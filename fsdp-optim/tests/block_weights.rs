@@ -35,7 +35,10 @@ fn run(ws: usize, precision: StatePrecision, steps: usize, poison_step: Option<u
         let rank = comm.rank();
         let init = |p: usize| {
             let n = layout.params[p].numel();
-            values(11 + p as u64, n).into_iter().map(|v| v * 0.05).collect()
+            values(11 + p as u64, n)
+                .into_iter()
+                .map(|v| v * 0.05)
+                .collect()
         };
         let (mut model, masters) =
             ShardedModel::new(layout.clone(), comm, FsdpConfig::default(), &init)?;
@@ -44,7 +47,12 @@ fn run(ws: usize, precision: StatePrecision, steps: usize, poison_step: Option<u
             state_precision: precision,
             ..AdamOptions::default()
         };
-        let mut opt = ShardedAdam::new(&model, masters, options, fp8_kernels::WeightDecay::Decoupled)?;
+        let mut opt = ShardedAdam::new(
+            &model,
+            masters,
+            options,
+            fp8_kernels::WeightDecay::Decoupled,
+        )?;
         for t in 0..steps {
             let grads: Vec<Vec<f32>> = (0..layout.params.len())
                 .map(|p| {

@@ -286,6 +286,86 @@ impl GradReducer {
         Ok(())
     }
 
+    /// [`GradReducer::reduce_scatter_add`] for uneven shards: `full` is the group's flat gradient
+    /// (`sum(counts)` elements, rank `r`'s region the `counts[r]` elements after the regions of the
+    /// ranks before it) and `shard` this rank's stored shard, at least `counts[rank]` long (a block-scaled
+    /// group's shards are stored padded to the largest; the padding is left as it is). F32 and BF16
+    /// travel with a variable-count reduce-scatter (no padding on the wire, no copy); the FP8 modes,
+    /// whose sums the collectives define over equal chunks, first lay `full` out as `world_size` chunks
+    /// of `shard.len()` with zeros after each region (one transient buffer of that size).
+    pub fn reduce_scatter_add_uneven<D: FloatElement>(
+        &mut self,
+        comm: &dyn Communicator,
+        mode: GradReduction,
+        full: &mut Buffer<f32>,
+        shard: &mut Buffer<D>,
+        counts: &[usize],
+        divisor: f32,
+    ) -> Result<(), ShardError> {
+        let (rank, ws) = (comm.rank(), comm.world_size());
+        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        let mine = counts.get(rank).copied();
+        match (total, mine) {
+            (Some(t), Some(m)) if counts.len() == ws && t == full.len() && m <= shard.len() => {}
+            _ => {
+                return Err(ShardError::InvalidArgument(format!(
+                    "uneven reduction: {} counts for {ws} ranks, a gradient of {} elements and a shard \
+                     of {}",
+                    counts.len(),
+                    full.len(),
+                    shard.len()
+                )))
+            }
+        }
+        if !(divisor.is_finite() && divisor > 0.0) {
+            return Err(ShardError::InvalidArgument(format!(
+                "gradient divisor {divisor}: it must be finite and positive"
+            )));
+        }
+        let alpha = 1.0 / divisor;
+        let dev = self.device.clone();
+        let n = counts[rank];
+        match mode {
+            _ if ws == 1 => {
+                if full.len() == shard.len() {
+                    return self.reduce_scatter_add(comm, mode, full, shard, divisor);
+                }
+                let mut padded = dev.zeros::<f32>(shard.len())?;
+                padded.copy_range_from(0, full, 0, full.len())?;
+                self.reduce_scatter_add(comm, mode, &mut padded, shard, divisor)
+            }
+            GradReduction::F32 => {
+                let part = reuse(&dev, &mut self.scratch.part_f32, n)?;
+                comm.reduce_scatter_v((&*full).into(), (&mut *part).into(), counts, ReduceOp::Sum)?;
+                if alpha != 1.0 {
+                    scale(part, alpha)?;
+                }
+                add_at(shard, 0, part).map_err(ShardError::from)
+            }
+            GradReduction::Bf16 => {
+                if alpha != 1.0 {
+                    scale(full, alpha)?;
+                }
+                let s = &mut self.scratch;
+                let wire = reuse(&dev, &mut s.wire_bf16, full.len())?;
+                convert(full, wire)?;
+                let part = reuse(&dev, &mut s.part_bf16, n)?;
+                comm.reduce_scatter_v((&*wire).into(), (&mut *part).into(), counts, ReduceOp::Sum)?;
+                add_at(shard, 0, part).map_err(ShardError::from)
+            }
+            GradReduction::Fp8(_) | GradReduction::Fp8Block(_) => {
+                let stored = shard.len();
+                let mut chunks = dev.zeros::<f32>(ws * stored)?;
+                let mut start = 0;
+                for (r, &c) in counts.iter().enumerate() {
+                    chunks.copy_range_from(r * stored, full, start, c)?;
+                    start += c;
+                }
+                self.reduce_scatter_add(comm, mode, &mut chunks, shard, divisor)
+            }
+        }
+    }
+
     /// Frees the reused wire and receive buffers (they are re-created on the next reduction).
     pub fn release_scratch(&mut self) {
         self.scratch = Scratch::default();

@@ -904,38 +904,45 @@ impl ShardedModel {
         for g in ParamGroup::ALL {
             if let Some(mut full) = shards.full_grads[g as usize].take() {
                 let group = layout.units[u].group(g);
-                if group.block_scaled && ws > 1 {
-                    // Uneven shards: lay the gradient out as `world_size` chunks of the stored shard
-                    // length (rank r's region first in chunk r, zeros after) so every reduction mode
-                    // runs its even collective.
-                    let n = group.shard_len(ws);
-                    let mut chunks = self.device.zeros::<f32>(ws * n)?;
-                    for r in 0..ws {
-                        let range = group.shard_range(r, ws);
-                        chunks.copy_range_from(r * n, &full, range.start, range.len())?;
-                    }
-                    full = chunks;
-                }
+                let uneven = group.block_scaled.then(|| group.shard_counts(ws));
                 // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
                 let mode = if g == ParamGroup::Fp8 {
                     self.config.grad_reduction
                 } else {
                     GradReduction::F32
                 };
-                match self.config.grad_dtype {
-                    GradDtype::F32 => self.reducer.reduce_scatter_add(
-                        self.comm.as_ref(),
+                let (comm, divisor) = (self.comm.as_ref(), self.config.grad_divisor);
+                let r = &mut self.reducer;
+                match (self.config.grad_dtype, &uneven) {
+                    (GradDtype::F32, None) => r.reduce_scatter_add(
+                        comm,
                         mode,
                         &mut full,
                         &mut shards.grads[g as usize],
-                        self.config.grad_divisor,
+                        divisor,
                     )?,
-                    GradDtype::Bf16 => self.reducer.reduce_scatter_add(
-                        self.comm.as_ref(),
+                    (GradDtype::Bf16, None) => r.reduce_scatter_add(
+                        comm,
                         mode,
                         &mut full,
                         &mut shards.grads_bf16[g as usize],
-                        self.config.grad_divisor,
+                        divisor,
+                    )?,
+                    (GradDtype::F32, Some(counts)) => r.reduce_scatter_add_uneven(
+                        comm,
+                        mode,
+                        &mut full,
+                        &mut shards.grads[g as usize],
+                        counts,
+                        divisor,
+                    )?,
+                    (GradDtype::Bf16, Some(counts)) => r.reduce_scatter_add_uneven(
+                        comm,
+                        mode,
+                        &mut full,
+                        &mut shards.grads_bf16[g as usize],
+                        counts,
+                        divisor,
                     )?,
                 }
             }

@@ -120,8 +120,7 @@ pub mod weights;
 
 pub use args::{
     DeviceArg, ExportArg, Fp8GradCommArg, Fp8LayersArg, Fp8ScalingArg, GradShardsArg, PrecisionArg,
-    RecipeArg,
-    StatesArg, TaskDefaults, TrainArgs,
+    RecipeArg, StatesArg, TaskDefaults, TrainArgs,
 };
 pub use cli::{run, run_main, PlotStyle};
 pub use config::{

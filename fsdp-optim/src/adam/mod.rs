@@ -10,8 +10,7 @@ use crate::OptimError;
 use fp8_core::{Fp8Format, QType};
 use fp8_kernels::adam::control::{
     adam_coefficients_from_stats, adam_commit_amaxes, cast_weight_blocks, cast_weight_source, ctl,
-    MasterSource,
-    SlotScales, COEF_LEN,
+    MasterSource, SlotScales, COEF_LEN,
 };
 use fp8_kernels::adam::{
     adam_step_f32, adam_step_low_precision, f16_saturating, lp_slot, AmaxSlots, Coefficients,
