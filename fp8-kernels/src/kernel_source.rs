@@ -99,10 +99,17 @@ pub const GEMM_LAYOUT_MODULE: KernelModule = kernel_module!(
 );
 
 /// Adam: the fused updates (F32 and low-precision states; coefficients by value or from the device) and
-/// the device-side step control (coefficients from reduced statistics, state scales, weight sources).
+/// the device-side step control (coefficients from reduced statistics, state scales, weight sources, the
+/// casts of per-tensor and of 128x128 block-scaled FP8 weights; the latter with the block cast of
+/// `blocks128.cuh`, shared with the block_quantize module).
 pub const ADAM_MODULE: KernelModule = kernel_module!(
     "fp8_kernels_adam",
-    ["cuda/common.cuh", "src/adam/adam.cu", "src/adam/control.cu"]
+    [
+        "cuda/common.cuh",
+        "src/block_quantize/blocks128.cuh",
+        "src/adam/adam.cu",
+        "src/adam/control.cu"
+    ]
 );
 
 /// Per-segment amax, scale pairs and FP8 casts over a table of ranges of a flat buffer.

@@ -1,6 +1,7 @@
 //! The device-side control of an Adam step (and the Adam updates reading their coefficients from the
-//! device): NVRTC compile check, CPU properties against simple references, and CUDA against CPU on
-//! random inputs, bit for bit (needs a GPU: ignored unless run with `--ignored`).
+//! device, and the casts of per-tensor and block-scaled FP8 weights from their masters): NVRTC compile
+//! check, CPU properties against simple references, and CUDA against CPU on random inputs, bit for bit
+//! (needs a GPU: ignored unless run with `--ignored`).
 
 mod common;
 
@@ -14,7 +15,10 @@ use fp8_kernels::adam::{lp_slot, LowPrecisionAdamState};
 use fp8_kernels::kernel_source::ADAM_MODULE;
 use fp8_kernels::reduce::{norm_stats, norm_stats_finish, NORM_STATS_ACC_LEN};
 use fp8_kernels::segmented::{segmented_cast, Segment, SegmentTable};
-use fp8_kernels::{AdamConfig, Buffer, Device, WeightDecay};
+use fp8_kernels::{
+    block_quantize, AdamConfig, BlockQuantLayout, BlockQuantSpec, Buffer, Device, ScaleOrder,
+    WeightDecay,
+};
 use half::{bf16, f16};
 use proptest::prelude::*;
 
@@ -31,6 +35,7 @@ nvrtc_test! {
                 "adam_f32_ctl_g_bf16",
                 "adam_lp_ctl_g_bf16",
                 "adam_commit_amaxes",
+                "cast_weight_blocks",
             ],
         );
     }
@@ -535,4 +540,361 @@ fn cuda_control_matches_cpu() {
         }
     }
     println!("PASS: Adam step control CUDA == CPU on 200 random cases");
+}
+
+// ---- cast_weight_blocks: the 128x128 block-scaled cast of a weight piece from its master ----
+
+/// `rows * cols` master values: uniform in [-1, 1) times `2^e`, `e` in `-e_max..e_max` varying by bands
+/// of 16 rows and 48 columns (so blocks get different scales); with `special`, an all-zero first block
+/// (scale 1) and a NaN and an infinity further on (the infinity's block takes scale 1, the NaN is
+/// ignored by the amax).
+fn block_master(rows: usize, cols: usize, seed: u64, e_max: i32, special: bool) -> Vec<f32> {
+    let mut s = seed | 1;
+    let mut x: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            let band = (i / cols / 16 * 7 + i % cols / 48) as u64;
+            let e = (band.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as i32 % (2 * e_max) - e_max;
+            rnd(&mut s) * 2f32.powi(e)
+        })
+        .collect();
+    if special {
+        for r in 0..rows.min(128) {
+            for c in 0..cols.min(128) {
+                x[r * cols + c] = 0.0;
+            }
+        }
+        let n = x.len();
+        if n > 128 * cols {
+            x[n - 1] = f32::NAN;
+            x[n - 1 - cols / 2] = f32::INFINITY;
+        }
+    }
+    x
+}
+
+/// What `cast_weight_blocks` reads: a flat shard of `len` F32 master values or, with `Some(scale)`, the
+/// same values stored as F16 times `scale` with the scale at state slot 1.
+struct BlockMaster {
+    m32: Vec<f32>,
+    m16: Option<(Vec<f16>, f32)>,
+}
+
+impl BlockMaster {
+    fn new(m32: Vec<f32>, f16_scale: Option<f32>) -> Self {
+        let m16 = f16_scale.map(|sc| (m32.iter().map(|&x| f16::from_f32(x * sc)).collect(), sc));
+        BlockMaster { m32, m16 }
+    }
+
+    /// The F32 values of `range` as the cast reads them (F16: `value * (1 / scale)`, cast_weight_source's
+    /// decoding).
+    fn values(&self, range: std::ops::Range<usize>) -> Vec<f32> {
+        match &self.m16 {
+            Some((m, sc)) => {
+                let inv = 1.0 / sc;
+                m[range].iter().map(|h| h.to_f32() * inv).collect()
+            }
+            None => self.m32[range].to_vec(),
+        }
+    }
+}
+
+/// Runs `cast_weight_blocks` on `dev` over `codes0` / `scale_inv0` (returned after the call).
+#[allow(clippy::too_many_arguments)]
+fn cast_blocks_run(
+    dev: &Device,
+    skip: bool,
+    codes0: &[u8],
+    range: std::ops::Range<usize>,
+    cols: usize,
+    scale_inv0: &[f32],
+    scale_offset: usize,
+    master: &BlockMaster,
+) -> (Vec<u8>, Vec<f32>) {
+    let mut coef = coef_words(2);
+    coef[COEF_SKIP] = if skip { 1.0 } else { 0.0 };
+    let coef = dev.upload(&coef).unwrap();
+    let m32 = dev.upload(&master.m32).unwrap();
+    let (m16, st) = match &master.m16 {
+        Some((m, sc)) => (
+            Some(dev.upload(m).unwrap()),
+            dev.upload(&[0.5, 2.0, 4.0, *sc, 8.0, 16.0]).unwrap(),
+        ),
+        None => (None, dev.zeros::<f32>(6).unwrap()),
+    };
+    let source = match &m16 {
+        Some(m) => MasterSource::F16 {
+            master: m,
+            scales: &st,
+            slot: 1,
+        },
+        None => MasterSource::F32(&m32),
+    };
+    let mut q = dev.upload(codes0).unwrap();
+    let mut si = dev.upload(scale_inv0).unwrap();
+    cast_weight_blocks(&coef, &mut q, range, cols, &mut si, scale_offset, source).unwrap();
+    (q.to_vec().unwrap(), si.to_vec().unwrap())
+}
+
+/// `block_quantize` (128x128 blocks, E4M3, power-of-two scales, the GEMM's scale order) of `x [rows,
+/// cols]` on the CPU: the codes, the inverse scales (padding entries 0) and their row stride `ld`.
+fn blocks_reference(x: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>, usize) {
+    let dev = Device::cpu();
+    let spec = BlockQuantSpec::new(BlockQuantLayout::Blocks128x128, Fp8Format::E4M3)
+        .with_scale_order(ScaleOrder::Gemm);
+    let layout = spec.layout.output_layout(rows, cols).unwrap();
+    let strides = ScaleOrder::Gemm.strides(&layout).unwrap();
+    let xb = dev.upload(x).unwrap();
+    let mut q: Buffer<u8> = dev.zeros(rows * cols).unwrap();
+    let mut sc: Buffer<f32> = dev.zeros(strides.len).unwrap();
+    let mut si: Buffer<f32> = dev.zeros(strides.len).unwrap();
+    block_quantize(&xb, [rows, cols], spec, &mut q, &mut sc, &mut si).unwrap();
+    (q.to_vec().unwrap(), si.to_vec().unwrap(), strides.row)
+}
+
+/// Distinct recognizable values for scale buffers before a cast (so untouched entries show).
+fn scale_sentinels(n: usize) -> Vec<f32> {
+    (0..n).map(|k| -0.25 - k as f32).collect()
+}
+
+/// Column counts: multiples of 16 (128 and 256 among them) and arbitrary widths (partial last blocks).
+fn block_cols() -> impl Strategy<Value = usize> {
+    prop_oneof![(1usize..=24).prop_map(|k| 16 * k), 1usize..300]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    /// A piece cast from its master is bit for bit `block_quantize` (128x128, E4M3, GEMM order) of the
+    /// decoded master values, its codes at `range` and its inverse scales from `scale_offset`; codes
+    /// outside the range and scale entries outside the real blocks (padding, neighbours) are untouched.
+    #[test]
+    fn cast_weight_blocks_is_block_quantize_of_the_master(
+        seed in any::<u64>(), rows in 1usize..400, cols in block_cols(), pre in 0usize..300,
+        post in 0usize..50, scale_offset in 0usize..20, scale_post in 0usize..10,
+        f16_scale in prop_oneof![
+            Just(None),
+            (-4i32..=4).prop_map(|e| Some(2f32.powi(e))),
+            (0.3f32..5.0).prop_map(Some),
+        ],
+        special in any::<bool>(),
+    ) {
+        let n = rows * cols;
+        let len = pre + n + post;
+        let range = pre..pre + n;
+        let e_max = if f16_scale.is_some() { 10 } else { 30 };
+        let x = block_master(len, 1, seed, e_max, false);
+        let mut m32 = x;
+        m32[range.clone()].copy_from_slice(&block_master(rows, cols, seed ^ 1, e_max, special));
+        let master = BlockMaster::new(m32, f16_scale);
+        let mut s = seed | 1;
+        let codes0: Vec<u8> = (0..len).map(|_| (rnd(&mut s).to_bits() >> 9) as u8).collect();
+        let (want_q, want_si, ld) = blocks_reference(&master.values(range.clone()), rows, cols);
+        let scale_inv0 = scale_sentinels(scale_offset + want_si.len() + scale_post);
+        let (q, si) = cast_blocks_run(&Device::cpu(), false, &codes0, range.clone(), cols, &scale_inv0,
+            scale_offset, &master);
+        let mut expect_q = codes0.clone();
+        expect_q[range].copy_from_slice(&want_q);
+        prop_assert!(q == expect_q, "codes differ");
+        let mut expect_si = scale_inv0.clone();
+        let grid_cols = cols.div_ceil(128);
+        for i in 0..rows.div_ceil(128) {
+            for j in 0..grid_cols {
+                expect_si[scale_offset + i * ld + j] = want_si[i * ld + j];
+            }
+        }
+        prop_assert_eq!(ld, grid_cols.next_multiple_of(4));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&si), bits(&expect_si));
+    }
+
+    /// On a skipped step nothing is written, whatever the master holds.
+    #[test]
+    fn cast_weight_blocks_skipped_writes_nothing(
+        seed in any::<u64>(), rows in 1usize..300, cols in block_cols(), pre in 0usize..100,
+        f16m in any::<bool>(),
+    ) {
+        let n = rows * cols;
+        let range = pre..pre + n;
+        let master = BlockMaster::new(block_master(pre + n, 1, seed, 8, true), f16m.then_some(4.0));
+        let mut s = seed | 1;
+        let codes0: Vec<u8> = (0..pre + n).map(|_| (rnd(&mut s).to_bits() >> 9) as u8).collect();
+        let scale_inv0 = scale_sentinels(3 + rows.div_ceil(128) * cols.div_ceil(128).next_multiple_of(4));
+        let (q, si) = cast_blocks_run(&Device::cpu(), true, &codes0, range.clone(), cols, &scale_inv0, 3,
+            &master);
+        prop_assert!(q == codes0, "codes changed on a skipped step");
+        prop_assert_eq!(&si, &scale_inv0);
+        // The same call not skipped does write (the comparison above can fail).
+        let (q, _) = cast_blocks_run(&Device::cpu(), false, &codes0, range, cols, &scale_inv0, 3, &master);
+        prop_assert!(q != codes0 || n < 4);
+    }
+
+    /// A weight cut at a block-row boundary into two pieces held by two ranks (each piece at its own
+    /// offsets in its rank's code and scale shards): the pieces' codes and scales, concatenated, are the
+    /// whole weight's `block_quantize` output. This is what lets each rank cast its rows alone.
+    #[test]
+    fn cast_weight_blocks_pieces_concatenate_to_the_whole_weight(
+        seed in any::<u64>(), rows in 129usize..600, cols in block_cols(), cut_blocks in 1usize..5,
+        offsets in (0usize..200, 0usize..200, 0usize..9, 0usize..9), f16m in any::<bool>(),
+    ) {
+        let cut = 128 * cut_blocks.min((rows - 1) / 128);
+        let whole = block_master(rows, cols, seed, 12, false);
+        let (want_q, want_si, ld) = blocks_reference(
+            &BlockMaster::new(whole.clone(), f16m.then_some(0.5)).values(0..rows * cols), rows, cols);
+        let (pre_a, pre_b, soff_a, soff_b) = offsets;
+        let mut s = seed | 1;
+        let mut got_q = Vec::new();
+        let mut got_si = vec![0.0f32; want_si.len()];
+        for (piece_rows, pre, soff) in [(0..cut, pre_a, soff_a), (cut..rows, pre_b, soff_b)] {
+            // This rank's flat shard: other values, then the piece, then more.
+            let n = piece_rows.len() * cols;
+            let mut m32: Vec<f32> = (0..pre + n + 7).map(|_| rnd(&mut s) * 1e3).collect();
+            m32[pre..pre + n].copy_from_slice(&whole[piece_rows.start * cols..piece_rows.end * cols]);
+            let master = BlockMaster::new(m32, f16m.then_some(0.5));
+            let codes0: Vec<u8> = (0..pre + n + 7).map(|_| (rnd(&mut s).to_bits() >> 9) as u8).collect();
+            let grid_rows = piece_rows.len().div_ceil(128);
+            let scale_inv0 = scale_sentinels(soff + grid_rows * ld + 2);
+            let (q, si) = cast_blocks_run(&Device::cpu(), false, &codes0, pre..pre + n, cols, &scale_inv0, soff,
+                &master);
+            got_q.extend_from_slice(&q[pre..pre + n]);
+            let first_block_row = piece_rows.start / 128;
+            for i in 0..grid_rows {
+                for j in 0..cols.div_ceil(128) {
+                    got_si[(first_block_row + i) * ld + j] = si[soff + i * ld + j];
+                }
+            }
+        }
+        prop_assert!(got_q == want_q, "codes differ from the whole weight's");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&got_si), bits(&want_si));
+    }
+}
+
+/// Every argument check of `cast_weight_blocks` (the CPU path; the checks come before the device
+/// dispatch, so CUDA makes the same ones).
+#[test]
+fn cast_weight_blocks_rejects_bad_arguments() {
+    let dev = Device::cpu();
+    let coef = dev.upload(&coef_words(1)).unwrap();
+    let (rows, cols) = (130, 200);
+    let n = rows * cols;
+    let m32 = dev.upload(&vec![0.5f32; n]).unwrap();
+    let mut q: Buffer<u8> = dev.zeros(n).unwrap();
+    // 2 block rows, 2 block columns, rows padded to 4: the last scale written is 3 + 1 * 4 + 1.
+    let need = 3 + 4 + 2;
+    let mut si: Buffer<f32> = dev.zeros(need).unwrap();
+    let src = MasterSource::F32(&m32);
+    cast_weight_blocks(&coef, &mut q, 0..n, cols, &mut si, 3, src).unwrap();
+    let mut short: Buffer<f32> = dev.zeros(need - 1).unwrap();
+    let e = cast_weight_blocks(&coef, &mut q, 0..n, cols, &mut short, 3, src).unwrap_err();
+    assert!(e.to_string().contains("scale"), "{e}");
+    // Not whole rows, no columns, outside the codes, outside the master.
+    for (range, c) in [(0..n - 1, cols), (0..n, 0), (0..n, 7)] {
+        let e = cast_weight_blocks(&coef, &mut q, range, c, &mut si, 0, src).unwrap_err();
+        assert!(e.to_string().contains("whole rows"), "{e}");
+    }
+    let mut small_q: Buffer<u8> = dev.zeros(n - cols).unwrap();
+    assert!(cast_weight_blocks(&coef, &mut small_q, 0..n, cols, &mut si, 0, src).is_err());
+    let short_master = dev.upload(&vec![0.5f32; n - cols]).unwrap();
+    let e = cast_weight_blocks(
+        &coef,
+        &mut q,
+        0..n,
+        cols,
+        &mut si,
+        0,
+        MasterSource::F32(&short_master),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("outside"), "{e}");
+    // An F16 master whose slot has no scale.
+    let m16 = dev.upload(&vec![f16::ONE; n]).unwrap();
+    let st = dev.zeros::<f32>(3).unwrap();
+    let f16_src = MasterSource::F16 {
+        master: &m16,
+        scales: &st,
+        slot: 1,
+    };
+    assert!(cast_weight_blocks(&coef, &mut q, 0..n, cols, &mut si, 0, f16_src).is_err());
+    // A short coefficient buffer.
+    let short_coef = dev.zeros::<f32>(COEF_LEN - 1).unwrap();
+    assert!(cast_weight_blocks(&short_coef, &mut q, 0..n, cols, &mut si, 0, src).is_err());
+    // Sides beyond the kernels' 32-bit indices (an empty piece: nothing to allocate).
+    let e = cast_weight_blocks(&coef, &mut q, 0..0, 1 << 31, &mut si, 0, src).unwrap_err();
+    assert!(e.to_string().contains("32-bit"), "{e}");
+    // An empty piece writes nothing and needs only its offset inside the scales.
+    cast_weight_blocks(&coef, &mut q, 5..5, cols, &mut si, need, src).unwrap();
+    assert!(cast_weight_blocks(&coef, &mut q, 5..5, cols, &mut si, need + 1, src).is_err());
+}
+
+/// CUDA against CPU for the block-scaled weight cast, bit for bit: shapes from one partial block to
+/// many blocks (columns multiples of 16 and not of 128, rows not multiples of 128), F32 and F16 masters,
+/// pieces at offsets inside larger shards, special values, and skipped steps.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_cast_weight_blocks_matches_cpu() {
+    let gpu = common::fp8_gpu();
+    let shapes = [
+        (1, 16),
+        (3, 100),
+        (127, 144),
+        (128, 128),
+        (129, 1040),
+        (300, 4096),
+        (1000, 2064),
+        (2048, 4096),
+        (4100, 1536),
+        (77, 14336),
+    ];
+    let mut s = 0x5851_F42D_4C95_7F2Du64;
+    for (case, &(rows, cols)) in shapes.iter().cycle().take(3 * shapes.len()).enumerate() {
+        let n = rows * cols;
+        let pre = (case * 4099) % 3000;
+        let len = pre + n + 17;
+        let f16_scale = match case % 3 {
+            0 => None,
+            1 => Some(2f32.powi(case as i32 % 7 - 3)),
+            _ => Some(3.0),
+        };
+        let e_max = if f16_scale.is_some() { 10 } else { 30 };
+        let mut m32: Vec<f32> = (0..len).map(|_| rnd(&mut s)).collect();
+        m32[pre..pre + n].copy_from_slice(&block_master(
+            rows,
+            cols,
+            case as u64,
+            e_max,
+            case % 4 == 1,
+        ));
+        let master = BlockMaster::new(m32, f16_scale);
+        let codes0: Vec<u8> = (0..len)
+            .map(|_| (rnd(&mut s).to_bits() >> 9) as u8)
+            .collect();
+        let soff = case % 11;
+        let scale_inv0 =
+            scale_sentinels(soff + rows.div_ceil(128) * cols.div_ceil(128).next_multiple_of(4) + 3);
+        let skip = case % 10 == 9;
+        let run = |d: &Device| {
+            cast_blocks_run(
+                d,
+                skip,
+                &codes0,
+                pre..pre + n,
+                cols,
+                &scale_inv0,
+                soff,
+                &master,
+            )
+        };
+        let (cpu, cuda) = (run(&Device::cpu()), run(&gpu));
+        if let Some(d) = common::first_difference("codes", &cpu.0, &cuda.0) {
+            panic!("case {case} ({rows} x {cols}, f16 {f16_scale:?}, skip {skip}): {d}");
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        if let Some(d) = common::first_difference("scale_inv", &bits(&cpu.1), &bits(&cuda.1)) {
+            panic!("case {case} ({rows} x {cols}, f16 {f16_scale:?}, skip {skip}): {d}");
+        }
+    }
+    println!(
+        "PASS: cast_weight_blocks CUDA == CPU on {} cases",
+        3 * shapes.len()
+    );
 }

@@ -1,11 +1,12 @@
 // Device-side control of an Adam step (see src/adam/control.rs for the definitions): the coefficients of
 // the next step (or a skip) from reduced gradient statistics, the write scales of low-precision states,
-// the commit of agreed amaxes, and the values FP8 weights are cast from.
+// the commit of agreed amaxes, the values FP8 weights are cast from, and the casts of per-tensor and of 128x128
+// block-scaled FP8 weights from their masters.
 //
-// Compiled after cuda/common.cuh and adam.cu (it uses AdamCoef, F16_MAX and COEF_SKIP). The control kernel
-// works in f64 with explicitly rounded operations (__dadd_rn, __dmul_rn, __ddiv_rn, __dsqrt_rn; powers by
-// squaring) in the order of the CPU implementation, so both devices derive the same coefficients and state
-// scales bit for bit.
+// Compiled after cuda/common.cuh, src/block_quantize/blocks128.cuh (bq_128x128_impl) and adam.cu (it uses
+// AdamCoef, F16_MAX and COEF_SKIP). The control kernel works in f64 with explicitly rounded operations
+// (__dadd_rn, __dmul_rn, __ddiv_rn, __dsqrt_rn; powers by squaring) in the order of the CPU implementation, so
+// both devices derive the same coefficients and state scales bit for bit.
 
 // Word offsets of the control buffer (mirrors adam::ctl).
 #define CTL_STEP 0
@@ -158,16 +159,26 @@ extern "C" __global__ void adam_commit_amaxes(const float* coef, const float* ag
     }
 }
 
+// The F32 values of a master (adam::control::MasterSource): master32[i], or the F16 master16[i] times msi, the
+// inverse of its state scale (div_rn(1, scale), as the CPU computes it).
+struct MasterValues {
+    const float* master32;
+    const u16* master16;
+    float msi;
+    __device__ __forceinline__ float operator()(u64 i) const {
+        if (master16 != nullptr) return mul_rn(f16_to_f32(master16[i]), msi);
+        return master32[i];
+    }
+};
+
 // The F32 value element i of an FP8 weight is cast from (see weight_source_values below).
-__device__ __forceinline__ float source_value(bool skip, const u8* fp8, u64 i, float wsi, const float* master32,
-                                              const u16* master16, float msi) {
+__device__ __forceinline__ float source_value(bool skip, const u8* fp8, u64 i, float wsi, MasterValues master) {
     if (skip) {
         float lo, hi;
         fp8x2_decode<FP8_E4M3>((u16)fp8[i], lo, hi);
         return mul_rn(lo, wsi);
     }
-    if (master16 != nullptr) return mul_rn(f16_to_f32(master16[i]), msi);
-    return master32[i];
+    return master(i);
 }
 
 // ---- the F32 values the FP8 weights are cast from, over out[off..off+n) ----
@@ -181,7 +192,7 @@ extern "C" __global__ void weight_source_values(const float* coef, float* out, u
     const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
     for (u64 j = global_thread(); j < n; j += grid_threads()) {
         const u64 i = off + j;
-        const float x = source_value(skip, fp8, i, wsi, master32, master16, msi);
+        const float x = source_value(skip, fp8, i, wsi, MasterValues{master32, master16, msi});
         out[i] = x;
     }
 }
@@ -200,7 +211,22 @@ extern "C" __global__ void cast_weight_source(const float* coef, u8* fp8, u64 of
     const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
     for (u64 j = global_thread(); j < n; j += grid_threads()) {
         const u64 i = off + j;
-        const float x = source_value(skip, fp8, i, wsi, master32, master16, msi);
+        const float x = source_value(skip, fp8, i, wsi, MasterValues{master32, master16, msi});
         fp8[i] = (u8)(fp8x2<FP8_E4M3>(mul_rn(x, ws), 0.0f) & 0xFFu);
     }
+}
+
+// ---- the 128x128 block-scaled cast of one weight piece from its master (adam::control::cast_weight_blocks) ----
+// The master values of codes[off .. off + rows * cols), a row-major [rows, cols] piece, cast to E4M3 exactly as
+// block_quantize's bq_128x128 kernels cast them (the same bq_128x128_impl): power-of-two scales (exact = 0), only
+// the inverse scales written, block (i, j)'s at scale_inv[soff + i * ld + j]. A skipped step writes nothing. One
+// block of 256 threads per 128x128 block; every thread reads the same skip flag, so the early return is uniform.
+extern "C" __global__ void cast_weight_blocks(const float* coef, u8* codes, u64 off, int rows, int cols,
+                                              float* scale_inv, u64 soff, u64 ld, float fmax, const float* master32,
+                                              const u16* master16, const float* state_scales, u64 gslot) {
+    if (coef[COEF_SKIP] != 0.0f) return;
+    const float msi = master16 != nullptr ? div_rn(1.0f, state_scales[3 * gslot]) : 1.0f;
+    const MasterValues master{master32 != nullptr ? master32 + off : nullptr,
+                              master16 != nullptr ? master16 + off : nullptr, msi};
+    bq_128x128_impl<FP8_E4M3>(master, codes + off, nullptr, scale_inv + soff, ld, 1, fmax, 0, rows, cols);
 }

@@ -14,7 +14,23 @@
 //!    the weights' amax vector: zeros when skipped, which keeps every weight's scale), then
 //!    [`cast_weight_source`] (each FP8 weight cast in place from its master; on a skipped step from its
 //!    current codes, decoded, which gives the same codes back) or [`weight_source_values`] (the F32
-//!    values themselves).
+//!    values themselves); block-scaled weights are cast by [`cast_weight_blocks`] instead (below).
+//!
+//! # Block-scaled weights
+//! A 128x128 block-scaled FP8 weight (DeepSeek-V3's recipe: one F32 scale per 128x128 block of the
+//! row-major `[out, in]` weight) needs no agreed amax: each block's scale comes from the block's own new
+//! values. Under FSDP a rank's shard of such a weight is whole block rows (its boundaries fall on
+//! multiples of 128 rows), so [`cast_weight_blocks`] casts the rank's rows from its master shard alone,
+//! right after the update, with no collective: the amax of each block, its power-of-two scale and the
+//! codes, exactly as [`block_quantize`](crate::block_quantize::block_quantize) with
+//! [`BlockQuantLayout::Blocks128x128`], E4M3 and [`ScaleOrder::Gemm`] casts the decoded master values of
+//! the piece (the same code on both devices: `blocks128.cuh` on CUDA, the block cast's CPU loop here).
+//! The inverse scales are written in the block-scaled GEMM's order, block `(i, j)` of the piece at
+//! `scale_offset + i * ld + j` with `ld = round_up(ceil(in / 128), 4)`, so the pieces of a weight held
+//! by different ranks, placed at their block-row offsets, are the whole weight's
+//! [`block_quantize`](crate::block_quantize::block_quantize) output, codes and scales bit for bit.
+//! On a skipped step nothing is written: the codes and scales of the previous step stay (per-tensor
+//! weights re-encode their codes instead, which gives the same codes).
 //!
 //! The control arithmetic is f64 with each operation rounded once, powers by squaring, in the same order
 //! on both devices, so CPU and CUDA derive bit-identical coefficients and scales; the sum of squares
@@ -26,6 +42,7 @@
 //! buffer [`COEF_LEN`] words ([`AdamCoefficients`] and the skip flag).
 
 use super::{cpu, cuda, lp_slot, AdamCoefficients, AdamConfig};
+use crate::block_quantize::{self, check_sides, BlockQuantLayout, ScaleOrder};
 use crate::{Buffer, Device, KernelError};
 use half::f16;
 use std::ops::Range;
@@ -501,5 +518,104 @@ pub fn cast_weight_source(
         Device::Cuda(dev) => {
             cuda::cast_weight_source(&dev, coef, fp8, range, weight_scales, wslot, source)
         }
+    }
+}
+
+/// The block-scaled counterpart of [`cast_weight_source`]: casts one piece of a 128x128 block-scaled FP8
+/// weight from its master, computing the blocks' scales from the new values themselves (see the module
+/// docs, "Block-scaled weights").
+///
+/// `codes[range]` holds `rows_here = range.len() / cols` whole rows of a row-major weight of `cols`
+/// columns (its `in_features`), starting at a block-row boundary of the weight; the master values
+/// `x = source[range]` (F32, or F16 times `1 / scale` as [`weight_source_values`] decodes them) seen as a
+/// `[rows_here, cols]` matrix are cast exactly as [`block_quantize`](crate::block_quantize::block_quantize)
+/// with [`BlockQuantLayout::Blocks128x128`], E4M3, power-of-two scales and [`ScaleOrder::Gemm`] casts them:
+/// the codes go to `codes[range]` and block `(i, j)`'s inverse scale to
+/// `scale_inv[scale_offset + i * ld + j]`, `ld = round_up(ceil(cols / 128), 4)` (the padding entries
+/// `j >= ceil(cols / 128)` are not written; the scales themselves are not kept). On a skipped step
+/// (the skip flag of `coef`, read on the device) nothing is written.
+///
+/// Errors unless `cols > 0`, `range.len()` is a multiple of `cols`, `range` lies in `codes` and in the
+/// master, the F16 master's slot scale exists, `scale_offset + (ceil(rows_here / 128) - 1) * ld +
+/// ceil(cols / 128) <= scale_inv.len()` (`scale_offset <= scale_inv.len()` when `range` is empty),
+/// `rows_here` and `cols` fit the kernels' 32-bit indices, and every buffer is on `coef`'s device, on
+/// either device alike. On CUDA the cast runs on the compute stream with no host round trip.
+pub fn cast_weight_blocks(
+    coef: &Buffer<f32>,
+    codes: &mut Buffer<u8>,
+    range: Range<usize>,
+    cols: usize,
+    scale_inv: &mut Buffer<f32>,
+    scale_offset: usize,
+    source: MasterSource<'_>,
+) -> Result<(), KernelError> {
+    let what = "cast_weight_blocks";
+    check(what, coef.len(), COEF_LEN)?;
+    check_range(what, &range, codes.len())?;
+    if cols == 0 || range.len() % cols != 0 {
+        return Err(bad(
+            what,
+            format!(
+                "range {range:?} ({} elements) is not whole rows of {cols} columns",
+                range.len()
+            ),
+        ));
+    }
+    let rows = range.len() / cols;
+    check_sides(what, &[rows, cols])?;
+    let layout = BlockQuantLayout::Blocks128x128.output_layout(rows, cols)?;
+    // Block (i, j) at i * ld + j: the GEMM order of 128x128 scales.
+    let ld = ScaleOrder::Gemm.strides(&layout)?.row;
+    let [grid_rows, grid_cols] = layout.grid();
+    // One past the last scale written: the last block row's last real block (its padding is not written).
+    let scale_end = match grid_rows {
+        0 => Some(scale_offset),
+        _ => (grid_rows - 1)
+            .checked_mul(ld)
+            .and_then(|x| x.checked_add(grid_cols))
+            .and_then(|x| x.checked_add(scale_offset)),
+    };
+    let scale_end = match scale_end {
+        Some(end) if end <= scale_inv.len() => end,
+        _ => {
+            return Err(bad(
+                what,
+                format!(
+                    "{grid_rows} x {grid_cols} block scales (rows of {ld}) from {scale_offset} do not fit \
+                     a scale buffer of {}",
+                    scale_inv.len()
+                ),
+            ))
+        }
+    };
+    let device = coef.device();
+    source.check(what, &range, &device)?;
+    on_device(what, &device, &[codes.device(), scale_inv.device()])?;
+    match device {
+        Device::Cpu => {
+            let (_, skip) = coefficient_words(coef.host(what)?);
+            if skip {
+                return Ok(());
+            }
+            let values = cpu::master_values(source.host(what)?, range.clone());
+            block_quantize::blocks128_e4m3_host(
+                &values,
+                [rows, cols],
+                &mut codes.host_mut(what)?[range],
+                &mut scale_inv.host_mut(what)?[scale_offset..scale_end],
+                ld,
+            )
+        }
+        Device::Cuda(dev) => cuda::cast_weight_blocks(
+            &dev,
+            coef,
+            codes,
+            range,
+            [rows, cols],
+            scale_inv,
+            scale_offset,
+            ld,
+            source,
+        ),
     }
 }

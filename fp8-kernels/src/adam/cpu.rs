@@ -8,6 +8,7 @@ use super::{AdamGrad, F16_MAX};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use half::f16;
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// Elements per rayon task.
@@ -317,6 +318,19 @@ pub(super) fn weight_source_values(
             for (x, h) in out.iter_mut().zip(&master[range]) {
                 *x = h.to_f32() * inv;
             }
+        }
+    }
+}
+
+/// The F32 values of `source` over `range`, as [`weight_source_values`] computes them on a step that is not
+/// skipped (borrowed for an F32 master, decoded for an F16 one).
+pub(super) fn master_values(source: HostSource<'_>, range: Range<usize>) -> Cow<'_, [f32]> {
+    match source {
+        HostSource::F32(m) => Cow::Borrowed(&m[range]),
+        f16_source @ HostSource::F16 { .. } => {
+            let mut out = vec![0.0f32; range.len()];
+            weight_source_values(false, &mut out, &[], 0.0, f16_source, range);
+            Cow::Owned(out)
         }
     }
 }

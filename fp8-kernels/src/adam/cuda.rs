@@ -9,6 +9,7 @@ use crate::kernel_source::ADAM_MODULE;
 use crate::launch::{self, kernel_name, launch, one_block, optional_ptr, optional_ptr_mut, BLOCK};
 use crate::{Buffer, CudaDevice, DType, Device, KernelError};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
+use fp8_core::Fp8Format;
 use std::ops::Range;
 
 fn same(what: &'static str, dev: &CudaDevice, d: Device) -> Result<(), KernelError> {
@@ -425,6 +426,60 @@ pub(super) fn cast_weight_source(
             &len,
             wsc,
             &ws,
+            &src.master32.ptr,
+            &src.master16.ptr,
+            &src.state_scales.ptr,
+            &src.slot
+        ]
+    )
+}
+
+/// The 128x128 block-scaled cast of the piece `range` (`[rows, cols]`) from its master; `control.rs`
+/// checked the range, the shape (32-bit sides) and the scale extent.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn cast_weight_blocks(
+    dev: &CudaDevice,
+    coef: &Buffer<f32>,
+    codes: &mut Buffer<u8>,
+    range: Range<usize>,
+    [rows, cols]: [usize; 2],
+    scale_inv: &mut Buffer<f32>,
+    scale_offset: usize,
+    ld: usize,
+    source: MasterSource<'_>,
+) -> Result<(), KernelError> {
+    let what = "cast_weight_blocks";
+    dev.require_fp8()?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let cfg = crate::block_quantize::blocks128_launch(dev, rows, cols);
+    let (off, soff, ld) = (range.start as u64, scale_offset as u64, ld as u64);
+    let (r, c) = (rows as i32, cols as i32);
+    let fmax = Fp8Format::E4M3.max();
+    let co = cs(coef, what)?;
+    let src = master_args(dev, source, what)?;
+    let (q, si) = (cs_mut(codes, what)?, cs_mut(scale_inv, what)?);
+    // codes and the master hold off + rows * cols elements, scale_inv the index soff + i * ld + j of every
+    // block (i, j); exactly one of the master pointers is non-null.
+    launch!(
+        dev,
+        &ADAM_MODULE,
+        "cast_weight_blocks",
+        cfg,
+        "cast_weight_blocks(const float* coef, u8* codes, u64 off, int rows, int cols, float* scale_inv, \
+         u64 soff, u64 ld, float fmax, const float* master32, const u16* master16, \
+         const float* state_scales, u64 gslot)",
+        [
+            co,
+            q,
+            &off,
+            &r,
+            &c,
+            si,
+            &soff,
+            &ld,
+            &fmax,
             &src.master32.ptr,
             &src.master16.ptr,
             &src.state_scales.ptr,

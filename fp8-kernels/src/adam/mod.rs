@@ -34,7 +34,8 @@
 //! and are *combined by max* into the given slots, so several ranges can fold into one slot; zero the slots
 //! first for a fresh amax. The new FP8 weight is not written here: weights use current scaling (amax of
 //! the new master, then scale, then cast), which needs this pass's amax first ([`control`]'s
-//! `cast_weight_source`, or the cast family).
+//! `cast_weight_source`, or the cast family; block-scaled weights take each block's scale from its own
+//! new values, `cast_weight_blocks`).
 //!
 //! # CPU / CUDA agreement
 //! The CUDA kernels (`adam.cu`, `control.cu`) perform the same operations in the same order with explicit

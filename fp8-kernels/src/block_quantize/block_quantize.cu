@@ -1,4 +1,5 @@
-// Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh. Kernel names:
+// Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh and blocks128.cuh (the
+// 128x128-block cast, BQ_TILE, warp_max_bits). Kernel names:
 // bq_<layout>_<input type>_<fp8 format>, bqp_1x128_<input type>_<fp8 format> (packed row records),
 // bdq_<fp8 format>_<output type>, bdqs_<fp8 format>_<output type> (dequantize packed pieces and sum).
 //
@@ -7,11 +8,6 @@
 // code of x is fp8(x * scale) with one f32 multiply, and scale_inv = 1 / scale (one f32 division), as
 // on the CPU. Partial blocks at the edges read only their real elements. The scale of block (i, j) of the
 // output grid is stored at i * srs + j * scs (ScaleOrder: row-major or the GEMM's order).
-
-#define BQ_TILE 128
-
-// One lane's part of a block's amax, the warp's maximum in every lane.
-__device__ __forceinline__ int warp_max_bits(int m) { return __reduce_max_sync(0xFFFFFFFFu, m); }
 
 // ---- 1x128 tiles along the last dimension: x [rows, cols] -> y [rows, cols], scales [rows, ceil(cols/128)] ----
 // One warp per tile, grid-stride over tiles; lane l holds elements l, l + 32, l + 64, l + 96 of its tile
@@ -129,56 +125,6 @@ __device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, fl
     }
 }
 
-// ---- 128x128 blocks: x [rows, cols] -> y [rows, cols], scales [ceil(rows/128), ceil(cols/128)] ----
-// One block of 256 threads per scale block, grid-stride over blocks: thread (lane, warp) covers columns
-// lane + 32q and rows warp + 8k; a first pass takes the amax, a second (from cache) encodes.
-template <class In, int FMT>
-__device__ void bq_128x128_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs,
-                                float fmax, int exact, int rows, int cols) {
-    __shared__ int warp_max[8];
-    __shared__ float s_scale;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int grid_r = (rows + BQ_TILE - 1) / BQ_TILE, grid_c = (cols + BQ_TILE - 1) / BQ_TILE;
-    for (u64 b = blockIdx.x; b < (u64)grid_r * grid_c; b += gridDim.x) {
-        const int r0 = (int)(b / grid_c) * BQ_TILE, c0 = (int)(b % grid_c) * BQ_TILE;
-        const int h = min(BQ_TILE, rows - r0), w = min(BQ_TILE, cols - c0);
-        int m = 0;
-        for (int k = warp; k < h; k += 8) {
-            const u64 row = (u64)(r0 + k) * cols + c0;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int cc = lane + 32 * q;
-                if (cc < w) m = max(m, abs_bits_no_nan(In::load(x, row + cc)));
-            }
-        }
-        m = warp_max_bits(m);
-        if (lane == 0) warp_max[warp] = m;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int mm = warp_max[0];
-#pragma unroll
-            for (int j = 1; j < 8; ++j) mm = max(mm, warp_max[j]);
-            const float s = compute_scale_dev(__int_as_float(mm), fmax, 0, exact, 1.0f);
-            s_scale = s;
-            const u64 at = (b / grid_c) * srs + (b % grid_c) * scs;
-            scale[at] = s;
-            scale_inv[at] = div_rn(1.0f, s);
-        }
-        __syncthreads();
-        const float s = s_scale;
-        for (int k = warp; k < h; k += 8) {
-            const u64 row = (u64)(r0 + k) * cols + c0;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int cc = lane + 32 * q;
-                if (cc < w) y[row + cc] = (u8)(fp8x2<FMT>(mul_rn(In::load(x, row + cc), s), 0.0f) & 0xFF);
-            }
-        }
-        // warp_max and s_scale are rewritten by the next block.
-        __syncthreads();
-    }
-}
-
 // ---- dequantize any block layout: y[i] = decode(q[i]) * scale_inv[block of i] ----
 // q, y [rows, cols]; blocks of block_rows x block_cols, block (i, j)'s scale at i * srs + j * scs.
 template <class Out, int FMT>
@@ -267,7 +213,7 @@ __device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pi
     extern "C" __global__ void bq_128x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv, \
                                                            u64 srs, u64 scs, float fmax, int exact, int rows,   \
                                                            int cols) {                                          \
-        bq_128x128_impl<IN, FMT>(x, y, scale, scale_inv, srs, scs, fmax, exact, rows, cols);                    \
+        bq_128x128_impl<FMT>(BqArray<IN>{x}, y, scale, scale_inv, srs, scs, fmax, exact, rows, cols);             \
     }
 BQ_ENTRY(f32, TF32, e4m3, FP8_E4M3)
 BQ_ENTRY(f32, TF32, e5m2, FP8_E5M2)

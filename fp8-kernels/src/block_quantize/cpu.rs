@@ -8,9 +8,9 @@ use crate::FloatElement;
 use fp8_core::{block_scale, BlockLayout, Fp8Format, ScaleRounding, BLOCK_SIZE};
 use rayon::prelude::*;
 
-/// The scale outputs of a cast and where each block's values go.
+/// The scale outputs of a cast and where each block's values go (the scales themselves only when asked).
 pub(super) struct ScaleOut<'a> {
-    pub(super) scale: &'a mut [f32],
+    pub(super) scale: Option<&'a mut [f32]>,
     pub(super) scale_inv: &'a mut [f32],
     pub(super) strides: ScaleStrides,
 }
@@ -52,7 +52,7 @@ pub(super) fn quantize<T: FloatElement>(
     format: Fp8Format,
     rounding: ScaleRounding,
     codes: &mut [u8],
-    out: ScaleOut<'_>,
+    mut out: ScaleOut<'_>,
 ) {
     if layout.numel() == 0 {
         return;
@@ -93,7 +93,9 @@ pub(super) fn quantize<T: FloatElement>(
         });
     for (b, (&s, &si)) in scale.iter().zip(&scale_inv).enumerate() {
         let at = out.strides.index(b / gc, b % gc);
-        out.scale[at] = s;
+        if let Some(scale) = out.scale.as_deref_mut() {
+            scale[at] = s;
+        }
         out.scale_inv[at] = si;
     }
 }

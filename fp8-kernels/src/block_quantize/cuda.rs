@@ -24,6 +24,16 @@ fn tile_launch(dev: &CudaDevice, items: usize, block: (u32, u32, u32)) -> Launch
     }
 }
 
+/// The launch of `bq_128x128_impl` (`blocks128.cuh`) over `[rows, cols]`: one block of 256 threads per
+/// 128x128 block (the kernel's thread layout needs exactly 256).
+pub(crate) fn blocks128_launch(dev: &CudaDevice, rows: usize, cols: usize) -> LaunchConfig {
+    tile_launch(
+        dev,
+        rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(BLOCK_SIZE),
+        (256, 1, 1),
+    )
+}
+
 /// `x [rows, cols]` to codes and block scales in `spec.layout`, the scales stored at `strides`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn quantize<T: FloatElement>(
@@ -50,12 +60,7 @@ pub(super) fn quantize<T: FloatElement>(
             rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(32),
             (32, 8, 1),
         ),
-        // One block of 256 threads per 128x128 block.
-        BlockQuantLayout::Blocks128x128 => tile_launch(
-            dev,
-            rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(BLOCK_SIZE),
-            (256, 1, 1),
-        ),
+        BlockQuantLayout::Blocks128x128 => blocks128_launch(dev, rows, cols),
     };
     // x and codes hold rows * cols elements, scale and scale_inv `strides.len` values, which hold the
     // index `i * srs + j * scs` of every block (i, j) of the layout's output (checked by mod.rs); every

@@ -37,7 +37,9 @@
 //! The CPU implementation (`cpu.rs`, rayon over bands of block rows) is the reference; `cuda.rs` and
 //! `block_quantize.cu` launch one warp per 1x128 tile (packed or not), one 128 x 32 slab per block of
 //! threads for the transposed tiles, one block of threads per 128x128 block, and one thread per 8
-//! elements of the dequantized sum.
+//! elements of the dequantized sum. The 128x128 cast (`blocks128.cuh` on CUDA, templated on where its
+//! values come from, and `cpu.rs`'s loop) is also the Adam step's cast of block-scaled weights from their
+//! masters, [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks).
 
 mod cpu;
 mod cuda;
@@ -131,12 +133,19 @@ impl ScaleOrder {
     }
 }
 
-/// The CUDA module: `cuda/common.cuh`, then `src/block_quantize/block_quantize.cu`.
+/// The CUDA module: `cuda/common.cuh`, `src/block_quantize/blocks128.cuh` (the 128x128-block cast, shared
+/// with the Adam step's [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks)), then
+/// `src/block_quantize/block_quantize.cu`.
 pub const BLOCK_QUANTIZE_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_block_quantize",
-    files: &["cuda/common.cuh", "src/block_quantize/block_quantize.cu"],
+    files: &[
+        "cuda/common.cuh",
+        "src/block_quantize/blocks128.cuh",
+        "src/block_quantize/block_quantize.cu",
+    ],
     source: concat!(
         include_str!("../../cuda/common.cuh"),
+        include_str!("blocks128.cuh"),
         include_str!("block_quantize.cu")
     ),
 };
@@ -217,7 +226,7 @@ impl BlockQuantSpec {
 /// that works on the CPU works on CUDA too.
 const MAX_SIDE: usize = i32::MAX as usize;
 
-fn check_sides(what: &'static str, sides: &[usize]) -> Result<(), KernelError> {
+pub(crate) fn check_sides(what: &'static str, sides: &[usize]) -> Result<(), KernelError> {
     match sides.iter().find(|&&s| s > MAX_SIDE) {
         Some(s) => Err(KernelError::InvalidArgument {
             what,
@@ -254,7 +263,7 @@ pub fn block_quantize<T: FloatElement>(
     cpu: {
         let (xs, q) = (x.host(WHAT)?, codes.host_mut(WHAT)?);
         let (s, si) = (scale.host_mut(WHAT)?, scale_inv.host_mut(WHAT)?);
-        let scales = cpu::ScaleOut { scale: s, scale_inv: si, strides };
+        let scales = cpu::ScaleOut { scale: Some(s), scale_inv: si, strides };
         match spec.layout {
             BlockQuantLayout::Columns128x1Transposed => {
                 let xt = cpu::transpose(xs, rows, cols);
@@ -272,6 +281,42 @@ pub fn block_quantize<T: FloatElement>(
         cuda::quantize(&dev, xs, shape, spec, strides, q, s, si)
     })
 }
+
+/// The `Blocks128x128` E4M3 cast with power-of-two scales of row-major `x [rows, cols]` on the host (the
+/// CPU side of [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks)): the codes go to `codes`
+/// and block `(i, j)`'s inverse scale to `scale_inv[i * ld + j]`, bit for bit what [`block_quantize`]
+/// writes (the same code). The caller checked the lengths: `x` and `codes` hold `rows * cols` values and
+/// `scale_inv` every block's index, `ld >= ceil(cols / 128)`.
+pub(crate) fn blocks128_e4m3_host(
+    x: &[f32],
+    [rows, cols]: [usize; 2],
+    codes: &mut [u8],
+    scale_inv: &mut [f32],
+    ld: usize,
+) -> Result<(), KernelError> {
+    let layout = BlockQuantLayout::Blocks128x128.output_layout(rows, cols)?;
+    let strides = ScaleStrides {
+        row: ld,
+        col: 1,
+        len: scale_inv.len(),
+    };
+    let out = cpu::ScaleOut {
+        scale: None,
+        scale_inv,
+        strides,
+    };
+    cpu::quantize(
+        x,
+        &layout,
+        Fp8Format::E4M3,
+        ScaleRounding::PowerOfTwo,
+        codes,
+        out,
+    );
+    Ok(())
+}
+
+pub(crate) use cuda::blocks128_launch;
 
 /// Dequantizes block-scaled codes: `out[i] = T(decode(codes[i]) * scale_inv[b])` where `b` is the index,
 /// in `order`, of the block of element `i` in `layout` (the layout of the codes, e.g. from
