@@ -45,7 +45,7 @@ fn run(ws: usize, precision: StatePrecision, steps: usize, poison_step: Option<u
         let options = AdamOptions {
             lr: 1e-2,
             state_precision: precision,
-            ..AdamOptions::default()
+            ..AdamOptions::adamw()
         };
         let mut opt = ShardedAdam::new(
             &model,
