@@ -99,7 +99,7 @@ fn weight_codes(model: &mut FsdpModel<Linear<f32>>) -> TestResult<(Vec<u8>, f32)
         .ok_or("unset weight id")?;
     let out = match model.sharded().param(p)? {
         GatheredParam::Fp8 { codes, scales } => (codes.to_vec()?, scales.to_vec()?[1]),
-        GatheredParam::Plain(_) => return Err("not an FP8 weight".into()),
+        _ => return Err("not a per-tensor FP8 weight".into()),
     };
     model.release_all()?;
     Ok(out)
