@@ -244,7 +244,12 @@ fn run_after<T: Activation>(
 }
 
 /// Uniform data: `x` in `±2`, `dy` in `±0.01`, different on every rank.
-fn uniform_data(tokens: usize, inf: usize, outf: usize, seed: u64) -> impl Fn(u64) -> (Vec<f32>, Vec<f32>) + Sync {
+fn uniform_data(
+    tokens: usize,
+    inf: usize,
+    outf: usize,
+    seed: u64,
+) -> impl Fn(u64) -> (Vec<f32>, Vec<f32>) + Sync {
     move |rank| {
         (
             values(seed ^ (rank << 32) ^ 1, tokens * inf, 2.0),
@@ -283,7 +288,10 @@ fn check_against_dequantized<T: Activation>(
     let mut db_mag = vec![0.0; outf];
     for (r, run) in runs.iter().enumerate() {
         assert_eq!(run.weight, *w, "{name}: rank {r} gathered another weight");
-        assert_eq!(run.metas, 0, "{name}: a block-scaled layer declares no meta");
+        assert_eq!(
+            run.metas, 0,
+            "{name}: a block-scaled layer declares no meta"
+        );
         // Forward: x in 1x128 tiles against the weight as gathered; the bias as T holds it.
         let (xr, _) = tile_qdq(&run.x, [tokens, inf], [1, BLOCK_SIZE], e4m3);
         let (mut y, mut mag) = product(
@@ -298,7 +306,15 @@ fn check_against_dequantized<T: Activation>(
             }
         }
         let what = format!("{name}: rank {r} y");
-        check(&what, &run.y, &y, &mag, gemm_rel(inf, 1), out_rel::<T>(), &[]);
+        check(
+            &what,
+            &run.y,
+            &y,
+            &mag,
+            gemm_rel(inf, 1),
+            out_rel::<T>(),
+            &[],
+        );
         // The bound is tight enough to see the quantization: the unquantized x misses it.
         let (y_exact, _) = product(
             [tokens, outf, inf],
@@ -310,8 +326,18 @@ fn check_against_dequantized<T: Activation>(
             .enumerate()
             .map(|(i, v)| v + bias_t[i % outf] as f64)
             .collect();
-        let (r_exact, _) = worst(&run.y, &y_exact, &mag, gemm_rel(inf, 1), out_rel::<T>(), &[]);
-        assert!(r_exact > 1.0, "{name}: the bound cannot tell quantized x ({r_exact})");
+        let (r_exact, _) = worst(
+            &run.y,
+            &y_exact,
+            &mag,
+            gemm_rel(inf, 1),
+            out_rel::<T>(),
+            &[],
+        );
+        assert!(
+            r_exact > 1.0,
+            "{name}: the bound cannot tell quantized x ({r_exact})"
+        );
         // Data gradient: dy in 1x128 tiles (E4M3: the recipe's gradient format) times the weight.
         let (dyr, _) = tile_qdq(&run.dy, [tokens, outf], [1, BLOCK_SIZE], e4m3);
         let (dx, mag) = product(
@@ -320,7 +346,15 @@ fn check_against_dequantized<T: Activation>(
             |i, o| w[o * inf + i] as f64,
         );
         let what = format!("{name}: rank {r} dx");
-        check(&what, &run.dx, &dx, &mag, gemm_rel(outf, 0), out_rel::<T>(), &[]);
+        check(
+            &what,
+            &run.dx,
+            &dx,
+            &mag,
+            gemm_rel(outf, 0),
+            out_rel::<T>(),
+            &[],
+        );
         // Weight gradient: dy and x in 128x1 tiles (along the tokens).
         let (dyc, _) = tile_qdq(&run.dy, [tokens, outf], [BLOCK_SIZE, 1], e4m3);
         let (xc, _) = tile_qdq(&run.x, [tokens, inf], [BLOCK_SIZE, 1], e4m3);
@@ -426,7 +460,13 @@ fn block_linear_is_within_the_e4m3_bound_of_the_f32_linear() {
     let seed = 5;
     let data = uniform_data(tokens, inf, outf, seed);
     let shape = [tokens, inf];
-    let block = run::<f32>(1, &|| block_linear(inf, outf, seed), &shape, GradDtype::F32, &data);
+    let block = run::<f32>(
+        1,
+        &|| block_linear(inf, outf, seed),
+        &shape,
+        GradDtype::F32,
+        &data,
+    );
     let f32_layer = || {
         Linear::<f32>::new(inf, outf)?
             .with_precision(LinearPrecision::F32)
@@ -463,30 +503,66 @@ fn block_linear_is_within_the_e4m3_bound_of_the_f32_linear() {
         |t, i| (xf(t * inf + i), exr[t * inf + i]),
         |o, i| (wf(o * inf + i), ew[o * inf + i]),
     );
-    let (_, y_mag) = product([tokens, outf, inf], |t, i| xf(t * inf + i), |o, i| wf(o * inf + i));
+    let (_, y_mag) = product(
+        [tokens, outf, inf],
+        |t, i| xf(t * inf + i),
+        |o, i| wf(o * inf + i),
+    );
     let want: Vec<f64> = f.y.iter().map(|&v| v as f64).collect();
-    check("y vs F32", &b.y, &want, &y_mag, accumulate(inf, 1), 0.0, &y_q);
+    check(
+        "y vs F32",
+        &b.y,
+        &want,
+        &y_mag,
+        accumulate(inf, 1),
+        0.0,
+        &y_q,
+    );
     let dx_q = quantization_bound(
         [tokens, inf, outf],
         |t, o| (dyf(t * outf + o), edyr[t * outf + o]),
         |i, o| (wf(o * inf + i), ew[o * inf + i]),
     );
-    let (_, dx_mag) = product([tokens, inf, outf], |t, o| dyf(t * outf + o), |i, o| wf(o * inf + i));
+    let (_, dx_mag) = product(
+        [tokens, inf, outf],
+        |t, o| dyf(t * outf + o),
+        |i, o| wf(o * inf + i),
+    );
     let want: Vec<f64> = f.dx.iter().map(|&v| v as f64).collect();
-    check("dx vs F32", &b.dx, &want, &dx_mag, accumulate(outf, 0), 0.0, &dx_q);
+    check(
+        "dx vs F32",
+        &b.dx,
+        &want,
+        &dx_mag,
+        accumulate(outf, 0),
+        0.0,
+        &dx_q,
+    );
     let dw_q = quantization_bound(
         [outf, inf, tokens],
         |o, t| (dyf(t * outf + o), edyc[t * outf + o]),
         |i, t| (xf(t * inf + i), exc[t * inf + i]),
     );
-    let (_, dw_mag) = product([outf, inf, tokens], |o, t| dyf(t * outf + o), |i, t| xf(t * inf + i));
+    let (_, dw_mag) = product(
+        [outf, inf, tokens],
+        |o, t| dyf(t * outf + o),
+        |i, t| xf(t * inf + i),
+    );
     let (gb, gf) = ([b.grads.clone()], [f.grads.clone()]);
     let want: Vec<f64> = full_grad(&f.layout, &gf, "weight")
         .iter()
         .map(|&v| v as f64)
         .collect();
     let dw = full_grad(&b.layout, &gb, "weight");
-    check("dW vs F32", &dw, &want, &dw_mag, accumulate(tokens, 0), 0.0, &dw_q);
+    check(
+        "dW vs F32",
+        &dw,
+        &want,
+        &dw_mag,
+        accumulate(tokens, 0),
+        0.0,
+        &dw_q,
+    );
     // The bias gradient is the same float sum in both layers.
     assert_eq!(
         full_grad(&b.layout, &gb, "bias"),
@@ -500,7 +576,13 @@ fn block_path_is_taken_and_differs_from_per_tensor() {
     let (tokens, inf, outf) = (64, 256, 128);
     let data = uniform_data(tokens, inf, outf, 9);
     let shape = [tokens, inf];
-    let block = run::<bf16>(1, &|| block_linear(inf, outf, 3), &shape, GradDtype::F32, &data);
+    let block = run::<bf16>(
+        1,
+        &|| block_linear(inf, outf, 3),
+        &shape,
+        GradDtype::F32,
+        &data,
+    );
     let per_tensor = || {
         Linear::<bf16>::new(inf, outf)?
             .with_precision(LinearPrecision::Fp8)
@@ -509,7 +591,10 @@ fn block_path_is_taken_and_differs_from_per_tensor() {
     let pt = run::<bf16>(1, &per_tensor, &shape, GradDtype::F32, &data);
     let (b, p) = (&block[0], &pt[0]);
     assert_eq!(b.x, p.x);
-    assert_ne!(b.y, p.y, "the same seed's per-tensor layer gives other outputs");
+    assert_ne!(
+        b.y, p.y,
+        "the same seed's per-tensor layer gives other outputs"
+    );
     assert_ne!(b.dx, p.dx);
     assert_eq!((b.metas, p.metas), (0, 2), "scaling metas");
     let kind = |r: &RankRun| r.layout.params[r.layout.param_index("weight").unwrap()].kind;
@@ -593,7 +678,7 @@ fn a_large_channel_costs_block_scaling_far_less_than_per_tensor() {
         [&b, &p].map(|r| (rel_diff(&others(r), &yf), rel_diff(&dw_others(r), &gf)))
     };
     let base = errors(1.0);
-    let mut report = |factor: f32| {
+    let report = |factor: f32| {
         let e = errors(factor);
         println!(
             "channel x{factor}: y error block {:.2e} (x{:.2} of without), per tensor {:.2e} (x{:.2}); \
@@ -617,10 +702,358 @@ fn a_large_channel_costs_block_scaling_far_less_than_per_tensor() {
         ("per-tensor y", e[1].0, base[1].0),
         ("per-tensor dW", e[1].1, base[1].1),
     ] {
-        assert!(with < 1.05 * without, "x1024: {what}: {with:.3e} against {without:.3e}");
+        assert!(
+            with < 1.05 * without,
+            "x1024: {what}: {with:.3e} against {without:.3e}"
+        );
     }
     let e = report(65536.0);
-    assert!(e[1].0 > 2.0 * e[0].0, "x65536: y: per tensor {:.2e}, block {:.2e}", e[1].0, e[0].0);
+    assert!(
+        e[1].0 > 2.0 * e[0].0,
+        "x65536: y: per tensor {:.2e}, block {:.2e}",
+        e[1].0,
+        e[0].0
+    );
     assert!(e[1].0 > 5.0 * base[1].0, "x65536: per tensor y lost little");
-    assert!(e[1].1 > 3.0 * base[1].1, "x65536: per tensor dW lost little: {:.2e}", e[1].1);
+    assert!(
+        e[1].1 > 3.0 * base[1].1,
+        "x65536: per tensor dW lost little: {:.2e}",
+        e[1].1
+    );
+}
+
+#[test]
+fn evaluation_keeps_nothing_and_the_weight_gradient_needs_no_dx() {
+    let (tokens, inf, outf) = (24, 128, 64);
+    let runs = on_ranks(1, |comm| {
+        let mut model = FsdpModel::new(
+            block_linear::<f32>(inf, outf, 4)?,
+            comm,
+            WrapPolicy::Single,
+            FsdpConfig::default(),
+        )?;
+        let dev = model.device().clone();
+        let x = values(1, tokens * inf, 1.0);
+        let dy = values(2, tokens * outf, 1.0);
+        let shape = Shape::matrix(tokens, inf)?;
+        let input = || -> TestResult<Tensor<f32>> { Ok(Tensor::new(dev.upload(&x)?, shape)?) };
+        let xe = input()?;
+        let eval = model.forward(Mode::Eval, |lin, ctx| lin.forward(ctx, xe))?;
+        assert_eq!(model.module().saved_bytes(), 0, "evaluation keeps nothing");
+        let mut grads = Vec::new();
+        let mut train = Vec::new();
+        for need_dx in [true, false] {
+            model.sharded_mut().zero_grads()?;
+            let xt = input()?;
+            train.push(
+                model
+                    .forward(Mode::Train, |lin, ctx| lin.forward(ctx, xt))?
+                    .data()
+                    .to_vec()?,
+            );
+            let saved = model.module().block_saved().ok_or("nothing saved")?;
+            assert_eq!((saved.tokens, saved.padded_tokens), (24, 32));
+            assert_eq!(saved.x_t.len(), inf * 32);
+            let dyt = Tensor::new(dev.upload(&dy)?, Shape::matrix(tokens, outf)?)?;
+            let dx = model.backward(|lin, ctx| lin.backward_step(ctx, dyt, need_dx))?;
+            assert_eq!(dx.is_some(), need_dx);
+            assert!(
+                model.module().block_saved().is_none(),
+                "the backward spends what was saved"
+            );
+            grads.push(grad_shards(model.sharded())?);
+        }
+        // A second backward has nothing to read.
+        let dyt = Tensor::new(dev.upload(&dy)?, Shape::matrix(tokens, outf)?)?;
+        let again = model.backward(|lin, ctx| lin.backward_step(ctx, dyt, true));
+        assert!(again.is_err(), "a backward without its forward is refused");
+        Ok((eval.data().to_vec()?, train, grads))
+    });
+    let (eval, train, grads) = &runs[0];
+    assert_eq!(
+        common::bits(eval),
+        common::bits(&train[0]),
+        "evaluation equals training"
+    );
+    assert_eq!(common::bits(&train[0]), common::bits(&train[1]));
+    assert_eq!(grads[0], grads[1], "dW and db do not depend on need_dx");
+}
+
+#[test]
+fn convert_to_fp8_makes_block_linears_where_the_gemm_can_take_them() {
+    // fc2 has 10 outputs (no multiple of 16): it stays in float precision.
+    let net = || -> Result<Sequential, NnError> {
+        Ok(Sequential::new()
+            .push("fc1", Linear::new(256, 128)?.with_seed(1))
+            .push("relu", Relu::new())
+            .push("fc2", Linear::new(128, 10)?.with_seed(2)))
+    };
+    let mut a = net().unwrap();
+    assert_eq!(
+        convert_to_fp8(&mut a, &Fp8Filter::All, &recipe()).unwrap(),
+        ["fc1"]
+    );
+    let p: Vec<_> = fsdp_nn::linear_precisions(&mut a)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _, _, p)| (n, p))
+        .collect();
+    assert_eq!(
+        p,
+        [
+            ("fc1".to_string(), LinearPrecision::Fp8),
+            ("fc2".to_string(), LinearPrecision::F32)
+        ]
+    );
+    // The Auto filter's rule applies as per tensor: only the large linears are candidates.
+    let mut big = Sequential::<bf16>::new()
+        .push("up", Linear::new(4096, 16384).unwrap())
+        .push("odd", Linear::new(16384, 4100).unwrap())
+        .push("small", Linear::new(64, 64).unwrap());
+    assert_eq!(
+        convert_to_fp8(&mut big, &Fp8Filter::auto(), &recipe()).unwrap(),
+        ["up"]
+    );
+    // A recipe that block-scales only some operands is refused.
+    let partial = Fp8Recipe {
+        blocks: fp8_core::BlockRecipe {
+            weights: fp8_core::ScalingGranularity::Block128x128,
+            ..fp8_core::BlockRecipe::per_tensor()
+        },
+        ..Fp8Recipe::default()
+    };
+    partial.validate().unwrap();
+    let e = convert_to_fp8(&mut net().unwrap(), &Fp8Filter::All, &partial).unwrap_err();
+    assert!(e.to_string().contains("block-scaled throughout"), "{e}");
+    // A linear already in FP8 that cannot be block-scaled is an error, not silently per tensor.
+    let mut fixed = Sequential::<f32>::new().push(
+        "head",
+        Linear::new(128, 10)
+            .unwrap()
+            .with_precision(LinearPrecision::Fp8)
+            .unwrap(),
+    );
+    let e = convert_to_fp8(&mut fixed, &Fp8Filter::None, &recipe()).unwrap_err();
+    assert!(e.to_string().contains("head"), "{e}");
+    // The converted model trains a step on two ranks: a block-scaled weight beside plain parameters,
+    // no scaling meta.
+    let losses = on_ranks(2, |comm| {
+        let mut net = net()?;
+        convert_to_fp8(&mut net, &Fp8Filter::All, &recipe())?;
+        let mut model = FsdpModel::new(net, comm, WrapPolicy::PerModule, FsdpConfig::default())?;
+        assert_eq!(model.scaling().len(), 0);
+        let kinds: Vec<ParamKind> = model.layout().params.iter().map(|p| p.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                ParamKind::Fp8BlockWeight,
+                ParamKind::Plain,
+                ParamKind::Plain,
+                ParamKind::Plain
+            ]
+        );
+        let dev = model.device().clone();
+        let x = Tensor::new(
+            dev.upload(&values(3, 32 * 256, 1.0))?,
+            Shape::matrix(32, 256)?,
+        )?;
+        let y = model.forward(Mode::Train, |n, ctx| n.forward(ctx, x))?;
+        let dy = Tensor::new(dev.upload(&values(4, 32 * 10, 1.0))?, y.shape())?;
+        model.backward(|n, ctx| n.backward_params(ctx, dy))?;
+        Ok(y.data().to_vec()?)
+    });
+    assert_eq!(losses[0], losses[1]);
+}
+
+#[test]
+fn block_linear_shape_and_usage_errors() {
+    // Sides that are not multiples of 16, made block-scaled by hand: refused when wrapped, naming it.
+    let net = Sequential::<f32>::new().push(
+        "fc",
+        Linear::new(100, 64)
+            .and_then(|l| l.with_precision(LinearPrecision::Fp8))
+            .and_then(|l| l.with_fp8_recipe(&recipe()))
+            .unwrap(),
+    );
+    let comm = common::on_ranks(1, |comm| Ok(comm)).remove(0);
+    let e = FsdpModel::new(net, comm.clone(), WrapPolicy::Single, FsdpConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fc") && e.contains("multiples of 16"), "{e}");
+    let mut model = FsdpModel::new(
+        block_linear::<f32>(64, 32, 1).unwrap(),
+        comm,
+        WrapPolicy::Single,
+        FsdpConfig::default(),
+    )
+    .unwrap();
+    let lin = model.module_mut();
+    assert!(lin.is_block_scaled() && !lin.takes_fp8_codes());
+    assert_eq!(lin.weight_kind(), ParamKind::Fp8BlockWeight);
+    // Per-tensor codes are not taken.
+    let e = lin.fp8_input(&fp8_kernels::Device::cpu(), 16).unwrap_err();
+    assert!(e.to_string().contains("block-scaled"), "{e}");
+    // Block or per-tensor scaling is fixed once wrapped.
+    assert!(lin.set_fp8_recipe(&Fp8Recipe::default()).is_err());
+    lin.set_fp8_recipe(&Fp8Recipe::block_scaled(ScaleRounding::Exact))
+        .unwrap();
+}
+
+/// A norm feeding a linear through `Norm::forward_linear`, as attention and the MLP use it.
+struct NormLinear {
+    norm: Norm<bf16>,
+    linear: Linear<bf16>,
+    x: Option<Tensor<bf16>>,
+}
+
+impl Module for NormLinear {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        v.child("norm", &mut self.norm)?;
+        v.child("linear", &mut self.linear)
+    }
+}
+
+impl Layer<bf16> for NormLinear {
+    fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<bf16>) -> Result<Tensor<bf16>, NnError> {
+        let y = self.norm.forward_linear(ctx, &x, &mut self.linear)?;
+        self.x = Some(x);
+        Ok(y)
+    }
+
+    fn backward_step(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: Tensor<bf16>,
+        need_dx: bool,
+    ) -> fsdp_nn::InputGrad<bf16> {
+        let dh = self
+            .linear
+            .backward_ref(ctx, &dy, true)?
+            .ok_or_else(|| NnError::usage("NormLinear", "no dh"))?;
+        let x = self
+            .x
+            .take()
+            .ok_or_else(|| NnError::usage("NormLinear", "no x"))?;
+        let dx = self.norm.backward_ref(ctx, &x, &dh, None)?;
+        Ok(dx.filter(|_| need_dx))
+    }
+}
+
+/// A layer built with its producer fusion on and off, converted with the block recipe (every linear),
+/// gives the same bits: training and evaluation outputs, input gradient, parameter gradients (the fused
+/// producers hand a block-scaled linear their float output, which is what the unfused path does).
+fn fusion_changes_nothing<L: Layer<bf16> + 'static>(
+    what: &str,
+    make: impl Fn(bool) -> Result<L, NnError> + Sync,
+    in_shape: &[usize],
+    out_last: usize,
+) {
+    let results = on_ranks(1, |comm| {
+        let mut out = Vec::new();
+        for fused in [true, false] {
+            let mut layer = make(fused)?;
+            let converted = convert_to_fp8(&mut layer, &Fp8Filter::All, &recipe())?;
+            assert!(!converted.is_empty(), "{what}: nothing converted");
+            let mut model = FsdpModel::new(
+                layer,
+                comm.clone(),
+                WrapPolicy::Single,
+                FsdpConfig::default(),
+            )?;
+            assert_eq!(model.scaling().len(), 0, "{what}: no meta");
+            let dev = model.device().clone();
+            let n: usize = in_shape.iter().product();
+            let shape = Shape::new(in_shape)?;
+            let input = || -> TestResult<Tensor<bf16>> {
+                Ok(Tensor::new(
+                    dev.upload(&to_t::<bf16>(&values(5, n, 2.0)))?,
+                    shape,
+                )?)
+            };
+            let xt = input()?;
+            let y = model.forward(Mode::Train, |l, ctx| l.forward(ctx, xt))?;
+            let m = y.shape().numel();
+            assert_eq!(y.shape().last(), out_last);
+            let dy = Tensor::new(dev.upload(&to_t::<bf16>(&values(6, m, 1.0)))?, y.shape())?;
+            let dx = model.backward(|l, ctx| l.backward(ctx, dy))?;
+            let grads = grad_shards(model.sharded())?;
+            let xe = input()?;
+            let eval = model.forward(Mode::Eval, |l, ctx| l.forward(ctx, xe))?;
+            let bits = |t: &Tensor<bf16>| -> TestResult<Vec<u16>> {
+                Ok(t.data().to_vec()?.iter().map(|v| v.to_bits()).collect())
+            };
+            out.push((bits(&y)?, bits(&dx)?, grads, bits(&eval)?));
+        }
+        Ok(out)
+    });
+    let (a, b) = (&results[0][0], &results[0][1]);
+    assert_eq!(a.0, b.0, "{what}: output");
+    assert_eq!(a.1, b.1, "{what}: input gradient");
+    assert_eq!(a.2, b.2, "{what}: parameter gradients");
+    assert_eq!(a.3, b.3, "{what}: evaluation output");
+    assert_eq!(a.0, a.3, "{what}: evaluation equals training");
+}
+
+#[test]
+fn fused_producers_feed_block_linears_their_float_output() {
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        fusion_changes_nothing(
+            &format!("{kind:?} + linear"),
+            |fused| {
+                Ok(NormLinear {
+                    norm: Norm::of_kind(kind, 48)?.fused_fp8(fused),
+                    linear: Linear::new(48, 32)?.with_seed(3),
+                    x: None,
+                })
+            },
+            &[3, 8, 48],
+            32,
+        );
+    }
+    for activation in [MlpActivation::Gelu, MlpActivation::SwiGlu] {
+        fusion_changes_nothing(
+            &format!("{activation:?} MLP"),
+            |fused| {
+                Ok(Mlp::<bf16>::with_activation(32, 64, activation)?
+                    .with_seed(7)
+                    .fused(fused))
+            },
+            &[2, 20, 32],
+            32,
+        );
+    }
+    fusion_changes_nothing(
+        "GPT-2 block",
+        |fused| {
+            fsdp_nn::TransformerBlock::<bf16>::new(&fsdp_nn::BlockConfig {
+                seed: Some(2),
+                fuse_norm_fp8: fused,
+                ..fsdp_nn::BlockConfig::gpt2(64, 2, 2)
+            })
+        },
+        &[2, 24, 64],
+        64,
+    );
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
+
+    /// Random shapes (tokens any, features multiples of 16 with and without partial 128 blocks), one
+    /// or two ranks, f32 or BF16 activations, against the dequantized reference.
+    #[test]
+    fn block_linear_random_shapes(
+        tokens in 1usize..300,
+        inf in 1usize..21,
+        outf in 1usize..21,
+        ranks in 1usize..3,
+        bf16_acts in proptest::bool::ANY,
+    ) {
+        let shape = [tokens, 16 * inf];
+        if bf16_acts {
+            check_against_dequantized::<bf16>(ranks, &shape, 16 * outf, GradDtype::F32);
+        } else {
+            check_against_dequantized::<f32>(ranks, &shape, 16 * outf, GradDtype::F32);
+        }
+    }
 }

@@ -47,7 +47,14 @@ impl Quantized {
         let mut scale = dev.uninit::<f32>(n)?;
         // Zeros: the padding entries of the GEMM's order are never written.
         let mut scale_inv = dev.zeros::<f32>(n)?;
-        block_quantize(x, [rows, cols], spec, &mut codes, &mut scale, &mut scale_inv)?;
+        block_quantize(
+            x,
+            [rows, cols],
+            spec,
+            &mut codes,
+            &mut scale,
+            &mut scale_inv,
+        )?;
         Ok(Quantized {
             codes,
             scale_inv,
@@ -142,7 +149,8 @@ impl<T: Activation> Linear<T> {
         let par = ctx.cpu_parallelism();
         let x_pad = padded(x.data(), tokens, rows, inf)?;
         let xs = x_pad.as_ref().unwrap_or(x.data());
-        let cast = |layout| Quantized::new(&dev, xs, [rows, inf], layout, bs.input_format, bs.rounding);
+        let cast =
+            |layout| Quantized::new(&dev, xs, [rows, inf], layout, bs.input_format, bs.rounding);
         let x_q = cast(BlockQuantLayout::Rows1x128)?;
         // The weight-gradient operand is cast now, so the backward keeps one byte per element instead
         // of `x` (two or four); the same `x` gives the same codes whenever it is cast.
@@ -214,7 +222,8 @@ impl<T: Activation> Linear<T> {
         let db = self.bias_grad(&dev, dy, tokens)?;
         let dy_pad = padded(dy.data(), tokens, rows, outf)?;
         let dys = dy_pad.as_ref().unwrap_or(dy.data());
-        let cast = |layout| Quantized::new(&dev, dys, [rows, outf], layout, bs.grad_format, bs.rounding);
+        let cast =
+            |layout| Quantized::new(&dev, dys, [rows, outf], layout, bs.grad_format, bs.rounding);
         let dy_t = cast(BlockQuantLayout::Columns128x1Transposed)?;
         let dy_q = need_dx
             .then(|| cast(BlockQuantLayout::Rows1x128))
