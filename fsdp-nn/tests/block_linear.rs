@@ -667,7 +667,7 @@ fn a_large_channel_costs_block_scaling_far_less_than_per_tensor() {
                 .collect()
         };
         let dw_others = |r: &RankRun| -> Vec<f32> {
-            full_grad(&r.layout, &[r.grads.clone()], "weight")
+            full_grad(&r.layout, std::slice::from_ref(&r.grads), "weight")
                 .into_iter()
                 .enumerate()
                 .filter(|(i, _)| i % inf != channel)
@@ -875,7 +875,11 @@ fn block_linear_shape_and_usage_errors() {
             .and_then(|l| l.with_fp8_recipe(&recipe()))
             .unwrap(),
     );
-    let comm = common::on_ranks(1, |comm| Ok(comm)).remove(0);
+    let comm: Arc<dyn fsdp_comm::Communicator> = Arc::new(
+        fsdp_comm::ThreadGroup::new(1, fsdp_comm::DEFAULT_THREAD_TIMEOUT)
+            .unwrap()
+            .remove(0),
+    );
     let e = FsdpModel::new(net, comm.clone(), WrapPolicy::Single, FsdpConfig::default())
         .unwrap_err()
         .to_string();
