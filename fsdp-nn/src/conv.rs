@@ -118,7 +118,9 @@ impl Conv2d {
 fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } => Err(NnError::usage(layer, "expected a plain parameter")),
+        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
+            Err(NnError::usage(layer, "expected a plain parameter"))
+        }
     }
 }
 

@@ -24,7 +24,7 @@
 //! ```
 
 use crate::layer::Activation;
-use crate::linear::{Linear, LinearPrecision};
+use crate::linear::{block_scalable, BlockScaling, Linear, LinearPrecision};
 use crate::NnError;
 use fp8_core::Fp8Recipe;
 use fsdp_shard::{Module, ModulePath, ParamDecl, ParamId, ShardError, Visitor};
@@ -125,18 +125,43 @@ impl Fp8Filter {
 /// (`fsdp_shard::FsdpModel::new`), and returns their paths in visit order. Linears are found through the
 /// module tree's visit (children visited with `Visitor::child`), whatever their activation type. Linears
 /// already in FP8 get the recipe too (and are listed).
+///
+/// With a block-scaled recipe (`Fp8Recipe::block_scaled`: DeepSeek-V3's 1x128 / 128x128 blocks) the
+/// converted linears compute block-scaled ([`crate::BlockScaling`]); a linear the filter accepts whose
+/// sides are not both multiples of 16 ([`crate::block_scalable`], the block-scaled GEMM's rule) stays in
+/// its float precision and is not listed (a linear already in FP8 with such sides is an error: it
+/// cannot compute block-scaled, and a model holds one kind of FP8 weight). A recipe that block-scales
+/// only some operands is refused.
+///
+/// ```
+/// use fp8_core::{Fp8Recipe, ScaleRounding};
+/// use fsdp_nn::{convert_to_fp8, Fp8Filter, Linear, Relu, Sequential};
+///
+/// let mut net = Sequential::<f32>::new()
+///     .push("fc1", Linear::new(256, 128)?)
+///     .push("relu", Relu::new())
+///     .push("fc2", Linear::new(128, 10)?);
+/// let recipe = Fp8Recipe::block_scaled(ScaleRounding::PowerOfTwo);
+/// // fc2's 10 outputs are no multiple of 16: it stays F32.
+/// assert_eq!(convert_to_fp8(&mut net, &Fp8Filter::All, &recipe)?, ["fc1"]);
+/// # Ok::<(), fsdp_nn::NnError>(())
+/// ```
 pub fn convert_to_fp8(
     module: &mut dyn Module,
     filter: &Fp8Filter,
     recipe: &Fp8Recipe,
 ) -> Result<Vec<String>, NnError> {
-    recipe
-        .validate()
-        .map_err(|e| NnError::usage("convert_to_fp8", e.to_string()))?;
+    let block = BlockScaling::of_recipe(recipe)
+        .map_err(|e| match e {
+            NnError::Usage { detail, .. } => NnError::usage("convert_to_fp8", detail),
+            other => other,
+        })?
+        .is_some();
     let mut pass = Conversion {
         path: ModulePath::root(),
         filter,
         recipe,
+        block,
         converted: Vec::new(),
         error: None,
     };
@@ -243,8 +268,7 @@ impl<T: Activation> LinearSetup for Linear<T> {
     }
     fn convert(&mut self, recipe: &Fp8Recipe) -> Result<(), NnError> {
         self.set_precision(LinearPrecision::Fp8)?;
-        self.set_fp8_recipe(recipe);
-        Ok(())
+        self.set_fp8_recipe(recipe)
     }
     fn set(&mut self, precision: LinearPrecision) -> Result<(), NnError> {
         self.set_precision(precision)
@@ -264,6 +288,8 @@ struct Conversion<'a> {
     path: ModulePath,
     filter: &'a Fp8Filter,
     recipe: &'a Fp8Recipe,
+    /// The recipe is block-scaled.
+    block: bool,
     converted: Vec<String>,
     /// A layer's own error (the visitor's error type is the shard crate's).
     error: Option<NnError>,
@@ -280,18 +306,33 @@ impl Visitor for Conversion<'_> {
 
     fn module(&mut self, module: &mut dyn Module) -> Result<(), ShardError> {
         let path = self.path.module();
-        let (filter, recipe) = (self.filter, self.recipe);
+        let (filter, recipe, block) = (self.filter, self.recipe, self.block);
         let outcome = with_linear(module, |l: &mut dyn LinearSetup| {
+            let (inf, outf) = (l.in_features(), l.out_features());
             let info = LinearInfo {
                 path: &path,
-                in_features: l.in_features(),
-                out_features: l.out_features(),
+                in_features: inf,
+                out_features: outf,
             };
-            if filter.accepts(&info) || l.precision() == LinearPrecision::Fp8 {
-                l.convert(recipe).map(|()| true)
-            } else {
-                Ok(false)
+            let is_fp8 = l.precision() == LinearPrecision::Fp8;
+            if !(filter.accepts(&info) || is_fp8) {
+                return Ok(false);
             }
+            if block && !block_scalable(inf, outf) {
+                return if is_fp8 {
+                    Err(NnError::usage(
+                        &path,
+                        format!(
+                            "an FP8 linear {inf} -> {outf} cannot compute block-scaled (sides must \
+                             be multiples of 16): build it in float precision and convert_to_fp8 \
+                             leaves it there"
+                        ),
+                    ))
+                } else {
+                    Ok(false)
+                };
+            }
+            l.convert(recipe).map(|()| true)
         });
         match outcome {
             Some(Ok(true)) => self.converted.push(path),

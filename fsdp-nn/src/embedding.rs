@@ -230,7 +230,7 @@ impl Embedding {
 fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a fp8_kernels::Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } => {
+        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
             Err(NnError::usage(layer, "the table is not a plain parameter"))
         }
     }

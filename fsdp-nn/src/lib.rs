@@ -1,7 +1,7 @@
-//! Neural-network layers over fully sharded parameters: [`Linear`] (FP8, BF16 or F32), [`Conv2d`],
-//! [`MaxPool2d`], [`Dropout`], [`Relu`], [`Gelu`], [`Flatten`], [`LogSoftmaxNll`], the transformer MLP
-//! ([`Mlp`], [`MlpBlock`]), the transformer layers ([`Embedding`], [`Norm`] (LayerNorm / RMSNorm, fused
-//! with an FP8 linear's input cast), [`CausalSelfAttention`], [`LmHead`] (chunked head + cross-entropy),
+//! Neural-network layers over fully sharded parameters: [`Linear`] (FP8 per tensor or block-scaled,
+//! BF16 or F32), [`Conv2d`], [`MaxPool2d`], [`Dropout`], [`Relu`], [`Gelu`], [`Flatten`],
+//! [`LogSoftmaxNll`], the transformer MLP ([`Mlp`], [`MlpBlock`]), the transformer layers
+//! ([`Embedding`], [`Norm`] (LayerNorm / RMSNorm, fused with an FP8 linear's input cast), [`CausalSelfAttention`], [`LmHead`] (chunked head + cross-entropy),
 //! [`TransformerBlock`], with [`TokenBatch`] for their inputs; see `docs/transformer-layers.md`), and the
 //! containers that compose them ([`Sequential`]; any struct of modules).
 //!
@@ -76,7 +76,9 @@ pub use embedding::Embedding;
 pub use error::NnError;
 pub use flatten::Flatten;
 pub use layer::{Activation, InputGrad, Layer, Recompute, Sequential};
-pub use linear::{Fp8Saved, Linear, LinearPrecision, WeightInit};
+pub use linear::{
+    block_scalable, BlockFp8Saved, BlockScaling, Fp8Saved, Linear, LinearPrecision, WeightInit,
+};
 pub use lm_head::{LmHead, LossStats, DEFAULT_HEAD_CHUNK};
 pub use loss::LogSoftmaxNll;
 pub use mlp::{Mlp, MlpActivation, MlpBlock};

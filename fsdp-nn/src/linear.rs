@@ -1,4 +1,4 @@
-//! Fully connected layer `y = x W^T (+ b)` in FP8, BF16 or F32.
+//! Fully connected layer `y = x W^T (+ b)` in FP8 (per-tensor or block-scaled), BF16 or F32.
 //!
 //! One file (over 800 lines) on purpose: the three precisions share the layer's state and saved
 //! tensors, and each forward sits beside its backward so the pair can be read together.
@@ -20,12 +20,38 @@
 //!
 //! A fused producer (LayerNorm or GELU fused with the E4M3 cast) can write the layer's FP8 input itself:
 //! [`Linear::fp8_input`] hands out the buffers and [`Linear::forward_fp8_codes`] runs the GEMM.
+//!
+//! # Block-scaled FP8 (DeepSeek-V3's recipe, `Fp8Recipe::block_scaled`)
+//! With a recipe whose [`Fp8Recipe::blocks`] are 1x128 tiles for activations and gradients and 128x128
+//! blocks for weights ([`BlockScaling`]), an FP8 layer scales every tile by its own amax as it casts, so
+//! no scale is agreed across ranks and no meta exists (the layer declares none: it adds nothing to the
+//! optimizer's amax all-reduce). The weight is a [`ParamKind::Fp8BlockWeight`]: the sharded model
+//! quantizes it per 128x128 block (power-of-two scales) and all-gathers codes and block scales. The
+//! three products, each one `fp8_kernels::gemm::gemm_fp8_block` with f32 accumulation (every cast by
+//! `block_quantize`, scales in `ScaleOrder::Gemm`):
+//!
+//! | product | A | B |
+//! | --- | --- | --- |
+//! | `y = x W^T` | `x`, 1x128 tiles (`Rows1x128`, input format) | `W` as gathered, 128x128, `trans_b = Yes` |
+//! | `dx = dy W` | `dy`, 1x128 tiles (`Rows1x128`, gradient format) | `W` as gathered, read transposed (`trans_b = No`) |
+//! | `dW = dy^T x` | `dy^T`, 128x1 tiles of `dy` (`Columns128x1Transposed`) | `x^T`, 128x1 tiles of `x` (`Columns128x1Transposed`) |
+//!
+//! The formats are the recipe's ([`fp8_core::Fp8Formats`]): E4M3 for everything in DeepSeek-V3's. The
+//! forward casts `x` twice: in 1x128 tiles for its GEMM, and, when training, in 128x1 tiles transposed,
+//! which is all the backward keeps of `x` ([`BlockFp8Saved`]: one byte per element and one f32 per 128,
+//! against two or four bytes for keeping `x`). The backward casts `dy` both ways (the 1x128 cast only
+//! when `dx` is wanted). `dW` is written in BF16 when the model keeps BF16 gradient shards, else f32;
+//! the bias as above. The token count is padded to a multiple of 16 with zero rows (exact: they add
+//! nothing); the feature sides must be multiples of 16 ([`block_scalable`]; `crate::convert_to_fp8`
+//! leaves other linears in float precision). Fused producers do not feed a block-scaled layer
+//! ([`Linear::takes_fp8_codes`] is false): they write their float output and the layer casts it; fusing
+//! the 1x128 cast into the norm, GELU and SwiGLU kernels is later work.
 
 use crate::init::{kaiming_uniform, normal, uniform_fan_in};
 use crate::layer::{rows_of_width, Activation, InputGrad, Layer};
 use crate::retype::buffer_converted;
 use crate::{NnError, Shape, Tensor};
-use fp8_core::{Fp8Format, Fp8Recipe, QType, ScalingRecipe};
+use fp8_core::{Fp8Format, Fp8Recipe, QType, ScaleRounding, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
 use fp8_kernels::{
     cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
@@ -37,6 +63,8 @@ use fsdp_shard::{
     ShardError, Visitor,
 };
 use half::bf16;
+
+mod block_fp8;
 
 /// The arithmetic of a [`Linear`] layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -61,7 +89,9 @@ impl LinearPrecision {
         }
     }
 
-    /// The kind of the weight parameter: FP8 weights travel as E4M3, the others as F32.
+    /// The kind of the weight parameter of a per-tensor layer: FP8 weights travel as E4M3, the others
+    /// as F32 (a block-scaled FP8 layer's weight is [`ParamKind::Fp8BlockWeight`]:
+    /// [`Linear::weight_kind`] says which a layer declares).
     pub fn weight_kind(self) -> ParamKind {
         match self {
             LinearPrecision::Fp8 => ParamKind::Fp8Weight,
@@ -100,6 +130,75 @@ pub struct Fp8Saved {
     pub x_scale_inv: Buffer<f32>,
 }
 
+/// How a block-scaled FP8 linear quantizes its operands, from an [`Fp8Recipe`] whose
+/// [`Fp8Recipe::blocks`] are DeepSeek-V3's ([`fp8_core::BlockRecipe::deepseek_v3`]: 1x128 tiles of the
+/// input and output gradient, 128x128 blocks of the weight).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockScaling {
+    /// Rounding of the tile scales (power of two or exact; the weight's block scales are the sharded
+    /// model's, power of two).
+    pub rounding: ScaleRounding,
+    /// Format of the input codes ([`fp8_core::Fp8Formats::forward`]: E4M3).
+    pub input_format: Fp8Format,
+    /// Format of the output-gradient codes ([`fp8_core::Fp8Formats::backward`]: E4M3 in DeepSeek-V3's
+    /// recipe, E5M2 with the hybrid formats).
+    pub grad_format: Fp8Format,
+}
+
+impl BlockScaling {
+    /// The block scaling `recipe` asks for: `None` for a per-tensor recipe, an error for a recipe that
+    /// is invalid or block-scales only some operands (the block-scaled GEMM multiplies block-scaled
+    /// operands only: a linear is per tensor or block-scaled throughout).
+    pub fn of_recipe(recipe: &Fp8Recipe) -> Result<Option<Self>, NnError> {
+        recipe
+            .validate()
+            .map_err(|e| NnError::usage("Linear", e.to_string()))?;
+        let b = recipe.blocks;
+        if b.is_per_tensor() {
+            return Ok(None);
+        }
+        if b != fp8_core::BlockRecipe::deepseek_v3(b.rounding) {
+            return Err(NnError::usage(
+                "Linear",
+                format!(
+                    "an FP8 linear is per tensor or block-scaled throughout (1x128 input and \
+                     gradient tiles, 128x128 weight blocks), not activations {}, gradients {}, \
+                     weights {}",
+                    b.activations, b.gradients, b.weights
+                ),
+            ));
+        }
+        Ok(Some(BlockScaling {
+            rounding: b.rounding,
+            input_format: recipe.formats.forward(),
+            grad_format: recipe.formats.backward(),
+        }))
+    }
+}
+
+/// Whether a linear `in_features -> out_features` can compute block-scaled: both sides multiples of
+/// 16, the block-scaled GEMM's rule ([`fp8_kernels::gemm::FP8_DIM_MULTIPLE`]; the token count is padded
+/// by the layer).
+pub fn block_scalable(in_features: usize, out_features: usize) -> bool {
+    let m = fp8_kernels::gemm::FP8_DIM_MULTIPLE;
+    in_features > 0 && out_features > 0 && in_features % m == 0 && out_features % m == 0
+}
+
+/// What the block-scaled FP8 forward keeps for the backward: `x^T` cast in 1x128 tiles of the transpose
+/// (128 tokens x 1 feature of `x`: `BlockQuantLayout::Columns128x1Transposed`), the weight-gradient
+/// GEMM's operand, one byte per element plus one f32 per 128 (`x` itself is not kept).
+#[derive(Debug)]
+pub struct BlockFp8Saved {
+    /// Rows of `x`.
+    pub tokens: usize,
+    /// Rows the GEMMs ran on: `tokens` rounded up to a multiple of 16 with zero rows.
+    pub padded_tokens: usize,
+    /// `x^T` codes `[in, padded_tokens]` (the input format of the recipe).
+    pub x_t: Buffer<u8>,
+    /// Their inverse scales: one per 1x128 tile of `[in, padded_tokens]`, in `ScaleOrder::Gemm`.
+    pub x_t_scale_inv: Buffer<f32>,
+}
+
 /// `y = x W^T (+ b)` with `x [tokens, in]` (any leading shape), `W [out, in]` (`<path>.weight`),
 /// `b [out]` (`<path>.bias`, F32), `y [tokens, out]` in the activation type `T`.
 #[derive(Debug)]
@@ -118,8 +217,12 @@ pub struct Linear<T: Activation = f32> {
     bias: ParamId,
     input_meta: ScalingId,
     grad_meta: ScalingId,
+    /// The recipe's block scaling (used when the precision is FP8).
+    block: Option<BlockScaling>,
     /// FP8: the saved `x^T` codes.
     fp8_saved: Option<Fp8Saved>,
+    /// Block-scaled FP8: the saved `x^T` codes and tile scales.
+    block_saved: Option<BlockFp8Saved>,
     /// F32: the input, kept for the weight gradient.
     x_saved: Option<Tensor<T>>,
     /// BF16: the input rounded to bf16, kept for the weight gradient.
@@ -158,7 +261,9 @@ impl<T: Activation> Linear<T> {
             bias: ParamId::UNSET,
             input_meta: ScalingId::UNSET,
             grad_meta: ScalingId::UNSET,
+            block: None,
             fp8_saved: None,
+            block_saved: None,
             x_saved: None,
             x_bf16: None,
             in_shape: None,
@@ -211,19 +316,43 @@ impl<T: Activation> Linear<T> {
         self
     }
 
-    /// With the scaling of the FP8 input and output gradient of `recipe`.
-    pub fn with_fp8_recipe(mut self, recipe: &Fp8Recipe) -> Self {
-        self.set_fp8_recipe(recipe);
-        self
+    /// With the FP8 scaling of `recipe` (see [`Linear::set_fp8_recipe`]).
+    pub fn with_fp8_recipe(mut self, recipe: &Fp8Recipe) -> Result<Self, NnError> {
+        self.set_fp8_recipe(recipe)?;
+        Ok(self)
     }
 
-    /// Sets the scaling of the FP8 input and output gradient from `recipe` (before the model is wrapped).
-    pub fn set_fp8_recipe(&mut self, recipe: &Fp8Recipe) {
+    /// Sets the FP8 scaling from `recipe` (before the model is wrapped): per tensor, the scaling of the
+    /// input and output gradient (`recipe.activations`, `recipe.gradients`); with DeepSeek-V3's blocks
+    /// (`Fp8Recipe::block_scaled`), block scaling ([`BlockScaling`]): the layer, once FP8, declares a
+    /// block-scaled weight and no scaling metas (its sides must then be multiples of 16,
+    /// [`block_scalable`]: checked when the model is wrapped). Errors for an invalid recipe, one that
+    /// block-scales only some operands, and a change between per-tensor and block scaling after the
+    /// model was wrapped (it decides how the weight is stored).
+    pub fn set_fp8_recipe(&mut self, recipe: &Fp8Recipe) -> Result<(), NnError> {
+        let block = BlockScaling::of_recipe(recipe).map_err(|e| self.renamed(e))?;
+        if self.weight != ParamId::UNSET && block.is_some() != self.block.is_some() {
+            return Err(NnError::usage(
+                &self.name,
+                "per-tensor or block scaling is chosen before the model is wrapped (FsdpModel::new)",
+            ));
+        }
         self.input_recipe = recipe.activations;
         self.grad_recipe = recipe.gradients;
+        self.block = block;
+        Ok(())
     }
 
-    /// With other scaling recipes for the FP8 input and output gradient (e.g. current scaling).
+    /// A usage error of the recipe check, named after this layer.
+    fn renamed(&self, e: NnError) -> NnError {
+        match e {
+            NnError::Usage { detail, .. } => NnError::usage(&self.name, detail),
+            other => other,
+        }
+    }
+
+    /// With other scaling recipes for the FP8 input and output gradient (e.g. current scaling) of a
+    /// per-tensor layer (a block-scaled layer scales each tile currently and has no use for them).
     pub fn with_recipes(mut self, input: ScalingRecipe, grad_output: ScalingRecipe) -> Self {
         self.input_recipe = input;
         self.grad_recipe = grad_output;
@@ -233,6 +362,36 @@ impl<T: Activation> Linear<T> {
     /// The precision.
     pub fn precision(&self) -> LinearPrecision {
         self.precision
+    }
+
+    /// The block scaling of an FP8 layer with a block-scaled recipe; `None` for a per-tensor FP8 layer
+    /// and a float one.
+    pub fn block_scaling(&self) -> Option<BlockScaling> {
+        self.block
+            .filter(|_| self.precision == LinearPrecision::Fp8)
+    }
+
+    /// Whether the layer computes in block-scaled FP8.
+    pub fn is_block_scaled(&self) -> bool {
+        self.block_scaling().is_some()
+    }
+
+    /// Whether a fused producer may write this layer's input as per-tensor E4M3 codes
+    /// ([`Linear::fp8_input`], [`Linear::forward_fp8_codes`]) and its output gradient's codes
+    /// ([`Linear::backward_fp8_codes`]): a per-tensor FP8 layer. A block-scaled layer quantizes its
+    /// float input itself, tile by tile, so producers hand it their float output.
+    pub fn takes_fp8_codes(&self) -> bool {
+        self.precision == LinearPrecision::Fp8 && self.block.is_none()
+    }
+
+    /// The kind of the weight parameter this layer declares: [`ParamKind::Fp8BlockWeight`] when
+    /// block-scaled, else [`LinearPrecision::weight_kind`].
+    pub fn weight_kind(&self) -> ParamKind {
+        if self.is_block_scaled() {
+            ParamKind::Fp8BlockWeight
+        } else {
+            self.precision.weight_kind()
+        }
     }
 
     /// Input features.
@@ -250,12 +409,14 @@ impl<T: Activation> Linear<T> {
         self.weight
     }
 
-    /// The FP8 input's scaling meta (for a fused producer of the input codes).
+    /// The FP8 input's scaling meta (for a fused producer of the input codes; unset for a
+    /// block-scaled layer, which has none).
     pub fn input_meta(&self) -> ScalingId {
         self.input_meta
     }
 
-    /// The FP8 output gradient's scaling meta (for a fused producer of the gradient codes).
+    /// The FP8 output gradient's scaling meta (for a fused producer of the gradient codes; unset for a
+    /// block-scaled layer).
     pub fn grad_meta(&self) -> ScalingId {
         self.grad_meta
     }
@@ -270,6 +431,10 @@ impl<T: Activation> Linear<T> {
         self.fp8_saved
             .as_ref()
             .map_or(0, |s| s.x_t.num_bytes() + s.x_scale_inv.num_bytes())
+            + self
+                .block_saved
+                .as_ref()
+                .map_or(0, |s| s.x_t.num_bytes() + s.x_t_scale_inv.num_bytes())
             + self.x_saved.as_ref().map_or(0, |t| t.data().num_bytes())
             + self.x_bf16.as_ref().map_or(0, Buffer::num_bytes)
     }
@@ -277,8 +442,14 @@ impl<T: Activation> Linear<T> {
     /// Forgets what the forward kept (e.g. when a block recomputes its forward in the backward).
     pub fn drop_saved(&mut self) {
         self.fp8_saved = None;
+        self.block_saved = None;
         self.x_saved = None;
         self.x_bf16 = None;
+    }
+
+    /// What the block-scaled forward kept for the backward (the quantized `x^T`), if anything.
+    pub fn block_saved(&self) -> Option<&BlockFp8Saved> {
+        self.block_saved.as_ref()
     }
 
     fn tokens_of(&self, shape: Shape) -> Result<usize, NnError> {
@@ -286,7 +457,15 @@ impl<T: Activation> Linear<T> {
     }
 
     fn need_fp8(&self, what: &str) -> Result<(), NnError> {
-        if self.precision == LinearPrecision::Fp8 {
+        if self.is_block_scaled() {
+            Err(NnError::usage(
+                &self.name,
+                format!(
+                    "{what} takes per-tensor FP8 codes; this layer is block-scaled and quantizes \
+                     its float input itself (check Linear::takes_fp8_codes)"
+                ),
+            ))
+        } else if self.precision == LinearPrecision::Fp8 {
             Ok(())
         } else {
             Err(NnError::usage(
@@ -498,6 +677,7 @@ impl<T: Activation> Linear<T> {
     pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
         self.in_shape = Some(x.shape());
         match self.precision {
+            LinearPrecision::Fp8 if self.block.is_some() => self.forward_block(ctx, x),
             LinearPrecision::Fp8 => self.forward_fp8(ctx, x),
             LinearPrecision::Bf16 | LinearPrecision::F32 => {
                 let copy = Tensor::new(x.data().to_device(ctx.device())?, x.shape())?;
@@ -515,6 +695,9 @@ impl<T: Activation> Linear<T> {
     ) -> InputGrad<T> {
         let in_shape = self.checked_in_shape(dy)?;
         match self.precision {
+            LinearPrecision::Fp8 if self.block.is_some() => {
+                self.backward_block(ctx, dy, in_shape, need_dx)
+            }
             LinearPrecision::Fp8 => self.backward_fp8(ctx, dy, in_shape, need_dx),
             LinearPrecision::Bf16 | LinearPrecision::F32 => {
                 let copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
@@ -750,8 +933,11 @@ impl<'a> IntoFp8<'a> for (&'a GatheredParam, Option<&'a GatheredParam>, ()) {
         let (w, b, ()) = self;
         let (codes, scales) = match w {
             GatheredParam::Fp8 { codes, scales } => (codes, scales),
-            GatheredParam::Plain(_) => {
-                return Err(NnError::usage(layer, "the weight is not an FP8 parameter"))
+            GatheredParam::Plain(_) | GatheredParam::Fp8Block { .. } => {
+                return Err(NnError::usage(
+                    layer,
+                    "the weight is not a per-tensor FP8 parameter",
+                ))
             }
         };
         let bias = b.map(|b| plain(b, layer)).transpose()?;
@@ -762,7 +948,9 @@ impl<'a> IntoFp8<'a> for (&'a GatheredParam, Option<&'a GatheredParam>, ()) {
 fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } => Err(NnError::usage(layer, "expected a plain parameter")),
+        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
+            Err(NnError::usage(layer, "expected a plain parameter"))
+        }
     }
 }
 
@@ -809,9 +997,18 @@ impl<T: Activation> Module for Linear<T> {
             }
         };
         let shape = [outf, inf];
+        if self.is_block_scaled() && !block_scalable(inf, outf) {
+            return Err(ShardError::InvalidModel(format!(
+                "{}: {inf} -> {outf} features: a block-scaled FP8 linear needs both sides multiples \
+                 of {} (the block-scaled GEMM's rule; leave it in float precision, as \
+                 convert_to_fp8 does)",
+                self.name,
+                fp8_kernels::gemm::FP8_DIM_MULTIPLE
+            )));
+        }
         v.param(
             "weight",
-            &ParamDecl::seeded(&shape, self.precision.weight_kind(), &weight_init),
+            &ParamDecl::seeded(&shape, self.weight_kind(), &weight_init),
             &mut self.weight,
         )?;
         if self.has_bias {
@@ -828,7 +1025,9 @@ impl<T: Activation> Module for Linear<T> {
                 &mut self.bias,
             )?;
         }
-        if self.precision == LinearPrecision::Fp8 {
+        // A block-scaled layer scales every tile from its own amax as it casts: no meta, nothing for
+        // the optimizer's amax all-reduce.
+        if self.takes_fp8_codes() {
             v.scaling(
                 "input",
                 ScalingDecl {
@@ -854,6 +1053,7 @@ impl<T: Activation> Layer<T> for Linear<T> {
     fn forward(&mut self, ctx: &mut Ctx<'_>, x: Tensor<T>) -> Result<Tensor<T>, NnError> {
         self.in_shape = Some(x.shape());
         match self.precision {
+            LinearPrecision::Fp8 if self.block.is_some() => self.forward_block(ctx, &x),
             LinearPrecision::Fp8 => self.forward_fp8(ctx, &x),
             LinearPrecision::Bf16 | LinearPrecision::F32 => self.forward_float(ctx, x),
         }
@@ -862,6 +1062,9 @@ impl<T: Activation> Layer<T> for Linear<T> {
     fn backward_step(&mut self, ctx: &mut Ctx<'_>, dy: Tensor<T>, need_dx: bool) -> InputGrad<T> {
         let in_shape = self.checked_in_shape(&dy)?;
         match self.precision {
+            LinearPrecision::Fp8 if self.block.is_some() => {
+                self.backward_block(ctx, &dy, in_shape, need_dx)
+            }
             LinearPrecision::Fp8 => self.backward_fp8(ctx, &dy, in_shape, need_dx),
             LinearPrecision::Bf16 | LinearPrecision::F32 => {
                 self.backward_float(ctx, dy, in_shape, need_dx)

@@ -143,12 +143,12 @@ impl<T: Activation> Mlp<T> {
         self
     }
 
-    /// Whether the GELU runs fused with the FP8 casts: both linears FP8 (decided when the model was
-    /// converted) and fusion on.
+    /// Whether the activation runs fused with the FP8 casts: both linears per-tensor FP8 (decided when
+    /// the model was converted) and fusion on. Block-scaled linears take the unfused path: the
+    /// activation writes its float output and the linear casts it in 1x128 tiles (fusing the block
+    /// casts into the activation is later work).
     fn is_fused(&self) -> bool {
-        self.fuse_gelu
-            && self.up.precision() == LinearPrecision::Fp8
-            && self.down.precision() == LinearPrecision::Fp8
+        self.fuse_gelu && self.up.takes_fp8_codes() && self.down.takes_fp8_codes()
     }
 
     /// Whether a fused forward recasts the down linear's input in the backward.

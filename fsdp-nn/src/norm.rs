@@ -17,7 +17,7 @@
 //! stream's gradient of a pre-norm block, without a separate add.
 
 use crate::layer::{rows_of_width, take_saved, Activation, InputGrad, Layer};
-use crate::{Linear, LinearPrecision, NnError, Shape, Tensor};
+use crate::{Linear, NnError, Shape, Tensor};
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
     NormSpec, NormStats, DEFAULT_EPS,
@@ -168,7 +168,9 @@ impl<T: Activation> Norm<T> {
         x: &Tensor<T>,
         linear: &mut Linear<T>,
     ) -> Result<Tensor<T>, NnError> {
-        if !(self.fuse_fp8 && linear.precision() == LinearPrecision::Fp8) {
+        // A block-scaled linear takes its float input and casts it tile by tile itself (a norm fused
+        // with the 1x128 cast is later work).
+        if !(self.fuse_fp8 && linear.takes_fp8_codes()) {
             let h = self.forward_ref(ctx, x)?;
             let y = linear.forward(ctx, h)?;
             if !ctx.is_training() {
@@ -279,7 +281,9 @@ impl<T: Activation> Norm<T> {
 fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } => Err(NnError::usage(layer, "expected a plain parameter")),
+        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
+            Err(NnError::usage(layer, "expected a plain parameter"))
+        }
     }
 }
 

@@ -52,7 +52,9 @@ impl Module for Cross {
 fn plain(p: &GatheredParam) -> Result<&fp8_kernels::Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } => Err(NnError::usage("head", "plain")),
+        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
+            Err(NnError::usage("head", "plain"))
+        }
     }
 }
 
@@ -194,7 +196,7 @@ fn misuse_of_the_pass_context_is_an_error() {
         let e = err(model.forward(Mode::Eval, |_, ctx| ctx.plain(b_w).map(|_| ())));
         assert!(e.contains("is an FP8 weight"), "{e}");
         let e = err(model.forward(Mode::Eval, |_, ctx| ctx.fp8_weight(a_w).map(|_| ())));
-        assert!(e.contains("is a plain parameter"), "{e}");
+        assert!(e.contains("is not a per-tensor FP8 weight"), "{e}");
         // A gradient of the wrong size.
         let short = dev.upload(&[0.0f32; D])?;
         let e = err(model.backward(|_, ctx| ctx.add_grad(a_w, &short)));

@@ -12,8 +12,9 @@
 mod common;
 
 use common::{full_grad, grad_shards, values, TestResult};
-use fp8_core::Fp8Format;
-use fp8_kernels::Device;
+use fp8_core::{Fp8Format, Fp8Recipe, ScaleRounding};
+use fp8_kernels::block_quantize::{block_dequantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder};
+use fp8_kernels::{block_quantize, Device};
 use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
 use fsdp_nn::{Activation, Layer, Linear, LinearPrecision, Shape, Tensor};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdam, StatePrecision};
@@ -99,7 +100,7 @@ fn weight_codes(model: &mut FsdpModel<Linear<f32>>) -> TestResult<(Vec<u8>, f32)
         .ok_or("unset weight id")?;
     let out = match model.sharded().param(p)? {
         GatheredParam::Fp8 { codes, scales } => (codes.to_vec()?, scales.to_vec()?[1]),
-        GatheredParam::Plain(_) => return Err("not an FP8 weight".into()),
+        _ => return Err("not a per-tensor FP8 weight".into()),
     };
     model.release_all()?;
     Ok(out)
@@ -267,6 +268,235 @@ fn check(gpu_comm: &Arc<dyn Communicator>) -> TestResult<()> {
         Ok(())
     } else {
         Err(failures.join("\n").into())
+    }
+}
+
+/// The GPU's block-scaled GEMMs against the CPU's, relative to `sum |a b|` (see the module docs).
+const BLOCK_REL: f64 = 1.0 / 256.0;
+
+/// `x [rows, cols]` cast on the host in `layout`'s tiles (E4M3, power-of-two scales) and decoded: the
+/// operand a block-scaled GEMM sees (transposed for `Columns128x1Transposed`).
+fn host_block_cast(x: &[f32], shape: [usize; 2], layout: BlockQuantLayout) -> TestResult<Vec<f32>> {
+    let cpu = Device::cpu();
+    let out = layout.output_layout(shape[0], shape[1])?;
+    let n = out.num_blocks();
+    let (mut codes, mut s, mut si) = (
+        cpu.zeros::<u8>(out.numel())?,
+        cpu.zeros::<f32>(n)?,
+        cpu.zeros::<f32>(n)?,
+    );
+    let spec = BlockQuantSpec::new(layout, Fp8Format::E4M3);
+    block_quantize(&cpu.upload(x)?, shape, spec, &mut codes, &mut s, &mut si)?;
+    let mut v = cpu.zeros::<f32>(out.numel())?;
+    block_dequantize(
+        &codes,
+        &out,
+        ScaleOrder::RowMajor,
+        Fp8Format::E4M3,
+        &si,
+        &mut v,
+    )?;
+    Ok(v.to_vec()?)
+}
+
+fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0; x.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = x[r * cols + c];
+        }
+    }
+    t
+}
+
+fn block_model<T: Activation>(
+    comm: Arc<dyn Communicator>,
+    inf: usize,
+    outf: usize,
+) -> TestResult<FsdpModel<Linear<T>>> {
+    let lin = Linear::<T>::new(inf, outf)?
+        .with_precision(LinearPrecision::Fp8)?
+        .with_fp8_recipe(&Fp8Recipe::block_scaled(ScaleRounding::PowerOfTwo))?
+        .with_seed(42);
+    Ok(FsdpModel::new(
+        lin,
+        comm,
+        WrapPolicy::Single,
+        FsdpConfig::default(),
+    )?)
+}
+
+/// The gathered block-scaled weight: codes and the decoded values.
+fn block_weight<T: Activation>(
+    model: &mut FsdpModel<Linear<T>>,
+) -> TestResult<(Vec<u8>, Vec<f32>)> {
+    model.gather_all()?;
+    let p = model
+        .module()
+        .weight_id()
+        .index()
+        .ok_or("unset weight id")?;
+    let param = model.sharded().param(p)?;
+    let out = match param {
+        GatheredParam::Fp8Block { codes, .. } => (codes.to_vec()?, param.to_f32_vec()?),
+        _ => return Err("not a block-scaled FP8 weight".into()),
+    };
+    model.release_all()?;
+    Ok(out)
+}
+
+/// The saved `x^T` codes and inverse scales of the last training forward.
+fn block_saved<T: Activation>(model: &FsdpModel<Linear<T>>) -> TestResult<(Vec<u8>, Vec<f32>)> {
+    let s = model.module().block_saved().ok_or("nothing saved")?;
+    Ok((s.x_t.to_vec()?, s.x_t_scale_inv.to_vec()?))
+}
+
+/// The block-scaled layer on the CPU and on `gpu_comm`'s device, two steps of fresh data, gradients
+/// accumulated: failures are appended to `failures`.
+fn check_block<T: Activation>(
+    gpu_comm: &Arc<dyn Communicator>,
+    (tokens, inf, outf): (usize, usize, usize),
+    failures: &mut Vec<String>,
+) -> TestResult<()> {
+    let name = format!(
+        "block linear {tokens}x{inf}->{outf} ({})",
+        std::any::type_name::<T>()
+    );
+    let bf16_out = T::DTYPE == fp8_kernels::DType::BF16;
+    let mut lc = block_model::<T>(cpu_comm()?, inf, outf)?;
+    let mut lg = block_model::<T>(gpu_comm.clone(), inf, outf)?;
+    let (wc, wd) = block_weight(&mut lc)?;
+    let (wg, wdg) = block_weight(&mut lg)?;
+    if wc != wg || wd != wdg {
+        failures.push(format!("{name}: the weight's block cast differs"));
+    }
+    let wd_t = transposed(&wd, outf, inf);
+    let bias = lc.gathered_params()?[1].1.clone();
+    let bias_t: Vec<f32> = bias.iter().map(|&b| T::from_f32(b).to_f32()).collect();
+    let shape = Shape::matrix(tokens, inf)?;
+    let (mut dw_mag, mut db_mag) = (vec![0f64; outf * inf], vec![0f64; outf]);
+    for step in 0..2u64 {
+        let seed = 5000 + 10 * step + tokens as u64;
+        let x: Vec<f32> = values(seed, tokens * inf, 3.0)
+            .into_iter()
+            .map(|v| T::from_f32(v).to_f32())
+            .collect();
+        let dy: Vec<f32> = values(seed ^ 77, tokens * outf, 1e-3)
+            .into_iter()
+            .map(|v| T::from_f32(v).to_f32())
+            .collect();
+        let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+        let yc = forward(&mut lc, &xt, shape)?;
+        let yg = forward(&mut lg, &xt, shape)?;
+        if block_saved(&lc)? != block_saved(&lg)? {
+            failures.push(format!("{name} step {step}: saved x^T differs"));
+        }
+        let xr = host_block_cast(&x, [tokens, inf], BlockQuantLayout::Rows1x128)?;
+        let mag = magnitude(&xr, &wd, &bias_t, tokens, outf, inf);
+        let wy = worst(&yg, &yc, &mag, BLOCK_REL, bf16_out);
+        let backward = |m: &mut FsdpModel<Linear<T>>| -> TestResult<Vec<f32>> {
+            let dev = m.device().clone();
+            let d: Vec<T> = dy.iter().map(|&v| T::from_f32(v)).collect();
+            let dyt = Tensor::new(dev.upload(&d)?, Shape::matrix(tokens, outf)?)?;
+            let dx = m
+                .backward(|lin, ctx| lin.backward_step(ctx, dyt, true))?
+                .ok_or("no dx")?;
+            Ok(dx.data().to_vec()?.iter().map(|v| v.to_f32()).collect())
+        };
+        let (dxc, dxg) = (backward(&mut lc)?, backward(&mut lg)?);
+        let dyr = host_block_cast(&dy, [tokens, outf], BlockQuantLayout::Rows1x128)?;
+        let mag = magnitude(&dyr, &wd_t, &vec![0.0; inf], tokens, inf, outf);
+        let wdx = worst(&dxg, &dxc, &mag, BLOCK_REL, bf16_out);
+        // dW's magnitude from the 128x1 casts (both K-major over the tokens), summed over the steps.
+        let dyc = host_block_cast(
+            &dy,
+            [tokens, outf],
+            BlockQuantLayout::Columns128x1Transposed,
+        )?;
+        let xc = host_block_cast(&x, [tokens, inf], BlockQuantLayout::Columns128x1Transposed)?;
+        for (a, m) in
+            dw_mag
+                .iter_mut()
+                .zip(magnitude(&dyc, &xc, &vec![0.0; inf], outf, inf, tokens))
+        {
+            *a += m;
+        }
+        for (o, m) in db_mag.iter_mut().enumerate() {
+            *m += (0..tokens)
+                .map(|t| dy[t * outf + o].abs() as f64)
+                .sum::<f64>();
+        }
+        let (gc, gg) = ([grad_shards(lc.sharded())?], [grad_shards(lg.sharded())?]);
+        let wdw = worst(
+            &full_grad(lg.layout(), &gg, "weight"),
+            &full_grad(lc.layout(), &gc, "weight"),
+            &dw_mag,
+            BLOCK_REL,
+            false,
+        );
+        let wdb = worst(
+            &full_grad(lg.layout(), &gg, "bias"),
+            &full_grad(lc.layout(), &gc, "bias"),
+            &db_mag,
+            (tokens + 2) as f64 * 2f64.powi(-23),
+            false,
+        );
+        for (what, w) in [
+            ("y", wy),
+            ("dx", wdx),
+            ("dW (accumulated)", wdw),
+            ("db (accumulated)", wdb),
+        ] {
+            if w > 1.0 {
+                failures.push(format!(
+                    "{name} step {step}: {what}: worst error / bound {w:.3}"
+                ));
+            }
+        }
+        println!(
+            "{name} step {step}: worst / bound: y {wy:.3}, dx {wdx:.3}, dW {wdw:.3}, db {wdb:.3}"
+        );
+    }
+    Ok(())
+}
+
+/// The block-scaled checks: shapes with full blocks, and with partial tiles, a partial weight block row
+/// and a token count padded to 16.
+fn check_blocks(gpu_comm: &Arc<dyn Communicator>) -> TestResult<()> {
+    let mut failures = Vec::new();
+    check_block::<bf16>(gpu_comm, (256, 512, 384), &mut failures)?;
+    check_block::<f32>(gpu_comm, (77, 272, 144), &mut failures)?;
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n").into())
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_block_linear_matches_cpu() {
+    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    if let Device::Cuda(c) = &gpu {
+        if let Err(e) = c.require_fp8() {
+            panic!("no FP8 on this GPU: {e}");
+        }
+    }
+    drop(gpu);
+    let comm = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default())
+        .expect("an NCCL communicator of one rank (source cuda-env.sh)");
+    let comm: Arc<dyn Communicator> = Arc::new(comm);
+    if let Err(e) = check_blocks(&comm) {
+        panic!("CUDA vs CPU block-scaled linear:\n{e}");
+    }
+}
+
+/// The block check with a second CPU model in the GPU's place.
+#[test]
+fn the_block_check_passes_cpu_against_cpu() {
+    let comm = cpu_comm().expect("a thread rank");
+    if let Err(e) = check_blocks(&comm) {
+        panic!("CPU vs CPU block-scaled linear:\n{e}");
     }
 }
 

@@ -78,15 +78,22 @@ pub fn grad_shards(model: &ShardedModel) -> TestResult<Vec<[Vec<f32>; 2]>> {
     Ok(out)
 }
 
-/// The reduced gradient of parameter `name` from every rank's shards (rank order).
+/// The reduced gradient of parameter `name` from every rank's shards (rank order; a block-scaled FP8
+/// group's shards are uneven and stored padded: only each rank's real range is taken).
 pub fn full_grad(layout: &ModelLayout, per_rank: &[Vec<[Vec<f32>; 2]>], name: &str) -> Vec<f32> {
     let p = layout
         .param_index(name)
         .unwrap_or_else(|| panic!("no parameter {name}"));
     let (u, g, slot) = layout.locate(p).expect("located");
+    let group = layout.units[u].group(g);
+    let ws = per_rank.len();
     let flat: Vec<f32> = per_rank
         .iter()
-        .flat_map(|r| r[u][g as usize].iter().copied())
+        .enumerate()
+        .flat_map(|(rank, r)| {
+            let real = group.shard_range(rank, ws).len();
+            r[u][g as usize][..real].iter().copied()
+        })
         .collect();
     flat[slot.offset..slot.offset + slot.numel].to_vec()
 }
