@@ -277,6 +277,19 @@ fn sizes_threads_head_dims_and_flags_are_refused_before_work() {
             &["--fp8-scaling", "current", "--fp8-amax-history", "4"],
             &["--fp8-amax-history", "--fp8-scaling current"],
         ),
+        (
+            &["--precision", "bf16", "--recipe", "block"],
+            &["--recipe", "bf16"],
+        ),
+        // Block scaling has no per-tensor history or margin to set.
+        (
+            &["--recipe", "block", "--fp8-margin", "1"],
+            &["--fp8-margin", "--recipe block"],
+        ),
+        (
+            &["--recipe", "block", "--fp8-scaling", "delayed"],
+            &["--fp8-scaling", "--recipe block"],
+        ),
         // Sizes near 2^64 are refused naming the flag, never an arithmetic panic.
         (
             &["--d-model", "18446744073709551615"],

@@ -359,7 +359,7 @@ impl TrainArgs {
                 weight_margin: margin,
                 ..Fp8Recipe::default()
             },
-            RecipeArg::Block => Fp8Recipe::deepseek_v3(fp8_core::ScaleRounding::PowerOfTwo),
+            RecipeArg::Block => Fp8Recipe::block_scaled(fp8_core::ScaleRounding::PowerOfTwo),
         };
         c.fp8_grad_comm = self
             .fp8_grad_comm

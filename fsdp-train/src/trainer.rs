@@ -269,7 +269,7 @@ impl Trainer {
             ));
             identity.push(RunSetting::new(
                 "fp8_recipe",
-                "the FP8 recipe",
+                "FP8 recipe (--recipe, --fp8-scaling, --fp8-margin)",
                 c.fp8_recipe.name(),
             ));
             identity.push(RunSetting::new(
