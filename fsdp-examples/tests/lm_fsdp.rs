@@ -276,7 +276,7 @@ fn block_recipe_learns_like_per_tensor_and_resumes_bitwise() {
     let mk = |ws: usize, recipe: &fp8_core::Fp8Recipe| {
         let mut c = config(12, ws);
         c.eval_every = Some(12);
-        c.fp8_recipe = recipe.clone();
+        c.fp8_recipe = *recipe;
         c
     };
     let (tensor, _) = run(&opts, &mk(2, &fp8_core::Fp8Recipe::default()));
