@@ -6,12 +6,13 @@
 //! Prints a table and one JSON line (last line of stdout).
 
 use clap::{Parser, ValueEnum};
-use fp8_core::Fp8Format;
+use fp8_core::{Fp8Format, Fp8Recipe};
 use fp8_kernels::Device;
 use fsdp_comm::{run_ranks, Communicator, NcclComm, NcclConfig};
 use fsdp_examples::mlp::{BenchMode, MlpBench, MlpConfig, MlpError};
 use fsdp_shard::GradReduction;
 use fsdp_train::profile::{begin_profiled_step, finish_profiled_step, StepProfile, StepProfiler};
+use fsdp_train::RecipeArg;
 use fsdp_train::{
     available_bytes, model_state_json, peak_memory, reset_peak_memory, GradShardsArg,
 };
@@ -71,6 +72,10 @@ struct Args {
     /// fp8 mode: storage of the reduced gradient shards (bf16 mode keeps F32).
     #[arg(long, value_enum, default_value = "bf16")]
     grad_shards: GradShardsArg,
+    /// fp8 mode: one scale per tensor, or DeepSeek-V3's blocks (1x128 activations and gradients,
+    /// 128x128 weights on block-row shards).
+    #[arg(long, value_enum, default_value = "tensor")]
+    recipe: RecipeArg,
     /// fp8 mode: recompute each block in the backward instead of keeping its activations.
     #[arg(long)]
     recompute: bool,
@@ -174,7 +179,16 @@ fn estimate_bytes(config: &MlpConfig, world_size: usize) -> Result<u64, MlpError
 
 fn run(args: &Args, comm: Arc<dyn Communicator>) -> Result<Outcome, MlpError> {
     let device = comm.device().clone();
+    if args.mode == Mode::Bf16 && args.recipe == RecipeArg::Block {
+        return Err(MlpError::Config(
+            "--recipe block chooses the scales of FP8 linears; --mode bf16 has none".into(),
+        ));
+    }
     let config = MlpConfig {
+        recipe: match args.recipe {
+            RecipeArg::Tensor => Fp8Recipe::default(),
+            RecipeArg::Block => Fp8Recipe::block_scaled(fp8_core::ScaleRounding::PowerOfTwo),
+        },
         d: args.d,
         blocks: args.blocks,
         tokens: args.tokens,
@@ -284,6 +298,9 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
     );
     println!("| quantity | value |");
     println!("| --- | --- |");
+    if cfg.mode == BenchMode::Fp8 {
+        println!("| FP8 recipe | {} |", cfg.recipe.name());
+    }
     println!("| median step (s) | {median:.4} |");
     println!("| model TFLOP/s | {:.1} |", flops / median / 1e12);
     for (_, label, bytes) in mem.model_state_parts() {
@@ -322,6 +339,7 @@ fn report(args: &Args, o: &Outcome, world_size: usize) -> Result<(), MlpError> {
     let json = serde_json::json!({
         "bench": "mlp_bench",
         "mode": cfg.mode.name(),
+        "recipe": cfg.recipe.name(),
         "device": if o.bench.device().is_cuda() { "cuda" } else { "cpu" },
         "d": cfg.d, "layers": cfg.blocks, "tokens": cfg.tokens, "ranks": world_size,
         "params": params,

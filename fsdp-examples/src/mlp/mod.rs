@@ -9,6 +9,7 @@
 //! and `fp8` (FP8 linears with GELU fused into the casts, weights gathered in E4M3, low-precision AdamW
 //! states, BF16 gradient shards by default).
 
+use fp8_core::Fp8Recipe;
 use fp8_kernels::elementwise::scale;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device};
@@ -72,6 +73,9 @@ pub struct MlpConfig {
     pub lr: f64,
     /// Seed of the initial weights and the input.
     pub seed: u64,
+    /// `fp8` mode: the FP8 recipe of every linear (per tensor by default; `Fp8Recipe::block_scaled` for
+    /// DeepSeek-V3's block scaling).
+    pub recipe: Fp8Recipe,
 }
 
 impl MlpConfig {
@@ -88,6 +92,7 @@ impl MlpConfig {
             recompute: false,
             fused: true,
             recompute_gelu: true,
+            recipe: Fp8Recipe::default(),
             lr: 1e-4,
             seed: 0,
         }
@@ -158,7 +163,12 @@ impl MlpStack {
                 h.push(Box::new(block));
             }
         }
-        Ok(MlpStack { h })
+        let mut stack = MlpStack { h };
+        if config.mode == BenchMode::Fp8 && !config.recipe.blocks.is_per_tensor() {
+            // The model-wide conversion pass sets the recipe of every (already FP8) linear.
+            fsdp_nn::convert_to_fp8(&mut stack, &fsdp_nn::Fp8Filter::All, &config.recipe)?;
+        }
+        Ok(stack)
     }
 
     fn forward(
