@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Fidelity of our FP8 training against our BF16 training on the same seeds: one GPU, every run in
-# parallel (small models leave the GPU mostly idle one at a time). For each seed, three runs of lm_fsdp:
-#   fp8      --precision fp8 --fp8-layers all --grad-shards bf16
-#   fp8comm  the same with --fp8-grad-comm (the FP8 gradient reduce-scatter)
-#   bf16     --precision bf16
+# parallel (small models leave the GPU mostly idle one at a time). For each seed, one run of lm_fsdp per
+# mode of FIDELITY_MODES (default "fp8 fp8comm bf16"):
+#   fp8        --precision fp8 --fp8-layers all --grad-shards bf16
+#   fp8comm    the same with --fp8-grad-comm (the FP8 gradient reduce-scatter)
+#   block      the fp8 flags with --recipe block (1x128 / 128x128 block scales)
+#   blockcomm  the block flags with --fp8-grad-comm block (the block-scaled FP8 gradient exchange)
+#   bf16       --precision bf16 (always included: the pairs' reference)
 # each with the peer's optimizer, schedule and validation (lm_fsdp's defaults), then a table of final
-# validation losses, the paired differences (FP8 minus BF16) and their means. The runs of the first seed
+# validation losses, the paired differences (each mode minus BF16) and their means. The runs of the first seed
 # also export their weights (--export), so scripts/llama_torch_eval.py can evaluate them independently.
 #
 #   bash bench/fidelity.sh PRESET BATCH SEQ STEPS "SEEDS" DATA_DIR [OUT_DIR]
@@ -38,16 +41,31 @@ run() {
   echo "$name rc=$?" >> "$DEST/status.txt"
 }
 t0=$(date +%s)
+# The runs of each seed (FIDELITY_MODES, default "fp8 fp8comm bf16"): every mode's flags.
+mode_flags() {
+  case $1 in
+    fp8) echo "--precision fp8 --fp8-layers all --grad-shards bf16" ;;
+    fp8comm) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --fp8-grad-comm" ;;
+    block) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --recipe block" ;;
+    blockcomm) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --recipe block --fp8-grad-comm block" ;;
+    bf16) echo "--precision bf16" ;;
+    *) echo "fidelity: unknown mode $1 (fp8, fp8comm, block, blockcomm, bf16)" >&2; return 1 ;;
+  esac
+}
+MODES=${FIDELITY_MODES:-fp8 fp8comm bf16}
+for m in $MODES; do mode_flags "$m" >/dev/null || exit 2; done
+case " $MODES " in *" bf16 "*) ;; *) echo "fidelity: FIDELITY_MODES must include bf16 (the pairs' reference)" >&2; exit 2 ;; esac
 for s in $SEEDS; do
-  run "fp8-s$s" "$s" --precision fp8 --fp8-layers all --grad-shards bf16 &
-  run "fp8comm-s$s" "$s" --precision fp8 --fp8-layers all --grad-shards bf16 --fp8-grad-comm &
-  run "bf16-s$s" "$s" --precision bf16 &
+  for m in $MODES; do
+    # shellcheck disable=SC2046
+    run "$m-s$s" "$s" $(mode_flags "$m") &
+  done
 done
 wait
 echo "fidelity: all runs done in $(($(date +%s) - t0)) s" | tee -a "$DEST/status.txt"
-python3 - "$DEST" "$SEEDS" <<'PY' | tee "$DEST/table.md"
+python3 - "$DEST" "$SEEDS" "$MODES" <<'PY' | tee "$DEST/table.md"
 import re, sys, statistics
-dest, seeds = sys.argv[1], sys.argv[2].split()
+dest, seeds, modes = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 def final(name):
     try:
         text = open(f"{dest}/{name}.log").read()
@@ -55,18 +73,19 @@ def final(name):
         return None
     m = re.findall(r"final: train loss [0-9.]+, eval loss ([0-9.]+)", text)
     return float(m[-1]) if m else None
-rows = {k: [final(f"{k}-s{s}") for s in seeds] for k in ("fp8", "fp8comm", "bf16")}
-print("| seed | FP8 | FP8 + FP8 grad comm | BF16 | FP8 - BF16 | FP8 comm - BF16 |")
-print("| --- | --- | --- | --- | --- | --- |")
+rows = {k: [final(f"{k}-s{s}") for s in seeds] for k in modes}
+others = [k for k in modes if k != "bf16"]
+print("| seed | " + " | ".join(modes) + " | " + " | ".join(f"{k} - bf16" for k in others) + " |")
+print("| --- " * (1 + len(modes) + len(others)) + "|")
 fmt = lambda v: "failed" if v is None else f"{v:.4f}"
 diff = lambda a, b: "" if a is None or b is None else f"{a - b:+.4f}"
 for i, s in enumerate(seeds):
-    a, c, b = rows["fp8"][i], rows["fp8comm"][i], rows["bf16"][i]
-    print(f"| {s} | {fmt(a)} | {fmt(c)} | {fmt(b)} | {diff(a, b)} | {diff(c, b)} |")
-ok = lambda k: [v for v in rows[k] if v is not None]
-if all(len(ok(k)) == len(seeds) for k in rows):
-    mean = {k: statistics.mean(rows[k]) for k in rows}
-    d1 = statistics.mean(a - b for a, b in zip(rows["fp8"], rows["bf16"]))
-    d2 = statistics.mean(a - b for a, b in zip(rows["fp8comm"], rows["bf16"]))
-    print(f"| mean | {mean['fp8']:.4f} | {mean['fp8comm']:.4f} | {mean['bf16']:.4f} | {d1:+.4f} | {d2:+.4f} |")
+    vals = [fmt(rows[k][i]) for k in modes]
+    diffs = [diff(rows[k][i], rows["bf16"][i]) for k in others]
+    print(f"| {s} | " + " | ".join(vals + diffs) + " |")
+complete = all(v is not None for k in modes for v in rows[k])
+if complete:
+    means = [f"{statistics.mean(rows[k]):.4f}" for k in modes]
+    dmeans = [f"{statistics.mean(a - b for a, b in zip(rows[k], rows['bf16'])):+.4f}" for k in others]
+    print("| mean | " + " | ".join(means + dmeans) + " |")
 PY
