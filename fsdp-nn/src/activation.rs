@@ -91,6 +91,18 @@ impl<T: Activation> Gelu<T> {
     }
 }
 
+impl<T: Activation> Gelu<T> {
+    /// The input the last training forward kept for the backward, if any.
+    pub fn saved_input(&self) -> Option<&Tensor<T>> {
+        self.x.as_ref()
+    }
+
+    /// Its form (exact or tanh).
+    pub fn approx(&self) -> GeluApprox {
+        self.approx
+    }
+}
+
 impl<T: Activation> Default for Gelu<T> {
     fn default() -> Self {
         Self::new()

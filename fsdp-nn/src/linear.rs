@@ -223,6 +223,9 @@ pub struct Linear<T: Activation = f32> {
     fp8_saved: Option<Fp8Saved>,
     /// Block-scaled FP8: the saved `x^T` codes and tile scales.
     block_saved: Option<BlockFp8Saved>,
+    /// Block-scaled FP8: whether a training forward casts and keeps `x^T` itself (true), or the caller
+    /// hands it over before the backward ([`Linear::save_block_input`]).
+    keep_block_input: bool,
     /// F32: the input, kept for the weight gradient.
     x_saved: Option<Tensor<T>>,
     /// BF16: the input rounded to bf16, kept for the weight gradient.
@@ -264,6 +267,7 @@ impl<T: Activation> Linear<T> {
             block: None,
             fp8_saved: None,
             block_saved: None,
+            keep_block_input: true,
             x_saved: None,
             x_bf16: None,
             in_shape: None,
@@ -445,6 +449,21 @@ impl<T: Activation> Linear<T> {
         self.block_saved = None;
         self.x_saved = None;
         self.x_bf16 = None;
+    }
+
+    /// Block-scaled FP8: whether a training forward keeps what the backward needs of its input
+    /// (`true`, the default), or leaves it to the caller, who recomputes the input and hands it over
+    /// with [`Linear::save_block_input`] before the backward (an MLP's down linear, whose input is
+    /// cheap to recompute from the activation's own saved input: one byte per element less).
+    pub fn set_keep_block_input(&mut self, keep: bool) {
+        self.keep_block_input = keep;
+    }
+
+    /// Block-scaled FP8: casts `x` (the input of the last training forward, recomputed) into what the
+    /// backward needs and keeps it, the same codes the forward would have kept (the cast is a function
+    /// of `x` alone). An error for a linear that is not block-scaled.
+    pub fn save_block_input(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<(), NnError> {
+        self.save_block_input_impl(ctx, x)
     }
 
     /// What the block-scaled forward kept for the backward (the quantized `x^T`), if anything.

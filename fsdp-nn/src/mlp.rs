@@ -156,6 +156,14 @@ impl<T: Activation> Mlp<T> {
         self.recompute_gelu && self.is_fused()
     }
 
+    /// Whether the unfused path with a block-scaled down linear recomputes the activation in the
+    /// backward and casts the down linear's weight-gradient operand from it there, instead of the
+    /// linear keeping it from the forward (one byte per hidden element less per block, for one
+    /// activation pass and one cast; the same codes, since the cast is a function of its input).
+    fn recomputes_block_input(&self) -> bool {
+        self.recompute_gelu && !self.is_fused() && self.down.is_block_scaled()
+    }
+
     /// The up linear.
     pub fn up(&self) -> &Linear<T> {
         &self.up
@@ -252,6 +260,8 @@ impl<T: Activation> Mlp<T> {
             y
         } else if self.activation == MlpActivation::SwiGlu {
             let h = self.swiglu(ctx, &u)?;
+            self.down
+                .set_keep_block_input(!self.recomputes_block_input());
             let y = self.down.forward(ctx, h)?;
             if !ctx.is_training() {
                 self.down.drop_saved();
@@ -262,6 +272,8 @@ impl<T: Activation> Mlp<T> {
         } else {
             // The GELU keeps its input (u) for the backward itself.
             let a = self.gelu.forward(ctx, u)?;
+            self.down
+                .set_keep_block_input(!self.recomputes_block_input());
             let y = self.down.forward(ctx, a)?;
             if !ctx.is_training() {
                 self.down.drop_saved();
@@ -284,6 +296,25 @@ impl<T: Activation> Mlp<T> {
         need_dx: bool,
     ) -> InputGrad<T> {
         if !self.is_fused() {
+            if self.recomputes_block_input() {
+                let h = match self.activation {
+                    MlpActivation::Gelu => {
+                        let u = self.gelu.saved_input().ok_or_else(|| {
+                            NnError::usage("Mlp", "backward before a training forward")
+                        })?;
+                        let mut a = Tensor::<T>::uninit(ctx.device(), u.shape())?;
+                        elementwise::gelu_forward(u.data(), a.data_mut(), self.gelu.approx())?;
+                        a
+                    }
+                    MlpActivation::SwiGlu => {
+                        let u = self.u.as_ref().ok_or_else(|| {
+                            NnError::usage("Mlp", "backward before a training forward")
+                        })?;
+                        self.swiglu(ctx, u)?
+                    }
+                };
+                self.down.save_block_input(ctx, &h)?;
+            }
             let dy_copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
             let da = self.down.backward(ctx, dy_copy)?;
             let du = match self.activation {

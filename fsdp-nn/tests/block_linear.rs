@@ -1040,6 +1040,52 @@ fn fused_producers_feed_block_linears_their_float_output() {
     );
 }
 
+#[test]
+fn block_mlp_recomputes_the_down_input_with_the_same_bits_and_keeps_less() {
+    for activation in [MlpActivation::Gelu, MlpActivation::SwiGlu] {
+        // `fusion_changes_nothing` compares the two builds; here the flag is the recompute.
+        fusion_changes_nothing(
+            &format!("{activation:?} MLP, recompute on and off"),
+            |recompute| {
+                Ok(Mlp::<bf16>::with_activation(32, 160, activation)?
+                    .with_seed(7)
+                    .recompute_gelu(recompute))
+            },
+            &[2, 20, 32],
+            32,
+        );
+        // What the down linear keeps between the passes: nothing with the recompute, its 128x1-tile
+        // cast of the hidden activation (one byte per element and a scale per tile) without.
+        let kept = on_ranks(1, |comm| {
+            let mut out = Vec::new();
+            for recompute in [true, false] {
+                let mut mlp = Mlp::<bf16>::with_activation(32, 160, activation)?
+                    .with_seed(7)
+                    .recompute_gelu(recompute);
+                convert_to_fp8(&mut mlp, &Fp8Filter::All, &recipe())?;
+                let mut model =
+                    FsdpModel::new(mlp, comm.clone(), WrapPolicy::Single, FsdpConfig::default())?;
+                let dev = model.device().clone();
+                let x = Tensor::new(
+                    dev.upload(&to_t::<bf16>(&values(5, 40 * 32, 2.0)))?,
+                    Shape::new(&[2, 20, 32])?,
+                )?;
+                model.forward(Mode::Train, |l, ctx| l.forward(ctx, x))?;
+                out.push(model.module().down().saved_bytes());
+            }
+            Ok(out)
+        });
+        assert_eq!(kept[0][0], 0, "{activation:?}: kept with the recompute");
+        // The codes of x^T, 160 hidden x 48 rows (40 padded to a multiple of 16), and one f32 scale
+        // per 1x128 tile of them: 160 tiles.
+        assert_eq!(
+            kept[0][1],
+            160 * 48 + 160 * 4,
+            "{activation:?}: kept without"
+        );
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
 

@@ -154,7 +154,7 @@ impl<T: Activation> Linear<T> {
         let x_q = cast(BlockQuantLayout::Rows1x128)?;
         // The weight-gradient operand is cast now, so the backward keeps one byte per element instead
         // of `x` (two or four); the same `x` gives the same codes whenever it is cast.
-        self.block_saved = if ctx.is_training() {
+        self.block_saved = if ctx.is_training() && self.keep_block_input {
             let x_t = cast(BlockQuantLayout::Columns128x1Transposed)?;
             Some(BlockFp8Saved {
                 tokens,
@@ -185,6 +185,38 @@ impl<T: Activation> Linear<T> {
         }
         gemm_fp8_block(&spec, x_q.matrix(), w, &mut y)?;
         Tensor::new(unpadded(y, tokens, outf)?, shape.with_last(outf)?)
+    }
+
+    /// [`Linear::save_block_input`]: the weight-gradient operand cast from `x`, kept.
+    pub(super) fn save_block_input_impl(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+    ) -> Result<(), NnError> {
+        let bs = self
+            .block_scaling()
+            .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
+        let tokens = self.tokens_of(x.shape())?;
+        let inf = self.in_features;
+        let rows = self.block_rows(tokens)?;
+        let dev = ctx.device().clone();
+        let x_pad = padded(x.data(), tokens, rows, inf)?;
+        let xs = x_pad.as_ref().unwrap_or(x.data());
+        let x_t = Quantized::new(
+            &dev,
+            xs,
+            [rows, inf],
+            BlockQuantLayout::Columns128x1Transposed,
+            bs.input_format,
+            bs.rounding,
+        )?;
+        self.block_saved = Some(BlockFp8Saved {
+            tokens,
+            padded_tokens: rows,
+            x_t: x_t.codes,
+            x_t_scale_inv: x_t.scale_inv,
+        });
+        Ok(())
     }
 
     /// `dx = dy_q W_q` (`dy` in 1x128 tiles, the weight read transposed: its 128x128 blocks transpose
