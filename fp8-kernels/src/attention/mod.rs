@@ -892,7 +892,11 @@ pub fn run_wgmma_probe(
             format!("probe {probe:?} does not exist for head dim {head_dim}"),
         ));
     }
-    let a_cols = if probe == WgmmaProbe::Abt { head_dim } else { 64 };
+    let a_cols = if probe == WgmmaProbe::Abt {
+        head_dim
+    } else {
+        64
+    };
     check_len(WHAT, 64 * a_cols, a.len())?;
     check_len(WHAT, 64 * head_dim, b.len())?;
     cuda::wgmma_probe(device.as_cuda(WHAT)?, probe, head_dim, a, b)

@@ -36,7 +36,7 @@
 //   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
-//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs)
+//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
@@ -603,6 +603,12 @@ static int run(int argc, char** argv) {
         const size_t smem = (size_t)(bm + 4 * bn) * (HD + 8) * 2;
         launch({pairs, blocks(bm), (unsigned)(32 * nw), smem},
                [&] { f(qkv.data(), out.data(), lse.data(), T, H, KV, scale_log2); });
+    }
+    if (bwd == "none") {  // the forward alone (dqkv stays NaN)
+        write_file(out_dir + "/out.bin", out);
+        write_file(out_dir + "/lse.bin", lse);
+        write_file(out_dir + "/dqkv.bin", dqkv);
+        return 0;
     }
     // Backward: D, then the kernels.
     launch({(unsigned)std::min<size_t>((rows + 7) / 8, 4), 1, 256, 0},
