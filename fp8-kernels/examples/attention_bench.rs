@@ -16,8 +16,10 @@
 //!   with the ratio of our deterministic default to the fastest backend.
 //! - `--wgmma`: also the forward on Hopper's warpgroup MMA (`AttentionKernel::Wgmma`, compute capability
 //!   9.0 only; head dims 64 and 128): a mode `wgmma fwd` in the table (its default tiles; the backward
-//!   the deterministic default, run on the wgmma forward's outputs), so its forward time stands beside the
-//!   default's in the same call, and with `--sweep` every compiled wgmma forward variant.
+//!   the deterministic default, run on the wgmma forward's outputs), and after the table, per shape of
+//!   head dim 64 or 128, the default (mma.sync) forward and every compiled wgmma forward variant timed
+//!   alone, with their speed-up and their largest differences from the default forward's `out` and `lse`
+//!   on the same inputs (a quick check beside `attention_cuda`'s).
 //! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
 //!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
 //!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
@@ -37,6 +39,7 @@ use fp8_kernels::attention::{
     attention_backward, attention_forward, backward_splits, backward_variants, forward_variants,
     wgmma_forward_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
     AttentionWorkspace, BackwardKernels, DqAccumulation, QueryTiles, FUSED_QUERY_ROWS,
+    WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
@@ -446,6 +449,9 @@ fn run(
             }
         }
     }
+    if args.wgmma {
+        wgmma_forwards(dev, args)?;
+    }
     if args.sweep {
         sweep(dev, args)?;
     }
@@ -482,6 +488,83 @@ fn run(
             ratio,
             peer_best.map_or("-", |(n, _)| n),
         );
+    }
+    Ok(())
+}
+
+/// The largest absolute difference between two equally long vectors (NaN counts as infinite).
+fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| {
+        let d = (x as f64 - y as f64).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    })
+}
+
+/// The forwards alone at each shape of a wgmma head dim: the default (mma.sync) one, then every compiled
+/// wgmma variant, with its speed-up over the default and its largest differences from the default's
+/// out and lse on the same inputs.
+fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    println!(
+        "\nforward alone, wgmma variants against the default (mma.sync) forward on the same inputs \
+         (median ms; TFLOP/s = 4*B*H*T^2*hd/2 / time; max |diff| of out, relative to max |out|, and of lse)"
+    );
+    println!(
+        "{:<24} {:<22} {:>8} {:>8} {:>8} {:>11} {:>10}",
+        "shape", "forward", "ms", "TFLOP/s", "speed-up", "out diff", "lse diff"
+    );
+    for s in shapes() {
+        if !WGMMA_HEAD_DIMS.contains(&s.head_dim) {
+            continue;
+        }
+        let mut b = buffers(dev, &s)?;
+        let fwd_tf = |ms: f64| tflops(&s, ms) / 3.5;
+        let base = AttentionConfig::default();
+        let base_ms = time_pass(dev, &s, &base, &mut b, args.iters, Pass::Forward)?;
+        let (fwd_tiles, _) = base.kernels_for(s.head_dim)?;
+        let out_ref: Vec<f32> = b.out.to_vec()?.iter().map(|v| v.to_f32()).collect();
+        let lse_ref = b.lse.to_vec()?;
+        let out_max = out_ref.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
+        println!(
+            "{:<24} {:<22} {base_ms:>8.3} {:>8.1} {:>8} {:>11} {:>10}",
+            label(&s),
+            format!("mma {fwd_tiles}"),
+            fwd_tf(base_ms),
+            "1.00x",
+            "-",
+            "-"
+        );
+        for &t in wgmma_forward_variants(s.head_dim) {
+            let cfg = AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_forward: Some(t),
+                    ..Default::default()
+                },
+                ..wgmma_config()
+            };
+            let name = format!("wgmma {t}");
+            // Poisoned outputs first, so a forward that writes nothing shows as a difference.
+            b.out = dev.upload(&vec![bf16::NAN; s.out_len()])?;
+            b.lse = dev.upload(&vec![f32::NAN; s.lse_len()])?;
+            match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward) {
+                Ok(ms) => {
+                    let out: Vec<f32> = b.out.to_vec()?.iter().map(|v| v.to_f32()).collect();
+                    let lse = b.lse.to_vec()?;
+                    println!(
+                        "{:<24} {name:<22} {ms:>8.3} {:>8.1} {:>7.2}x {:>11.2e} {:>10.2e}",
+                        label(&s),
+                        fwd_tf(ms),
+                        base_ms / ms,
+                        max_diff(&out, &out_ref) / out_max.max(1e-30),
+                        max_diff(&lse, &lse_ref)
+                    );
+                }
+                Err(e) => println!("{:<24} {name:<22} error: {e}", label(&s)),
+            }
+        }
     }
     Ok(())
 }
@@ -532,22 +615,6 @@ fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
                     better(&mut best_fwd, t, ms);
                 }
                 Err(e) => println!("{:<46} error: {e}", format!("forward {t}")),
-            }
-        }
-        if args.wgmma {
-            for &t in wgmma_forward_variants(hd) {
-                let cfg = AttentionConfig {
-                    tiles: AttentionTiles {
-                        wgmma_forward: Some(t),
-                        ..Default::default()
-                    },
-                    ..wgmma_config()
-                };
-                let name = format!("forward wgmma {t}");
-                match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward) {
-                    Ok(ms) => println!("{name:<46} {ms:>8.3} {:>8.1}", fwd_tf(ms)),
-                    Err(e) => println!("{name:<46} error: {e}"),
-                }
             }
         }
         // The backward from the default forward's outputs.

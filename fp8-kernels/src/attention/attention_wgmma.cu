@@ -244,32 +244,100 @@ __device__ __forceinline__ void att_wg_c_to_a(u32 (&p)[K / 16][4], const float (
 }
 
 // =====================================================================================================
+// Softmax steps on accumulator fragments (3): the thread's rows row (hr = 0) and row + 8 (hr = 1)
+// =====================================================================================================
+
+// Causal mask of S for key block k0 (keys after the row: -inf).
+template <int BN>
+__device__ __forceinline__ void att_wg_mask(float (&s)[BN / 2], int k0, int row, int q) {
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int key = k0 + 8 * i + 2 * q + e;
+            if (key > row) s[4 * i + e] = ATT_NEG_INF;
+            if (key > row + 8) s[4 * i + 2 + e] = ATT_NEG_INF;
+        }
+}
+
+// Online softmax of one key block, in the log2 domain as attn_fwd_mma: s becomes p = 2^(s * scale_log2 -
+// m_new), m and l are updated, alpha = 2^(m_old - m_new) is what the running output must be multiplied by.
+// Row max and sum over the 4 lanes of a quad. Every row sees key 0 in block 0, so m is finite from the
+// first block on; the guard only keeps a fully masked row from producing inf - inf.
+template <int BN>
+__device__ __forceinline__ void att_wg_softmax(float (&s)[BN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                               float scale_log2) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float mx = ATT_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * hr], s[4 * i + 2 * hr + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[hr], mx * scale_log2);
+        const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
+        alpha[hr] = att_ex2(m[hr] - mb);
+        m[hr] = m_new;
+        float rsum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = att_ex2(__fmaf_rn(s[4 * i + 2 * hr + e], scale_log2, -mb));
+                s[4 * i + 2 * hr + e] = p;
+                rsum += p;
+            }
+        l[hr] = __fmaf_rn(l[hr], alpha[hr], rsum);
+    }
+}
+
+// o *= alpha per row.
+template <int HD>
+__device__ __forceinline__ void att_wg_rescale(float (&o)[HD / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            o[4 * i + 2 * hr] *= alpha[hr];
+            o[4 * i + 2 * hr + 1] *= alpha[hr];
+        }
+}
+
+// =====================================================================================================
 // Forward
 // =====================================================================================================
 // Grid (B*H, ceil(T / BM)), BM = 64 * NWG query rows per block of NWG warpgroups (128 * NWG threads), the
 // last query block first (blockIdx.y = 0 has the most keys). Warpgroup wg owns rows q0 + 64 wg .. + 63;
 // thread (warp w of the warpgroup, g, q) rows `row` = q0 + 64 wg + 16 w + g and row + 8 (fragments (3)).
-// Key and value blocks of BN keys are double-buffered through shared memory with cp.async: iteration j waits
-// for block j, fences it to the async proxy, passes one barrier (after which every warpgroup is done with
-// block j - 1, whose wgmma all completed before their warpgroup left iteration j - 1) and issues the copy of
-// block j + 1 into the other buffer, which overlaps the products of block j. Per block and warpgroup:
+// Key and value blocks of BN keys stream through shared memory with cp.async: iteration j waits for block
+// j, fences it to the async proxy, passes one barrier and issues the copies of block j + 1, which overlap
+// the products of block j. A warpgroup works on key blocks 0 .. jend - 1 (it skips those after its last
+// row, and all when it holds no valid row), but passes every barrier. Per block and warpgroup:
 //   S = Q K^T                    HD / 16 wgmma m64nBNk16, A = Q and B = K from shared memory (K-major)
-//   causal mask, online softmax  in registers, log2 domain (x = s * scale * log2 e, p = 2^(x - m)), row max
-//                                and sum over the 4 lanes of a quad, as attn_fwd_mma
+//   causal mask, online softmax  in registers (att_wg_mask, att_wg_softmax)
 //   O = O * alpha + P V          BN / 16 wgmma m64nHDk16, A = bf16(P) from registers, B = V MN-major
-// each batch waited for before its results are used (this first version overlaps the tensor cores with the
-// softmax only across warpgroups and blocks, not within a warpgroup). A warpgroup skips key blocks after
-// its last row, and every block when it holds no valid row (the last query block), but always passes the
-// barriers. At the end O / l goes to out through the warpgroup's own rows of the Q tile (SW128, 16-byte
-// stores) and lse = (m + log2 l) ln 2.
-// Shared memory (1024-byte aligned): Q [BM][HD], K [2][BN][HD], V [2][BN][HD], all SW128 tiles.
-template <int HD, int NWG, int BN>
+// in one of two schedules:
+// - PIPE false: each batch is waited for before its results are used: S_j, softmax, P_j V_j, in turn.
+//   Within a warpgroup the tensor cores and the softmax take turns (they overlap across warpgroups and
+//   blocks of an SM). K and V have two buffers: the barrier of iteration j + 1 comes after every
+//   warpgroup's P_j V_j completed, so block j + 2 may then overwrite block j's.
+// - PIPE true (FlashAttention-3's intra-warpgroup overlap): iteration j issues S_j and then P_{j-1} V_{j-1}
+//   (P_{j-1} kept in registers from iteration j - 1), waits for S_j only (wgmma.wait_group 1: batches
+//   complete in order), runs the mask and softmax of block j while P_{j-1} V_{j-1} is in flight, then waits
+//   for it, rescales O by block j's alpha and converts P_j; the last block's P V is issued and waited for
+//   in its own iteration. V_{j-1} is read during iteration j, so V has three buffers (block j + 1's copy,
+//   issued in iteration j, goes to the buffer of block j - 2, whose last reader completed in iteration
+//   j - 1); K has two (S_j completes within iteration j).
+// At the end O / l goes to out through the warpgroup's own rows of the Q tile (SW128, 16-byte stores) and
+// lse = (m + log2 l) ln 2.
+// Shared memory (1024-byte aligned): Q [BM][HD], K [2][BN][HD], V [2 or 3][BN][HD], all SW128 tiles.
+template <int HD, int NWG, int BN, bool PIPE>
 __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16* __restrict__ out,
                                                float* __restrict__ lse, int T, int H, int KV, float scale_log2) {
     static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
     static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
     static_assert(NWG >= 1 && NWG <= 3, "1 to 3 warpgroups");
-    constexpr int BM = 64 * NWG, NT = 128 * NWG;
+    constexpr int BM = 64 * NWG, NT = 128 * NWG, VBUF = PIPE ? 3 : 2;
     constexpr u32 QBYTES = BM * HD * 2, KBYTES = BN * HD * 2;
     const u32 raw = att_smem_u32(att_smem);
     const u32 pad = (1024u - (raw & 1023u)) & 1023u;
@@ -290,9 +358,11 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
     // Keys 0 .. q_end-1 are all any valid row of this block can see.
     const int q_end = min(q0 + BM, T);
     const int nkb = (q_end - 1) / BN + 1;
-    const int r0 = q0 + 64 * wg;         // the warpgroup's first row
-    const int row = r0 + 16 * wq + g;    // the thread's rows: row, row + 8
-    const bool active = r0 < T;          // warpgroup-uniform: a warpgroup of the last block may hold no row
+    const int r0 = q0 + 64 * wg;       // the warpgroup's first row
+    const int row = r0 + 16 * wq + g;  // the thread's rows: row, row + 8
+    const bool active = r0 < T;        // warpgroup-uniform: a warpgroup of the last block may hold no row
+    // The warpgroup's key blocks 0 .. jend - 1 (warpgroup-uniform): up to the one holding its last row.
+    const int jend = active ? min(nkb, (r0 + 63) / BN + 1) : 0;
     const u32 aQw = aQ + (u32)(64 * wg) * 128u;  // the warpgroup's 64 rows of Q (in column block 0)
 
     att_load_sw128<HD, BM, NT>(sQ, gQ, rs, q0, T, tid);
@@ -301,85 +371,98 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
     att_cp_commit();
 
     float o[HD / 2], s[BN / 2];
+    u32 pa[BN / 16][4];
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
-    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < BN / 16; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0u;
+    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
 
-    for (int j = 0; j < nkb; ++j) {
-        const int buf = j & 1;
+    // The top of iteration j: block j landed and is fenced for every thread; the copies of block j + 1.
+    auto next_block = [&](int j) {
         att_cp_wait<0>();
         att_fence_proxy_async();
-        __syncthreads();  // block j is in buffer `buf` for every thread; every warpgroup is done with j - 1
+        __syncthreads();  // block j is in its buffers for every thread; see above for the buffers freed
         if (j + 1 < nkb) {
-            att_load_sw128<HD, BN, NT>(sK + (buf ^ 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
-            att_load_sw128<HD, BN, NT>(sV + (buf ^ 1) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sV + ((j + 1) % VBUF) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
             att_cp_commit();
         }
-        const int k0 = j * BN;
-        if (!active || k0 > r0 + 63) continue;  // warpgroup-uniform; no barrier below
-        const u32 aKb = aK + (u32)buf * KBYTES, aVb = aV + (u32)buf * KBYTES;
-
-        // S = Q K^T.
-        att_wg_fence_regs<BN / 2>(s);
-        att_wg_fence();
-        att_wg_abt<HD, BN>(s, aQw, BM * 128, aKb, BN * 128);
+    };
+    // S = Q K_j^T, waited for, masked (where block j reaches past the warp's first row) and turned into P
+    // by the online softmax (alpha: the factor of O).
+    auto scores = [&](int j, bool pv_in_flight) {
+        att_wg_abt<HD, BN>(s, aQw, BM * 128, aK + (u32)(j & 1) * KBYTES, BN * 128);
         att_wg_commit();
-        att_wg_wait<0>();
+        if (pv_in_flight) {
+            // O += P_{j-1} V_{j-1} (its P in pa since iteration j - 1) as a second batch, then wait for
+            // S_j only (wgmma.wait_group 1: batches complete in order).
+            att_wg_pv<BN, HD>(o, pa, aV + (u32)((j + VBUF - 1) % VBUF) * KBYTES, BN * 128);
+            att_wg_commit();
+            att_wg_wait<1>();
+        } else {
+            att_wg_wait<0>();
+        }
         att_wg_fence_regs<BN / 2>(s);
-
-        if (k0 + BN - 1 > r0 + 16 * wq) {  // the block reaches past the warp's first row: causal mask
-#pragma unroll
-            for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = k0 + 8 * i + 2 * q + e;
-                    if (key > row) s[4 * i + e] = ATT_NEG_INF;
-                    if (key > row + 8) s[4 * i + 2 + e] = ATT_NEG_INF;
-                }
-        }
-
-        // Online softmax. Every row sees key 0 in block 0, so m is finite from the first block on; the guard
-        // only keeps a fully masked row from producing inf - inf.
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            float mx = ATT_NEG_INF;
-#pragma unroll
-            for (int i = 0; i < BN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * hr], s[4 * i + 2 * hr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[hr], mx * scale_log2);
-            const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
-            const float alpha = att_ex2(m[hr] - mb);
-            m[hr] = m_new;
-            float rsum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = att_ex2(__fmaf_rn(s[4 * i + 2 * hr + e], scale_log2, -mb));
-                    s[4 * i + 2 * hr + e] = p;
-                    rsum += p;
-                }
-            l[hr] = __fmaf_rn(l[hr], alpha, rsum);
-#pragma unroll
-            for (int i = 0; i < HD / 8; ++i) {
-                o[4 * i + 2 * hr] *= alpha;
-                o[4 * i + 2 * hr + 1] *= alpha;
-            }
-        }
-
-        // O += P V.
-        u32 pa[BN / 16][4];
+        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
+        att_wg_softmax<BN>(s, m, l, alpha, scale_log2);
+    };
+    // O += P V_j with P from s, waited for.
+    auto values = [&](int j) {
         att_wg_c_to_a<BN>(pa, s);
         att_wg_fence_regs<BN / 16>(pa);
         att_wg_fence_regs<HD / 2>(o);
         att_wg_fence();
-        att_wg_pv<BN, HD>(o, pa, aVb, BN * 128);
+        att_wg_pv<BN, HD>(o, pa, aV + (u32)(j % VBUF) * KBYTES, BN * 128);
         att_wg_commit();
         att_wg_wait<0>();
         att_wg_fence_regs<HD / 2>(o);
+    };
+
+    if constexpr (!PIPE) {
+        for (int j = 0; j < nkb; ++j) {
+            next_block(j);
+            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence();
+            scores(j, false);
+            att_wg_rescale<HD>(o, alpha);
+            values(j);
+        }
+    } else {
+        // Block 0 has no P V before it: peeled, so that every wgmma of the loop is unconditional (ptxas
+        // serializes all wgmma, C7520, when a batch is issued on one path and not on another).
+        next_block(0);
+        if (jend > 0) {
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence();
+            scores(0, false);  // O is zero: no rescale
+            if (jend == 1) {
+                values(0);
+            } else {
+                att_wg_c_to_a<BN>(pa, s);
+            }
+        }
+        for (int j = 1; j < nkb; ++j) {
+            next_block(j);
+            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence_regs<HD / 2>(o);
+            att_wg_fence_regs<BN / 16>(pa);
+            att_wg_fence();
+            scores(j, true);   // the softmax of block j runs while P_{j-1} V_{j-1} does
+            att_wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa are free
+            att_wg_fence_regs<HD / 2>(o);
+            att_wg_fence_regs<BN / 16>(pa);
+            att_wg_rescale<HD>(o, alpha);
+            if (j == jend - 1) {
+                values(j);  // the warpgroup's last block: its P V now
+            } else {
+                att_wg_c_to_a<BN>(pa, s);
+            }
+        }
     }
     if (!active) return;  // no barrier below
 
@@ -548,23 +631,29 @@ ATT_WG_PROBE_ENTRIES(128)
 // =====================================================================================================
 // Entry points
 // =====================================================================================================
-// attn_fwd_wgmma_g<NWG>n<BN>_hd<HD>: NWG warpgroups of 64 query rows, key blocks of BN. The variant list is
-// an X-macro so that the host emulator instantiates the same set; tiles.rs mirrors it
-// (WGMMA_FORWARD_VARIANTS) and a test checks that the two agree. With ATT_ONLY_KIND 6 (and ATT_HD,
-// ATT_ONLY_A = NWG, ATT_ONLY_B = BN), as mod.rs builds the module of one kernel, only that entry point.
-#define ATT_WG_FWD_VARIANTS_64(X) X(64, 2, 128) X(64, 2, 64) X(64, 3, 128)
-#define ATT_WG_FWD_VARIANTS_128(X) X(128, 2, 128) X(128, 2, 64) X(128, 1, 128)
+// attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>: NWG warpgroups of 64 query rows, key blocks of BN, the suffix p for
+// the overlapped schedule (PIPE). The variant list is an X-macro, X(HD, NWG, BN, suffix), so that the host
+// emulator instantiates the same set; tiles.rs mirrors it (WGMMA_FORWARD_VARIANTS) and a test checks that
+// the two agree. With ATT_ONLY_KIND 6 (and ATT_HD, ATT_ONLY_A = NWG, ATT_ONLY_B = BN, ATT_ONLY_C = 1 for the
+// overlapped schedule), as mod.rs builds the module of one kernel, only that entry point.
+#define ATT_WG_FWD_VARIANTS_64(X) X(64, 2, 128, ) X(64, 2, 64, ) X(64, 3, 128, ) X(64, 2, 128, p) X(64, 3, 128, p)
+#define ATT_WG_FWD_VARIANTS_128(X) \
+    X(128, 2, 128, ) X(128, 2, 64, ) X(128, 1, 128, ) X(128, 2, 128, p) X(128, 2, 64, p)
 
-#define ATT_WG_FWD_ENTRY(HD, NWG, BN)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_fwd_wgmma_g##NWG##n##BN##_hd##HD(         \
+#define ATT_WG_PIPE_ false
+#define ATT_WG_PIPE_p true
+#define ATT_WG_FWD_ENTRY(HD, NWG, BN, SUF)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD(    \
         const u16* qkv, u16* out, float* lse, int T, int H, int KV, float scale_log2) {                        \
-        attn_fwd_wgmma<HD, NWG, BN>(qkv, out, lse, T, H, KV, scale_log2);                                      \
+        attn_fwd_wgmma<HD, NWG, BN, ATT_WG_PIPE_##SUF>(qkv, out, lse, T, H, KV, scale_log2);                   \
     }
-#define ATT_WG_APPLY3(M, a, b, c) M(a, b, c)  // expands ATT_HD, ATT_ONLY_A, ATT_ONLY_B before M pastes them
+#define ATT_WG_APPLY4(M, a, b, c, d) M(a, b, c, d)  // expands ATT_HD, ATT_ONLY_A, ATT_ONLY_B first
 
 #if defined(ATT_ONLY_KIND)
-#if ATT_ONLY_KIND == 6
-ATT_WG_APPLY3(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
+#if ATT_ONLY_KIND == 6 && ATT_ONLY_C
+ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
+#elif ATT_ONLY_KIND == 6
+ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 #endif
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)

@@ -30,10 +30,11 @@ pub(super) fn forward_smem_bytes(head_dim: usize, t: &QueryTiles) -> usize {
     (t.block_rows() + 4 * t.key_rows) * (head_dim + 8) * 2
 }
 
-/// Bytes of dynamic shared memory of a wgmma forward kernel: Q [BM][hd], K and V [2][BN][hd] bf16 in
-/// 128-byte-swizzled tiles, plus 1024 bytes for the kernel to align them to 1024 bytes.
+/// Bytes of dynamic shared memory of a wgmma forward kernel: Q [BM][hd], K [2][BN][hd] and V [2 or 3,
+/// `value_buffers`][BN][hd] bf16 in 128-byte-swizzled tiles, plus 1024 bytes for the kernel to align them
+/// to 1024 bytes.
 pub(super) fn wgmma_forward_smem_bytes(head_dim: usize, t: &WgmmaTiles) -> usize {
-    (t.block_rows() + 4 * t.key_rows) * head_dim * 2 + 1024
+    (t.block_rows() + (2 + t.value_buffers()) * t.key_rows) * head_dim * 2 + 1024
 }
 
 /// Bytes of dynamic shared memory of the wgmma probes (`ATT_WG_PROBE_SMEM`): two 64 x 128 tiles and the
@@ -214,7 +215,7 @@ pub(super) fn forward(
             launch!(
                 kernel: &kernel,
                 launch,
-                "attn_fwd_wgmma_g<NWG>n<BN>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
+                "attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
                  int KV, float scale_log2)",
                 [qkv, out, lse, &t, &h, &kv, &scale_log2]
             )?;

@@ -209,7 +209,7 @@ impl TensorKernel {
             TensorKernel::DkDv(t) if t.paired => [4, t.warps / 2, t.query_rows, 0],
             TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
             TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
-            TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, 0],
+            TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.pipelined as usize],
         }
     }
 }

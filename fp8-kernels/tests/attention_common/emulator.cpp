@@ -42,7 +42,7 @@
 //   emulator probe abt|pb|atb IN OUT
 //     IN/a.bin (bf16; f32 for pb), IN/b.bin (bf16), 64 x 64 each -> OUT/out.bin (f32 64 x 64).
 //   emulator wgprobe abt16|abt|pv HD IN OUT   (the wgmma probes of attention_wgmma.cu, see wgprobe())
-//   FWD may also be wg:g<NWG>n<BN> (a wgmma forward variant).
+//   FWD may also be wg:g<NWG>n<BN>[p] (a wgmma forward variant).
 
 #include <algorithm>
 #include <atomic>
@@ -535,7 +535,8 @@ typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u1
 // Every tensor-core variant by its kernel name, from the kernel files' own variant lists.
 static std::map<std::string, FwdMma> g_fwd;
 static std::map<std::string, FwdMma> g_wg_fwd;
-#define REG_WG_FWD(HD, NWG, BN) g_wg_fwd["attn_fwd_wgmma_g" #NWG "n" #BN "_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##_hd##HD;
+#define REG_WG_FWD(HD, NWG, BN, SUF) \
+    g_wg_fwd["attn_fwd_wgmma_g" #NWG "n" #BN #SUF "_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD;
 static std::map<std::string, BwdSep> g_sep;
 #define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
 #define REG_DKDV(HD, NW, MT, BM) \
@@ -591,8 +592,8 @@ static int run(int argc, char** argv) {
         int nwg, bn;
         if (std::sscanf(fwd.c_str(), "wg:g%dn%d", &nwg, &bn) != 2) die("wgmma forward variant");
         FwdMma f = lookup(g_wg_fwd, "attn_fwd_wgmma_" + fwd.substr(3) + hd_tag);
-        const int bm = 64 * nwg;
-        const size_t smem = (size_t)(bm + 4 * bn) * HD * 2 + 1024;
+        const int bm = 64 * nwg, vbuf = fwd.back() == 'p' ? 3 : 2;
+        const size_t smem = (size_t)(bm + (2 + vbuf) * bn) * HD * 2 + 1024;
         launch({pairs, blocks(bm), (unsigned)(128 * nwg), smem},
                [&] { f(qkv.data(), out.data(), lse.data(), T, H, KV, scale_log2); });
     } else {
