@@ -32,7 +32,7 @@
 use fp8_kernels::attention::{
     attention_backward, attention_forward, run_layout_probe, run_wgmma_probe,
     wgmma_forward_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
+    AttentionWorkspace, BackwardKernels, DqAccumulation, WgmmaProbe, HEAD_DIMS,
 };
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
@@ -416,11 +416,35 @@ fn wgmma_probes_match_cpu() {
     for (probe, hd) in wgmma_probes() {
         let case = WgmmaProbeCase::new(probe, hd, 21);
         let name = wgmma_probe_name(probe, hd);
-        match run_wgmma_probe(&dev, probe, hd, &case.a, &case.b16) {
-            Ok(got) => ok &= matrix_probe_ok(&name, &got, &case.want(), case.out_cols()),
+        let passed = match run_wgmma_probe(&dev, probe, hd, &case.a, &case.b16) {
+            Ok(got) => matrix_probe_ok(&name, &got, &case.want(), case.out_cols()),
             Err(e) => {
                 println!("FAIL probe {name}: error {e}");
-                ok = false;
+                false
+            }
+        };
+        ok &= passed;
+        if !passed && probe == WgmmaProbe::Pv {
+            // Which encoding of V's descriptor the GPU reads, if it is the other reading of the PTX ISA
+            // (LBO and SBO exchanged): then att_wg_pv's strides are to be swapped.
+            let swapped = WgmmaProbe::PvStrides {
+                lbo: 1024,
+                sbo: 64 * 128,
+            };
+            let name = wgmma_probe_name(swapped, hd);
+            match run_wgmma_probe(&dev, swapped, hd, &case.a, &case.b16) {
+                Ok(got) => {
+                    let right = matrix_probe_ok(&name, &got, &case.want(), case.out_cols());
+                    println!(
+                        "     diagnosis: V's descriptor with LBO and SBO exchanged {}",
+                        if right {
+                            "is RIGHT: swap the strides in att_wg_pv (attention_wgmma.cu)"
+                        } else {
+                            "is wrong too"
+                        }
+                    );
+                }
+                Err(e) => println!("     diagnosis probe {name}: error {e}"),
             }
         }
     }

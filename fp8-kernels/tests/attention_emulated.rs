@@ -378,9 +378,9 @@ fn emulated_wgmma_probes_match_cpu() {
         let which = match probe {
             WgmmaProbe::Abt16 => "abt16",
             WgmmaProbe::Abt => "abt",
-            WgmmaProbe::Pv => "pv",
+            WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => "pv",
         };
-        if probe == WgmmaProbe::Pv {
+        if which == "pv" {
             write(&dir.join("a.bin"), &case.a);
         } else {
             let a16: Vec<bf16> = case.a.iter().map(|&v| bf16::from_f32(v)).collect();

@@ -223,11 +223,13 @@ __device__ __forceinline__ void att_wg_abt(float (&d)[N / 2], u32 a, u32 a_block
 
 // D[64 x N] += P[64 x K] * V[K x N] in K / 16 wgmma: P as A fragments in registers (att_wg_c_to_a), V the
 // SW128 tile at shared address v (rows = keys 0 .. K-1, N = 64 or 128 columns, column blocks v_block bytes
-// apart), read MN-major. (O += P V.)
+// apart), read MN-major: LBO = v_block, SBO = v_sbo (1024, (2); the probe passes others to find the
+// encoding a GPU reads should (2) be wrong). (O += P V.)
 template <int K, int N>
-__device__ __forceinline__ void att_wg_pv(float (&d)[N / 2], const u32 (&p)[K / 16][4], u32 v, u32 v_block) {
+__device__ __forceinline__ void att_wg_pv(float (&d)[N / 2], const u32 (&p)[K / 16][4], u32 v, u32 v_block,
+                                          u32 v_sbo = 1024u) {
 #pragma unroll
-    for (int kc = 0; kc < K / 16; ++kc) AttWgmma<N>::rs_mn(d, p[kc], att_wg_desc(v + (u32)kc * 2048u, v_block, 1024u));
+    for (int kc = 0; kc < K / 16; ++kc) AttWgmma<N>::rs_mn(d, p[kc], att_wg_desc(v + (u32)kc * 2048u, v_block, v_sbo));
 }
 
 // The A fragments of P[64 x K] (bf16, round to nearest even) from its accumulator fragments s (3): chunks
@@ -582,9 +584,10 @@ __device__ __forceinline__ void attn_wg_probe_abt(const u16* a, const u16* b, fl
 
 // out[64][HD] = bf16(p) * v for p [64][64] f32 and v [64 keys][HD]: the O step of the kernel (p enters
 // as accumulator fragments, att_wg_c_to_a, att_wg_pv: A from registers, V MN-major with the transpose bit,
-// at HD = 128 both column blocks through LBO).
+// at HD = 128 both column blocks through LBO). V's descriptor has LBO v_lbo and SBO v_sbo: the kernel's
+// are 64 * 128 (the column block of a 64-key tile) and 1024; a test tries others when those fail.
 template <int HD>
-__device__ __forceinline__ void attn_wg_probe_pv(const float* p, const u16* v, float* out) {
+__device__ __forceinline__ void attn_wg_probe_pv(const float* p, const u16* v, float* out, u32 v_lbo, u32 v_sbo) {
     u32 base;
     u16* sv = reinterpret_cast<u16*>(att_wg_probe_base(base));
     att_load_sw128<HD, 64, 128>(sv, v, HD, 0, 64, threadIdx.x);
@@ -608,7 +611,7 @@ __device__ __forceinline__ void attn_wg_probe_pv(const float* p, const u16* v, f
     att_wg_fence_regs<4>(pa);
     att_wg_fence_regs<HD / 2>(d);
     att_wg_fence();
-    att_wg_pv<64, HD>(d, pa, base, 64u * 128u);
+    att_wg_pv<64, HD>(d, pa, base, v_lbo, v_sbo);
     att_wg_commit();
     att_wg_wait<0>();
     att_wg_fence_regs<HD / 2>(d);
@@ -621,8 +624,9 @@ __device__ __forceinline__ void attn_wg_probe_pv(const float* p, const u16* v, f
         attn_wg_probe_abt<HD>(a, b, out);                                                                      \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_wg_probe_pv_hd##HD(const float* p, const u16* v,   \
-                                                                              float* out) {                   \
-        attn_wg_probe_pv<HD>(p, v, out);                                                                       \
+                                                                              float* out, u32 v_lbo,          \
+                                                                              u32 v_sbo) {                    \
+        attn_wg_probe_pv<HD>(p, v, out, v_lbo, v_sbo);                                                         \
     }
 ATT_WG_PROBE_ENTRIES(64)
 ATT_WG_PROBE_ENTRIES(128)

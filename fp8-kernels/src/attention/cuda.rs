@@ -582,12 +582,17 @@ pub(super) fn wgmma_probe(
 ) -> Result<Vec<f32>, KernelError> {
     const WHAT: &str = "attention wgmma probe";
     require_sm90(dev, WHAT)?;
+    // V's descriptor strides of the P V probes: the kernel's, or those asked for.
+    let (lbo, sbo) = match probe {
+        WgmmaProbe::PvStrides { lbo, sbo } => (lbo, sbo),
+        _ => (64 * 128, 1024),
+    };
     let (name, out_cols) = match (probe, head_dim) {
         (WgmmaProbe::Abt16, _) => ("attn_wg_probe_abt16", 64),
         (WgmmaProbe::Abt, 64) => ("attn_wg_probe_abt_hd64", 64),
         (WgmmaProbe::Abt, _) => ("attn_wg_probe_abt_hd128", 64),
-        (WgmmaProbe::Pv, 64) => ("attn_wg_probe_pv_hd64", 64),
-        (WgmmaProbe::Pv, _) => ("attn_wg_probe_pv_hd128", 128),
+        (WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. }, 64) => ("attn_wg_probe_pv_hd64", 64),
+        (WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. }, _) => ("attn_wg_probe_pv_hd128", 128),
     };
     let kernel = Kernel::new(dev, &ATTENTION_WGMMA_MODULE, name)?;
     allow_dynamic_smem(dev, &kernel, WGMMA_PROBE_SMEM, WHAT)?;
@@ -601,15 +606,18 @@ pub(super) fn wgmma_probe(
     };
     let (bs, os) = (&b_dev, &mut out);
     // One warpgroup (128 threads) with the probes' shared memory; a is 64 x 64 (abt16, pv) or 64 x hd
-    // (abt), b 64 x hd, out 64 x 64 or 64 x hd (pv), as the caller checked and the names above say.
+    // (abt), b 64 x hd, out 64 x 64 or 64 x hd (pv), as the caller checked and the names above say; the
+    // strides only change which shared-memory bytes of the one 64 x hd tile the wgmma reads (the
+    // emulator checks nothing past the shared memory is read; a wrong stride reads the wrong tile bytes
+    // or faults, which the test reports).
     match probe {
-        WgmmaProbe::Pv => {
+        WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => {
             let a_dev = stream.clone_htod(a)?;
             launch!(
                 kernel: &kernel,
                 launch,
-                "attn_wg_probe_pv_hd<HD>(const float* p, const u16* v, float* out)",
-                [&a_dev, bs, os]
+                "attn_wg_probe_pv_hd<HD>(const float* p, const u16* v, float* out, u32 v_lbo, u32 v_sbo)",
+                [&a_dev, bs, os, &lbo, &sbo]
             )?;
         }
         WgmmaProbe::Abt16 | WgmmaProbe::Abt => {

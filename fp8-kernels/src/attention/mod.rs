@@ -868,12 +868,22 @@ pub enum WgmmaProbe {
     /// `bf16(p) v` for `p` 64 x 64 (F32, entering as accumulator fragments) and `v` 64 x hd: the
     /// `O += P V` step (A from registers, V MN-major through the transpose bit).
     Pv,
+    /// [`WgmmaProbe::Pv`] with the given leading and stride byte offsets in V's descriptor instead of
+    /// the kernel's (`lbo` 64 * 128, the second 64-column block of the probe's 64-key tile; `sbo` 1024,
+    /// the next 8 keys): where `Pv` fails, the encoding the GPU does read.
+    PvStrides {
+        /// Leading byte offset (a multiple of 16).
+        lbo: u32,
+        /// Stride byte offset (a multiple of 16).
+        sbo: u32,
+    },
 }
 
 /// Runs `probe` for head dim `head_dim` (64 or 128) on the GPU (compute capability 9.0) with row-major
-/// inputs: `a` (F32, rounded to BF16 by the host except for [`WgmmaProbe::Pv`], where the kernel rounds it
-/// as it rounds P) of 64 x hd (64 x 64 for `Pv` and `Abt16`) and `b` (BF16) of 64 x hd (64 x 64 for
-/// `Abt16`). Returns the F32 result: 64 x 64, or 64 x hd for `Pv`.
+/// inputs: `a` (F32, rounded to BF16 by the host except for [`WgmmaProbe::Pv`] and `PvStrides`, where the
+/// kernel rounds it as it rounds P) of 64 x hd (64 x 64 for `Pv`, `PvStrides` and `Abt16`) and `b` (BF16)
+/// of 64 x hd (64 x 64 for `Abt16`). Returns the F32 result: 64 x 64, or 64 x hd for `Pv` and
+/// `PvStrides`.
 pub fn run_wgmma_probe(
     device: &Device,
     probe: WgmmaProbe,
@@ -884,13 +894,25 @@ pub fn run_wgmma_probe(
     const WHAT: &str = "run_wgmma_probe";
     let hd_ok = match probe {
         WgmmaProbe::Abt16 => head_dim == 64,
-        WgmmaProbe::Abt | WgmmaProbe::Pv => WGMMA_HEAD_DIMS.contains(&head_dim),
+        WgmmaProbe::Abt | WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => {
+            WGMMA_HEAD_DIMS.contains(&head_dim)
+        }
     };
     if !hd_ok {
         return Err(bad(
             WHAT,
             format!("probe {probe:?} does not exist for head dim {head_dim}"),
         ));
+    }
+    if let WgmmaProbe::PvStrides { lbo, sbo } = probe {
+        // Every byte such a descriptor can reach lies in the probe's shared memory (32 KiB from the
+        // aligned start; V's steps reach 6 KiB + LBO + SBO + 1 KiB).
+        if lbo % 16 != 0 || sbo % 16 != 0 || lbo > 8192 || sbo > 8192 {
+            return Err(bad(
+                WHAT,
+                format!("strides {lbo}, {sbo}: multiples of 16 up to 8192 only"),
+            ));
+        }
     }
     let a_cols = if probe == WgmmaProbe::Abt {
         head_dim

@@ -714,9 +714,9 @@ static int wgprobe(int argc, char** argv) {
         std::vector<float> p = read_file<float>(in + "/a.bin", 64 * 64);
         reg(p);
         if (hd == 64)
-            launch(L, [&] { attn_wg_probe_pv_hd64(p.data(), b.data(), out.data()); });
+            launch(L, [&] { attn_wg_probe_pv_hd64(p.data(), b.data(), out.data(), 64 * 128, 1024); });
         else
-            launch(L, [&] { attn_wg_probe_pv_hd128(p.data(), b.data(), out.data()); });
+            launch(L, [&] { attn_wg_probe_pv_hd128(p.data(), b.data(), out.data(), 64 * 128, 1024); });
     } else {
         std::vector<u16> a = read_file<u16>(in + "/a.bin", (size_t)64 * (which == "abt" ? hd : 64));
         reg(a);

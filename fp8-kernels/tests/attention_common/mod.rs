@@ -400,6 +400,9 @@ pub fn wgmma_probe_name(p: WgmmaProbe, hd: usize) -> String {
                 ""
             }
         ),
+        WgmmaProbe::PvStrides { lbo, sbo } => {
+            format!("wgmma p v hd{hd} with V's descriptor LBO {lbo} SBO {sbo} (not the kernel's)")
+        }
     }
 }
 
@@ -440,7 +443,7 @@ impl WgmmaProbeCase {
     /// Columns of the result: 64, or hd for `Pv`.
     pub fn out_cols(&self) -> usize {
         match self.probe {
-            WgmmaProbe::Pv => self.head_dim,
+            WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => self.head_dim,
             WgmmaProbe::Abt16 | WgmmaProbe::Abt => 64,
         }
     }
@@ -460,7 +463,7 @@ impl WgmmaProbeCase {
                     WgmmaProbe::Abt => (0..hd)
                         .map(|k| a[r * hd + k] as f64 * b[c * hd + k] as f64)
                         .sum(),
-                    WgmmaProbe::Pv => (0..64)
+                    WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => (0..64)
                         .map(|k| a[r * 64 + k] as f64 * b[k * hd + c] as f64)
                         .sum(),
                 }
