@@ -50,7 +50,8 @@
 // (4) Ordering. wgmma reads shared memory through the async proxy: every thread fences its own cp.async
 //     writes (fence.proxy.async.shared::cta after cp.async.wait_group) before the barrier that publishes a
 //     tile. wgmma.fence comes before each batch of wgmma (registers written since the last batch);
-//     commit_group closes a batch, wait_group 0 waits for it; the compiler is kept from moving accumulator
+//     commit_group closes a batch, wait_group N waits until at most the N newest batches are in flight
+//     (batches complete in order); the compiler is kept from moving accumulator
 //     or A-fragment reads and writes across those by empty asm statements on every register
 //     (att_wg_fence_regs, CUTLASS's warpgroup_fence_operand).
 //
