@@ -2,7 +2,7 @@
 //! input/output dump for `scripts/check_attention_vs_torch.py`.
 //!
 //! ```text
-//! attention_bench [--sweep] [--dump DIR] [--iters N] [--peer FILE]
+//! attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE]
 //! ```
 //!
 //! - Table: for each shape (the GPT shapes B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32, and
@@ -14,6 +14,12 @@
 //!   against PyTorch's backends (default, flash, cuDNN, cuDNN on expanded K/V) read from `--peer FILE`,
 //!   the JSON lines `peer_layers.py` printed in the same device call (`bench/run.sh layers` passes it),
 //!   with the ratio of our deterministic default to the fastest backend.
+//! - `--wgmma`: also the forward on Hopper's warpgroup MMA (`AttentionKernel::Wgmma`, compute capability
+//!   9.0 only; head dims 64 and 128): a mode `wgmma fwd` in the table (its default tiles; the backward
+//!   the deterministic default, run on the wgmma forward's outputs), and after the table, per shape of
+//!   head dim 64 or 128, the default (mma.sync) forward and every compiled wgmma forward variant timed
+//!   alone, with their speed-up and their largest differences from the default forward's `out` and `lse`
+//!   on the same inputs (a quick check beside `attention_cuda`'s).
 //! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
 //!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
 //!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
@@ -31,8 +37,9 @@ mod common;
 use common::event_times_ms;
 use fp8_kernels::attention::{
     attention_backward, attention_forward, backward_splits, backward_variants, forward_variants,
-    AttentionConfig, AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels,
-    DqAccumulation, QueryTiles, FUSED_QUERY_ROWS,
+    wgmma_forward_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
+    AttentionWorkspace, BackwardKernels, DqAccumulation, QueryTiles, FUSED_QUERY_ROWS,
+    WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
@@ -110,6 +117,8 @@ fn rate_cell(r: Option<f64>) -> String {
 
 struct Args {
     sweep: bool,
+    /// Also time the wgmma forward.
+    wgmma: bool,
     dump: Option<PathBuf>,
     iters: usize,
     /// `peer_layers.py`'s output of the same call.
@@ -119,6 +128,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         sweep: false,
+        wgmma: false,
         dump: None,
         iters: 20,
         peer: None,
@@ -127,6 +137,7 @@ fn parse_args() -> Result<Args, String> {
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--sweep" => a.sweep = true,
+            "--wgmma" => a.wgmma = true,
             "--dump" => a.dump = Some(it.next().ok_or("--dump needs a folder")?.into()),
             "--peer" => a.peer = Some(it.next().ok_or("--peer needs a file")?.into()),
             "--iters" => {
@@ -137,7 +148,9 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or("--iters needs a positive integer")?
             }
             "-h" | "--help" => {
-                println!("attention_bench [--sweep] [--dump DIR] [--iters N] [--peer FILE]");
+                println!(
+                    "attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -326,8 +339,25 @@ fn main() {
     }
 }
 
-/// The modes of the main table.
-fn modes() -> [(&'static str, AttentionConfig); 3] {
+/// The wgmma forward with its default tiles and the default backward.
+fn wgmma_config() -> AttentionConfig {
+    AttentionConfig {
+        kernel: AttentionKernel::Wgmma,
+        ..Default::default()
+    }
+}
+
+/// What a config runs at head dim `hd`, for the table's last column.
+fn kernels_label(cfg: &AttentionConfig, hd: usize) -> Result<String, KernelError> {
+    let (fwd, bwd) = cfg.kernels_for(hd)?;
+    Ok(match cfg.kernel {
+        AttentionKernel::Wgmma => format!("fwd wgmma {}, {bwd}", cfg.wgmma_tiles_for(hd)?),
+        AttentionKernel::Mma | AttentionKernel::Simple => format!("fwd {fwd}, {bwd}"),
+    })
+}
+
+/// The modes of the main table (with `wgmma`, the wgmma forward's too).
+fn modes(wgmma: bool) -> Vec<(&'static str, AttentionConfig)> {
     let fused_det = AttentionConfig {
         tiles: AttentionTiles {
             backward: Some(BackwardKernels::Fused { query_rows: 64 }),
@@ -335,7 +365,7 @@ fn modes() -> [(&'static str, AttentionConfig); 3] {
         },
         ..Default::default()
     };
-    [
+    let mut v = vec![
         ("deterministic", AttentionConfig::default()),
         ("fused det.", fused_det),
         (
@@ -345,7 +375,11 @@ fn modes() -> [(&'static str, AttentionConfig); 3] {
                 ..Default::default()
             },
         ),
-    ]
+    ];
+    if wgmma {
+        v.push(("wgmma fwd", wgmma_config()));
+    }
+    v
 }
 
 fn run(
@@ -371,7 +405,7 @@ fn run(
     for s in shapes() {
         let mut b = buffers(dev, &s)?;
         let (mut default_rate, mut best): (Option<f64>, Option<(&str, f64)>) = (None, None);
-        for (name, cfg) in modes() {
+        for (name, cfg) in modes(args.wgmma) {
             // Each mode's own workspace size; the forward, then the backward from its outputs.
             b.ws = AttentionWorkspace::new();
             let timed = time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward).and_then(|f| {
@@ -395,9 +429,9 @@ fn run(
                 best = Some((name, tf));
             }
             let (splits, _) = backward_splits(dev, &s, &cfg)?;
-            let (fwd_tiles, bwd_kernels) = cfg.kernels_for(s.head_dim)?;
+            let kernels = kernels_label(&cfg, s.head_dim)?;
             println!(
-                "{:<24} {:<13} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>6} {:>7.1} | fwd {fwd_tiles}, {bwd_kernels}",
+                "{:<24} {:<13} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>6} {:>7.1} | {kernels}",
                 label(&s),
                 name,
                 f,
@@ -414,6 +448,9 @@ fn run(
                 println!("dump of {} failed: {e}", label(&s));
             }
         }
+    }
+    if args.wgmma {
+        wgmma_forwards(dev, args)?;
     }
     if args.sweep {
         sweep(dev, args)?;
@@ -451,6 +488,83 @@ fn run(
             ratio,
             peer_best.map_or("-", |(n, _)| n),
         );
+    }
+    Ok(())
+}
+
+/// The largest absolute difference between two equally long vectors (NaN counts as infinite).
+fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| {
+        let d = (x as f64 - y as f64).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    })
+}
+
+/// The forwards alone at each shape of a wgmma head dim: the default (mma.sync) one, then every compiled
+/// wgmma variant, with its speed-up over the default and its largest differences from the default's
+/// out and lse on the same inputs.
+fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    println!(
+        "\nforward alone, wgmma variants against the default (mma.sync) forward on the same inputs \
+         (median ms; TFLOP/s = 4*B*H*T^2*hd/2 / time; max |diff| of out, relative to max |out|, and of lse)"
+    );
+    println!(
+        "{:<24} {:<22} {:>8} {:>8} {:>8} {:>11} {:>10}",
+        "shape", "forward", "ms", "TFLOP/s", "speed-up", "out diff", "lse diff"
+    );
+    for s in shapes() {
+        if !WGMMA_HEAD_DIMS.contains(&s.head_dim) {
+            continue;
+        }
+        let mut b = buffers(dev, &s)?;
+        let fwd_tf = |ms: f64| tflops(&s, ms) / 3.5;
+        let base = AttentionConfig::default();
+        let base_ms = time_pass(dev, &s, &base, &mut b, args.iters, Pass::Forward)?;
+        let (fwd_tiles, _) = base.kernels_for(s.head_dim)?;
+        let out_ref: Vec<f32> = b.out.to_vec()?.iter().map(|v| v.to_f32()).collect();
+        let lse_ref = b.lse.to_vec()?;
+        let out_max = out_ref.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
+        println!(
+            "{:<24} {:<22} {base_ms:>8.3} {:>8.1} {:>8} {:>11} {:>10}",
+            label(&s),
+            format!("mma {fwd_tiles}"),
+            fwd_tf(base_ms),
+            "1.00x",
+            "-",
+            "-"
+        );
+        for &t in wgmma_forward_variants(s.head_dim) {
+            let cfg = AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_forward: Some(t),
+                    ..Default::default()
+                },
+                ..wgmma_config()
+            };
+            let name = format!("wgmma {t}");
+            // Poisoned outputs first, so a forward that writes nothing shows as a difference.
+            b.out = dev.upload(&vec![bf16::NAN; s.out_len()])?;
+            b.lse = dev.upload(&vec![f32::NAN; s.lse_len()])?;
+            match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward) {
+                Ok(ms) => {
+                    let out: Vec<f32> = b.out.to_vec()?.iter().map(|v| v.to_f32()).collect();
+                    let lse = b.lse.to_vec()?;
+                    println!(
+                        "{:<24} {name:<22} {ms:>8.3} {:>8.1} {:>7.2}x {:>11.2e} {:>10.2e}",
+                        label(&s),
+                        fwd_tf(ms),
+                        base_ms / ms,
+                        max_diff(&out, &out_ref) / out_max.max(1e-30),
+                        max_diff(&lse, &lse_ref)
+                    );
+                }
+                Err(e) => println!("{:<24} {name:<22} error: {e}", label(&s)),
+            }
+        }
     }
     Ok(())
 }

@@ -9,8 +9,9 @@
 //! use and caches it ([`CudaDevice::load_kernel_module`]).
 //!
 //! [`compile_ptx`] needs only NVRTC, not a GPU: the `nvrtc_compile` test compiles every module of
-//! [`MODULES`] for `sm_90`, and fails when a `.cu` file under `src/` or `cuda/` belongs to no registered
-//! module, so a family added later cannot escape the check.
+//! [`MODULES`] for a Hopper GPU (`sm_90`, or `sm_90a` for the modules that need it, [`ModuleArch`]), and
+//! fails when a `.cu` file under `src/` or `cuda/` belongs to no registered module, so a family added later
+//! cannot escape the check.
 //!
 //! [`CudaDevice`]: crate::CudaDevice
 //! [`CudaDevice::load_kernel_module`]: crate::CudaDevice::load_kernel_module
@@ -18,7 +19,8 @@
 use crate::KernelError;
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-/// One NVRTC program: a name (the cache key), the files it is built from, and the full source text.
+/// One NVRTC program: a name (the cache key), the files it is built from, the full source text, and the
+/// GPUs it is built for.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelModule {
     /// Unique module name.
@@ -27,6 +29,37 @@ pub struct KernelModule {
     pub files: &'static [&'static str],
     /// The source handed to NVRTC.
     pub source: &'static str,
+    /// The NVRTC targets the module is compiled for.
+    pub arch: ModuleArch,
+}
+
+/// Which NVRTC target a module is compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModuleArch {
+    /// The GPU's own architecture ([`arch_for`]): every module whose instructions exist on every GPU
+    /// the crate supports (guarded by `__CUDA_ARCH__` where they differ).
+    Portable,
+    /// Hopper's architecture-specific target `sm_90a`, whose instructions (`wgmma`, `setmaxnreg`) exist
+    /// on compute capability 9.0 only: neither in `sm_90` nor in later targets.
+    Sm90a,
+}
+
+impl KernelModule {
+    /// The NVRTC target of this module on a GPU of compute capability `(major, minor)`, or an error
+    /// where the module cannot run (an [`ModuleArch::Sm90a`] module on anything but 9.0).
+    pub fn target_for(&self, compute_capability: (i32, i32)) -> Result<&'static str, KernelError> {
+        match self.arch {
+            ModuleArch::Portable => Ok(arch_for(compute_capability)),
+            ModuleArch::Sm90a if compute_capability == (9, 0) => Ok("sm_90a"),
+            ModuleArch::Sm90a => Err(KernelError::InvalidArgument {
+                what: self.name,
+                detail: format!(
+                    "this module is built for sm_90a (Hopper, compute capability 9.0); this GPU is {}.{}",
+                    compute_capability.0, compute_capability.1
+                ),
+            }),
+        }
+    }
 }
 
 /// A [`KernelModule`] from crate-relative file paths, concatenated in order and embedded in the binary.
@@ -36,6 +69,7 @@ macro_rules! kernel_module {
             name: $name,
             files: &[$($file),+],
             source: concat!($(include_str!(concat!("../", $file))),+),
+            arch: ModuleArch::Portable,
         }
     };
 }
@@ -153,6 +187,7 @@ pub const MODULES: &[KernelModule] = &[
     ROPE_MODULE,
     SWIGLU_CAST_MODULE,
     crate::attention::ATTENTION_MODULE,
+    crate::attention::ATTENTION_WGMMA_MODULE,
     crate::block_quantize::BLOCK_QUANTIZE_MODULE,
     crate::cross_entropy::CROSS_ENTROPY_MODULE,
     crate::embedding::EMBEDDING_MODULE,
@@ -195,7 +230,8 @@ pub fn arch_for(compute_capability: (i32, i32)) -> &'static str {
     }
 }
 
-/// Compiles `module` to PTX for `arch` (e.g. `"sm_90"`) with [`PRECISE_OPTIONS`]. Needs NVRTC, not a GPU.
+/// Compiles `module` to PTX for `arch` (e.g. `"sm_90"`; [`KernelModule::target_for`] says which) with
+/// [`PRECISE_OPTIONS`]. Needs NVRTC, not a GPU.
 pub fn compile_ptx(module: &KernelModule, arch: &'static str) -> Result<Ptx, KernelError> {
     nvrtc_status()?;
     let opts = CompileOptions {

@@ -14,6 +14,11 @@
 //! 3. `long_sequences_match_simple_kernels`: T = 2048 and 4096 against the simple kernels on the GPU.
 //! 4. `backward_is_deterministic`: forward and backward three times (the default, whose backward is
 //!    the separate kernels, and the fused backward with split buffers), the same bits.
+//! 5. The forward on Hopper's warpgroup MMA (`AttentionKernel::Wgmma`, compute capability 9.0 only):
+//!    `wgmma_probes_match_cpu` runs its building blocks alone (ONE `wgmma.m64n64k16` first, then the
+//!    `Q K^T` and `P V` steps at both head dims) and names the wrong one; `wgmma_forward_matches_cpu_and_mma`
+//!    runs every compiled wgmma variant against the CPU reference and against the mma.sync forward, with
+//!    the mma backward run on each forward's `out` and `lse`.
 //!
 //! Tolerances, for BF16 inputs and outputs with F32 accumulation (P and dS are rounded to BF16 before
 //! their matrix products, as in FlashAttention): against the F32 reference computed from the same BF16
@@ -25,8 +30,9 @@
 //! Rounding the outputs to BF16 alone gives about 4e-3 of the largest value and 1.5e-3 in L2.
 
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, run_layout_probe, AttentionConfig, AttentionKernel,
-    AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels, DqAccumulation, HEAD_DIMS,
+    attention_backward, attention_forward, run_layout_probe, run_wgmma_probe,
+    wgmma_forward_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
+    AttentionWorkspace, BackwardKernels, DqAccumulation, WgmmaProbe, HEAD_DIMS,
 };
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
@@ -34,8 +40,9 @@ use std::sync::OnceLock;
 
 mod attention_common;
 use attention_common::{
-    assert_no_failures, check_all, cycled_variants, inputs, probe_name, probe_ok, reference,
-    Inputs, Outputs, ProbeCase, PROBES,
+    assert_no_failures, check_all, cycled_variants, inputs, matrix_probe_ok, probe_name, probe_ok,
+    reference, wgmma_probe_name, wgmma_probes, wgmma_shapes, Inputs, Outputs, ProbeCase,
+    WgmmaProbeCase, PROBES,
 };
 
 /// One device for the whole binary, so the module is compiled once.
@@ -98,7 +105,7 @@ fn variants(hd: usize, t: usize) -> Vec<(String, AttentionConfig)> {
             with(AttentionTiles {
                 forward: Some(forward),
                 backward: Some(backward),
-                backward_splits: None,
+                ..Default::default()
             }),
         ));
     }
@@ -396,4 +403,135 @@ fn gqa_backward_is_deterministic() {
             );
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wgmma_probes_match_cpu() {
+    // Each building block of the wgmma forward alone, the single instruction first: a wrong descriptor
+    // field, swizzle or fragment map shows up here as a wrong small product, with the wrong rows and
+    // columns and where the misplaced values belong. Needs compute capability 9.0.
+    let dev = gpu();
+    let mut ok = true;
+    for (probe, hd) in wgmma_probes() {
+        let case = WgmmaProbeCase::new(probe, hd, 21);
+        let name = wgmma_probe_name(probe, hd);
+        let passed = match run_wgmma_probe(&dev, probe, hd, &case.a, &case.b16) {
+            Ok(got) => matrix_probe_ok(&name, &got, &case.want(), case.out_cols()),
+            Err(e) => {
+                println!("FAIL probe {name}: error {e}");
+                false
+            }
+        };
+        ok &= passed;
+        if !passed && probe == WgmmaProbe::Pv {
+            // Which encoding of V's descriptor the GPU reads, if it is the other reading of the PTX ISA
+            // (LBO and SBO exchanged): then att_wg_pv's strides are to be swapped.
+            let swapped = WgmmaProbe::PvStrides {
+                lbo: 1024,
+                sbo: 64 * 128,
+            };
+            let name = wgmma_probe_name(swapped, hd);
+            match run_wgmma_probe(&dev, swapped, hd, &case.a, &case.b16) {
+                Ok(got) => {
+                    let right = matrix_probe_ok(&name, &got, &case.want(), case.out_cols());
+                    println!(
+                        "     diagnosis: V's descriptor with LBO and SBO exchanged {}",
+                        if right {
+                            "is RIGHT: swap the strides in att_wg_pv (attention_wgmma.cu)"
+                        } else {
+                            "is wrong too"
+                        }
+                    );
+                }
+                Err(e) => println!("     diagnosis probe {name}: error {e}"),
+            }
+        }
+    }
+    assert!(ok, "a wgmma probe failed (see the lines above)");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wgmma_forward_matches_cpu_and_mma() {
+    // Every compiled wgmma forward variant at head dims 64 and 128, T in {1, 63, 64, 100, 128, 257,
+    // 1024}, grouped-query ratios 1 to 8, batches 1 and 2, two non-default scales: out and lse against the
+    // CPU reference and against the mma.sync forward (the default), within the forward's documented
+    // bounds; the backward (mma kernels, the default) run on each forward's out and lse: its gradients
+    // against the CPU's and against those from the mma forward's outputs. The forward must repeat its
+    // bits. Needs compute capability 9.0.
+    let dev = gpu();
+    let mut fails = Vec::new();
+    let mut cases: Vec<(AttentionShape, Option<f32>)> =
+        wgmma_shapes().into_iter().map(|s| (s, None)).collect();
+    cases.push((AttentionShape::new(2, 2, 100, 64), Some(0.3)));
+    cases.push((AttentionShape::gqa(1, 6, 3, 333, 128), Some(0.05)));
+    for (i, (shape, scale)) in cases.iter().enumerate() {
+        let inp = inputs(*shape, 900 + i as u64);
+        let base = AttentionConfig {
+            softmax_scale: *scale,
+            ..Default::default()
+        };
+        let want = reference(&inp, base.scale_for(shape.head_dim));
+        let label = |name: &str| {
+            format!(
+                "B{} H{} KV{} T{} hd{} scale {:.3} [{name}]",
+                shape.batch,
+                shape.heads,
+                shape.kv_heads,
+                shape.seq_len,
+                shape.head_dim,
+                base.scale_for(shape.head_dim)
+            )
+        };
+        let mma = match run(&dev, &inp, &base, &mut AttentionWorkspace::new()) {
+            Ok((got, _, _)) => {
+                fails.extend(check_all(&label("mma default vs cpu"), shape, &got, &want));
+                Some(got)
+            }
+            Err(e) => {
+                fails.push(format!("FAIL {}: error {e}", label("mma default")));
+                None
+            }
+        };
+        for &tiles in wgmma_forward_variants(shape.head_dim) {
+            let cfg = AttentionConfig {
+                kernel: AttentionKernel::Wgmma,
+                tiles: AttentionTiles {
+                    wgmma_forward: Some(tiles),
+                    ..Default::default()
+                },
+                ..base
+            };
+            let name = format!("wgmma {tiles}");
+            let mut ws = AttentionWorkspace::new();
+            match run(&dev, &inp, &cfg, &mut ws) {
+                Ok((got, out_bits, _)) => {
+                    fails.extend(check_all(
+                        &label(&format!("{name} vs cpu")),
+                        shape,
+                        &got,
+                        &want,
+                    ));
+                    if let Some(m) = &mma {
+                        fails.extend(check_all(&label(&format!("{name} vs mma")), shape, &got, m));
+                    }
+                    match run(&dev, &inp, &cfg, &mut ws) {
+                        Ok((again, bits, _)) if bits == out_bits && again.lse == got.lse => {}
+                        Ok(_) => fails.push(format!(
+                            "FAIL {}: the forward differs between two runs",
+                            label(&name)
+                        )),
+                        Err(e) => fails.push(format!("FAIL {}: error {e}", label(&name))),
+                    }
+                }
+                Err(e) => {
+                    let line = format!("FAIL {}: error {e}", label(&name));
+                    println!("{line}");
+                    fails.push(line);
+                }
+            }
+        }
+    }
+    assert_no_failures(&fails);
 }

@@ -1,5 +1,8 @@
-//! The attention kernels of `attention.cu`, run on the CPU by a host emulator, against the CPU reference:
-//! the GPU test's comparisons for machines without a GPU.
+//! The attention kernels of `attention.cu` and the wgmma forward of `attention_wgmma.cu`, run on the CPU
+//! by a host emulator, against the CPU reference: the GPU test's comparisons for machines without a GPU.
+//! For the wgmma forward the emulator's wgmma follows the same reading of the PTX ISA (descriptors,
+//! swizzle, fragments) as the kernel, so it checks everything but that reading, which the GPU probes
+//! (`attention_cuda`'s `wgmma_probes_match_cpu`) check.
 //!
 //! `attention_common/emulator.cpp` compiles `attention.cu` itself with a C++ compiler (one std::thread
 //! per CUDA thread; ldmatrix, mma, cp.async and shuffles emulated from the PTX ISA's element mappings;
@@ -16,10 +19,14 @@
 mod attention_common;
 
 use attention_common::{
-    assert_no_failures, check_all, cycled_variants, inputs, probe_name, probe_ok, reference,
-    Inputs, Outputs, ProbeCase, PROBES,
+    assert_no_failures, check_all, check_forward, cycled_variants, inputs, matrix_probe_ok,
+    probe_name, probe_ok, reference, wgmma_probe_name, wgmma_probes, wgmma_shapes, Inputs, Outputs,
+    ProbeCase, WgmmaProbeCase, PROBES,
 };
-use fp8_kernels::attention::{AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe};
+use fp8_kernels::attention::{
+    wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe,
+    WgmmaProbe,
+};
 use half::bf16;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -358,4 +365,107 @@ fn emulated_gqa_deterministic_backward_repeats_bits() {
         assert_eq!(bits(&a.dqkv), bits(&b.dqkv), "{}", v.name);
         assert_eq!(bits(&a.out), bits(&b.out), "{}", v.name);
     }
+}
+
+#[test]
+#[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
+fn emulated_wgmma_probes_match_cpu() {
+    let bin = emulator();
+    let dir = scratch("attention_emulated_wgmma_probes");
+    let mut ok = true;
+    for (probe, hd) in wgmma_probes() {
+        let case = WgmmaProbeCase::new(probe, hd, 21);
+        let which = match probe {
+            WgmmaProbe::Abt16 => "abt16",
+            WgmmaProbe::Abt => "abt",
+            WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => "pv",
+        };
+        if which == "pv" {
+            write(&dir.join("a.bin"), &case.a);
+        } else {
+            let a16: Vec<bf16> = case.a.iter().map(|&v| bf16::from_f32(v)).collect();
+            write(&dir.join("a.bin"), &a16);
+        }
+        write(&dir.join("b.bin"), &case.b16);
+        let o = Command::new(&bin)
+            .args(["wgprobe", which, &hd.to_string()])
+            .arg(&dir)
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "wgmma probe {which} hd{hd}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let got: Vec<f32> = read(&dir.join("out.bin"), 64 * case.out_cols());
+        ok &= matrix_probe_ok(
+            &wgmma_probe_name(probe, hd),
+            &got,
+            &case.want(),
+            case.out_cols(),
+        );
+    }
+    assert!(ok, "a wgmma probe failed (see the lines above)");
+}
+
+#[test]
+#[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
+fn emulated_wgmma_forward_matches_cpu() {
+    // Every wgmma forward variant on the wgmma shapes up to T = 257 (T = 1024 only on the GPU: the
+    // emulator runs a thread per CUDA thread), wgmma results and cp.async copies at issue and at the
+    // waits in turn; and a non-default scale. The first variant of each shape with the default backward
+    // on its outputs, the others alone (out and lse), which keeps the test to a minute or two.
+    let bin = emulator();
+    let dir = scratch("attention_emulated_wgmma");
+    let mut fails = Vec::new();
+    let mut cases: Vec<(AttentionShape, Option<f32>)> = wgmma_shapes()
+        .into_iter()
+        .filter(|s| s.seq_len <= 257)
+        .map(|s| (s, None))
+        .collect();
+    cases.push((AttentionShape::new(1, 2, 100, 64), Some(0.3)));
+    for (i, (shape, scale)) in cases.into_iter().enumerate() {
+        let inp = inputs(shape, 1100 + i as u64);
+        let scale = AttentionConfig {
+            softmax_scale: scale,
+            ..Default::default()
+        }
+        .scale_for(shape.head_dim);
+        let want = reference(&inp, scale);
+        let (_, bwd) = AttentionConfig::default()
+            .kernels_for(shape.head_dim)
+            .unwrap();
+        for (j, tiles) in wgmma_forward_variants(shape.head_dim).iter().enumerate() {
+            let v = Variant {
+                name: format!("wgmma {tiles}"),
+                copies: if (i + j) % 2 == 0 { "late" } else { "early" },
+                fwd: format!("wg:{tiles}"),
+                bwd: if j == 0 {
+                    bwd_arg(&bwd, 0)
+                } else {
+                    "none".into()
+                },
+            };
+            let label = format!(
+                "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
+                shape.batch,
+                shape.heads,
+                shape.kv_heads,
+                shape.seq_len,
+                shape.head_dim,
+                v.name,
+                v.copies
+            );
+            match run(&bin, &inp, &v, scale, &dir) {
+                Ok(got) if j == 0 => fails.extend(check_all(&label, &shape, &got, &want)),
+                Ok(got) => fails.extend(check_forward(&label, &shape, &got, &want)),
+                Err(e) => {
+                    println!("FAIL {label}: {e}");
+                    fails.push(format!("{label}: {e}"));
+                }
+            }
+        }
+    }
+    assert_no_failures(&fails);
 }

@@ -1,7 +1,8 @@
 //! The CPU attention reference against a naive F64 attention (full `T x T` matrices, explicit mask),
 //! its backward against finite differences of that F64 forward, causality properties, the public API's
-//! validation, and the NVRTC build of the CUDA module for sm_90 with ptxas' register report (ignored
-//! where the build found no NVRTC). The GPU comparisons are in `attention_cuda.rs`.
+//! validation, and the NVRTC build of the CUDA modules for sm_90 (the wgmma forward's for sm_90a) with
+//! ptxas' register report (ignored where the build found no NVRTC). The GPU comparisons are in
+//! `attention_cuda.rs`.
 
 mod attention_common;
 mod common;
@@ -10,11 +11,12 @@ use attention_common::{expand_kv, slot};
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
 use fp8_kernels::attention::{
     attention_backward, attention_forward, attention_module, cpu, default_tiles, dkdv_variants,
-    dq_variants, forward_variants, kernel_module, AttentionConfig, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, KernelFamily, KeyTiles, QueryTiles, TensorKernel,
-    ATTENTION_MODULE, HEAD_DIMS,
+    dq_variants, forward_variants, kernel_module, wgmma_forward_variants, AttentionConfig,
+    AttentionKernel, AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels,
+    KernelFamily, KeyTiles, QueryTiles, TensorKernel, WgmmaTiles, ATTENTION_MODULE,
+    ATTENTION_WGMMA_MODULE, HEAD_DIMS, WGMMA_HEAD_DIMS,
 };
-use fp8_kernels::kernel_source::PRECISE_OPTIONS;
+use fp8_kernels::kernel_source::{compile_ptx, ModuleArch, PRECISE_OPTIONS};
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
 use proptest::prelude::*;
@@ -353,6 +355,65 @@ fn bad_calls_are_errors() {
     let mut none_out = dev.zeros::<bf16>(0).unwrap();
     let mut none_lse = dev.zeros::<f32>(0).unwrap();
     attention_forward(&empty, &cfg, &none, &mut none_out, &mut none_lse).unwrap();
+}
+
+#[test]
+fn wgmma_configs_are_validated() {
+    // The wgmma family resolves its tiles (default or given) for head dims 64 and 128 only, on every
+    // device; on the CPU it runs the reference like every family.
+    let dev = Device::cpu();
+    let wgmma = AttentionConfig {
+        kernel: AttentionKernel::Wgmma,
+        ..Default::default()
+    };
+    for hd in WGMMA_HEAD_DIMS {
+        let s = AttentionShape::gqa(1, 4, 2, 9, hd);
+        let qkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
+        let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
+        let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
+        attention_forward(&s, &wgmma, &qkv, &mut out, &mut lse).unwrap();
+        assert_eq!(wgmma.wgmma_tiles_for(hd).unwrap(), WgmmaTiles::new(2, 128));
+        for &t in wgmma_forward_variants(hd) {
+            let c = AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_forward: Some(t),
+                    ..Default::default()
+                },
+                ..wgmma
+            };
+            assert_eq!(c.wgmma_tiles_for(hd).unwrap(), t);
+            attention_forward(&s, &c, &qkv, &mut out, &mut lse).unwrap();
+        }
+        let c = AttentionConfig {
+            tiles: AttentionTiles {
+                wgmma_forward: Some(WgmmaTiles::new(4, 128)),
+                ..Default::default()
+            },
+            ..wgmma
+        };
+        assert!(matches!(
+            attention_forward(&s, &c, &qkv, &mut out, &mut lse),
+            Err(KernelError::InvalidArgument { .. })
+        ));
+    }
+    let s = AttentionShape::new(1, 2, 9, 32);
+    let qkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
+    let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
+    let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
+    assert!(matches!(
+        attention_forward(&s, &wgmma, &qkv, &mut out, &mut lse),
+        Err(KernelError::InvalidArgument { .. })
+    ));
+    assert!(wgmma.wgmma_tiles_for(32).is_err());
+    // The other families ignore the wgmma tiles.
+    let mma = AttentionConfig {
+        tiles: AttentionTiles {
+            wgmma_forward: Some(WgmmaTiles::new(4, 128)),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    attention_forward(&s, &mma, &qkv, &mut out, &mut lse).unwrap();
 }
 
 /// The CPU reference's `(out, lse, d_qkv)`.
@@ -731,5 +792,121 @@ nvrtc_test! {
         }
         assert!(log.contains("Used"), "no ptxas report in the log:\n{log}");
         assert!(spills.is_empty(), "register spills: {spills:#?}");
+    }
+}
+
+/// Compiles `source` with NVRTC for `arch` with the crate's options and ptxas' report; returns `(PTX, log)`.
+fn compile_with_report(source: &str, arch: &str) -> (String, String) {
+    use cudarc::nvrtc::result;
+    use std::ffi::CString;
+    require_nvrtc();
+    let src = CString::new(source).unwrap();
+    let mut opts: Vec<String> = PRECISE_OPTIONS.iter().map(|s| s.to_string()).collect();
+    opts.push(format!("--gpu-architecture={arch}"));
+    opts.push("--ptxas-options=-v".into());
+    let text = |chars: Vec<std::ffi::c_char>| {
+        let bytes: Vec<u8> = chars
+            .iter()
+            .map(|&c| c as u8)
+            .take_while(|&c| c != 0)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    // SAFETY: NVRTC was found above; the program handle is created, compiled, read and destroyed here,
+    // and the options outlive the compile call.
+    unsafe {
+        let prog = result::create_program(&src, None).unwrap();
+        let compiled = result::compile_program(prog, &opts);
+        let log = text(result::get_program_log(prog).unwrap());
+        let ptx = compiled
+            .is_ok()
+            .then(|| text(result::get_ptx(prog).unwrap()));
+        result::destroy_program(prog).unwrap();
+        compiled.unwrap_or_else(|e| panic!("compile for {arch} failed: {e:?}\n{log}"));
+        (ptx.unwrap_or_default(), log)
+    }
+}
+
+nvrtc_test! {
+    /// The wgmma forward's module for sm_90a (its only target), compiled to SASS through NVRTC as the GPU
+    /// would: exactly the variants of `wgmma_forward_variants` and the probes; the wgmma instructions and
+    /// fences in the PTX; no register spill; and no ptxas notice that it had to add warpgroup
+    /// synchronisation (C7519: registers touched between wgmma without wgmma.fence) or serialize the wgmma
+    /// (C7515-style "serialized" performance notes). Also: the module is not valid for sm_90.
+    fn wgmma_module_compiles_for_sm90a() {
+        assert_eq!(ATTENTION_WGMMA_MODULE.arch, ModuleArch::Sm90a);
+        assert_eq!(ATTENTION_WGMMA_MODULE.target_for((9, 0)).unwrap(), "sm_90a");
+        for cc in [(8, 0), (8, 9), (10, 0), (12, 0)] {
+            assert!(ATTENTION_WGMMA_MODULE.target_for(cc).is_err(), "{cc:?}");
+        }
+        let (ptx, log) = compile_with_report(ATTENTION_WGMMA_MODULE.source, "sm_90a");
+        assert!(ptx.contains(".target sm_90a"), "PTX target");
+        let mut want: std::collections::BTreeSet<String> = [
+            "attn_wg_probe_abt16",
+            "attn_wg_probe_abt_hd64",
+            "attn_wg_probe_abt_hd128",
+            "attn_wg_probe_pv_hd64",
+            "attn_wg_probe_pv_hd128",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        for hd in WGMMA_HEAD_DIMS {
+            for &t in wgmma_forward_variants(hd) {
+                want.insert(TensorKernel::WgmmaForward(t).name(hd));
+            }
+        }
+        assert_eq!(entries(&ptx, "attn_"), want);
+        for insn in [
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+            "wgmma.fence.sync.aligned",
+            "wgmma.commit_group.sync.aligned",
+            "wgmma.wait_group.sync.aligned",
+            "fence.proxy.async.shared::cta",
+            "cp.async.cg.shared.global",
+            "ex2.approx.ftz.f32",
+        ] {
+            assert!(ptx.contains(insn), "wgmma module PTX lacks {insn}");
+        }
+        let mut current = String::new();
+        for line in log.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                current = rest.split('\'').next().unwrap_or("").to_string();
+            }
+            if line.contains("registers") || line.contains("spill") {
+                println!("{current}: {}", line.trim());
+            }
+            if line.contains("spill stores") {
+                assert!(
+                    line.contains(" 0 bytes spill stores, 0 bytes spill loads"),
+                    "{current} spills: {line}"
+                );
+            }
+        }
+        assert!(log.contains("Used"), "no ptxas report in the log:\n{log}");
+        for notice in ["C7519", "C7515", "C7510", "serialized", "warpgroup.arrive"] {
+            assert!(!log.contains(notice), "ptxas notice {notice}:\n{log}");
+        }
+        // The wgmma instructions do not exist for sm_90: the module needs its own target.
+        assert!(compile_ptx(&ATTENTION_WGMMA_MODULE, "sm_90").is_err());
+    }
+}
+
+nvrtc_test! {
+    fn wgmma_single_kernel_modules_hold_their_kernel() {
+        require_nvrtc();
+        for hd in WGMMA_HEAD_DIMS {
+            for &t in wgmma_forward_variants(hd) {
+                let kernel = TensorKernel::WgmmaForward(t);
+                let m = kernel_module(hd, kernel);
+                assert_eq!(m.arch, ModuleArch::Sm90a, "{}", m.name);
+                let ptx = compile_ptx(m, m.target_for((9, 0)).unwrap())
+                    .unwrap_or_else(|e| panic!("{}: {e}", m.name))
+                    .to_src();
+                let want: std::collections::BTreeSet<String> = [kernel.name(hd)].into();
+                assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
+            }
+        }
     }
 }

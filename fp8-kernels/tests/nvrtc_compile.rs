@@ -1,4 +1,5 @@
-//! Compiles every CUDA module of the crate (the registry `kernel_source::MODULES`) for sm_90 with NVRTC,
+//! Compiles every CUDA module of the crate (the registry `kernel_source::MODULES`) for sm_90 (sm_90a for
+//! the modules built for that target) with NVRTC,
 //! as the crate builds them (no GPU needed), and checks that no CUDA source under `src/` or `cuda/` is
 //! left out of the registry. The compile test is ignored, with the reason, where the build found no NVRTC
 //! (`build.rs`; CI puts NVIDIA's NVRTC wheel on `LD_LIBRARY_PATH`); the registry check always runs.
@@ -6,7 +7,7 @@
 mod common;
 
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
-use fp8_kernels::kernel_source::{compile_ptx, CAST_MODULE, MODULES};
+use fp8_kernels::kernel_source::{compile_ptx, ModuleArch, CAST_MODULE, MODULES};
 use std::path::{Path, PathBuf};
 
 /// Every `.cu` and `.cuh` file under `dir`, as paths relative to the crate root.
@@ -74,13 +75,24 @@ fn every_cuda_source_belongs_to_a_registered_module() {
 nvrtc_test! {
     fn every_kernel_module_compiles_for_sm90() {
         require_nvrtc();
+        // Each module for the target it gets on a compute capability 9.0 GPU: sm_90, or sm_90a for the
+        // modules built for that target alone (ModuleArch::Sm90a).
         for m in MODULES {
-            let ptx = compile_ptx(m, "sm_90").unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            let target = m.target_for((9, 0)).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            let ptx = compile_ptx(m, target).unwrap_or_else(|e| panic!("{}: {e}", m.name));
             let text = ptx.to_src();
-            assert!(text.contains(".target sm_90"), "{}: PTX target", m.name);
+            assert!(
+                text.contains(&format!(".target {target}\n")),
+                "{}: PTX target",
+                m.name
+            );
             assert!(text.contains(".entry"), "{}: no kernels in PTX", m.name);
-            println!("compiled {} ({}) for sm_90", m.name, m.files.join(" + "));
+            println!("compiled {} ({}) for {target}", m.name, m.files.join(" + "));
         }
+        assert!(
+            MODULES.iter().any(|m| m.arch == ModuleArch::Sm90a),
+            "the sm_90a modules are registered (and compiled above)"
+        );
         // The casts must use the hardware FP8 conversions.
         let cast = sm90_ptx(&CAST_MODULE);
         for insn in [

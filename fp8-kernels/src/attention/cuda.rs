@@ -7,7 +7,7 @@
 use super::{
     attention_module, kernel_entry, kernel_module, AttentionKernel, AttentionShape,
     BackwardKernels, DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles,
-    ResolvedConfig, TensorKernel,
+    ResolvedConfig, TensorKernel, WgmmaProbe, WgmmaTiles, ATTENTION_WGMMA_MODULE,
 };
 use crate::launch::{kernel_name, launch, Kernel};
 use crate::{CudaDevice, KernelError};
@@ -29,6 +29,17 @@ fn bad(what: &'static str, detail: String) -> KernelError {
 pub(super) fn forward_smem_bytes(head_dim: usize, t: &QueryTiles) -> usize {
     (t.block_rows() + 4 * t.key_rows) * (head_dim + 8) * 2
 }
+
+/// Bytes of dynamic shared memory of a wgmma forward kernel: Q [BM][hd], K [2][BN][hd] and V [2 or 3,
+/// `value_buffers`][BN][hd] bf16 in 128-byte-swizzled tiles, plus 1024 bytes for the kernel to align them
+/// to 1024 bytes.
+pub(super) fn wgmma_forward_smem_bytes(head_dim: usize, t: &WgmmaTiles) -> usize {
+    (t.block_rows() + (2 + t.value_buffers()) * t.key_rows) * head_dim * 2 + 1024
+}
+
+/// Bytes of dynamic shared memory of the wgmma probes (`ATT_WG_PROBE_SMEM`): two 64 x 128 tiles and the
+/// alignment.
+const WGMMA_PROBE_SMEM: usize = 2 * 64 * 128 * 2 + 1024;
 
 /// Bytes of dynamic shared memory of the fused backward with `rows` query rows per iteration.
 pub(super) fn fused_smem_bytes(head_dim: usize, rows: usize) -> usize {
@@ -71,6 +82,21 @@ fn allow_dynamic_smem(
         ));
     }
     kernel.allow_dynamic_smem(bytes)
+}
+
+/// The wgmma kernels are built for sm_90a, which only compute capability 9.0 runs.
+fn require_sm90(dev: &CudaDevice, what: &'static str) -> Result<(), KernelError> {
+    let (major, minor) = dev.compute_capability();
+    if (major, minor) != (9, 0) {
+        return Err(bad(
+            what,
+            format!(
+                "the wgmma kernels need compute capability 9.0 (Hopper, sm_90a); this GPU is \
+                 {major}.{minor}; use AttentionKernel::Mma"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn require_tensor_cores(dev: &CudaDevice, what: &'static str) -> Result<(), KernelError> {
@@ -163,6 +189,37 @@ pub(super) fn forward(
                 [qkv, out, lse, &t, &h, &kv, &scale_log2]
             )?;
         }
+        AttentionKernel::Wgmma => {
+            require_sm90(dev, WHAT)?;
+            let tiles = cfg.wgmma_forward.ok_or_else(|| {
+                KernelError::Internal("wgmma forward without resolved tiles".into())
+            })?;
+            let (module, entry) = kernel_entry(hd, TensorKernel::WgmmaForward(tiles));
+            let kernel = Kernel::new(dev, module, entry)?;
+            let smem = wgmma_forward_smem_bytes(hd, &tiles);
+            allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
+            let launch = LaunchConfig {
+                grid_dim: (
+                    (shape.batch * shape.heads) as u32,
+                    shape.seq_len.div_ceil(tiles.block_rows()) as u32,
+                    1,
+                ),
+                block_dim: (128 * tiles.warpgroups as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+            // Grid (B*H, ceil(T / BM)) with BM = 64 * NWG query rows per block of 128 * NWG threads (the
+            // tiles' warpgroups), the dynamic shared memory its tiles and their 1024-byte alignment need
+            // (limit raised above); lengths as in the simple kernel (checked by the caller); every global
+            // access is bounded by T.
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
+                 int KV, float scale_log2)",
+                [qkv, out, lse, &t, &h, &kv, &scale_log2]
+            )?;
+        }
     }
     Ok(())
 }
@@ -249,7 +306,7 @@ pub(super) fn workspace_lens(
     cfg: &ResolvedConfig,
 ) -> Result<(usize, usize), KernelError> {
     let dq = match (cfg.kernel, cfg.backward) {
-        (AttentionKernel::Mma, BackwardKernels::Fused { query_rows }) => {
+        (AttentionKernel::Mma | AttentionKernel::Wgmma, BackwardKernels::Fused { query_rows }) => {
             fused_plan(dev, shape, cfg, query_rows)?.buffers * shape.out_len()
         }
         _ => 0,
@@ -277,12 +334,13 @@ pub(super) fn backward(
     let hd_i = hd as i32;
 
     // The module of (the first) kernel this call launches, which also holds D's and the dQ conversion.
+    // The wgmma family's backward is the mma one.
     let module = match (cfg.kernel, cfg.backward) {
         (AttentionKernel::Simple, _) => attention_module(hd, KernelFamily::Simple),
-        (AttentionKernel::Mma, BackwardKernels::Fused { query_rows }) => {
+        (AttentionKernel::Mma | AttentionKernel::Wgmma, BackwardKernels::Fused { query_rows }) => {
             kernel_module(hd, TensorKernel::Fused { query_rows })
         }
-        (AttentionKernel::Mma, BackwardKernels::Separate { dkdv, .. }) => {
+        (AttentionKernel::Mma | AttentionKernel::Wgmma, BackwardKernels::Separate { dkdv, .. }) => {
             kernel_module(hd, TensorKernel::DkDv(dkdv))
         }
     };
@@ -330,7 +388,7 @@ pub(super) fn backward(
                 )?;
             }
         }
-        AttentionKernel::Mma => match cfg.backward {
+        AttentionKernel::Mma | AttentionKernel::Wgmma => match cfg.backward {
             BackwardKernels::Separate { dkdv, dq } => {
                 separate_backward(dev, shape, cfg, dkdv, dq, qkv, d_out, lse, d_qkv, d_ws)?
             }
@@ -507,6 +565,68 @@ pub(super) fn layout_probe(
                 kernel: &kernel,
                 launch,
                 "attn_probe_{abt,atb}(const u16* a, const u16* b, float* out)",
+                [&a_dev, bs, os]
+            )?;
+        }
+    }
+    Ok(stream.clone_dtoh(&out)?)
+}
+
+/// Runs one wgmma probe (see `WgmmaProbe`; lengths checked by the caller).
+pub(super) fn wgmma_probe(
+    dev: &CudaDevice,
+    probe: WgmmaProbe,
+    head_dim: usize,
+    a: &[f32],
+    b: &[bf16],
+) -> Result<Vec<f32>, KernelError> {
+    const WHAT: &str = "attention wgmma probe";
+    require_sm90(dev, WHAT)?;
+    // V's descriptor strides of the P V probes: the kernel's, or those asked for.
+    let (lbo, sbo) = match probe {
+        WgmmaProbe::PvStrides { lbo, sbo } => (lbo, sbo),
+        _ => (64 * 128, 1024),
+    };
+    let (name, out_cols) = match (probe, head_dim) {
+        (WgmmaProbe::Abt16, _) => ("attn_wg_probe_abt16", 64),
+        (WgmmaProbe::Abt, 64) => ("attn_wg_probe_abt_hd64", 64),
+        (WgmmaProbe::Abt, _) => ("attn_wg_probe_abt_hd128", 64),
+        (WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. }, 64) => ("attn_wg_probe_pv_hd64", 64),
+        (WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. }, _) => ("attn_wg_probe_pv_hd128", 128),
+    };
+    let kernel = Kernel::new(dev, &ATTENTION_WGMMA_MODULE, name)?;
+    allow_dynamic_smem(dev, &kernel, WGMMA_PROBE_SMEM, WHAT)?;
+    let stream = dev.stream();
+    let b_dev = stream.clone_htod(b)?;
+    let mut out = stream.alloc_zeros::<f32>(64 * out_cols)?;
+    let launch = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: WGMMA_PROBE_SMEM as u32,
+    };
+    let (bs, os) = (&b_dev, &mut out);
+    // One warpgroup (128 threads) with the probes' shared memory; a is 64 x 64 (abt16, pv) or 64 x hd
+    // (abt), b 64 x hd, out 64 x 64 or 64 x hd (pv), as the caller checked and the names above say; the
+    // strides only change which shared-memory bytes of the one 64 x hd tile the wgmma reads (the
+    // emulator checks nothing past the shared memory is read; a wrong stride reads the wrong tile bytes
+    // or faults, which the test reports).
+    match probe {
+        WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => {
+            let a_dev = stream.clone_htod(a)?;
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_wg_probe_pv_hd<HD>(const float* p, const u16* v, float* out, u32 v_lbo, u32 v_sbo)",
+                [&a_dev, bs, os, &lbo, &sbo]
+            )?;
+        }
+        WgmmaProbe::Abt16 | WgmmaProbe::Abt => {
+            let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+            let a_dev = stream.clone_htod(&a16)?;
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_wg_probe_abt{16,_hd<HD>}(const u16* a, const u16* b, float* out)",
                 [&a_dev, bs, os]
             )?;
         }

@@ -19,23 +19,25 @@
 //! otherwise; key `k` is visible to query `t` when `k <= t`. Head dims 32, 64 and 128; any `T >= 1`.
 //!
 //! Where it runs: the CPU ([`cpu`], the reference: plain attention in F32 from the BF16 inputs) or the
-//! buffers' GPU, with one of two kernel families ([`AttentionKernel`]): tensor-core flash-attention
-//! kernels (`Mma`, the default) or simple per-row kernels without tensor cores (`Simple`, a slow fallback
-//! that tells a fragment-layout bug in the fast kernels from a problem elsewhere). The GPU backward is
-//! deterministic by default (the same bits on every run, [`DqAccumulation`]). See `docs/attention.md`.
+//! buffers' GPU, with one of the kernel families of [`AttentionKernel`]: tensor-core flash-attention
+//! kernels (`Mma`, the default), the forward on Hopper's warpgroup MMA (`Wgmma`, sm_90a only, not yet
+//! verified on a GPU) with the `Mma` backward, or simple per-row kernels without tensor cores (`Simple`, a
+//! slow fallback that tells a fragment-layout bug in the fast kernels from a problem elsewhere). The GPU
+//! backward is deterministic by default (the same bits on every run, [`DqAccumulation`]). See
+//! `docs/attention.md`.
 
 pub mod cpu;
 mod cuda;
 mod tiles;
 
 pub use tiles::{
-    backward_variants, default_tiles, dkdv_variants, dq_variants, forward_variants,
-    is_backward_variant, BackwardKernels, KeyTiles, QueryTiles, TileDefaults, DEFAULT_TILES,
-    FUSED_QUERY_ROWS,
+    backward_variants, default_tiles, default_wgmma_tiles, dkdv_variants, dq_variants,
+    forward_variants, is_backward_variant, wgmma_forward_variants, BackwardKernels, KeyTiles,
+    QueryTiles, TileDefaults, WgmmaTiles, DEFAULT_TILES, FUSED_QUERY_ROWS, WGMMA_HEAD_DIMS,
 };
 
 use crate::device::device_of;
-use crate::kernel_source::KernelModule;
+use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::{check_len, Buffer, Device, KernelError};
 use half::bf16;
 use rayon::prelude::*;
@@ -64,6 +66,22 @@ pub const ATTENTION_MODULE: KernelModule = KernelModule {
         "attention_separate.cu",
     ],
     source: attention_source!(),
+    arch: ModuleArch::Portable,
+};
+
+/// The module of the forward on Hopper's warpgroup MMA ([`AttentionKernel::Wgmma`]): every
+/// [`wgmma_forward_variants`] kernel of both head dims and the wgmma layout probes
+/// ([`run_wgmma_probe`]), built for `sm_90a` only (`common.cuh`, `attention_mma.cuh`,
+/// `attention_wgmma.cu`). The launches of the forward use single-kernel modules ([`kernel_module`]).
+pub const ATTENTION_WGMMA_MODULE: KernelModule = KernelModule {
+    name: "fp8_kernels_attention_wgmma",
+    files: &["common.cuh", "attention_mma.cuh", "attention_wgmma.cu"],
+    source: concat!(
+        include_str!("../../cuda/common.cuh"),
+        include_str!("attention_mma.cuh"),
+        include_str!("attention_wgmma.cu")
+    ),
+    arch: ModuleArch::Sm90a,
 };
 
 /// A group of attention kernels compiled together: one NVRTC module per head dim and family (the simple
@@ -112,6 +130,7 @@ macro_rules! attention_module_of {
             name: concat!("fp8_kernels_attention_hd", $hd, "_", $name),
             files: ATTENTION_MODULE.files,
             source: attention_source!("#define ATT_HD ", $hd, "\n#define ATT_FAMILY ", $fam, "\n"),
+            arch: ModuleArch::Portable,
         }
     };
 }
@@ -150,7 +169,7 @@ pub fn attention_module(head_dim: usize, family: KernelFamily) -> &'static Kerne
     }
 }
 
-/// One tensor-core kernel: a forward, fused backward, dK/dV or dQ variant.
+/// One tensor-core kernel: a forward (mma.sync or wgmma), fused backward, dK/dV or dQ variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorKernel {
     /// A forward variant.
@@ -164,6 +183,8 @@ pub enum TensorKernel {
     DkDv(KeyTiles),
     /// A dQ kernel of the separate backward.
     Dq(QueryTiles),
+    /// A forward variant on Hopper's warpgroup MMA (its module is built for sm_90a).
+    WgmmaForward(WgmmaTiles),
 }
 
 impl TensorKernel {
@@ -176,10 +197,11 @@ impl TensorKernel {
             }
             TensorKernel::DkDv(t) => format!("attn_bwd_dkdv_{t}_hd{head_dim}"),
             TensorKernel::Dq(t) => format!("attn_bwd_dq_{t}_hd{head_dim}"),
+            TensorKernel::WgmmaForward(t) => format!("attn_fwd_wgmma_{t}_hd{head_dim}"),
         }
     }
 
-    /// `ATT_ONLY_KIND`, `_A`, `_B`, `_C` of attention.cu.
+    /// `ATT_ONLY_KIND`, `_A`, `_B`, `_C` of attention.cu (kind 6: attention_wgmma.cu).
     fn selector(&self) -> [usize; 4] {
         match *self {
             TensorKernel::Forward(t) => [1, t.warps, t.row_tiles, t.key_rows],
@@ -187,6 +209,7 @@ impl TensorKernel {
             TensorKernel::DkDv(t) if t.paired => [4, t.warps / 2, t.query_rows, 0],
             TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
             TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
+            TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.pipelined as usize],
         }
     }
 }
@@ -195,7 +218,8 @@ impl TensorKernel {
 /// from the full source with `ATT_HD` and `ATT_ONLY_*` defined: NVRTC then instantiates that one kernel,
 /// about a second of start-up where a module of every variant of a family takes several. Made on the
 /// first request and kept for the process (a few per process; the caller checks that `kernel` is a
-/// compiled variant for `head_dim`).
+/// compiled variant for `head_dim`). A [`TensorKernel::WgmmaForward`] module is built from
+/// [`ATTENTION_WGMMA_MODULE`]'s source, for sm_90a, and holds that kernel only.
 pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelModule {
     &single_kernel_module(head_dim, kernel).module
 }
@@ -233,21 +257,26 @@ fn single_kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static Singl
     let mut map = modules.write().unwrap_or_else(PoisonError::into_inner);
     map.entry((head_dim, kernel)).or_insert_with(|| {
         let [kind, a, b, c] = kernel.selector();
+        let base = match kernel {
+            TensorKernel::WgmmaForward(_) => &ATTENTION_WGMMA_MODULE,
+            _ => &ATTENTION_MODULE,
+        };
         let entry: &'static str = Box::leak(kernel.name(head_dim).into_boxed_str());
         let name: &'static str = Box::leak(format!("fp8_kernels_{entry}").into_boxed_str());
         let source: &'static str = Box::leak(
             format!(
                 "#define ATT_HD {head_dim}\n#define ATT_ONLY_KIND {kind}\n#define ATT_ONLY_A {a}\n\
                  #define ATT_ONLY_B {b}\n#define ATT_ONLY_C {c}\n{}",
-                ATTENTION_MODULE.source
+                base.source
             )
             .into_boxed_str(),
         );
         Box::leak(Box::new(SingleKernelModule {
             module: KernelModule {
                 name,
-                files: ATTENTION_MODULE.files,
+                files: base.files,
                 source,
+                arch: base.arch,
             },
             entry,
         }))
@@ -407,6 +436,12 @@ pub enum AttentionKernel {
     /// One block per row, F32 dot products, no tensor cores: slow, and simple enough to be obviously
     /// right. The diagnostic fallback.
     Simple,
+    /// The forward on Hopper's warpgroup MMA (`wgmma.mma_async`, FlashAttention-3's instruction; kernels
+    /// built for sm_90a, so compute capability 9.0 only: H100, H200), tiles from
+    /// [`AttentionTiles::wgmma_forward`]; head dims 64 and 128. The backward is `Mma`'s (it reads the
+    /// forward's `out` and `lse`, the same contract). Not the default: a first version, not yet
+    /// measured or verified on a GPU (`attention_cuda`'s `wgmma_*` tests).
+    Wgmma,
 }
 
 /// How the tensor-core backward sums dQ.
@@ -438,6 +473,9 @@ pub struct AttentionTiles {
     /// (capped by the number of 64-key blocks). Default: the fewest (at most 8) whose last wave of
     /// blocks fills at least 90 % of the GPU's block slots, within 256 MiB of buffers.
     pub backward_splits: Option<usize>,
+    /// Forward tiles of [`AttentionKernel::Wgmma`]: one of [`wgmma_forward_variants`] for the head dim;
+    /// `None` is [`default_wgmma_tiles`]. Ignored by the other kernel families.
+    pub wgmma_forward: Option<WgmmaTiles>,
 }
 
 /// Options of an attention call.
@@ -462,6 +500,8 @@ pub(crate) struct ResolvedConfig {
     pub forward: QueryTiles,
     pub backward: BackwardKernels,
     pub backward_splits: Option<usize>,
+    /// The wgmma forward's tiles, with [`AttentionKernel::Wgmma`] only.
+    pub wgmma_forward: Option<WgmmaTiles>,
 }
 
 impl AttentionConfig {
@@ -513,6 +553,34 @@ impl AttentionConfig {
         Ok((forward, backward))
     }
 
+    /// The wgmma forward tiles this config runs with for `head_dim` under [`AttentionKernel::Wgmma`]
+    /// (the default resolved), or an error for a head dim or tiles the wgmma forward is not compiled for.
+    pub fn wgmma_tiles_for(&self, head_dim: usize) -> Result<WgmmaTiles, KernelError> {
+        const WHAT: &str = "AttentionConfig::wgmma_tiles_for";
+        let tiles = self
+            .tiles
+            .wgmma_forward
+            .or_else(|| default_wgmma_tiles(head_dim))
+            .ok_or_else(|| {
+                bad(
+                    WHAT,
+                    format!(
+                        "the wgmma forward supports head dims {WGMMA_HEAD_DIMS:?}, not {head_dim}"
+                    ),
+                )
+            })?;
+        if !wgmma_forward_variants(head_dim).contains(&tiles) {
+            return Err(bad(
+                WHAT,
+                format!(
+                    "wgmma forward tiles {tiles} are not compiled for head dim {head_dim} (compiled: {})",
+                    list(wgmma_forward_variants(head_dim))
+                ),
+            ));
+        }
+        Ok(tiles)
+    }
+
     fn resolve(
         &self,
         shape: &AttentionShape,
@@ -529,6 +597,15 @@ impl AttentionConfig {
             KernelError::InvalidArgument { detail, .. } => bad(what, detail),
             other => other,
         })?;
+        let wgmma_forward = match self.kernel {
+            AttentionKernel::Wgmma => {
+                Some(self.wgmma_tiles_for(shape.head_dim).map_err(|e| match e {
+                    KernelError::InvalidArgument { detail, .. } => bad(what, detail),
+                    other => other,
+                })?)
+            }
+            AttentionKernel::Mma | AttentionKernel::Simple => None,
+        };
         if self.tiles.backward_splits == Some(0) {
             return Err(bad(what, "backward_splits must be at least 1".into()));
         }
@@ -550,6 +627,7 @@ impl AttentionConfig {
             forward,
             backward,
             backward_splits: self.tiles.backward_splits,
+            wgmma_forward,
         })
     }
 }
@@ -736,7 +814,7 @@ pub fn backward_splits(
     shape.validate(WHAT)?;
     let cfg = config.resolve(shape, WHAT)?;
     match (device, cfg.kernel) {
-        (Device::Cuda(dev), AttentionKernel::Mma) => match cfg.backward {
+        (Device::Cuda(dev), AttentionKernel::Mma | AttentionKernel::Wgmma) => match cfg.backward {
             BackwardKernels::Fused { query_rows } => {
                 let plan = cuda::fused_plan(dev, shape, &cfg, query_rows)?;
                 Ok((plan.splits, plan.buffers))
@@ -774,4 +852,74 @@ pub fn run_layout_probe(
     check_len(WHAT, 64 * 64, a.len())?;
     check_len(WHAT, 64 * 64, b.len())?;
     cuda::layout_probe(device.as_cuda(WHAT)?, probe, a, b)
+}
+
+/// The building blocks of the wgmma forward (`attention_wgmma.cu`), each run alone by
+/// [`run_wgmma_probe`] on one warpgroup: a wrong shared-memory layout, descriptor field or fragment map
+/// shows up as a wrong small matrix product instead of a wrong attention output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WgmmaProbe {
+    /// `a[:, 0..16] b[:, 0..16]^T` for 64 x 64 inputs: ONE `wgmma.m64n64k16` with both operands K-major
+    /// in 128-byte-swizzled shared memory (head dim 64 only).
+    Abt16,
+    /// `a b^T` for 64 x hd inputs: the `S = Q K^T` step (hd / 16 wgmma, descriptors stepping through the
+    /// swizzled rows and, at hd 128, the two column blocks).
+    Abt,
+    /// `bf16(p) v` for `p` 64 x 64 (F32, entering as accumulator fragments) and `v` 64 x hd: the
+    /// `O += P V` step (A from registers, V MN-major through the transpose bit).
+    Pv,
+    /// [`WgmmaProbe::Pv`] with the given leading and stride byte offsets in V's descriptor instead of
+    /// the kernel's (`lbo` 64 * 128, the second 64-column block of the probe's 64-key tile; `sbo` 1024,
+    /// the next 8 keys): where `Pv` fails, the encoding the GPU does read.
+    PvStrides {
+        /// Leading byte offset (a multiple of 16).
+        lbo: u32,
+        /// Stride byte offset (a multiple of 16).
+        sbo: u32,
+    },
+}
+
+/// Runs `probe` for head dim `head_dim` (64 or 128) on the GPU (compute capability 9.0) with row-major
+/// inputs: `a` (F32, rounded to BF16 by the host except for [`WgmmaProbe::Pv`] and `PvStrides`, where the
+/// kernel rounds it as it rounds P) of 64 x hd (64 x 64 for `Pv`, `PvStrides` and `Abt16`) and `b` (BF16)
+/// of 64 x hd (64 x 64 for `Abt16`). Returns the F32 result: 64 x 64, or 64 x hd for `Pv` and
+/// `PvStrides`.
+pub fn run_wgmma_probe(
+    device: &Device,
+    probe: WgmmaProbe,
+    head_dim: usize,
+    a: &[f32],
+    b: &[bf16],
+) -> Result<Vec<f32>, KernelError> {
+    const WHAT: &str = "run_wgmma_probe";
+    let hd_ok = match probe {
+        WgmmaProbe::Abt16 => head_dim == 64,
+        WgmmaProbe::Abt | WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => {
+            WGMMA_HEAD_DIMS.contains(&head_dim)
+        }
+    };
+    if !hd_ok {
+        return Err(bad(
+            WHAT,
+            format!("probe {probe:?} does not exist for head dim {head_dim}"),
+        ));
+    }
+    if let WgmmaProbe::PvStrides { lbo, sbo } = probe {
+        // Every byte such a descriptor can reach lies in the probe's shared memory (32 KiB from the
+        // aligned start; V's steps reach 6 KiB + LBO + SBO + 1 KiB).
+        if lbo % 16 != 0 || sbo % 16 != 0 || lbo > 8192 || sbo > 8192 {
+            return Err(bad(
+                WHAT,
+                format!("strides {lbo}, {sbo}: multiples of 16 up to 8192 only"),
+            ));
+        }
+    }
+    let a_cols = if probe == WgmmaProbe::Abt {
+        head_dim
+    } else {
+        64
+    };
+    check_len(WHAT, 64 * a_cols, a.len())?;
+    check_len(WHAT, 64 * head_dim, b.len())?;
+    cuda::wgmma_probe(device.as_cuda(WHAT)?, probe, head_dim, a, b)
 }

@@ -4,7 +4,9 @@
 //! The variant lists mirror the X-macros of `attention.cu` (`ATT_FWD_VARIANTS_<hd>`) and
 //! `attention_separate.cu` (`ATT_DKDV_VARIANTS_<hd>`, `ATT_DKDV_PAIR_VARIANTS_<hd>`,
 //! `ATT_DQ_VARIANTS_<hd>`); the NVRTC test
-//! `attention_module_compiles_for_sm90` checks that the PTX holds exactly these entry points.
+//! `attention_module_compiles_for_sm90` checks that the PTX holds exactly these entry points. The wgmma
+//! forward's list mirrors `ATT_WG_FWD_VARIANTS_<hd>` of `attention_wgmma.cu`
+//! (`wgmma_module_compiles_for_sm90a` checks it).
 
 use std::fmt;
 
@@ -43,6 +45,103 @@ impl fmt::Display for QueryTiles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "w{}m{}n{}", self.warps, self.row_tiles, self.key_rows)
     }
+}
+
+/// Tiles and schedule of the forward on Hopper's warpgroup MMA (`attn_fwd_wgmma_*`,
+/// [`super::AttentionKernel::Wgmma`]): `warpgroups` warpgroups (128 threads each) of 64 query rows, so
+/// `64 * warpgroups` query rows per block, and key blocks of `key_rows` keys streamed through shared
+/// memory; `pipelined`: a warpgroup's softmax of key block `j` runs while its `P V` product of block
+/// `j - 1` is in flight (FlashAttention-3's intra-warpgroup overlap, three value buffers) instead of after
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WgmmaTiles {
+    /// Warpgroups per block (1 to 3).
+    pub warpgroups: usize,
+    /// Keys per streamed block (64 or 128).
+    pub key_rows: usize,
+    /// The overlapped schedule.
+    pub pipelined: bool,
+}
+
+impl WgmmaTiles {
+    /// `warpgroups` warpgroups of 64 rows, key blocks of `key_rows`, each product waited for before its
+    /// result is used.
+    pub const fn new(warpgroups: usize, key_rows: usize) -> Self {
+        WgmmaTiles {
+            warpgroups,
+            key_rows,
+            pipelined: false,
+        }
+    }
+
+    /// As [`WgmmaTiles::new`], the softmax overlapping the previous block's `P V`.
+    pub const fn pipelined(warpgroups: usize, key_rows: usize) -> Self {
+        WgmmaTiles {
+            warpgroups,
+            key_rows,
+            pipelined: true,
+        }
+    }
+
+    /// Query rows per block.
+    pub fn block_rows(&self) -> usize {
+        64 * self.warpgroups
+    }
+
+    /// Key/value blocks in shared memory at once: two, three when pipelined.
+    pub fn value_buffers(&self) -> usize {
+        if self.pipelined {
+            3
+        } else {
+            2
+        }
+    }
+}
+
+/// `g<warpgroups>n<key_rows>`, with a `p` when pipelined, as in the kernel names
+/// (`attn_fwd_wgmma_g2n128_hd128`, `attn_fwd_wgmma_g2n128p_hd128`).
+impl fmt::Display for WgmmaTiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = if self.pipelined { "p" } else { "" };
+        write!(f, "g{}n{}{p}", self.warpgroups, self.key_rows)
+    }
+}
+
+/// Head dims of the wgmma forward.
+pub const WGMMA_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The wgmma forward's variants per head dim (`ATT_WG_FWD_VARIANTS_<hd>` in attention_wgmma.cu), in the
+/// order of [`WGMMA_HEAD_DIMS`]; the first is the default.
+const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 5]; 2] = [
+    [
+        WgmmaTiles::new(2, 128),
+        WgmmaTiles::new(2, 64),
+        WgmmaTiles::new(3, 128),
+        WgmmaTiles::pipelined(2, 128),
+        WgmmaTiles::pipelined(3, 128),
+    ],
+    [
+        WgmmaTiles::new(2, 128),
+        WgmmaTiles::new(2, 64),
+        WgmmaTiles::new(1, 128),
+        WgmmaTiles::pipelined(2, 128),
+        WgmmaTiles::pipelined(2, 64),
+    ],
+];
+
+/// The wgmma forward tiles compiled for `head_dim` (empty for a head dim it does not support).
+pub fn wgmma_forward_variants(head_dim: usize) -> &'static [WgmmaTiles] {
+    WGMMA_HEAD_DIMS
+        .iter()
+        .position(|&h| h == head_dim)
+        .map_or(&[], |i| &WGMMA_FORWARD_VARIANTS[i])
+}
+
+/// The wgmma forward tiles used when [`super::AttentionTiles::wgmma_forward`] is `None`: two
+/// warpgroups (128 query rows) and key blocks of 128 at both head dims (FlashAttention-3's tile shape at
+/// head dim 128), the plain schedule (the simplest; nothing measured yet).
+pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
+    wgmma_forward_variants(head_dim).first().copied()
 }
 
 /// Tiles of a kernel that walks key blocks (the separate backward's dK/dV kernel): `warps` warps of
@@ -326,6 +425,21 @@ mod tests {
             assert!(FUSED_QUERY_ROWS.contains(&d.atomic_query_rows), "hd {hd}");
         }
         assert_eq!(DEFAULT_TILES.len(), super::super::HEAD_DIMS.len());
+    }
+
+    #[test]
+    fn wgmma_tiles_name_and_defaults() {
+        assert_eq!(WgmmaTiles::new(2, 128).to_string(), "g2n128");
+        assert_eq!(WgmmaTiles::pipelined(2, 64).to_string(), "g2n64p");
+        assert_eq!(WgmmaTiles::pipelined(2, 64).value_buffers(), 3);
+        assert_eq!(WgmmaTiles::new(3, 64).block_rows(), 192);
+        for hd in WGMMA_HEAD_DIMS {
+            let d = default_wgmma_tiles(hd).unwrap();
+            assert!(wgmma_forward_variants(hd).contains(&d), "hd {hd}");
+            assert!(super::super::HEAD_DIMS.contains(&hd));
+        }
+        assert!(wgmma_forward_variants(32).is_empty());
+        assert!(default_wgmma_tiles(32).is_none());
     }
 
     #[test]

@@ -45,7 +45,7 @@ mod cpu;
 mod cuda;
 
 use crate::device::dispatch;
-use crate::kernel_source::KernelModule;
+use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity, BLOCK_SIZE};
 
@@ -148,6 +148,7 @@ pub const BLOCK_QUANTIZE_MODULE: KernelModule = KernelModule {
         include_str!("blocks128.cuh"),
         include_str!("block_quantize.cu")
     ),
+    arch: ModuleArch::Portable,
 };
 
 /// Which tiles [`block_quantize`] scales and how it lays out its output (see the module docs).

@@ -28,7 +28,7 @@ mod cpu;
 mod cuda;
 
 use crate::device::device_of;
-use crate::kernel_source::KernelModule;
+use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, KernelError};
 
@@ -43,6 +43,7 @@ pub const CROSS_ENTROPY_MODULE: KernelModule = KernelModule {
         include_str!("../../cuda/common.cuh"),
         include_str!("cross_entropy.cu")
     ),
+    arch: ModuleArch::Portable,
 };
 
 /// One chunk: `rows` rows of `vocab` logits, for batch rows `row_offset .. row_offset + rows` of the

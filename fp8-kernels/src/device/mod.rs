@@ -352,7 +352,8 @@ impl CudaDevice {
 
     /// A module of this crate's kernel sources, compiled with
     /// [`compile_ptx`](crate::kernel_source::compile_ptx) (IEEE arithmetic) for this GPU on first use and
-    /// cached under its name.
+    /// cached under its name; an error where the module's architecture is not this GPU's
+    /// ([`KernelModule::target_for`](crate::kernel_source::KernelModule::target_for)).
     pub fn load_kernel_module(
         &self,
         module: &crate::kernel_source::KernelModule,
@@ -365,7 +366,7 @@ impl CudaDevice {
         if let Some(m) = cache.get(module.name) {
             return Ok(m.clone());
         }
-        let arch = crate::kernel_source::arch_for(self.compute_capability());
+        let arch = module.target_for(self.compute_capability())?;
         let ptx = crate::kernel_source::compile_ptx(module, arch)?;
         let m = self.inner.ctx.load_module(ptx)?;
         cache.insert(module.name, m.clone());

@@ -22,7 +22,7 @@ mod cpu;
 mod cuda;
 
 use crate::device::{device_of, Placed};
-use crate::kernel_source::KernelModule;
+use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
 
@@ -34,6 +34,7 @@ pub const EMBEDDING_MODULE: KernelModule = KernelModule {
         include_str!("../../cuda/common.cuh"),
         include_str!("embedding.cu")
     ),
+    arch: ModuleArch::Portable,
 };
 
 /// Most positions summed by one thread of the backward before its sum goes to a second level: a

@@ -35,7 +35,7 @@ mod cuda;
 
 use crate::cast::AmaxSlot;
 use crate::device::device_of;
-use crate::kernel_source::KernelModule;
+use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, Device, KernelError};
 use fp8_core::Fp8Format;
@@ -52,6 +52,7 @@ pub const LAYER_NORM_FORWARD_MODULE: KernelModule = KernelModule {
         "#define LN_BUILD_FORWARD 1\n",
         include_str!("layer_norm.cu")
     ),
+    arch: ModuleArch::Portable,
 };
 
 /// Every backward kernel: `cuda/common.cuh`, then `src/layer_norm/layer_norm.cu` built with
@@ -64,6 +65,7 @@ pub const LAYER_NORM_BACKWARD_MODULE: KernelModule = KernelModule {
         "#define LN_BUILD_BACKWARD 1\n",
         include_str!("layer_norm.cu")
     ),
+    arch: ModuleArch::Portable,
 };
 
 /// The previous forward kernels (`src/layer_norm/layer_norm_legacy.cu`), run when
@@ -75,6 +77,7 @@ pub const LAYER_NORM_LEGACY_MODULE: KernelModule = KernelModule {
         include_str!("../../cuda/common.cuh"),
         include_str!("layer_norm_legacy.cu")
     ),
+    arch: ModuleArch::Portable,
 };
 
 /// The forward module of one register bound `NV` (`LN_NV_ONLY`), or the backward one.
@@ -90,6 +93,7 @@ macro_rules! norm_module {
                 "\n",
                 include_str!("layer_norm.cu")
             ),
+            arch: ModuleArch::Portable,
         }
     };
     (backward, $nv:literal) => {
@@ -103,6 +107,7 @@ macro_rules! norm_module {
                 "\n",
                 include_str!("layer_norm.cu")
             ),
+            arch: ModuleArch::Portable,
         }
     };
 }

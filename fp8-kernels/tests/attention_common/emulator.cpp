@@ -1,7 +1,7 @@
 // Host emulator of the attention kernels, for machines without a GPU (the `attention_emulated` test).
 //
-// Compiles src/attention/attention_mma.cuh, attention.cu and attention_separate.cu themselves with a C++
-// compiler. Every CUDA thread of a block is a std::thread; __syncthreads, named barriers, __syncwarp and
+// Compiles src/attention/attention_mma.cuh, attention.cu, attention_separate.cu and attention_wgmma.cu
+// themselves with a C++ compiler. Every CUDA thread of a block is a std::thread; __syncthreads, named barriers, __syncwarp and
 // the warp-collective instructions are barriers over those threads; the PTX wrappers attention_mma.cuh
 // hides under ATT_HOST_EMULATION are emulated here from the PTX ISA's specification of each instruction,
 // element by element:
@@ -13,6 +13,18 @@
 //     by lane (r%8)*4 + n/2 in register 2*(r>=8) + n%2.
 //   cp.async: copies (or zero-fills with src-size 0) either at issue ("early") or only when a
 //     cp.async.wait_group retires its group ("late"), the two extremes the hardware may choose between.
+//   wgmma.mma_async m64nNk16 bf16 -> f32 (attention_wgmma.cu): a warpgroup-collective operation (all 128
+//     threads issue the same one, checked). Operands from shared memory through their matrix descriptors,
+//     128-byte swizzle only: K-major element (mn, k) at start + (mn / 8) * SBO + (mn % 8) * 128 + 2 k,
+//     MN-major element (k, mn) at start + (mn / 64) * LBO + (k / 8) * SBO + (k % 8) * 128 + 2 (mn % 64),
+//     then address bits 4-6 XOR bits 7-9 (CuTe's canonical GMMA layouts, Swizzle<3,4,3>); A from
+//     registers in the mma.m16n8k16 A layout of each warp's 16 rows; accumulator d[4 i + 2 h + e] = D(16 w +
+//     g + 8 h, 8 i + 2 q + e). Results at issue ("early") or at the wgmma.wait_group that retires the batch
+//     ("late": the accumulator reads NaN in between, and shared memory is read at the wait, so a kernel
+//     that reads results early or overwrites operands in flight fails). A wgmma without a wgmma.fence since
+//     the last wait, and a wgmma after a barrier that published cp.async data without
+//     fence.proxy.async, are errors. The emulated shared window starts at a 16-byte but not 1024-byte
+//     aligned address: the swizzle follows address bits, so a kernel must align its tiles itself.
 // So the kernels' own index arithmetic, tile bookkeeping, masks and synchronisation run as written, and
 // only the instruction semantics come from here. The emulator also checks every shared-memory address of
 // ldmatrix / cp.async (alignment and bounds), every global address of cp.async and red (inside a
@@ -24,13 +36,16 @@
 //   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
-//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs)
+//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
 //     IN/a.bin (bf16; f32 for pb), IN/b.bin (bf16), 64 x 64 each -> OUT/out.bin (f32 64 x 64).
+//   emulator wgprobe abt16|abt|pv HD IN OUT   (the wgmma probes of attention_wgmma.cu, see wgprobe())
+//   FWD may also be wg:g<NWG>n<BN>[p] (a wgmma forward variant).
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -129,7 +144,14 @@ static thread_local int t_phase = 0;
 static inline Warp& W() { return g_warps[t_warp]; }
 // The slot set of this lane's next collective.
 static inline Slots& next_slots() { return W().set[t_phase++ & 1]; }
-static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+// Set by a thread that passes a barrier while shared-memory data it received by cp.async was not fenced
+// to the async proxy (fence.proxy.async) since: a wgmma after that reads it through the wrong proxy.
+static thread_local bool t_proxy_dirty = false;
+static std::atomic<bool> g_unfenced_smem{false};
+static inline void __syncthreads() {
+    if (t_proxy_dirty) g_unfenced_smem = true;
+    g_block_bar->arrive_and_wait();
+}
 // Named barriers 1..15 (bar.sync / bar.arrive id, n), created at the first use in a launch with its count.
 static std::unique_ptr<std::barrier<>> g_named[16];
 static int g_named_count[16];
@@ -208,6 +230,7 @@ static inline void att_cp_commit() {
 }
 template <int N>
 static inline void att_cp_wait() {
+    t_proxy_dirty = true;
     while (t_groups.size() > (size_t)N) {
         for (const Copy& c : t_groups.front()) do_copy(c);
         t_groups.erase(t_groups.begin());
@@ -270,10 +293,156 @@ static inline void att_red_add2(float* p, float a, float b) {
     p[1] += b;
 }
 
+// ---- the shared window (wgmma descriptors hold shared-window addresses) ----
+static const u32 kSmemWindow = 0x490;  // 16-byte aligned, not 1024-byte aligned
+static inline u32 att_smem_u32(const void* p) {
+    return kSmemWindow + (u32)((const unsigned char*)p - att_smem);
+}
+static inline const u16* smem_u16(u32 addr) {
+    if (addr < kSmemWindow || addr - kSmemWindow + 2 > g_smem_bytes || (addr & 1) != 0)
+        die("wgmma operand outside shared memory");
+    return (const u16*)(att_smem + (addr - kSmemWindow));
+}
+
+// ---- wgmma ----
+struct WgOp {
+    bool rs = false;
+    int n = 0, tnsp_b = 0, accumulate = 1;
+    u64 da = 0, db = 0;
+    u32 a[128][4];
+};
+// One warpgroup of the block being run: its barrier and a ring of issued operations (slot = issue count
+// % 64; every thread issues the same sequence).
+struct WarpGroup {
+    std::unique_ptr<std::barrier<>> bar;
+    WgOp ops[64];
+};
+static std::deque<WarpGroup> g_wgs;
+// A thread's part of an issued operation: its accumulator, and the value before the operation (unless it
+// continues an operation on the same accumulator still in flight, whose result it then starts from).
+struct PendingWg {
+    int op;
+    float* d;
+    bool chained;
+    std::vector<float> saved;
+};
+static thread_local std::vector<PendingWg> t_wg_open;                // issued, not yet committed
+static thread_local std::vector<std::vector<PendingWg>> t_wg_groups;  // committed batches, oldest first
+static thread_local unsigned t_wg_issued = 0;
+static thread_local bool t_wg_fenced = false;
+
+static inline void att_fence_proxy_async() { t_proxy_dirty = false; }
+static inline void att_wg_fence() { t_wg_fenced = true; }
+static inline void att_wg_fence_reg(float&) {}
+static inline void att_wg_fence_reg(u32&) {}
+
+// Element (mn, k) of an operand through its descriptor (see the header).
+static float wg_desc_elem(u64 desc, bool mn_major, int mn, int k) {
+    if (((desc >> 62) & 3) != 1) die("wgmma descriptor: layout other than the 128-byte swizzle");
+    if (((desc >> 49) & 7) != 0) die("wgmma descriptor: nonzero base offset");
+    const u64 fields = 0x3FFFull | (0x3FFFull << 16) | (0x3FFFull << 32) | (7ull << 49) | (3ull << 62);
+    if ((desc & ~fields) != 0) die("wgmma descriptor: reserved bits set");
+    const u32 start = (u32)(desc & 0x3FFF) << 4, lbo = (u32)((desc >> 16) & 0x3FFF) << 4,
+              sbo = (u32)((desc >> 32) & 0x3FFF) << 4;
+    // With base offset 0 the swizzle phase is that of a start at row 0 of an atom.
+    if (((start >> 7) & 7) != 0) die("wgmma descriptor: start not in row 0 of a swizzle atom");
+    u32 addr;
+    if (!mn_major) {
+        if ((start & 127) + 32 > 128) die("wgmma descriptor: K-major k-step crosses a 128-byte row");
+        addr = start + (u32)(mn / 8) * sbo + (u32)(mn % 8) * 128 + (u32)k * 2;
+    } else {
+        addr = start + (u32)(mn / 64) * lbo + (u32)(k / 8) * sbo + (u32)(k % 8) * 128 + (u32)(mn % 64) * 2;
+    }
+    addr ^= ((addr >> 7) & 7) << 4;
+    return bf16_to_f32(*smem_u16(addr));
+}
+
+// This thread's accumulator registers after `op`, from `base` (its registers before the operation).
+static void wg_complete(const WgOp& op, float* d, const float* base) {
+    const int t = (int)(threadIdx.x & 127), w = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+    for (int v = 0; v < op.n / 2; ++v) {
+        const int i = v / 4, hr = (v / 2) % 2, e = v % 2;
+        const int row = 16 * w + g + 8 * hr, col = 8 * i + 2 * q + e;
+        double sum = 0.0;
+        for (int k = 0; k < 16; ++k) {
+            float a;
+            if (op.rs) {
+                const int holder = 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2;
+                a = half_bf16(op.a[holder][(row % 16 >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2);
+            } else {
+                a = wg_desc_elem(op.da, false, row, k);
+            }
+            sum += (double)a * (double)wg_desc_elem(op.db, op.tnsp_b != 0, col, k);
+        }
+        d[v] = (float)((op.accumulate ? (double)base[v] : 0.0) + sum);
+    }
+}
+
+static void wg_issue(bool rs, int n, int tnsp_b, int accumulate, u64 da, u64 db, const u32* a, float* d) {
+    if (g_wgs.empty()) die("wgmma in a block that is not whole warpgroups");
+    if (!t_wg_fenced) die("wgmma.mma_async without wgmma.fence since the last wgmma.wait_group");
+    if (g_unfenced_smem) die("wgmma after a barrier that published cp.async data without fence.proxy.async");
+    size_t in_flight = t_wg_open.size();
+    for (const auto& grp : t_wg_groups) in_flight += grp.size();
+    if (in_flight >= 32) die("more wgmma in flight than the emulator keeps");
+    WarpGroup& G = g_wgs[t_warp / 4];
+    const int idx = (int)(t_wg_issued++ % 64), t = (int)(threadIdx.x & 127);
+    WgOp& op = G.ops[idx];
+    if (t == 0) {
+        op.rs = rs;
+        op.n = n;
+        op.tnsp_b = tnsp_b;
+        op.accumulate = accumulate;
+        op.da = da;
+        op.db = db;
+    }
+    if (rs)
+        for (int r = 0; r < 4; ++r) op.a[t][r] = a[r];
+    G.bar->arrive_and_wait();
+    if (op.rs != rs || op.n != n || op.tnsp_b != tnsp_b || op.accumulate != accumulate || (!rs && op.da != da) ||
+        op.db != db)
+        die("the threads of a warpgroup issued different wgmma");
+    bool chained = false;
+    for (const auto& p : t_wg_open) chained |= p.d == d;
+    for (const auto& grp : t_wg_groups)
+        for (const auto& p : grp) chained |= p.d == d;
+    if (!g_late_copies) {
+        const std::vector<float> base(d, d + n / 2);
+        wg_complete(op, d, base.data());
+        return;
+    }
+    PendingWg p{idx, d, chained, chained ? std::vector<float>() : std::vector<float>(d, d + n / 2)};
+    if (!chained)
+        for (int v = 0; v < n / 2; ++v) d[v] = NAN;
+    t_wg_open.push_back(std::move(p));
+}
+static inline void att_wg_commit() {
+    t_wg_groups.push_back(std::move(t_wg_open));
+    t_wg_open.clear();
+}
+template <int N>
+static inline void att_wg_wait() {
+    if (!t_wg_open.empty()) die("wgmma.wait_group with uncommitted wgmma");
+    t_wg_fenced = false;
+    while (t_wg_groups.size() > (size_t)N) {
+        for (PendingWg& p : t_wg_groups.front())
+            wg_complete(g_wgs[t_warp / 4].ops[p.op], p.d, p.chained ? p.d : p.saved.data());
+        t_wg_groups.erase(t_wg_groups.begin());
+    }
+}
+template <int N>
+struct AttWgmma {
+    static void ss(float (&d)[N / 2], u64 da, u64 db, int accumulate) {
+        wg_issue(false, N, 0, accumulate, da, db, nullptr, d);
+    }
+    static void rs_mn(float (&d)[N / 2], const u32 (&a)[4], u64 db) { wg_issue(true, N, 1, 1, 0, db, a, d); }
+};
+
 #define ATT_HOST_EMULATION 1
 #include "../../src/attention/attention_mma.cuh"
 #include "../../src/attention/attention.cu"
 #include "../../src/attention/attention_separate.cu"
+#include "../../src/attention/attention_wgmma.cu"
 
 // =====================================================================================================
 // Launching
@@ -298,6 +467,12 @@ static void launch(const Launch& L, const std::function<void()>& body) {
         g_warps.emplace_back();
         g_warps.back().bar = std::make_unique<std::barrier<>>(32);
     }
+    g_wgs.clear();
+    if (L.threads % 128 == 0)
+        for (unsigned w = 0; w < L.threads / 128; ++w) {
+            g_wgs.emplace_back();
+            g_wgs.back().bar = std::make_unique<std::barrier<>>(128);
+        }
     // One OS thread per CUDA thread of a block, reused for every block in launch order (x fastest).
     std::vector<std::thread> ts;
     ts.reserve(L.threads);
@@ -310,13 +485,22 @@ static void launch(const Launch& L, const std::function<void()>& body) {
             for (unsigned by = 0; by < L.gy; ++by)
                 for (unsigned bx = 0; bx < L.gx; ++bx) {
                     blockIdx = Dim3{bx, by, 0};
-                    if (t == 0) std::memset(smem.data(), 0xFF, smem.size());  // NaN in bf16 and f32
+                    if (t == 0) {
+                        std::memset(smem.data(), 0xFF, smem.size());  // NaN in bf16 and f32
+                        g_unfenced_smem = false;
+                    }
                     g_block_bar->arrive_and_wait();
                     t_groups.clear();
                     t_open.clear();
                     t_phase = 0;
+                    t_proxy_dirty = false;
+                    t_wg_open.clear();
+                    t_wg_groups.clear();
+                    t_wg_issued = 0;
+                    t_wg_fenced = false;
                     body();
                     if (!t_open.empty() || !t_groups.empty()) die("cp.async groups left in flight at exit");
+                    if (!t_wg_open.empty() || !t_wg_groups.empty()) die("wgmma left in flight at exit");
                     g_block_bar->arrive_and_wait();  // the block is done before the next one starts
                 }
         });
@@ -350,6 +534,9 @@ typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u1
 
 // Every tensor-core variant by its kernel name, from the kernel files' own variant lists.
 static std::map<std::string, FwdMma> g_fwd;
+static std::map<std::string, FwdMma> g_wg_fwd;
+#define REG_WG_FWD(HD, NWG, BN, SUF) \
+    g_wg_fwd["attn_fwd_wgmma_g" #NWG "n" #BN #SUF "_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD;
 static std::map<std::string, BwdSep> g_sep;
 #define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
 #define REG_DKDV(HD, NW, MT, BM) \
@@ -361,6 +548,8 @@ static void register_variants() {
     ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, REG_DKDV)
     ATT_FOR_VARIANTS(ATT_DKDV_PAIR_VARIANTS_, REG_DKDV_PAIR)
     ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, REG_DQ)
+    ATT_WG_FWD_VARIANTS_64(REG_WG_FWD)
+    ATT_WG_FWD_VARIANTS_128(REG_WG_FWD)
 }
 template <class F>
 static F lookup(const std::map<std::string, F>& m, const std::string& name) {
@@ -399,6 +588,14 @@ static int run(int argc, char** argv) {
         FwdSimple f = PICK(attn_fwd_simple, HD);
         launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0},
                [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, KV, scale); });
+    } else if (fwd.rfind("wg:", 0) == 0) {
+        int nwg, bn;
+        if (std::sscanf(fwd.c_str(), "wg:g%dn%d", &nwg, &bn) != 2) die("wgmma forward variant");
+        FwdMma f = lookup(g_wg_fwd, "attn_fwd_wgmma_" + fwd.substr(3) + hd_tag);
+        const int bm = 64 * nwg, vbuf = fwd.back() == 'p' ? 3 : 2;
+        const size_t smem = (size_t)(bm + (2 + vbuf) * bn) * HD * 2 + 1024;
+        launch({pairs, blocks(bm), (unsigned)(128 * nwg), smem},
+               [&] { f(qkv.data(), out.data(), lse.data(), T, H, KV, scale_log2); });
     } else {
         int nw, mt, bn;
         if (std::sscanf(fwd.c_str(), "w%dm%dn%d", &nw, &mt, &bn) != 3) die("forward variant");
@@ -407,6 +604,12 @@ static int run(int argc, char** argv) {
         const size_t smem = (size_t)(bm + 4 * bn) * (HD + 8) * 2;
         launch({pairs, blocks(bm), (unsigned)(32 * nw), smem},
                [&] { f(qkv.data(), out.data(), lse.data(), T, H, KV, scale_log2); });
+    }
+    if (bwd == "none") {  // the forward alone (dqkv stays NaN)
+        write_file(out_dir + "/out.bin", out);
+        write_file(out_dir + "/lse.bin", lse);
+        write_file(out_dir + "/dqkv.bin", dqkv);
+        return 0;
     }
     // Backward: D, then the kernels.
     launch({(unsigned)std::min<size_t>((rows + 7) / 8, 4), 1, 256, 0},
@@ -496,8 +699,41 @@ static int probe(int argc, char** argv) {
     return 0;
 }
 
+// emulator wgprobe abt16|abt|pv HD IN OUT: IN/a.bin (bf16 [64][64] for abt16, [64][HD] for abt; f32
+// [64][64] for pv), IN/b.bin (bf16 [64][HD]) -> OUT/out.bin (f32 [64][64], [64][HD] for pv).
+static int wgprobe(int argc, char** argv) {
+    if (argc != 6) die("usage: emulator wgprobe abt16|abt|pv HD IN OUT");
+    const std::string which = argv[2], in = argv[4], out_dir = argv[5];
+    const int hd = std::atoi(argv[3]);
+    if (hd != 64 && hd != 128) die("wgmma probe head dim");
+    std::vector<u16> b = read_file<u16>(in + "/b.bin", (size_t)64 * hd);
+    std::vector<float> out((size_t)64 * (which == "pv" ? hd : 64), NAN);
+    reg(b), reg(out);
+    const Launch L{1, 1, 128, ATT_WG_PROBE_SMEM};
+    if (which == "pv") {
+        std::vector<float> p = read_file<float>(in + "/a.bin", 64 * 64);
+        reg(p);
+        if (hd == 64)
+            launch(L, [&] { attn_wg_probe_pv_hd64(p.data(), b.data(), out.data(), 64 * 128, 1024); });
+        else
+            launch(L, [&] { attn_wg_probe_pv_hd128(p.data(), b.data(), out.data(), 64 * 128, 1024); });
+    } else {
+        std::vector<u16> a = read_file<u16>(in + "/a.bin", (size_t)64 * (which == "abt" ? hd : 64));
+        reg(a);
+        if (which == "abt16")
+            launch(L, [&] { attn_wg_probe_abt16(a.data(), b.data(), out.data()); });
+        else if (hd == 64)
+            launch(L, [&] { attn_wg_probe_abt_hd64(a.data(), b.data(), out.data()); });
+        else
+            launch(L, [&] { attn_wg_probe_abt_hd128(a.data(), b.data(), out.data()); });
+    }
+    write_file(out_dir + "/out.bin", out);
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (argc >= 2 && std::string(argv[1]) == "run") return run(argc, argv);
     if (argc >= 2 && std::string(argv[1]) == "probe") return probe(argc, argv);
-    die("usage: emulator run ... | emulator probe ...");
+    if (argc >= 2 && std::string(argv[1]) == "wgprobe") return wgprobe(argc, argv);
+    die("usage: emulator run ... | emulator probe ... | emulator wgprobe ...");
 }

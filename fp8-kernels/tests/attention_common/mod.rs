@@ -5,7 +5,7 @@
 
 use fp8_kernels::attention::{
     cpu, dkdv_variants, dq_variants, forward_variants, AttentionShape, BackwardKernels,
-    LayoutProbe, QueryTiles,
+    LayoutProbe, QueryTiles, WgmmaProbe, WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::rng::SplitMix64;
 use half::bf16;
@@ -235,6 +235,35 @@ pub fn check_all(label: &str, s: &AttentionShape, got: &Outputs, want: &Outputs)
     fails
 }
 
+/// Compares out and lse only (a forward run alone); returns the failures.
+pub fn check_forward(
+    label: &str,
+    s: &AttentionShape,
+    got: &Outputs,
+    want: &Outputs,
+) -> Vec<String> {
+    let mut fails = Vec::new();
+    fails.extend(check(
+        label,
+        "out",
+        s,
+        Layout::Rows,
+        &got.out,
+        &want.out,
+        &OUT_TOL,
+    ));
+    fails.extend(check(
+        label,
+        "lse",
+        s,
+        Layout::Lse,
+        &got.lse,
+        &want.lse,
+        &OUT_TOL,
+    ));
+    fails
+}
+
 /// The layout probes, in the order to run them.
 pub const PROBES: [LayoutProbe; 3] = [LayoutProbe::ABt, LayoutProbe::PB, LayoutProbe::AtB];
 
@@ -289,36 +318,158 @@ impl ProbeCase {
 
 /// Prints a 64 x 64 probe result's mismatch pattern and returns whether it is right.
 pub fn probe_ok(name: &str, got: &[f32], want: &[f64]) -> bool {
+    matrix_probe_ok(name, got, want, 64)
+}
+
+/// Prints the mismatch pattern of a probe result of 64 rows and `cols` columns (row-major) and returns
+/// whether it is right: wrong rows and columns, whether the result is the transposed one (square only),
+/// and for the first wrong elements where their value belongs.
+pub fn matrix_probe_ok(name: &str, got: &[f32], want: &[f64], cols: usize) -> bool {
+    let n = 64 * cols;
+    if got.len() != n || want.len() != n {
+        println!(
+            "FAIL probe {name}: {} values, {} expected, {n} wanted",
+            got.len(),
+            want.len()
+        );
+        return false;
+    }
     let scale = want.iter().fold(0.0f64, |a, &b| a.max(b.abs())).max(1e-6);
     let close = |g: f32, w: f64| (g as f64 - w).abs() <= 1e-3 * scale;
-    let bad: Vec<usize> = (0..64 * 64).filter(|&i| !close(got[i], want[i])).collect();
+    let bad: Vec<usize> = (0..n).filter(|&i| !close(got[i], want[i])).collect();
     if bad.is_empty() {
         println!("ok   probe {name}");
         return true;
     }
-    let transposed = (0..64 * 64).all(|i| close(got[i], want[(i % 64) * 64 + i / 64]));
-    let rows: std::collections::BTreeSet<usize> = bad.iter().map(|i| i / 64).collect();
-    let cols: std::collections::BTreeSet<usize> = bad.iter().map(|i| i % 64).collect();
+    let transposed = cols == 64 && (0..n).all(|i| close(got[i], want[(i % 64) * 64 + i / 64]));
+    let rows: std::collections::BTreeSet<usize> = bad.iter().map(|i| i / cols).collect();
+    let wrong_cols: std::collections::BTreeSet<usize> = bad.iter().map(|i| i % cols).collect();
     println!(
-        "FAIL probe {name}: {} of 4096 wrong; transposed result: {transposed}; wrong rows {:?}; wrong \
+        "FAIL probe {name}: {} of {n} wrong; transposed result: {transposed}; wrong rows {:?}; wrong \
          cols {:?}",
         bad.len(),
         rows,
-        cols
+        wrong_cols
     );
     for &i in bad.iter().take(6) {
         // Where the value that landed here belongs, if it matches any expected element.
-        let from = (0..64 * 64).find(|&j| close(got[i], want[j]));
+        let from = (0..n).find(|&j| close(got[i], want[j]));
         println!(
             "     [{}, {}] got {} want {:.5} (matches want[{:?}])",
-            i / 64,
-            i % 64,
+            i / cols,
+            i % cols,
             got[i],
             want[i],
-            from.map(|j| (j / 64, j % 64))
+            from.map(|j| (j / cols, j % cols))
         );
     }
     false
+}
+
+/// The wgmma probes and their head dims, in the order to run them (the smallest first).
+pub fn wgmma_probes() -> Vec<(WgmmaProbe, usize)> {
+    let mut v = vec![(WgmmaProbe::Abt16, 64)];
+    for probe in [WgmmaProbe::Abt, WgmmaProbe::Pv] {
+        for hd in WGMMA_HEAD_DIMS {
+            v.push((probe, hd));
+        }
+    }
+    v
+}
+
+/// What a wgmma probe exercises.
+pub fn wgmma_probe_name(p: WgmmaProbe, hd: usize) -> String {
+    match p {
+        WgmmaProbe::Abt16 => {
+            "wgmma a[:, :16] b[:, :16]^T (ONE m64n64k16, K-major SW128 descriptors, C fragments)"
+                .into()
+        }
+        WgmmaProbe::Abt => format!(
+            "wgmma a b^T hd{hd} (Q K^T: k-steps in the swizzled rows{})",
+            if hd > 64 {
+                " and across column blocks"
+            } else {
+                ""
+            }
+        ),
+        WgmmaProbe::Pv => format!(
+            "wgmma p v hd{hd} (P V: C->A registers, V MN-major with the transpose bit{})",
+            if hd > 64 {
+                ", LBO to the second column block"
+            } else {
+                ""
+            }
+        ),
+        WgmmaProbe::PvStrides { lbo, sbo } => {
+            format!("wgmma p v hd{hd} with V's descriptor LBO {lbo} SBO {sbo} (not the kernel's)")
+        }
+    }
+}
+
+/// Inputs of one wgmma probe (small integers over 8, exact in BF16 with exact F32 sums) and its exact
+/// result.
+pub struct WgmmaProbeCase {
+    pub probe: WgmmaProbe,
+    pub head_dim: usize,
+    /// 64 x 64 (`Abt16`, `Pv`) or 64 x hd (`Abt`).
+    pub a: Vec<f32>,
+    /// 64 x hd.
+    pub b: Vec<f32>,
+    pub b16: Vec<bf16>,
+}
+
+impl WgmmaProbeCase {
+    pub fn new(probe: WgmmaProbe, head_dim: usize, seed: u64) -> Self {
+        let mut r = SplitMix64::new(seed);
+        let mut tile =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| (r.below(17) as f32 - 8.0) / 8.0).collect() };
+        let a_cols = if probe == WgmmaProbe::Abt {
+            head_dim
+        } else {
+            64
+        };
+        let a = tile(64 * a_cols);
+        let b = tile(64 * head_dim);
+        let b16 = b.iter().map(|&v| bf16::from_f32(v)).collect();
+        WgmmaProbeCase {
+            probe,
+            head_dim,
+            a,
+            b,
+            b16,
+        }
+    }
+
+    /// Columns of the result: 64, or hd for `Pv`.
+    pub fn out_cols(&self) -> usize {
+        match self.probe {
+            WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => self.head_dim,
+            WgmmaProbe::Abt16 | WgmmaProbe::Abt => 64,
+        }
+    }
+
+    /// The exact result (row-major, 64 x `out_cols`).
+    pub fn want(&self) -> Vec<f64> {
+        let hd = self.head_dim;
+        let cols = self.out_cols();
+        let (a, b) = (&self.a, &self.b);
+        (0..64 * cols)
+            .map(|i| {
+                let (r, c) = (i / cols, i % cols);
+                match self.probe {
+                    WgmmaProbe::Abt16 => (0..16)
+                        .map(|k| a[r * 64 + k] as f64 * b[c * hd + k] as f64)
+                        .sum(),
+                    WgmmaProbe::Abt => (0..hd)
+                        .map(|k| a[r * hd + k] as f64 * b[c * hd + k] as f64)
+                        .sum(),
+                    WgmmaProbe::Pv | WgmmaProbe::PvStrides { .. } => (0..64)
+                        .map(|k| a[r * 64 + k] as f64 * b[k * hd + c] as f64)
+                        .sum(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// Fails the test with every failed comparison in `fails`, if there are any.
@@ -329,6 +480,20 @@ pub fn assert_no_failures(fails: &[String]) {
         fails.len(),
         fails.join("\n")
     );
+}
+
+/// Shapes of the wgmma forward's checks: both head dims, `T` in {1, 63, 64, 100, 128, 257, 1024} (below,
+/// at and across the 64- and 128-row tiles, partial last tiles), grouped-query ratios 1, 2, 4, 8 in turn,
+/// batches of 1 and 2.
+pub fn wgmma_shapes() -> Vec<AttentionShape> {
+    let mut v = Vec::new();
+    for hd in WGMMA_HEAD_DIMS {
+        for (i, t) in [1, 63, 64, 100, 128, 257, 1024].into_iter().enumerate() {
+            let (b, h, kv) = [(1, 2, 2), (2, 4, 2), (1, 4, 1), (2, 8, 1)][(i + hd / 64) % 4];
+            v.push(AttentionShape::gqa(b, h, kv, t, hd));
+        }
+    }
+    v
 }
 
 /// The forward variants and the separate backward kernels of head dim `hd`, cycled together: as many

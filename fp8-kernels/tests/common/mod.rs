@@ -27,10 +27,14 @@ pub fn require_nvrtc() {
     }
 }
 
-/// The PTX of `module` compiled as the crate compiles it, for sm_90 (needs NVRTC, not a GPU).
+/// The PTX of `module` compiled as the crate compiles it for a Hopper GPU of compute capability 9.0:
+/// `sm_90`, or `sm_90a` for a module built for that target (needs NVRTC, not a GPU).
 pub fn sm90_ptx(module: &KernelModule) -> String {
     require_nvrtc();
-    compile_ptx(module, "sm_90")
+    let target = module
+        .target_for((9, 0))
+        .unwrap_or_else(|e| panic!("{}: {e}", module.name));
+    compile_ptx(module, target)
         .unwrap_or_else(|e| panic!("{}: {e}", module.name))
         .to_src()
 }

@@ -1,0 +1,666 @@
+// Causal flash-attention forward on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a only. Prepended with
+// common.cuh (u16/u32/u64, bf16 conversions) and attention_mma.cuh (cp.async, bf16 packing, ex2, the
+// dynamic shared memory att_smem); compiled by NVRTC for the sm_90a target alone (wgmma does not exist in
+// sm_90 or later targets), in its own modules. Same contract as attn_fwd_w* in attention.cu (layouts there):
+// qkv [B, T, H + 2*KV, HD] bf16 in, out [B, T, H, HD] bf16 and lse [B, H, T] f32 (natural log) out, causal,
+// grouped-query heads (query head h reads key/value head h / (H / KV)).
+//
+// Every layout assumption of this file, in one place (the probes at the end check them on a GPU one by one):
+//
+// (1) SW128 tiles in shared memory. A [ROWS][W] bf16 tile (W = 64 or 128 columns, ROWS a multiple of 8) is
+//     stored as W / 64 column blocks of [ROWS][64] (block c at byte c * ROWS * 128); row r of a block at
+//     byte r * 128 of it; the 16-byte chunk j of row r (columns 8j .. 8j+7 of the block) at chunk position
+//     j ^ (r % 8). That is CuTe's Swizzle<3,4,3> on byte addresses (address bits 4-6 XOR bits 7-9), the
+//     layout wgmma's "128-byte swizzle" mode reads. The hardware applies the XOR to the shared-window
+//     address, so every tile starts 1024-byte aligned (the kernels align att_smem up to 1024 bytes
+//     themselves) and ROWS * 128 is a multiple of 1024: then the row-index form above and the address form
+//     agree. Eight consecutive rows (1024 bytes) form one swizzle atom.
+//
+// (2) Matrix descriptors (64 bits, PTX ISA "Matrix Descriptor Format" of wgmma; encode(x) = (x & 0x3FFFF) >> 4):
+//       bits  0-13  encode(start address)          shared-window byte address of the operand's first element
+//       bits 16-29  encode(leading byte offset)    LBO
+//       bits 32-45  encode(stride byte offset)     SBO
+//       bits 49-51  base offset = 0                (atoms start 1024-byte aligned)
+//       bits 62-63  layout = 1                     128-byte swizzle
+//     K-major operand (the reduction index k contiguous: Q as A and K as B of S = Q K^T, rows = M or N):
+//       start = tile + (k0 / 64) * ROWS * 128 + row0 * 128 + (k0 % 64) * 2 for the k-step k0 .. k0 + 15
+//       (k0 % 64 in {0, 16, 32, 48}: 0, 32, 64 or 96 bytes into the swizzled 128-byte rows; the hardware
+//       adds the row and chunk offsets before it swizzles, as CUTLASS and DeepGEMM advance their
+//       descriptors), SBO = 1024 (rows 8 .. 15 of the operand: the next atom), LBO = 16 (unused by the
+//       swizzled K-major layouts; CuTe writes 1, i.e. 16 bytes).
+//       CuTe's canonical form, in 16-byte units: ((8, n), 2) : ((8, SBO), 1).
+//     MN-major operand (V as B of O = P V: B(k = key, n = column) = V[key][column], n contiguous; the
+//     instruction's transpose bit for B is 1):
+//       start = tile + key0 * 128 for the k-step of keys key0 .. key0 + 15 (key0 a multiple of 16: two whole
+//       atoms), SBO = 1024 (keys key0 + 8 .. + 15: the next atom), LBO = ROWS * 128 (columns 64 .. 127: the
+//       next column block; read only when N = 128).
+//       CuTe's canonical form, in 16-byte units: ((8, n), (8, k)) : ((1, LBO), (8, SBO)).
+//
+// (3) Register fragments of wgmma.m64nNk16 (PTX ISA "Register Fragments and Shared Memory Matrix Layouts";
+//     CuTe's CLayout_64xN / ALayout_64x16). Warp w = (threadIdx.x / 32) % 4 of a warpgroup owns rows
+//     16 w .. 16 w + 15 of the 64; with g = lane / 4, q = lane % 4:
+//       accumulator (f32, N / 2 registers): d[4 i + 2 h + e] = D(row 16 w + g + 8 h, col 8 i + 2 q + e),
+//         i < N / 8, h, e in {0, 1}: per 8-column chunk i exactly an mma.m16n8k16 C fragment;
+//       A from registers (bf16, 4 registers of two): a[0] = A(row g, k 2q, 2q+1), a[1] = A(row g + 8, k 2q,
+//         2q+1), a[2] = A(row g, k 2q+8, 2q+9), a[3] = A(row g + 8, k 2q+8, 2q+9) of the warp's 16 rows,
+//         lower k in the low 16 bits: the mma.m16n8k16 A fragment.
+//     So the accumulator chunks 2 kc and 2 kc + 1 of S are the A fragment of P's columns 16 kc .. 16 kc + 15
+//     (att_wg_c_to_a), as for mma.sync (att_warp_pb).
+//
+// (4) Ordering. wgmma reads shared memory through the async proxy: every thread fences its own cp.async
+//     writes (fence.proxy.async.shared::cta after cp.async.wait_group) before the barrier that publishes a
+//     tile. wgmma.fence comes before each batch of wgmma (registers written since the last batch);
+//     commit_group closes a batch, wait_group N waits until at most the N newest batches are in flight
+//     (batches complete in order); the compiler is kept from moving accumulator
+//     or A-fragment reads and writes across those by empty asm statements on every register
+//     (att_wg_fence_regs, CUTLASS's warpgroup_fence_operand).
+//
+// ATT_HOST_EMULATION (the host emulator of the tests, tests/attention_common/emulator.cpp) supplies the
+// PTX wrappers below, the shared-window address of att_smem and the wgmma operations themselves (from the
+// same reading of the PTX ISA as (1)-(3) above: the emulator checks the kernel's index arithmetic, masks,
+// pipelining and synchronisation, the GPU probes check (1)-(3)).
+
+// =====================================================================================================
+// PTX wrappers
+// =====================================================================================================
+#ifndef ATT_HOST_EMULATION
+
+// Orders this thread's generic-proxy writes to shared memory (cp.async, plain stores) before later
+// async-proxy reads (wgmma operands) of other threads that synchronise with it through a barrier.
+__device__ __forceinline__ void att_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// wgmma.fence: registers written by ordinary instructions are ready for the next wgmma.
+__device__ __forceinline__ void att_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Closes the batch of wgmma issued since the last commit.
+__device__ __forceinline__ void att_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed batches of this warpgroup are in flight.
+template <int N>
+__device__ __forceinline__ void att_wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// An empty asm on one register that the compiler must keep in order with the wgmma asm statements (all
+// volatile): reads and writes of the register cannot move across it.
+__device__ __forceinline__ void att_wg_fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void att_wg_fence_reg(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// wgmma.mma_async.m64nNk16.f32.bf16.bf16 for N = 64 and 128: `ss` with A and B from shared memory, both
+// K-major (transpose bits 0, 0), D = A B^T + (accumulate ? D : 0); `rs_mn` with A from registers and B
+// MN-major from shared memory (transpose bit 1), D += A B. Scale factors of A and B: 1.
+template <int N>
+struct AttWgmma;
+
+// D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, A and B K-major in shared memory (descriptors da, db).
+template <>
+struct AttWgmma<64> {
+    static __device__ __forceinline__ void ss(float (&d)[32], u64 da, u64 db, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+    // D[64 x 64] += A[64 x 16] * B[16 x 64], A from registers (a[0..3] per thread, the mma.m16n8k16 A layout
+    // per warp), B MN-major in shared memory (descriptor db, transpose bit set).
+    static __device__ __forceinline__ void rs_mn(float (&d)[32], const u32 (&a)[4], u64 db) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    }
+};
+
+// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, A and B K-major in shared memory (descriptors da, db).
+template <>
+struct AttWgmma<128> {
+    static __device__ __forceinline__ void ss(float (&d)[64], u64 da, u64 db, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+    // D[64 x 128] += A[64 x 16] * B[16 x 128], A from registers (a[0..3] per thread, the mma.m16n8k16 A layout
+    // per warp), B MN-major in shared memory (descriptor db, transpose bit set).
+    static __device__ __forceinline__ void rs_mn(float (&d)[64], const u32 (&a)[4], u64 db) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    }
+};
+
+#endif  // ATT_HOST_EMULATION
+
+template <int N>
+__device__ __forceinline__ void att_wg_fence_regs(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) att_wg_fence_reg(d[i]);
+}
+template <int K>
+__device__ __forceinline__ void att_wg_fence_regs(u32 (&a)[K][4]) {
+#pragma unroll
+    for (int i = 0; i < K; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) att_wg_fence_reg(a[i][j]);
+}
+
+// =====================================================================================================
+// Descriptors, SW128 tiles
+// =====================================================================================================
+
+// The matrix descriptor of (2): start address, LBO and SBO in bytes, 128-byte swizzle, base offset 0.
+__device__ __forceinline__ u64 att_wg_desc(u32 start, u32 lbo, u32 sbo) {
+    return (u64)((start & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
+           ((u64)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+// Element index of (row r, column c) in a SW128 tile of ROWS rows (1).
+template <int ROWS>
+__device__ __forceinline__ int att_sw128_index(int r, int c) {
+    return (c >> 6) * (ROWS * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// Loads rows t0 .. t0+ROWS-1 of a [*, W] slice whose row t starts at g + t * gstride (elements) into the
+// SW128 tile s (W = 64 or 128): one 16-byte cp.async per chunk, zero-filled for rows t >= T (padding keys
+// and values must be finite zeros: P is zero there and multiplies them). Thread tid copies chunk tid % CH
+// of rows tid / CH + i * RSTEP; RSTEP is a multiple of 8, so a thread's swizzled chunk position is the same
+// in every row it copies.
+template <int W, int ROWS, int NT>
+__device__ __forceinline__ void att_load_sw128(u16* s, const u16* g, u64 gstride, int t0, int T, int tid) {
+    constexpr int CH = W / 8, RSTEP = NT / CH;
+    static_assert(NT % CH == 0 && RSTEP % 8 == 0, "a pass of the block covers whole rows, 8 at a time");
+    static_assert(ROWS % 8 == 0, "SW128 tiles hold whole swizzle atoms");
+    const int r0 = (int)((unsigned)tid / CH), k = (int)((unsigned)tid % CH);
+    const u16* src = g + (u64)(t0 + r0) * gstride + k * 8;
+    const u64 step = (u64)RSTEP * gstride;
+#pragma unroll
+    for (int i = 0; i < (ROWS + RSTEP - 1) / RSTEP; ++i) {
+        const int r = r0 + i * RSTEP;
+        if (ROWS % RSTEP == 0 || r < ROWS) {
+            const bool ok = t0 + r < T;
+            att_cp_async16(s + att_sw128_index<ROWS>(r, 8 * k), ok ? src : g, ok);
+        }
+        src += step;
+    }
+}
+
+// =====================================================================================================
+// Warpgroup products (each warpgroup: 64 rows; the caller fences, commits and waits)
+// =====================================================================================================
+
+// D[64 x N] = A[64 x HD] * B[N x HD]^T in HD / 16 wgmma (the first overwrites D). a: shared address of A's
+// row 0 in column block 0 of a SW128 tile whose column blocks lie a_block bytes apart (rows of A at 128-byte
+// steps); b likewise for the N rows of B. (S = Q K^T.)
+template <int HD, int N>
+__device__ __forceinline__ void att_wg_abt(float (&d)[N / 2], u32 a, u32 a_block, u32 b, u32 b_block) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const u32 koff = (u32)(kk & 3) * 32u;
+        const u64 da = att_wg_desc(a + (u32)(kk >> 2) * a_block + koff, 16u, 1024u);
+        const u64 db = att_wg_desc(b + (u32)(kk >> 2) * b_block + koff, 16u, 1024u);
+        AttWgmma<N>::ss(d, da, db, kk > 0 ? 1 : 0);
+    }
+}
+
+// D[64 x N] += P[64 x K] * V[K x N] in K / 16 wgmma: P as A fragments in registers (att_wg_c_to_a), V the
+// SW128 tile at shared address v (rows = keys 0 .. K-1, N = 64 or 128 columns, column blocks v_block bytes
+// apart), read MN-major: LBO = v_block, SBO = v_sbo (1024, (2); the probe passes others to find the
+// encoding a GPU reads should (2) be wrong). (O += P V.)
+template <int K, int N>
+__device__ __forceinline__ void att_wg_pv(float (&d)[N / 2], const u32 (&p)[K / 16][4], u32 v, u32 v_block,
+                                          u32 v_sbo = 1024u) {
+#pragma unroll
+    for (int kc = 0; kc < K / 16; ++kc) AttWgmma<N>::rs_mn(d, p[kc], att_wg_desc(v + (u32)kc * 2048u, v_block, v_sbo));
+}
+
+// The A fragments of P[64 x K] (bf16, round to nearest even) from its accumulator fragments s (3): chunks
+// 2 kc and 2 kc + 1 are the columns 16 kc .. 16 kc + 15.
+template <int K>
+__device__ __forceinline__ void att_wg_c_to_a(u32 (&p)[K / 16][4], const float (&s)[K / 2]) {
+#pragma unroll
+    for (int kc = 0; kc < K / 16; ++kc) {
+        p[kc][0] = att_pack_bf16(s[8 * kc + 0], s[8 * kc + 1]);
+        p[kc][1] = att_pack_bf16(s[8 * kc + 2], s[8 * kc + 3]);
+        p[kc][2] = att_pack_bf16(s[8 * kc + 4], s[8 * kc + 5]);
+        p[kc][3] = att_pack_bf16(s[8 * kc + 6], s[8 * kc + 7]);
+    }
+}
+
+// =====================================================================================================
+// Softmax steps on accumulator fragments (3): the thread's rows row (hr = 0) and row + 8 (hr = 1)
+// =====================================================================================================
+
+// Causal mask of S for key block k0 (keys after the row: -inf).
+template <int BN>
+__device__ __forceinline__ void att_wg_mask(float (&s)[BN / 2], int k0, int row, int q) {
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int key = k0 + 8 * i + 2 * q + e;
+            if (key > row) s[4 * i + e] = ATT_NEG_INF;
+            if (key > row + 8) s[4 * i + 2 + e] = ATT_NEG_INF;
+        }
+}
+
+// Online softmax of one key block, in the log2 domain as attn_fwd_mma: s becomes p = 2^(s * scale_log2 -
+// m_new), m and l are updated, alpha = 2^(m_old - m_new) is what the running output must be multiplied by.
+// Row max and sum over the 4 lanes of a quad. Every row sees key 0 in block 0, so m is finite from the
+// first block on; the guard only keeps a fully masked row from producing inf - inf.
+template <int BN>
+__device__ __forceinline__ void att_wg_softmax(float (&s)[BN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                               float scale_log2) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float mx = ATT_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * hr], s[4 * i + 2 * hr + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[hr], mx * scale_log2);
+        const float mb = m_new == ATT_NEG_INF ? 0.0f : m_new;
+        alpha[hr] = att_ex2(m[hr] - mb);
+        m[hr] = m_new;
+        float rsum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = att_ex2(__fmaf_rn(s[4 * i + 2 * hr + e], scale_log2, -mb));
+                s[4 * i + 2 * hr + e] = p;
+                rsum += p;
+            }
+        l[hr] = __fmaf_rn(l[hr], alpha[hr], rsum);
+    }
+}
+
+// o *= alpha per row.
+template <int HD>
+__device__ __forceinline__ void att_wg_rescale(float (&o)[HD / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            o[4 * i + 2 * hr] *= alpha[hr];
+            o[4 * i + 2 * hr + 1] *= alpha[hr];
+        }
+}
+
+// =====================================================================================================
+// Forward
+// =====================================================================================================
+// Grid (B*H, ceil(T / BM)), BM = 64 * NWG query rows per block of NWG warpgroups (128 * NWG threads), the
+// last query block first (blockIdx.y = 0 has the most keys). Warpgroup wg owns rows q0 + 64 wg .. + 63;
+// thread (warp w of the warpgroup, g, q) rows `row` = q0 + 64 wg + 16 w + g and row + 8 (fragments (3)).
+// Key and value blocks of BN keys stream through shared memory with cp.async: iteration j waits for block
+// j, fences it to the async proxy, passes one barrier and issues the copies of block j + 1, which overlap
+// the products of block j. A warpgroup works on key blocks 0 .. jend - 1 (it skips those after its last
+// row, and all when it holds no valid row), but passes every barrier. Per block and warpgroup:
+//   S = Q K^T                    HD / 16 wgmma m64nBNk16, A = Q and B = K from shared memory (K-major)
+//   causal mask, online softmax  in registers (att_wg_mask, att_wg_softmax)
+//   O = O * alpha + P V          BN / 16 wgmma m64nHDk16, A = bf16(P) from registers, B = V MN-major
+// in one of two schedules:
+// - PIPE false: each batch is waited for before its results are used: S_j, softmax, P_j V_j, in turn.
+//   Within a warpgroup the tensor cores and the softmax take turns (they overlap across warpgroups and
+//   blocks of an SM). K and V have two buffers: the barrier of iteration j + 1 comes after every
+//   warpgroup's P_j V_j completed, so block j + 2 may then overwrite block j's.
+// - PIPE true (FlashAttention-3's intra-warpgroup overlap): iteration j issues S_j and then P_{j-1} V_{j-1}
+//   (P_{j-1} kept in registers from iteration j - 1), waits for S_j only (wgmma.wait_group 1: batches
+//   complete in order), runs the mask and softmax of block j while P_{j-1} V_{j-1} is in flight, then waits
+//   for it, rescales O by block j's alpha and converts P_j; the last block's P V is issued and waited for
+//   in its own iteration. V_{j-1} is read during iteration j, so V has three buffers (block j + 1's copy,
+//   issued in iteration j, goes to the buffer of block j - 2, whose last reader completed in iteration
+//   j - 1); K has two (S_j completes within iteration j).
+// At the end O / l goes to out through the warpgroup's own rows of the Q tile (SW128, 16-byte stores) and
+// lse = (m + log2 l) ln 2.
+// Shared memory (1024-byte aligned): Q [BM][HD], K [2][BN][HD], V [2 or 3][BN][HD], all SW128 tiles.
+template <int HD, int NWG, int BN, bool PIPE>
+__device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16* __restrict__ out,
+                                               float* __restrict__ lse, int T, int H, int KV, float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
+    static_assert(NWG >= 1 && NWG <= 3, "1 to 3 warpgroups");
+    constexpr int BM = 64 * NWG, NT = 128 * NWG, VBUF = PIPE ? 3 : 2;
+    constexpr u32 QBYTES = BM * HD * 2, KBYTES = BN * HD * 2;
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aQ = raw + pad, aK = aQ + QBYTES, aV = aK + 2 * KBYTES;  // shared-window addresses
+    u16* sQ = reinterpret_cast<u16*>(att_smem + pad);
+    u16* sK = reinterpret_cast<u16*>(att_smem + pad + QBYTES);
+    u16* sV = reinterpret_cast<u16*>(att_smem + pad + QBYTES + 2 * KBYTES);
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const u64 rs = (u64)(H + 2 * KV) * HD;  // qkv row stride
+    const int kvh = h / (H / KV);           // the key/value head of query head h
+    const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
+    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const u16* gV = gK + (u64)KV * HD;
+    // Keys 0 .. q_end-1 are all any valid row of this block can see.
+    const int q_end = min(q0 + BM, T);
+    const int nkb = (q_end - 1) / BN + 1;
+    const int r0 = q0 + 64 * wg;       // the warpgroup's first row
+    const int row = r0 + 16 * wq + g;  // the thread's rows: row, row + 8
+    const bool active = r0 < T;        // warpgroup-uniform: a warpgroup of the last block may hold no row
+    // The warpgroup's key blocks 0 .. jend - 1 (warpgroup-uniform): up to the one holding its last row.
+    const int jend = active ? min(nkb, (r0 + 63) / BN + 1) : 0;
+    const u32 aQw = aQ + (u32)(64 * wg) * 128u;  // the warpgroup's 64 rows of Q (in column block 0)
+
+    att_load_sw128<HD, BM, NT>(sQ, gQ, rs, q0, T, tid);
+    att_load_sw128<HD, BN, NT>(sK, gK, rs, 0, T, tid);
+    att_load_sw128<HD, BN, NT>(sV, gV, rs, 0, T, tid);
+    att_cp_commit();
+
+    float o[HD / 2], s[BN / 2];
+    u32 pa[BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 16; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0u;
+    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+
+    // The top of iteration j: block j landed and is fenced for every thread; the copies of block j + 1.
+    auto next_block = [&](int j) {
+        att_cp_wait<0>();
+        att_fence_proxy_async();
+        __syncthreads();  // block j is in its buffers for every thread; see above for the buffers freed
+        if (j + 1 < nkb) {
+            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sV + ((j + 1) % VBUF) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
+            att_cp_commit();
+        }
+    };
+    // S = Q K_j^T, waited for, masked (where block j reaches past the warp's first row) and turned into P
+    // by the online softmax (alpha: the factor of O).
+    auto scores = [&](int j, bool pv_in_flight) {
+        att_wg_abt<HD, BN>(s, aQw, BM * 128, aK + (u32)(j & 1) * KBYTES, BN * 128);
+        att_wg_commit();
+        if (pv_in_flight) {
+            // O += P_{j-1} V_{j-1} (its P in pa since iteration j - 1) as a second batch, then wait for
+            // S_j only (wgmma.wait_group 1: batches complete in order).
+            att_wg_pv<BN, HD>(o, pa, aV + (u32)((j + VBUF - 1) % VBUF) * KBYTES, BN * 128);
+            att_wg_commit();
+            att_wg_wait<1>();
+        } else {
+            att_wg_wait<0>();
+        }
+        att_wg_fence_regs<BN / 2>(s);
+        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
+        att_wg_softmax<BN>(s, m, l, alpha, scale_log2);
+    };
+    // O += P V_j with P from s, waited for.
+    auto values = [&](int j) {
+        att_wg_c_to_a<BN>(pa, s);
+        att_wg_fence_regs<BN / 16>(pa);
+        att_wg_fence_regs<HD / 2>(o);
+        att_wg_fence();
+        att_wg_pv<BN, HD>(o, pa, aV + (u32)(j % VBUF) * KBYTES, BN * 128);
+        att_wg_commit();
+        att_wg_wait<0>();
+        att_wg_fence_regs<HD / 2>(o);
+    };
+
+    if constexpr (!PIPE) {
+        for (int j = 0; j < nkb; ++j) {
+            next_block(j);
+            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence();
+            scores(j, false);
+            att_wg_rescale<HD>(o, alpha);
+            values(j);
+        }
+    } else {
+        // Block 0 has no P V before it: peeled, so that every wgmma of the loop is unconditional (ptxas
+        // serializes all wgmma, C7520, when a batch is issued on one path and not on another).
+        next_block(0);
+        if (jend > 0) {
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence();
+            scores(0, false);  // O is zero: no rescale
+            if (jend == 1) {
+                values(0);
+            } else {
+                att_wg_c_to_a<BN>(pa, s);
+            }
+        }
+        for (int j = 1; j < nkb; ++j) {
+            next_block(j);
+            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence_regs<HD / 2>(o);
+            att_wg_fence_regs<BN / 16>(pa);
+            att_wg_fence();
+            scores(j, true);   // the softmax of block j runs while P_{j-1} V_{j-1} does
+            att_wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa are free
+            att_wg_fence_regs<HD / 2>(o);
+            att_wg_fence_regs<BN / 16>(pa);
+            att_wg_rescale<HD>(o, alpha);
+            if (j == jend - 1) {
+                values(j);  // the warpgroup's last block: its P V now
+            } else {
+                att_wg_c_to_a<BN>(pa, s);
+            }
+        }
+    }
+    if (!active) return;  // no barrier below
+
+    // Normalise; lse in natural log: (m + log2 l) * ln 2. Rows >= T compute finite values nobody stores.
+    const int srow = 64 * wg + 16 * wq;  // the warp's first row in the Q tile
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float lt = l[hr];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        const float inv = 1.0f / lt;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            o[4 * i + 2 * hr] *= inv;
+            o[4 * i + 2 * hr + 1] *= inv;
+        }
+        if (q == 0 && row + 8 * hr < T) lse[(u64)bh * T + row + 8 * hr] = (m[hr] + log2f(lt)) * ATT_LN2;
+        // Stage the row in the warp's own rows of the Q tile (only this warpgroup's wgmma read them, and
+        // they completed), bf16 pairs at the SW128 positions of (row, 8 i + 2 q).
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i)
+            *reinterpret_cast<u32*>(sQ + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
+                att_pack_bf16(o[4 * i + 2 * hr], o[4 * i + 2 * hr + 1]);
+    }
+    __syncwarp();
+    // The warp's 16 rows, 16 bytes at a time.
+    constexpr int CH = HD / 8;
+    u16* gO = out + (u64)b * T * H * HD + (u64)h * HD;
+    const int t_first = r0 + 16 * wq;
+#pragma unroll
+    for (int c = lane; c < 16 * CH; c += 32) {
+        const int r = c / CH, k = c - (c / CH) * CH;
+        if (t_first + r < T)
+            *reinterpret_cast<uint4*>(gO + (u64)(t_first + r) * H * HD + k * 8) =
+                *reinterpret_cast<const uint4*>(sQ + att_sw128_index<BM>(srow + r, 8 * k));
+    }
+}
+
+#if !defined(ATT_ONLY_KIND)
+// =====================================================================================================
+// Probes: the building blocks of attn_fwd_wgmma alone, one warpgroup (128 threads), on dense row-major
+// inputs in global memory, with the kernel's own loader, descriptors, wgmma wrappers and fragment maps; f32
+// row-major results. A wrong descriptor field, swizzle or fragment map shows up here as a wrong small matrix
+// product. Launch with 1 block of 128 threads and ATT_WG_PROBE_SMEM bytes of dynamic shared memory.
+// =====================================================================================================
+#define ATT_WG_PROBE_SMEM (2 * 64 * 128 * 2 + 1024)
+
+// The 1024-byte aligned start of att_smem: generic pointer and shared-window address.
+__device__ __forceinline__ unsigned char* att_wg_probe_base(u32& addr) {
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    addr = raw + pad;
+    return att_smem + pad;
+}
+
+// out[r][c] for the accumulator fragment d of a 64 x N product (3).
+template <int N>
+__device__ __forceinline__ void att_wg_probe_store(float* out, const float (&d)[N / 2]) {
+    const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) out[(16 * w + g + 8 * hr) * N + 8 * i + 2 * q + e] = d[4 * i + 2 * hr + e];
+}
+
+// a, b [64][HD] into two SW128 tiles of 64 rows at base and base + 64 * HD * 2; waits, fences, barrier.
+template <int HD>
+__device__ __forceinline__ void att_wg_probe_load(u16* sa, const u16* a, u16* sb, const u16* b) {
+    att_load_sw128<HD, 64, 128>(sa, a, HD, 0, 64, threadIdx.x);
+    att_load_sw128<HD, 64, 128>(sb, b, HD, 0, 64, threadIdx.x);
+    att_cp_commit();
+    att_cp_wait<0>();
+    att_fence_proxy_async();
+    __syncthreads();
+}
+
+// out[64][64] = a[:, 0:16] * b[:, 0:16]^T for a, b [64][64]: ONE wgmma m64n64k16 (A, B K-major in shared
+// memory), the smallest test of (1), (2) and the accumulator map of (3).
+extern "C" __global__ void __launch_bounds__(128) attn_wg_probe_abt16(const u16* a, const u16* b, float* out) {
+    u32 base;
+    u16* sa = reinterpret_cast<u16*>(att_wg_probe_base(base));
+    u16* sb = sa + 64 * 64;
+    att_wg_probe_load<64>(sa, a, sb, b);
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    att_wg_fence_regs<32>(d);
+    att_wg_fence();
+    AttWgmma<64>::ss(d, att_wg_desc(base, 16u, 1024u), att_wg_desc(base + 64u * 64u * 2u, 16u, 1024u), 0);
+    att_wg_commit();
+    att_wg_wait<0>();
+    att_wg_fence_regs<32>(d);
+    att_wg_probe_store<64>(out, d);
+}
+
+// out[64][64] = a * b^T for a, b [64][HD]: the S step of the kernel (att_wg_abt, HD / 16 wgmma, the k-steps
+// inside the swizzled rows and, at HD = 128, across the two column blocks).
+template <int HD>
+__device__ __forceinline__ void attn_wg_probe_abt(const u16* a, const u16* b, float* out) {
+    u32 base;
+    u16* sa = reinterpret_cast<u16*>(att_wg_probe_base(base));
+    u16* sb = sa + 64 * HD;
+    att_wg_probe_load<HD>(sa, a, sb, b);
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    att_wg_fence_regs<32>(d);
+    att_wg_fence();
+    att_wg_abt<HD, 64>(d, base, 64u * 128u, base + 64u * HD * 2u, 64u * 128u);
+    att_wg_commit();
+    att_wg_wait<0>();
+    att_wg_fence_regs<32>(d);
+    att_wg_probe_store<64>(out, d);
+}
+
+// out[64][HD] = bf16(p) * v for p [64][64] f32 and v [64 keys][HD]: the O step of the kernel (p enters
+// as accumulator fragments, att_wg_c_to_a, att_wg_pv: A from registers, V MN-major with the transpose bit,
+// at HD = 128 both column blocks through LBO). V's descriptor has LBO v_lbo and SBO v_sbo: the kernel's
+// are 64 * 128 (the column block of a 64-key tile) and 1024; a test tries others when those fail.
+template <int HD>
+__device__ __forceinline__ void attn_wg_probe_pv(const float* p, const u16* v, float* out, u32 v_lbo, u32 v_sbo) {
+    u32 base;
+    u16* sv = reinterpret_cast<u16*>(att_wg_probe_base(base));
+    att_load_sw128<HD, 64, 128>(sv, v, HD, 0, 64, threadIdx.x);
+    att_cp_commit();
+    const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, g = lane >> 2, q = lane & 3;
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) s[4 * i + 2 * hr + e] = p[(16 * w + g + 8 * hr) * 64 + 8 * i + 2 * q + e];
+    u32 pa[4][4];
+    att_wg_c_to_a<64>(pa, s);
+    att_cp_wait<0>();
+    att_fence_proxy_async();
+    __syncthreads();
+    float d[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) d[i] = 0.0f;
+    att_wg_fence_regs<4>(pa);
+    att_wg_fence_regs<HD / 2>(d);
+    att_wg_fence();
+    att_wg_pv<64, HD>(d, pa, base, v_lbo, v_sbo);
+    att_wg_commit();
+    att_wg_wait<0>();
+    att_wg_fence_regs<HD / 2>(d);
+    att_wg_probe_store<HD>(out, d);
+}
+
+#define ATT_WG_PROBE_ENTRIES(HD)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_wg_probe_abt_hd##HD(const u16* a, const u16* b,   \
+                                                                               float* out) {                  \
+        attn_wg_probe_abt<HD>(a, b, out);                                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_wg_probe_pv_hd##HD(const float* p, const u16* v,   \
+                                                                              float* out, u32 v_lbo,          \
+                                                                              u32 v_sbo) {                    \
+        attn_wg_probe_pv<HD>(p, v, out, v_lbo, v_sbo);                                                         \
+    }
+ATT_WG_PROBE_ENTRIES(64)
+ATT_WG_PROBE_ENTRIES(128)
+#endif  // !ATT_ONLY_KIND
+
+// =====================================================================================================
+// Entry points
+// =====================================================================================================
+// attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>: NWG warpgroups of 64 query rows, key blocks of BN, the suffix p for
+// the overlapped schedule (PIPE). The variant list is an X-macro, X(HD, NWG, BN, suffix), so that the host
+// emulator instantiates the same set; tiles.rs mirrors it (WGMMA_FORWARD_VARIANTS) and a test checks that
+// the two agree. With ATT_ONLY_KIND 6 (and ATT_HD, ATT_ONLY_A = NWG, ATT_ONLY_B = BN, ATT_ONLY_C = 1 for the
+// overlapped schedule), as mod.rs builds the module of one kernel, only that entry point.
+#define ATT_WG_FWD_VARIANTS_64(X) X(64, 2, 128, ) X(64, 2, 64, ) X(64, 3, 128, ) X(64, 2, 128, p) X(64, 3, 128, p)
+#define ATT_WG_FWD_VARIANTS_128(X) \
+    X(128, 2, 128, ) X(128, 2, 64, ) X(128, 1, 128, ) X(128, 2, 128, p) X(128, 2, 64, p)
+
+#define ATT_WG_PIPE_ false
+#define ATT_WG_PIPE_p true
+#define ATT_WG_FWD_ENTRY(HD, NWG, BN, SUF)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD(    \
+        const u16* qkv, u16* out, float* lse, int T, int H, int KV, float scale_log2) {                        \
+        attn_fwd_wgmma<HD, NWG, BN, ATT_WG_PIPE_##SUF>(qkv, out, lse, T, H, KV, scale_log2);                   \
+    }
+#define ATT_WG_APPLY4(M, a, b, c, d) M(a, b, c, d)  // expands ATT_HD, ATT_ONLY_A, ATT_ONLY_B first
+
+#if defined(ATT_ONLY_KIND)
+#if ATT_ONLY_KIND == 6 && ATT_ONLY_C
+ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
+#elif ATT_ONLY_KIND == 6
+ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
+#endif
+#else
+ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)
+ATT_WG_FWD_VARIANTS_128(ATT_WG_FWD_ENTRY)
+#endif
