@@ -352,7 +352,16 @@ fn kernels_label(cfg: &AttentionConfig, hd: usize) -> Result<String, KernelError
     let (fwd, bwd) = cfg.kernels_for(hd)?;
     Ok(match cfg.kernel {
         AttentionKernel::Wgmma => format!("fwd wgmma {}, {bwd}", cfg.wgmma_tiles_for(hd)?),
-        AttentionKernel::Mma | AttentionKernel::Simple => format!("fwd {fwd}, {bwd}"),
+        // On Hopper the default takes the wgmma forward where it has one (head dims 64, 128).
+        AttentionKernel::Auto if cfg.tiles.forward.is_none() && cfg.wgmma_tiles_for(hd).is_ok() => {
+            format!(
+                "fwd wgmma {} on sm_90 (else {fwd}), {bwd}",
+                cfg.wgmma_tiles_for(hd)?
+            )
+        }
+        AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Simple => {
+            format!("fwd {fwd}, {bwd}")
+        }
     })
 }
 
@@ -509,7 +518,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f64 {
 /// out and lse on the same inputs.
 fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     println!(
-        "\nforward alone, wgmma variants against the default (mma.sync) forward on the same inputs \
+        "\nforward alone, wgmma variants against the mma.sync forward on the same inputs \
          (median ms; TFLOP/s = 4*B*H*T^2*hd/2 / time; max |diff| of out, relative to max |out|, and of lse)"
     );
     println!(
@@ -522,7 +531,11 @@ fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::E
         }
         let mut b = buffers(dev, &s)?;
         let fwd_tf = |ms: f64| tflops(&s, ms) / 3.5;
-        let base = AttentionConfig::default();
+        // The mma.sync forward by name: the default takes the wgmma forward on Hopper.
+        let base = AttentionConfig {
+            kernel: AttentionKernel::Mma,
+            ..Default::default()
+        };
         let base_ms = time_pass(dev, &s, &base, &mut b, args.iters, Pass::Forward)?;
         let (fwd_tiles, _) = base.kernels_for(s.head_dim)?;
         let out_ref: Vec<f32> = b.out.to_vec()?.iter().map(|v| v.to_f32()).collect();

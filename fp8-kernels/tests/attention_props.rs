@@ -372,7 +372,8 @@ fn wgmma_configs_are_validated() {
         let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
         let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
         attention_forward(&s, &wgmma, &qkv, &mut out, &mut lse).unwrap();
-        assert_eq!(wgmma.wgmma_tiles_for(hd).unwrap(), WgmmaTiles::new(2, 128));
+        // The measured defaults: key blocks of 64 at head dim 64, of 128 at head dim 128.
+        assert_eq!(wgmma.wgmma_tiles_for(hd).unwrap(), WgmmaTiles::new(2, hd));
         for &t in wgmma_forward_variants(hd) {
             let c = AttentionConfig {
                 tiles: AttentionTiles {

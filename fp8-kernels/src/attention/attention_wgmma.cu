@@ -641,7 +641,7 @@ ATT_WG_PROBE_ENTRIES(128)
 // emulator instantiates the same set; tiles.rs mirrors it (WGMMA_FORWARD_VARIANTS) and a test checks that
 // the two agree. With ATT_ONLY_KIND 6 (and ATT_HD, ATT_ONLY_A = NWG, ATT_ONLY_B = BN, ATT_ONLY_C = 1 for the
 // overlapped schedule), as mod.rs builds the module of one kernel, only that entry point.
-#define ATT_WG_FWD_VARIANTS_64(X) X(64, 2, 128, ) X(64, 2, 64, ) X(64, 3, 128, ) X(64, 2, 128, p) X(64, 3, 128, p)
+#define ATT_WG_FWD_VARIANTS_64(X) X(64, 2, 64, ) X(64, 2, 128, ) X(64, 3, 128, ) X(64, 2, 128, p) X(64, 3, 128, p)
 #define ATT_WG_FWD_VARIANTS_128(X) \
     X(128, 2, 128, ) X(128, 2, 64, ) X(128, 1, 128, ) X(128, 2, 128, p) X(128, 2, 64, p)
 

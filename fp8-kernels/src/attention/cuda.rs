@@ -161,7 +161,12 @@ pub(super) fn forward(
                 [qkv, out, lse, &b, &t, &h, &kv, &cfg.scale]
             )?;
         }
-        AttentionKernel::Mma => {
+        AttentionKernel::Auto
+            if cfg.wgmma_forward.is_some() && dev.compute_capability() == (9, 0) =>
+        {
+            forward_wgmma(dev, shape, cfg, qkv, out, lse)?
+        }
+        AttentionKernel::Auto | AttentionKernel::Mma => {
             require_tensor_cores(dev, WHAT)?;
             let tiles = cfg.forward;
             let (module, entry) = kernel_entry(hd, TensorKernel::Forward(tiles));
@@ -189,38 +194,53 @@ pub(super) fn forward(
                 [qkv, out, lse, &t, &h, &kv, &scale_log2]
             )?;
         }
-        AttentionKernel::Wgmma => {
-            require_sm90(dev, WHAT)?;
-            let tiles = cfg.wgmma_forward.ok_or_else(|| {
-                KernelError::Internal("wgmma forward without resolved tiles".into())
-            })?;
-            let (module, entry) = kernel_entry(hd, TensorKernel::WgmmaForward(tiles));
-            let kernel = Kernel::new(dev, module, entry)?;
-            let smem = wgmma_forward_smem_bytes(hd, &tiles);
-            allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
-            let launch = LaunchConfig {
-                grid_dim: (
-                    (shape.batch * shape.heads) as u32,
-                    shape.seq_len.div_ceil(tiles.block_rows()) as u32,
-                    1,
-                ),
-                block_dim: (128 * tiles.warpgroups as u32, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-            // Grid (B*H, ceil(T / BM)) with BM = 64 * NWG query rows per block of 128 * NWG threads (the
-            // tiles' warpgroups), the dynamic shared memory its tiles and their 1024-byte alignment need
-            // (limit raised above); lengths as in the simple kernel (checked by the caller); every global
-            // access is bounded by T.
-            launch!(
-                kernel: &kernel,
-                launch,
-                "attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
-                 int KV, float scale_log2)",
-                [qkv, out, lse, &t, &h, &kv, &scale_log2]
-            )?;
-        }
+        AttentionKernel::Wgmma => forward_wgmma(dev, shape, cfg, qkv, out, lse)?,
     }
+    Ok(())
+}
+
+/// The forward on warpgroup MMA (sm_90a), with the tiles `cfg` resolved.
+fn forward_wgmma(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+    qkv: &CudaSlice<bf16>,
+    out: &mut CudaSlice<bf16>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "attention_forward";
+    let (_, t, h, kv) = dims(shape);
+    let hd = shape.head_dim;
+    require_sm90(dev, WHAT)?;
+
+    let tiles = cfg
+        .wgmma_forward
+        .ok_or_else(|| KernelError::Internal("wgmma forward without resolved tiles".into()))?;
+    let (module, entry) = kernel_entry(hd, TensorKernel::WgmmaForward(tiles));
+    let kernel = Kernel::new(dev, module, entry)?;
+    let smem = wgmma_forward_smem_bytes(hd, &tiles);
+    allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
+    let launch = LaunchConfig {
+        grid_dim: (
+            (shape.batch * shape.heads) as u32,
+            shape.seq_len.div_ceil(tiles.block_rows()) as u32,
+            1,
+        ),
+        block_dim: (128 * tiles.warpgroups as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+    // Grid (B*H, ceil(T / BM)) with BM = 64 * NWG query rows per block of 128 * NWG threads (the
+    // tiles' warpgroups), the dynamic shared memory its tiles and their 1024-byte alignment need
+    // (limit raised above); lengths as in the simple kernel (checked by the caller); every global
+    // access is bounded by T.
+    launch!(
+        kernel: &kernel,
+        launch,
+        "attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
+         int KV, float scale_log2)",
+        [qkv, out, lse, &t, &h, &kv, &scale_log2]
+    )?;
     Ok(())
 }
 
@@ -306,9 +326,10 @@ pub(super) fn workspace_lens(
     cfg: &ResolvedConfig,
 ) -> Result<(usize, usize), KernelError> {
     let dq = match (cfg.kernel, cfg.backward) {
-        (AttentionKernel::Mma | AttentionKernel::Wgmma, BackwardKernels::Fused { query_rows }) => {
-            fused_plan(dev, shape, cfg, query_rows)?.buffers * shape.out_len()
-        }
+        (
+            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
+            BackwardKernels::Fused { query_rows },
+        ) => fused_plan(dev, shape, cfg, query_rows)?.buffers * shape.out_len(),
         _ => 0,
     };
     Ok((shape.lse_len(), dq))
@@ -337,12 +358,14 @@ pub(super) fn backward(
     // The wgmma family's backward is the mma one.
     let module = match (cfg.kernel, cfg.backward) {
         (AttentionKernel::Simple, _) => attention_module(hd, KernelFamily::Simple),
-        (AttentionKernel::Mma | AttentionKernel::Wgmma, BackwardKernels::Fused { query_rows }) => {
-            kernel_module(hd, TensorKernel::Fused { query_rows })
-        }
-        (AttentionKernel::Mma | AttentionKernel::Wgmma, BackwardKernels::Separate { dkdv, .. }) => {
-            kernel_module(hd, TensorKernel::DkDv(dkdv))
-        }
+        (
+            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
+            BackwardKernels::Fused { query_rows },
+        ) => kernel_module(hd, TensorKernel::Fused { query_rows }),
+        (
+            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
+            BackwardKernels::Separate { dkdv, .. },
+        ) => kernel_module(hd, TensorKernel::DkDv(dkdv)),
     };
 
     // D = rowsum(dO * O), one warp per row.
@@ -388,7 +411,8 @@ pub(super) fn backward(
                 )?;
             }
         }
-        AttentionKernel::Mma | AttentionKernel::Wgmma => match cfg.backward {
+        AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma => match cfg.backward
+        {
             BackwardKernels::Separate { dkdv, dq } => {
                 separate_backward(dev, shape, cfg, dkdv, dq, qkv, d_out, lse, d_qkv, d_ws)?
             }

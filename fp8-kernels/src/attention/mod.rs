@@ -430,8 +430,12 @@ impl AttentionShape {
 /// Which GPU kernels run (the CPU has one implementation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionKernel {
-    /// FlashAttention-2 style tiles on tensor cores (`mma.sync` BF16, compute capability 8.0+).
+    /// The default: on compute capability 9.0 (H100, H200) with head dim 64 or 128 and default forward
+    /// tiles, the forward of [`AttentionKernel::Wgmma`] with its default tiles; otherwise `Mma`'s. The
+    /// backward is `Mma`'s.
     #[default]
+    Auto,
+    /// FlashAttention-2 style tiles on tensor cores (`mma.sync` BF16, compute capability 8.0+).
     Mma,
     /// One block per row, F32 dot products, no tensor cores: slow, and simple enough to be obviously
     /// right. The diagnostic fallback.
@@ -439,8 +443,9 @@ pub enum AttentionKernel {
     /// The forward on Hopper's warpgroup MMA (`wgmma.mma_async`, FlashAttention-3's instruction; kernels
     /// built for sm_90a, so compute capability 9.0 only: H100, H200), tiles from
     /// [`AttentionTiles::wgmma_forward`]; head dims 64 and 128. The backward is `Mma`'s (it reads the
-    /// forward's `out` and `lse`, the same contract). Not the default: a first version, not yet
-    /// measured or verified on a GPU (`attention_cuda`'s `wgmma_*` tests).
+    /// forward's `out` and `lse`, the same contract). Verified against the CPU and the `mma.sync`
+    /// forward on an H100 (`attention_cuda`'s `wgmma_*` tests); what [`AttentionKernel::Auto`] runs on
+    /// Hopper.
     Wgmma,
 }
 
@@ -500,7 +505,8 @@ pub(crate) struct ResolvedConfig {
     pub forward: QueryTiles,
     pub backward: BackwardKernels,
     pub backward_splits: Option<usize>,
-    /// The wgmma forward's tiles, with [`AttentionKernel::Wgmma`] only.
+    /// The wgmma forward's tiles, with [`AttentionKernel::Wgmma`], and with [`AttentionKernel::Auto`]
+    /// where it may take the wgmma forward (the GPU decides: compute capability 9.0).
     pub wgmma_forward: Option<WgmmaTiles>,
 }
 
@@ -604,7 +610,13 @@ impl AttentionConfig {
                     other => other,
                 })?)
             }
-            AttentionKernel::Mma | AttentionKernel::Simple => None,
+            // Default forward tiles and a head dim the wgmma forward has: Hopper takes it.
+            AttentionKernel::Auto if self.tiles.forward.is_none() => self
+                .tiles
+                .wgmma_forward
+                .or_else(|| default_wgmma_tiles(shape.head_dim))
+                .filter(|t| wgmma_forward_variants(shape.head_dim).contains(t)),
+            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Simple => None,
         };
         if self.tiles.backward_splits == Some(0) {
             return Err(bad(what, "backward_splits must be at least 1".into()));
@@ -814,7 +826,10 @@ pub fn backward_splits(
     shape.validate(WHAT)?;
     let cfg = config.resolve(shape, WHAT)?;
     match (device, cfg.kernel) {
-        (Device::Cuda(dev), AttentionKernel::Mma | AttentionKernel::Wgmma) => match cfg.backward {
+        (
+            Device::Cuda(dev),
+            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
+        ) => match cfg.backward {
             BackwardKernels::Fused { query_rows } => {
                 let plan = cuda::fused_plan(dev, shape, &cfg, query_rows)?;
                 Ok((plan.splits, plan.buffers))

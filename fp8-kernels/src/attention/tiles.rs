@@ -114,8 +114,8 @@ pub const WGMMA_HEAD_DIMS: [usize; 2] = [64, 128];
 /// order of [`WGMMA_HEAD_DIMS`]; the first is the default.
 const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 5]; 2] = [
     [
-        WgmmaTiles::new(2, 128),
         WgmmaTiles::new(2, 64),
+        WgmmaTiles::new(2, 128),
         WgmmaTiles::new(3, 128),
         WgmmaTiles::pipelined(2, 128),
         WgmmaTiles::pipelined(3, 128),
@@ -138,8 +138,10 @@ pub fn wgmma_forward_variants(head_dim: usize) -> &'static [WgmmaTiles] {
 }
 
 /// The wgmma forward tiles used when [`super::AttentionTiles::wgmma_forward`] is `None`: two
-/// warpgroups (128 query rows) and key blocks of 128 at both head dims (FlashAttention-3's tile shape at
-/// head dim 128), the plain schedule (the simplest; nothing measured yet).
+/// warpgroups (128 query rows), the plain schedule, key blocks of 64 at head dim 64 and of 128 at head
+/// dim 128: the fastest of each head dim's variants on an H100 (`attention_bench --wgmma`, 2026-12-06:
+/// 1.19-1.20x the `mma.sync` forward at head dim 64, 1.25-1.35x at 128; the blocks of 128 keys were
+/// 0.90-0.93x at head dim 64).
 pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
     wgmma_forward_variants(head_dim).first().copied()
 }
