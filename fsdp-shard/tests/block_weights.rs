@@ -3,11 +3,14 @@
 //! weight bit for bit; gradients reduce into the uneven shards; checkpoints reshard N -> M.
 
 use fp8_kernels::rng::SplitMix64;
+mod common;
+
+use common::Sgd;
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_shard::checkpoint::{load_sharded, read_full, save_full, save_sharded, FullWeights};
 use fsdp_shard::{
     quantize_block_rows, FsdpConfig, GradDtype, GradReduction, ModelLayout, ParamGroup, ParamKind,
-    ParamSpec, ShardError, ShardedModel, ShardedState, StateShard, WrapPolicy,
+    ParamSpec, ShardError, ShardedModel, WrapPolicy,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -192,43 +195,6 @@ fn gradients_reduce_into_the_uneven_shards_in_every_mode() {
     }
 }
 
-/// A master copy per unit, saved and loaded as optimizer state (what a real optimizer keeps).
-struct Masters(Vec<Vec<f32>>);
-
-impl ShardedState for Masters {
-    fn export_state(&self) -> Result<Vec<StateShard>, ShardError> {
-        Ok(self
-            .0
-            .iter()
-            .enumerate()
-            .map(|(u, m)| StateShard {
-                name: "master".into(),
-                unit: u,
-                group: ParamGroup::Fp8,
-                qtype: fp8_core::QType::F32,
-                bytes: m.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                slot_scales: vec![],
-            })
-            .collect())
-    }
-    fn import_state(&mut self, shards: Vec<StateShard>) -> Result<(), ShardError> {
-        for s in shards {
-            self.0[s.unit] = s
-                .bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-        }
-        Ok(())
-    }
-    fn state_bytes(&self) -> usize {
-        self.0.iter().map(|m| m.len() * 4).sum()
-    }
-    fn scalar_state(&self) -> Vec<(String, String)> {
-        vec![]
-    }
-}
-
 fn temp_dir(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("fsdp-block-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -255,7 +221,10 @@ fn block_scaled_checkpoints_reshard_and_export() {
             save_sharded(
                 &dir,
                 &model,
-                Some(&Masters(masters.clone())),
+                Some(&Sgd {
+                    lr: 0.0,
+                    masters: masters.clone(),
+                }),
                 &BTreeMap::new(),
             )?;
             Ok::<_, ShardError>(masters)
@@ -267,10 +236,10 @@ fn block_scaled_checkpoints_reshard_and_export() {
             let other = |p: usize| init(&l, p).into_iter().map(|v| -v).collect();
             let (mut model, masters) =
                 ShardedModel::new(l.clone(), comm, FsdpConfig::default(), &other)?;
-            let mut state = Masters(masters);
+            let mut state = Sgd { lr: 0.0, masters };
             load_sharded(&dir, &mut model, Some(&mut state))?;
             // The loaded master rows are the saved ones, cut at the new block rows.
-            for (u, m) in state.0.iter().enumerate() {
+            for (u, m) in state.masters.iter().enumerate() {
                 let g = l.units[u].group(ParamGroup::Fp8);
                 let mut saved = Vec::new();
                 for (r, sm) in masters_full.iter().enumerate() {
