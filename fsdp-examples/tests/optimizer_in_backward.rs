@@ -222,6 +222,16 @@ fn llama_trains_bit_for_bit_with_the_optimizer_in_the_backward() {
             both_ways::<Llama<bf16>>(&what, &small("llama-tiny", &data, 8 / ws), &c);
         }
     }
+    // The block-scaled recipe: each unit's weights re-quantized per 128x128 block of its uneven,
+    // block-row shards inside the backward, with the block-scaled gradient exchange.
+    let mut c = config(4, 2, false);
+    c.fp8_recipe = fp8_core::Fp8Recipe::block_scaled(fp8_core::ScaleRounding::PowerOfTwo);
+    c.fp8_grad_comm = Fp8GradComm::Block(fp8_core::Fp8Format::E4M3);
+    both_ways::<Llama<bf16>>(
+        "llama, 2 ranks, block recipe and exchange",
+        &small("llama-tiny", &data, 4),
+        &c,
+    );
 }
 
 #[test]
