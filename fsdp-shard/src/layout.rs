@@ -216,10 +216,22 @@ impl GroupLayout {
         rank * s..(rank + 1) * s
     }
 
+    /// Every rank's shard range, in rank order (the cut points computed once).
+    pub fn shard_ranges(&self, world_size: usize) -> Vec<std::ops::Range<usize>> {
+        let ws = world_size.max(1);
+        if self.block_scaled {
+            let cuts = self.cuts(ws);
+            return cuts.windows(2).map(|c| c[0]..c[1]).collect();
+        }
+        (0..ws).map(|r| self.shard_range(r, ws)).collect()
+    }
+
     /// Every rank's shard length, in rank order (they add up to [`GroupLayout::padded_len`]).
     pub fn shard_counts(&self, world_size: usize) -> Vec<usize> {
-        let ws = world_size.max(1);
-        (0..ws).map(|r| self.shard_range(r, ws).len()).collect()
+        self.shard_ranges(world_size)
+            .into_iter()
+            .map(|r| r.len())
+            .collect()
     }
 
     /// The group's flat data from the concatenation of every rank's stored shard (an all-gather of
@@ -310,8 +322,12 @@ impl GroupLayout {
     /// The index in the scale buffer that corresponds to code position `pos` (a block-row start of a
     /// slot, or a slot's or the group's end): the scales of the blocks from `pos` on start there.
     pub fn scale_position(&self, pos: usize) -> usize {
-        let scales = self.block_scales();
-        for (s, b) in self.slots.iter().zip(&scales) {
+        self.scale_position_in(&self.block_scales(), pos)
+    }
+
+    /// [`GroupLayout::scale_position`] with the group's [`GroupLayout::block_scales`] given.
+    fn scale_position_in(&self, scales: &[BlockScaleSlot], pos: usize) -> usize {
+        for (s, b) in self.slots.iter().zip(scales) {
             if pos < s.offset + s.numel {
                 let row = pos.saturating_sub(s.offset) / (BLOCK_ROWS * s.cols.max(1));
                 return b.offset + row * b.row_len;
@@ -325,8 +341,23 @@ impl GroupLayout {
         if !self.block_scaled {
             return 0..0;
         }
-        let r = self.shard_range(rank, world_size);
-        self.scale_position(r.start)..self.scale_position(r.end)
+        let (r, scales) = (self.shard_range(rank, world_size), self.block_scales());
+        self.scale_position_in(&scales, r.start)..self.scale_position_in(&scales, r.end)
+    }
+
+    /// Every rank's scale range, in rank order (empty ranges unless block-scaled).
+    pub fn scale_ranges(&self, world_size: usize) -> Vec<std::ops::Range<usize>> {
+        let scales = self.block_scales();
+        self.shard_ranges(world_size)
+            .into_iter()
+            .map(|r| {
+                if self.block_scaled {
+                    self.scale_position_in(&scales, r.start)..self.scale_position_in(&scales, r.end)
+                } else {
+                    0..0
+                }
+            })
+            .collect()
     }
 
     /// Length of every rank's stored scale shard: the largest scale range (shards are stored padded to
@@ -337,8 +368,10 @@ impl GroupLayout {
 
     /// Every rank's scale-shard length, in rank order.
     pub fn scale_counts(&self, world_size: usize) -> Vec<usize> {
-        let ws = world_size.max(1);
-        (0..ws).map(|r| self.scale_range(r, ws).len()).collect()
+        self.scale_ranges(world_size)
+            .into_iter()
+            .map(|r| r.len())
+            .collect()
     }
 
     /// Whether the group holds no parameter.

@@ -20,7 +20,7 @@
 //! their invariants (what is live when) are checked in one place.
 
 use crate::grad::{GradReducer, GradReduction};
-use crate::layout::{ModelLayout, ParamGroup};
+use crate::layout::{ModelLayout, ParamGroup, BLOCK_ROWS};
 use crate::memory::MemoryReport;
 use crate::ShardError;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
@@ -664,13 +664,17 @@ impl ShardedModel {
             bytes += full.num_bytes() + all_scales.num_bytes();
             let g8 = unit_layout.group(ParamGroup::Fp8);
             let ws = self.comm.world_size();
-            let (n8, ns) = (g8.shard_len(ws), g8.scale_shard_len(ws));
+            // Computed once per gather: the ranks' pieces of codes and scales.
+            let (ranges, scale_ranges) = (g8.shard_ranges(ws), g8.scale_ranges(ws));
+            let n8 = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
+            let ns = scale_ranges.iter().map(|r| r.len()).max().unwrap_or(0);
             for (slot, b) in g8.slots.iter().zip(g8.block_scales()) {
                 let mut codes = self.device.zeros::<u8>(slot.numel)?;
                 let mut scale_inv = self.device.zeros::<f32>(b.len())?;
-                // The slot's pieces in each rank's chunk (a weight may span several ranks' block rows).
-                for r in 0..ws {
-                    let range = g8.shard_range(r, ws);
+                // The slot's pieces in each rank's chunk (a weight may span several ranks' block rows):
+                // whole block rows, so the piece's scales are whole rows of the slot's scales.
+                let row_elems = BLOCK_ROWS * slot.cols.max(1);
+                for (r, (range, srange)) in ranges.iter().zip(&scale_ranges).enumerate() {
                     let (start, end) = (
                         slot.offset.max(range.start),
                         (slot.offset + slot.numel).min(range.end),
@@ -680,9 +684,10 @@ impl ShardedModel {
                     }
                     let src = r * n8 + (start - range.start);
                     codes.copy_range_from(start - slot.offset, full, src, end - start)?;
-                    let (s0, s1) = (g8.scale_position(start), g8.scale_position(end));
-                    let src = r * ns + (s0 - g8.scale_range(r, ws).start);
-                    scale_inv.copy_range_from(s0 - b.offset, all_scales, src, s1 - s0)?;
+                    let s0 = b.offset + (start - slot.offset) / row_elems * b.row_len;
+                    let rows = (end - start).div_ceil(row_elems);
+                    let src = r * ns + (s0 - srange.start);
+                    scale_inv.copy_range_from(s0 - b.offset, all_scales, src, rows * b.row_len)?;
                 }
                 bytes += codes.num_bytes() + scale_inv.num_bytes();
                 params[ParamGroup::Fp8 as usize].push(GatheredParam::Fp8Block {
