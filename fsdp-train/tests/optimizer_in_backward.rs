@@ -3,22 +3,12 @@
 //! skip every step and stop the run at `--max-skipped-steps`, as without the flag; an optimizer with
 //! gradient clipping and gradient accumulation are refused naming the flags.
 
-use fp8_kernels::Buffer;
-use fsdp_nn::{Layer, Linear, LogSoftmaxNll, Relu, Sequential, Shape, Tensor};
+mod common;
+
+use common::{build_net, points, Net};
 use fsdp_optim::{AdamOptions, FsdpAdamW, Optimizer};
-use fsdp_shard::{FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
+use fsdp_shard::{FsdpModel, WrapPolicy};
 use fsdp_train::*;
-
-struct Net {
-    body: Sequential,
-    loss: LogSoftmaxNll,
-}
-
-impl Module for Net {
-    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
-        self.body.visit(v)
-    }
-}
 
 /// 16 features labelled by which of the first four is largest, 8 points per rank and step; `poison`
 /// makes every input NaN; `clip` gives the optimizer gradient clipping.
@@ -27,12 +17,10 @@ struct Task {
     clip: Option<f64>,
 }
 
-const FEATURES: usize = 16;
-
 impl TrainTask for Task {
     type Model = Net;
     type Data = ();
-    type Batch = (Buffer<f32>, Buffer<i32>);
+    type Batch = common::Batch;
     type Error = TrainError;
 
     fn name(&self) -> &str {
@@ -40,14 +28,7 @@ impl TrainTask for Task {
     }
 
     fn build_model(&self, _: &RankEnv) -> Result<Net, TrainError> {
-        let body = Sequential::new()
-            .push("fc1", Linear::new(FEATURES, 32)?)
-            .push("relu", Relu::new())
-            .push("fc2", Linear::new(32, 4)?);
-        Ok(Net {
-            body,
-            loss: LogSoftmaxNll::new(4)?,
-        })
+        build_net()
     }
 
     fn optimizer(
@@ -74,13 +55,7 @@ impl TrainTask for Task {
 
     fn batch(&self, _: &mut (), env: &RankEnv, at: BatchIndex) -> Result<Self::Batch, TrainError> {
         let first = (at.index as usize * env.world_size + env.rank) * 8;
-        let mut x: Vec<f32> = (first * FEATURES..(first + 8) * FEATURES)
-            .map(|i| ((i * 104_729 + 17) % 997) as f32 / 499.0 - 1.0)
-            .collect();
-        let y: Vec<i32> = x
-            .chunks(FEATURES)
-            .map(|r| (0..4).fold(0, |b, j| if r[j] > r[b] { j } else { b }) as i32)
-            .collect();
+        let (mut x, y) = points(first, 8);
         if self.poison {
             x.iter_mut().for_each(|v| *v = f32::NAN);
         }
@@ -91,26 +66,16 @@ impl TrainTask for Task {
         y.len() as u64
     }
 
-    fn forward(&self, m: &mut FsdpModel<Net>, (x, y): &Self::Batch) -> Result<(), TrainError> {
-        let x = Tensor::new(x.to_device(m.device())?, Shape::matrix(y.len(), FEATURES)?)?;
-        Ok(m.forward(Mode::Train, |net, ctx| {
-            let logits = net.body.forward(ctx, x)?;
-            net.loss.forward(ctx, logits, y).map(drop)
-        })?)
+    fn forward(&self, m: &mut FsdpModel<Net>, batch: &Self::Batch) -> Result<(), TrainError> {
+        common::forward(m, batch)
     }
 
     fn loss<'m>(&self, m: &'m FsdpModel<Net>) -> Result<LossValue<'m>, TrainError> {
-        Ok(LossValue {
-            values: m.module().loss.stats()?,
-            kind: LossKind::Mean,
-        })
+        common::loss(m)
     }
 
-    fn backward(&self, m: &mut FsdpModel<Net>, (_, y): &Self::Batch) -> Result<(), TrainError> {
-        Ok(m.backward(|net, ctx| {
-            let d = net.loss.backward(ctx, y, 1.0)?;
-            net.body.backward_params(ctx, d)
-        })?)
+    fn backward(&self, m: &mut FsdpModel<Net>, batch: &Self::Batch) -> Result<(), TrainError> {
+        common::backward(m, batch)
     }
 }
 

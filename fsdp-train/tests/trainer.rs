@@ -5,23 +5,14 @@
 //! gradients by the reduction (two ranks equal one rank on the concatenated batch), and the stop on
 //! non-finite losses.
 
-use fp8_kernels::Buffer;
-use fsdp_nn::{Layer, Linear, LogSoftmaxNll, Relu, Sequential, Shape, Tensor};
-use fsdp_shard::{FsdpModel, Mode, Module, ShardError, Visitor};
+mod common;
+
+use common::{build_net, points, Net, FEATURES};
+use fsdp_nn::{Layer, Shape, Tensor};
+use fsdp_shard::{FsdpModel, Mode};
 use fsdp_train::metrics::read_metrics;
 use fsdp_train::*;
 use std::path::PathBuf;
-
-struct Net {
-    body: Sequential,
-    loss: LogSoftmaxNll,
-}
-
-impl Module for Net {
-    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
-        self.body.visit(v)
-    }
-}
 
 /// 16 features labelled by which of the first four is largest; `rows` points per rank and micro-batch;
 /// with `poison`, every input is NaN (a diverging run).
@@ -30,24 +21,10 @@ struct Task {
     poison: bool,
 }
 
-const FEATURES: usize = 16;
-
-/// Points `index * ranks + rank` of a fixed stream: the global batch does not depend on the ranks.
-fn points(first: usize, n: usize) -> (Vec<f32>, Vec<i32>) {
-    let x: Vec<f32> = (first * FEATURES..(first + n) * FEATURES)
-        .map(|i| ((i * 104_729 + 17) % 997) as f32 / 499.0 - 1.0)
-        .collect();
-    let y = x
-        .chunks(FEATURES)
-        .map(|r| (0..4).fold(0, |b, j| if r[j] > r[b] { j } else { b }) as i32)
-        .collect();
-    (x, y)
-}
-
 impl TrainTask for Task {
     type Model = Net;
     type Data = ();
-    type Batch = (Buffer<f32>, Buffer<i32>);
+    type Batch = common::Batch;
     type Error = TrainError;
 
     fn name(&self) -> &str {
@@ -59,14 +36,7 @@ impl TrainTask for Task {
     }
 
     fn build_model(&self, _: &RankEnv) -> Result<Net, TrainError> {
-        let body = Sequential::new()
-            .push("fc1", Linear::new(FEATURES, 32)?)
-            .push("relu", Relu::new())
-            .push("fc2", Linear::new(32, 4)?);
-        Ok(Net {
-            body,
-            loss: LogSoftmaxNll::new(4)?,
-        })
+        build_net()
     }
 
     fn data(&self, _: &RankEnv) -> Result<(), TrainError> {
@@ -91,26 +61,16 @@ impl TrainTask for Task {
         y.len() as u64
     }
 
-    fn forward(&self, m: &mut FsdpModel<Net>, (x, y): &Self::Batch) -> Result<(), TrainError> {
-        let x = Tensor::new(x.to_device(m.device())?, Shape::matrix(y.len(), FEATURES)?)?;
-        Ok(m.forward(Mode::Train, |net, ctx| {
-            let logits = net.body.forward(ctx, x)?;
-            net.loss.forward(ctx, logits, y).map(drop)
-        })?)
+    fn forward(&self, m: &mut FsdpModel<Net>, batch: &Self::Batch) -> Result<(), TrainError> {
+        common::forward(m, batch)
     }
 
     fn loss<'m>(&self, m: &'m FsdpModel<Net>) -> Result<LossValue<'m>, TrainError> {
-        Ok(LossValue {
-            values: m.module().loss.stats()?,
-            kind: LossKind::Mean,
-        })
+        common::loss(m)
     }
 
-    fn backward(&self, m: &mut FsdpModel<Net>, (_, y): &Self::Batch) -> Result<(), TrainError> {
-        Ok(m.backward(|net, ctx| {
-            let d = net.loss.backward(ctx, y, 1.0)?;
-            net.body.backward_params(ctx, d)
-        })?)
+    fn backward(&self, m: &mut FsdpModel<Net>, batch: &Self::Batch) -> Result<(), TrainError> {
+        common::backward(m, batch)
     }
 
     /// Loss and accuracy on 64 fixed points, split over the ranks.
