@@ -24,7 +24,7 @@ use attention_common::{
     ProbeCase, WgmmaProbeCase, PROBES,
 };
 use fp8_kernels::attention::{
-    wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe,
+    default_wgmma_tiles, wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe,
     WgmmaProbe,
 };
 use half::bf16;
@@ -464,6 +464,58 @@ fn emulated_wgmma_forward_matches_cpu() {
                     println!("FAIL {label}: {e}");
                     fails.push(format!("{label}: {e}"));
                 }
+            }
+        }
+    }
+    assert_no_failures(&fails);
+}
+
+#[test]
+#[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
+fn emulated_wgmma_backward_matches_cpu() {
+    // The wgmma backward on the wgmma shapes up to T = 257 (GQA groups 1, 2, 4 and 8, partial last
+    // tiles), deterministic with the default splits, with two splits, and atomic, wgmma results and
+    // cp.async copies at issue and at the waits in turn; a non-default scale with a group of 3.
+    let bin = emulator();
+    let dir = scratch("attention_emulated_wgmma_backward");
+    let mut fails = Vec::new();
+    let mut cases: Vec<(AttentionShape, Option<f32>)> = wgmma_shapes()
+        .into_iter()
+        .filter(|s| s.seq_len <= 257)
+        .map(|s| (s, None))
+        .collect();
+    cases.push((AttentionShape::gqa(1, 6, 2, 150, 64), Some(0.3)));
+    for (i, (shape, scale)) in cases.into_iter().enumerate() {
+        let inp = inputs(shape, 1300 + i as u64);
+        let scale = AttentionConfig {
+            softmax_scale: scale,
+            ..Default::default()
+        }
+        .scale_for(shape.head_dim);
+        let want = reference(&inp, scale);
+        let fwd = default_wgmma_tiles(shape.head_dim).unwrap();
+        let bwd = ["wg:det:0", "wg:det:2", "wg:atomic"][i % 3];
+        let v = Variant {
+            name: format!("wgmma {fwd}, backward {bwd}"),
+            copies: if i % 2 == 0 { "late" } else { "early" },
+            fwd: format!("wg:{fwd}"),
+            bwd: bwd.into(),
+        };
+        let label = format!(
+            "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
+            shape.batch,
+            shape.heads,
+            shape.kv_heads,
+            shape.seq_len,
+            shape.head_dim,
+            v.name,
+            v.copies
+        );
+        match run(&bin, &inp, &v, scale, &dir) {
+            Ok(got) => fails.extend(check_all(&label, &shape, &got, &want)),
+            Err(e) => {
+                println!("FAIL {label}: {e}");
+                fails.push(format!("{label}: {e}"));
             }
         }
     }

@@ -377,46 +377,6 @@ __device__ __forceinline__ void attn_bwd_mma(const u16* __restrict__ qkv, const 
 }
 
 // =====================================================================================================
-// Backward helpers shared by both families
-// =====================================================================================================
-
-// D[(b*H + h)*T + t] = sum_d dout[b,t,h,d] * out[b,t,h,d] (f32), one warp per (b, t, h) row, lanes over d
-// in a fixed order, so the result does not depend on the launch.
-extern "C" __global__ void attn_bwd_dot_rows(const u16* __restrict__ out, const u16* __restrict__ dout,
-                                             float* __restrict__ dvec, int B, int T, int H, int HD) {
-    const u64 rows = (u64)B * T * H;
-    const int lane = threadIdx.x & 31;
-    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
-    for (u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        float s = 0.0f;
-        for (int d = lane; d < HD; d += 32)
-            s = __fmaf_rn(bf16_to_f32(dout[r * HD + d]), bf16_to_f32(out[r * HD + d]), s);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) {
-            const u64 bt = r / H;
-            const int h = (int)(r - bt * H);
-            const u64 b = bt / T, t = bt - b * T;
-            dvec[(b * H + h) * T + t] = s;
-        }
-    }
-}
-
-// dq slot of dqkv = bf16(scale * sum_{s < nbuf} acc[s * stride + i]) for every i of [B, T, H, HD], the
-// buffers summed in order s = 0, 1, ... (deterministic).
-extern "C" __global__ void attn_bwd_dq_convert(const float* __restrict__ acc, int nbuf, u64 stride,
-                                               u16* __restrict__ dqkv, u64 n, int H, int KV, int HD,
-                                               float scale) {
-    const u64 row_len = (u64)H * HD, qkv_row = (u64)(H + 2 * KV) * HD;
-    for (u64 i = global_thread(); i < n; i += grid_threads()) {
-        float s = acc[i];
-        for (int k = 1; k < nbuf; ++k) s += acc[(u64)k * stride + i];
-        const u64 row = i / row_len, c = i - row * row_len;
-        dqkv[row * qkv_row + c] = f32_to_bf16(s * scale);
-    }
-}
-
-// =====================================================================================================
 // Simple kernels (no tensor cores): one block of 128 threads per row, f32 throughout
 // =====================================================================================================
 

@@ -102,6 +102,18 @@ struct AttWgmma<64> {
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
             : "l"(da), "l"(db), "r"(accumulate));
     }
+    // D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A and B MN-major in shared memory (both transpose bits
+    // set: A(m, k) with m contiguous, B(k, n) with n contiguous). (dQ = dS K from dS^T and K tiles.)
+    static __device__ __forceinline__ void ss_tt(float (&d)[32], u64 da, u64 db, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
     // D[64 x 64] += A[64 x 16] * B[16 x 64], A from registers (a[0..3] per thread, the mma.m16n8k16 A layout
     // per warp), B MN-major in shared memory (descriptor db, transpose bit set).
     static __device__ __forceinline__ void rs_mn(float (&d)[32], const u32 (&a)[4], u64 db) {
@@ -504,6 +516,251 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
     }
 }
 
+
+// =====================================================================================================
+// Backward
+// =====================================================================================================
+// The contract, grid and schedule of attn_bwd_mma in attention.cu (read that first): grid (B*KV, nsplit),
+// key blocks of 64 rows taken in the snake order over the splits, each key block's dK and dV summed over
+// its group's query heads in registers (the heads in increasing order, one pipeline of Q / dO tiles that
+// crosses from one head to the next), dQ / scale added into dq_acc + split * dq_split_stride with vector
+// reductions (deterministic when every split owns its buffer: each address is then updated by one thread,
+// in program order). Here one warpgroup (128 threads) owns the 64 keys (thread (warp w, g, q): keys
+// k0 + 16 w + g and + 8, fragments (3)), and per query tile of 64 rows:
+//   batch 1  S^T  = K Q^T        HD/16 wgmma m64n64k16, A = K, B = Q, both K-major
+//   batch 2  dP^T = V dO^T       HD/16 wgmma m64n64k16, A = V, B = dO, both K-major
+//            P^T = 2^(S^T scale log2e - lse log2e), 0 where key > query or query >= T   (batch 2 in flight)
+//   batch 3  dV += P^T dO        4 wgmma m64nHDk16, A = bf16(P^T) from registers, B = dO MN-major
+//            dS^T = P^T (dP^T - D)                                                        (batch 3 in flight)
+//   batch 4  dK += dS^T Q        4 wgmma m64nHDk16, A = bf16(dS^T) from registers, B = Q MN-major
+//            dS^T (bf16) -> the SW128 tile sdS [64 keys][64 queries], fenced to the async proxy, barrier
+//   batch 5+ dQ = dS K           per 64 columns of dQ: 4 wgmma m64n64k16 with A = dS read MN-major from sdS
+//                                (transpose bit: A(query, key) = sdS[key][query]) and B = K MN-major
+//            waited for (every batch done), dQ added into dq_acc.
+// The block is one warpgroup, so __syncthreads is the warpgroup's barrier. Q and dO (with lse and D) are
+// double-buffered: the copies of tile n + 1 are issued after the barrier at the top of tile n, into the
+// buffers of tile n - 1, whose readers all completed (every batch is waited for within its tile).
+// Shared memory (1024-byte aligned SW128 tiles): K, V [64][HD]; Q, dO [2][64][HD]; sdS [64][64] bf16;
+// lse, D [2][64] f32.
+template <int HD>
+__device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
+                                               const float* __restrict__ lse, const float* __restrict__ dvec,
+                                               float* __restrict__ dq_acc, u64 dq_split_stride,
+                                               u16* __restrict__ dqkv, int T, int H, int KV, float scale,
+                                               float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    constexpr int BN = 64, BM = 64, NT = 128;
+    constexpr u32 TB = 64 * HD * 2;      // bytes of one [64][HD] tile
+    constexpr u32 CB = 64 * 128;         // bytes between the column blocks of a 64-row tile
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aK = raw + pad, aV = aK + TB, aQ = aV + TB, adO = aQ + 2 * TB, adS = adO + 2 * TB;
+    unsigned char* base = att_smem + pad;
+    u16* sK = reinterpret_cast<u16*>(base);
+    u16* sV = reinterpret_cast<u16*>(base + TB);
+    u16* sQ = reinterpret_cast<u16*>(base + 2 * TB);
+    u16* sdO = reinterpret_cast<u16*>(base + 4 * TB);
+    u16* sdS = reinterpret_cast<u16*>(base + 6 * TB);
+    float* sL = reinterpret_cast<float*>(base + 6 * TB + 64 * 128);  // [2][BM]
+    float* sD = sL + 2 * BM;                                          // [2][BM]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;
+    const int G = H / KV;
+    const int split = blockIdx.y, nsplit = gridDim.y;
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
+    const u64 kv_off = (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const int nkb = (T + BN - 1) / BN, nqb = (T + BM - 1) / BM;
+    u64 q_off = (u64)b * T * rs + (u64)kvh * G * HD, o_off = (u64)b * T * ors + (u64)kvh * G * HD;
+    u64 l_off = ((u64)b * H + (u64)kvh * G) * T;
+    float* const acc_base = dq_acc + (u64)split * dq_split_stride;
+
+    for (int round = 0;; ++round) {
+        const int j = round * nsplit + ((round & 1) ? nsplit - 1 - split : split);
+        if (j >= nkb) break;
+        const int k0 = j * BN;
+        const int i0 = j;  // the first query block holding a query >= k0 (BM = BN)
+
+        att_load_sw128<HD, BN, NT>(sK, qkv + kv_off, rs, k0, T, tid);  // committed with the first tile
+        att_load_sw128<HD, BN, NT>(sV, qkv + kv_off + (u64)KV * HD, rs, k0, T, tid);
+
+        float dk[HD / 2], dv[HD / 2];
+#pragma unroll
+        for (int i = 0; i < HD / 2; ++i) dk[i] = dv[i] = 0.0f;
+        const int key_a = k0 + warp * 16 + g;  // the thread's keys: key_a, key_a + 8
+
+        att_load_sw128<HD, BM, NT>(sQ, qkv + q_off, rs, i0 * BM, T, tid);
+        att_load_sw128<HD, BM, NT>(sdO, dout + o_off, ors, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sL, lse + l_off, i0 * BM, T, tid);
+        att_load_vec<BM, NT>(sD, dvec + l_off, i0 * BM, T, tid);
+        att_cp_commit();
+        int i = i0, buf = 0, heads_after = G - 1;
+        for (;; buf ^= 1) {
+            att_cp_wait<0>();
+            att_fence_proxy_async();
+            __syncthreads();  // tile `buf` landed for every thread; every batch of the previous tile is done
+            if (i + 1 < nqb || heads_after > 0) {
+                const int nb = buf ^ 1;
+                const bool next_head = i + 1 == nqb;
+                const int ni = next_head ? i0 : i + 1;
+                const u64 hs = next_head ? (u64)HD : 0, ls = next_head ? (u64)T : 0;
+                att_load_sw128<HD, BM, NT>(sQ + nb * (TB / 2), qkv + q_off + hs, rs, ni * BM, T, tid);
+                att_load_sw128<HD, BM, NT>(sdO + nb * (TB / 2), dout + o_off + hs, ors, ni * BM, T, tid);
+                att_load_vec<BM, NT>(sL + nb * BM, lse + l_off + ls, ni * BM, T, tid);
+                att_load_vec<BM, NT>(sD + nb * BM, dvec + l_off + ls, ni * BM, T, tid);
+                att_cp_commit();
+            }
+            const u32 cQ = aQ + (u32)buf * TB, cdO = adO + (u32)buf * TB;
+            const float* cL = sL + buf * BM;
+            const float* cD = sD + buf * BM;
+            const int q0 = i * BM;
+
+            // Batches 1 and 2: S^T and dP^T.
+            float s[BM / 2], dp[BM / 2];
+            att_wg_fence_regs<BM / 2>(s);
+            att_wg_fence_regs<BM / 2>(dp);
+            att_wg_fence();
+            att_wg_abt<HD, BM>(s, aK, CB, cQ, CB);
+            att_wg_commit();
+            att_wg_abt<HD, BM>(dp, aV, CB, cdO, CB);
+            att_wg_commit();
+            att_wg_wait<1>();
+            att_wg_fence_regs<BM / 2>(s);
+
+            // P^T, columns = queries q0 + 8 c + 2 q + e.
+#pragma unroll
+            for (int c = 0; c < BM / 8; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float ml = cL[8 * c + 2 * q + e] * ATT_LOG2E;
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr)
+                        s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml));
+                }
+            if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {  // block-uniform: the tile reaches the mask or T
+#pragma unroll
+                for (int c = 0; c < BM / 8; ++c)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int query = q0 + 8 * c + 2 * q + e;
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            if (key_a + 8 * hr > query || query >= T) s[4 * c + 2 * hr + e] = 0.0f;
+                    }
+            }
+
+            // Batch 3: dV += P^T dO.
+            u32 pa[BM / 16][4];
+            att_wg_c_to_a<BM>(pa, s);
+            att_wg_fence_regs<BM / 16>(pa);
+            att_wg_fence_regs<HD / 2>(dv);
+            att_wg_fence();
+            att_wg_pv<BM, HD>(dv, pa, cdO, CB);
+            att_wg_commit();
+            att_wg_wait<1>();  // dP^T (batch 2) done; dV may still run
+            att_wg_fence_regs<BM / 2>(dp);
+
+            // dS^T = P^T (dP^T - D), into dp.
+#pragma unroll
+            for (int c = 0; c < BM / 8; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float dd = cD[8 * c + 2 * q + e];
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr)
+                        dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd);
+                }
+
+            // Batch 4: dK += dS^T Q.
+            u32 dsa[BM / 16][4];
+            att_wg_c_to_a<BM>(dsa, dp);
+            att_wg_fence_regs<BM / 16>(dsa);
+            att_wg_fence_regs<HD / 2>(dk);
+            att_wg_fence();
+            att_wg_pv<BM, HD>(dk, dsa, cQ, CB);
+            att_wg_commit();
+
+            // dS^T to sdS (row = key, column = query), the bf16 pairs of dsa at their SW128 positions.
+#pragma unroll
+            for (int kc = 0; kc < BM / 16; ++kc)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int row = 16 * warp + g + 8 * (r & 1), col = 16 * kc + 8 * (r >> 1) + 2 * q;
+                    *reinterpret_cast<u32*>(sdS + att_sw128_index<BN>(row, col)) = dsa[kc][r];
+                }
+            att_fence_proxy_async();
+            __syncthreads();  // sdS complete
+
+            // Batches 5 (and 6): dQ[:, 64 c .. 64 c + 63] = dS K, then every batch is waited for.
+            float dq[HD / 64][32];
+            att_wg_fence();
+#pragma unroll
+            for (int c = 0; c < HD / 64; ++c) {
+                att_wg_fence_regs<32>(dq[c]);
+#pragma unroll
+                for (int kc = 0; kc < BN / 16; ++kc)
+                    AttWgmma<64>::ss_tt(dq[c], att_wg_desc(adS + (u32)kc * 2048u, CB, 1024u),
+                                        att_wg_desc(aK + (u32)c * CB + (u32)kc * 2048u, CB, 1024u), kc > 0 ? 1 : 0);
+                att_wg_commit();
+            }
+            att_wg_wait<0>();
+            att_wg_fence_regs<HD / 2>(dv);
+            att_wg_fence_regs<HD / 2>(dk);
+#pragma unroll
+            for (int c = 0; c < HD / 64; ++c) {
+                att_wg_fence_regs<32>(dq[c]);
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int row = q0 + 16 * warp + g + 8 * hr;
+                    if (row < T) {
+                        float* acc = acc_base + o_off + (u64)row * ors + 64 * c + 2 * q;
+#pragma unroll
+                        for (int n = 0; n < 8; ++n) att_red_add2(acc + 8 * n, dq[c][4 * n + 2 * hr], dq[c][4 * n + 2 * hr + 1]);
+                    }
+                }
+            }
+            if (++i == nqb) {
+                q_off += HD, o_off += HD, l_off += T;
+                if (heads_after-- == 0) break;
+                i = i0;
+            }
+        }
+        q_off -= (u64)G * HD, o_off -= (u64)G * HD, l_off -= (u64)G * T;
+
+        // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK / sV (every wgmma reading them
+        // completed), 16 bytes at a time.
+        __syncthreads();
+        const int srow = 16 * warp;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                const int idx = att_sw128_index<BN>(srow + g + 8 * hr, 8 * n + 2 * q);
+                *reinterpret_cast<u32*>(sK + idx) = att_pack_bf16(dk[4 * n + 2 * hr] * scale, dk[4 * n + 2 * hr + 1] * scale);
+                *reinterpret_cast<u32*>(sV + idx) = att_pack_bf16(dv[4 * n + 2 * hr], dv[4 * n + 2 * hr + 1]);
+            }
+        __syncwarp();
+        constexpr int CH = HD / 8;
+#pragma unroll
+        for (int c = lane; c < 16 * CH; c += 32) {
+            const int r = c / CH, k = c - (c / CH) * CH;
+            const int t = k0 + srow + r;
+            if (t < T) {
+                const int idx = att_sw128_index<BN>(srow + r, 8 * k);
+                *reinterpret_cast<uint4*>(dqkv + kv_off + (u64)t * rs + k * 8) = *reinterpret_cast<const uint4*>(sK + idx);
+                *reinterpret_cast<uint4*>(dqkv + kv_off + (u64)KV * HD + (u64)t * rs + k * 8) =
+                    *reinterpret_cast<const uint4*>(sV + idx);
+            }
+        }
+        __syncthreads();  // before the next key block's copies overwrite the tiles
+    }
+}
+
+// Bytes of attn_bwd_wgmma's shared memory (the host's figure must match): six [64][HD] tiles, sdS, lse and
+// D, and the 1024-byte alignment.
+#define ATT_WG_BWD_SMEM(HD) (6 * 64 * (HD) * 2 + 64 * 128 + 4 * 64 * 4 + 1024)
+
 #if !defined(ATT_ONLY_KIND)
 // =====================================================================================================
 // Probes: the building blocks of attn_fwd_wgmma alone, one warpgroup (128 threads), on dense row-major
@@ -653,14 +910,27 @@ ATT_WG_PROBE_ENTRIES(128)
         attn_fwd_wgmma<HD, NWG, BN, ATT_WG_PIPE_##SUF>(qkv, out, lse, T, H, KV, scale_log2);                   \
     }
 #define ATT_WG_APPLY4(M, a, b, c, d) M(a, b, c, d)  // expands ATT_HD, ATT_ONLY_A, ATT_ONLY_B first
+#define ATT_WG_APPLY1(M, a) M(a)
+
+// attn_bwd_wgmma_hd<HD>: the backward above, with the signature of attn_bwd_fused_q<BM>_hd<HD> (ATT_ONLY_KIND 7).
+#define ATT_WG_BWD_ENTRY(HD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_hd##HD(                               \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
+        u64 dq_split_stride, u16* dqkv, int T, int H, int KV, float scale, float scale_log2) {                 \
+        attn_bwd_wgmma<HD>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, KV, scale, scale_log2);  \
+    }
 
 #if defined(ATT_ONLY_KIND)
 #if ATT_ONLY_KIND == 6 && ATT_ONLY_C
 ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 6
 ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
+#elif ATT_ONLY_KIND == 7
+ATT_WG_APPLY1(ATT_WG_BWD_ENTRY, ATT_HD)
 #endif
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)
 ATT_WG_FWD_VARIANTS_128(ATT_WG_FWD_ENTRY)
+ATT_WG_BWD_ENTRY(64)
+ATT_WG_BWD_ENTRY(128)
 #endif

@@ -48,6 +48,7 @@ macro_rules! attention_source {
             $($prefix,)*
             include_str!("../../cuda/common.cuh"),
             include_str!("attention_mma.cuh"),
+            include_str!("attention_rows.cu"),
             include_str!("attention.cu"),
             include_str!("attention_separate.cu")
         )
@@ -62,6 +63,7 @@ pub const ATTENTION_MODULE: KernelModule = KernelModule {
     files: &[
         "common.cuh",
         "attention_mma.cuh",
+        "attention_rows.cu",
         "attention.cu",
         "attention_separate.cu",
     ],
@@ -75,10 +77,16 @@ pub const ATTENTION_MODULE: KernelModule = KernelModule {
 /// `attention_wgmma.cu`). The launches of the forward use single-kernel modules ([`kernel_module`]).
 pub const ATTENTION_WGMMA_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_attention_wgmma",
-    files: &["common.cuh", "attention_mma.cuh", "attention_wgmma.cu"],
+    files: &[
+        "common.cuh",
+        "attention_mma.cuh",
+        "attention_rows.cu",
+        "attention_wgmma.cu",
+    ],
     source: concat!(
         include_str!("../../cuda/common.cuh"),
         include_str!("attention_mma.cuh"),
+        include_str!("attention_rows.cu"),
         include_str!("attention_wgmma.cu")
     ),
     arch: ModuleArch::Sm90a,

@@ -18,7 +18,8 @@
 //     128-byte swizzle only: K-major element (mn, k) at start + (mn / 8) * SBO + (mn % 8) * 128 + 2 k,
 //     MN-major element (k, mn) at start + (mn / 64) * LBO + (k / 8) * SBO + (k % 8) * 128 + 2 (mn % 64),
 //     then address bits 4-6 XOR bits 7-9 (CuTe's canonical GMMA layouts, Swizzle<3,4,3>); A from
-//     registers in the mma.m16n8k16 A layout of each warp's 16 rows; accumulator d[4 i + 2 h + e] = D(16 w +
+//     registers in the mma.m16n8k16 A layout of each warp's 16 rows, or from shared memory K-major or
+//     (transpose bit) MN-major; accumulator d[4 i + 2 h + e] = D(16 w +
 //     g + 8 h, 8 i + 2 q + e). Results at issue ("early") or at the wgmma.wait_group that retires the batch
 //     ("late": the accumulator reads NaN in between, and shared memory is read at the wait, so a kernel
 //     that reads results early or overwrites operands in flight fails). A wgmma without a wgmma.fence since
@@ -35,7 +36,8 @@
 // Usage:
 //   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
-//     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
+//     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | wg:det:<SPLITS> | wg:atomic (the wgmma
+//          backward) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
 //          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
@@ -307,7 +309,7 @@ static inline const u16* smem_u16(u32 addr) {
 // ---- wgmma ----
 struct WgOp {
     bool rs = false;
-    int n = 0, tnsp_b = 0, accumulate = 1;
+    int n = 0, tnsp_a = 0, tnsp_b = 0, accumulate = 1;
     u64 da = 0, db = 0;
     u32 a[128][4];
 };
@@ -370,7 +372,7 @@ static void wg_complete(const WgOp& op, float* d, const float* base) {
                 const int holder = 32 * (row / 16) + 4 * (row % 8) + (k % 8) / 2;
                 a = half_bf16(op.a[holder][(row % 16 >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2);
             } else {
-                a = wg_desc_elem(op.da, false, row, k);
+                a = wg_desc_elem(op.da, op.tnsp_a != 0, row, k);
             }
             sum += (double)a * (double)wg_desc_elem(op.db, op.tnsp_b != 0, col, k);
         }
@@ -378,7 +380,8 @@ static void wg_complete(const WgOp& op, float* d, const float* base) {
     }
 }
 
-static void wg_issue(bool rs, int n, int tnsp_b, int accumulate, u64 da, u64 db, const u32* a, float* d) {
+static void wg_issue(bool rs, int n, int tnsp_a, int tnsp_b, int accumulate, u64 da, u64 db, const u32* a,
+                     float* d) {
     if (g_wgs.empty()) die("wgmma in a block that is not whole warpgroups");
     if (!t_wg_fenced) die("wgmma.mma_async without wgmma.fence since the last wgmma.wait_group");
     if (g_unfenced_smem) die("wgmma after a barrier that published cp.async data without fence.proxy.async");
@@ -391,6 +394,7 @@ static void wg_issue(bool rs, int n, int tnsp_b, int accumulate, u64 da, u64 db,
     if (t == 0) {
         op.rs = rs;
         op.n = n;
+        op.tnsp_a = tnsp_a;
         op.tnsp_b = tnsp_b;
         op.accumulate = accumulate;
         op.da = da;
@@ -399,7 +403,7 @@ static void wg_issue(bool rs, int n, int tnsp_b, int accumulate, u64 da, u64 db,
     if (rs)
         for (int r = 0; r < 4; ++r) op.a[t][r] = a[r];
     G.bar->arrive_and_wait();
-    if (op.rs != rs || op.n != n || op.tnsp_b != tnsp_b || op.accumulate != accumulate || (!rs && op.da != da) ||
+    if (op.rs != rs || op.n != n || op.tnsp_a != tnsp_a || op.tnsp_b != tnsp_b || op.accumulate != accumulate || (!rs && op.da != da) ||
         op.db != db)
         die("the threads of a warpgroup issued different wgmma");
     bool chained = false;
@@ -433,13 +437,17 @@ static inline void att_wg_wait() {
 template <int N>
 struct AttWgmma {
     static void ss(float (&d)[N / 2], u64 da, u64 db, int accumulate) {
-        wg_issue(false, N, 0, accumulate, da, db, nullptr, d);
+        wg_issue(false, N, 0, 0, accumulate, da, db, nullptr, d);
     }
-    static void rs_mn(float (&d)[N / 2], const u32 (&a)[4], u64 db) { wg_issue(true, N, 1, 1, 0, db, a, d); }
+    static void ss_tt(float (&d)[N / 2], u64 da, u64 db, int accumulate) {
+        wg_issue(false, N, 1, 1, accumulate, da, db, nullptr, d);
+    }
+    static void rs_mn(float (&d)[N / 2], const u32 (&a)[4], u64 db) { wg_issue(true, N, 0, 1, 1, 0, db, a, d); }
 };
 
 #define ATT_HOST_EMULATION 1
 #include "../../src/attention/attention_mma.cuh"
+#include "../../src/attention/attention_rows.cu"
 #include "../../src/attention/attention.cu"
 #include "../../src/attention/attention_separate.cu"
 #include "../../src/attention/attention_wgmma.cu"
@@ -644,7 +652,13 @@ static int run(int argc, char** argv) {
     } else {
         int bwd_rows = 0, splits_arg = 0;
         char mode[16] = {0};
-        if (std::sscanf(bwd.c_str(), "fused:q%d:%15[a-z]:%d", &bwd_rows, mode, &splits_arg) < 2) die("backward variant");
+        const bool wg = bwd.rfind("wg:", 0) == 0;  // the wgmma backward: wg:det:<SPLITS> | wg:atomic
+        if (wg) {
+            bwd_rows = 64;
+            if (std::sscanf(bwd.c_str(), "wg:%15[a-z]:%d", mode, &splits_arg) < 1) die("backward variant");
+        } else if (std::sscanf(bwd.c_str(), "fused:q%d:%15[a-z]:%d", &bwd_rows, mode, &splits_arg) < 2) {
+            die("backward variant");
+        }
         const bool atomic = std::string(mode) == "atomic";
         const int nkb = (T + 63) / 64;
         int splits, nbuf;
@@ -661,7 +675,12 @@ static int run(int argc, char** argv) {
         reg(acc);
         const u64 stride = nbuf > 1 ? (u64)n : 0;
         BwdFused f = bwd_rows == 64 ? PICK(attn_bwd_fused_q64, HD) : PICK(attn_bwd_fused_q32, HD);
-        const size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
+        size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
+        if (wg) {
+            if (HD == 32) die("the wgmma backward has head dims 64 and 128");
+            f = HD == 64 ? attn_bwd_wgmma_hd64 : attn_bwd_wgmma_hd128;
+            smem = ATT_WG_BWD_SMEM(HD);
+        }
         launch({kv_pairs, (unsigned)splits, 128, smem}, [&] {
             f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, KV, scale,
               scale_log2);
