@@ -7,19 +7,20 @@
 //!
 //! - Table: for each shape (the GPT shapes B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32, and
 //!   the Llama presets' grouped-query shapes B4 H32 KV8 T4096 hd64, B2 H24 KV8 T4096 hd128, B1 H32 KV8
-//!   T8192 hd128) and each mode (the deterministic default, the fused backward with split buffers, the
-//!   fused backward with atomics), the median over N (default 20) timed iterations after 5 warm-up ones
-//!   of the forward, the backward and their sum, timed with CUDA events on the compute stream, and
-//!   TFLOP/s by the peer's formula `3.5 * 4 * B * H * T^2 * hd / 2 / time`. Last, a short table of ours
-//!   against PyTorch's backends (default, flash, cuDNN, cuDNN on expanded K/V) read from `--peer FILE`,
-//!   the JSON lines `peer_layers.py` printed in the same device call (`bench/run.sh layers` passes it),
-//!   with the ratio of our deterministic default to the fastest backend.
-//! - `--wgmma`: also the forward on Hopper's warpgroup MMA (`AttentionKernel::Wgmma`, compute capability
-//!   9.0 only; head dims 64 and 128): a mode `wgmma fwd` in the table (its default tiles; the backward
-//!   the deterministic default, run on the wgmma forward's outputs), and after the table, per shape of
-//!   head dim 64 or 128, the default (mma.sync) forward and every compiled wgmma forward variant timed
-//!   alone, with their speed-up and their largest differences from the default forward's `out` and `lse`
-//!   on the same inputs (a quick check beside `attention_cuda`'s).
+//!   T8192 hd128) and each mode (the default, which on Hopper runs the wgmma forward and backward at head
+//!   dims 64 and 128; the mma.sync kernels' deterministic default, their fused backward with split
+//!   buffers, their fused backward with atomics), the median over N (default 20) timed iterations after
+//!   5 warm-up ones of the forward, the backward and their sum, timed with CUDA events on the compute
+//!   stream, and TFLOP/s by the peer's formula `3.5 * 4 * B * H * T^2 * hd / 2 / time`. Last, a short
+//!   table of ours against PyTorch's backends (default, flash, cuDNN, cuDNN on expanded K/V) read from
+//!   `--peer FILE`, the JSON lines `peer_layers.py` printed in the same device call (`bench/run.sh
+//!   layers` passes it), with the ratio of our default to the fastest backend.
+//! - `--wgmma`: also the modes `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
+//!   fwd+mma` (the wgmma forward with the mma.sync fused backward; compute capability 9.0 only, head
+//!   dims 64 and 128), and after the table, per shape of head dim 64 or 128, the mma.sync forward and
+//!   every compiled wgmma forward variant timed alone, with their speed-up and their largest differences
+//!   from the mma.sync forward's `out` and `lse` on the same inputs (a quick check beside
+//!   `attention_cuda`'s).
 //! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
 //!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
 //!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
@@ -347,46 +348,82 @@ fn wgmma_config() -> AttentionConfig {
     }
 }
 
+/// The mma.sync kernels with their defaults.
+fn mma_config() -> AttentionConfig {
+    AttentionConfig {
+        kernel: AttentionKernel::Mma,
+        ..Default::default()
+    }
+}
+
 /// What a config runs at head dim `hd`, for the table's last column.
 fn kernels_label(cfg: &AttentionConfig, hd: usize) -> Result<String, KernelError> {
     let (fwd, bwd) = cfg.kernels_for(hd)?;
-    Ok(match cfg.kernel {
-        AttentionKernel::Wgmma => format!("fwd wgmma {}, {bwd}", cfg.wgmma_tiles_for(hd)?),
-        // On Hopper the default takes the wgmma forward where it has one (head dims 64, 128).
-        AttentionKernel::Auto if cfg.tiles.forward.is_none() && cfg.wgmma_tiles_for(hd).is_ok() => {
-            format!(
-                "fwd wgmma {} on sm_90 (else {fwd}), {bwd}",
-                cfg.wgmma_tiles_for(hd)?
-            )
-        }
-        AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Simple => {
-            format!("fwd {fwd}, {bwd}")
-        }
-    })
+    let hopper = matches!(cfg.kernel, AttentionKernel::Wgmma | AttentionKernel::Auto);
+    // On Hopper the default takes the wgmma kernels where they exist (head dims 64, 128).
+    let wg_fwd = cfg.kernel == AttentionKernel::Wgmma
+        || (hopper && cfg.tiles.forward.is_none() && cfg.wgmma_tiles_for(hd).is_ok());
+    let wg_bwd = hopper && cfg.tiles.backward.is_none() && WGMMA_HEAD_DIMS.contains(&hd);
+    let f = if wg_fwd {
+        format!("fwd wgmma {}", cfg.wgmma_tiles_for(hd)?)
+    } else {
+        format!("fwd {fwd}")
+    };
+    let b = if wg_bwd {
+        format!("bwd wgmma {:?}", cfg.dq_accumulation).to_lowercase()
+    } else {
+        bwd.to_string()
+    };
+    let on = if cfg.kernel == AttentionKernel::Auto && (wg_fwd || wg_bwd) {
+        " (on sm_90; mma elsewhere)"
+    } else {
+        ""
+    };
+    Ok(format!("{f}, {b}{on}"))
 }
 
-/// The modes of the main table (with `wgmma`, the wgmma forward's too).
+/// The modes of the main table: the default (`Auto`), the mma.sync kernels' deterministic default, fused
+/// deterministic and atomic backward; with `wgmma`, the wgmma kernels with the atomic backward and the
+/// wgmma forward with the mma.sync backward.
 fn modes(wgmma: bool) -> Vec<(&'static str, AttentionConfig)> {
+    let mma = mma_config();
     let fused_det = AttentionConfig {
         tiles: AttentionTiles {
             backward: Some(BackwardKernels::Fused { query_rows: 64 }),
             ..Default::default()
         },
-        ..Default::default()
+        ..mma
     };
     let mut v = vec![
-        ("deterministic", AttentionConfig::default()),
-        ("fused det.", fused_det),
+        ("default", AttentionConfig::default()),
+        ("mma det.", mma),
+        ("mma fused det.", fused_det),
         (
-            "fused atomic",
+            "mma atomic",
             AttentionConfig {
                 dq_accumulation: DqAccumulation::Atomic,
-                ..Default::default()
+                ..mma
             },
         ),
     ];
     if wgmma {
-        v.push(("wgmma fwd", wgmma_config()));
+        v.push((
+            "wgmma atomic",
+            AttentionConfig {
+                dq_accumulation: DqAccumulation::Atomic,
+                ..wgmma_config()
+            },
+        ));
+        v.push((
+            "wgmma fwd+mma",
+            AttentionConfig {
+                tiles: AttentionTiles {
+                    backward: Some(BackwardKernels::Fused { query_rows: 64 }),
+                    ..Default::default()
+                },
+                ..wgmma_config()
+            },
+        ));
     }
     v
 }

@@ -46,6 +46,15 @@ use attention_common::{
 };
 
 /// One device for the whole binary, so the module is compiled once.
+/// The mma.sync kernels with their defaults (the default config, `Auto`, runs the wgmma kernels on
+/// Hopper).
+fn mma() -> AttentionConfig {
+    AttentionConfig {
+        kernel: AttentionKernel::Mma,
+        ..Default::default()
+    }
+}
+
 fn gpu() -> Device {
     static DEV: OnceLock<Result<Device, String>> = OnceLock::new();
     match DEV.get_or_init(|| Device::cuda(0).map_err(|e| e.to_string())) {
@@ -82,12 +91,13 @@ fn run(
     ))
 }
 
-/// The configurations checked at head dim `hd` and length `t`: the simple kernels; the defaults; every
+/// The configurations checked at head dim `hd` and length `t`: the simple kernels; the mma defaults; the
+/// defaults of `Auto` (the wgmma kernels on Hopper at head dims 64 and 128); every
 /// compiled forward, dK/dV and dQ variant (the i-th of each list together); the fused backward
 /// (deterministic with the default splits and 64-row tiles, with three splits and 32-row tiles when
 /// `t > 128`, atomic).
 fn variants(hd: usize, t: usize) -> Vec<(String, AttentionConfig)> {
-    let base = AttentionConfig::default();
+    let base = mma();
     let with = |tiles: AttentionTiles| AttentionConfig { tiles, ..base };
     let mut v = vec![
         (
@@ -98,6 +108,7 @@ fn variants(hd: usize, t: usize) -> Vec<(String, AttentionConfig)> {
             },
         ),
         ("mma default".to_string(), base),
+        ("auto default".to_string(), AttentionConfig::default()),
     ];
     for (forward, backward) in cycled_variants(hd) {
         v.push((
@@ -243,7 +254,8 @@ fn backward_is_deterministic() {
         let shape = AttentionShape::new(2, 3, 333, hd);
         let inp = inputs(shape, 77);
         for (name, cfg) in [
-            ("mma default", AttentionConfig::default()),
+            ("mma default", mma()),
+            ("auto default (wgmma on Hopper)", AttentionConfig::default()),
             (
                 "mma fused q32 splits 2",
                 AttentionConfig {
@@ -252,7 +264,7 @@ fn backward_is_deterministic() {
                         backward_splits: Some(2),
                         ..Default::default()
                     },
-                    ..Default::default()
+                    ..mma()
                 },
             ),
             (
@@ -288,7 +300,7 @@ fn backward_is_deterministic() {
         // The atomic mode may differ between runs; report how much.
         let atomic = AttentionConfig {
             dq_accumulation: DqAccumulation::Atomic,
-            ..Default::default()
+            ..mma()
         };
         let mut ws = AttentionWorkspace::new();
         let (_, _, g1) = run(&dev, &inp, &atomic, &mut ws).unwrap();
@@ -369,7 +381,8 @@ fn gqa_backward_is_deterministic() {
         let shape = AttentionShape::gqa(2, 8, 2, 333, hd);
         let inp = inputs(shape, 78);
         for (name, cfg) in [
-            ("mma default", AttentionConfig::default()),
+            ("mma default", mma()),
+            ("auto default (wgmma on Hopper)", AttentionConfig::default()),
             (
                 "mma fused q32 splits 2",
                 AttentionConfig {
@@ -378,7 +391,7 @@ fn gqa_backward_is_deterministic() {
                         backward_splits: Some(2),
                         ..Default::default()
                     },
-                    ..Default::default()
+                    ..mma()
                 },
             ),
             (
@@ -470,9 +483,10 @@ fn wgmma_forward_matches_cpu_and_mma() {
         let inp = inputs(*shape, 900 + i as u64);
         let base = AttentionConfig {
             softmax_scale: *scale,
-            ..Default::default()
+            ..mma()
         };
         let want = reference(&inp, base.scale_for(shape.head_dim));
+        let (_, mma_backward) = base.kernels_for(shape.head_dim).unwrap();
         let label = |name: &str| {
             format!(
                 "B{} H{} KV{} T{} hd{} scale {:.3} [{name}]",
@@ -499,6 +513,7 @@ fn wgmma_forward_matches_cpu_and_mma() {
                 kernel: AttentionKernel::Wgmma,
                 tiles: AttentionTiles {
                     wgmma_forward: Some(tiles),
+                    backward: Some(mma_backward),
                     ..Default::default()
                 },
                 ..base
@@ -527,6 +542,107 @@ fn wgmma_forward_matches_cpu_and_mma() {
                 }
                 Err(e) => {
                     let line = format!("FAIL {}: error {e}", label(&name));
+                    println!("{line}");
+                    fails.push(line);
+                }
+            }
+        }
+    }
+    assert_no_failures(&fails);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wgmma_backward_matches_cpu_and_mma() {
+    // The wgmma backward (after the default wgmma forward) at head dims 64 and 128 on the wgmma shapes
+    // (T in {1, 63, 64, 100, 128, 257, 1024}, grouped-query ratios 1 to 8) and two non-default scales with
+    // groups of 3: deterministic with the automatic splits, with 3 splits, and atomic; the gradients
+    // against the CPU reference and against the mma.sync kernels' (forward and backward) within the
+    // documented bounds. The deterministic modes must repeat their bits, with a grown (stale) workspace
+    // and a fresh one. Needs compute capability 9.0.
+    let dev = gpu();
+    let mut fails = Vec::new();
+    let mut cases: Vec<(AttentionShape, Option<f32>)> =
+        wgmma_shapes().into_iter().map(|s| (s, None)).collect();
+    cases.push((AttentionShape::gqa(2, 6, 2, 333, 64), Some(0.3)));
+    cases.push((AttentionShape::gqa(1, 6, 3, 700, 128), Some(0.05)));
+    for (i, (shape, scale)) in cases.iter().enumerate() {
+        let inp = inputs(*shape, 1900 + i as u64);
+        let base = AttentionConfig {
+            softmax_scale: *scale,
+            kernel: AttentionKernel::Wgmma,
+            ..Default::default()
+        };
+        let want = reference(&inp, base.scale_for(shape.head_dim));
+        let label = |name: &str| {
+            format!(
+                "B{} H{} KV{} T{} hd{} scale {:.3} [{name}]",
+                shape.batch,
+                shape.heads,
+                shape.kv_heads,
+                shape.seq_len,
+                shape.head_dim,
+                base.scale_for(shape.head_dim)
+            )
+        };
+        let mma_cfg = AttentionConfig {
+            kernel: AttentionKernel::Mma,
+            ..base
+        };
+        let mma = run(&dev, &inp, &mma_cfg, &mut AttentionWorkspace::new())
+            .map_err(|e| fails.push(format!("FAIL {}: error {e}", label("mma"))))
+            .ok();
+        let configs = [
+            ("wgmma deterministic", base, true),
+            (
+                "wgmma deterministic splits 3",
+                AttentionConfig {
+                    tiles: AttentionTiles {
+                        backward_splits: Some(3),
+                        ..Default::default()
+                    },
+                    ..base
+                },
+                true,
+            ),
+            (
+                "wgmma atomic",
+                AttentionConfig {
+                    dq_accumulation: DqAccumulation::Atomic,
+                    ..base
+                },
+                false,
+            ),
+        ];
+        for (name, cfg, deterministic) in configs {
+            let mut ws = AttentionWorkspace::new();
+            match run(&dev, &inp, &cfg, &mut ws) {
+                Ok((got, _, g1)) => {
+                    fails.extend(check_all(
+                        &label(&format!("{name} vs cpu")),
+                        shape,
+                        &got,
+                        &want,
+                    ));
+                    if let Some((m, _, _)) = &mma {
+                        fails.extend(check_all(&label(&format!("{name} vs mma")), shape, &got, m));
+                    }
+                    if deterministic {
+                        let again = run(&dev, &inp, &cfg, &mut ws).and_then(|a| {
+                            Ok((a, run(&dev, &inp, &cfg, &mut AttentionWorkspace::new())?))
+                        });
+                        match again {
+                            Ok(((_, _, g2), (_, _, g3))) if g1 == g2 && g1 == g3 => {}
+                            Ok(_) => fails.push(format!(
+                                "FAIL {}: the backward differs between runs",
+                                label(name)
+                            )),
+                            Err(e) => fails.push(format!("FAIL {}: error {e}", label(name))),
+                        }
+                    }
+                }
+                Err(e) => {
+                    let line = format!("FAIL {}: error {e}", label(name));
                     println!("{line}");
                     fails.push(line);
                 }

@@ -24,8 +24,8 @@ use attention_common::{
     ProbeCase, WgmmaProbeCase, PROBES,
 };
 use fp8_kernels::attention::{
-    default_wgmma_tiles, wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe,
-    WgmmaProbe,
+    default_wgmma_tiles, wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels,
+    LayoutProbe, WgmmaProbe,
 };
 use half::bf16;
 use std::path::{Path, PathBuf};

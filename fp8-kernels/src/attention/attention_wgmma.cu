@@ -535,8 +535,8 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
 //   batch 4  dK += dS^T Q        4 wgmma m64nHDk16, A = bf16(dS^T) from registers, B = Q MN-major
 //            dS^T (bf16) -> the SW128 tile sdS [64 keys][64 queries], fenced to the async proxy, barrier
 //   batch 5+ dQ = dS K           per 64 columns of dQ: 4 wgmma m64n64k16 with A = dS read MN-major from sdS
-//                                (transpose bit: A(query, key) = sdS[key][query]) and B = K MN-major
-//            waited for (every batch done), dQ added into dq_acc.
+//                                (transpose bit: A(query, key) = sdS[key][query]) and B = K MN-major, waited
+//                                for (the first wait covers batches 3 and 4) and added into dq_acc.
 // The block is one warpgroup, so __syncthreads is the warpgroup's barrier. Q and dO (with lse and D) are
 // double-buffered: the copies of tile n + 1 are issued after the barrier at the top of tile n, into the
 // buffers of tile n - 1, whose readers all completed (every batch is waited for within its tile).
@@ -692,34 +692,33 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
             att_fence_proxy_async();
             __syncthreads();  // sdS complete
 
-            // Batches 5 (and 6): dQ[:, 64 c .. 64 c + 63] = dS K, then every batch is waited for.
-            float dq[HD / 64][32];
-            att_wg_fence();
+            // Batch 5 (and 6): dQ[:, 64 c .. 64 c + 63] = dS K, one 64-column half at a time (both at once
+            // would hold 64 more registers where HD = 128 has none left), each waited for (the first
+            // wait also covers dV and dK) and added into dq_acc.
 #pragma unroll
             for (int c = 0; c < HD / 64; ++c) {
-                att_wg_fence_regs<32>(dq[c]);
+                float dq[32];
+                att_wg_fence_regs<32>(dq);
+                att_wg_fence();
 #pragma unroll
                 for (int kc = 0; kc < BN / 16; ++kc)
-                    AttWgmma<64>::ss_tt(dq[c], att_wg_desc(adS + (u32)kc * 2048u, CB, 1024u),
+                    AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + (u32)kc * 2048u, CB, 1024u),
                                         att_wg_desc(aK + (u32)c * CB + (u32)kc * 2048u, CB, 1024u), kc > 0 ? 1 : 0);
                 att_wg_commit();
-            }
-            att_wg_wait<0>();
-            att_wg_fence_regs<HD / 2>(dv);
-            att_wg_fence_regs<HD / 2>(dk);
-#pragma unroll
-            for (int c = 0; c < HD / 64; ++c) {
-                att_wg_fence_regs<32>(dq[c]);
+                att_wg_wait<0>();
+                att_wg_fence_regs<32>(dq);
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
                     const int row = q0 + 16 * warp + g + 8 * hr;
                     if (row < T) {
                         float* acc = acc_base + o_off + (u64)row * ors + 64 * c + 2 * q;
 #pragma unroll
-                        for (int n = 0; n < 8; ++n) att_red_add2(acc + 8 * n, dq[c][4 * n + 2 * hr], dq[c][4 * n + 2 * hr + 1]);
+                        for (int n = 0; n < 8; ++n) att_red_add2(acc + 8 * n, dq[4 * n + 2 * hr], dq[4 * n + 2 * hr + 1]);
                     }
                 }
             }
+            att_wg_fence_regs<HD / 2>(dv);
+            att_wg_fence_regs<HD / 2>(dk);
             if (++i == nqb) {
                 q_off += HD, o_off += HD, l_off += T;
                 if (heads_after-- == 0) break;

@@ -46,6 +46,13 @@ pub(super) fn fused_smem_bytes(head_dim: usize, rows: usize) -> usize {
     (2 * KEY_BLOCK + 4 * rows) * (head_dim + 8) * 2 + KEY_BLOCK * (rows + 8) * 2 + 4 * rows * 4
 }
 
+/// Bytes of dynamic shared memory of the wgmma backward (`ATT_WG_BWD_SMEM`): K, V [64][hd]; Q, dO
+/// [2][64][hd]; dS^T [64][64] bf16 in 128-byte-swizzled tiles; lse, D [2][64] f32; and 1024 bytes for the
+/// kernel to align the tiles.
+pub(super) fn wgmma_backward_smem_bytes(head_dim: usize) -> usize {
+    6 * KEY_BLOCK * head_dim * 2 + KEY_BLOCK * 64 * 2 + 4 * 64 * 4 + 1024
+}
+
 /// Bytes of dynamic shared memory of the dK/dV kernel: K, V [BN][hd+8]; Q, dO [2][BM][hd+8] bf16; lse,
 /// D [2][BM] f32; with warp pairs, P^T [pairs][32 keys][BM] f32.
 pub(super) fn dkdv_smem_bytes(head_dim: usize, t: &KeyTiles) -> usize {
@@ -275,18 +282,49 @@ fn auto_splits(pairs: usize, slots: usize, key_blocks: usize, dq_bytes: usize) -
         .unwrap_or_else(|| (1..=cap).fold(1, |best, s| if fill(s) > fill(best) { s } else { best }))
 }
 
+/// The kernel of a tensor-core backward with the fused contract (grid (B*KV, splits), 64 keys per block,
+/// dQ accumulated in F32 buffers) this call runs: the wgmma backward where the config asks for it and
+/// the GPU has it, else the fused `mma.sync` variant; `None` for the separate backward.
+pub(super) fn fused_kernel(
+    dev: &CudaDevice,
+    cfg: &ResolvedConfig,
+) -> Result<Option<TensorKernel>, KernelError> {
+    if cfg.wgmma_backward {
+        if cfg.kernel == AttentionKernel::Wgmma {
+            require_sm90(dev, "attention_backward")?;
+            return Ok(Some(TensorKernel::WgmmaBackward));
+        }
+        if dev.compute_capability() == (9, 0) {
+            return Ok(Some(TensorKernel::WgmmaBackward));
+        }
+    }
+    Ok(match cfg.backward {
+        BackwardKernels::Fused { query_rows } => Some(TensorKernel::Fused { query_rows }),
+        BackwardKernels::Separate { .. } => None,
+    })
+}
+
+/// The launch plan of `kernel` (a [`fused_kernel`]) for this call.
 pub(super) fn fused_plan(
     dev: &CudaDevice,
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
-    rows: usize,
+    kernel: TensorKernel,
 ) -> Result<BackwardPlan, KernelError> {
     const WHAT: &str = "attention_backward";
     require_tensor_cores(dev, WHAT)?;
     let hd = shape.head_dim;
-    let (module, entry) = kernel_entry(hd, TensorKernel::Fused { query_rows: rows });
+    let smem = match kernel {
+        TensorKernel::Fused { query_rows } => fused_smem_bytes(hd, query_rows),
+        TensorKernel::WgmmaBackward => wgmma_backward_smem_bytes(hd),
+        other => {
+            return Err(KernelError::Internal(format!(
+                "{other:?} is not a fused backward kernel"
+            )))
+        }
+    };
+    let (module, entry) = kernel_entry(hd, kernel);
     let kernel = Kernel::new(dev, module, entry)?;
-    let smem = fused_smem_bytes(hd, rows);
     allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
     let key_blocks = shape.seq_len.div_ceil(KEY_BLOCK).max(1);
     let (splits, buffers) = match cfg.dq_accumulation {
@@ -325,12 +363,14 @@ pub(super) fn workspace_lens(
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
 ) -> Result<(usize, usize), KernelError> {
-    let dq = match (cfg.kernel, cfg.backward) {
-        (
-            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
-            BackwardKernels::Fused { query_rows },
-        ) => fused_plan(dev, shape, cfg, query_rows)?.buffers * shape.out_len(),
-        _ => 0,
+    let dq = match cfg.kernel {
+        AttentionKernel::Simple => 0,
+        AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma => {
+            match fused_kernel(dev, cfg)? {
+                Some(kernel) => fused_plan(dev, shape, cfg, kernel)?.buffers * shape.out_len(),
+                None => 0,
+            }
+        }
     };
     Ok((shape.lse_len(), dq))
 }
@@ -355,17 +395,19 @@ pub(super) fn backward(
     let hd_i = hd as i32;
 
     // The module of (the first) kernel this call launches, which also holds D's and the dQ conversion.
-    // The wgmma family's backward is the mma one.
-    let module = match (cfg.kernel, cfg.backward) {
-        (AttentionKernel::Simple, _) => attention_module(hd, KernelFamily::Simple),
-        (
-            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
-            BackwardKernels::Fused { query_rows },
-        ) => kernel_module(hd, TensorKernel::Fused { query_rows }),
-        (
-            AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
-            BackwardKernels::Separate { dkdv, .. },
-        ) => kernel_module(hd, TensorKernel::DkDv(dkdv)),
+    let fused = match cfg.kernel {
+        AttentionKernel::Simple => None,
+        _ => fused_kernel(dev, cfg)?,
+    };
+    let module = match (cfg.kernel, fused, cfg.backward) {
+        (AttentionKernel::Simple, _, _) => attention_module(hd, KernelFamily::Simple),
+        (_, Some(kernel), _) => kernel_module(hd, kernel),
+        (_, None, BackwardKernels::Separate { dkdv, .. }) => {
+            kernel_module(hd, TensorKernel::DkDv(dkdv))
+        }
+        (_, None, BackwardKernels::Fused { query_rows }) => {
+            kernel_module(hd, TensorKernel::Fused { query_rows })
+        }
     };
 
     // D = rowsum(dO * O), one warp per row.
@@ -411,62 +453,67 @@ pub(super) fn backward(
                 )?;
             }
         }
-        AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma => match cfg.backward
-        {
-            BackwardKernels::Separate { dkdv, dq } => {
-                separate_backward(dev, shape, cfg, dkdv, dq, qkv, d_out, lse, d_qkv, d_ws)?
-            }
-            BackwardKernels::Fused { query_rows } => {
-                let dq_ws = dq_ws.ok_or_else(|| {
-                    KernelError::Internal("attention backward without a dQ workspace".into())
-                })?;
-                let plan = fused_plan(dev, shape, cfg, query_rows)?;
-                let nbuf = plan.buffers;
-                let n = shape.out_len();
-                let acc_len = nbuf * n;
-                if dq_ws.len() < acc_len {
-                    return Err(KernelError::Internal(format!(
-                        "dQ workspace of {} elements, {acc_len} needed",
-                        dq_ws.len()
-                    )));
+        AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma => {
+            match (fused, cfg.backward) {
+                (None, BackwardKernels::Separate { dkdv, dq }) => {
+                    separate_backward(dev, shape, cfg, dkdv, dq, qkv, d_out, lse, d_qkv, d_ws)?
                 }
-                {
-                    let mut view = dq_ws.slice_mut(0..acc_len);
-                    dev.stream().memset_zeros(&mut view)?;
+                (None, BackwardKernels::Fused { .. }) => {
+                    return Err(KernelError::Internal(
+                        "a fused backward without its kernel".into(),
+                    ))
                 }
-                let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
-                let launch = LaunchConfig {
-                    grid_dim: ((shape.batch * shape.kv_heads) as u32, plan.splits as u32, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: plan.smem as u32,
-                };
-                let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-                {
-                    let (ds, acc, dq) = (&*d_ws, &mut *dq_ws, &mut *d_qkv);
-                    // Grid (B*KV, splits) of 128 threads with the shared memory its tiles need (limit
-                    // raised by fused_plan); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0 else
-                    // 1) buffers (checked above), the other lengths as in the simple path (checked by the
-                    // caller); every global access is bounded by T.
+                (Some(kernel), _) => {
+                    let dq_ws = dq_ws.ok_or_else(|| {
+                        KernelError::Internal("attention backward without a dQ workspace".into())
+                    })?;
+                    let plan = fused_plan(dev, shape, cfg, kernel)?;
+                    let nbuf = plan.buffers;
+                    let n = shape.out_len();
+                    let acc_len = nbuf * n;
+                    if dq_ws.len() < acc_len {
+                        return Err(KernelError::Internal(format!(
+                            "dQ workspace of {} elements, {acc_len} needed",
+                            dq_ws.len()
+                        )));
+                    }
+                    {
+                        let mut view = dq_ws.slice_mut(0..acc_len);
+                        dev.stream().memset_zeros(&mut view)?;
+                    }
+                    let stride: u64 = if nbuf > 1 { n as u64 } else { 0 };
+                    let launch = LaunchConfig {
+                        grid_dim: ((shape.batch * shape.kv_heads) as u32, plan.splits as u32, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: plan.smem as u32,
+                    };
+                    let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+                    {
+                        let (ds, acc, dq) = (&*d_ws, &mut *dq_ws, &mut *d_qkv);
+                        // Grid (B*KV, splits) of 128 threads with the shared memory its tiles need (limit
+                        // raised by fused_plan; the wgmma backward has the same grid and arguments); dq_acc holds nbuf * B*T*H*HD >= (splits if stride > 0 else
+                        // 1) buffers (checked above), the other lengths as in the simple path (checked by the
+                        // caller); every global access is bounded by T.
+                        launch!(
+                            kernel: &plan.kernel,
+                            launch,
+                            "attn_bwd_{fused_q<rows>,wgmma}_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
+                             const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, \
+                             int KV, float scale, float scale_log2)",
+                            [qkv, d_out, lse, ds, acc, &stride, dq, &t, &h, &kv, &cfg.scale, &scale_log2]
+                        )?;
+                    }
+                    let cap = dev.sm_count() as u64 * 16;
+                    let launch = LaunchConfig {
+                        grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
+                    let (acc, dq) = (&*dq_ws, &mut *d_qkv);
+                    // acc holds nbuf buffers of n = B*T*H*HD elements (checked above), dqkv
+                    // B*T*(H+2*KV)*HD; grid-stride over n.
                     launch!(
-                        kernel: &plan.kernel,
-                        launch,
-                        "attn_bwd_fused_q<rows>_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
-                         const float* D, float* dq_acc, u64 dq_split_stride, u16* dqkv, int T, int H, \
-                         int KV, float scale, float scale_log2)",
-                        [qkv, d_out, lse, ds, acc, &stride, dq, &t, &h, &kv, &cfg.scale, &scale_log2]
-                    )?;
-                }
-                let cap = dev.sm_count() as u64 * 16;
-                let launch = LaunchConfig {
-                    grid_dim: ((n as u64).div_ceil(256).clamp(1, cap) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let (nbuf_i, n_u, nbuf_stride) = (nbuf as i32, n as u64, n as u64);
-                let (acc, dq) = (&*dq_ws, &mut *d_qkv);
-                // acc holds nbuf buffers of n = B*T*H*HD elements (checked above), dqkv
-                // B*T*(H+2*KV)*HD; grid-stride over n.
-                launch!(
                     dev,
                     module,
                     "attn_bwd_dq_convert",
@@ -475,8 +522,9 @@ pub(super) fn backward(
                      int KV, int HD, float scale)",
                     [acc, &nbuf_i, &nbuf_stride, dq, &n_u, &h, &kv, &hd_i, &cfg.scale]
                 )?;
+                }
             }
-        },
+        }
     }
     Ok(())
 }

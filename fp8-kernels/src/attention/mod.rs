@@ -193,6 +193,8 @@ pub enum TensorKernel {
     Dq(QueryTiles),
     /// A forward variant on Hopper's warpgroup MMA (its module is built for sm_90a).
     WgmmaForward(WgmmaTiles),
+    /// The backward on Hopper's warpgroup MMA (sm_90a; the fused backward's contract and workspace).
+    WgmmaBackward,
 }
 
 impl TensorKernel {
@@ -206,6 +208,7 @@ impl TensorKernel {
             TensorKernel::DkDv(t) => format!("attn_bwd_dkdv_{t}_hd{head_dim}"),
             TensorKernel::Dq(t) => format!("attn_bwd_dq_{t}_hd{head_dim}"),
             TensorKernel::WgmmaForward(t) => format!("attn_fwd_wgmma_{t}_hd{head_dim}"),
+            TensorKernel::WgmmaBackward => format!("attn_bwd_wgmma_hd{head_dim}"),
         }
     }
 
@@ -218,6 +221,7 @@ impl TensorKernel {
             TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
             TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
             TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.pipelined as usize],
+            TensorKernel::WgmmaBackward => [7, 0, 0, 0],
         }
     }
 }
@@ -226,8 +230,9 @@ impl TensorKernel {
 /// from the full source with `ATT_HD` and `ATT_ONLY_*` defined: NVRTC then instantiates that one kernel,
 /// about a second of start-up where a module of every variant of a family takes several. Made on the
 /// first request and kept for the process (a few per process; the caller checks that `kernel` is a
-/// compiled variant for `head_dim`). A [`TensorKernel::WgmmaForward`] module is built from
-/// [`ATTENTION_WGMMA_MODULE`]'s source, for sm_90a, and holds that kernel only.
+/// compiled variant for `head_dim`). A [`TensorKernel::WgmmaForward`] or [`TensorKernel::WgmmaBackward`]
+/// module is built from [`ATTENTION_WGMMA_MODULE`]'s source, for sm_90a, and holds that kernel only
+/// (and the `D` and dQ-conversion kernels).
 pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelModule {
     &single_kernel_module(head_dim, kernel).module
 }
@@ -266,7 +271,7 @@ fn single_kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static Singl
     map.entry((head_dim, kernel)).or_insert_with(|| {
         let [kind, a, b, c] = kernel.selector();
         let base = match kernel {
-            TensorKernel::WgmmaForward(_) => &ATTENTION_WGMMA_MODULE,
+            TensorKernel::WgmmaForward(_) | TensorKernel::WgmmaBackward => &ATTENTION_WGMMA_MODULE,
             _ => &ATTENTION_MODULE,
         };
         let entry: &'static str = Box::leak(kernel.name(head_dim).into_boxed_str());
@@ -438,9 +443,9 @@ impl AttentionShape {
 /// Which GPU kernels run (the CPU has one implementation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionKernel {
-    /// The default: on compute capability 9.0 (H100, H200) with head dim 64 or 128 and default forward
-    /// tiles, the forward of [`AttentionKernel::Wgmma`] with its default tiles; otherwise `Mma`'s. The
-    /// backward is `Mma`'s.
+    /// The default: on compute capability 9.0 (H100, H200) with head dim 64 or 128, the kernels of
+    /// [`AttentionKernel::Wgmma`] (the forward where the forward tiles are the default, the backward
+    /// where [`AttentionTiles::backward`] is `None`); otherwise `Mma`'s.
     #[default]
     Auto,
     /// FlashAttention-2 style tiles on tensor cores (`mma.sync` BF16, compute capability 8.0+).
@@ -448,12 +453,12 @@ pub enum AttentionKernel {
     /// One block per row, F32 dot products, no tensor cores: slow, and simple enough to be obviously
     /// right. The diagnostic fallback.
     Simple,
-    /// The forward on Hopper's warpgroup MMA (`wgmma.mma_async`, FlashAttention-3's instruction; kernels
-    /// built for sm_90a, so compute capability 9.0 only: H100, H200), tiles from
-    /// [`AttentionTiles::wgmma_forward`]; head dims 64 and 128. The backward is `Mma`'s (it reads the
-    /// forward's `out` and `lse`, the same contract). Verified against the CPU and the `mma.sync`
-    /// forward on an H100 (`attention_cuda`'s `wgmma_*` tests); what [`AttentionKernel::Auto`] runs on
-    /// Hopper.
+    /// Hopper's warpgroup MMA (`wgmma.mma_async`, FlashAttention-3's instruction; kernels built for
+    /// sm_90a, so compute capability 9.0 only: H100, H200); head dims 64 and 128. The forward with tiles
+    /// from [`AttentionTiles::wgmma_forward`]; the backward (one warpgroup per 64 keys, the fused
+    /// backward's dQ accumulation in either [`DqAccumulation`] mode) unless [`AttentionTiles::backward`]
+    /// names an `Mma` backward. Checked against the CPU (`attention_cuda`'s `wgmma_*` tests); what
+    /// [`AttentionKernel::Auto`] runs on Hopper.
     Wgmma,
 }
 
@@ -480,7 +485,8 @@ pub struct AttentionTiles {
     /// Forward tiles: one of [`forward_variants`] for the head dim.
     pub forward: Option<QueryTiles>,
     /// Backward kernels and tiles: one of [`backward_variants`] for the head dim. `None`: the default
-    /// of the [`DqAccumulation`] mode.
+    /// of the [`DqAccumulation`] mode, or the wgmma backward where [`AttentionKernel::Wgmma`] or
+    /// [`AttentionKernel::Auto`] on Hopper runs it.
     pub backward: Option<BackwardKernels>,
     /// Fused deterministic backward only: blocks per `(batch, head)` pair, each with its own dQ buffer
     /// (capped by the number of 64-key blocks). Default: the fewest (at most 8) whose last wave of
@@ -516,6 +522,9 @@ pub(crate) struct ResolvedConfig {
     /// The wgmma forward's tiles, with [`AttentionKernel::Wgmma`], and with [`AttentionKernel::Auto`]
     /// where it may take the wgmma forward (the GPU decides: compute capability 9.0).
     pub wgmma_forward: Option<WgmmaTiles>,
+    /// Whether the backward is the wgmma one (with [`AttentionKernel::Auto`]: where the GPU has
+    /// compute capability 9.0).
+    pub wgmma_backward: bool,
 }
 
 impl AttentionConfig {
@@ -626,6 +635,12 @@ impl AttentionConfig {
                 .filter(|t| wgmma_forward_variants(shape.head_dim).contains(t)),
             AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Simple => None,
         };
+        let wgmma_backward = match self.kernel {
+            AttentionKernel::Wgmma | AttentionKernel::Auto => {
+                self.tiles.backward.is_none() && WGMMA_HEAD_DIMS.contains(&shape.head_dim)
+            }
+            AttentionKernel::Mma | AttentionKernel::Simple => false,
+        };
         if self.tiles.backward_splits == Some(0) {
             return Err(bad(what, "backward_splits must be at least 1".into()));
         }
@@ -648,6 +663,7 @@ impl AttentionConfig {
             backward,
             backward_splits: self.tiles.backward_splits,
             wgmma_forward,
+            wgmma_backward,
         })
     }
 }
@@ -822,9 +838,9 @@ pub fn attention_backward(
     }
 }
 
-/// `(blocks per (batch, head) pair, dQ buffers)` the fused tensor-core backward would use for this call
-/// on `device` (for benchmarks and docs; `(0, 0)` on the CPU, with the simple kernels or with the
-/// separate backward, which has neither splits nor buffers).
+/// `(blocks per (batch, head) pair, dQ buffers)` the fused tensor-core backward (or the wgmma backward)
+/// would use for this call on `device` (for benchmarks and docs; `(0, 0)` on the CPU, with the simple
+/// kernels or with the separate backward, which has neither splits nor buffers).
 pub fn backward_splits(
     device: &Device,
     shape: &AttentionShape,
@@ -837,12 +853,12 @@ pub fn backward_splits(
         (
             Device::Cuda(dev),
             AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
-        ) => match cfg.backward {
-            BackwardKernels::Fused { query_rows } => {
-                let plan = cuda::fused_plan(dev, shape, &cfg, query_rows)?;
+        ) => match cuda::fused_kernel(dev, &cfg)? {
+            Some(kernel) => {
+                let plan = cuda::fused_plan(dev, shape, &cfg, kernel)?;
                 Ok((plan.splits, plan.buffers))
             }
-            BackwardKernels::Separate { .. } => Ok((0, 0)),
+            None => Ok((0, 0)),
         },
         _ => Ok((0, 0)),
     }
