@@ -20,7 +20,8 @@
 //!   dims 64 and 128), and after the table, per shape of head dim 64 or 128, the mma.sync forward and
 //!   every compiled wgmma forward variant timed alone, with their speed-up and their largest differences
 //!   from the mma.sync forward's `out` and `lse` on the same inputs (a quick check beside
-//!   `attention_cuda`'s).
+//!   `attention_cuda`'s); then the same for the backward alone: the mma.sync deterministic default
+//!   against every compiled pair of wgmma dK/dV and dQ kernels and the wgmma atomic kernel.
 //! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
 //!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
 //!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
@@ -38,9 +39,9 @@ mod common;
 use common::event_times_ms;
 use fp8_kernels::attention::{
     attention_backward, attention_forward, backward_splits, backward_variants, forward_variants,
-    wgmma_forward_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, DqAccumulation, QueryTiles, FUSED_QUERY_ROWS,
-    WGMMA_HEAD_DIMS,
+    wgmma_backward_variants, wgmma_forward_variants, AttentionConfig, AttentionKernel,
+    AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels, DqAccumulation,
+    QueryTiles, FUSED_QUERY_ROWS, WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
@@ -497,6 +498,7 @@ fn run(
     }
     if args.wgmma {
         wgmma_forwards(dev, args)?;
+        wgmma_backwards(dev, args)?;
     }
     if args.sweep {
         sweep(dev, args)?;
@@ -610,6 +612,82 @@ fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::E
                         base_ms / ms,
                         max_diff(&out, &out_ref) / out_max.max(1e-30),
                         max_diff(&lse, &lse_ref)
+                    );
+                }
+                Err(e) => println!("{:<24} {name:<22} error: {e}", label(&s)),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The backwards alone at each shape of a wgmma head dim (from the mma.sync forward's outputs): the
+/// mma.sync deterministic default, then every compiled pair of wgmma dK/dV and dQ kernels and the wgmma
+/// atomic kernel, with their speed-up over the mma.sync default and their largest difference from its
+/// d_qkv.
+fn wgmma_backwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    println!(
+        "\nbackward alone, wgmma kernels against the mma.sync deterministic default on the same inputs \
+         (median ms; TFLOP/s = 2.5*4*B*H*T^2*hd/2 / time; max |diff| of d_qkv relative to max |d_qkv|)"
+    );
+    println!(
+        "{:<24} {:<22} {:>8} {:>8} {:>8} {:>11}",
+        "shape", "backward", "ms", "TFLOP/s", "speed-up", "dqkv diff"
+    );
+    for s in shapes() {
+        if !WGMMA_HEAD_DIMS.contains(&s.head_dim) {
+            continue;
+        }
+        let mut b = buffers(dev, &s)?;
+        let bwd_tf = |ms: f64| tflops(&s, ms) / 3.5 * 2.5;
+        let base = mma_config();
+        attention_forward(&s, &base, &b.qkv, &mut b.out, &mut b.lse)?;
+        let base_ms = time_pass(dev, &s, &base, &mut b, args.iters, Pass::Backward)?;
+        let (_, bwd) = base.kernels_for(s.head_dim)?;
+        let ref_grad: Vec<f32> = b.d_qkv.to_vec()?.iter().map(|v| v.to_f32()).collect();
+        let grad_max = ref_grad.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
+        println!(
+            "{:<24} {:<22} {base_ms:>8.3} {:>8.1} {:>8} {:>11}",
+            label(&s),
+            format!("mma {bwd}"),
+            bwd_tf(base_ms),
+            "1.00x",
+            "-"
+        );
+        let mut cfgs: Vec<(String, AttentionConfig)> = wgmma_backward_variants(s.head_dim)
+            .into_iter()
+            .map(|t| {
+                (
+                    format!("wgmma {t}"),
+                    AttentionConfig {
+                        tiles: AttentionTiles {
+                            wgmma_backward: Some(t),
+                            ..Default::default()
+                        },
+                        ..wgmma_config()
+                    },
+                )
+            })
+            .collect();
+        cfgs.push((
+            "wgmma atomic".into(),
+            AttentionConfig {
+                dq_accumulation: DqAccumulation::Atomic,
+                ..wgmma_config()
+            },
+        ));
+        for (name, cfg) in cfgs {
+            b.ws = AttentionWorkspace::new();
+            b.d_qkv = dev.upload(&vec![bf16::NAN; s.qkv_len()])?;
+            match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Backward) {
+                Ok(ms) => {
+                    let g: Vec<f32> = b.d_qkv.to_vec()?.iter().map(|v| v.to_f32()).collect();
+                    println!(
+                        "{:<24} {name:<22} {ms:>8.3} {:>8.1} {:>7.2}x {:>11.2e}",
+                        label(&s),
+                        bwd_tf(ms),
+                        base_ms / ms,
+                        max_diff(&g, &ref_grad) / grad_max.max(1e-30),
                     );
                 }
                 Err(e) => println!("{:<24} {name:<22} error: {e}", label(&s)),

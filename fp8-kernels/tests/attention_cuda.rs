@@ -31,8 +31,9 @@
 
 use fp8_kernels::attention::{
     attention_backward, attention_forward, run_layout_probe, run_wgmma_probe,
-    wgmma_forward_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, DqAccumulation, WgmmaProbe, HEAD_DIMS,
+    wgmma_backward_variants, wgmma_forward_variants, AttentionConfig, AttentionKernel,
+    AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels, DqAccumulation,
+    WgmmaProbe, HEAD_DIMS,
 };
 use fp8_kernels::{Device, KernelError};
 use half::bf16;
@@ -556,7 +557,8 @@ fn wgmma_forward_matches_cpu_and_mma() {
 fn wgmma_backward_matches_cpu_and_mma() {
     // The wgmma backward (after the default wgmma forward) at head dims 64 and 128 on the wgmma shapes
     // (T in {1, 63, 64, 100, 128, 257, 1024}, grouped-query ratios 1 to 8) and two non-default scales with
-    // groups of 3: deterministic with the automatic splits, with 3 splits, and atomic; the gradients
+    // groups of 2 and 3: the deterministic dK/dV and dQ kernels (default and every compiled pair) and the
+    // atomic fused kernel; the gradients
     // against the CPU reference and against the mma.sync kernels' (forward and backward) within the
     // documented bounds. The deterministic modes must repeat their bits, with a grown (stale) workspace
     // and a fresh one. Needs compute capability 9.0.
@@ -592,28 +594,30 @@ fn wgmma_backward_matches_cpu_and_mma() {
         let mma = run(&dev, &inp, &mma_cfg, &mut AttentionWorkspace::new())
             .map_err(|e| fails.push(format!("FAIL {}: error {e}", label("mma"))))
             .ok();
-        let configs = [
-            ("wgmma deterministic", base, true),
-            (
-                "wgmma deterministic splits 3",
+        // The deterministic default, every compiled pair of dK/dV and dQ kernels, the atomic (fused)
+        // kernel.
+        let mut configs = vec![("wgmma deterministic".to_string(), base, true)];
+        for t in wgmma_backward_variants(shape.head_dim) {
+            configs.push((
+                format!("wgmma {t}"),
                 AttentionConfig {
                     tiles: AttentionTiles {
-                        backward_splits: Some(3),
+                        wgmma_backward: Some(t),
                         ..Default::default()
                     },
                     ..base
                 },
                 true,
-            ),
-            (
-                "wgmma atomic",
-                AttentionConfig {
-                    dq_accumulation: DqAccumulation::Atomic,
-                    ..base
-                },
-                false,
-            ),
-        ];
+            ));
+        }
+        configs.push((
+            "wgmma atomic".to_string(),
+            AttentionConfig {
+                dq_accumulation: DqAccumulation::Atomic,
+                ..base
+            },
+            false,
+        ));
         for (name, cfg, deterministic) in configs {
             let mut ws = AttentionWorkspace::new();
             match run(&dev, &inp, &cfg, &mut ws) {
@@ -635,14 +639,14 @@ fn wgmma_backward_matches_cpu_and_mma() {
                             Ok(((_, _, g2), (_, _, g3))) if g1 == g2 && g1 == g3 => {}
                             Ok(_) => fails.push(format!(
                                 "FAIL {}: the backward differs between runs",
-                                label(name)
+                                label(&name)
                             )),
-                            Err(e) => fails.push(format!("FAIL {}: error {e}", label(name))),
+                            Err(e) => fails.push(format!("FAIL {}: error {e}", label(&name))),
                         }
                     }
                 }
                 Err(e) => {
-                    let line = format!("FAIL {}: error {e}", label(name));
+                    let line = format!("FAIL {}: error {e}", label(&name));
                     println!("{line}");
                     fails.push(line);
                 }

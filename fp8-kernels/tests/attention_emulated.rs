@@ -24,8 +24,9 @@ use attention_common::{
     ProbeCase, WgmmaProbeCase, PROBES,
 };
 use fp8_kernels::attention::{
-    default_wgmma_tiles, wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels,
-    LayoutProbe, WgmmaProbe,
+    default_wgmma_backward_tiles, default_wgmma_tiles, wgmma_backward_variants,
+    wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe,
+    WgmmaProbe,
 };
 use half::bf16;
 use std::path::{Path, PathBuf};
@@ -474,8 +475,9 @@ fn emulated_wgmma_forward_matches_cpu() {
 #[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
 fn emulated_wgmma_backward_matches_cpu() {
     // The wgmma backward on the wgmma shapes up to T = 257 (GQA groups 1, 2, 4 and 8, partial last
-    // tiles), deterministic with the default splits, with two splits, and atomic, wgmma results and
-    // cp.async copies at issue and at the waits in turn; a non-default scale with a group of 3.
+    // tiles) and a non-default scale with a group of 3: the deterministic dK/dV and dQ kernels (every
+    // compiled pair in turn, the default first) and the fused kernel (with two split buffers and atomic,
+    // alternately), wgmma results and cp.async copies at issue and at the waits in turn.
     let bin = emulator();
     let dir = scratch("attention_emulated_wgmma_backward");
     let mut fails = Vec::new();
@@ -493,29 +495,47 @@ fn emulated_wgmma_backward_matches_cpu() {
         }
         .scale_for(shape.head_dim);
         let want = reference(&inp, scale);
-        let fwd = default_wgmma_tiles(shape.head_dim).unwrap();
-        let bwd = ["wg:det:0", "wg:det:2", "wg:atomic"][i % 3];
-        let v = Variant {
-            name: format!("wgmma {fwd}, backward {bwd}"),
-            copies: if i % 2 == 0 { "late" } else { "early" },
-            fwd: format!("wg:{fwd}"),
-            bwd: bwd.into(),
+        let hd = shape.head_dim;
+        let fwd = default_wgmma_tiles(hd).unwrap();
+        let pairs = wgmma_backward_variants(hd);
+        let sep = if i < 2 {
+            default_wgmma_backward_tiles(hd).unwrap()
+        } else {
+            pairs[i % pairs.len()]
         };
-        let label = format!(
-            "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
-            shape.batch,
-            shape.heads,
-            shape.kv_heads,
-            shape.seq_len,
-            shape.head_dim,
-            v.name,
-            v.copies
-        );
-        match run(&bin, &inp, &v, scale, &dir) {
-            Ok(got) => fails.extend(check_all(&label, &shape, &got, &want)),
-            Err(e) => {
-                println!("FAIL {label}: {e}");
-                fails.push(format!("{label}: {e}"));
+        let backwards = [
+            (
+                format!("wgmma {sep}"),
+                format!("wgsep:g{}:{}", sep.kv_warpgroups, sep.dq),
+            ),
+            (
+                "wgmma fused".to_string(),
+                ["wg:det:2", "wg:atomic"][i % 2].to_string(),
+            ),
+        ];
+        for (j, (name, bwd)) in backwards.into_iter().enumerate() {
+            let v = Variant {
+                name: format!("wgmma {fwd}, backward {name} ({bwd})"),
+                copies: if (i + j) % 2 == 0 { "late" } else { "early" },
+                fwd: format!("wg:{fwd}"),
+                bwd,
+            };
+            let label = format!(
+                "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
+                shape.batch,
+                shape.heads,
+                shape.kv_heads,
+                shape.seq_len,
+                shape.head_dim,
+                v.name,
+                v.copies
+            );
+            match run(&bin, &inp, &v, scale, &dir) {
+                Ok(got) => fails.extend(check_all(&label, &shape, &got, &want)),
+                Err(e) => {
+                    println!("FAIL {label}: {e}");
+                    fails.push(format!("{label}: {e}"));
+                }
             }
         }
     }

@@ -11,10 +11,10 @@ use attention_common::{expand_kv, slot};
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
 use fp8_kernels::attention::{
     attention_backward, attention_forward, attention_module, cpu, default_tiles, dkdv_variants,
-    dq_variants, forward_variants, kernel_module, wgmma_forward_variants, AttentionConfig,
-    AttentionKernel, AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels,
-    KernelFamily, KeyTiles, QueryTiles, TensorKernel, WgmmaTiles, ATTENTION_MODULE,
-    ATTENTION_WGMMA_MODULE, HEAD_DIMS, WGMMA_HEAD_DIMS,
+    dq_variants, forward_variants, kernel_module, wgmma_dq_variants, wgmma_forward_variants,
+    wgmma_kv_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
+    AttentionWorkspace, BackwardKernels, KernelFamily, KeyTiles, QueryTiles, TensorKernel,
+    WgmmaTiles, ATTENTION_MODULE, ATTENTION_WGMMA_MODULE, HEAD_DIMS, WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::kernel_source::{compile_ptx, ModuleArch, PRECISE_OPTIONS};
 use fp8_kernels::{Device, KernelError};
@@ -853,10 +853,13 @@ nvrtc_test! {
         .map(|s| s.to_string())
         .collect();
         for hd in WGMMA_HEAD_DIMS {
-            for &t in wgmma_forward_variants(hd) {
-                want.insert(TensorKernel::WgmmaForward(t).name(hd));
+            for kernel in wgmma_kernels(hd) {
+                want.insert(kernel.name(hd));
             }
         }
+        // The small kernels every backward module holds.
+        want.insert("attn_bwd_dot_rows".into());
+        want.insert("attn_bwd_dq_convert".into());
         assert_eq!(entries(&ptx, "attn_"), want);
         for insn in [
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
@@ -898,16 +901,41 @@ nvrtc_test! {
     fn wgmma_single_kernel_modules_hold_their_kernel() {
         require_nvrtc();
         for hd in WGMMA_HEAD_DIMS {
-            for &t in wgmma_forward_variants(hd) {
-                let kernel = TensorKernel::WgmmaForward(t);
+            for kernel in wgmma_kernels(hd) {
                 let m = kernel_module(hd, kernel);
                 assert_eq!(m.arch, ModuleArch::Sm90a, "{}", m.name);
                 let ptx = compile_ptx(m, m.target_for((9, 0)).unwrap())
                     .unwrap_or_else(|e| panic!("{}: {e}", m.name))
                     .to_src();
-                let want: std::collections::BTreeSet<String> = [kernel.name(hd)].into();
+                let want: std::collections::BTreeSet<String> = [
+                    kernel.name(hd),
+                    "attn_bwd_dot_rows".into(),
+                    "attn_bwd_dq_convert".into(),
+                ]
+                .into();
                 assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
             }
         }
     }
+}
+
+/// Every wgmma kernel compiled for `hd`: the forward variants, the fused backward, the dK/dV and dQ
+/// kernels of the deterministic backward.
+fn wgmma_kernels(hd: usize) -> Vec<TensorKernel> {
+    let mut v: Vec<TensorKernel> = wgmma_forward_variants(hd)
+        .iter()
+        .map(|&t| TensorKernel::WgmmaForward(t))
+        .collect();
+    v.push(TensorKernel::WgmmaFused);
+    v.extend(
+        wgmma_kv_variants(hd)
+            .iter()
+            .map(|&warpgroups| TensorKernel::WgmmaDkDv { warpgroups }),
+    );
+    v.extend(
+        wgmma_dq_variants(hd)
+            .iter()
+            .map(|&t| TensorKernel::WgmmaDq(t)),
+    );
+    v
 }

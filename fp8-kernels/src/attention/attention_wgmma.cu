@@ -520,51 +520,61 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
 // =====================================================================================================
 // Backward
 // =====================================================================================================
-// The contract, grid and schedule of attn_bwd_mma in attention.cu (read that first): grid (B*KV, nsplit),
-// key blocks of 64 rows taken in the snake order over the splits, each key block's dK and dV summed over
-// its group's query heads in registers (the heads in increasing order, one pipeline of Q / dO tiles that
-// crosses from one head to the next), dQ / scale added into dq_acc + split * dq_split_stride with vector
-// reductions (deterministic when every split owns its buffer: each address is then updated by one thread,
-// in program order). Here one warpgroup (128 threads) owns the 64 keys (thread (warp w, g, q): keys
-// k0 + 16 w + g and + 8, fragments (3)), and per query tile of 64 rows:
+// Two organisations, as for mma.sync (attention.cu, attention_separate.cu; same contracts, read those
+// first):
+// - attn_bwd_wgmma_kv (DQ false): dK and dV only. Grid (B*KV, ceil(T / BN)), NWG warpgroups, BN = 64 NWG
+//   keys per block; warpgroup wg owns keys k0 + 64 wg .. + 63 (thread (warp w, g, q): keys k0 + 64 wg +
+//   16 w + g and + 8, fragments (3)). The block loops over its group's query heads (increasing) and for
+//   each over the query tiles of 64 rows from the diagonal on, one pipeline that crosses from one head to
+//   the next, summing dK and dV in registers in that fixed order: deterministic. dQ comes from
+//   attn_bwd_wgmma_q below. The pair is the deterministic backward.
+// - attn_bwd_wgmma_fused (DQ true, NWG 1): also dQ / scale, added into dq_acc + split * dq_split_stride
+//   with vector reductions, with the grid (B*KV, nsplit) and snake order of attn_bwd_mma (the atomic
+//   backward: nsplit = the number of key blocks and one buffer).
+// Per query tile and warpgroup:
 //   batch 1  S^T  = K Q^T        HD/16 wgmma m64n64k16, A = K, B = Q, both K-major
 //   batch 2  dP^T = V dO^T       HD/16 wgmma m64n64k16, A = V, B = dO, both K-major
 //            P^T = 2^(S^T scale log2e - lse log2e), 0 where key > query or query >= T   (batch 2 in flight)
 //   batch 3  dV += P^T dO        4 wgmma m64nHDk16, A = bf16(P^T) from registers, B = dO MN-major
 //            dS^T = P^T (dP^T - D)                                                        (batch 3 in flight)
 //   batch 4  dK += dS^T Q        4 wgmma m64nHDk16, A = bf16(dS^T) from registers, B = Q MN-major
-//            dS^T (bf16) -> the SW128 tile sdS [64 keys][64 queries], fenced to the async proxy, barrier
+//   DQ only: dS^T (bf16) -> the SW128 tile sdS [64 keys][64 queries], fenced to the async proxy, barrier;
 //   batch 5+ dQ = dS K           per 64 columns of dQ: 4 wgmma m64n64k16 with A = dS read MN-major from sdS
 //                                (transpose bit: A(query, key) = sdS[key][query]) and B = K MN-major, waited
 //                                for (the first wait covers batches 3 and 4) and added into dq_acc.
-// The block is one warpgroup, so __syncthreads is the warpgroup's barrier. Q and dO (with lse and D) are
-// double-buffered: the copies of tile n + 1 are issued after the barrier at the top of tile n, into the
-// buffers of tile n - 1, whose readers all completed (every batch is waited for within its tile).
-// Shared memory (1024-byte aligned SW128 tiles): K, V [64][HD]; Q, dO [2][64][HD]; sdS [64][64] bf16;
+// A warpgroup whose keys all lie after the tile's last query skips the tile (its products are zero) but
+// passes the barriers. Q and dO (with lse and D) are double-buffered: the copies of tile n + 1 are issued
+// after the barrier at the top of tile n, into the buffers of tile n - 1, whose readers all completed
+// (every batch is waited for within its tile).
+// Shared memory (1024-byte aligned SW128 tiles): K, V [BN][HD]; Q, dO [2][64][HD]; DQ: sdS [64][64] bf16;
 // lse, D [2][64] f32.
-template <int HD>
+template <int HD, int NWG, bool DQ>
 __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                const float* __restrict__ lse, const float* __restrict__ dvec,
                                                float* __restrict__ dq_acc, u64 dq_split_stride,
                                                u16* __restrict__ dqkv, int T, int H, int KV, float scale,
                                                float scale_log2) {
     static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
-    constexpr int BN = 64, BM = 64, NT = 128;
-    constexpr u32 TB = 64 * HD * 2;      // bytes of one [64][HD] tile
-    constexpr u32 CB = 64 * 128;         // bytes between the column blocks of a 64-row tile
+    static_assert(NWG == 1 || NWG == 2, "one or two warpgroups");
+    static_assert(!DQ || NWG == 1, "the fused dQ step is written for one warpgroup");
+    constexpr int BN = 64 * NWG, BM = 64, NT = 128 * NWG;
+    constexpr u32 KB = BN * HD * 2;      // bytes of the K (and V) tile
+    constexpr u32 QB = BM * HD * 2;      // bytes of one Q (dO) tile
+    constexpr u32 KCB = BN * 128;        // bytes between the column blocks of the K and V tiles
+    constexpr u32 QCB = BM * 128;        // ... of the Q and dO tiles
     const u32 raw = att_smem_u32(att_smem);
     const u32 pad = (1024u - (raw & 1023u)) & 1023u;
-    const u32 aK = raw + pad, aV = aK + TB, aQ = aV + TB, adO = aQ + 2 * TB, adS = adO + 2 * TB;
+    const u32 aK = raw + pad, aV = aK + KB, aQ = aV + KB, adO = aQ + 2 * QB, adS = adO + 2 * QB;
     unsigned char* base = att_smem + pad;
     u16* sK = reinterpret_cast<u16*>(base);
-    u16* sV = reinterpret_cast<u16*>(base + TB);
-    u16* sQ = reinterpret_cast<u16*>(base + 2 * TB);
-    u16* sdO = reinterpret_cast<u16*>(base + 4 * TB);
-    u16* sdS = reinterpret_cast<u16*>(base + 6 * TB);
-    float* sL = reinterpret_cast<float*>(base + 6 * TB + 64 * 128);  // [2][BM]
-    float* sD = sL + 2 * BM;                                          // [2][BM]
+    u16* sV = reinterpret_cast<u16*>(base + KB);
+    u16* sQ = reinterpret_cast<u16*>(base + 2 * KB);
+    u16* sdO = reinterpret_cast<u16*>(base + 2 * KB + 2 * QB);
+    u16* sdS = reinterpret_cast<u16*>(base + 2 * KB + 4 * QB);
+    float* sL = reinterpret_cast<float*>(base + 2 * KB + 4 * QB + (DQ ? 64 * 128 : 0));  // [2][BM]
+    float* sD = sL + 2 * BM;                                                          // [2][BM]
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
     const int g = lane >> 2, q = lane & 3;
     const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;
     const int G = H / KV;
@@ -575,12 +585,14 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
     u64 q_off = (u64)b * T * rs + (u64)kvh * G * HD, o_off = (u64)b * T * ors + (u64)kvh * G * HD;
     u64 l_off = ((u64)b * H + (u64)kvh * G) * T;
     float* const acc_base = dq_acc + (u64)split * dq_split_stride;
+    const u32 aKw = aK + (u32)(64 * wg) * 128u, aVw = aV + (u32)(64 * wg) * 128u;  // the warpgroup's keys
 
     for (int round = 0;; ++round) {
         const int j = round * nsplit + ((round & 1) ? nsplit - 1 - split : split);
         if (j >= nkb) break;
         const int k0 = j * BN;
-        const int i0 = j;  // the first query block holding a query >= k0 (BM = BN)
+        const int i0 = k0 / BM;  // the first query tile holding a query >= k0
+        const int kw0 = k0 + 64 * wg;  // the warpgroup's first key
 
         att_load_sw128<HD, BN, NT>(sK, qkv + kv_off, rs, k0, T, tid);  // committed with the first tile
         att_load_sw128<HD, BN, NT>(sV, qkv + kv_off + (u64)KV * HD, rs, k0, T, tid);
@@ -588,7 +600,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
         float dk[HD / 2], dv[HD / 2];
 #pragma unroll
         for (int i = 0; i < HD / 2; ++i) dk[i] = dv[i] = 0.0f;
-        const int key_a = k0 + warp * 16 + g;  // the thread's keys: key_a, key_a + 8
+        const int key_a = kw0 + warp * 16 + g;  // the thread's keys: key_a, key_a + 8
 
         att_load_sw128<HD, BM, NT>(sQ, qkv + q_off, rs, i0 * BM, T, tid);
         att_load_sw128<HD, BM, NT>(sdO, dout + o_off, ors, i0 * BM, T, tid);
@@ -605,120 +617,130 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
                 const bool next_head = i + 1 == nqb;
                 const int ni = next_head ? i0 : i + 1;
                 const u64 hs = next_head ? (u64)HD : 0, ls = next_head ? (u64)T : 0;
-                att_load_sw128<HD, BM, NT>(sQ + nb * (TB / 2), qkv + q_off + hs, rs, ni * BM, T, tid);
-                att_load_sw128<HD, BM, NT>(sdO + nb * (TB / 2), dout + o_off + hs, ors, ni * BM, T, tid);
+                att_load_sw128<HD, BM, NT>(sQ + nb * (QB / 2), qkv + q_off + hs, rs, ni * BM, T, tid);
+                att_load_sw128<HD, BM, NT>(sdO + nb * (QB / 2), dout + o_off + hs, ors, ni * BM, T, tid);
                 att_load_vec<BM, NT>(sL + nb * BM, lse + l_off + ls, ni * BM, T, tid);
                 att_load_vec<BM, NT>(sD + nb * BM, dvec + l_off + ls, ni * BM, T, tid);
                 att_cp_commit();
             }
-            const u32 cQ = aQ + (u32)buf * TB, cdO = adO + (u32)buf * TB;
+            const u32 cQ = aQ + (u32)buf * QB, cdO = adO + (u32)buf * QB;
             const float* cL = sL + buf * BM;
             const float* cD = sD + buf * BM;
             const int q0 = i * BM;
 
-            // Batches 1 and 2: S^T and dP^T.
-            float s[BM / 2], dp[BM / 2];
-            att_wg_fence_regs<BM / 2>(s);
-            att_wg_fence_regs<BM / 2>(dp);
-            att_wg_fence();
-            att_wg_abt<HD, BM>(s, aK, CB, cQ, CB);
-            att_wg_commit();
-            att_wg_abt<HD, BM>(dp, aV, CB, cdO, CB);
-            att_wg_commit();
-            att_wg_wait<1>();
-            att_wg_fence_regs<BM / 2>(s);
+            // Warpgroup-uniform: some key of the warpgroup is visible to some query of the tile (never false
+            // with DQ: NWG 1 starts at the diagonal tile).
+            if (kw0 <= q0 + BM - 1) {
+                // Batches 1 and 2: S^T and dP^T.
+                float s[BM / 2], dp[BM / 2];
+                att_wg_fence_regs<BM / 2>(s);
+                att_wg_fence_regs<BM / 2>(dp);
+                att_wg_fence();
+                att_wg_abt<HD, BM>(s, aKw, KCB, cQ, QCB);
+                att_wg_commit();
+                att_wg_abt<HD, BM>(dp, aVw, KCB, cdO, QCB);
+                att_wg_commit();
+                att_wg_wait<1>();
+                att_wg_fence_regs<BM / 2>(s);
 
-            // P^T, columns = queries q0 + 8 c + 2 q + e.
-#pragma unroll
-            for (int c = 0; c < BM / 8; ++c)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float ml = cL[8 * c + 2 * q + e] * ATT_LOG2E;
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr)
-                        s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml));
-                }
-            if ((q0 < k0 + BN - 1) || (q0 + BM > T)) {  // block-uniform: the tile reaches the mask or T
+                // P^T, columns = queries q0 + 8 c + 2 q + e.
 #pragma unroll
                 for (int c = 0; c < BM / 8; ++c)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int query = q0 + 8 * c + 2 * q + e;
+                        const float ml = cL[8 * c + 2 * q + e] * ATT_LOG2E;
 #pragma unroll
                         for (int hr = 0; hr < 2; ++hr)
-                            if (key_a + 8 * hr > query || query >= T) s[4 * c + 2 * hr + e] = 0.0f;
+                            s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml));
                     }
-            }
-
-            // Batch 3: dV += P^T dO.
-            u32 pa[BM / 16][4];
-            att_wg_c_to_a<BM>(pa, s);
-            att_wg_fence_regs<BM / 16>(pa);
-            att_wg_fence_regs<HD / 2>(dv);
-            att_wg_fence();
-            att_wg_pv<BM, HD>(dv, pa, cdO, CB);
-            att_wg_commit();
-            att_wg_wait<1>();  // dP^T (batch 2) done; dV may still run
-            att_wg_fence_regs<BM / 2>(dp);
-
-            // dS^T = P^T (dP^T - D), into dp.
+                if ((q0 < kw0 + 63) || (q0 + BM > T)) {  // warpgroup-uniform: the tile reaches the mask or T
 #pragma unroll
-            for (int c = 0; c < BM / 8; ++c)
+                    for (int c = 0; c < BM / 8; ++c)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float dd = cD[8 * c + 2 * q + e];
+                        for (int e = 0; e < 2; ++e) {
+                            const int query = q0 + 8 * c + 2 * q + e;
 #pragma unroll
-                    for (int hr = 0; hr < 2; ++hr)
-                        dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd);
+                            for (int hr = 0; hr < 2; ++hr)
+                                if (key_a + 8 * hr > query || query >= T) s[4 * c + 2 * hr + e] = 0.0f;
+                        }
                 }
 
-            // Batch 4: dK += dS^T Q.
-            u32 dsa[BM / 16][4];
-            att_wg_c_to_a<BM>(dsa, dp);
-            att_wg_fence_regs<BM / 16>(dsa);
-            att_wg_fence_regs<HD / 2>(dk);
-            att_wg_fence();
-            att_wg_pv<BM, HD>(dk, dsa, cQ, CB);
-            att_wg_commit();
-
-            // dS^T to sdS (row = key, column = query), the bf16 pairs of dsa at their SW128 positions.
-#pragma unroll
-            for (int kc = 0; kc < BM / 16; ++kc)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int row = 16 * warp + g + 8 * (r & 1), col = 16 * kc + 8 * (r >> 1) + 2 * q;
-                    *reinterpret_cast<u32*>(sdS + att_sw128_index<BN>(row, col)) = dsa[kc][r];
-                }
-            att_fence_proxy_async();
-            __syncthreads();  // sdS complete
-
-            // Batch 5 (and 6): dQ[:, 64 c .. 64 c + 63] = dS K, one 64-column half at a time (both at once
-            // would hold 64 more registers where HD = 128 has none left), each waited for (the first
-            // wait also covers dV and dK) and added into dq_acc.
-#pragma unroll
-            for (int c = 0; c < HD / 64; ++c) {
-                float dq[32];
-                att_wg_fence_regs<32>(dq);
+                // Batch 3: dV += P^T dO.
+                u32 pa[BM / 16][4];
+                att_wg_c_to_a<BM>(pa, s);
+                att_wg_fence_regs<BM / 16>(pa);
+                att_wg_fence_regs<HD / 2>(dv);
                 att_wg_fence();
-#pragma unroll
-                for (int kc = 0; kc < BN / 16; ++kc)
-                    AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + (u32)kc * 2048u, CB, 1024u),
-                                        att_wg_desc(aK + (u32)c * CB + (u32)kc * 2048u, CB, 1024u), kc > 0 ? 1 : 0);
+                att_wg_pv<BM, HD>(dv, pa, cdO, QCB);
                 att_wg_commit();
-                att_wg_wait<0>();
-                att_wg_fence_regs<32>(dq);
+                att_wg_wait<1>();  // dP^T (batch 2) done; dV may still run
+                att_wg_fence_regs<BM / 2>(dp);
+
+                // dS^T = P^T (dP^T - D), into dp.
 #pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const int row = q0 + 16 * warp + g + 8 * hr;
-                    if (row < T) {
-                        float* acc = acc_base + o_off + (u64)row * ors + 64 * c + 2 * q;
+                for (int c = 0; c < BM / 8; ++c)
 #pragma unroll
-                        for (int n = 0; n < 8; ++n) att_red_add2(acc + 8 * n, dq[4 * n + 2 * hr], dq[4 * n + 2 * hr + 1]);
+                    for (int e = 0; e < 2; ++e) {
+                        const float dd = cD[8 * c + 2 * q + e];
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd);
                     }
+
+                // Batch 4: dK += dS^T Q.
+                u32 dsa[BM / 16][4];
+                att_wg_c_to_a<BM>(dsa, dp);
+                att_wg_fence_regs<BM / 16>(dsa);
+                att_wg_fence_regs<HD / 2>(dk);
+                att_wg_fence();
+                att_wg_pv<BM, HD>(dk, dsa, cQ, QCB);
+                att_wg_commit();
+
+                if constexpr (DQ) {
+                    // dS^T to sdS (row = key, column = query), the bf16 pairs of dsa at their SW128 positions.
+#pragma unroll
+                    for (int kc = 0; kc < BM / 16; ++kc)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int row = 16 * warp + g + 8 * (r & 1), col = 16 * kc + 8 * (r >> 1) + 2 * q;
+                            *reinterpret_cast<u32*>(sdS + att_sw128_index<BN>(row, col)) = dsa[kc][r];
+                        }
+                    att_fence_proxy_async();
+                    __syncthreads();  // sdS complete (the block is this one warpgroup)
+
+                    // Batch 5 (and 6): dQ[:, 64 c .. 64 c + 63] = dS K, one 64-column half at a time (both
+                    // at once would hold 64 more registers where HD = 128 has none left), each waited for
+                    // and added into dq_acc.
+#pragma unroll
+                    for (int c = 0; c < HD / 64; ++c) {
+                        float dq[32];
+                        att_wg_fence_regs<32>(dq);
+                        att_wg_fence();
+#pragma unroll
+                        for (int kc = 0; kc < BN / 16; ++kc)
+                            AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + (u32)kc * 2048u, KCB, 1024u),
+                                                att_wg_desc(aK + (u32)c * KCB + (u32)kc * 2048u, KCB, 1024u),
+                                                kc > 0 ? 1 : 0);
+                        att_wg_commit();
+                        att_wg_wait<0>();
+                        att_wg_fence_regs<32>(dq);
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr) {
+                            const int row = q0 + 16 * warp + g + 8 * hr;
+                            if (row < T) {
+                                float* acc = acc_base + o_off + (u64)row * ors + 64 * c + 2 * q;
+#pragma unroll
+                                for (int n = 0; n < 8; ++n)
+                                    att_red_add2(acc + 8 * n, dq[4 * n + 2 * hr], dq[4 * n + 2 * hr + 1]);
+                            }
+                        }
+                    }
+                } else {
+                    att_wg_wait<0>();
                 }
+                att_wg_fence_regs<HD / 2>(dv);
+                att_wg_fence_regs<HD / 2>(dk);
             }
-            att_wg_fence_regs<HD / 2>(dv);
-            att_wg_fence_regs<HD / 2>(dk);
             if (++i == nqb) {
                 q_off += HD, o_off += HD, l_off += T;
                 if (heads_after-- == 0) break;
@@ -730,7 +752,7 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
         // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK / sV (every wgmma reading them
         // completed), 16 bytes at a time.
         __syncthreads();
-        const int srow = 16 * warp;
+        const int srow = 64 * wg + 16 * warp;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
@@ -756,9 +778,161 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
     }
 }
 
-// Bytes of attn_bwd_wgmma's shared memory (the host's figure must match): six [64][HD] tiles, sdS, lse and
-// D, and the 1024-byte alignment.
-#define ATT_WG_BWD_SMEM(HD) (6 * 64 * (HD) * 2 + 64 * 128 + 4 * 64 * 4 + 1024)
+// Bytes of attn_bwd_wgmma's shared memory (the host's figures must match): the K and V tiles of 64 NWG
+// rows, Q and dO [2][64][HD], sdS with DQ, lse and D, and the 1024-byte alignment.
+#define ATT_WG_BWD_SMEM(HD, NWG, DQ) ((2 * 64 * (NWG) + 4 * 64) * (HD) * 2 + ((DQ) ? 64 * 128 : 0) + 4 * 64 * 4 + 1024)
+
+// -----------------------------------------------------------------------------------------------------
+// dQ of the deterministic backward. Grid (B*H, ceil(T / BM)), BM = 64 NWG query rows per block of NWG
+// warpgroups, the last query block first; the forward's layout (attn_fwd_wgmma, non-pipelined schedule):
+// warpgroup wg owns rows q0 + 64 wg .. + 63, thread rows `row` and row + 8; key and value blocks of BN
+// keys double-buffered through shared memory. Per key block and warpgroup:
+//   batch 1  S  = Q K^T           HD/16 wgmma m64nBNk16, A = Q, B = K, both K-major
+//   batch 2  dP = dO V^T          HD/16 wgmma m64nBNk16, A = dO, B = V, both K-major
+//            P = 2^(S scale log2e - lse log2e), 0 where key > row        (batch 2 in flight)
+//            dS = P (dP - D)
+//   batch 3  dQ += dS K           BN/16 wgmma m64nHDk16, A = bf16(dS) from registers, B = K MN-major
+// Each dQ element is summed by one thread over the key blocks in order: deterministic. At the end dQ *
+// scale goes to the q slot of dqkv through the warpgroup's own rows of the Q tile.
+// Shared memory (1024-byte aligned SW128 tiles): Q, dO [BM][HD]; K, V [2][BN][HD].
+template <int HD, int NWG, int BN>
+__device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
+                                                  const float* __restrict__ lse, const float* __restrict__ dvec,
+                                                  u16* __restrict__ dqkv, int T, int H, int KV, float scale,
+                                                  float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
+    static_assert(NWG >= 1 && NWG <= 2, "1 or 2 warpgroups");
+    constexpr int BM = 64 * NWG, NT = 128 * NWG;
+    constexpr u32 QB = BM * HD * 2, KB = BN * HD * 2;
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aQ = raw + pad, adO = aQ + QB, aK = adO + QB, aV = aK + 2 * KB;
+    u16* sQ = reinterpret_cast<u16*>(att_smem + pad);
+    u16* sdO = reinterpret_cast<u16*>(att_smem + pad + QB);
+    u16* sK = reinterpret_cast<u16*>(att_smem + pad + 2 * QB);
+    u16* sV = reinterpret_cast<u16*>(att_smem + pad + 2 * QB + 2 * KB);
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const u64 rs = (u64)(H + 2 * KV) * HD, ors = (u64)H * HD;
+    const int kvh = h / (H / KV);
+    const u16* gQ = qkv + (u64)b * T * rs + (u64)h * HD;
+    const u16* gdO = dout + (u64)b * T * ors + (u64)h * HD;
+    const u16* gK = qkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    const u16* gV = gK + (u64)KV * HD;
+    const int q_end = min(q0 + BM, T);
+    const int nkb = (q_end - 1) / BN + 1;
+    const int r0 = q0 + 64 * wg;
+    const int row = r0 + 16 * wq + g;
+    const bool active = r0 < T;
+    const int jend = active ? min(nkb, (r0 + 63) / BN + 1) : 0;
+    const u32 aQw = aQ + (u32)(64 * wg) * 128u, adOw = adO + (u32)(64 * wg) * 128u;
+
+    // lse (log2 domain) and D of the thread's rows.
+    float ml[2], dd[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int t = row + 8 * hr;
+        ml[hr] = t < T ? lse[(u64)bh * T + t] * ATT_LOG2E : 0.0f;
+        dd[hr] = t < T ? dvec[(u64)bh * T + t] : 0.0f;
+    }
+
+    att_load_sw128<HD, BM, NT>(sQ, gQ, rs, q0, T, tid);
+    att_load_sw128<HD, BM, NT>(sdO, gdO, ors, q0, T, tid);
+    att_load_sw128<HD, BN, NT>(sK, gK, rs, 0, T, tid);
+    att_load_sw128<HD, BN, NT>(sV, gV, rs, 0, T, tid);
+    att_cp_commit();
+
+    float dq[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) dq[i] = 0.0f;
+
+    for (int j = 0; j < nkb; ++j) {
+        att_cp_wait<0>();
+        att_fence_proxy_async();
+        __syncthreads();  // block j landed; every warpgroup's products of block j - 1 completed
+        if (j + 1 < nkb) {
+            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KB / 2), gK, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sV + ((j + 1) & 1) * (KB / 2), gV, rs, (j + 1) * BN, T, tid);
+            att_cp_commit();
+        }
+        if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+        const u32 cK = aK + (u32)(j & 1) * KB, cV = aV + (u32)(j & 1) * KB;
+        float s[BN / 2], dp[BN / 2];
+        att_wg_fence_regs<BN / 2>(s);
+        att_wg_fence_regs<BN / 2>(dp);
+        att_wg_fence();
+        att_wg_abt<HD, BN>(s, aQw, BM * 128, cK, BN * 128);
+        att_wg_commit();
+        att_wg_abt<HD, BN>(dp, adOw, BM * 128, cV, BN * 128);
+        att_wg_commit();
+        att_wg_wait<1>();
+        att_wg_fence_regs<BN / 2>(s);
+#pragma unroll
+        for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml[hr]));
+        if (j * BN + BN - 1 > r0 + 16 * wq) {  // the block reaches past the warp's first row
+#pragma unroll
+            for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = j * BN + 8 * c + 2 * q + e;
+                    if (key > row) s[4 * c + e] = 0.0f;
+                    if (key > row + 8) s[4 * c + 2 + e] = 0.0f;
+                }
+        }
+        att_wg_wait<0>();
+        att_wg_fence_regs<BN / 2>(dp);
+#pragma unroll
+        for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd[hr]);
+        u32 dsa[BN / 16][4];
+        att_wg_c_to_a<BN>(dsa, dp);
+        att_wg_fence_regs<BN / 16>(dsa);
+        att_wg_fence_regs<HD / 2>(dq);
+        att_wg_fence();
+        att_wg_pv<BN, HD>(dq, dsa, cK, BN * 128);
+        att_wg_commit();
+        att_wg_wait<0>();
+        att_wg_fence_regs<HD / 2>(dq);
+    }
+    if (!active) return;  // no barrier below
+
+    // dQ * scale to the q slot of dqkv, staged in the warp's own rows of the Q tile (only this warpgroup's
+    // wgmma read them, and they completed).
+    const int srow = 64 * wg + 16 * wq;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i)
+            *reinterpret_cast<u32*>(sQ + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
+                att_pack_bf16(dq[4 * i + 2 * hr] * scale, dq[4 * i + 2 * hr + 1] * scale);
+    __syncwarp();
+    constexpr int CH = HD / 8;
+    u16* gdQ = dqkv + (u64)b * T * rs + (u64)h * HD;
+    const int t_first = r0 + 16 * wq;
+#pragma unroll
+    for (int c = lane; c < 16 * CH; c += 32) {
+        const int r = c / CH, k = c - (c / CH) * CH;
+        if (t_first + r < T)
+            *reinterpret_cast<uint4*>(gdQ + (u64)(t_first + r) * rs + k * 8) =
+                *reinterpret_cast<const uint4*>(sQ + att_sw128_index<BM>(srow + r, 8 * k));
+    }
+}
+
+// Bytes of attn_bwd_dq_wgmma's shared memory: Q and dO [64 NWG][HD], K and V [2][BN][HD], the alignment.
+#define ATT_WG_DQ_SMEM(HD, NWG, BN) ((2 * 64 * (NWG) + 4 * (BN)) * (HD) * 2 + 1024)
 
 #if !defined(ATT_ONLY_KIND)
 // =====================================================================================================
@@ -911,13 +1085,36 @@ ATT_WG_PROBE_ENTRIES(128)
 #define ATT_WG_APPLY4(M, a, b, c, d) M(a, b, c, d)  // expands ATT_HD, ATT_ONLY_A, ATT_ONLY_B first
 #define ATT_WG_APPLY1(M, a) M(a)
 
-// attn_bwd_wgmma_hd<HD>: the backward above, with the signature of attn_bwd_fused_q<BM>_hd<HD> (ATT_ONLY_KIND 7).
-#define ATT_WG_BWD_ENTRY(HD)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_hd##HD(                               \
+// The backward entry points, with the signatures of attention.cu's and attention_separate.cu's:
+//   attn_bwd_wgmma_fused_hd<HD>        the fused backward (DQ, one warpgroup; ATT_ONLY_KIND 7)
+//   attn_bwd_wgmma_kv_g<NWG>_hd<HD>    the dK/dV kernel (ATT_ONLY_KIND 8, ATT_ONLY_A = NWG)
+//   attn_bwd_wgmma_q_g<NWG>n<BN>_hd<HD> the dQ kernel (ATT_ONLY_KIND 9, ATT_ONLY_A = NWG, ATT_ONLY_B = BN)
+// The variant lists are X-macros (tiles.rs mirrors them: WGMMA_BACKWARD_VARIANTS).
+#define ATT_WG_BWD_FUSED_ENTRY(HD)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_fused_hd##HD(                         \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc,                   \
         u64 dq_split_stride, u16* dqkv, int T, int H, int KV, float scale, float scale_log2) {                 \
-        attn_bwd_wgmma<HD>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, KV, scale, scale_log2);  \
+        attn_bwd_wgmma<HD, 1, true>(qkv, dout, lse, dvec, dq_acc, dq_split_stride, dqkv, T, H, KV, scale,     \
+                                    scale_log2);                                                               \
     }
+#define ATT_WG_BWD_KV_ENTRY(HD, NWG)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_bwd_wgmma_kv_g##NWG##_hd##HD(             \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H, int KV, \
+        float scale, float scale_log2) {                                                                       \
+        attn_bwd_wgmma<HD, NWG, false>(qkv, dout, lse, dvec, nullptr, 0, dqkv, T, H, KV, scale, scale_log2);  \
+    }
+#define ATT_WG_BWD_Q_ENTRY(HD, NWG, BN)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_bwd_wgmma_q_g##NWG##n##BN##_hd##HD(       \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H, int KV, \
+        float scale, float scale_log2) {                                                                       \
+        attn_bwd_dq_wgmma<HD, NWG, BN>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale, scale_log2);               \
+    }
+#define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
+#define ATT_WG_KV_VARIANTS_128(X) X(128, 1) X(128, 2)
+#define ATT_WG_Q_VARIANTS_64(X) X(64, 1, 64) X(64, 2, 64) X(64, 1, 128) X(64, 2, 128)
+#define ATT_WG_Q_VARIANTS_128(X) X(128, 1, 64) X(128, 2, 64)
+#define ATT_WG_APPLY2(M, a, b) M(a, b)
+#define ATT_WG_APPLY3(M, a, b, c) M(a, b, c)
 
 #if defined(ATT_ONLY_KIND)
 #if ATT_ONLY_KIND == 6 && ATT_ONLY_C
@@ -925,11 +1122,19 @@ ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 6
 ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 #elif ATT_ONLY_KIND == 7
-ATT_WG_APPLY1(ATT_WG_BWD_ENTRY, ATT_HD)
+ATT_WG_APPLY1(ATT_WG_BWD_FUSED_ENTRY, ATT_HD)
+#elif ATT_ONLY_KIND == 8
+ATT_WG_APPLY2(ATT_WG_BWD_KV_ENTRY, ATT_HD, ATT_ONLY_A)
+#elif ATT_ONLY_KIND == 9
+ATT_WG_APPLY3(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
 #endif
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)
 ATT_WG_FWD_VARIANTS_128(ATT_WG_FWD_ENTRY)
-ATT_WG_BWD_ENTRY(64)
-ATT_WG_BWD_ENTRY(128)
+ATT_WG_BWD_FUSED_ENTRY(64)
+ATT_WG_BWD_FUSED_ENTRY(128)
+ATT_WG_KV_VARIANTS_64(ATT_WG_BWD_KV_ENTRY)
+ATT_WG_KV_VARIANTS_128(ATT_WG_BWD_KV_ENTRY)
+ATT_WG_Q_VARIANTS_64(ATT_WG_BWD_Q_ENTRY)
+ATT_WG_Q_VARIANTS_128(ATT_WG_BWD_Q_ENTRY)
 #endif

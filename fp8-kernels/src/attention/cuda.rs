@@ -7,7 +7,8 @@
 use super::{
     attention_module, kernel_entry, kernel_module, AttentionKernel, AttentionShape,
     BackwardKernels, DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles,
-    ResolvedConfig, TensorKernel, WgmmaProbe, WgmmaTiles, ATTENTION_WGMMA_MODULE,
+    ResolvedConfig, TensorKernel, WgmmaBackwardTiles, WgmmaProbe, WgmmaTiles,
+    ATTENTION_WGMMA_MODULE,
 };
 use crate::launch::{kernel_name, launch, Kernel};
 use crate::{CudaDevice, KernelError};
@@ -46,11 +47,18 @@ pub(super) fn fused_smem_bytes(head_dim: usize, rows: usize) -> usize {
     (2 * KEY_BLOCK + 4 * rows) * (head_dim + 8) * 2 + KEY_BLOCK * (rows + 8) * 2 + 4 * rows * 4
 }
 
-/// Bytes of dynamic shared memory of the wgmma backward (`ATT_WG_BWD_SMEM`): K, V [64][hd]; Q, dO
-/// [2][64][hd]; dS^T [64][64] bf16 in 128-byte-swizzled tiles; lse, D [2][64] f32; and 1024 bytes for the
-/// kernel to align the tiles.
-pub(super) fn wgmma_backward_smem_bytes(head_dim: usize) -> usize {
-    6 * KEY_BLOCK * head_dim * 2 + KEY_BLOCK * 64 * 2 + 4 * 64 * 4 + 1024
+/// Bytes of dynamic shared memory of the wgmma fused backward and dK/dV kernels (`ATT_WG_BWD_SMEM`): K, V
+/// [64 * warpgroups][hd]; Q, dO [2][64][hd]; with `dq` (the fused kernel) dS^T [64][64] bf16, all in
+/// 128-byte-swizzled tiles; lse, D [2][64] f32; and 1024 bytes for the kernel to align the tiles.
+pub(super) fn wgmma_backward_smem_bytes(head_dim: usize, warpgroups: usize, dq: bool) -> usize {
+    let ds = if dq { 64 * 64 * 2 } else { 0 };
+    (2 * 64 * warpgroups + 4 * 64) * head_dim * 2 + ds + 4 * 64 * 4 + 1024
+}
+
+/// Bytes of dynamic shared memory of the wgmma dQ kernel (`ATT_WG_DQ_SMEM`): Q, dO [64 * warpgroups][hd];
+/// K, V [2][key_rows][hd]; the alignment.
+pub(super) fn wgmma_dq_smem_bytes(head_dim: usize, t: &WgmmaTiles) -> usize {
+    (2 * t.block_rows() + 4 * t.key_rows) * head_dim * 2 + 1024
 }
 
 /// Bytes of dynamic shared memory of the dK/dV kernel: K, V [BN][hd+8]; Q, dO [2][BM][hd+8] bf16; lse,
@@ -282,29 +290,45 @@ fn auto_splits(pairs: usize, slots: usize, key_blocks: usize, dq_bytes: usize) -
         .unwrap_or_else(|| (1..=cap).fold(1, |best, s| if fill(s) > fill(best) { s } else { best }))
 }
 
-/// The kernel of a tensor-core backward with the fused contract (grid (B*KV, splits), 64 keys per block,
-/// dQ accumulated in F32 buffers) this call runs: the wgmma backward where the config asks for it and
-/// the GPU has it, else the fused `mma.sync` variant; `None` for the separate backward.
-pub(super) fn fused_kernel(
+/// The tensor-core backward a call runs.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum BackwardRun {
+    /// One kernel with the fused contract (grid (B*KV, splits), 64 keys per block, dQ accumulated in F32
+    /// buffers): an mma.sync fused variant, or the wgmma fused kernel (the atomic wgmma backward).
+    Fused(TensorKernel),
+    /// The mma.sync dK/dV and dQ kernels.
+    Separate { dkdv: KeyTiles, dq: QueryTiles },
+    /// The wgmma dK/dV and dQ kernels (the deterministic wgmma backward).
+    WgmmaSeparate(WgmmaBackwardTiles),
+}
+
+/// Which tensor-core backward this call runs: the wgmma one where the config asks for it and the GPU
+/// has it (compute capability 9.0; [`AttentionKernel::Wgmma`] on another GPU is an error), else the
+/// `mma.sync` organisation of `cfg.backward`.
+pub(super) fn backward_run(
     dev: &CudaDevice,
     cfg: &ResolvedConfig,
-) -> Result<Option<TensorKernel>, KernelError> {
-    if cfg.wgmma_backward {
+) -> Result<BackwardRun, KernelError> {
+    if let Some(tiles) = cfg.wgmma_backward {
         if cfg.kernel == AttentionKernel::Wgmma {
             require_sm90(dev, "attention_backward")?;
-            return Ok(Some(TensorKernel::WgmmaBackward));
         }
         if dev.compute_capability() == (9, 0) {
-            return Ok(Some(TensorKernel::WgmmaBackward));
+            return Ok(match cfg.dq_accumulation {
+                DqAccumulation::Atomic => BackwardRun::Fused(TensorKernel::WgmmaFused),
+                DqAccumulation::Deterministic => BackwardRun::WgmmaSeparate(tiles),
+            });
         }
     }
     Ok(match cfg.backward {
-        BackwardKernels::Fused { query_rows } => Some(TensorKernel::Fused { query_rows }),
-        BackwardKernels::Separate { .. } => None,
+        BackwardKernels::Fused { query_rows } => {
+            BackwardRun::Fused(TensorKernel::Fused { query_rows })
+        }
+        BackwardKernels::Separate { dkdv, dq } => BackwardRun::Separate { dkdv, dq },
     })
 }
 
-/// The launch plan of `kernel` (a [`fused_kernel`]) for this call.
+/// The launch plan of `kernel` (of a [`BackwardRun::Fused`]) for this call.
 pub(super) fn fused_plan(
     dev: &CudaDevice,
     shape: &AttentionShape,
@@ -316,7 +340,7 @@ pub(super) fn fused_plan(
     let hd = shape.head_dim;
     let smem = match kernel {
         TensorKernel::Fused { query_rows } => fused_smem_bytes(hd, query_rows),
-        TensorKernel::WgmmaBackward => wgmma_backward_smem_bytes(hd),
+        TensorKernel::WgmmaFused => wgmma_backward_smem_bytes(hd, 1, true),
         other => {
             return Err(KernelError::Internal(format!(
                 "{other:?} is not a fused backward kernel"
@@ -366,9 +390,11 @@ pub(super) fn workspace_lens(
     let dq = match cfg.kernel {
         AttentionKernel::Simple => 0,
         AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma => {
-            match fused_kernel(dev, cfg)? {
-                Some(kernel) => fused_plan(dev, shape, cfg, kernel)?.buffers * shape.out_len(),
-                None => 0,
+            match backward_run(dev, cfg)? {
+                BackwardRun::Fused(kernel) => {
+                    fused_plan(dev, shape, cfg, kernel)?.buffers * shape.out_len()
+                }
+                BackwardRun::Separate { .. } | BackwardRun::WgmmaSeparate(_) => 0,
             }
         }
     };
@@ -395,19 +421,20 @@ pub(super) fn backward(
     let hd_i = hd as i32;
 
     // The module of (the first) kernel this call launches, which also holds D's and the dQ conversion.
-    let fused = match cfg.kernel {
+    let run = match cfg.kernel {
         AttentionKernel::Simple => None,
-        _ => fused_kernel(dev, cfg)?,
+        _ => Some(backward_run(dev, cfg)?),
     };
-    let module = match (cfg.kernel, fused, cfg.backward) {
-        (AttentionKernel::Simple, _, _) => attention_module(hd, KernelFamily::Simple),
-        (_, Some(kernel), _) => kernel_module(hd, kernel),
-        (_, None, BackwardKernels::Separate { dkdv, .. }) => {
-            kernel_module(hd, TensorKernel::DkDv(dkdv))
-        }
-        (_, None, BackwardKernels::Fused { query_rows }) => {
-            kernel_module(hd, TensorKernel::Fused { query_rows })
-        }
+    let module = match run {
+        None => attention_module(hd, KernelFamily::Simple),
+        Some(BackwardRun::Fused(kernel)) => kernel_module(hd, kernel),
+        Some(BackwardRun::Separate { dkdv, .. }) => kernel_module(hd, TensorKernel::DkDv(dkdv)),
+        Some(BackwardRun::WgmmaSeparate(t)) => kernel_module(
+            hd,
+            TensorKernel::WgmmaDkDv {
+                warpgroups: t.kv_warpgroups,
+            },
+        ),
     };
 
     // D = rowsum(dO * O), one warp per row.
@@ -454,16 +481,53 @@ pub(super) fn backward(
             }
         }
         AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma => {
-            match (fused, cfg.backward) {
-                (None, BackwardKernels::Separate { dkdv, dq }) => {
-                    separate_backward(dev, shape, cfg, dkdv, dq, qkv, d_out, lse, d_qkv, d_ws)?
-                }
-                (None, BackwardKernels::Fused { .. }) => {
+            match run {
+                None => {
                     return Err(KernelError::Internal(
-                        "a fused backward without its kernel".into(),
+                        "a tensor-core backward without its kernels".into(),
                     ))
                 }
-                (Some(kernel), _) => {
+                Some(BackwardRun::Separate { dkdv, dq }) => {
+                    let kernels = [
+                        SeparateKernel {
+                            kernel: TensorKernel::DkDv(dkdv),
+                            smem: dkdv_smem_bytes(hd, &dkdv),
+                            threads: 32 * dkdv.warps,
+                            pairs: shape.batch * shape.kv_heads,
+                            rows: dkdv.block_keys(),
+                        },
+                        SeparateKernel {
+                            kernel: TensorKernel::Dq(dq),
+                            smem: dq_smem_bytes(hd, &dq),
+                            threads: 32 * dq.warps,
+                            pairs: shape.batch * shape.heads,
+                            rows: dq.block_rows(),
+                        },
+                    ];
+                    separate_backward(dev, shape, cfg, kernels, qkv, d_out, lse, d_qkv, d_ws)?
+                }
+                Some(BackwardRun::WgmmaSeparate(t)) => {
+                    let kernels = [
+                        SeparateKernel {
+                            kernel: TensorKernel::WgmmaDkDv {
+                                warpgroups: t.kv_warpgroups,
+                            },
+                            smem: wgmma_backward_smem_bytes(hd, t.kv_warpgroups, false),
+                            threads: 128 * t.kv_warpgroups,
+                            pairs: shape.batch * shape.kv_heads,
+                            rows: 64 * t.kv_warpgroups,
+                        },
+                        SeparateKernel {
+                            kernel: TensorKernel::WgmmaDq(t.dq),
+                            smem: wgmma_dq_smem_bytes(hd, &t.dq),
+                            threads: 128 * t.dq.warpgroups,
+                            pairs: shape.batch * shape.heads,
+                            rows: t.dq.block_rows(),
+                        },
+                    ];
+                    separate_backward(dev, shape, cfg, kernels, qkv, d_out, lse, d_qkv, d_ws)?
+                }
+                Some(BackwardRun::Fused(kernel)) => {
                     let dq_ws = dq_ws.ok_or_else(|| {
                         KernelError::Internal("attention backward without a dQ workspace".into())
                     })?;
@@ -529,15 +593,23 @@ pub(super) fn backward(
     Ok(())
 }
 
-/// The separate backward: the dK/dV kernel over key blocks, then the dQ kernel over query blocks (`D`
-/// already in `d_ws`). They write disjoint slots of `d_qkv`; no workspace beyond `D`.
+/// One kernel of a separate backward: grid (`pairs`, ceil(T / `rows`)) of `threads` threads.
+struct SeparateKernel {
+    kernel: TensorKernel,
+    smem: usize,
+    threads: usize,
+    pairs: usize,
+    rows: usize,
+}
+
+/// The separate backward (mma.sync or wgmma): the dK/dV kernel over key blocks, then the dQ kernel over
+/// query blocks (`D` already in `d_ws`). They write disjoint slots of `d_qkv`; no workspace beyond `D`.
 #[allow(clippy::too_many_arguments)]
 fn separate_backward(
     dev: &CudaDevice,
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
-    dkdv: KeyTiles,
-    dq: QueryTiles,
+    kernels: [SeparateKernel; 2],
     qkv: &CudaSlice<bf16>,
     d_out: &CudaSlice<bf16>,
     lse: &CudaSlice<f32>,
@@ -549,43 +621,27 @@ fn separate_backward(
     let hd = shape.head_dim;
     let (_, t, h, kv) = dims(shape);
     let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-    // The dK/dV kernel's block rows are (batch, key/value head) pairs, the dQ kernel's (batch, head).
-    let kernels = [
-        (
-            TensorKernel::DkDv(dkdv),
-            dkdv_smem_bytes(hd, &dkdv),
-            dkdv.warps,
-            shape.batch * shape.kv_heads,
-            shape.seq_len.div_ceil(dkdv.block_keys()),
-        ),
-        (
-            TensorKernel::Dq(dq),
-            dq_smem_bytes(hd, &dq),
-            dq.warps,
-            shape.batch * shape.heads,
-            shape.seq_len.div_ceil(dq.block_rows()),
-        ),
-    ];
-    for (kernel, smem, warps, pairs, blocks) in kernels {
-        let (module, entry) = kernel_entry(hd, kernel);
+    for k in kernels {
+        let (module, entry) = kernel_entry(hd, k.kernel);
         let kernel = Kernel::new(dev, module, entry)?;
-        allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
+        allow_dynamic_smem(dev, &kernel, k.smem, WHAT)?;
         let launch = LaunchConfig {
-            grid_dim: (pairs as u32, blocks as u32, 1),
-            block_dim: (32 * warps as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
+            grid_dim: (k.pairs as u32, shape.seq_len.div_ceil(k.rows) as u32, 1),
+            block_dim: (k.threads as u32, 1, 1),
+            shared_mem_bytes: k.smem as u32,
         };
         let dq = &mut *d_qkv;
-        // Grid (B*KV for dK/dV or B*H for dQ, ceil(T / rows per block)) of 32 * warps threads with
-        // the dynamic shared memory the tiles need (limit raised above); qkv and dqkv hold
+        // Grid (B*KV for dK/dV or B*H for dQ, ceil(T / rows per block)) of the kernel's threads with
+        // the dynamic shared memory its tiles need (limit raised above); qkv and dqkv hold
         // B*T*(H+2*KV)*HD elements, dout B*T*H*HD, lse and D at least B*H*T (checked by the caller; KV
         // divides H); every global access is bounded by T. The dK/dV kernel writes the k and v slots of
         // dqkv, the dQ kernel the q slot.
         launch!(
             kernel: &kernel,
             launch,
-            "attn_bwd_{dkdv,dq}_<tiles>_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
-             const float* D, u16* dqkv, int T, int H, int KV, float scale, float scale_log2)",
+            "attn_bwd_{dkdv,dq,wgmma_kv,wgmma_q}_<tiles>_hd<HD>(const u16* qkv, const u16* dout, \
+             const float* lse, const float* D, u16* dqkv, int T, int H, int KV, float scale, \
+             float scale_log2)",
             [qkv, d_out, lse, d_ws, dq, &t, &h, &kv, &cfg.scale, &scale_log2]
         )?;
     }

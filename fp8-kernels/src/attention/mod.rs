@@ -31,9 +31,11 @@ mod cuda;
 mod tiles;
 
 pub use tiles::{
-    backward_variants, default_tiles, default_wgmma_tiles, dkdv_variants, dq_variants,
-    forward_variants, is_backward_variant, wgmma_forward_variants, BackwardKernels, KeyTiles,
-    QueryTiles, TileDefaults, WgmmaTiles, DEFAULT_TILES, FUSED_QUERY_ROWS, WGMMA_HEAD_DIMS,
+    backward_variants, default_tiles, default_wgmma_backward_tiles, default_wgmma_tiles,
+    dkdv_variants, dq_variants, forward_variants, is_backward_variant, wgmma_backward_variants,
+    wgmma_dq_variants, wgmma_forward_variants, wgmma_kv_variants, BackwardKernels, KeyTiles,
+    QueryTiles, TileDefaults, WgmmaBackwardTiles, WgmmaTiles, DEFAULT_TILES, FUSED_QUERY_ROWS,
+    WGMMA_HEAD_DIMS,
 };
 
 use crate::device::device_of;
@@ -193,8 +195,16 @@ pub enum TensorKernel {
     Dq(QueryTiles),
     /// A forward variant on Hopper's warpgroup MMA (its module is built for sm_90a).
     WgmmaForward(WgmmaTiles),
-    /// The backward on Hopper's warpgroup MMA (sm_90a; the fused backward's contract and workspace).
-    WgmmaBackward,
+    /// The fused backward on Hopper's warpgroup MMA (sm_90a; the fused backward's contract and
+    /// workspace; the atomic wgmma backward).
+    WgmmaFused,
+    /// The dK/dV kernel of the deterministic wgmma backward, with this many warpgroups of 64 keys.
+    WgmmaDkDv {
+        /// 1 or 2.
+        warpgroups: usize,
+    },
+    /// The dQ kernel of the deterministic wgmma backward.
+    WgmmaDq(WgmmaTiles),
 }
 
 impl TensorKernel {
@@ -208,7 +218,11 @@ impl TensorKernel {
             TensorKernel::DkDv(t) => format!("attn_bwd_dkdv_{t}_hd{head_dim}"),
             TensorKernel::Dq(t) => format!("attn_bwd_dq_{t}_hd{head_dim}"),
             TensorKernel::WgmmaForward(t) => format!("attn_fwd_wgmma_{t}_hd{head_dim}"),
-            TensorKernel::WgmmaBackward => format!("attn_bwd_wgmma_hd{head_dim}"),
+            TensorKernel::WgmmaFused => format!("attn_bwd_wgmma_fused_hd{head_dim}"),
+            TensorKernel::WgmmaDkDv { warpgroups } => {
+                format!("attn_bwd_wgmma_kv_g{warpgroups}_hd{head_dim}")
+            }
+            TensorKernel::WgmmaDq(t) => format!("attn_bwd_wgmma_q_{t}_hd{head_dim}"),
         }
     }
 
@@ -221,7 +235,9 @@ impl TensorKernel {
             TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
             TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
             TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.pipelined as usize],
-            TensorKernel::WgmmaBackward => [7, 0, 0, 0],
+            TensorKernel::WgmmaFused => [7, 0, 0, 0],
+            TensorKernel::WgmmaDkDv { warpgroups } => [8, warpgroups, 0, 0],
+            TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, 0],
         }
     }
 }
@@ -230,9 +246,9 @@ impl TensorKernel {
 /// from the full source with `ATT_HD` and `ATT_ONLY_*` defined: NVRTC then instantiates that one kernel,
 /// about a second of start-up where a module of every variant of a family takes several. Made on the
 /// first request and kept for the process (a few per process; the caller checks that `kernel` is a
-/// compiled variant for `head_dim`). A [`TensorKernel::WgmmaForward`] or [`TensorKernel::WgmmaBackward`]
-/// module is built from [`ATTENTION_WGMMA_MODULE`]'s source, for sm_90a, and holds that kernel only
-/// (and the `D` and dQ-conversion kernels).
+/// compiled variant for `head_dim`). A module of a wgmma kernel (`TensorKernel::Wgmma*`) is built from
+/// [`ATTENTION_WGMMA_MODULE`]'s source, for sm_90a, and holds that kernel only (and the `D` and
+/// dQ-conversion kernels).
 pub fn kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static KernelModule {
     &single_kernel_module(head_dim, kernel).module
 }
@@ -271,7 +287,10 @@ fn single_kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static Singl
     map.entry((head_dim, kernel)).or_insert_with(|| {
         let [kind, a, b, c] = kernel.selector();
         let base = match kernel {
-            TensorKernel::WgmmaForward(_) | TensorKernel::WgmmaBackward => &ATTENTION_WGMMA_MODULE,
+            TensorKernel::WgmmaForward(_)
+            | TensorKernel::WgmmaFused
+            | TensorKernel::WgmmaDkDv { .. }
+            | TensorKernel::WgmmaDq(_) => &ATTENTION_WGMMA_MODULE,
             _ => &ATTENTION_MODULE,
         };
         let entry: &'static str = Box::leak(kernel.name(head_dim).into_boxed_str());
@@ -495,6 +514,10 @@ pub struct AttentionTiles {
     /// Forward tiles of [`AttentionKernel::Wgmma`]: one of [`wgmma_forward_variants`] for the head dim;
     /// `None` is [`default_wgmma_tiles`]. Ignored by the other kernel families.
     pub wgmma_forward: Option<WgmmaTiles>,
+    /// Kernels of the deterministic wgmma backward: one of [`wgmma_backward_variants`] for the head dim;
+    /// `None` is [`default_wgmma_backward_tiles`]. Ignored by the other kernel families and by the
+    /// atomic wgmma backward (one fused kernel).
+    pub wgmma_backward: Option<WgmmaBackwardTiles>,
 }
 
 /// Options of an attention call.
@@ -522,9 +545,10 @@ pub(crate) struct ResolvedConfig {
     /// The wgmma forward's tiles, with [`AttentionKernel::Wgmma`], and with [`AttentionKernel::Auto`]
     /// where it may take the wgmma forward (the GPU decides: compute capability 9.0).
     pub wgmma_forward: Option<WgmmaTiles>,
-    /// Whether the backward is the wgmma one (with [`AttentionKernel::Auto`]: where the GPU has
-    /// compute capability 9.0).
-    pub wgmma_backward: bool,
+    /// The deterministic wgmma backward's kernels where the backward is the wgmma one (with
+    /// [`AttentionKernel::Auto`]: where the GPU has compute capability 9.0; the atomic mode runs the
+    /// fused wgmma kernel instead).
+    pub wgmma_backward: Option<WgmmaBackwardTiles>,
 }
 
 impl AttentionConfig {
@@ -604,6 +628,38 @@ impl AttentionConfig {
         Ok(tiles)
     }
 
+    /// The deterministic wgmma backward's kernels this config runs with for `head_dim` (the default
+    /// resolved), or an error for a head dim or tiles the wgmma backward is not compiled for.
+    pub fn wgmma_backward_tiles_for(
+        &self,
+        head_dim: usize,
+    ) -> Result<WgmmaBackwardTiles, KernelError> {
+        const WHAT: &str = "AttentionConfig::wgmma_backward_tiles_for";
+        let tiles = self
+            .tiles
+            .wgmma_backward
+            .or_else(|| default_wgmma_backward_tiles(head_dim))
+            .ok_or_else(|| {
+                bad(
+                    WHAT,
+                    format!(
+                        "the wgmma backward supports head dims {WGMMA_HEAD_DIMS:?}, not {head_dim}"
+                    ),
+                )
+            })?;
+        if !wgmma_backward_variants(head_dim).contains(&tiles) {
+            return Err(bad(
+                WHAT,
+                format!(
+                    "wgmma backward tiles {tiles} are not compiled for head dim {head_dim} \
+                     (compiled: {})",
+                    list(&wgmma_backward_variants(head_dim))
+                ),
+            ));
+        }
+        Ok(tiles)
+    }
+
     fn resolve(
         &self,
         shape: &AttentionShape,
@@ -636,10 +692,26 @@ impl AttentionConfig {
             AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Simple => None,
         };
         let wgmma_backward = match self.kernel {
-            AttentionKernel::Wgmma | AttentionKernel::Auto => {
-                self.tiles.backward.is_none() && WGMMA_HEAD_DIMS.contains(&shape.head_dim)
+            AttentionKernel::Wgmma | AttentionKernel::Auto if self.tiles.backward.is_none() => {
+                match self.wgmma_backward_tiles_for(shape.head_dim) {
+                    Ok(t) => Some(t),
+                    // Auto falls back to the mma.sync backward where the wgmma one does not exist.
+                    Err(_)
+                        if self.kernel == AttentionKernel::Auto
+                            && !WGMMA_HEAD_DIMS.contains(&shape.head_dim) =>
+                    {
+                        None
+                    }
+                    Err(KernelError::InvalidArgument { detail, .. }) => {
+                        return Err(bad(what, detail))
+                    }
+                    Err(other) => return Err(other),
+                }
             }
-            AttentionKernel::Mma | AttentionKernel::Simple => false,
+            AttentionKernel::Wgmma
+            | AttentionKernel::Auto
+            | AttentionKernel::Mma
+            | AttentionKernel::Simple => None,
         };
         if self.tiles.backward_splits == Some(0) {
             return Err(bad(what, "backward_splits must be at least 1".into()));
@@ -853,12 +925,12 @@ pub fn backward_splits(
         (
             Device::Cuda(dev),
             AttentionKernel::Auto | AttentionKernel::Mma | AttentionKernel::Wgmma,
-        ) => match cuda::fused_kernel(dev, &cfg)? {
-            Some(kernel) => {
+        ) => match cuda::backward_run(dev, &cfg)? {
+            cuda::BackwardRun::Fused(kernel) => {
                 let plan = cuda::fused_plan(dev, shape, &cfg, kernel)?;
                 Ok((plan.splits, plan.buffers))
             }
-            None => Ok((0, 0)),
+            cuda::BackwardRun::Separate { .. } | cuda::BackwardRun::WgmmaSeparate(_) => Ok((0, 0)),
         },
         _ => Ok((0, 0)),
     }

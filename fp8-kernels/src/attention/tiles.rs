@@ -146,6 +146,80 @@ pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
     wgmma_forward_variants(head_dim).first().copied()
 }
 
+/// The deterministic wgmma backward's two kernels (`attention_wgmma.cu`): the dK/dV kernel with
+/// `kv_warpgroups` warpgroups of 64 keys per block (1 or 2), and the dQ kernel with `dq` tiles
+/// (warpgroups of 64 query rows, key blocks of `dq.key_rows`; never pipelined).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WgmmaBackwardTiles {
+    /// Warpgroups of the dK/dV kernel (64 keys each).
+    pub kv_warpgroups: usize,
+    /// Tiles of the dQ kernel.
+    pub dq: WgmmaTiles,
+}
+
+/// `kv g<kv_warpgroups> q <dq>`, as in the kernel names (`attn_bwd_wgmma_kv_g2_hd128`,
+/// `attn_bwd_wgmma_q_g2n64_hd128`).
+impl fmt::Display for WgmmaBackwardTiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "kv g{} q {}", self.kv_warpgroups, self.dq)
+    }
+}
+
+/// The dK/dV kernel's warpgroup counts per head dim (`ATT_WG_KV_VARIANTS_<hd>` in attention_wgmma.cu).
+const WGMMA_KV_VARIANTS: [[usize; 2]; 2] = [[1, 2], [1, 2]];
+/// The dQ kernel's tiles per head dim (`ATT_WG_Q_VARIANTS_<hd>`).
+const WGMMA_DQ_VARIANTS_64: [WgmmaTiles; 4] = [
+    WgmmaTiles::new(1, 64),
+    WgmmaTiles::new(2, 64),
+    WgmmaTiles::new(1, 128),
+    WgmmaTiles::new(2, 128),
+];
+const WGMMA_DQ_VARIANTS_128: [WgmmaTiles; 2] = [WgmmaTiles::new(1, 64), WgmmaTiles::new(2, 64)];
+
+/// The dK/dV kernel warpgroup counts compiled for `head_dim` (empty where the wgmma kernels do not
+/// exist).
+pub fn wgmma_kv_variants(head_dim: usize) -> &'static [usize] {
+    WGMMA_HEAD_DIMS
+        .iter()
+        .position(|&h| h == head_dim)
+        .map_or(&[], |i| &WGMMA_KV_VARIANTS[i])
+}
+
+/// The dQ kernel tiles compiled for `head_dim` (empty where the wgmma kernels do not exist).
+pub fn wgmma_dq_variants(head_dim: usize) -> &'static [WgmmaTiles] {
+    match head_dim {
+        64 => &WGMMA_DQ_VARIANTS_64,
+        128 => &WGMMA_DQ_VARIANTS_128,
+        _ => &[],
+    }
+}
+
+/// Every compiled pair of wgmma dK/dV and dQ kernels for `head_dim`.
+pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
+    wgmma_kv_variants(head_dim)
+        .iter()
+        .flat_map(|&kv_warpgroups| {
+            wgmma_dq_variants(head_dim)
+                .iter()
+                .map(move |&dq| WgmmaBackwardTiles { kv_warpgroups, dq })
+        })
+        .collect()
+}
+
+/// The wgmma backward tiles used when [`super::AttentionTiles::wgmma_backward`] is `None`: one
+/// warpgroup (64 keys) in the dK/dV kernel, one warpgroup (64 query rows) with key blocks of 64 in the
+/// dQ kernel. The fastest pair at every benchmark shape of both head dims on an H100
+/// (`attention_bench --wgmma`, 2026-12-06: 1.27-1.83x the `mma.sync` deterministic backward; the
+/// two-warpgroup blocks were 2-11 % slower).
+pub fn default_wgmma_backward_tiles(head_dim: usize) -> Option<WgmmaBackwardTiles> {
+    WGMMA_HEAD_DIMS
+        .contains(&head_dim)
+        .then_some(WgmmaBackwardTiles {
+            kv_warpgroups: 1,
+            dq: WgmmaTiles::new(1, 64),
+        })
+}
+
 /// Tiles of a kernel that walks key blocks (the separate backward's dK/dV kernel): `warps` warps of
 /// `16 * key_tiles` keys each, and query blocks of `query_rows` rows streamed through shared memory.
 /// With `paired`, warps work in pairs on `16 * key_tiles` keys (`key_tiles` = 2): one computes P^T and

@@ -37,7 +37,7 @@
 //   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | wg:det:<SPLITS> | wg:atomic (the wgmma
-//          backward) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
+//          fused backward) | wgsep:g<NWG>:g<NWG>n<BN> (the wgmma dK/dV and dQ kernels) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
 //          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
@@ -546,6 +546,8 @@ static std::map<std::string, FwdMma> g_wg_fwd;
 #define REG_WG_FWD(HD, NWG, BN, SUF) \
     g_wg_fwd["attn_fwd_wgmma_g" #NWG "n" #BN #SUF "_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD;
 static std::map<std::string, BwdSep> g_sep;
+#define REG_WG_KV(HD, NWG) g_sep["attn_bwd_wgmma_kv_g" #NWG "_hd" #HD] = attn_bwd_wgmma_kv_g##NWG##_hd##HD;
+#define REG_WG_Q(HD, NWG, BN) g_sep["attn_bwd_wgmma_q_g" #NWG "n" #BN "_hd" #HD] = attn_bwd_wgmma_q_g##NWG##n##BN##_hd##HD;
 #define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
 #define REG_DKDV(HD, NW, MT, BM) \
     g_sep["attn_bwd_dkdv_w" #NW "m" #MT "q" #BM "_hd" #HD] = attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD;
@@ -558,6 +560,10 @@ static void register_variants() {
     ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, REG_DQ)
     ATT_WG_FWD_VARIANTS_64(REG_WG_FWD)
     ATT_WG_FWD_VARIANTS_128(REG_WG_FWD)
+    ATT_WG_KV_VARIANTS_64(REG_WG_KV)
+    ATT_WG_KV_VARIANTS_128(REG_WG_KV)
+    ATT_WG_Q_VARIANTS_64(REG_WG_Q)
+    ATT_WG_Q_VARIANTS_128(REG_WG_Q)
 }
 template <class F>
 static F lookup(const std::map<std::string, F>& m, const std::string& name) {
@@ -629,6 +635,17 @@ static int run(int argc, char** argv) {
                [&] { a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, KV, scale); });
         launch({g, 1, 128, 0},
                [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, KV, scale); });
+    } else if (bwd.rfind("wgsep:", 0) == 0) {
+        int kg, qg, qn;
+        if (std::sscanf(bwd.c_str(), "wgsep:g%d:g%dn%d", &kg, &qg, &qn) != 3) die("wgmma separate backward variant");
+        BwdSep a = lookup(g_sep, "attn_bwd_wgmma_kv_g" + std::to_string(kg) + hd_tag);
+        BwdSep b = lookup(g_sep, "attn_bwd_wgmma_q_g" + std::to_string(qg) + "n" + std::to_string(qn) + hd_tag);
+        launch({kv_pairs, blocks(64 * kg), (unsigned)(128 * kg), (size_t)ATT_WG_BWD_SMEM(HD, kg, 0)}, [&] {
+            a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
+        });
+        launch({pairs, blocks(64 * qg), (unsigned)(128 * qg), (size_t)ATT_WG_DQ_SMEM(HD, qg, qn)}, [&] {
+            b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
+        });
     } else if (bwd.rfind("sep:", 0) == 0) {
         int kw, km, kq, qw, qm, qn, np = 0;
         const bool paired = std::sscanf(bwd.c_str(), "sep:p%dq%d:w%dm%dn%d", &np, &kq, &qw, &qm, &qn) == 5;
@@ -678,8 +695,8 @@ static int run(int argc, char** argv) {
         size_t smem = (size_t)(2 * 64 + 4 * bwd_rows) * (HD + 8) * 2 + 64 * (bwd_rows + 8) * 2 + 4 * bwd_rows * 4;
         if (wg) {
             if (HD == 32) die("the wgmma backward has head dims 64 and 128");
-            f = HD == 64 ? attn_bwd_wgmma_hd64 : attn_bwd_wgmma_hd128;
-            smem = ATT_WG_BWD_SMEM(HD);
+            f = HD == 64 ? attn_bwd_wgmma_fused_hd64 : attn_bwd_wgmma_fused_hd128;
+            smem = ATT_WG_BWD_SMEM(HD, 1, 1);
         }
         launch({kv_pairs, (unsigned)splits, 128, smem}, [&] {
             f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), stride, dqkv.data(), T, H, KV, scale,
