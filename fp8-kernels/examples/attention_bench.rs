@@ -2,8 +2,10 @@
 //! input/output dump for `scripts/check_attention_vs_torch.py`.
 //!
 //! ```text
-//! attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE]
+//! attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE] [--shape I]
 //! ```
+//!
+//! `--shape I` runs the I-th shape of the table alone (1-based, in the order below), e.g. under a profiler.
 //!
 //! - Table: for each shape (the GPT shapes B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32, and
 //!   the Llama presets' grouped-query shapes B4 H32 KV8 T4096 hd64, B2 H24 KV8 T4096 hd128, B1 H32 KV8
@@ -125,6 +127,8 @@ struct Args {
     iters: usize,
     /// `peer_layers.py`'s output of the same call.
     peer: Option<PathBuf>,
+    /// Only this shape of the table (1-based), for a profiler.
+    shape: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -134,6 +138,7 @@ fn parse_args() -> Result<Args, String> {
         dump: None,
         iters: 20,
         peer: None,
+        shape: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -149,9 +154,20 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|&n| n > 0)
                     .ok_or("--iters needs a positive integer")?
             }
+            "--shape" => {
+                a.shape = Some(
+                    it.next()
+                        .and_then(|v| v.parse().ok())
+                        .filter(|&n| (1..=shapes().len()).contains(&n))
+                        .ok_or_else(|| {
+                            format!("--shape needs a number from 1 to {}", shapes().len())
+                        })?,
+                )
+            }
             "-h" | "--help" => {
                 println!(
-                    "attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE]"
+                    "attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE] \
+                     [--shape I]"
                 );
                 std::process::exit(0);
             }
@@ -243,6 +259,15 @@ fn time_pass(
         Pass::Forward => attention_forward(s, cfg, qkv, out, lse),
         Pass::Backward => attention_backward(s, cfg, qkv, out, d_out, lse, d_qkv, ws),
     })
+}
+
+/// The table's shapes, or the one `--shape` names.
+fn selected_shapes(args: &Args) -> Vec<AttentionShape> {
+    let all = shapes();
+    match args.shape {
+        Some(i) => all.into_iter().skip(i - 1).take(1).collect(),
+        None => all.to_vec(),
+    }
 }
 
 fn label(s: &AttentionShape) -> String {
@@ -449,7 +474,7 @@ fn run(
     );
     // Per shape: our deterministic default's rate, our best rate and its mode, the peer's rates.
     let mut summary = Vec::new();
-    for s in shapes() {
+    for s in selected_shapes(args) {
         let mut b = buffers(dev, &s)?;
         let (mut default_rate, mut best): (Option<f64>, Option<(&str, f64)>) = (None, None);
         for (name, cfg) in modes(args.wgmma) {
@@ -564,7 +589,7 @@ fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::E
         "{:<24} {:<22} {:>8} {:>8} {:>8} {:>11} {:>10}",
         "shape", "forward", "ms", "TFLOP/s", "speed-up", "out diff", "lse diff"
     );
-    for s in shapes() {
+    for s in selected_shapes(args) {
         if !WGMMA_HEAD_DIMS.contains(&s.head_dim) {
             continue;
         }
@@ -634,7 +659,7 @@ fn wgmma_backwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::
         "{:<24} {:<22} {:>8} {:>8} {:>8} {:>11}",
         "shape", "backward", "ms", "TFLOP/s", "speed-up", "dqkv diff"
     );
-    for s in shapes() {
+    for s in selected_shapes(args) {
         if !WGMMA_HEAD_DIMS.contains(&s.head_dim) {
             continue;
         }
@@ -713,7 +738,7 @@ fn better<T: Copy>(best: &mut Option<(T, f64)>, what: T, ms: f64) {
 
 fn sweep(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut bests = Vec::new();
-    for s in shapes() {
+    for s in selected_shapes(args) {
         let hd = s.head_dim;
         let mut b = buffers(dev, &s)?;
         println!(
