@@ -11,7 +11,7 @@
 //! | family | kernels |
 //! | --- | --- |
 //! | [`cast`] | amax, FP8 casts (delayed and current scaling), dequantization, cast + transpose, conversions |
-//! | [`block_quantize`] | block-scaled FP8 casts (1x128 tiles, 128x1 tiles transposed, 128x128 blocks), their dequantization, 1x128 casts into packed row records and the F32 sum of their dequantized rows |
+//! | [`block_quantize`](mod@block_quantize) | block-scaled FP8 casts (1x128 tiles, 128x1 tiles transposed, 128x128 blocks), their dequantization, 1x128 casts into packed row records and the F32 sum of their dequantized rows |
 //! | [`scaling`] | scales from amaxes: the delayed-scaling meta update, the scale of one amax |
 //! | [`gemm`] | F32, BF16, FP8 and block-scaled FP8 GEMMs (the `gemm` crate on the CPU, cuBLASLt on CUDA) |
 //! | [`elementwise`] | bias add, ReLU, GELU, dropout, scale, axpy, add, add at an offset |

@@ -10,10 +10,11 @@ mod common;
 use attention_common::{expand_kv, slot};
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
 use fp8_kernels::attention::{
-    attention_backward, attention_forward, attention_module, cpu, default_tiles, dkdv_variants,
-    dq_variants, forward_variants, kernel_module, wgmma_dq_variants, wgmma_forward_variants,
-    wgmma_kv_variants, AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles,
-    AttentionWorkspace, BackwardKernels, KernelFamily, KeyTiles, QueryTiles, TensorKernel,
+    attention_backward, attention_forward, attention_module, cpu, default_tiles,
+    default_wgmma_backward_tiles, dkdv_variants, dq_variants, forward_variants, kernel_module,
+    wgmma_backward_variants, wgmma_dq_variants, wgmma_forward_variants, wgmma_kv_variants,
+    AttentionConfig, AttentionKernel, AttentionShape, AttentionTiles, AttentionWorkspace,
+    BackwardKernels, KernelFamily, KeyTiles, QueryTiles, TensorKernel, WgmmaBackwardTiles,
     WgmmaTiles, ATTENTION_MODULE, ATTENTION_WGMMA_MODULE, HEAD_DIMS, WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::kernel_source::{compile_ptx, ModuleArch, PRECISE_OPTIONS};
@@ -396,7 +397,65 @@ fn wgmma_configs_are_validated() {
             attention_forward(&s, &c, &qkv, &mut out, &mut lse),
             Err(KernelError::InvalidArgument { .. })
         ));
+        // The backward's kernels: the measured default pair, every compiled pair, and refusals of pairs
+        // not compiled for this head dim.
+        let dout = dev.zeros::<bf16>(s.out_len()).unwrap();
+        let mut dqkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
+        let mut ws = AttentionWorkspace::new();
+        assert_eq!(
+            wgmma.wgmma_backward_tiles_for(hd).unwrap(),
+            WgmmaBackwardTiles {
+                kv_warpgroups: 1,
+                dq: WgmmaTiles::new(1, 64)
+            }
+        );
+        assert_eq!(
+            default_wgmma_backward_tiles(hd),
+            Some(wgmma.wgmma_backward_tiles_for(hd).unwrap())
+        );
+        for t in wgmma_backward_variants(hd) {
+            let c = AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_backward: Some(t),
+                    ..Default::default()
+                },
+                ..wgmma
+            };
+            assert_eq!(c.wgmma_backward_tiles_for(hd).unwrap(), t);
+            attention_backward(&s, &c, &qkv, &out, &dout, &lse, &mut dqkv, &mut ws).unwrap();
+        }
+        for bad in [
+            WgmmaBackwardTiles {
+                kv_warpgroups: 3,
+                dq: WgmmaTiles::new(1, 64),
+            },
+            WgmmaBackwardTiles {
+                kv_warpgroups: 1,
+                dq: WgmmaTiles::new(2, 256),
+            },
+            WgmmaBackwardTiles {
+                kv_warpgroups: 1,
+                dq: WgmmaTiles::pipelined(1, 64),
+            },
+        ] {
+            let c = AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_backward: Some(bad),
+                    ..Default::default()
+                },
+                ..wgmma
+            };
+            assert!(c.wgmma_backward_tiles_for(hd).is_err(), "{bad}");
+            assert!(matches!(
+                attention_backward(&s, &c, &qkv, &out, &dout, &lse, &mut dqkv, &mut ws),
+                Err(KernelError::InvalidArgument { .. })
+            ));
+        }
     }
+    // Key blocks of 128 in the dQ kernel exist at head dim 64 only.
+    assert!(wgmma_dq_variants(64).contains(&WgmmaTiles::new(1, 128)));
+    assert!(!wgmma_dq_variants(128).contains(&WgmmaTiles::new(1, 128)));
+    assert!(wgmma.wgmma_backward_tiles_for(32).is_err());
     let s = AttentionShape::new(1, 2, 9, 32);
     let qkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
     let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();

@@ -20,11 +20,11 @@
 //!
 //! Where it runs: the CPU ([`cpu`], the reference: plain attention in F32 from the BF16 inputs) or the
 //! buffers' GPU, with one of the kernel families of [`AttentionKernel`]: tensor-core flash-attention
-//! kernels (`Mma`, the default), the forward on Hopper's warpgroup MMA (`Wgmma`, sm_90a only, not yet
-//! verified on a GPU) with the `Mma` backward, or simple per-row kernels without tensor cores (`Simple`, a
-//! slow fallback that tells a fragment-layout bug in the fast kernels from a problem elsewhere). The GPU
-//! backward is deterministic by default (the same bits on every run, [`DqAccumulation`]). See
-//! `docs/attention.md`.
+//! kernels on `mma.sync` (`Mma`), the forward and backward on Hopper's warpgroup MMA (`Wgmma`, sm_90a
+//! only, head dims 64 and 128), `Auto` (the default: `Wgmma` where the GPU and head dim allow, else
+//! `Mma`), or simple per-row kernels without tensor cores (`Simple`, a slow fallback that tells a
+//! fragment-layout bug in the fast kernels from a problem elsewhere). The GPU backward is deterministic by
+//! default (the same bits on every run, [`DqAccumulation`]). See `docs/attention.md`.
 
 pub mod cpu;
 mod cuda;

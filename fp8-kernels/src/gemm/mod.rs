@@ -35,7 +35,7 @@
 //!
 //! # Block-scaled FP8
 //! [`gemm_fp8_block`] multiplies operands with one scale per 1x128 tile or 128x128 block (DeepSeek-V3's
-//! recipe, [`crate::block_quantize`]'s casts) through cuBLASLt's block scale modes; its rules are in
+//! recipe, [`crate::block_quantize`](mod@crate::block_quantize)'s casts) through cuBLASLt's block scale modes; its rules are in
 //! `block.rs` ([`BlockFp8Matrix`]).
 //!
 //! Files: `mod.rs` (API, validation, dispatch), `cpu.rs` (the `gemm` crate), `cuda.rs` (the row-major to
