@@ -410,6 +410,26 @@ fn emulated_wgmma_probes_match_cpu() {
     assert!(ok, "a wgmma probe failed (see the lines above)");
 }
 
+/// The wgmma shapes the emulator runs (up to T = 257; T = 1024 only on the GPU: the emulator runs a
+/// thread per CUDA thread) with the default scale, and `extra` with scale 0.3.
+fn emulated_wgmma_cases(extra: AttentionShape) -> Vec<(AttentionShape, Option<f32>)> {
+    let mut cases: Vec<(AttentionShape, Option<f32>)> = wgmma_shapes()
+        .into_iter()
+        .filter(|s| s.seq_len <= 257)
+        .map(|s| (s, None))
+        .collect();
+    cases.push((extra, Some(0.3)));
+    cases
+}
+
+/// The label of one emulated wgmma run.
+fn wgmma_label(shape: &AttentionShape, scale: f32, v: &Variant) -> String {
+    format!(
+        "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
+        shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.head_dim, v.name, v.copies
+    )
+}
+
 #[test]
 #[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
 fn emulated_wgmma_forward_matches_cpu() {
@@ -420,13 +440,10 @@ fn emulated_wgmma_forward_matches_cpu() {
     let bin = emulator();
     let dir = scratch("attention_emulated_wgmma");
     let mut fails = Vec::new();
-    let mut cases: Vec<(AttentionShape, Option<f32>)> = wgmma_shapes()
+    for (i, (shape, scale)) in emulated_wgmma_cases(AttentionShape::new(1, 2, 100, 64))
         .into_iter()
-        .filter(|s| s.seq_len <= 257)
-        .map(|s| (s, None))
-        .collect();
-    cases.push((AttentionShape::new(1, 2, 100, 64), Some(0.3)));
-    for (i, (shape, scale)) in cases.into_iter().enumerate() {
+        .enumerate()
+    {
         let inp = inputs(shape, 1100 + i as u64);
         let scale = AttentionConfig {
             softmax_scale: scale,
@@ -448,16 +465,7 @@ fn emulated_wgmma_forward_matches_cpu() {
                     "none".into()
                 },
             };
-            let label = format!(
-                "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
-                shape.batch,
-                shape.heads,
-                shape.kv_heads,
-                shape.seq_len,
-                shape.head_dim,
-                v.name,
-                v.copies
-            );
+            let label = wgmma_label(&shape, scale, &v);
             match run(&bin, &inp, &v, scale, &dir) {
                 Ok(got) if j == 0 => fails.extend(check_all(&label, &shape, &got, &want)),
                 Ok(got) => fails.extend(check_forward(&label, &shape, &got, &want)),
@@ -481,13 +489,10 @@ fn emulated_wgmma_backward_matches_cpu() {
     let bin = emulator();
     let dir = scratch("attention_emulated_wgmma_backward");
     let mut fails = Vec::new();
-    let mut cases: Vec<(AttentionShape, Option<f32>)> = wgmma_shapes()
+    for (i, (shape, scale)) in emulated_wgmma_cases(AttentionShape::gqa(1, 6, 2, 150, 64))
         .into_iter()
-        .filter(|s| s.seq_len <= 257)
-        .map(|s| (s, None))
-        .collect();
-    cases.push((AttentionShape::gqa(1, 6, 2, 150, 64), Some(0.3)));
-    for (i, (shape, scale)) in cases.into_iter().enumerate() {
+        .enumerate()
+    {
         let inp = inputs(shape, 1300 + i as u64);
         let scale = AttentionConfig {
             softmax_scale: scale,
@@ -520,16 +525,7 @@ fn emulated_wgmma_backward_matches_cpu() {
                 fwd: format!("wg:{fwd}"),
                 bwd,
             };
-            let label = format!(
-                "B{} H{} KV{} T{} hd{} scale {scale:.3} [emulated {}, {} results]",
-                shape.batch,
-                shape.heads,
-                shape.kv_heads,
-                shape.seq_len,
-                shape.head_dim,
-                v.name,
-                v.copies
-            );
+            let label = wgmma_label(&shape, scale, &v);
             match run(&bin, &inp, &v, scale, &dir) {
                 Ok(got) => fails.extend(check_all(&label, &shape, &got, &want)),
                 Err(e) => {
