@@ -484,8 +484,9 @@ fn emulated_wgmma_forward_matches_cpu() {
 fn emulated_wgmma_backward_matches_cpu() {
     // The wgmma backward on the wgmma shapes up to T = 257 (GQA groups 1, 2, 4 and 8, partial last
     // tiles) and a non-default scale with a group of 3: the deterministic dK/dV and dQ kernels (every
-    // compiled pair in turn, the default first) and the fused kernel (with two split buffers and atomic,
-    // alternately), wgmma results and cp.async copies at issue and at the waits in turn.
+    // compiled pair in turn, the default first; and the pipelined dQ kernel wherever T > 64) and the fused
+    // kernel (with two split buffers and atomic, alternately), wgmma results and cp.async copies at issue
+    // and at the waits in turn.
     let bin = emulator();
     let dir = scratch("attention_emulated_wgmma_backward");
     let mut fails = Vec::new();
@@ -508,7 +509,7 @@ fn emulated_wgmma_backward_matches_cpu() {
         } else {
             pairs[i % pairs.len()]
         };
-        let backwards = [
+        let mut backwards = vec![
             (
                 format!("wgmma {sep}"),
                 format!("wgsep:g{}:{}", sep.kv_warpgroups, sep.dq),
@@ -518,6 +519,10 @@ fn emulated_wgmma_backward_matches_cpu() {
                 ["wg:det:2", "wg:atomic"][i % 2].to_string(),
             ),
         ];
+        // The pipelined dQ kernel wherever there are several key blocks to overlap.
+        if shape.seq_len > 64 {
+            backwards.push(("wgmma q g1n64p".to_string(), "wgsep:g1:g1n64p".to_string()));
+        }
         for (j, (name, bwd)) in backwards.into_iter().enumerate() {
             let v = Variant {
                 name: format!("wgmma {fwd}, backward {name} ({bwd})"),

@@ -784,18 +784,27 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
 
 // -----------------------------------------------------------------------------------------------------
 // dQ of the deterministic backward. Grid (B*H, ceil(T / BM)), BM = 64 NWG query rows per block of NWG
-// warpgroups, the last query block first; the forward's layout (attn_fwd_wgmma, non-pipelined schedule):
-// warpgroup wg owns rows q0 + 64 wg .. + 63, thread rows `row` and row + 8; key and value blocks of BN
-// keys double-buffered through shared memory. Per key block and warpgroup:
+// warpgroups, the last query block first; the forward's layout (attn_fwd_wgmma): warpgroup wg owns rows
+// q0 + 64 wg .. + 63, thread rows `row` and row + 8; key and value blocks of BN keys streamed through
+// shared memory. Per key block j and warpgroup:
 //   batch 1  S  = Q K^T           HD/16 wgmma m64nBNk16, A = Q, B = K, both K-major
 //   batch 2  dP = dO V^T          HD/16 wgmma m64nBNk16, A = dO, B = V, both K-major
-//            P = 2^(S scale log2e - lse log2e), 0 where key > row        (batch 2 in flight)
-//            dS = P (dP - D)
+//            P = 2^(S scale log2e - lse log2e), 0 where key > row; dS = P (dP - D)
 //   batch 3  dQ += dS K           BN/16 wgmma m64nHDk16, A = bf16(dS) from registers, B = K MN-major
-// Each dQ element is summed by one thread over the key blocks in order: deterministic. At the end dQ *
-// scale goes to the q slot of dqkv through the warpgroup's own rows of the Q tile.
-// Shared memory (1024-byte aligned SW128 tiles): Q, dO [BM][HD]; K, V [2][BN][HD].
-template <int HD, int NWG, int BN>
+// in one of two schedules, as the forward's:
+// - PIPE false: each batch waited for before its result is used; K and V have two buffers.
+// - PIPE true: iteration j issues S_j and dP_j and then dQ += dS_{j-1} K_{j-1} (dS_{j-1} kept in registers
+//   from iteration j - 1), waits for S_j and dP_j only (wgmma.wait_group 1: batches complete in order),
+//   computes P_j and dS_j while dQ's product runs, then waits for it before dS_j replaces dS_{j-1} in the
+//   A registers; the warpgroup's last block issues its own dQ product and waits. K_{j-1} is read during
+//   iteration j, so K has three buffers (block j + 1's copy, issued in iteration j, goes to the buffer of
+//   block j - 2, whose last reader completed in iteration j - 1); V keeps two. Block 0 is peeled, so no
+//   product in the loop depends on j > 0.
+// Each dQ element is summed by one thread over the key blocks in order (both schedules add the same
+// products in the same order: the same bits): deterministic. At the end dQ * scale goes to the q slot of
+// dqkv through the warpgroup's own rows of the Q tile.
+// Shared memory (1024-byte aligned SW128 tiles): Q, dO [BM][HD]; K [2 or 3][BN][HD]; V [2][BN][HD].
+template <int HD, int NWG, int BN, bool PIPE>
 __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                   const float* __restrict__ lse, const float* __restrict__ dvec,
                                                   u16* __restrict__ dqkv, int T, int H, int KV, float scale,
@@ -803,15 +812,15 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
     static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
     static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
     static_assert(NWG >= 1 && NWG <= 2, "1 or 2 warpgroups");
-    constexpr int BM = 64 * NWG, NT = 128 * NWG;
+    constexpr int BM = 64 * NWG, NT = 128 * NWG, KBUF = PIPE ? 3 : 2;
     constexpr u32 QB = BM * HD * 2, KB = BN * HD * 2;
     const u32 raw = att_smem_u32(att_smem);
     const u32 pad = (1024u - (raw & 1023u)) & 1023u;
-    const u32 aQ = raw + pad, adO = aQ + QB, aK = adO + QB, aV = aK + 2 * KB;
+    const u32 aQ = raw + pad, adO = aQ + QB, aK = adO + QB, aV = aK + KBUF * KB;
     u16* sQ = reinterpret_cast<u16*>(att_smem + pad);
     u16* sdO = reinterpret_cast<u16*>(att_smem + pad + QB);
     u16* sK = reinterpret_cast<u16*>(att_smem + pad + 2 * QB);
-    u16* sV = reinterpret_cast<u16*>(att_smem + pad + 2 * QB + 2 * KB);
+    u16* sV = reinterpret_cast<u16*>(att_smem + pad + 2 * QB + KBUF * KB);
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
     const int g = lane >> 2, q = lane & 3;
@@ -846,30 +855,35 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
     att_load_sw128<HD, BN, NT>(sV, gV, rs, 0, T, tid);
     att_cp_commit();
 
-    float dq[HD / 2];
+    float dq[HD / 2], s[BN / 2], dp[BN / 2];
+    u32 dsa[BN / 16][4];
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) dq[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 16; ++i) dsa[i][0] = dsa[i][1] = dsa[i][2] = dsa[i][3] = 0u;
 
-    for (int j = 0; j < nkb; ++j) {
+    // The top of iteration j: block j landed and is fenced for every thread; the copies of block j + 1.
+    auto next_block = [&](int j) {
         att_cp_wait<0>();
         att_fence_proxy_async();
-        __syncthreads();  // block j landed; every warpgroup's products of block j - 1 completed
+        __syncthreads();  // block j landed; see above for the buffers freed
         if (j + 1 < nkb) {
-            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KB / 2), gK, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sK + ((j + 1) % KBUF) * (KB / 2), gK, rs, (j + 1) * BN, T, tid);
             att_load_sw128<HD, BN, NT>(sV + ((j + 1) & 1) * (KB / 2), gV, rs, (j + 1) * BN, T, tid);
             att_cp_commit();
         }
-        if (j >= jend) continue;  // warpgroup-uniform; no barrier below
-        const u32 cK = aK + (u32)(j & 1) * KB, cV = aV + (u32)(j & 1) * KB;
-        float s[BN / 2], dp[BN / 2];
-        att_wg_fence_regs<BN / 2>(s);
-        att_wg_fence_regs<BN / 2>(dp);
-        att_wg_fence();
-        att_wg_abt<HD, BN>(s, aQw, BM * 128, cK, BN * 128);
+    };
+    // S_j and dP_j issued (two batches; the caller fenced).
+    auto issue_scores = [&](int j) {
+        att_wg_abt<HD, BN>(s, aQw, BM * 128, aK + (u32)(j % KBUF) * KB, BN * 128);
         att_wg_commit();
-        att_wg_abt<HD, BN>(dp, adOw, BM * 128, cV, BN * 128);
+        att_wg_abt<HD, BN>(dp, adOw, BM * 128, aV + (u32)(j & 1) * KB, BN * 128);
         att_wg_commit();
-        att_wg_wait<1>();
+    };
+    // P_j, masked, in s (S_j complete).
+    auto probabilities = [&](int j) {
         att_wg_fence_regs<BN / 2>(s);
 #pragma unroll
         for (int c = 0; c < BN / 8; ++c)
@@ -888,7 +902,9 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
                     if (key > row + 8) s[4 * c + 2 + e] = 0.0f;
                 }
         }
-        att_wg_wait<0>();
+    };
+    // dS_j = P_j (dP_j - D) into dp (dP_j complete).
+    auto score_grads = [&]() {
         att_wg_fence_regs<BN / 2>(dp);
 #pragma unroll
         for (int c = 0; c < BN / 8; ++c)
@@ -897,15 +913,64 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                     dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd[hr]);
-        u32 dsa[BN / 16][4];
+    };
+    // The unpipelined block j up to dS in dsa: S_j and dP_j, waited for, P_j while dP_j runs.
+    auto block_to_ds = [&](int j) {
+        att_wg_fence_regs<BN / 2>(s);
+        att_wg_fence_regs<BN / 2>(dp);
+        att_wg_fence();
+        issue_scores(j);
+        att_wg_wait<1>();
+        probabilities(j);
+        att_wg_wait<0>();
+        score_grads();
         att_wg_c_to_a<BN>(dsa, dp);
+    };
+    // dQ += dS K_j with dS in dsa, waited for.
+    auto dq_product = [&](int j) {
         att_wg_fence_regs<BN / 16>(dsa);
         att_wg_fence_regs<HD / 2>(dq);
         att_wg_fence();
-        att_wg_pv<BN, HD>(dq, dsa, cK, BN * 128);
+        att_wg_pv<BN, HD>(dq, dsa, aK + (u32)(j % KBUF) * KB, BN * 128);
         att_wg_commit();
         att_wg_wait<0>();
         att_wg_fence_regs<HD / 2>(dq);
+    };
+
+    if constexpr (!PIPE) {
+        for (int j = 0; j < nkb; ++j) {
+            next_block(j);
+            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+            block_to_ds(j);
+            dq_product(j);
+        }
+    } else {
+        next_block(0);
+        if (jend > 0) {
+            block_to_ds(0);
+            if (jend == 1) dq_product(0);
+        }
+        for (int j = 1; j < nkb; ++j) {
+            next_block(j);
+            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence_regs<BN / 2>(dp);
+            att_wg_fence_regs<BN / 16>(dsa);
+            att_wg_fence_regs<HD / 2>(dq);
+            att_wg_fence();
+            issue_scores(j);
+            // dQ += dS_{j-1} K_{j-1} as a third batch, then wait for S_j and dP_j only.
+            att_wg_pv<BN, HD>(dq, dsa, aK + (u32)((j - 1) % KBUF) * KB, BN * 128);
+            att_wg_commit();
+            att_wg_wait<1>();
+            probabilities(j);
+            score_grads();
+            att_wg_wait<0>();  // dQ's product done: dsa and dq are free
+            att_wg_fence_regs<HD / 2>(dq);
+            att_wg_fence_regs<BN / 16>(dsa);
+            att_wg_c_to_a<BN>(dsa, dp);
+            if (j == jend - 1) dq_product(j);  // the warpgroup's last block: its dQ product now
+        }
     }
     if (!active) return;  // no barrier below
 
@@ -931,8 +996,9 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
     }
 }
 
-// Bytes of attn_bwd_dq_wgmma's shared memory: Q and dO [64 NWG][HD], K and V [2][BN][HD], the alignment.
-#define ATT_WG_DQ_SMEM(HD, NWG, BN) ((2 * 64 * (NWG) + 4 * (BN)) * (HD) * 2 + 1024)
+// Bytes of attn_bwd_dq_wgmma's shared memory: Q and dO [64 NWG][HD], K [KBUF][BN][HD] (KBUF 2, or 3
+// pipelined), V [2][BN][HD], the alignment.
+#define ATT_WG_DQ_SMEM(HD, NWG, BN, KBUF) ((2 * 64 * (NWG) + ((KBUF) + 2) * (BN)) * (HD) * 2 + 1024)
 
 #if !defined(ATT_ONLY_KIND)
 // =====================================================================================================
@@ -1088,7 +1154,8 @@ ATT_WG_PROBE_ENTRIES(128)
 // The backward entry points, with the signatures of attention.cu's and attention_separate.cu's:
 //   attn_bwd_wgmma_fused_hd<HD>        the fused backward (DQ, one warpgroup; ATT_ONLY_KIND 7)
 //   attn_bwd_wgmma_kv_g<NWG>_hd<HD>    the dK/dV kernel (ATT_ONLY_KIND 8, ATT_ONLY_A = NWG)
-//   attn_bwd_wgmma_q_g<NWG>n<BN>_hd<HD> the dQ kernel (ATT_ONLY_KIND 9, ATT_ONLY_A = NWG, ATT_ONLY_B = BN)
+//   attn_bwd_wgmma_q_g<NWG>n<BN>[p]_hd<HD> the dQ kernel (ATT_ONLY_KIND 9, ATT_ONLY_A = NWG, ATT_ONLY_B = BN,
+//                                      ATT_ONLY_C = 1 for the pipelined schedule)
 // The variant lists are X-macros (tiles.rs mirrors them: WGMMA_BACKWARD_VARIANTS).
 #define ATT_WG_BWD_FUSED_ENTRY(HD)                                                                            \
     extern "C" __global__ void __launch_bounds__(128, 1) attn_bwd_wgmma_fused_hd##HD(                         \
@@ -1103,18 +1170,19 @@ ATT_WG_PROBE_ENTRIES(128)
         float scale, float scale_log2) {                                                                       \
         attn_bwd_wgmma<HD, NWG, false>(qkv, dout, lse, dvec, nullptr, 0, dqkv, T, H, KV, scale, scale_log2);  \
     }
-#define ATT_WG_BWD_Q_ENTRY(HD, NWG, BN)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_bwd_wgmma_q_g##NWG##n##BN##_hd##HD(       \
+#define ATT_WG_BWD_Q_ENTRY(HD, NWG, BN, SUF)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 1) attn_bwd_wgmma_q_g##NWG##n##BN##SUF##_hd##HD(  \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H, int KV, \
         float scale, float scale_log2) {                                                                       \
-        attn_bwd_dq_wgmma<HD, NWG, BN>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale, scale_log2);               \
+        attn_bwd_dq_wgmma<HD, NWG, BN, ATT_WG_PIPE_##SUF>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale,        \
+                                                          scale_log2);                                         \
     }
 #define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
 #define ATT_WG_KV_VARIANTS_128(X) X(128, 1) X(128, 2)
-#define ATT_WG_Q_VARIANTS_64(X) X(64, 1, 64) X(64, 2, 64) X(64, 1, 128) X(64, 2, 128)
-#define ATT_WG_Q_VARIANTS_128(X) X(128, 1, 64) X(128, 2, 64)
+#define ATT_WG_Q_VARIANTS_64(X) \
+    X(64, 1, 64, ) X(64, 2, 64, ) X(64, 1, 128, ) X(64, 2, 128, ) X(64, 1, 64, p) X(64, 2, 64, p)
+#define ATT_WG_Q_VARIANTS_128(X) X(128, 1, 64, ) X(128, 2, 64, ) X(128, 1, 64, p)
 #define ATT_WG_APPLY2(M, a, b) M(a, b)
-#define ATT_WG_APPLY3(M, a, b, c) M(a, b, c)
 
 #if defined(ATT_ONLY_KIND)
 #if ATT_ONLY_KIND == 6 && ATT_ONLY_C
@@ -1125,8 +1193,10 @@ ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 ATT_WG_APPLY1(ATT_WG_BWD_FUSED_ENTRY, ATT_HD)
 #elif ATT_ONLY_KIND == 8
 ATT_WG_APPLY2(ATT_WG_BWD_KV_ENTRY, ATT_HD, ATT_ONLY_A)
+#elif ATT_ONLY_KIND == 9 && ATT_ONLY_C
+ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 9
-ATT_WG_APPLY3(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
+ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 #endif
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)

@@ -56,9 +56,10 @@ pub(super) fn wgmma_backward_smem_bytes(head_dim: usize, warpgroups: usize, dq: 
 }
 
 /// Bytes of dynamic shared memory of the wgmma dQ kernel (`ATT_WG_DQ_SMEM`): Q, dO [64 * warpgroups][hd];
-/// K, V [2][key_rows][hd]; the alignment.
+/// K [2, or 3 pipelined][key_rows][hd]; V [2][key_rows][hd]; the alignment.
 pub(super) fn wgmma_dq_smem_bytes(head_dim: usize, t: &WgmmaTiles) -> usize {
-    (2 * t.block_rows() + 4 * t.key_rows) * head_dim * 2 + 1024
+    let key_buffers = if t.pipelined { 3 } else { 2 };
+    (2 * t.block_rows() + (key_buffers + 2) * t.key_rows) * head_dim * 2 + 1024
 }
 
 /// Bytes of dynamic shared memory of the dK/dV kernel: K, V [BN][hd+8]; Q, dO [2][BM][hd+8] bf16; lse,

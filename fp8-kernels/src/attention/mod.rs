@@ -237,7 +237,7 @@ impl TensorKernel {
             TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.pipelined as usize],
             TensorKernel::WgmmaFused => [7, 0, 0, 0],
             TensorKernel::WgmmaDkDv { warpgroups } => [8, warpgroups, 0, 0],
-            TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, 0],
+            TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, t.pipelined as usize],
         }
     }
 }

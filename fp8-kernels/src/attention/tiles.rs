@@ -167,14 +167,21 @@ impl fmt::Display for WgmmaBackwardTiles {
 
 /// The dK/dV kernel's warpgroup counts per head dim (`ATT_WG_KV_VARIANTS_<hd>` in attention_wgmma.cu).
 const WGMMA_KV_VARIANTS: [[usize; 2]; 2] = [[1, 2], [1, 2]];
-/// The dQ kernel's tiles per head dim (`ATT_WG_Q_VARIANTS_<hd>`).
-const WGMMA_DQ_VARIANTS_64: [WgmmaTiles; 4] = [
+/// The dQ kernel's tiles per head dim (`ATT_WG_Q_VARIANTS_<hd>`; pipelined: the next block's scores
+/// overlap the previous block's `dQ += dS K`).
+const WGMMA_DQ_VARIANTS_64: [WgmmaTiles; 6] = [
     WgmmaTiles::new(1, 64),
     WgmmaTiles::new(2, 64),
     WgmmaTiles::new(1, 128),
     WgmmaTiles::new(2, 128),
+    WgmmaTiles::pipelined(1, 64),
+    WgmmaTiles::pipelined(2, 64),
 ];
-const WGMMA_DQ_VARIANTS_128: [WgmmaTiles; 2] = [WgmmaTiles::new(1, 64), WgmmaTiles::new(2, 64)];
+const WGMMA_DQ_VARIANTS_128: [WgmmaTiles; 3] = [
+    WgmmaTiles::new(1, 64),
+    WgmmaTiles::new(2, 64),
+    WgmmaTiles::pipelined(1, 64),
+];
 
 /// The dK/dV kernel warpgroup counts compiled for `head_dim` (empty where the wgmma kernels do not
 /// exist).

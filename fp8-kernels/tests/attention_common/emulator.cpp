@@ -37,7 +37,7 @@
 //   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | wg:det:<SPLITS> | wg:atomic (the wgmma
-//          fused backward) | wgsep:g<NWG>:g<NWG>n<BN> (the wgmma dK/dV and dQ kernels) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
+//          fused backward) | wgsep:g<NWG>:g<NWG>n<BN>[p] (the wgmma dK/dV and dQ kernels) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
 //          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
@@ -547,7 +547,8 @@ static std::map<std::string, FwdMma> g_wg_fwd;
     g_wg_fwd["attn_fwd_wgmma_g" #NWG "n" #BN #SUF "_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD;
 static std::map<std::string, BwdSep> g_sep;
 #define REG_WG_KV(HD, NWG) g_sep["attn_bwd_wgmma_kv_g" #NWG "_hd" #HD] = attn_bwd_wgmma_kv_g##NWG##_hd##HD;
-#define REG_WG_Q(HD, NWG, BN) g_sep["attn_bwd_wgmma_q_g" #NWG "n" #BN "_hd" #HD] = attn_bwd_wgmma_q_g##NWG##n##BN##_hd##HD;
+#define REG_WG_Q(HD, NWG, BN, SUF) \
+    g_sep["attn_bwd_wgmma_q_g" #NWG "n" #BN #SUF "_hd" #HD] = attn_bwd_wgmma_q_g##NWG##n##BN##SUF##_hd##HD;
 #define REG_FWD(HD, NW, MT, BN) g_fwd["attn_fwd_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_fwd_w##NW##m##MT##n##BN##_hd##HD;
 #define REG_DKDV(HD, NW, MT, BM) \
     g_sep["attn_bwd_dkdv_w" #NW "m" #MT "q" #BM "_hd" #HD] = attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD;
@@ -638,12 +639,14 @@ static int run(int argc, char** argv) {
     } else if (bwd.rfind("wgsep:", 0) == 0) {
         int kg, qg, qn;
         if (std::sscanf(bwd.c_str(), "wgsep:g%d:g%dn%d", &kg, &qg, &qn) != 3) die("wgmma separate backward variant");
+        const bool qpipe = bwd.back() == 'p';
         BwdSep a = lookup(g_sep, "attn_bwd_wgmma_kv_g" + std::to_string(kg) + hd_tag);
-        BwdSep b = lookup(g_sep, "attn_bwd_wgmma_q_g" + std::to_string(qg) + "n" + std::to_string(qn) + hd_tag);
+        BwdSep b = lookup(g_sep, "attn_bwd_wgmma_q_g" + std::to_string(qg) + "n" + std::to_string(qn) +
+                                     (qpipe ? "p" : "") + hd_tag);
         launch({kv_pairs, blocks(64 * kg), (unsigned)(128 * kg), (size_t)ATT_WG_BWD_SMEM(HD, kg, 0)}, [&] {
             a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
         });
-        launch({pairs, blocks(64 * qg), (unsigned)(128 * qg), (size_t)ATT_WG_DQ_SMEM(HD, qg, qn)}, [&] {
+        launch({pairs, blocks(64 * qg), (unsigned)(128 * qg), (size_t)ATT_WG_DQ_SMEM(HD, qg, qn, qpipe ? 3 : 2)}, [&] {
             b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
         });
     } else if (bwd.rfind("sep:", 0) == 0) {
