@@ -485,14 +485,15 @@ pub enum AttentionKernel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DqAccumulation {
     /// The same bits on every run: the separate dK/dV and dQ kernels (each output element written once
-    /// by one thread), or the fused kernel with one F32 dQ buffer per split, each added in a fixed order
-    /// and the buffers summed in a fixed order ([`BackwardKernels`], per head dim [`DEFAULT_TILES`]).
+    /// by one thread; on `mma.sync`, or the wgmma pair of [`AttentionTiles::wgmma_backward`] on Hopper),
+    /// or the `mma.sync` fused kernel with one F32 dQ buffer per split, each added in a fixed order and
+    /// the buffers summed in a fixed order ([`BackwardKernels`], per head dim [`DEFAULT_TILES`]).
     #[default]
     Deterministic,
-    /// The fused kernel, all key blocks of a head adding into one F32 buffer with atomics in whatever
-    /// order they arrive (FlashAttention-2's default): results vary in the last bits from run to run.
-    /// Selects the fused kernel unless [`AttentionTiles::backward`] names the separate ones (which are
-    /// deterministic anyway).
+    /// A fused kernel (`mma.sync`, or the wgmma one on Hopper), all key blocks of a head adding into one
+    /// F32 buffer with atomics in whatever order they arrive (FlashAttention-2's default): results vary
+    /// in the last bits from run to run. Selects the fused kernel unless [`AttentionTiles::backward`]
+    /// names the separate ones (which are deterministic anyway).
     Atomic,
 }
 
