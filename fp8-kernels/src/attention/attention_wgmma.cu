@@ -92,27 +92,26 @@ struct AttWgmma;
 // D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, A and B K-major in shared memory (descriptors da, db).
 template <>
 struct AttWgmma<64> {
-    static __device__ __forceinline__ void ss(float (&d)[32], u64 da, u64 db, int accumulate) {
+    // The product with A and B from shared memory under the transpose bits TA and TB (1: the operand is
+    // MN-major, A(m, k) with m contiguous, B(k, n) with n contiguous).
+    template <int TA, int TB>
+    static __device__ __forceinline__ void ss_t(float (&d)[32], u64 da, u64 db, int accumulate) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(da), "l"(db), "r"(accumulate));
+            : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
     }
-    // D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A and B MN-major in shared memory (both transpose bits
-    // set: A(m, k) with m contiguous, B(k, n) with n contiguous). (dQ = dS K from dS^T and K tiles.)
+    // Both operands K-major (S = Q K^T).
+    static __device__ __forceinline__ void ss(float (&d)[32], u64 da, u64 db, int accumulate) {
+        ss_t<0, 0>(d, da, db, accumulate);
+    }
+    // Both operands MN-major (dQ = dS K from the dS^T and K tiles).
     static __device__ __forceinline__ void ss_tt(float (&d)[32], u64 da, u64 db, int accumulate) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(da), "l"(db), "r"(accumulate));
+        ss_t<1, 1>(d, da, db, accumulate);
     }
     // D[64 x 64] += A[64 x 16] * B[16 x 64], A from registers (a[0..3] per thread, the mma.m16n8k16 A layout
     // per warp), B MN-major in shared memory (descriptor db, transpose bit set).
