@@ -4,111 +4,16 @@
 //! back; wrong sizes and disagreeing ranks are typed errors on every rank. Also an NCCL test at world
 //! size 1 (ignored: needs a GPU).
 
+mod common;
+
+use common::{Buf, Kind, KINDS};
 use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
-use fp8_kernels::{Buffer, Device};
+
 use fsdp_comm::{run_ranks, run_ranks_each, CommError, Communicator, RecvBuf, SendBuf};
-use half::{bf16, f16};
+use half::bf16;
 use proptest::prelude::*;
 use std::time::Duration;
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
-    F32,
-    BF16,
-    F16,
-    Bytes,
-    Fp8(Fp8Format),
-}
-
-const KINDS: [Kind; 6] = [
-    Kind::F32,
-    Kind::BF16,
-    Kind::F16,
-    Kind::Bytes,
-    Kind::Fp8(Fp8Format::E4M3),
-    Kind::Fp8(Fp8Format::E5M2),
-];
-
-/// A buffer of one of the element types, held as raw bits for comparisons.
-enum Buf {
-    F32(Buffer<f32>),
-    BF16(Buffer<bf16>),
-    F16(Buffer<f16>),
-    U8(Buffer<u8>),
-}
-
-impl Buf {
-    fn new(dev: &Device, kind: Kind, bits: &[u32]) -> Self {
-        match kind {
-            Kind::F32 => Buf::F32(
-                dev.upload(&bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>())
-                    .unwrap(),
-            ),
-            Kind::BF16 => Buf::BF16(
-                dev.upload(
-                    &bits
-                        .iter()
-                        .map(|&b| bf16::from_bits(b as u16))
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            ),
-            Kind::F16 => Buf::F16(
-                dev.upload(
-                    &bits
-                        .iter()
-                        .map(|&b| f16::from_bits(b as u16))
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            ),
-            Kind::Bytes | Kind::Fp8(_) => Buf::U8(
-                dev.upload(&bits.iter().map(|&b| b as u8).collect::<Vec<_>>())
-                    .unwrap(),
-            ),
-        }
-    }
-
-    fn send(&self, kind: Kind) -> SendBuf<'_> {
-        match (self, kind) {
-            (Buf::F32(b), _) => b.into(),
-            (Buf::BF16(b), _) => b.into(),
-            (Buf::F16(b), _) => b.into(),
-            (Buf::U8(b), Kind::Fp8(f)) => SendBuf::fp8(b, f),
-            (Buf::U8(b), _) => b.into(),
-        }
-    }
-
-    fn recv(&mut self, kind: Kind) -> RecvBuf<'_> {
-        match (self, kind) {
-            (Buf::F32(b), _) => b.into(),
-            (Buf::BF16(b), _) => b.into(),
-            (Buf::F16(b), _) => b.into(),
-            (Buf::U8(b), Kind::Fp8(f)) => RecvBuf::fp8(b, f),
-            (Buf::U8(b), _) => b.into(),
-        }
-    }
-
-    fn bits(&self) -> Vec<u32> {
-        match self {
-            Buf::F32(b) => b.to_vec().unwrap().iter().map(|x| x.to_bits()).collect(),
-            Buf::BF16(b) => b
-                .to_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits() as u32)
-                .collect(),
-            Buf::F16(b) => b
-                .to_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits() as u32)
-                .collect(),
-            Buf::U8(b) => b.to_vec().unwrap().iter().map(|&x| x as u32).collect(),
-        }
-    }
-}
 
 /// Random bits of `len` elements of `kind` for `rank` (any pattern: all-to-all does no arithmetic, so
 /// NaNs and every FP8 code must arrive unchanged).

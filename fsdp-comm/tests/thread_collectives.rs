@@ -5,9 +5,12 @@
 //! f64 -> f16 -> FP8), an independent route to the same correctly rounded per-step results; the order
 //! of the steps is the crate's `ring_order` (the single definition of the order).
 
+mod common;
+
+use common::{Buf, Kind, KINDS};
 use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
-use fp8_kernels::{Buffer, Device};
+use fp8_kernels::Device;
 use fsdp_comm::ring::{chunk_range, fp8_unit_roundoff, ring_order};
 use fsdp_comm::{
     run_ranks, run_ranks_each, run_ranks_failures, run_ranks_timeout, CommDType, CommError,
@@ -22,23 +25,6 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 /// For tests that must not time out at all.
 const LONG: Duration = Duration::from_secs(60);
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
-    F32,
-    BF16,
-    F16,
-    Bytes,
-    Fp8(Fp8Format),
-}
-
-const ALL_KINDS: [Kind; 6] = [
-    Kind::F32,
-    Kind::BF16,
-    Kind::F16,
-    Kind::Bytes,
-    Kind::Fp8(Fp8Format::E4M3),
-    Kind::Fp8(Fp8Format::E5M2),
-];
 const REDUCIBLE: [Kind; 5] = [
     Kind::F32,
     Kind::BF16,
@@ -141,70 +127,6 @@ fn assert_same(kind: Kind, op: Option<ReduceOp>, got: &[u32], want: &[u32], what
     }
 }
 
-/// A CPU buffer of the values `from(bits[i])`.
-fn upload_bits<T: fp8_kernels::Element>(bits: &[u32], from: impl Fn(u32) -> T) -> Buffer<T> {
-    let values: Vec<T> = bits.iter().map(|&b| from(b)).collect();
-    Device::cpu().upload(&values).unwrap()
-}
-
-/// `to(b[i])` of every element of a CPU buffer.
-fn download_bits<T: fp8_kernels::Element>(b: &Buffer<T>, to: impl Fn(T) -> u32) -> Vec<u32> {
-    b.to_vec().unwrap().into_iter().map(to).collect()
-}
-
-/// A CPU buffer of any kind.
-enum HostBuf {
-    F32(Buffer<f32>),
-    BF16(Buffer<bf16>),
-    F16(Buffer<f16>),
-    U8(Buffer<u8>),
-}
-
-impl HostBuf {
-    fn new(kind: Kind, bits: &[u32]) -> Self {
-        match kind {
-            Kind::F32 => HostBuf::F32(upload_bits(bits, f32::from_bits)),
-            Kind::BF16 => HostBuf::BF16(upload_bits(bits, |b| bf16::from_bits(b as u16))),
-            Kind::F16 => HostBuf::F16(upload_bits(bits, |b| f16::from_bits(b as u16))),
-            Kind::Bytes | Kind::Fp8(_) => HostBuf::U8(upload_bits(bits, |b| b as u8)),
-        }
-    }
-
-    fn zeros(kind: Kind, len: usize) -> Self {
-        // A poison pattern, so an element the collective does not write is noticed.
-        Self::new(kind, &vec![0x55; len])
-    }
-
-    fn send(&self, kind: Kind) -> SendBuf<'_> {
-        match (self, kind) {
-            (HostBuf::F32(b), _) => b.into(),
-            (HostBuf::BF16(b), _) => b.into(),
-            (HostBuf::F16(b), _) => b.into(),
-            (HostBuf::U8(b), Kind::Fp8(f)) => SendBuf::fp8(b, f),
-            (HostBuf::U8(b), _) => b.into(),
-        }
-    }
-
-    fn recv(&mut self, kind: Kind) -> RecvBuf<'_> {
-        match (self, kind) {
-            (HostBuf::F32(b), _) => b.into(),
-            (HostBuf::BF16(b), _) => b.into(),
-            (HostBuf::F16(b), _) => b.into(),
-            (HostBuf::U8(b), Kind::Fp8(f)) => RecvBuf::fp8(b, f),
-            (HostBuf::U8(b), _) => b.into(),
-        }
-    }
-
-    fn bits(&self) -> Vec<u32> {
-        match self {
-            HostBuf::F32(b) => download_bits(b, f32::to_bits),
-            HostBuf::BF16(b) => download_bits(b, |x| u32::from(x.to_bits())),
-            HostBuf::F16(b) => download_bits(b, |x| u32::from(x.to_bits())),
-            HostBuf::U8(b) => download_bits(b, u32::from),
-        }
-    }
-}
-
 fn inputs_for(kind: Kind, n: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut rng = Rng(SplitMix64::new(seed));
     (0..n).map(|_| random_bits(kind, len, &mut rng)).collect()
@@ -226,26 +148,26 @@ fn run_call(kind: Kind, call: Call, inputs: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let n = inputs.len();
     run_ranks_timeout(n, LONG, |comm| {
         let r = comm.rank();
-        let input = HostBuf::new(kind, &inputs[r]);
+        let input = Buf::new(&Device::cpu(), kind, &inputs[r]);
         let len = inputs[r].len();
         let out_len = match call {
             Call::AllGather => len * n,
             Call::ReduceScatter(_) => len / n,
             _ => len,
         };
-        let mut out = HostBuf::zeros(kind, out_len);
+        let mut out = Buf::poisoned(&Device::cpu(), kind, out_len);
         match call {
             Call::AllGather => comm.all_gather(input.send(kind), out.recv(kind))?,
             Call::ReduceScatter(op) => comm.reduce_scatter(input.send(kind), out.recv(kind), op)?,
             Call::AllReduce(op) => comm.all_reduce(input.send(kind), out.recv(kind), op)?,
             Call::Broadcast(root) => comm.broadcast(input.send(kind), out.recv(kind), root)?,
             Call::AllReduceInPlace(op) => {
-                let mut buf = HostBuf::new(kind, &inputs[r]);
+                let mut buf = Buf::new(&Device::cpu(), kind, &inputs[r]);
                 comm.all_reduce_in_place(buf.recv(kind), op)?;
                 out = buf;
             }
             Call::BroadcastInPlace(root) => {
-                let mut buf = HostBuf::new(kind, &inputs[r]);
+                let mut buf = Buf::new(&Device::cpu(), kind, &inputs[r]);
                 comm.broadcast_in_place(buf.recv(kind), root)?;
                 out = buf;
             }
@@ -305,7 +227,7 @@ proptest! {
         n in 1usize..=8, len in 0usize..24, seed in any::<u64>(), root_pick in any::<usize>(),
         kind_pick in 0usize..6,
     ) {
-        let kind = ALL_KINDS[kind_pick];
+        let kind = KINDS[kind_pick];
         let inputs = inputs_for(kind, n, len, seed);
         let root = root_pick % n;
         check_call(kind, Call::AllGather, &inputs);
@@ -442,7 +364,7 @@ fn host_f32_all_reduce_and_barrier() {
 
 #[test]
 fn empty_buffers_are_fine() {
-    for kind in ALL_KINDS {
+    for kind in KINDS {
         let inputs = vec![Vec::new(); 3];
         check_call(kind, Call::AllGather, &inputs);
         if kind != Kind::Bytes {

@@ -9,9 +9,12 @@
 //! The reduce-scatter-v reference computes each step in f64 and rounds once to the element type, along
 //! `ring_order(rank)`: the thread backend's order for rank `rank`'s shard.
 
+mod common;
+
+use common::{Buf, Kind, KINDS};
 use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
-use fp8_kernels::{Buffer, Device};
+
 use fsdp_comm::ring::ring_order;
 use fsdp_comm::{
     run_ranks_each, run_ranks_timeout, CommError, Communicator, RecvBuf, ReduceOp, SendBuf,
@@ -23,111 +26,9 @@ use std::time::Duration;
 /// Never below 5 s in CI; a hang would show as a timeout error, which no test accepts.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
-    F32,
-    BF16,
-    F16,
-    Bytes,
-    Fp8(Fp8Format),
-}
-
-const KINDS: [Kind; 6] = [
-    Kind::F32,
-    Kind::BF16,
-    Kind::F16,
-    Kind::Bytes,
-    Kind::Fp8(Fp8Format::E4M3),
-    Kind::Fp8(Fp8Format::E5M2),
-];
 /// The types reduce-scatter-v takes.
 const REDUCIBLE_V: [Kind; 3] = [Kind::F32, Kind::BF16, Kind::F16];
 const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
-
-/// A buffer of one of the element types, held as raw bits for comparisons.
-enum Buf {
-    F32(Buffer<f32>),
-    BF16(Buffer<bf16>),
-    F16(Buffer<f16>),
-    U8(Buffer<u8>),
-}
-
-impl Buf {
-    fn new(dev: &Device, kind: Kind, bits: &[u32]) -> Self {
-        match kind {
-            Kind::F32 => Buf::F32(
-                dev.upload(&bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>())
-                    .unwrap(),
-            ),
-            Kind::BF16 => Buf::BF16(
-                dev.upload(
-                    &bits
-                        .iter()
-                        .map(|&b| bf16::from_bits(b as u16))
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            ),
-            Kind::F16 => Buf::F16(
-                dev.upload(
-                    &bits
-                        .iter()
-                        .map(|&b| f16::from_bits(b as u16))
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            ),
-            Kind::Bytes | Kind::Fp8(_) => Buf::U8(
-                dev.upload(&bits.iter().map(|&b| b as u8).collect::<Vec<_>>())
-                    .unwrap(),
-            ),
-        }
-    }
-
-    /// A buffer of a pattern the collective must overwrite.
-    fn poisoned(dev: &Device, kind: Kind, len: usize) -> Self {
-        Self::new(dev, kind, &vec![0x55; len])
-    }
-
-    fn send(&self, kind: Kind) -> SendBuf<'_> {
-        match (self, kind) {
-            (Buf::F32(b), _) => b.into(),
-            (Buf::BF16(b), _) => b.into(),
-            (Buf::F16(b), _) => b.into(),
-            (Buf::U8(b), Kind::Fp8(f)) => SendBuf::fp8(b, f),
-            (Buf::U8(b), _) => b.into(),
-        }
-    }
-
-    fn recv(&mut self, kind: Kind) -> RecvBuf<'_> {
-        match (self, kind) {
-            (Buf::F32(b), _) => b.into(),
-            (Buf::BF16(b), _) => b.into(),
-            (Buf::F16(b), _) => b.into(),
-            (Buf::U8(b), Kind::Fp8(f)) => RecvBuf::fp8(b, f),
-            (Buf::U8(b), _) => b.into(),
-        }
-    }
-
-    fn bits(&self) -> Vec<u32> {
-        match self {
-            Buf::F32(b) => b.to_vec().unwrap().iter().map(|x| x.to_bits()).collect(),
-            Buf::BF16(b) => b
-                .to_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits() as u32)
-                .collect(),
-            Buf::F16(b) => b
-                .to_vec()
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits() as u32)
-                .collect(),
-            Buf::U8(b) => b.to_vec().unwrap().iter().map(|&x| x as u32).collect(),
-        }
-    }
-}
 
 /// `len` random elements of `kind` as bits: any pattern for the moves (NaNs and every FP8 code must
 /// arrive unchanged), finite values of either sign over magnitudes 2^-10 .. 2^10 for the reductions.
