@@ -435,7 +435,7 @@ fn wgmma_configs_are_validated() {
             },
             WgmmaBackwardTiles {
                 kv_warpgroups: 1,
-                dq: WgmmaTiles::pipelined(1, 64),
+                dq: WgmmaTiles::pipelined(1, 128),
             },
         ] {
             let c = AttentionConfig {
@@ -452,9 +452,12 @@ fn wgmma_configs_are_validated() {
             ));
         }
     }
-    // Key blocks of 128 in the dQ kernel exist at head dim 64 only.
+    // Key blocks of 128 in the dQ kernel exist at head dim 64 only; the pipelined dQ schedule at both.
     assert!(wgmma_dq_variants(64).contains(&WgmmaTiles::new(1, 128)));
     assert!(!wgmma_dq_variants(128).contains(&WgmmaTiles::new(1, 128)));
+    for hd in WGMMA_HEAD_DIMS {
+        assert!(wgmma_dq_variants(hd).contains(&WgmmaTiles::pipelined(1, 64)));
+    }
     assert!(wgmma.wgmma_backward_tiles_for(32).is_err());
     let s = AttentionShape::new(1, 2, 9, 32);
     let qkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
