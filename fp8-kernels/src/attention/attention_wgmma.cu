@@ -1,9 +1,10 @@
-// Causal flash-attention forward on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a only. Prepended with
-// common.cuh (u16/u32/u64, bf16 conversions) and attention_mma.cuh (cp.async, bf16 packing, ex2, the
-// dynamic shared memory att_smem); compiled by NVRTC for the sm_90a target alone (wgmma does not exist in
-// sm_90 or later targets), in its own modules. Same contract as attn_fwd_w* in attention.cu (layouts there):
+// Causal flash attention, forward and backward, on Hopper's warpgroup MMA (wgmma.mma_async), sm_90a only.
+// Prepended with common.cuh (u16/u32/u64, bf16 conversions), attention_mma.cuh (cp.async, bf16 packing, ex2,
+// the dynamic shared memory att_smem) and attention_rows.cu (the backward's D and dQ-conversion kernels);
+// compiled by NVRTC for the sm_90a target alone (wgmma does not exist in sm_90 or later targets), in its own
+// modules. Same contracts as the mma.sync kernels of attention.cu and attention_separate.cu (layouts there):
 // qkv [B, T, H + 2*KV, HD] bf16 in, out [B, T, H, HD] bf16 and lse [B, H, T] f32 (natural log) out, causal,
-// grouped-query heads (query head h reads key/value head h / (H / KV)).
+// grouped-query heads (query head h reads key/value head h / (H / KV)); the backward's dqkv as qkv.
 //
 // Every layout assumption of this file, in one place (the probes at the end check them on a GPU one by one):
 //
@@ -35,6 +36,8 @@
 //       atoms), SBO = 1024 (keys key0 + 8 .. + 15: the next atom), LBO = ROWS * 128 (columns 64 .. 127: the
 //       next column block; read only when N = 128).
 //       CuTe's canonical form, in 16-byte units: ((8, n), (8, k)) : ((1, LBO), (8, SBO)).
+//     An MN-major A operand (the backward's dS read from the dS^T tile: A(m = query, k = key) =
+//     dS^T[key][query], m contiguous; the transpose bit for A is 1) has the same form with m for n.
 //
 // (3) Register fragments of wgmma.m64nNk16 (PTX ISA "Register Fragments and Shared Memory Matrix Layouts";
 //     CuTe's CLayout_64xN / ALayout_64x16). Warp w = (threadIdx.x / 32) % 4 of a warpgroup owns rows
