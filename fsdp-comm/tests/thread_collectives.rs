@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Buf, Kind, KINDS};
+use common::{decode, Buf, Kind, KINDS};
 use fp8_core::Fp8Format;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::Device;
@@ -61,16 +61,6 @@ fn random_bits(kind: Kind, len: usize, rng: &mut Rng) -> Vec<u32> {
             Kind::Bytes | Kind::Fp8(_) => (rng.0.next_u64() & 0xFF) as u32,
         })
         .collect()
-}
-
-fn decode(kind: Kind, bits: u32) -> f64 {
-    match kind {
-        Kind::F32 => f32::from_bits(bits) as f64,
-        Kind::BF16 => bf16::from_bits(bits as u16).to_f64(),
-        Kind::F16 => f16::from_bits(bits as u16).to_f64(),
-        Kind::Fp8(f) => f.decode(bits as u8) as f64,
-        Kind::Bytes => bits as f64,
-    }
 }
 
 /// Round an f64 to the element type, once (FP8: through f16, saturating, as NCCL does).

@@ -27,6 +27,17 @@ pub const KINDS: [Kind; 6] = [
     Kind::Fp8(Fp8Format::E5M2),
 ];
 
+/// The value of `bits` as an element of `kind` (bytes as their number).
+pub fn decode(kind: Kind, bits: u32) -> f64 {
+    match kind {
+        Kind::F32 => f32::from_bits(bits) as f64,
+        Kind::BF16 => bf16::from_bits(bits as u16).to_f64(),
+        Kind::F16 => f16::from_bits(bits as u16).to_f64(),
+        Kind::Fp8(f) => f.decode(bits as u8) as f64,
+        Kind::Bytes => bits as f64,
+    }
+}
+
 /// A buffer of one of the element types on some device.
 pub enum Buf {
     F32(Buffer<f32>),
