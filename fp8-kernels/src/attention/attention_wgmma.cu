@@ -884,9 +884,11 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
         att_wg_abt<HD, BN>(dp, adOw, BM * 128, aV + (u32)(j & 1) * KB, BN * 128);
         att_wg_commit();
     };
-    // P_j, masked, in s (S_j complete).
+    // P_j in s (S_j complete): the forward's causal mask (-inf where key > row, where the block reaches
+    // past the warp's first row), then 2^(S scale log2e - lse log2e), which is 0 at -inf.
     auto probabilities = [&](int j) {
         att_wg_fence_regs<BN / 2>(s);
+        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
 #pragma unroll
         for (int c = 0; c < BN / 8; ++c)
 #pragma unroll
@@ -894,16 +896,6 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                     s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml[hr]));
-        if (j * BN + BN - 1 > r0 + 16 * wq) {  // the block reaches past the warp's first row
-#pragma unroll
-            for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = j * BN + 8 * c + 2 * q + e;
-                    if (key > row) s[4 * c + e] = 0.0f;
-                    if (key > row + 8) s[4 * c + 2 + e] = 0.0f;
-                }
-        }
     };
     // dS_j = P_j (dP_j - D) into dp (dP_j complete).
     auto score_grads = [&]() {
