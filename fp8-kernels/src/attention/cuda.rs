@@ -185,29 +185,16 @@ pub(super) fn forward(
         AttentionKernel::Auto | AttentionKernel::Mma => {
             require_tensor_cores(dev, WHAT)?;
             let tiles = cfg.forward;
-            let (module, entry) = kernel_entry(hd, TensorKernel::Forward(tiles));
-            let kernel = Kernel::new(dev, module, entry)?;
-            let smem = forward_smem_bytes(hd, &tiles);
-            allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
-            let launch = LaunchConfig {
-                grid_dim: (
-                    (shape.batch * shape.heads) as u32,
-                    shape.seq_len.div_ceil(tiles.block_rows()) as u32,
-                    1,
-                ),
-                block_dim: (32 * tiles.warps as u32, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-            // Grid (B*H, ceil(T / BM)) with BM = 16 * MT * NW query rows per block of 32 * NW threads
-            // (the tiles' warps), the dynamic shared memory its tiles need (limit raised above); lengths
-            // as in the simple kernel (checked by the caller); every global access is bounded by T.
-            launch!(
-                kernel: &kernel,
-                launch,
-                "attn_fwd_w<NW>m<MT>n<BN>_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
-                 int KV, float scale_log2)",
-                [qkv, out, lse, &t, &h, &kv, &scale_log2]
+            // BM = 16 * MT * NW query rows per block of 32 * NW threads (the tiles' warps).
+            launch_forward(
+                dev,
+                shape,
+                cfg,
+                TensorKernel::Forward(tiles),
+                forward_smem_bytes(hd, &tiles),
+                32 * tiles.warps,
+                tiles.block_rows(),
+                (qkv, out, lse),
             )?;
         }
         AttentionKernel::Wgmma => forward_wgmma(dev, shape, cfg, qkv, out, lse)?,
@@ -224,37 +211,60 @@ fn forward_wgmma(
     out: &mut CudaSlice<bf16>,
     lse: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "attention_forward";
-    let (_, t, h, kv) = dims(shape);
-    let hd = shape.head_dim;
-    require_sm90(dev, WHAT)?;
-
+    require_sm90(dev, "attention_forward")?;
     let tiles = cfg
         .wgmma_forward
         .ok_or_else(|| KernelError::Internal("wgmma forward without resolved tiles".into()))?;
-    let (module, entry) = kernel_entry(hd, TensorKernel::WgmmaForward(tiles));
+    // BM = 64 * NWG query rows per block of 128 * NWG threads (the tiles' warpgroups); the shared
+    // memory includes the tiles' 1024-byte alignment.
+    launch_forward(
+        dev,
+        shape,
+        cfg,
+        TensorKernel::WgmmaForward(tiles),
+        wgmma_forward_smem_bytes(shape.head_dim, &tiles),
+        128 * tiles.warpgroups,
+        tiles.block_rows(),
+        (qkv, out, lse),
+    )
+}
+
+/// Launches a tensor-core forward `kernel` (mma.sync or wgmma: the same arguments) on the grid
+/// (B*H, ceil(T / `rows`)) of `threads` threads with `smem` bytes of dynamic shared memory.
+#[allow(clippy::too_many_arguments)]
+fn launch_forward(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+    kernel: TensorKernel,
+    smem: usize,
+    threads: usize,
+    rows: usize,
+    (qkv, out, lse): (&CudaSlice<bf16>, &mut CudaSlice<bf16>, &mut CudaSlice<f32>),
+) -> Result<(), KernelError> {
+    const WHAT: &str = "attention_forward";
+    let (_, t, h, kv) = dims(shape);
+    let (module, entry) = kernel_entry(shape.head_dim, kernel);
     let kernel = Kernel::new(dev, module, entry)?;
-    let smem = wgmma_forward_smem_bytes(hd, &tiles);
     allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
     let launch = LaunchConfig {
         grid_dim: (
             (shape.batch * shape.heads) as u32,
-            shape.seq_len.div_ceil(tiles.block_rows()) as u32,
+            shape.seq_len.div_ceil(rows) as u32,
             1,
         ),
-        block_dim: (128 * tiles.warpgroups as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
-    // Grid (B*H, ceil(T / BM)) with BM = 64 * NWG query rows per block of 128 * NWG threads (the
-    // tiles' warpgroups), the dynamic shared memory its tiles and their 1024-byte alignment need
-    // (limit raised above); lengths as in the simple kernel (checked by the caller); every global
-    // access is bounded by T.
+    // Grid (B*H, ceil(T / rows)) of the kernel's threads with the dynamic shared memory its tiles need
+    // (limit raised above); qkv of B*T*(H+2*KV)*HD, out of B*T*H*HD and lse of B*H*T elements (checked
+    // by the caller; KV divides H); every global access is bounded by T.
     launch!(
         kernel: &kernel,
         launch,
-        "attn_fwd_wgmma_g<NWG>n<BN>[p]_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, \
-         int KV, float scale_log2)",
+        "attn_fwd_{w<NW>m<MT>n<BN>,wgmma_g<NWG>n<BN>[p]}_hd<HD>(const u16* qkv, u16* out, float* lse, \
+         int T, int H, int KV, float scale_log2)",
         [qkv, out, lse, &t, &h, &kv, &scale_log2]
     )?;
     Ok(())
