@@ -932,6 +932,9 @@ nvrtc_test! {
             "fence.proxy.async.shared::cta",
             "cp.async.cg.shared.global",
             "ex2.approx.ftz.f32",
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "mbarrier.try_wait.parity.shared::cta.b64",
+            "mbarrier.arrive.expect_tx.shared::cta.b64",
         ] {
             assert!(ptx.contains(insn), "wgmma module PTX lacks {insn}");
         }

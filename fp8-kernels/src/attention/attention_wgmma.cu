@@ -66,6 +66,13 @@
 // =====================================================================================================
 // PTX wrappers
 // =====================================================================================================
+// A TMA tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), built by the host with
+// cuTensorMapEncodeTiled and passed by value as a __grid_constant__ kernel parameter (the TMA unit reads it
+// from the parameter space). The host emulator keeps its own description of the map in the same bytes.
+struct __align__(64) AttTmaMap {
+    u64 opaque[16];
+};
+
 #ifndef ATT_HOST_EMULATION
 
 // Orders this thread's generic-proxy writes to shared memory (cp.async, plain stores) before later
@@ -163,6 +170,58 @@ struct AttWgmma<128> {
     }
 };
 
+// mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"), 8 bytes of
+// shared memory at shared-window address `bar`. A phase completes when its pending arrivals reach zero and
+// its expected transaction bytes have all arrived; the next phase then starts with `count` arrivals.
+__device__ __forceinline__ void att_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the TMA unit's complete_tx) before any use.
+__device__ __forceinline__ void att_mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void att_mbar_arrive(u32 bar) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// One arrival that also expects `bytes` more transaction bytes (the TMA loads issued against it).
+__device__ __forceinline__ void att_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+// True once the phase of parity `parity` has completed (phases alternate 0, 1, 0, ...; a waiter is never
+// more than one phase behind, which the pipeline's full/empty pairing guarantees).
+__device__ __forceinline__ bool att_mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+// setmaxnreg: the executing warpgroup's registers per thread become N (a multiple of 8 in 24 .. 256): the
+// producer warpgroup of the warp-specialised forward gives registers back, its consumers take them.
+template <int N>
+__device__ __forceinline__ void att_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void att_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+// TMA: the box of the 4-d tensor map at coordinates (c0 innermost .. c3) into shared memory at `dst`
+// (1024-byte aligned for the 128-byte swizzle), its bytes counted against barrier `bar`'s transaction
+// count. Elements outside the tensor are zero-filled.
+__device__ __forceinline__ void att_tma_load_4d(u32 dst, const AttTmaMap* map, int c0, int c1, int c2, int c3,
+                                                u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
 #endif  // ATT_HOST_EMULATION
 
 template <int N>
@@ -176,6 +235,12 @@ __device__ __forceinline__ void att_wg_fence_regs(u32 (&a)[K][4]) {
     for (int i = 0; i < K; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) att_wg_fence_reg(a[i][j]);
+}
+
+// Spins until the phase of parity `parity` of barrier `bar` completed.
+__device__ __forceinline__ void att_mbar_wait(u32 bar, u32 parity) {
+    while (!att_mbar_try_wait(bar, parity)) {
+    }
 }
 
 // =====================================================================================================
@@ -348,6 +413,198 @@ __device__ __forceinline__ void att_wg_rescale(float (&o)[HD / 2], const float (
 // At the end O / l goes to out through the warpgroup's own rows of the Q tile (SW128, 16-byte stores) and
 // lse = (m + log2 l) ln 2.
 // Shared memory (1024-byte aligned): Q [BM][HD], K [2][BN][HD], V [2 or 3][BN][HD], all SW128 tiles.
+// One warpgroup's walk of the overlapped schedule (PIPE above) over its key blocks 0 .. jend - 1 of the
+// block's nkb, given how block j's K and V tiles arrive (the hooks `kv`, see AttFwdCpAsync and AttFwdTma):
+//   kv.top(j)                 at the top of every iteration j < nkb, also those the warpgroup skips
+//   kv.k(j), kv.v(j)          shared addresses of block j's K and V tiles
+//   kv.wait_k(j), kv.wait_v(j)       before the first product that reads the tile
+//   kv.release_k(j), kv.release_v(j) after the products that read it completed (wgmma.wait_group)
+//   kv.skip(j)                for the blocks j >= jend the warpgroup does not use
+// o, m and l hold the running output, row maxima and sums; aQw is the warpgroup's 64 rows of Q.
+template <int HD, int BN, int BM, class KV>
+__device__ __forceinline__ void att_wg_fwd_overlapped(KV& kv, int nkb, int jend, u32 aQw, int r0, int wq, int row,
+                                                      int q, float scale_log2, float (&o)[HD / 2], float (&m)[2],
+                                                      float (&l)[2]) {
+    float s[BN / 2], alpha[2];
+    u32 pa[BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 16; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0u;
+    // S = Q K_j^T, with O += P_{j-1} V_{j-1} (its P in pa since iteration j - 1) as a second batch when
+    // pv_in_flight; waits for S_j only (wgmma.wait_group 1: batches complete in order), masks it where
+    // block j reaches past the warp's first row, and turns it into P by the online softmax. The caller
+    // waited for the tiles before its wgmma.fence (a wait loop between the fence and a wgmma makes ptxas
+    // fence again, C7519, and serialize the wgmma).
+    auto scores = [&](int j, bool pv_in_flight) {
+        att_wg_abt<HD, BN>(s, aQw, BM * 128, kv.k(j), BN * 128);
+        att_wg_commit();
+        if (pv_in_flight) {
+            att_wg_pv<BN, HD>(o, pa, kv.v(j - 1), BN * 128);
+            att_wg_commit();
+            att_wg_wait<1>();
+        } else {
+            att_wg_wait<0>();
+        }
+        kv.release_k(j);
+        att_wg_fence_regs<BN / 2>(s);
+        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
+        att_wg_softmax<BN>(s, m, l, alpha, scale_log2);
+    };
+    // O += P V_j with P from s, waited for.
+    auto values = [&](int j) {
+        kv.wait_v(j);
+        att_wg_c_to_a<BN>(pa, s);
+        att_wg_fence_regs<BN / 16>(pa);
+        att_wg_fence_regs<HD / 2>(o);
+        att_wg_fence();
+        att_wg_pv<BN, HD>(o, pa, kv.v(j), BN * 128);
+        att_wg_commit();
+        att_wg_wait<0>();
+        kv.release_v(j);
+        att_wg_fence_regs<HD / 2>(o);
+    };
+    // Block 0 has no P V before it: peeled, so that every wgmma of the loop is unconditional (ptxas
+    // serializes all wgmma, C7520, when a batch is issued on one path and not on another).
+    kv.top(0);
+    if (jend > 0) {
+        kv.wait_k(0);
+        att_wg_fence_regs<BN / 2>(s);
+        att_wg_fence();
+        scores(0, false);  // O is zero: no rescale
+        if (jend == 1) {
+            values(0);
+        } else {
+            att_wg_c_to_a<BN>(pa, s);
+        }
+    } else {
+        kv.skip(0);
+    }
+    for (int j = 1; j < nkb; ++j) {
+        kv.top(j);
+        if (j >= jend) {  // warpgroup-uniform; no barrier below
+            kv.skip(j);
+            continue;
+        }
+        kv.wait_k(j);
+        kv.wait_v(j - 1);
+        att_wg_fence_regs<BN / 2>(s);
+        att_wg_fence_regs<HD / 2>(o);
+        att_wg_fence_regs<BN / 16>(pa);
+        att_wg_fence();
+        scores(j, true);   // the softmax of block j runs while P_{j-1} V_{j-1} does
+        att_wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa are free
+        kv.release_v(j - 1);
+        att_wg_fence_regs<HD / 2>(o);
+        att_wg_fence_regs<BN / 16>(pa);
+        att_wg_rescale<HD>(o, alpha);
+        if (j == jend - 1) {
+            values(j);  // the warpgroup's last block: its P V now
+        } else {
+            att_wg_c_to_a<BN>(pa, s);
+        }
+    }
+}
+
+// The forward's end for one warpgroup: O / l to out through the warpgroup's own rows of the Q tile (SW128,
+// 16-byte stores; only this warpgroup's wgmma read them, and they completed) and lse = (m + log2 l) ln 2
+// (natural log). Rows >= T compute finite values nobody stores.
+template <int HD, int BM>
+__device__ __forceinline__ void att_wg_fwd_store(float (&o)[HD / 2], const float (&m)[2], const float (&l)[2],
+                                                 u16* sQ, u16* __restrict__ out, float* __restrict__ lse, int bh,
+                                                 int b, int h, int H, int T, int wg, int wq, int r0, int row,
+                                                 int lane, int g, int q) {
+    const int srow = 64 * wg + 16 * wq;  // the warp's first row in the Q tile
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float lt = l[hr];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        const float inv = 1.0f / lt;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            o[4 * i + 2 * hr] *= inv;
+            o[4 * i + 2 * hr + 1] *= inv;
+        }
+        if (q == 0 && row + 8 * hr < T) lse[(u64)bh * T + row + 8 * hr] = (m[hr] + log2f(lt)) * ATT_LN2;
+        // Stage the row in the warp's own rows of the Q tile, bf16 pairs at the SW128 positions of
+        // (row, 8 i + 2 q).
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i)
+            *reinterpret_cast<u32*>(sQ + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
+                att_pack_bf16(o[4 * i + 2 * hr], o[4 * i + 2 * hr + 1]);
+    }
+    __syncwarp();
+    // The warp's 16 rows, 16 bytes at a time.
+    constexpr int CH = HD / 8;
+    u16* gO = out + (u64)b * T * H * HD + (u64)h * HD;
+    const int t_first = r0 + 16 * wq;
+#pragma unroll
+    for (int c = lane; c < 16 * CH; c += 32) {
+        const int r = c / CH, k = c - (c / CH) * CH;
+        if (t_first + r < T)
+            *reinterpret_cast<uint4*>(gO + (u64)(t_first + r) * H * HD + k * 8) =
+                *reinterpret_cast<const uint4*>(sQ + att_sw128_index<BM>(srow + r, 8 * k));
+    }
+}
+
+// Key/value blocks by cp.async, every thread of the block copying (attn_fwd_wgmma's overlapped schedule):
+// iteration j waits for block j, fences it to the async proxy, passes one barrier and issues block j + 1's
+// copies. K has two buffers, V three (see attn_fwd_wgmma). The products' waits and releases need nothing
+// more: the barrier orders them.
+template <int HD, int BN, int NT>
+struct AttFwdCpAsync {
+    u16* sK;
+    u16* sV;
+    u32 aK, aV;
+    const u16* gK;
+    const u16* gV;
+    u64 rs;
+    int T, nkb, tid;
+    static constexpr u32 KBYTES = BN * HD * 2;
+    __device__ __forceinline__ void top(int j) {
+        att_cp_wait<0>();
+        att_fence_proxy_async();
+        __syncthreads();  // block j is in its buffers for every thread; block j - 2's V buffer is free
+        if (j + 1 < nkb) {
+            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sV + ((j + 1) % 3) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
+            att_cp_commit();
+        }
+    }
+    __device__ __forceinline__ u32 k(int j) const { return aK + (u32)(j & 1) * KBYTES; }
+    __device__ __forceinline__ u32 v(int j) const { return aV + (u32)(j % 3) * KBYTES; }
+    __device__ __forceinline__ void wait_k(int) {}
+    __device__ __forceinline__ void wait_v(int) {}
+    __device__ __forceinline__ void release_k(int) {}
+    __device__ __forceinline__ void release_v(int) {}
+    __device__ __forceinline__ void skip(int) {}
+};
+
+// Grid (B*H, ceil(T / BM)), BM = 64 * NWG query rows per block of NWG warpgroups (128 * NWG threads), the
+// last query block first (blockIdx.y = 0 has the most keys). Warpgroup wg owns rows q0 + 64 wg .. + 63;
+// thread (warp w of the warpgroup, g, q) rows `row` = q0 + 64 wg + 16 w + g and row + 8 (fragments (3)).
+// Key and value blocks of BN keys stream through shared memory with cp.async: iteration j waits for block
+// j, fences it to the async proxy, passes one barrier and issues the copies of block j + 1, which overlap
+// the products of block j. A warpgroup works on key blocks 0 .. jend - 1 (it skips those after its last
+// row, and all when it holds no valid row), but passes every barrier. Per block and warpgroup:
+//   S = Q K^T                    HD / 16 wgmma m64nBNk16, A = Q and B = K from shared memory (K-major)
+//   causal mask, online softmax  in registers (att_wg_mask, att_wg_softmax)
+//   O = O * alpha + P V          BN / 16 wgmma m64nHDk16, A = bf16(P) from registers, B = V MN-major
+// in one of two schedules:
+// - PIPE false: each batch is waited for before its results are used: S_j, softmax, P_j V_j, in turn.
+//   Within a warpgroup the tensor cores and the softmax take turns (they overlap across warpgroups and
+//   blocks of an SM). K and V have two buffers: the barrier of iteration j + 1 comes after every
+//   warpgroup's P_j V_j completed, so block j + 2 may then overwrite block j's.
+// - PIPE true (FlashAttention-3's intra-warpgroup overlap, att_wg_fwd_overlapped): iteration j issues S_j
+//   and then P_{j-1} V_{j-1} (P_{j-1} kept in registers from iteration j - 1), waits for S_j only, runs the
+//   mask and softmax of block j while P_{j-1} V_{j-1} is in flight, then waits for it, rescales O by block
+//   j's alpha and converts P_j; the last block's P V is issued and waited for in its own iteration.
+//   V_{j-1} is read during iteration j, so V has three buffers (block j + 1's copy, issued in iteration j,
+//   goes to the buffer of block j - 2, whose last reader completed in iteration j - 1); K has two (S_j
+//   completes within iteration j).
+// At the end, att_wg_fwd_store.
+// Shared memory (1024-byte aligned): Q [BM][HD], K [2][BN][HD], V [2 or 3][BN][HD], all SW128 tiles.
 template <int HD, int NWG, int BN, bool PIPE>
 __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16* __restrict__ out,
                                                float* __restrict__ lse, int T, int H, int KV, float scale_log2) {
@@ -387,135 +644,171 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
     att_load_sw128<HD, BN, NT>(sV, gV, rs, 0, T, tid);
     att_cp_commit();
 
-    float o[HD / 2], s[BN / 2];
-    u32 pa[BN / 16][4];
+    float o[HD / 2];
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 16; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0u;
-    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
-
-    // The top of iteration j: block j landed and is fenced for every thread; the copies of block j + 1.
-    auto next_block = [&](int j) {
-        att_cp_wait<0>();
-        att_fence_proxy_async();
-        __syncthreads();  // block j is in its buffers for every thread; see above for the buffers freed
-        if (j + 1 < nkb) {
-            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
-            att_load_sw128<HD, BN, NT>(sV + ((j + 1) % VBUF) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
-            att_cp_commit();
-        }
-    };
-    // S = Q K_j^T, waited for, masked (where block j reaches past the warp's first row) and turned into P
-    // by the online softmax (alpha: the factor of O).
-    auto scores = [&](int j, bool pv_in_flight) {
-        att_wg_abt<HD, BN>(s, aQw, BM * 128, aK + (u32)(j & 1) * KBYTES, BN * 128);
-        att_wg_commit();
-        if (pv_in_flight) {
-            // O += P_{j-1} V_{j-1} (its P in pa since iteration j - 1) as a second batch, then wait for
-            // S_j only (wgmma.wait_group 1: batches complete in order).
-            att_wg_pv<BN, HD>(o, pa, aV + (u32)((j + VBUF - 1) % VBUF) * KBYTES, BN * 128);
-            att_wg_commit();
-            att_wg_wait<1>();
-        } else {
-            att_wg_wait<0>();
-        }
-        att_wg_fence_regs<BN / 2>(s);
-        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
-        att_wg_softmax<BN>(s, m, l, alpha, scale_log2);
-    };
-    // O += P V_j with P from s, waited for.
-    auto values = [&](int j) {
-        att_wg_c_to_a<BN>(pa, s);
-        att_wg_fence_regs<BN / 16>(pa);
-        att_wg_fence_regs<HD / 2>(o);
-        att_wg_fence();
-        att_wg_pv<BN, HD>(o, pa, aV + (u32)(j % VBUF) * KBYTES, BN * 128);
-        att_wg_commit();
-        att_wg_wait<0>();
-        att_wg_fence_regs<HD / 2>(o);
-    };
+    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f};
 
     if constexpr (!PIPE) {
+        float s[BN / 2], alpha[2];
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
         for (int j = 0; j < nkb; ++j) {
-            next_block(j);
+            // Block j landed and is fenced for every thread; the copies of block j + 1.
+            att_cp_wait<0>();
+            att_fence_proxy_async();
+            __syncthreads();  // block j is in its buffers for every thread; see above for the buffers freed
+            if (j + 1 < nkb) {
+                att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
+                att_load_sw128<HD, BN, NT>(sV + ((j + 1) % VBUF) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
+                att_cp_commit();
+            }
             if (j >= jend) continue;  // warpgroup-uniform; no barrier below
             att_wg_fence_regs<BN / 2>(s);
             att_wg_fence();
-            scores(j, false);
+            att_wg_abt<HD, BN>(s, aQw, BM * 128, aK + (u32)(j & 1) * KBYTES, BN * 128);
+            att_wg_commit();
+            att_wg_wait<0>();
+            att_wg_fence_regs<BN / 2>(s);
+            if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
+            att_wg_softmax<BN>(s, m, l, alpha, scale_log2);
             att_wg_rescale<HD>(o, alpha);
-            values(j);
+            att_wg_c_to_a<BN>(pa, s);
+            att_wg_fence_regs<BN / 16>(pa);
+            att_wg_fence_regs<HD / 2>(o);
+            att_wg_fence();
+            att_wg_pv<BN, HD>(o, pa, aV + (u32)(j % VBUF) * KBYTES, BN * 128);
+            att_wg_commit();
+            att_wg_wait<0>();
+            att_wg_fence_regs<HD / 2>(o);
         }
     } else {
-        // Block 0 has no P V before it: peeled, so that every wgmma of the loop is unconditional (ptxas
-        // serializes all wgmma, C7520, when a batch is issued on one path and not on another).
-        next_block(0);
-        if (jend > 0) {
-            att_wg_fence_regs<BN / 2>(s);
-            att_wg_fence();
-            scores(0, false);  // O is zero: no rescale
-            if (jend == 1) {
-                values(0);
-            } else {
-                att_wg_c_to_a<BN>(pa, s);
-            }
-        }
-        for (int j = 1; j < nkb; ++j) {
-            next_block(j);
-            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
-            att_wg_fence_regs<BN / 2>(s);
-            att_wg_fence_regs<HD / 2>(o);
-            att_wg_fence_regs<BN / 16>(pa);
-            att_wg_fence();
-            scores(j, true);   // the softmax of block j runs while P_{j-1} V_{j-1} does
-            att_wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa are free
-            att_wg_fence_regs<HD / 2>(o);
-            att_wg_fence_regs<BN / 16>(pa);
-            att_wg_rescale<HD>(o, alpha);
-            if (j == jend - 1) {
-                values(j);  // the warpgroup's last block: its P V now
-            } else {
-                att_wg_c_to_a<BN>(pa, s);
-            }
-        }
+        AttFwdCpAsync<HD, BN, NT> kv{sK, sV, aK, aV, gK, gV, rs, T, nkb, tid};
+        att_wg_fwd_overlapped<HD, BN, BM>(kv, nkb, jend, aQw, r0, wq, row, q, scale_log2, o, m, l);
     }
     if (!active) return;  // no barrier below
+    att_wg_fwd_store<HD, BM>(o, m, l, sQ, out, lse, bh, b, h, H, T, wg, wq, r0, row, lane, g, q);
+}
 
-    // Normalise; lse in natural log: (m + log2 l) * ln 2. Rows >= T compute finite values nobody stores.
-    const int srow = 64 * wg + 16 * wq;  // the warp's first row in the Q tile
+// Stages of the warp-specialised forward's key/value pipeline.
+#define ATT_WS_STAGES 2
+
+// Key/value blocks by TMA from the block's producer warp (attn_fwd_wgmma_ws): stage j % ST holds block j;
+// full barriers (one arrival, the producer's, plus the TMA bytes) say it landed, empty barriers (one
+// arrival per consumer warp, after its products that read the stage completed) let the producer refill it.
+template <int HD, int BN, int ST>
+struct AttFwdTma {
+    u32 aK, aV, bar;  // bar: full_k[ST], full_v[ST], empty_k[ST], empty_v[ST] at 8-byte steps
+    int lane;
+    static constexpr u32 KBYTES = BN * HD * 2;
+    __device__ __forceinline__ static u32 phase(int j) { return (u32)(j / ST) & 1u; }
+    __device__ __forceinline__ void top(int) {}
+    __device__ __forceinline__ u32 k(int j) const { return aK + (u32)(j % ST) * KBYTES; }
+    __device__ __forceinline__ u32 v(int j) const { return aV + (u32)(j % ST) * KBYTES; }
+    __device__ __forceinline__ void wait_k(int j) { att_mbar_wait(bar + 8u * (j % ST), phase(j)); }
+    __device__ __forceinline__ void wait_v(int j) { att_mbar_wait(bar + 8u * (ST + j % ST), phase(j)); }
+    __device__ __forceinline__ void release_k(int j) {
+        if (lane == 0) att_mbar_arrive(bar + 8u * (2 * ST + j % ST));
+    }
+    __device__ __forceinline__ void release_v(int j) {
+        if (lane == 0) att_mbar_arrive(bar + 8u * (3 * ST + j % ST));
+    }
+    // A block the warpgroup does not use still passes through its stage in order, so that every phase of
+    // the barriers completes.
+    __device__ __forceinline__ void skip(int j) {
+        wait_k(j);
+        release_k(j);
+        wait_v(j);
+        release_v(j);
+    }
+};
+
+// The overlapped forward (PIPE above, att_wg_fwd_overlapped) with warp specialisation: NWG consumer
+// warpgroups (rows as attn_fwd_wgmma) and one producer warpgroup (the block's last, threads 128 NWG ..
+// 128 NWG + 127) whose first thread issues every load with TMA, so the consumers spend no instructions
+// and no barrier on copies and run independently of each other. A whole warpgroup, not one warp, because
+// registers are allocated per warpgroup on sm_90 (ptxas budgets 168 per thread for 288 threads as for
+// 384); setmaxnreg moves them: the producer keeps 24, each consumer thread gets 240 (the products'
+// accumulators, S and P take about 200). The Q tile comes once, behind its own barrier; key/value
+// block j goes to stage j % ST, loaded when the consumers released the block ST earlier. TMA writes the
+// 128-byte-swizzled layout (1) itself: one box of 64 columns x BN rows per column block, from the tensor
+// maps tmq (box rows BM) and tmkv (box rows BN) over qkv as [B][T][H + 2 KV][HD] (coordinates column,
+// head, token, batch); rows at t >= T arrive as zeros.
+// Shared memory (1024-byte aligned): Q [BM][HD], K [ST][BN][HD], V [ST][BN][HD] (SW128 tiles), then the
+// barriers full_q, full_k[ST], full_v[ST], empty_k[ST], empty_v[ST] (8 bytes each).
+template <int HD, int NWG, int BN>
+__device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const AttTmaMap* tmkv, u16* __restrict__ out,
+                                                  float* __restrict__ lse, int T, int H, int KV, float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
+    static_assert(NWG == 2, "two consumer warpgroups (the register split below is for three)");
+    constexpr int BM = 64 * NWG, NC = 128 * NWG, ST = ATT_WS_STAGES;
+    constexpr u32 QBYTES = BM * HD * 2, KBYTES = BN * HD * 2;
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aQ = raw + pad, aK = aQ + QBYTES, aV = aK + ST * KBYTES, aBar = aV + ST * KBYTES;
+    u16* sQ = reinterpret_cast<u16*>(att_smem + pad);
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int kvh = h / (H / KV);
+    const int q_end = min(q0 + BM, T);
+    const int nkb = (q_end - 1) / BN + 1;
+
+    if (tid == 0) {
+        att_mbar_init(aBar, 1);
+        for (int i = 0; i < 2 * ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 1);
+        for (int i = 2 * ST; i < 4 * ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 4 * NWG);
+        att_mbar_init_fence();
+    }
+    __syncthreads();  // the only block-wide barrier
+
+    if (tid >= NC) {  // the producer warpgroup
+        att_setmaxnreg_dec<24>();
+        if (tid == NC) {
+            att_mbar_arrive_expect_tx(aBar, QBYTES);
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        float lt = l[hr];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = 1.0f / lt;
+            for (int c = 0; c < HD / 64; ++c) att_tma_load_4d(aQ + (u32)c * BM * 128, tmq, 64 * c, h, q0, b, aBar);
+            const u32 fk = aBar + 8u, fv = fk + 8u * ST, ek = fv + 8u * ST, ev = ek + 8u * ST;
+            for (int j = 0; j < nkb; ++j) {
+                const int st = j % ST;
+                const u32 ph = (u32)(j / ST - 1) & 1u;  // the empty phase of block j - ST
+                if (j >= ST) att_mbar_wait(ek + 8u * st, ph);
+                att_mbar_arrive_expect_tx(fk + 8u * st, KBYTES);
 #pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-            o[4 * i + 2 * hr] *= inv;
-            o[4 * i + 2 * hr + 1] *= inv;
+                for (int c = 0; c < HD / 64; ++c)
+                    att_tma_load_4d(aK + (u32)st * KBYTES + (u32)c * BN * 128, tmkv, 64 * c, H + kvh, j * BN, b,
+                                    fk + 8u * st);
+                if (j >= ST) att_mbar_wait(ev + 8u * st, ph);
+                att_mbar_arrive_expect_tx(fv + 8u * st, KBYTES);
+#pragma unroll
+                for (int c = 0; c < HD / 64; ++c)
+                    att_tma_load_4d(aV + (u32)st * KBYTES + (u32)c * BN * 128, tmkv, 64 * c, H + KV + kvh, j * BN,
+                                    b, fv + 8u * st);
+            }
         }
-        if (q == 0 && row + 8 * hr < T) lse[(u64)bh * T + row + 8 * hr] = (m[hr] + log2f(lt)) * ATT_LN2;
-        // Stage the row in the warp's own rows of the Q tile (only this warpgroup's wgmma read them, and
-        // they completed), bf16 pairs at the SW128 positions of (row, 8 i + 2 q).
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i)
-            *reinterpret_cast<u32*>(sQ + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
-                att_pack_bf16(o[4 * i + 2 * hr], o[4 * i + 2 * hr + 1]);
+        return;
     }
-    __syncwarp();
-    // The warp's 16 rows, 16 bytes at a time.
-    constexpr int CH = HD / 8;
-    u16* gO = out + (u64)b * T * H * HD + (u64)h * HD;
-    const int t_first = r0 + 16 * wq;
+
+    att_setmaxnreg_inc<240>();
+    const int r0 = q0 + 64 * wg;       // the warpgroup's first row
+    const int row = r0 + 16 * wq + g;  // the thread's rows: row, row + 8
+    const bool active = r0 < T;
+    const int jend = active ? min(nkb, (r0 + 63) / BN + 1) : 0;
+    const u32 aQw = aQ + (u32)(64 * wg) * 128u;
+
+    float o[HD / 2];
 #pragma unroll
-    for (int c = lane; c < 16 * CH; c += 32) {
-        const int r = c / CH, k = c - (c / CH) * CH;
-        if (t_first + r < T)
-            *reinterpret_cast<uint4*>(gO + (u64)(t_first + r) * H * HD + k * 8) =
-                *reinterpret_cast<const uint4*>(sQ + att_sw128_index<BM>(srow + r, 8 * k));
-    }
+    for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
+    float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f};
+    att_mbar_wait(aBar, 0);  // Q
+    AttFwdTma<HD, BN, ST> kv{aK, aV, aBar + 8u, lane};
+    att_wg_fwd_overlapped<HD, BN, BM>(kv, nkb, jend, aQw, r0, wq, row, q, scale_log2, o, m, l);
+    if (!active) return;
+    att_wg_fwd_store<HD, BM>(o, m, l, sQ, out, lse, bh, b, h, H, T, wg, wq, r0, row, lane, g, q);
 }
 
 
@@ -1142,6 +1435,19 @@ ATT_WG_PROBE_ENTRIES(128)
         const u16* qkv, u16* out, float* lse, int T, int H, int KV, float scale_log2) {                        \
         attn_fwd_wgmma<HD, NWG, BN, ATT_WG_PIPE_##SUF>(qkv, out, lse, T, H, KV, scale_log2);                   \
     }
+// attn_fwd_wgmma_g<NWG>n<BN>w_hd<HD>: the warp-specialised forward (NWG consumer warpgroups and a producer
+// warpgroup, TMA loads), with the forward's arguments and then the two tensor maps; qkv is read through the
+// maps and passed only so that the launch orders the buffer like the others. ATT_ONLY_C = 2 builds it.
+#define ATT_WG_FWD_WS_VARIANTS_64(X) X(64, 2, 64) X(64, 2, 128)
+#define ATT_WG_FWD_WS_VARIANTS_128(X) X(128, 2, 128) X(128, 2, 64)
+#define ATT_WG_FWD_WS_ENTRY(HD, NWG, BN)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128 * NWG + 128, 1) attn_fwd_wgmma_g##NWG##n##BN##w_hd##HD(   \
+        const u16* qkv, u16* out, float* lse, int T, int H, int KV, float scale_log2,                          \
+        const __grid_constant__ AttTmaMap tmq, const __grid_constant__ AttTmaMap tmkv) {                       \
+        (void)qkv;                                                                                             \
+        attn_fwd_wgmma_ws<HD, NWG, BN>(&tmq, &tmkv, out, lse, T, H, KV, scale_log2);                           \
+    }
+#define ATT_WG_APPLY3(M, a, b, c) M(a, b, c)
 #define ATT_WG_APPLY4(M, a, b, c, d) M(a, b, c, d)  // expands ATT_HD, ATT_ONLY_A, ATT_ONLY_B first
 #define ATT_WG_APPLY1(M, a) M(a)
 
@@ -1179,7 +1485,9 @@ ATT_WG_PROBE_ENTRIES(128)
 #define ATT_WG_APPLY2(M, a, b) M(a, b)
 
 #if defined(ATT_ONLY_KIND)
-#if ATT_ONLY_KIND == 6 && ATT_ONLY_C
+#if ATT_ONLY_KIND == 6 && ATT_ONLY_C == 2
+ATT_WG_APPLY3(ATT_WG_FWD_WS_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
+#elif ATT_ONLY_KIND == 6 && ATT_ONLY_C
 ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 6
 ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
@@ -1195,6 +1503,8 @@ ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)
 ATT_WG_FWD_VARIANTS_128(ATT_WG_FWD_ENTRY)
+ATT_WG_FWD_WS_VARIANTS_64(ATT_WG_FWD_WS_ENTRY)
+ATT_WG_FWD_WS_VARIANTS_128(ATT_WG_FWD_WS_ENTRY)
 ATT_WG_BWD_FUSED_ENTRY(64)
 ATT_WG_BWD_FUSED_ENTRY(128)
 ATT_WG_KV_VARIANTS_64(ATT_WG_BWD_KV_ENTRY)

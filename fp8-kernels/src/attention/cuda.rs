@@ -8,11 +8,11 @@ use super::{
     attention_module, kernel_entry, kernel_module, AttentionKernel, AttentionShape,
     BackwardKernels, DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles,
     ResolvedConfig, TensorKernel, WgmmaBackwardTiles, WgmmaProbe, WgmmaTiles,
-    ATTENTION_WGMMA_MODULE,
+    ATTENTION_WGMMA_MODULE, WS_STAGES,
 };
 use crate::launch::{kernel_name, launch, Kernel};
 use crate::{CudaDevice, KernelError};
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{sys, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 /// Key rows per block of the fused backward.
@@ -31,11 +31,77 @@ pub(super) fn forward_smem_bytes(head_dim: usize, t: &QueryTiles) -> usize {
     (t.block_rows() + 4 * t.key_rows) * (head_dim + 8) * 2
 }
 
-/// Bytes of dynamic shared memory of a wgmma forward kernel: Q [BM][hd], K [2][BN][hd] and V [2 or 3,
-/// `value_buffers`][BN][hd] bf16 in 128-byte-swizzled tiles, plus 1024 bytes for the kernel to align them
-/// to 1024 bytes.
+/// Bytes of dynamic shared memory of a wgmma forward kernel: Q [BM][hd], K [`key_buffers`][BN][hd] and V
+/// [`value_buffers`][BN][hd] bf16 in 128-byte-swizzled tiles; the warp-specialised kernel's mbarriers
+/// (full_q, and full and empty per stage for K and V, 8 bytes each); 1024 bytes for the kernel to align
+/// the tiles to 1024 bytes.
 pub(super) fn wgmma_forward_smem_bytes(head_dim: usize, t: &WgmmaTiles) -> usize {
-    (t.block_rows() + (2 + t.value_buffers()) * t.key_rows) * head_dim * 2 + 1024
+    let barriers = if t.specialized {
+        (1 + 4 * WS_STAGES) * 8
+    } else {
+        0
+    };
+    (t.block_rows() + (t.key_buffers() + t.value_buffers()) * t.key_rows) * head_dim * 2
+        + barriers
+        + 1024
+}
+
+/// A TMA tensor map (the driver's `CUtensorMap`, 128 opaque bytes), passed by value as a kernel
+/// parameter (`const __grid_constant__ AttTmaMap` in attention_wgmma.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TensorMap(sys::CUtensorMap);
+
+// SAFETY: plain bytes the driver encoded, read by the kernel as its 128-byte, 64-byte aligned parameter
+// (cudarc's CUtensorMap is at least that aligned); no pointers the host must keep alive besides the
+// buffer it describes, which the launch also passes as an ordinary argument.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// The tensor map of qkv as `[B][T][H + 2 KV][hd]` bf16 (coordinates column, head, token, batch) whose
+/// box is 64 columns of one head over `box_rows` tokens, 128-byte swizzled: one column block of the
+/// kernels' SW128 tiles (attention_wgmma.cu, (1)); rows past T read as zeros.
+fn qkv_tensor_map(
+    qkv: &CudaSlice<bf16>,
+    shape: &AttentionShape,
+    box_rows: usize,
+) -> Result<TensorMap, KernelError> {
+    use sys::{
+        CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+        CUtensorMapL2promotion, CUtensorMapSwizzle,
+    };
+    let heads = (shape.heads + 2 * shape.kv_heads) as u64;
+    let hd = shape.head_dim as u64;
+    let (t, b) = (shape.seq_len as u64, shape.batch as u64);
+    let dims = [hd, heads, t, b];
+    let strides = [hd * 2, heads * hd * 2, t * heads * hd * 2];
+    let boxes = [64u32, 1, box_rows as u32, 1];
+    let steps = [1u32; 4];
+    let stream = qkv.stream().clone();
+    let (ptr, _order) = qkv.device_ptr(&stream);
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: `map` is writable storage for one CUtensorMap; the dimension, stride, box and step arrays
+    // hold the rank's (4, 3, 4, 4) entries; `ptr` is the live allocation of qkv (B*T*(H+2KV)*hd bf16,
+    // checked by the caller), 256-byte aligned as every cudarc allocation; the driver validates the rest
+    // (stride alignment, box limits) and reports an error instead of encoding.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+    }
+    // SAFETY: the driver wrote the whole map (the call succeeded).
+    Ok(TensorMap(unsafe { map.assume_init() }))
 }
 
 /// Bytes of dynamic shared memory of the wgmma probes (`ATT_WG_PROBE_SMEM`): two 64 x 128 tiles and the
@@ -215,18 +281,48 @@ fn forward_wgmma(
     let tiles = cfg
         .wgmma_forward
         .ok_or_else(|| KernelError::Internal("wgmma forward without resolved tiles".into()))?;
-    // BM = 64 * NWG query rows per block of 128 * NWG threads (the tiles' warpgroups); the shared
-    // memory includes the tiles' 1024-byte alignment.
-    launch_forward(
-        dev,
-        shape,
-        cfg,
-        TensorKernel::WgmmaForward(tiles),
-        wgmma_forward_smem_bytes(shape.head_dim, &tiles),
-        128 * tiles.warpgroups,
-        tiles.block_rows(),
-        (qkv, out, lse),
-    )
+    // BM = 64 * NWG query rows per block of 128 * NWG threads (the tiles' warpgroups; and a producer
+    // warp when specialised); the shared memory includes the tiles' 1024-byte alignment.
+    let smem = wgmma_forward_smem_bytes(shape.head_dim, &tiles);
+    if !tiles.specialized {
+        return launch_forward(
+            dev,
+            shape,
+            cfg,
+            TensorKernel::WgmmaForward(tiles),
+            smem,
+            tiles.threads(),
+            tiles.block_rows(),
+            (qkv, out, lse),
+        );
+    }
+    const WHAT: &str = "attention_forward";
+    let tmq = qkv_tensor_map(qkv, shape, tiles.block_rows())?;
+    let tmkv = qkv_tensor_map(qkv, shape, tiles.key_rows)?;
+    let (_, t, h, kv) = dims(shape);
+    let (module, entry) = kernel_entry(shape.head_dim, TensorKernel::WgmmaForward(tiles));
+    let kernel = Kernel::new(dev, module, entry)?;
+    allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
+    let launch = LaunchConfig {
+        grid_dim: (
+            (shape.batch * shape.heads) as u32,
+            shape.seq_len.div_ceil(tiles.block_rows()) as u32,
+            1,
+        ),
+        block_dim: (tiles.threads() as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+    // As launch_forward, with the tensor maps of qkv (its whole extent, boxes of BM and BN rows) the
+    // kernel reads it through; qkv itself orders the buffer on the stream.
+    launch!(
+        kernel: &kernel,
+        launch,
+        "attn_fwd_wgmma_g<NWG>n<BN>w_hd<HD>(const u16* qkv, u16* out, float* lse, int T, int H, int KV, \
+         float scale_log2, AttTmaMap tmq, AttTmaMap tmkv)",
+        [qkv, out, lse, &t, &h, &kv, &scale_log2, &tmq, &tmkv]
+    )?;
+    Ok(())
 }
 
 /// Launches a tensor-core forward `kernel` (mma.sync or wgmma: the same arguments) on the grid

@@ -35,7 +35,7 @@ pub use tiles::{
     dkdv_variants, dq_variants, forward_variants, is_backward_variant, wgmma_backward_variants,
     wgmma_dq_variants, wgmma_forward_variants, wgmma_kv_variants, BackwardKernels, KeyTiles,
     QueryTiles, TileDefaults, WgmmaBackwardTiles, WgmmaTiles, DEFAULT_TILES, FUSED_QUERY_ROWS,
-    WGMMA_HEAD_DIMS,
+    WGMMA_HEAD_DIMS, WS_STAGES,
 };
 
 use crate::device::device_of;
@@ -234,7 +234,16 @@ impl TensorKernel {
             TensorKernel::DkDv(t) if t.paired => [4, t.warps / 2, t.query_rows, 0],
             TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
             TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
-            TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.pipelined as usize],
+            TensorKernel::WgmmaForward(t) => [
+                6,
+                t.warpgroups,
+                t.key_rows,
+                if t.specialized {
+                    2
+                } else {
+                    t.pipelined as usize
+                },
+            ],
             TensorKernel::WgmmaFused => [7, 0, 0, 0],
             TensorKernel::WgmmaDkDv { warpgroups } => [8, warpgroups, 0, 0],
             TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, t.pipelined as usize],

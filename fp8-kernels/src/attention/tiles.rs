@@ -52,16 +52,23 @@ impl fmt::Display for QueryTiles {
 /// `64 * warpgroups` query rows per block, and key blocks of `key_rows` keys streamed through shared
 /// memory; `pipelined`: a warpgroup's softmax of key block `j` runs while its `P V` product of block
 /// `j - 1` is in flight (FlashAttention-3's intra-warpgroup overlap, three value buffers) instead of after
-/// it.
+/// it; `specialized`: the pipelined schedule with warp specialisation, a producer warpgroup loading every tile
+/// with TMA into a [`WS_STAGES`]-deep pipeline of mbarriers while the warpgroups only compute (forward
+/// only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WgmmaTiles {
-    /// Warpgroups per block (1 to 3).
+    /// Warpgroups per block (1 to 3; the consumer warpgroups when `specialized`).
     pub warpgroups: usize,
     /// Keys per streamed block (64 or 128).
     pub key_rows: usize,
     /// The overlapped schedule.
     pub pipelined: bool,
+    /// A producer warpgroup with TMA loads (implies `pipelined`).
+    pub specialized: bool,
 }
+
+/// Key/value stages of the warp-specialised forward (`ATT_WS_STAGES` of attention_wgmma.cu).
+pub const WS_STAGES: usize = 2;
 
 impl WgmmaTiles {
     /// `warpgroups` warpgroups of 64 rows, key blocks of `key_rows`, each product waited for before its
@@ -71,6 +78,7 @@ impl WgmmaTiles {
             warpgroups,
             key_rows,
             pipelined: false,
+            specialized: false,
         }
     }
 
@@ -80,7 +88,23 @@ impl WgmmaTiles {
             warpgroups,
             key_rows,
             pipelined: true,
+            specialized: false,
         }
+    }
+
+    /// As [`WgmmaTiles::pipelined`], with a producer warpgroup that loads the tiles by TMA (the forward).
+    pub const fn warp_specialized(warpgroups: usize, key_rows: usize) -> Self {
+        WgmmaTiles {
+            warpgroups,
+            key_rows,
+            pipelined: true,
+            specialized: true,
+        }
+    }
+
+    /// Threads per block: 128 per warpgroup, and a producer warpgroup's 128 when specialised.
+    pub fn threads(&self) -> usize {
+        128 * (self.warpgroups + usize::from(self.specialized))
     }
 
     /// Query rows per block.
@@ -88,21 +112,38 @@ impl WgmmaTiles {
         64 * self.warpgroups
     }
 
-    /// Key/value blocks in shared memory at once: two, three when pipelined.
+    /// Value blocks in shared memory at once: two, three when pipelined, [`WS_STAGES`] when specialised.
     pub fn value_buffers(&self) -> usize {
-        if self.pipelined {
+        if self.specialized {
+            WS_STAGES
+        } else if self.pipelined {
             3
+        } else {
+            2
+        }
+    }
+
+    /// Key blocks in shared memory at once: two, [`WS_STAGES`] when specialised.
+    pub fn key_buffers(&self) -> usize {
+        if self.specialized {
+            WS_STAGES
         } else {
             2
         }
     }
 }
 
-/// `g<warpgroups>n<key_rows>`, with a `p` when pipelined, as in the kernel names
-/// (`attn_fwd_wgmma_g2n128_hd128`, `attn_fwd_wgmma_g2n128p_hd128`).
+/// `g<warpgroups>n<key_rows>`, with a `p` when pipelined or a `w` when warp-specialised, as in the
+/// kernel names (`attn_fwd_wgmma_g2n128_hd128`, `..._g2n128p_hd128`, `..._g2n128w_hd128`).
 impl fmt::Display for WgmmaTiles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let p = if self.pipelined { "p" } else { "" };
+        let p = if self.specialized {
+            "w"
+        } else if self.pipelined {
+            "p"
+        } else {
+            ""
+        };
         write!(f, "g{}n{}{p}", self.warpgroups, self.key_rows)
     }
 }
@@ -110,15 +151,18 @@ impl fmt::Display for WgmmaTiles {
 /// Head dims of the wgmma forward.
 pub const WGMMA_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The wgmma forward's variants per head dim (`ATT_WG_FWD_VARIANTS_<hd>` in attention_wgmma.cu), in the
-/// order of [`WGMMA_HEAD_DIMS`]; the first is the default.
-const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 5]; 2] = [
+/// The wgmma forward's variants per head dim (`ATT_WG_FWD_VARIANTS_<hd>` and, warp-specialised,
+/// `ATT_WG_FWD_WS_VARIANTS_<hd>` in attention_wgmma.cu), in the order of [`WGMMA_HEAD_DIMS`]; the first
+/// is the default.
+const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 7]; 2] = [
     [
         WgmmaTiles::new(2, 64),
         WgmmaTiles::new(2, 128),
         WgmmaTiles::new(3, 128),
         WgmmaTiles::pipelined(2, 128),
         WgmmaTiles::pipelined(3, 128),
+        WgmmaTiles::warp_specialized(2, 64),
+        WgmmaTiles::warp_specialized(2, 128),
     ],
     [
         WgmmaTiles::new(2, 128),
@@ -126,6 +170,8 @@ const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 5]; 2] = [
         WgmmaTiles::new(1, 128),
         WgmmaTiles::pipelined(2, 128),
         WgmmaTiles::pipelined(2, 64),
+        WgmmaTiles::warp_specialized(2, 128),
+        WgmmaTiles::warp_specialized(2, 64),
     ],
 ];
 

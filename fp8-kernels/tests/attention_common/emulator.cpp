@@ -49,6 +49,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -76,6 +77,7 @@ typedef int64_t i64;
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
+#define __grid_constant__
 
 using std::max;
 using std::min;
@@ -424,6 +426,8 @@ static inline void att_wg_commit() {
     t_wg_groups.push_back(std::move(t_wg_open));
     t_wg_open.clear();
 }
+// wgmma.wait_group is .sync.aligned: the lanes of a warp execute it together, so none leaves before every
+// lane's operands were read (a lane may then release shared memory for the whole warp).
 template <int N>
 static inline void att_wg_wait() {
     if (!t_wg_open.empty()) die("wgmma.wait_group with uncommitted wgmma");
@@ -433,6 +437,7 @@ static inline void att_wg_wait() {
             wg_complete(g_wgs[t_warp / 4].ops[p.op], p.d, p.chained ? p.d : p.saved.data());
         t_wg_groups.erase(t_wg_groups.begin());
     }
+    __syncwarp();
 }
 template <int N>
 struct AttWgmma {
@@ -444,6 +449,139 @@ struct AttWgmma {
     }
     static void rs_mn(float (&d)[N / 2], const u32 (&a)[4], u64 db) { wg_issue(true, N, 0, 1, 1, 0, db, a, d); }
 };
+
+// ---- mbarrier and TMA (attention_wgmma.cu's warp-specialised forward) ----
+// A barrier per shared-window address, created by mbarrier.init: pending arrivals of the current phase,
+// expected transaction bytes still to land, and the count of completed phases (the parity a waiter tests).
+// TMA copies land at issue ("early") or only when a thread tests their barrier ("late": as late as a
+// thread could notice); either way their bytes are then counted off the barrier's transaction count.
+struct MBar {
+    int count = 0, pending = 0;
+    long long tx = 0;
+    unsigned phases = 0;
+    std::vector<std::function<void()>> late;
+};
+static std::mutex g_mbar_mutex;
+static std::map<u32, MBar> g_mbars;  // reset for every block
+static MBar& mbar_at(u32 bar) {
+    if ((bar & 7) != 0 || bar < kSmemWindow || bar - kSmemWindow + 8 > g_smem_bytes)
+        die("mbarrier address misaligned or outside shared memory");
+    auto it = g_mbars.find(bar);
+    if (it == g_mbars.end()) die("mbarrier used before mbarrier.init");
+    return it->second;
+}
+static void mbar_settle(MBar& m) {
+    for (auto& copy : m.late) copy();
+    m.late.clear();
+    if (m.pending == 0 && m.tx == 0) {
+        ++m.phases;
+        m.pending = m.count;
+    }
+}
+static inline void att_mbar_init(u32 bar, u32 count) {
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    if ((bar & 7) != 0 || bar < kSmemWindow || bar - kSmemWindow + 8 > g_smem_bytes)
+        die("mbarrier.init address misaligned or outside shared memory");
+    MBar& m = g_mbars[bar];
+    m = MBar{};
+    m.count = m.pending = (int)count;
+}
+static inline void att_mbar_init_fence() {}
+static void mbar_arrive(u32 bar, long long tx) {
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    MBar& m = mbar_at(bar);
+    if (m.pending <= 0) die("mbarrier arrival beyond the phase's count");
+    m.tx += tx;
+    --m.pending;
+    mbar_settle(m);
+}
+static inline void att_mbar_arrive(u32 bar) { mbar_arrive(bar, 0); }
+static inline void att_mbar_arrive_expect_tx(u32 bar, u32 bytes) { mbar_arrive(bar, (long long)bytes); }
+static inline bool att_mbar_try_wait(u32 bar, u32 parity) {
+    using clock = std::chrono::steady_clock;
+    static thread_local clock::time_point since;
+    static thread_local u32 since_bar = ~0u;
+    bool done;
+    {
+        std::lock_guard<std::mutex> lock(g_mbar_mutex);
+        MBar& m = mbar_at(bar);
+        mbar_settle(m);
+        done = (m.phases & 1u) != (parity & 1u);
+    }
+    if (done) {
+        since_bar = ~0u;
+        return true;
+    }
+    if (since_bar != bar) {
+        since_bar = bar;
+        since = clock::now();
+    } else if (clock::now() - since > std::chrono::seconds(20)) {
+        die("mbarrier wait made no progress for 20 s (deadlock)");
+    }
+    std::this_thread::yield();
+    return false;
+}
+template <int N>
+static inline void att_setmaxnreg_dec() {}
+template <int N>
+static inline void att_setmaxnreg_inc() {}
+// The emulator's tensor map, in the 128 bytes of AttTmaMap: base address, the 4 dimensions, the byte
+// strides of dimensions 1-3, the box, and the 128-byte swizzle (the only mode the kernels use).
+static void tma_encode(void* map, const void* base, const u64 (&dims)[4], const u64 (&strides)[3],
+                       const u32 (&box)[4]) {
+    u64* f = (u64*)map;
+    std::memset(f, 0, 128);
+    f[0] = (u64)(uintptr_t)base;
+    for (int i = 0; i < 4; ++i) f[1 + i] = dims[i], f[8 + i] = box[i];
+    for (int i = 0; i < 3; ++i) f[5 + i] = strides[i];
+}
+static void tma_copy(u32 dst, const u64* f, const int (&c)[4]) {
+    const unsigned char* base = (const unsigned char*)(uintptr_t)f[0];
+    const u64 box0 = f[8], box1 = f[9], box2 = f[10], box3 = f[11];
+    if (box0 * 2 != 128) die("TMA 128-byte swizzle needs a 128-byte inner box");
+    for (u64 i3 = 0; i3 < box3; ++i3)
+        for (u64 i2 = 0; i2 < box2; ++i2)
+            for (u64 i1 = 0; i1 < box1; ++i1)
+                for (u64 i0 = 0; i0 < box0; ++i0) {
+                    const long long x[4] = {c[0] + (long long)i0, c[1] + (long long)i1, c[2] + (long long)i2,
+                                            c[3] + (long long)i3};
+                    bool in = true;
+                    for (int d = 0; d < 4; ++d) in = in && x[d] >= 0 && (u64)x[d] < f[1 + d];
+                    u16 v = 0;
+                    if (in) {
+                        const unsigned char* src = base + x[0] * 2 + x[1] * f[5] + x[2] * f[6] + x[3] * f[7];
+                        check_global(src, 2, "TMA reads outside every global buffer");
+                        std::memcpy(&v, src, 2);
+                    }
+                    u32 addr = dst + (u32)((((i3 * box2 + i2) * box1 + i1) * box0 + i0) * 2);
+                    addr ^= ((addr >> 7) & 7) << 4;
+                    if (addr < kSmemWindow || addr - kSmemWindow + 2 > g_smem_bytes) die("TMA writes outside shared memory");
+                    std::memcpy(att_smem + (addr - kSmemWindow), &v, 2);
+                }
+}
+static inline void att_tma_load_4d(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+    if ((dst & 127) != 0) die("TMA shared destination not 128-byte aligned");
+    const u64* f = (const u64*)map;
+    const long long bytes = (long long)(f[8] * f[9] * f[10] * f[11] * 2);
+    const int c[4] = {c0, c1, c2, c3};
+    std::vector<u64> fields(f, f + 16);
+    unsigned char* smem = att_smem;
+    std::lock_guard<std::mutex> lock(g_mbar_mutex);
+    MBar& m = mbar_at(bar);
+    auto copy = [dst, fields, c, bytes, smem, &m] {
+        unsigned char* keep = att_smem;
+        att_smem = smem;  // the copy may run on another thread of the block
+        tma_copy(dst, fields.data(), c);
+        att_smem = keep;
+        m.tx -= bytes;
+    };
+    if (g_late_copies) {
+        m.late.push_back(copy);
+    } else {
+        copy();
+        mbar_settle(m);
+    }
+}
 
 #define ATT_HOST_EMULATION 1
 #include "../../src/attention/attention_mma.cuh"
@@ -496,6 +634,7 @@ static void launch(const Launch& L, const std::function<void()>& body) {
                     if (t == 0) {
                         std::memset(smem.data(), 0xFF, smem.size());  // NaN in bf16 and f32
                         g_unfenced_smem = false;
+                        g_mbars.clear();
                     }
                     g_block_bar->arrive_and_wait();
                     t_groups.clear();
@@ -543,6 +682,10 @@ typedef void (*BwdSimple)(const u16*, const u16*, const float*, const float*, u1
 // Every tensor-core variant by its kernel name, from the kernel files' own variant lists.
 static std::map<std::string, FwdMma> g_fwd;
 static std::map<std::string, FwdMma> g_wg_fwd;
+typedef void (*FwdWs)(const u16*, u16*, float*, int, int, int, float, const AttTmaMap, const AttTmaMap);
+static std::map<std::string, FwdWs> g_wg_fwd_ws;
+#define REG_WG_FWD_WS(HD, NWG, BN) \
+    g_wg_fwd_ws["attn_fwd_wgmma_g" #NWG "n" #BN "w_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##w_hd##HD;
 #define REG_WG_FWD(HD, NWG, BN, SUF) \
     g_wg_fwd["attn_fwd_wgmma_g" #NWG "n" #BN #SUF "_hd" #HD] = attn_fwd_wgmma_g##NWG##n##BN##SUF##_hd##HD;
 static std::map<std::string, BwdSep> g_sep;
@@ -561,6 +704,8 @@ static void register_variants() {
     ATT_FOR_VARIANTS(ATT_DQ_VARIANTS_, REG_DQ)
     ATT_WG_FWD_VARIANTS_64(REG_WG_FWD)
     ATT_WG_FWD_VARIANTS_128(REG_WG_FWD)
+    ATT_WG_FWD_WS_VARIANTS_64(REG_WG_FWD_WS)
+    ATT_WG_FWD_WS_VARIANTS_128(REG_WG_FWD_WS)
     ATT_WG_KV_VARIANTS_64(REG_WG_KV)
     ATT_WG_KV_VARIANTS_128(REG_WG_KV)
     ATT_WG_Q_VARIANTS_64(REG_WG_Q)
@@ -603,6 +748,20 @@ static int run(int argc, char** argv) {
         FwdSimple f = PICK(attn_fwd_simple, HD);
         launch({(unsigned)std::min<size_t>(rows, 8), 1, 128, 0},
                [&] { f(qkv.data(), out.data(), lse.data(), B, T, H, KV, scale); });
+    } else if (fwd.rfind("wg:", 0) == 0 && fwd.back() == 'w') {
+        // The warp-specialised forward: tensor maps of qkv as [B][T][H + 2 KV][HD], boxes of 64 columns.
+        int nwg, bn;
+        if (std::sscanf(fwd.c_str(), "wg:g%dn%d", &nwg, &bn) != 2) die("wgmma forward variant");
+        FwdWs f = lookup(g_wg_fwd_ws, "attn_fwd_wgmma_" + fwd.substr(3) + hd_tag);
+        const int bm = 64 * nwg;
+        const u64 heads = (u64)(H + 2 * KV), dims[4] = {(u64)HD, heads, (u64)T, (u64)B},
+                  strides[3] = {(u64)HD * 2, heads * HD * 2, (u64)T * heads * HD * 2};
+        AttTmaMap tq, tkv;
+        tma_encode(&tq, qkv.data(), dims, strides, {64, 1, (u32)bm, 1});
+        tma_encode(&tkv, qkv.data(), dims, strides, {64, 1, (u32)bn, 1});
+        const size_t smem = (size_t)(bm + 2 * ATT_WS_STAGES * bn) * HD * 2 + (1 + 4 * ATT_WS_STAGES) * 8 + 1024;
+        launch({pairs, blocks(bm), (unsigned)(128 * (nwg + 1)), smem},
+               [&] { f(qkv.data(), out.data(), lse.data(), T, H, KV, scale_log2, tq, tkv); });
     } else if (fwd.rfind("wg:", 0) == 0) {
         int nwg, bn;
         if (std::sscanf(fwd.c_str(), "wg:g%dn%d", &nwg, &bn) != 2) die("wgmma forward variant");
