@@ -486,7 +486,8 @@ fn emulated_wgmma_forward_matches_cpu() {
 fn emulated_wgmma_backward_matches_cpu() {
     // The wgmma backward on the wgmma shapes up to T = 257 (GQA groups 1, 2, 4 and 8, partial last
     // tiles) and a non-default scale with a group of 3: the deterministic dK/dV and dQ kernels (every
-    // compiled pair in turn, the default first; and the pipelined dQ kernel wherever T > 64) and the fused
+    // compiled pair in turn, the default first; the pipelined dQ kernel wherever T > 64; the
+    // warp-specialised dQ kernel everywhere) and the fused
     // kernel (with two split buffers and atomic, alternately), wgmma results and cp.async copies at issue
     // and at the waits in turn.
     let bin = emulator();
@@ -521,10 +522,12 @@ fn emulated_wgmma_backward_matches_cpu() {
                 ["wg:det:2", "wg:atomic"][i % 2].to_string(),
             ),
         ];
-        // The pipelined dQ kernel wherever there are several key blocks to overlap.
+        // The pipelined dQ kernel wherever there are several key blocks to overlap; the warp-specialised
+        // dQ kernel everywhere.
         if shape.seq_len > 64 {
             backwards.push(("wgmma q g1n64p".to_string(), "wgsep:g1:g1n64p".to_string()));
         }
+        backwards.push(("wgmma q g2n64w".to_string(), "wgsep:g1:g2n64w".to_string()));
         for (j, (name, bwd)) in backwards.into_iter().enumerate() {
             let v = Variant {
                 name: format!("wgmma {fwd}, backward {name} ({bwd})"),

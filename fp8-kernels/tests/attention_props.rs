@@ -373,8 +373,15 @@ fn wgmma_configs_are_validated() {
         let mut out = dev.zeros::<bf16>(s.out_len()).unwrap();
         let mut lse = dev.zeros::<f32>(s.lse_len()).unwrap();
         attention_forward(&s, &wgmma, &qkv, &mut out, &mut lse).unwrap();
-        // The measured defaults: key blocks of 64 at head dim 64, of 128 at head dim 128.
-        assert_eq!(wgmma.wgmma_tiles_for(hd).unwrap(), WgmmaTiles::new(2, hd));
+        // The measured defaults: the plain schedule with key blocks of 64 at head dim 64, the
+        // warp-specialised kernel with key blocks of 128 at head dim 128.
+        let want = if hd == 64 {
+            WgmmaTiles::new(2, 64)
+        } else {
+            WgmmaTiles::warp_specialized(2, 128)
+        };
+        assert_eq!(wgmma.wgmma_tiles_for(hd).unwrap(), want);
+        assert_eq!(want.threads(), if hd == 64 { 256 } else { 384 });
         for &t in wgmma_forward_variants(hd) {
             let c = AttentionConfig {
                 tiles: AttentionTiles {

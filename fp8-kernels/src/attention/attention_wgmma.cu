@@ -414,7 +414,7 @@ __device__ __forceinline__ void att_wg_rescale(float (&o)[HD / 2], const float (
 // lse = (m + log2 l) ln 2.
 // Shared memory (1024-byte aligned): Q [BM][HD], K [2][BN][HD], V [2 or 3][BN][HD], all SW128 tiles.
 // One warpgroup's walk of the overlapped schedule (PIPE above) over its key blocks 0 .. jend - 1 of the
-// block's nkb, given how block j's K and V tiles arrive (the hooks `kv`, see AttFwdCpAsync and AttFwdTma):
+// block's nkb, given how block j's K and V tiles arrive (the hooks `kv`, see AttKvCpAsync and AttKvTma):
 //   kv.top(j)                 at the top of every iteration j < nkb, also those the warpgroup skips
 //   kv.k(j), kv.v(j)          shared addresses of block j's K and V tiles
 //   kv.wait_k(j), kv.wait_v(j)       before the first product that reads the tile
@@ -506,54 +506,64 @@ __device__ __forceinline__ void att_wg_fwd_overlapped(KV& kv, int nkb, int jend,
     }
 }
 
-// The forward's end for one warpgroup: O / l to out through the warpgroup's own rows of the Q tile (SW128,
-// 16-byte stores; only this warpgroup's wgmma read them, and they completed) and lse = (m + log2 l) ln 2
-// (natural log). Rows >= T compute finite values nobody stores.
+// The thread's accumulator fragments (rows srow + g and srow + g + 8 of a warpgroup's 64, columns HD)
+// times mul[row half], as bf16 pairs at their SW128 positions in the BM-row tile s: staging through the
+// warp's own rows of the Q tile (only its warpgroup's wgmma read them, and they completed).
 template <int HD, int BM>
-__device__ __forceinline__ void att_wg_fwd_store(float (&o)[HD / 2], const float (&m)[2], const float (&l)[2],
+__device__ __forceinline__ void att_wg_stage_rows(const float (&acc)[HD / 2], const float (&mul)[2], u16* s,
+                                                  int srow, int g, int q) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i)
+            *reinterpret_cast<u32*>(s + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
+                att_pack_bf16(acc[4 * i + 2 * hr] * mul[hr], acc[4 * i + 2 * hr + 1] * mul[hr]);
+}
+
+// The warp's 16 staged rows srow .. srow + 15 of the tile s to global rows t_first + r (at
+// dst + (t_first + r) * stride), 16 bytes at a time, rows < T only.
+template <int HD, int BM>
+__device__ __forceinline__ void att_wg_store_rows(const u16* s, int srow, u16* __restrict__ dst, u64 stride,
+                                                  int t_first, int T, int lane) {
+    __syncwarp();
+    constexpr int CH = HD / 8;
+#pragma unroll
+    for (int c = lane; c < 16 * CH; c += 32) {
+        const int r = c / CH, k = c - (c / CH) * CH;
+        if (t_first + r < T)
+            *reinterpret_cast<uint4*>(dst + (u64)(t_first + r) * stride + k * 8) =
+                *reinterpret_cast<const uint4*>(s + att_sw128_index<BM>(srow + r, 8 * k));
+    }
+}
+
+// The forward's end for one warpgroup: O / l to out through the warpgroup's own rows of the Q tile and
+// lse = (m + log2 l) ln 2 (natural log). Rows >= T compute finite values nobody stores.
+template <int HD, int BM>
+__device__ __forceinline__ void att_wg_fwd_store(const float (&o)[HD / 2], const float (&m)[2], const float (&l)[2],
                                                  u16* sQ, u16* __restrict__ out, float* __restrict__ lse, int bh,
                                                  int b, int h, int H, int T, int wg, int wq, int r0, int row,
                                                  int lane, int g, int q) {
-    const int srow = 64 * wg + 16 * wq;  // the warp's first row in the Q tile
+    float inv[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         float lt = l[hr];
         lt += __shfl_xor_sync(0xffffffffu, lt, 1);
         lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = 1.0f / lt;
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-            o[4 * i + 2 * hr] *= inv;
-            o[4 * i + 2 * hr + 1] *= inv;
-        }
+        inv[hr] = 1.0f / lt;
         if (q == 0 && row + 8 * hr < T) lse[(u64)bh * T + row + 8 * hr] = (m[hr] + log2f(lt)) * ATT_LN2;
-        // Stage the row in the warp's own rows of the Q tile, bf16 pairs at the SW128 positions of
-        // (row, 8 i + 2 q).
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i)
-            *reinterpret_cast<u32*>(sQ + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
-                att_pack_bf16(o[4 * i + 2 * hr], o[4 * i + 2 * hr + 1]);
     }
-    __syncwarp();
-    // The warp's 16 rows, 16 bytes at a time.
-    constexpr int CH = HD / 8;
-    u16* gO = out + (u64)b * T * H * HD + (u64)h * HD;
-    const int t_first = r0 + 16 * wq;
-#pragma unroll
-    for (int c = lane; c < 16 * CH; c += 32) {
-        const int r = c / CH, k = c - (c / CH) * CH;
-        if (t_first + r < T)
-            *reinterpret_cast<uint4*>(gO + (u64)(t_first + r) * H * HD + k * 8) =
-                *reinterpret_cast<const uint4*>(sQ + att_sw128_index<BM>(srow + r, 8 * k));
-    }
+    const int srow = 64 * wg + 16 * wq;  // the warp's first row in the Q tile
+    att_wg_stage_rows<HD, BM>(o, inv, sQ, srow, g, q);
+    att_wg_store_rows<HD, BM>(sQ, srow, out + (u64)b * T * H * HD + (u64)h * HD, (u64)H * HD, r0 + 16 * wq, T,
+                              lane);
 }
 
-// Key/value blocks by cp.async, every thread of the block copying (attn_fwd_wgmma's overlapped schedule):
-// iteration j waits for block j, fences it to the async proxy, passes one barrier and issues block j + 1's
-// copies. K has two buffers, V three (see attn_fwd_wgmma). The products' waits and releases need nothing
-// more: the barrier orders them.
-template <int HD, int BN, int NT>
-struct AttFwdCpAsync {
+// Key/value blocks by cp.async, every thread of the block copying (the overlapped forward and the dQ
+// kernel): iteration j waits for block j, fences it to the async proxy, passes one barrier and issues
+// block j + 1's copies into buffers (j + 1) % KBUF (K) and (j + 1) % VBUF (V), which the kernel's schedule
+// has freed by then. The products' waits and releases need nothing more: the barrier orders them.
+template <int HD, int BN, int NT, int KBUF, int VBUF>
+struct AttKvCpAsync {
     u16* sK;
     u16* sV;
     u32 aK, aV;
@@ -565,15 +575,15 @@ struct AttFwdCpAsync {
     __device__ __forceinline__ void top(int j) {
         att_cp_wait<0>();
         att_fence_proxy_async();
-        __syncthreads();  // block j is in its buffers for every thread; block j - 2's V buffer is free
+        __syncthreads();  // block j is in its buffers for every thread
         if (j + 1 < nkb) {
-            att_load_sw128<HD, BN, NT>(sK + ((j + 1) & 1) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
-            att_load_sw128<HD, BN, NT>(sV + ((j + 1) % 3) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sK + ((j + 1) % KBUF) * (KBYTES / 2), gK, rs, (j + 1) * BN, T, tid);
+            att_load_sw128<HD, BN, NT>(sV + ((j + 1) % VBUF) * (KBYTES / 2), gV, rs, (j + 1) * BN, T, tid);
             att_cp_commit();
         }
     }
-    __device__ __forceinline__ u32 k(int j) const { return aK + (u32)(j & 1) * KBYTES; }
-    __device__ __forceinline__ u32 v(int j) const { return aV + (u32)(j % 3) * KBYTES; }
+    __device__ __forceinline__ u32 k(int j) const { return aK + (u32)(j % KBUF) * KBYTES; }
+    __device__ __forceinline__ u32 v(int j) const { return aV + (u32)(j % VBUF) * KBYTES; }
     __device__ __forceinline__ void wait_k(int) {}
     __device__ __forceinline__ void wait_v(int) {}
     __device__ __forceinline__ void release_k(int) {}
@@ -684,7 +694,7 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
             att_wg_fence_regs<HD / 2>(o);
         }
     } else {
-        AttFwdCpAsync<HD, BN, NT> kv{sK, sV, aK, aV, gK, gV, rs, T, nkb, tid};
+        AttKvCpAsync<HD, BN, NT, 2, 3> kv{sK, sV, aK, aV, gK, gV, rs, T, nkb, tid};
         att_wg_fwd_overlapped<HD, BN, BM>(kv, nkb, jend, aQw, r0, wq, row, q, scale_log2, o, m, l);
     }
     if (!active) return;  // no barrier below
@@ -694,11 +704,11 @@ __device__ __forceinline__ void attn_fwd_wgmma(const u16* __restrict__ qkv, u16*
 // Stages of the warp-specialised forward's key/value pipeline.
 #define ATT_WS_STAGES 2
 
-// Key/value blocks by TMA from the block's producer warp (attn_fwd_wgmma_ws): stage j % ST holds block j;
+// Key/value blocks by TMA from the block's producer warpgroup (attn_fwd_wgmma_ws, attn_bwd_dq_wgmma_ws): stage j % ST holds block j;
 // full barriers (one arrival, the producer's, plus the TMA bytes) say it landed, empty barriers (one
 // arrival per consumer warp, after its products that read the stage completed) let the producer refill it.
 template <int HD, int BN, int ST>
-struct AttFwdTma {
+struct AttKvTma {
     u32 aK, aV, bar;  // bar: full_k[ST], full_v[ST], empty_k[ST], empty_v[ST] at 8-byte steps
     int lane;
     static constexpr u32 KBYTES = BN * HD * 2;
@@ -723,6 +733,45 @@ struct AttFwdTma {
         release_v(j);
     }
 };
+
+// The warp-specialised kernels' barriers at aBar: full_q (one arrival: the producer's, with the bytes of
+// the tiles loaded once), full_k[ST], full_v[ST] (one arrival each use), empty_k[ST], empty_v[ST] (one
+// arrival per consumer warp); initialised by thread 0 and published by the block's only barrier.
+template <int ST, int NWG>
+__device__ __forceinline__ void att_ws_init_barriers(u32 aBar, int tid) {
+    if (tid == 0) {
+        att_mbar_init(aBar, 1);
+        for (int i = 0; i < 2 * ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 1);
+        for (int i = 2 * ST; i < 4 * ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 4 * NWG);
+        att_mbar_init_fence();
+    }
+    __syncthreads();
+}
+
+// The producer's loop over key/value blocks 0 .. nkb - 1 (one thread): block j into stage j % ST of the K
+// and V tiles (heads kh and vh of qkv through the tensor map tkv, batch b), each after the consumers
+// released the stage's previous block (its empty phase j / ST - 1), counted against the stage's full
+// barrier (bar: full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]).
+template <int HD, int BN, int ST>
+__device__ __forceinline__ void att_ws_produce_kv(const AttTmaMap* tkv, u32 aK, u32 aV, u32 bar, int nkb, int kh,
+                                                  int vh, int b) {
+    constexpr u32 KBYTES = BN * HD * 2;
+    const u32 fk = bar, fv = fk + 8u * ST, ek = fv + 8u * ST, ev = ek + 8u * ST;
+    for (int j = 0; j < nkb; ++j) {
+        const int st = j % ST;
+        const u32 ph = (u32)(j / ST - 1) & 1u;
+        if (j >= ST) att_mbar_wait(ek + 8u * st, ph);
+        att_mbar_arrive_expect_tx(fk + 8u * st, KBYTES);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+            att_tma_load_4d(aK + (u32)st * KBYTES + (u32)c * BN * 128, tkv, 64 * c, kh, j * BN, b, fk + 8u * st);
+        if (j >= ST) att_mbar_wait(ev + 8u * st, ph);
+        att_mbar_arrive_expect_tx(fv + 8u * st, KBYTES);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+            att_tma_load_4d(aV + (u32)st * KBYTES + (u32)c * BN * 128, tkv, 64 * c, vh, j * BN, b, fv + 8u * st);
+    }
+}
 
 // The overlapped forward (PIPE above, att_wg_fwd_overlapped) with warp specialisation: NWG consumer
 // warpgroups (rows as attn_fwd_wgmma) and one producer warpgroup (the block's last, threads 128 NWG ..
@@ -758,13 +807,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
     const int q_end = min(q0 + BM, T);
     const int nkb = (q_end - 1) / BN + 1;
 
-    if (tid == 0) {
-        att_mbar_init(aBar, 1);
-        for (int i = 0; i < 2 * ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 1);
-        for (int i = 2 * ST; i < 4 * ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 4 * NWG);
-        att_mbar_init_fence();
-    }
-    __syncthreads();  // the only block-wide barrier
+    att_ws_init_barriers<ST, NWG>(aBar, tid);
 
     if (tid >= NC) {  // the producer warpgroup
         att_setmaxnreg_dec<24>();
@@ -772,23 +815,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
             att_mbar_arrive_expect_tx(aBar, QBYTES);
 #pragma unroll
             for (int c = 0; c < HD / 64; ++c) att_tma_load_4d(aQ + (u32)c * BM * 128, tmq, 64 * c, h, q0, b, aBar);
-            const u32 fk = aBar + 8u, fv = fk + 8u * ST, ek = fv + 8u * ST, ev = ek + 8u * ST;
-            for (int j = 0; j < nkb; ++j) {
-                const int st = j % ST;
-                const u32 ph = (u32)(j / ST - 1) & 1u;  // the empty phase of block j - ST
-                if (j >= ST) att_mbar_wait(ek + 8u * st, ph);
-                att_mbar_arrive_expect_tx(fk + 8u * st, KBYTES);
-#pragma unroll
-                for (int c = 0; c < HD / 64; ++c)
-                    att_tma_load_4d(aK + (u32)st * KBYTES + (u32)c * BN * 128, tmkv, 64 * c, H + kvh, j * BN, b,
-                                    fk + 8u * st);
-                if (j >= ST) att_mbar_wait(ev + 8u * st, ph);
-                att_mbar_arrive_expect_tx(fv + 8u * st, KBYTES);
-#pragma unroll
-                for (int c = 0; c < HD / 64; ++c)
-                    att_tma_load_4d(aV + (u32)st * KBYTES + (u32)c * BN * 128, tmkv, 64 * c, H + KV + kvh, j * BN,
-                                    b, fv + 8u * st);
-            }
+            att_ws_produce_kv<HD, BN, ST>(tmkv, aK, aV, aBar + 8u, nkb, H + kvh, H + KV + kvh, b);
         }
         return;
     }
@@ -805,7 +832,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
     float m[2] = {ATT_NEG_INF, ATT_NEG_INF}, l[2] = {0.0f, 0.0f};
     att_mbar_wait(aBar, 0);  // Q
-    AttFwdTma<HD, BN, ST> kv{aK, aV, aBar + 8u, lane};
+    AttKvTma<HD, BN, ST> kv{aK, aV, aBar + 8u, lane};
     att_wg_fwd_overlapped<HD, BN, BM>(kv, nkb, jend, aQw, r0, wq, row, q, scale_log2, o, m, l);
     if (!active) return;
     att_wg_fwd_store<HD, BM>(o, m, l, sQ, out, lse, bh, b, h, H, T, wg, wq, r0, row, lane, g, q);
@@ -1099,6 +1126,139 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
 // products in the same order: the same bits): deterministic. At the end dQ * scale goes to the q slot of
 // dqkv through the warpgroup's own rows of the Q tile.
 // Shared memory (1024-byte aligned SW128 tiles): Q, dO [BM][HD]; K [2 or 3][BN][HD]; V [2][BN][HD].
+// One warpgroup's dQ over its key blocks 0 .. jend - 1 of the block's nkb (either schedule above), key and
+// value tiles through the hooks kv (as att_wg_fwd_overlapped's); ml, dd: lse (log2 domain) and D of the
+// thread's rows; dq accumulates.
+template <int HD, int BN, int BM, bool PIPE, class KV>
+__device__ __forceinline__ void att_wg_dq_walk(KV& kv, int nkb, int jend, u32 aQw, u32 adOw, int r0, int wq,
+                                               int row, int q, float scale_log2, const float (&ml)[2],
+                                               const float (&dd)[2], float (&dq)[HD / 2]) {
+    float s[BN / 2], dp[BN / 2];
+    u32 dsa[BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 16; ++i) dsa[i][0] = dsa[i][1] = dsa[i][2] = dsa[i][3] = 0u;
+
+    // S_j and dP_j issued (two batches; the caller waited for the tiles and fenced).
+    auto issue_scores = [&](int j) {
+        att_wg_abt<HD, BN>(s, aQw, BM * 128, kv.k(j), BN * 128);
+        att_wg_commit();
+        att_wg_abt<HD, BN>(dp, adOw, BM * 128, kv.v(j), BN * 128);
+        att_wg_commit();
+    };
+    // P_j in s (S_j complete): the forward's causal mask (-inf where key > row, where the block reaches
+    // past the warp's first row), then 2^(S scale log2e - lse log2e), which is 0 at -inf.
+    auto probabilities = [&](int j) {
+        att_wg_fence_regs<BN / 2>(s);
+        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
+#pragma unroll
+        for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml[hr]));
+    };
+    // dS_j = P_j (dP_j - D) into dp (dP_j complete).
+    auto score_grads = [&]() {
+        att_wg_fence_regs<BN / 2>(dp);
+#pragma unroll
+        for (int c = 0; c < BN / 8; ++c)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd[hr]);
+    };
+    // The unpipelined block j up to dS in dsa: S_j and dP_j, waited for, P_j while dP_j runs; V_j is free
+    // after.
+    auto block_to_ds = [&](int j) {
+        kv.wait_k(j);
+        kv.wait_v(j);
+        att_wg_fence_regs<BN / 2>(s);
+        att_wg_fence_regs<BN / 2>(dp);
+        att_wg_fence();
+        issue_scores(j);
+        att_wg_wait<1>();
+        probabilities(j);
+        att_wg_wait<0>();
+        kv.release_v(j);
+        score_grads();
+        att_wg_c_to_a<BN>(dsa, dp);
+    };
+    // dQ += dS K_j with dS in dsa, waited for; K_j is free after.
+    auto dq_product = [&](int j) {
+        att_wg_fence_regs<BN / 16>(dsa);
+        att_wg_fence_regs<HD / 2>(dq);
+        att_wg_fence();
+        att_wg_pv<BN, HD>(dq, dsa, kv.k(j), BN * 128);
+        att_wg_commit();
+        att_wg_wait<0>();
+        kv.release_k(j);
+        att_wg_fence_regs<HD / 2>(dq);
+    };
+
+    if constexpr (!PIPE) {
+        for (int j = 0; j < nkb; ++j) {
+            kv.top(j);
+            if (j >= jend) {  // warpgroup-uniform; no barrier below
+                kv.skip(j);
+                continue;
+            }
+            block_to_ds(j);
+            dq_product(j);
+        }
+    } else {
+        kv.top(0);
+        if (jend > 0) {
+            block_to_ds(0);
+            if (jend == 1) dq_product(0);
+        } else {
+            kv.skip(0);
+        }
+        for (int j = 1; j < nkb; ++j) {
+            kv.top(j);
+            if (j >= jend) {  // warpgroup-uniform; no barrier below
+                kv.skip(j);
+                continue;
+            }
+            kv.wait_k(j);
+            kv.wait_v(j);
+            att_wg_fence_regs<BN / 2>(s);
+            att_wg_fence_regs<BN / 2>(dp);
+            att_wg_fence_regs<BN / 16>(dsa);
+            att_wg_fence_regs<HD / 2>(dq);
+            att_wg_fence();
+            issue_scores(j);
+            // dQ += dS_{j-1} K_{j-1} as a third batch, then wait for S_j and dP_j only.
+            att_wg_pv<BN, HD>(dq, dsa, kv.k(j - 1), BN * 128);
+            att_wg_commit();
+            att_wg_wait<1>();
+            kv.release_v(j);
+            probabilities(j);
+            score_grads();
+            att_wg_wait<0>();  // dQ's product done: dsa and dq are free
+            kv.release_k(j - 1);
+            att_wg_fence_regs<HD / 2>(dq);
+            att_wg_fence_regs<BN / 16>(dsa);
+            att_wg_c_to_a<BN>(dsa, dp);
+            if (j == jend - 1) dq_product(j);  // the warpgroup's last block: its dQ product now
+        }
+    }
+}
+
+// lse (log2 domain) and D of the thread's rows row and row + 8 (0 past T).
+__device__ __forceinline__ void att_wg_row_stats(const float* __restrict__ lse, const float* __restrict__ dvec,
+                                                 int bh, int row, int T, float (&ml)[2], float (&dd)[2]) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int t = row + 8 * hr;
+        ml[hr] = t < T ? lse[(u64)bh * T + t] * ATT_LOG2E : 0.0f;
+        dd[hr] = t < T ? dvec[(u64)bh * T + t] : 0.0f;
+    }
+}
+
 template <int HD, int NWG, int BN, bool PIPE>
 __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                   const float* __restrict__ lse, const float* __restrict__ dvec,
@@ -1135,14 +1295,8 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
     const int jend = active ? min(nkb, (r0 + 63) / BN + 1) : 0;
     const u32 aQw = aQ + (u32)(64 * wg) * 128u, adOw = adO + (u32)(64 * wg) * 128u;
 
-    // lse (log2 domain) and D of the thread's rows.
     float ml[2], dd[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int t = row + 8 * hr;
-        ml[hr] = t < T ? lse[(u64)bh * T + t] * ATT_LOG2E : 0.0f;
-        dd[hr] = t < T ? dvec[(u64)bh * T + t] : 0.0f;
-    }
+    att_wg_row_stats(lse, dvec, bh, row, T, ml, dd);
 
     att_load_sw128<HD, BM, NT>(sQ, gQ, rs, q0, T, tid);
     att_load_sw128<HD, BM, NT>(sdO, gdO, ors, q0, T, tid);
@@ -1150,137 +1304,85 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma(const u16* __restrict__ qkv, c
     att_load_sw128<HD, BN, NT>(sV, gV, rs, 0, T, tid);
     att_cp_commit();
 
-    float dq[HD / 2], s[BN / 2], dp[BN / 2];
-    u32 dsa[BN / 16][4];
+    float dq[HD / 2];
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) dq[i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 16; ++i) dsa[i][0] = dsa[i][1] = dsa[i][2] = dsa[i][3] = 0u;
-
-    // The top of iteration j: block j landed and is fenced for every thread; the copies of block j + 1.
-    auto next_block = [&](int j) {
-        att_cp_wait<0>();
-        att_fence_proxy_async();
-        __syncthreads();  // block j landed; see above for the buffers freed
-        if (j + 1 < nkb) {
-            att_load_sw128<HD, BN, NT>(sK + ((j + 1) % KBUF) * (KB / 2), gK, rs, (j + 1) * BN, T, tid);
-            att_load_sw128<HD, BN, NT>(sV + ((j + 1) & 1) * (KB / 2), gV, rs, (j + 1) * BN, T, tid);
-            att_cp_commit();
-        }
-    };
-    // S_j and dP_j issued (two batches; the caller fenced).
-    auto issue_scores = [&](int j) {
-        att_wg_abt<HD, BN>(s, aQw, BM * 128, aK + (u32)(j % KBUF) * KB, BN * 128);
-        att_wg_commit();
-        att_wg_abt<HD, BN>(dp, adOw, BM * 128, aV + (u32)(j & 1) * KB, BN * 128);
-        att_wg_commit();
-    };
-    // P_j in s (S_j complete): the forward's causal mask (-inf where key > row, where the block reaches
-    // past the warp's first row), then 2^(S scale log2e - lse log2e), which is 0 at -inf.
-    auto probabilities = [&](int j) {
-        att_wg_fence_regs<BN / 2>(s);
-        if (j * BN + BN - 1 > r0 + 16 * wq) att_wg_mask<BN>(s, j * BN, row, q);
-#pragma unroll
-        for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml[hr]));
-    };
-    // dS_j = P_j (dP_j - D) into dp (dP_j complete).
-    auto score_grads = [&]() {
-        att_wg_fence_regs<BN / 2>(dp);
-#pragma unroll
-        for (int c = 0; c < BN / 8; ++c)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd[hr]);
-    };
-    // The unpipelined block j up to dS in dsa: S_j and dP_j, waited for, P_j while dP_j runs.
-    auto block_to_ds = [&](int j) {
-        att_wg_fence_regs<BN / 2>(s);
-        att_wg_fence_regs<BN / 2>(dp);
-        att_wg_fence();
-        issue_scores(j);
-        att_wg_wait<1>();
-        probabilities(j);
-        att_wg_wait<0>();
-        score_grads();
-        att_wg_c_to_a<BN>(dsa, dp);
-    };
-    // dQ += dS K_j with dS in dsa, waited for.
-    auto dq_product = [&](int j) {
-        att_wg_fence_regs<BN / 16>(dsa);
-        att_wg_fence_regs<HD / 2>(dq);
-        att_wg_fence();
-        att_wg_pv<BN, HD>(dq, dsa, aK + (u32)(j % KBUF) * KB, BN * 128);
-        att_wg_commit();
-        att_wg_wait<0>();
-        att_wg_fence_regs<HD / 2>(dq);
-    };
-
-    if constexpr (!PIPE) {
-        for (int j = 0; j < nkb; ++j) {
-            next_block(j);
-            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
-            block_to_ds(j);
-            dq_product(j);
-        }
-    } else {
-        next_block(0);
-        if (jend > 0) {
-            block_to_ds(0);
-            if (jend == 1) dq_product(0);
-        }
-        for (int j = 1; j < nkb; ++j) {
-            next_block(j);
-            if (j >= jend) continue;  // warpgroup-uniform; no barrier below
-            att_wg_fence_regs<BN / 2>(s);
-            att_wg_fence_regs<BN / 2>(dp);
-            att_wg_fence_regs<BN / 16>(dsa);
-            att_wg_fence_regs<HD / 2>(dq);
-            att_wg_fence();
-            issue_scores(j);
-            // dQ += dS_{j-1} K_{j-1} as a third batch, then wait for S_j and dP_j only.
-            att_wg_pv<BN, HD>(dq, dsa, aK + (u32)((j - 1) % KBUF) * KB, BN * 128);
-            att_wg_commit();
-            att_wg_wait<1>();
-            probabilities(j);
-            score_grads();
-            att_wg_wait<0>();  // dQ's product done: dsa and dq are free
-            att_wg_fence_regs<HD / 2>(dq);
-            att_wg_fence_regs<BN / 16>(dsa);
-            att_wg_c_to_a<BN>(dsa, dp);
-            if (j == jend - 1) dq_product(j);  // the warpgroup's last block: its dQ product now
-        }
-    }
+    AttKvCpAsync<HD, BN, NT, KBUF, 2> kv{sK, sV, aK, aV, gK, gV, rs, T, nkb, tid};
+    att_wg_dq_walk<HD, BN, BM, PIPE>(kv, nkb, jend, aQw, adOw, r0, wq, row, q, scale_log2, ml, dd, dq);
     if (!active) return;  // no barrier below
 
-    // dQ * scale to the q slot of dqkv, staged in the warp's own rows of the Q tile (only this warpgroup's
-    // wgmma read them, and they completed).
+    // dQ * scale to the q slot of dqkv through the warp's own rows of the Q tile.
     const int srow = 64 * wg + 16 * wq;
+    const float mul[2] = {scale, scale};
+    att_wg_stage_rows<HD, BM>(dq, mul, sQ, srow, g, q);
+    att_wg_store_rows<HD, BM>(sQ, srow, dqkv + (u64)b * T * rs + (u64)h * HD, rs, r0 + 16 * wq, T, lane);
+}
+
+// The dQ kernel with warp specialisation, as attn_fwd_wgmma_ws is the forward's: NWG consumer warpgroups
+// (the plain schedule, rows as attn_bwd_dq_wgmma) and a producer warpgroup whose first thread loads the Q
+// and dO tiles once (tensor maps tq over qkv and tdo over dout, both with boxes of BM rows) and key/value
+// block j into stage j % ST (tkv, boxes of BN rows), once the consumers released the block ST earlier: V
+// after its dP product, K after its dQ product. Registers as the forward's (24 / 240).
+// Shared memory (1024-byte aligned): Q, dO [BM][HD]; K, V [ST][BN][HD] (SW128 tiles); the barriers
+// full_q (Q and dO), full_k[ST], full_v[ST], empty_k[ST], empty_v[ST].
+template <int HD, int NWG, int BN>
+__device__ __forceinline__ void attn_bwd_dq_wgmma_ws(const AttTmaMap* tq, const AttTmaMap* tdo,
+                                                     const AttTmaMap* tkv, const float* __restrict__ lse,
+                                                     const float* __restrict__ dvec, u16* __restrict__ dqkv, int T,
+                                                     int H, int KV, float scale, float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
+    static_assert(NWG == 2, "two consumer warpgroups (the register split is for three)");
+    constexpr int BM = 64 * NWG, NC = 128 * NWG, ST = ATT_WS_STAGES;
+    constexpr u32 QB = BM * HD * 2, KB = BN * HD * 2;
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aQ = raw + pad, adO = aQ + QB, aK = adO + QB, aV = aK + ST * KB, aBar = aV + ST * KB;
+    u16* sQ = reinterpret_cast<u16*>(att_smem + pad);
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+    const int bh = blockIdx.x, b = bh / H, h = bh - (bh / H) * H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const u64 rs = (u64)(H + 2 * KV) * HD;
+    const int kvh = h / (H / KV);
+    const int q_end = min(q0 + BM, T);
+    const int nkb = (q_end - 1) / BN + 1;
+
+    att_ws_init_barriers<ST, NWG>(aBar, tid);
+    if (tid >= NC) {  // the producer warpgroup
+        att_setmaxnreg_dec<24>();
+        if (tid == NC) {
+            att_mbar_arrive_expect_tx(aBar, 2 * QB);
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i)
-            *reinterpret_cast<u32*>(sQ + att_sw128_index<BM>(srow + g + 8 * hr, 8 * i + 2 * q)) =
-                att_pack_bf16(dq[4 * i + 2 * hr] * scale, dq[4 * i + 2 * hr + 1] * scale);
-    __syncwarp();
-    constexpr int CH = HD / 8;
-    u16* gdQ = dqkv + (u64)b * T * rs + (u64)h * HD;
-    const int t_first = r0 + 16 * wq;
-#pragma unroll
-    for (int c = lane; c < 16 * CH; c += 32) {
-        const int r = c / CH, k = c - (c / CH) * CH;
-        if (t_first + r < T)
-            *reinterpret_cast<uint4*>(gdQ + (u64)(t_first + r) * rs + k * 8) =
-                *reinterpret_cast<const uint4*>(sQ + att_sw128_index<BM>(srow + r, 8 * k));
+            for (int c = 0; c < HD / 64; ++c) {
+                att_tma_load_4d(aQ + (u32)c * BM * 128, tq, 64 * c, h, q0, b, aBar);
+                att_tma_load_4d(adO + (u32)c * BM * 128, tdo, 64 * c, h, q0, b, aBar);
+            }
+            att_ws_produce_kv<HD, BN, ST>(tkv, aK, aV, aBar + 8u, nkb, H + kvh, H + KV + kvh, b);
+        }
+        return;
     }
+
+    att_setmaxnreg_inc<240>();
+    const int r0 = q0 + 64 * wg;
+    const int row = r0 + 16 * wq + g;
+    const bool active = r0 < T;
+    const int jend = active ? min(nkb, (r0 + 63) / BN + 1) : 0;
+    const u32 aQw = aQ + (u32)(64 * wg) * 128u, adOw = adO + (u32)(64 * wg) * 128u;
+    float ml[2], dd[2];
+    att_wg_row_stats(lse, dvec, bh, row, T, ml, dd);
+    float dq[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) dq[i] = 0.0f;
+    att_mbar_wait(aBar, 0);  // Q and dO
+    AttKvTma<HD, BN, ST> kv{aK, aV, aBar + 8u, lane};
+    att_wg_dq_walk<HD, BN, BM, false>(kv, nkb, jend, aQw, adOw, r0, wq, row, q, scale_log2, ml, dd, dq);
+    if (!active) return;
+    const int srow = 64 * wg + 16 * wq;
+    const float mul[2] = {scale, scale};
+    att_wg_stage_rows<HD, BM>(dq, mul, sQ, srow, g, q);
+    att_wg_store_rows<HD, BM>(sQ, srow, dqkv + (u64)b * T * rs + (u64)h * HD, rs, r0 + 16 * wq, T, lane);
 }
 
 // Bytes of attn_bwd_dq_wgmma's shared memory: Q and dO [64 NWG][HD], K [KBUF][BN][HD] (KBUF 2, or 3
@@ -1477,6 +1579,20 @@ ATT_WG_PROBE_ENTRIES(128)
         attn_bwd_dq_wgmma<HD, NWG, BN, ATT_WG_PIPE_##SUF>(qkv, dout, lse, dvec, dqkv, T, H, KV, scale,        \
                                                           scale_log2);                                         \
     }
+// attn_bwd_wgmma_q_g<NWG>n<BN>w_hd<HD>: the warp-specialised dQ kernel (ATT_ONLY_KIND 9, ATT_ONLY_C = 2),
+// the dQ kernel's arguments and then the tensor maps of Q (qkv, boxes of BM rows), dO (dout, BM rows) and
+// K/V (qkv, BN rows).
+#define ATT_WG_Q_WS_VARIANTS_64(X) X(64, 2, 64) X(64, 2, 128)
+#define ATT_WG_Q_WS_VARIANTS_128(X) X(128, 2, 64)
+#define ATT_WG_BWD_Q_WS_ENTRY(HD, NWG, BN)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * NWG + 128, 1) attn_bwd_wgmma_q_g##NWG##n##BN##w_hd##HD( \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H, int KV, \
+        float scale, float scale_log2, const __grid_constant__ AttTmaMap tq,                                   \
+        const __grid_constant__ AttTmaMap tdo, const __grid_constant__ AttTmaMap tkv) {                        \
+        (void)qkv;                                                                                             \
+        (void)dout;                                                                                            \
+        attn_bwd_dq_wgmma_ws<HD, NWG, BN>(&tq, &tdo, &tkv, lse, dvec, dqkv, T, H, KV, scale, scale_log2);      \
+    }
 #define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
 #define ATT_WG_KV_VARIANTS_128(X) X(128, 1) X(128, 2)
 #define ATT_WG_Q_VARIANTS_64(X) \
@@ -1495,6 +1611,8 @@ ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 ATT_WG_APPLY1(ATT_WG_BWD_FUSED_ENTRY, ATT_HD)
 #elif ATT_ONLY_KIND == 8
 ATT_WG_APPLY2(ATT_WG_BWD_KV_ENTRY, ATT_HD, ATT_ONLY_A)
+#elif ATT_ONLY_KIND == 9 && ATT_ONLY_C == 2
+ATT_WG_APPLY3(ATT_WG_BWD_Q_WS_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
 #elif ATT_ONLY_KIND == 9 && ATT_ONLY_C
 ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 9
@@ -1511,4 +1629,6 @@ ATT_WG_KV_VARIANTS_64(ATT_WG_BWD_KV_ENTRY)
 ATT_WG_KV_VARIANTS_128(ATT_WG_BWD_KV_ENTRY)
 ATT_WG_Q_VARIANTS_64(ATT_WG_BWD_Q_ENTRY)
 ATT_WG_Q_VARIANTS_128(ATT_WG_BWD_Q_ENTRY)
+ATT_WG_Q_WS_VARIANTS_64(ATT_WG_BWD_Q_WS_ENTRY)
+ATT_WG_Q_WS_VARIANTS_128(ATT_WG_BWD_Q_WS_ENTRY)
 #endif

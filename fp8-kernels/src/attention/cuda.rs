@@ -57,30 +57,32 @@ struct TensorMap(sys::CUtensorMap);
 // buffer it describes, which the launch also passes as an ordinary argument.
 unsafe impl DeviceRepr for TensorMap {}
 
-/// The tensor map of qkv as `[B][T][H + 2 KV][hd]` bf16 (coordinates column, head, token, batch) whose
-/// box is 64 columns of one head over `box_rows` tokens, 128-byte swizzled: one column block of the
-/// kernels' SW128 tiles (attention_wgmma.cu, (1)); rows past T read as zeros.
-fn qkv_tensor_map(
-    qkv: &CudaSlice<bf16>,
+/// The tensor map of `buf` as `[B][T][heads][hd]` bf16 (qkv: `heads` = H + 2 KV; dout: H; coordinates
+/// column, head, token, batch) whose box is 64 columns of one head over `box_rows` tokens, 128-byte
+/// swizzled: one column block of the kernels' SW128 tiles (attention_wgmma.cu, (1)); rows past T read as
+/// zeros.
+fn rows_tensor_map(
+    buf: &CudaSlice<bf16>,
     shape: &AttentionShape,
+    heads: usize,
     box_rows: usize,
 ) -> Result<TensorMap, KernelError> {
     use sys::{
         CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
         CUtensorMapL2promotion, CUtensorMapSwizzle,
     };
-    let heads = (shape.heads + 2 * shape.kv_heads) as u64;
+    let heads = heads as u64;
     let hd = shape.head_dim as u64;
     let (t, b) = (shape.seq_len as u64, shape.batch as u64);
     let dims = [hd, heads, t, b];
     let strides = [hd * 2, heads * hd * 2, t * heads * hd * 2];
     let boxes = [64u32, 1, box_rows as u32, 1];
     let steps = [1u32; 4];
-    let stream = qkv.stream().clone();
-    let (ptr, _order) = qkv.device_ptr(&stream);
+    let stream = buf.stream().clone();
+    let (ptr, _order) = buf.device_ptr(&stream);
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: `map` is writable storage for one CUtensorMap; the dimension, stride, box and step arrays
-    // hold the rank's (4, 3, 4, 4) entries; `ptr` is the live allocation of qkv (B*T*(H+2KV)*hd bf16,
+    // hold the rank's (4, 3, 4, 4) entries; `ptr` is the live allocation of buf (B*T*heads*hd bf16,
     // checked by the caller), 256-byte aligned as every cudarc allocation; the driver validates the rest
     // (stride alignment, box limits) and reports an error instead of encoding.
     unsafe {
@@ -122,10 +124,19 @@ pub(super) fn wgmma_backward_smem_bytes(head_dim: usize, warpgroups: usize, dq: 
 }
 
 /// Bytes of dynamic shared memory of the wgmma dQ kernel (`ATT_WG_DQ_SMEM`): Q, dO [64 * warpgroups][hd];
-/// K [2, or 3 pipelined][key_rows][hd]; V [2][key_rows][hd]; the alignment.
+/// K [2, 3 pipelined, or the stages when specialised][key_rows][hd]; V [2 or the stages][key_rows][hd];
+/// the specialised kernel's mbarriers; the alignment.
 pub(super) fn wgmma_dq_smem_bytes(head_dim: usize, t: &WgmmaTiles) -> usize {
-    let key_buffers = if t.pipelined { 3 } else { 2 };
-    (2 * t.block_rows() + (key_buffers + 2) * t.key_rows) * head_dim * 2 + 1024
+    let (key_buffers, value_buffers, barriers) = if t.specialized {
+        (WS_STAGES, WS_STAGES, (1 + 4 * WS_STAGES) * 8)
+    } else if t.pipelined {
+        (3, 2, 0)
+    } else {
+        (2, 2, 0)
+    };
+    (2 * t.block_rows() + (key_buffers + value_buffers) * t.key_rows) * head_dim * 2
+        + barriers
+        + 1024
 }
 
 /// Bytes of dynamic shared memory of the dK/dV kernel: K, V [BN][hd+8]; Q, dO [2][BM][hd+8] bf16; lse,
@@ -297,8 +308,9 @@ fn forward_wgmma(
         );
     }
     const WHAT: &str = "attention_forward";
-    let tmq = qkv_tensor_map(qkv, shape, tiles.block_rows())?;
-    let tmkv = qkv_tensor_map(qkv, shape, tiles.key_rows)?;
+    let slots = shape.heads + 2 * shape.kv_heads;
+    let tmq = rows_tensor_map(qkv, shape, slots, tiles.block_rows())?;
+    let tmkv = rows_tensor_map(qkv, shape, slots, tiles.key_rows)?;
     let (_, t, h, kv) = dims(shape);
     let (module, entry) = kernel_entry(shape.head_dim, TensorKernel::WgmmaForward(tiles));
     let kernel = Kernel::new(dev, module, entry)?;
@@ -627,7 +639,7 @@ pub(super) fn backward(
                         SeparateKernel {
                             kernel: TensorKernel::WgmmaDq(t.dq),
                             smem: wgmma_dq_smem_bytes(hd, &t.dq),
-                            threads: 128 * t.dq.warpgroups,
+                            threads: t.dq.threads(),
                             pairs: shape.batch * shape.heads,
                             rows: t.dq.block_rows(),
                         },
@@ -738,6 +750,25 @@ fn separate_backward(
             shared_mem_bytes: k.smem as u32,
         };
         let dq = &mut *d_qkv;
+        if let TensorKernel::WgmmaDq(tiles) = k.kernel {
+            if tiles.specialized {
+                let slots = shape.heads + 2 * shape.kv_heads;
+                let tq = rows_tensor_map(qkv, shape, slots, tiles.block_rows())?;
+                let tdo = rows_tensor_map(d_out, shape, shape.heads, tiles.block_rows())?;
+                let tkv = rows_tensor_map(qkv, shape, slots, tiles.key_rows)?;
+                // As below, with the tensor maps of Q, dO and K/V the kernel reads them through (over
+                // the buffers' whole extents); qkv and dout themselves order the buffers on the stream.
+                launch!(
+                    kernel: &kernel,
+                    launch,
+                    "attn_bwd_wgmma_q_g<NWG>n<BN>w_hd<HD>(const u16* qkv, const u16* dout, \
+                     const float* lse, const float* D, u16* dqkv, int T, int H, int KV, float scale, \
+                     float scale_log2, AttTmaMap tq, AttTmaMap tdo, AttTmaMap tkv)",
+                    [qkv, d_out, lse, d_ws, dq, &t, &h, &kv, &cfg.scale, &scale_log2, &tq, &tdo, &tkv]
+                )?;
+                continue;
+            }
+        }
         // Grid (B*KV for dK/dV or B*H for dQ, ceil(T / rows per block)) of the kernel's threads with
         // the dynamic shared memory its tiles need (limit raised above); qkv and dqkv hold
         // B*T*(H+2*KV)*HD elements, dout B*T*H*HD, lse and D at least B*H*T (checked by the caller; KV

@@ -246,7 +246,16 @@ impl TensorKernel {
             ],
             TensorKernel::WgmmaFused => [7, 0, 0, 0],
             TensorKernel::WgmmaDkDv { warpgroups } => [8, warpgroups, 0, 0],
-            TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, t.pipelined as usize],
+            TensorKernel::WgmmaDq(t) => [
+                9,
+                t.warpgroups,
+                t.key_rows,
+                if t.specialized {
+                    2
+                } else {
+                    t.pipelined as usize
+                },
+            ],
         }
     }
 }

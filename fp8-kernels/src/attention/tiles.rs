@@ -165,12 +165,12 @@ const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 7]; 2] = [
         WgmmaTiles::warp_specialized(2, 128),
     ],
     [
+        WgmmaTiles::warp_specialized(2, 128),
         WgmmaTiles::new(2, 128),
         WgmmaTiles::new(2, 64),
         WgmmaTiles::new(1, 128),
         WgmmaTiles::pipelined(2, 128),
         WgmmaTiles::pipelined(2, 64),
-        WgmmaTiles::warp_specialized(2, 128),
         WgmmaTiles::warp_specialized(2, 64),
     ],
 ];
@@ -183,11 +183,12 @@ pub fn wgmma_forward_variants(head_dim: usize) -> &'static [WgmmaTiles] {
         .map_or(&[], |i| &WGMMA_FORWARD_VARIANTS[i])
 }
 
-/// The wgmma forward tiles used when [`super::AttentionTiles::wgmma_forward`] is `None`: two
-/// warpgroups (128 query rows), the plain schedule, key blocks of 64 at head dim 64 and of 128 at head
-/// dim 128: the fastest of each head dim's variants on an H100 (`attention_bench --wgmma`, 2026-12-06:
-/// 1.19-1.20x the `mma.sync` forward at head dim 64, 1.25-1.35x at 128; the blocks of 128 keys were
-/// 0.90-0.93x at head dim 64).
+/// The wgmma forward tiles used when [`super::AttentionTiles::wgmma_forward`] is `None`, the fastest of
+/// each head dim's variants on an H100 (`attention_bench --wgmma`, 2026-12-06): at head dim 64 two
+/// warpgroups with the plain schedule and key blocks of 64 (1.17x the `mma.sync` forward at the
+/// llama-1b shape; the warp-specialised g2n128w 1.12x, g2n64w 1.06x); at head dim 128 the
+/// warp-specialised g2n128w (TMA producer warpgroup: 1.37x and 1.83x the `mma.sync` forward at B4 H20
+/// T2048 and the llama-8b shape, 608 TFLOP/s there, against 1.23x and 1.37x for the plain g2n128).
 pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
     wgmma_forward_variants(head_dim).first().copied()
 }
@@ -215,18 +216,21 @@ impl fmt::Display for WgmmaBackwardTiles {
 const WGMMA_KV_VARIANTS: [[usize; 2]; 2] = [[1, 2], [1, 2]];
 /// The dQ kernel's tiles per head dim (`ATT_WG_Q_VARIANTS_<hd>`; pipelined: the next block's scores
 /// overlap the previous block's `dQ += dS K`).
-const WGMMA_DQ_VARIANTS_64: [WgmmaTiles; 6] = [
+const WGMMA_DQ_VARIANTS_64: [WgmmaTiles; 8] = [
     WgmmaTiles::new(1, 64),
     WgmmaTiles::new(2, 64),
     WgmmaTiles::new(1, 128),
     WgmmaTiles::new(2, 128),
     WgmmaTiles::pipelined(1, 64),
     WgmmaTiles::pipelined(2, 64),
+    WgmmaTiles::warp_specialized(2, 64),
+    WgmmaTiles::warp_specialized(2, 128),
 ];
-const WGMMA_DQ_VARIANTS_128: [WgmmaTiles; 3] = [
+const WGMMA_DQ_VARIANTS_128: [WgmmaTiles; 4] = [
     WgmmaTiles::new(1, 64),
     WgmmaTiles::new(2, 64),
     WgmmaTiles::pipelined(1, 64),
+    WgmmaTiles::warp_specialized(2, 64),
 ];
 
 /// The dK/dV kernel warpgroup counts compiled for `head_dim` (empty where the wgmma kernels do not
