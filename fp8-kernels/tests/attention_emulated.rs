@@ -515,7 +515,12 @@ fn emulated_wgmma_backward_matches_cpu() {
         let mut backwards = vec![
             (
                 format!("wgmma {sep}"),
-                format!("wgsep:g{}:{}", sep.kv_warpgroups, sep.dq),
+                format!(
+                    "wgsep:g{}{}:{}",
+                    sep.kv_warpgroups,
+                    if sep.kv_specialized { "w" } else { "" },
+                    sep.dq
+                ),
             ),
             (
                 "wgmma fused".to_string(),
@@ -527,7 +532,10 @@ fn emulated_wgmma_backward_matches_cpu() {
         if shape.seq_len > 64 {
             backwards.push(("wgmma q g1n64p".to_string(), "wgsep:g1:g1n64p".to_string()));
         }
-        backwards.push(("wgmma q g2n64w".to_string(), "wgsep:g1:g2n64w".to_string()));
+        backwards.push((
+            "wgmma kv g2w q g2n64w".to_string(),
+            "wgsep:g2w:g2n64w".to_string(),
+        ));
         for (j, (name, bwd)) in backwards.into_iter().enumerate() {
             let v = Variant {
                 name: format!("wgmma {fwd}, backward {name} ({bwd})"),

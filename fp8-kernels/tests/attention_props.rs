@@ -411,10 +411,7 @@ fn wgmma_configs_are_validated() {
         let mut ws = AttentionWorkspace::new();
         assert_eq!(
             wgmma.wgmma_backward_tiles_for(hd).unwrap(),
-            WgmmaBackwardTiles {
-                kv_warpgroups: 1,
-                dq: WgmmaTiles::new(1, 64)
-            }
+            WgmmaBackwardTiles::new(1, WgmmaTiles::new(1, 64))
         );
         assert_eq!(
             default_wgmma_backward_tiles(hd),
@@ -432,17 +429,14 @@ fn wgmma_configs_are_validated() {
             attention_backward(&s, &c, &qkv, &out, &dout, &lse, &mut dqkv, &mut ws).unwrap();
         }
         for bad in [
+            WgmmaBackwardTiles::new(3, WgmmaTiles::new(1, 64)),
+            WgmmaBackwardTiles::new(1, WgmmaTiles::new(2, 256)),
+            WgmmaBackwardTiles::new(1, WgmmaTiles::pipelined(1, 128)),
+            // The warp-specialised dK/dV kernel exists with two warpgroups only.
             WgmmaBackwardTiles {
-                kv_warpgroups: 3,
+                kv_warpgroups: 1,
+                kv_specialized: true,
                 dq: WgmmaTiles::new(1, 64),
-            },
-            WgmmaBackwardTiles {
-                kv_warpgroups: 1,
-                dq: WgmmaTiles::new(2, 256),
-            },
-            WgmmaBackwardTiles {
-                kv_warpgroups: 1,
-                dq: WgmmaTiles::pipelined(1, 128),
             },
         ] {
             let c = AttentionConfig {
@@ -1002,8 +996,15 @@ fn wgmma_kernels(hd: usize) -> Vec<TensorKernel> {
     v.extend(
         wgmma_kv_variants(hd)
             .iter()
-            .map(|&warpgroups| TensorKernel::WgmmaDkDv { warpgroups }),
+            .map(|&warpgroups| TensorKernel::WgmmaDkDv {
+                warpgroups,
+                specialized: false,
+            }),
     );
+    v.push(TensorKernel::WgmmaDkDv {
+        warpgroups: 2,
+        specialized: true,
+    });
     v.extend(
         wgmma_dq_variants(hd)
             .iter()

@@ -870,6 +870,86 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
 // (every batch is waited for within its tile).
 // Shared memory (1024-byte aligned SW128 tiles): K, V [BN][HD]; Q, dO [2][64][HD]; DQ: sdS [64][64] bf16;
 // lse, D [2][64] f32.
+// Batches 1 to 4 of the dK/dV kernels for one query tile of BM = 64 rows and one warpgroup's 64 keys
+// (attn_bwd_wgmma above): S^T and dP^T, P^T (masked where key > query or query >= T), dV += P^T dO, dS^T,
+// and dK += dS^T Q issued and left in flight (the caller waits). The same steps as attn_bwd_wgmma's tile
+// body, which keeps its own inline copy: extracted there, ptxas spills 12 bytes of its 255-register
+// head-dim-128 variant. aKw, aVw: the
+// warpgroup's rows of the K and V tiles (column blocks KCB = BN * 128 bytes apart); cQ, cdO: the tile's Q
+// and dO (column blocks BM * 128 apart); cL, cD: its lse and D in shared memory; key_a: the thread's first
+// key.
+template <int HD, int BN, int BM>
+__device__ __forceinline__ void att_wg_kv_tile(u32 aKw, u32 aVw, u32 cQ, u32 cdO, const float* __restrict__ cL,
+                                               const float* __restrict__ cD,
+                                               int q0, int kw0, int key_a, int T, int q, float scale_log2,
+                                               float (&dk)[HD / 2], float (&dv)[HD / 2]) {
+    constexpr u32 KCB = BN * 128, QCB = BM * 128;
+    // Batches 1 and 2: S^T and dP^T.
+    float s[BM / 2], dp[BM / 2];
+    att_wg_fence_regs<BM / 2>(s);
+    att_wg_fence_regs<BM / 2>(dp);
+    att_wg_fence();
+    att_wg_abt<HD, BM>(s, aKw, KCB, cQ, QCB);
+    att_wg_commit();
+    att_wg_abt<HD, BM>(dp, aVw, KCB, cdO, QCB);
+    att_wg_commit();
+    att_wg_wait<1>();
+    att_wg_fence_regs<BM / 2>(s);
+
+    // P^T, columns = queries q0 + 8 c + 2 q + e.
+#pragma unroll
+    for (int c = 0; c < BM / 8; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float ml = cL[8 * c + 2 * q + e] * ATT_LOG2E;
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+                s[4 * c + 2 * hr + e] = att_ex2(__fmaf_rn(s[4 * c + 2 * hr + e], scale_log2, -ml));
+        }
+    if ((q0 < kw0 + 63) || (q0 + BM > T)) {  // warpgroup-uniform: the tile reaches the mask or T
+#pragma unroll
+        for (int c = 0; c < BM / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int query = q0 + 8 * c + 2 * q + e;
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr)
+                    if (key_a + 8 * hr > query || query >= T) s[4 * c + 2 * hr + e] = 0.0f;
+            }
+    }
+
+    // Batch 3: dV += P^T dO.
+    u32 pa[BM / 16][4];
+    att_wg_c_to_a<BM>(pa, s);
+    att_wg_fence_regs<BM / 16>(pa);
+    att_wg_fence_regs<HD / 2>(dv);
+    att_wg_fence();
+    att_wg_pv<BM, HD>(dv, pa, cdO, QCB);
+    att_wg_commit();
+    att_wg_wait<1>();  // dP^T (batch 2) done; dV may still run
+    att_wg_fence_regs<BM / 2>(dp);
+
+    // dS^T = P^T (dP^T - D), into dp.
+#pragma unroll
+    for (int c = 0; c < BM / 8; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float dd = cD[8 * c + 2 * q + e];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+                dp[4 * c + 2 * hr + e] = s[4 * c + 2 * hr + e] * (dp[4 * c + 2 * hr + e] - dd);
+        }
+
+    // Batch 4: dK += dS^T Q.
+    u32 dsa[BM / 16][4];
+    att_wg_c_to_a<BM>(dsa, dp);
+    att_wg_fence_regs<BM / 16>(dsa);
+    att_wg_fence_regs<HD / 2>(dk);
+    att_wg_fence();
+    att_wg_pv<BM, HD>(dk, dsa, cQ, QCB);
+    att_wg_commit();
+}
+
 template <int HD, int NWG, bool DQ>
 __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, const u16* __restrict__ dout,
                                                const float* __restrict__ lse, const float* __restrict__ dvec,
@@ -1099,6 +1179,134 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
         __syncthreads();  // before the next key block's copies overwrite the tiles
     }
 }
+
+// The dK/dV kernel with warp specialisation (the deterministic backward's first kernel, as attn_bwd_wgmma
+// with DQ false): grid (B*KV, ceil(T / BN)), NWG consumer warpgroups of 64 keys each (BN = 64 NWG) and a
+// producer warpgroup. The producer's first thread loads the block's K and V once (tensor map tkv, boxes
+// of BN rows) and then, per query tile of the block's walk (the group's query heads in order, for each
+// the tiles of 64 rows from the diagonal on), Q and dO into stage n % ST (tq over qkv, tdo over dout,
+// boxes of 64 rows), after its first warp wrote the tile's lse and D into the stage with ordinary loads
+// (TMA would need 16-byte aligned rows of lse, which T does not guarantee) and synchronised with it. The
+// consumers run batches 1-4 per tile (att_wg_kv_tile) and release the stage when batch 4 completed; a
+// warpgroup whose keys lie after the tile's last query releases it unread. dK and dV sum over the tiles in
+// that fixed order: deterministic, the same bits as attn_bwd_wgmma.
+// Shared memory (1024-byte aligned): K, V [BN][HD]; Q, dO [ST][64][HD] (SW128 tiles); lse, D [ST][64] f32;
+// the barriers full_kv, full[ST], empty[ST].
+template <int HD, int NWG>
+__device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const AttTmaMap* tq, const AttTmaMap* tdo,
+                                                     const float* __restrict__ lse, const float* __restrict__ dvec,
+                                                     u16* __restrict__ dqkv, int T, int H, int KV, float scale,
+                                                     float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    static_assert(NWG == 2, "two consumer warpgroups (the register split is for three)");
+    constexpr int BN = 64 * NWG, BM = 64, NC = 128 * NWG, ST = ATT_WS_STAGES;
+    constexpr u32 KB = BN * HD * 2, QB = BM * HD * 2;
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aK = raw + pad, aV = aK + KB, aQ = aV + KB, adO = aQ + ST * QB;
+    unsigned char* base = att_smem + pad;
+    u16* sK = reinterpret_cast<u16*>(base);
+    u16* sV = reinterpret_cast<u16*>(base + KB);
+    float* sL = reinterpret_cast<float*>(base + 2 * KB + 2 * ST * QB);  // [ST][BM]
+    float* sD = sL + ST * BM;                                            // [ST][BM]
+    const u32 aBar = aQ + 2 * ST * QB + 2 * ST * BM * 4;  // full_kv, full[ST], empty[ST]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+    const int g = lane >> 2, q = lane & 3;
+    const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;
+    const int G = H / KV;
+    const u64 rs = (u64)(H + 2 * KV) * HD;
+    const int nqb = (T + BM - 1) / BM;
+    const int k0 = blockIdx.y * BN;
+    const int i0 = k0 / BM;  // the first query tile holding a query >= k0
+
+    if (tid == 0) {
+        att_mbar_init(aBar, 1);
+        for (int i = 0; i < ST; ++i) att_mbar_init(aBar + 8u * (1 + i), 1);
+        for (int i = 0; i < ST; ++i) att_mbar_init(aBar + 8u * (1 + ST + i), 4 * NWG);
+        att_mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (tid >= NC) {  // the producer warpgroup; its first warp works
+        att_setmaxnreg_dec<24>();
+        if (tid >= NC + 32) return;
+        if (lane == 0) {
+            att_mbar_arrive_expect_tx(aBar, 2 * KB);
+#pragma unroll
+            for (int c = 0; c < HD / 64; ++c) {
+                att_tma_load_4d(aK + (u32)c * BN * 128, tkv, 64 * c, H + kvh, k0, b, aBar);
+                att_tma_load_4d(aV + (u32)c * BN * 128, tkv, 64 * c, H + KV + kvh, k0, b, aBar);
+            }
+        }
+        int n = 0;
+        for (int hh = 0; hh < G; ++hh) {
+            const int h = kvh * G + hh;
+            const float* gL = lse + ((u64)b * H + h) * T;
+            const float* gD = dvec + ((u64)b * H + h) * T;
+            for (int i = i0; i < nqb; ++i, ++n) {
+                const int st = n % ST;
+                if (n >= ST) att_mbar_wait(aBar + 8u * (1 + ST + st), (u32)(n / ST - 1) & 1u);
+                for (int r = lane; r < BM; r += 32) {
+                    const int t = i * BM + r;
+                    sL[st * BM + r] = t < T ? gL[t] : 0.0f;
+                    sD[st * BM + r] = t < T ? gD[t] : 0.0f;
+                }
+                __syncwarp();  // the warp's lse and D writes before lane 0's arrival (release)
+                if (lane == 0) {
+                    const u32 full = aBar + 8u * (1 + st);
+                    att_mbar_arrive_expect_tx(full, 2 * QB);
+#pragma unroll
+                    for (int c = 0; c < HD / 64; ++c) {
+                        att_tma_load_4d(aQ + (u32)st * QB + (u32)c * BM * 128, tq, 64 * c, h, i * BM, b, full);
+                        att_tma_load_4d(adO + (u32)st * QB + (u32)c * BM * 128, tdo, 64 * c, h, i * BM, b, full);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    att_setmaxnreg_inc<240>();
+    const int kw0 = k0 + 64 * wg;  // the warpgroup's first key
+    const int key_a = kw0 + warp * 16 + g;
+    const u32 aKw = aK + (u32)(64 * wg) * 128u, aVw = aV + (u32)(64 * wg) * 128u;
+    float dk[HD / 2], dv[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) dk[i] = dv[i] = 0.0f;
+    att_mbar_wait(aBar, 0);  // K and V
+    int n = 0;
+    for (int hh = 0; hh < G; ++hh) {
+        for (int i = i0; i < nqb; ++i, ++n) {
+            const int st = n % ST;
+            att_mbar_wait(aBar + 8u * (1 + st), (u32)(n / ST) & 1u);
+            const int q0 = i * BM;
+            if (kw0 <= q0 + BM - 1) {  // warpgroup-uniform: some key is visible to some query of the tile
+                att_wg_kv_tile<HD, BN, BM>(aKw, aVw, aQ + (u32)st * QB, adO + (u32)st * QB, sL + st * BM,
+                                           sD + st * BM, q0, kw0, key_a, T, q, scale_log2, dk, dv);
+                att_wg_wait<0>();
+                att_wg_fence_regs<HD / 2>(dv);
+                att_wg_fence_regs<HD / 2>(dk);
+            }
+            if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));
+        }
+    }
+
+    // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV (only this warpgroup's
+    // wgmma read them, and they completed).
+    const int srow = 64 * wg + 16 * warp;
+    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.0f, 1.0f};
+    att_wg_stage_rows<HD, BN>(dk, dk_mul, sK, srow, g, q);
+    att_wg_stage_rows<HD, BN>(dv, dv_mul, sV, srow, g, q);
+    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    att_wg_store_rows<HD, BN>(sK, srow, gdK, rs, k0 + srow, T, lane);
+    att_wg_store_rows<HD, BN>(sV, srow, gdK + (u64)KV * HD, rs, k0 + srow, T, lane);
+}
+
+// Bytes of attn_bwd_kv_wgmma_ws's shared memory: K, V [64 NWG][HD]; Q, dO [ST][64][HD]; lse, D [ST][64]
+// f32; 1 + 2 ST barriers; the alignment.
+#define ATT_WG_KV_WS_SMEM(HD, NWG) \
+    ((2 * 64 * (NWG) + 2 * ATT_WS_STAGES * 64) * (HD) * 2 + 2 * ATT_WS_STAGES * 64 * 4 + (1 + 2 * ATT_WS_STAGES) * 8 + 1024)
 
 // Bytes of attn_bwd_wgmma's shared memory (the host's figures must match): the K and V tiles of 64 NWG
 // rows, Q and dO [2][64][HD], sdS with DQ, lse and D, and the 1024-byte alignment.
@@ -1593,6 +1801,19 @@ ATT_WG_PROBE_ENTRIES(128)
         (void)dout;                                                                                            \
         attn_bwd_dq_wgmma_ws<HD, NWG, BN>(&tq, &tdo, &tkv, lse, dvec, dqkv, T, H, KV, scale, scale_log2);      \
     }
+// attn_bwd_wgmma_kv_g<NWG>w_hd<HD>: the warp-specialised dK/dV kernel (ATT_ONLY_KIND 8, ATT_ONLY_C = 2),
+// the dK/dV kernel's arguments and then the tensor maps of K/V (qkv, boxes of 64 NWG rows), Q (qkv, 64
+// rows) and dO (dout, 64 rows).
+#define ATT_WG_KV_WS_VARIANTS(X) X(64, 2) X(128, 2)
+#define ATT_WG_BWD_KV_WS_ENTRY(HD, NWG)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128 * NWG + 128, 1) attn_bwd_wgmma_kv_g##NWG##w_hd##HD(      \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, u16* dqkv, int T, int H, int KV, \
+        float scale, float scale_log2, const __grid_constant__ AttTmaMap tkv,                                  \
+        const __grid_constant__ AttTmaMap tq, const __grid_constant__ AttTmaMap tdo) {                         \
+        (void)qkv;                                                                                             \
+        (void)dout;                                                                                            \
+        attn_bwd_kv_wgmma_ws<HD, NWG>(&tkv, &tq, &tdo, lse, dvec, dqkv, T, H, KV, scale, scale_log2);          \
+    }
 #define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
 #define ATT_WG_KV_VARIANTS_128(X) X(128, 1) X(128, 2)
 #define ATT_WG_Q_VARIANTS_64(X) \
@@ -1609,6 +1830,8 @@ ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 ATT_WG_APPLY4(ATT_WG_FWD_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 #elif ATT_ONLY_KIND == 7
 ATT_WG_APPLY1(ATT_WG_BWD_FUSED_ENTRY, ATT_HD)
+#elif ATT_ONLY_KIND == 8 && ATT_ONLY_C == 2
+ATT_WG_APPLY2(ATT_WG_BWD_KV_WS_ENTRY, ATT_HD, ATT_ONLY_A)
 #elif ATT_ONLY_KIND == 8
 ATT_WG_APPLY2(ATT_WG_BWD_KV_ENTRY, ATT_HD, ATT_ONLY_A)
 #elif ATT_ONLY_KIND == 9 && ATT_ONLY_C == 2
@@ -1629,6 +1852,7 @@ ATT_WG_KV_VARIANTS_64(ATT_WG_BWD_KV_ENTRY)
 ATT_WG_KV_VARIANTS_128(ATT_WG_BWD_KV_ENTRY)
 ATT_WG_Q_VARIANTS_64(ATT_WG_BWD_Q_ENTRY)
 ATT_WG_Q_VARIANTS_128(ATT_WG_BWD_Q_ENTRY)
+ATT_WG_KV_WS_VARIANTS(ATT_WG_BWD_KV_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_64(ATT_WG_BWD_Q_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_128(ATT_WG_BWD_Q_WS_ENTRY)
 #endif

@@ -123,6 +123,16 @@ pub(super) fn wgmma_backward_smem_bytes(head_dim: usize, warpgroups: usize, dq: 
     (2 * 64 * warpgroups + 4 * 64) * head_dim * 2 + ds + 4 * 64 * 4 + 1024
 }
 
+/// Bytes of dynamic shared memory of the warp-specialised wgmma dK/dV kernel (`ATT_WG_KV_WS_SMEM`): K, V
+/// [64 * warpgroups][hd]; Q, dO [stages][64][hd]; lse, D [stages][64] f32; 1 + 2 stages mbarriers; the
+/// alignment.
+pub(super) fn wgmma_kv_ws_smem_bytes(head_dim: usize, warpgroups: usize) -> usize {
+    (2 * 64 * warpgroups + 2 * WS_STAGES * 64) * head_dim * 2
+        + 2 * WS_STAGES * 64 * 4
+        + (1 + 2 * WS_STAGES) * 8
+        + 1024
+}
+
 /// Bytes of dynamic shared memory of the wgmma dQ kernel (`ATT_WG_DQ_SMEM`): Q, dO [64 * warpgroups][hd];
 /// K [2, 3 pipelined, or the stages when specialised][key_rows][hd]; V [2 or the stages][key_rows][hd];
 /// the specialised kernel's mbarriers; the alignment.
@@ -552,6 +562,7 @@ pub(super) fn backward(
             hd,
             TensorKernel::WgmmaDkDv {
                 warpgroups: t.kv_warpgroups,
+                specialized: t.kv_specialized,
             },
         ),
     };
@@ -630,9 +641,14 @@ pub(super) fn backward(
                         SeparateKernel {
                             kernel: TensorKernel::WgmmaDkDv {
                                 warpgroups: t.kv_warpgroups,
+                                specialized: t.kv_specialized,
                             },
-                            smem: wgmma_backward_smem_bytes(hd, t.kv_warpgroups, false),
-                            threads: 128 * t.kv_warpgroups,
+                            smem: if t.kv_specialized {
+                                wgmma_kv_ws_smem_bytes(hd, t.kv_warpgroups)
+                            } else {
+                                wgmma_backward_smem_bytes(hd, t.kv_warpgroups, false)
+                            },
+                            threads: t.kv_threads(),
                             pairs: shape.batch * shape.kv_heads,
                             rows: 64 * t.kv_warpgroups,
                         },
@@ -750,6 +766,27 @@ fn separate_backward(
             shared_mem_bytes: k.smem as u32,
         };
         let dq = &mut *d_qkv;
+        if let TensorKernel::WgmmaDkDv {
+            warpgroups,
+            specialized: true,
+        } = k.kernel
+        {
+            let slots = shape.heads + 2 * shape.kv_heads;
+            let tkv = rows_tensor_map(qkv, shape, slots, 64 * warpgroups)?;
+            let tq = rows_tensor_map(qkv, shape, slots, 64)?;
+            let tdo = rows_tensor_map(d_out, shape, shape.heads, 64)?;
+            // As below, with the tensor maps of K/V, Q and dO the kernel reads them through (over the
+            // buffers' whole extents; lse and D it reads itself); qkv and dout order the buffers.
+            launch!(
+                kernel: &kernel,
+                launch,
+                "attn_bwd_wgmma_kv_g<NWG>w_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
+                 const float* D, u16* dqkv, int T, int H, int KV, float scale, float scale_log2, \
+                 AttTmaMap tkv, AttTmaMap tq, AttTmaMap tdo)",
+                [qkv, d_out, lse, d_ws, dq, &t, &h, &kv, &cfg.scale, &scale_log2, &tkv, &tq, &tdo]
+            )?;
+            continue;
+        }
         if let TensorKernel::WgmmaDq(tiles) = k.kernel {
             if tiles.specialized {
                 let slots = shape.heads + 2 * shape.kv_heads;

@@ -202,6 +202,8 @@ pub enum TensorKernel {
     WgmmaDkDv {
         /// 1 or 2.
         warpgroups: usize,
+        /// Warp-specialised (a producer warpgroup loading by TMA; 2 warpgroups).
+        specialized: bool,
     },
     /// The dQ kernel of the deterministic wgmma backward.
     WgmmaDq(WgmmaTiles),
@@ -219,8 +221,12 @@ impl TensorKernel {
             TensorKernel::Dq(t) => format!("attn_bwd_dq_{t}_hd{head_dim}"),
             TensorKernel::WgmmaForward(t) => format!("attn_fwd_wgmma_{t}_hd{head_dim}"),
             TensorKernel::WgmmaFused => format!("attn_bwd_wgmma_fused_hd{head_dim}"),
-            TensorKernel::WgmmaDkDv { warpgroups } => {
-                format!("attn_bwd_wgmma_kv_g{warpgroups}_hd{head_dim}")
+            TensorKernel::WgmmaDkDv {
+                warpgroups,
+                specialized,
+            } => {
+                let w = if *specialized { "w" } else { "" };
+                format!("attn_bwd_wgmma_kv_g{warpgroups}{w}_hd{head_dim}")
             }
             TensorKernel::WgmmaDq(t) => format!("attn_bwd_wgmma_q_{t}_hd{head_dim}"),
         }
@@ -245,7 +251,10 @@ impl TensorKernel {
                 },
             ],
             TensorKernel::WgmmaFused => [7, 0, 0, 0],
-            TensorKernel::WgmmaDkDv { warpgroups } => [8, warpgroups, 0, 0],
+            TensorKernel::WgmmaDkDv {
+                warpgroups,
+                specialized,
+            } => [8, warpgroups, 0, if specialized { 2 } else { 0 }],
             TensorKernel::WgmmaDq(t) => [
                 9,
                 t.warpgroups,

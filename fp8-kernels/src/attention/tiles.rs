@@ -194,21 +194,50 @@ pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
 }
 
 /// The deterministic wgmma backward's two kernels (`attention_wgmma.cu`): the dK/dV kernel with
-/// `kv_warpgroups` warpgroups of 64 keys per block (1 or 2), and the dQ kernel with `dq` tiles
-/// (warpgroups of 64 query rows, key blocks of `dq.key_rows`; never pipelined).
+/// `kv_warpgroups` warpgroups of 64 keys per block (1 or 2; with `kv_specialized`, two consumer
+/// warpgroups and a producer warpgroup loading by TMA), and the dQ kernel with `dq` tiles (warpgroups of
+/// 64 query rows, key blocks of `dq.key_rows`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WgmmaBackwardTiles {
-    /// Warpgroups of the dK/dV kernel (64 keys each).
+    /// Warpgroups of the dK/dV kernel (64 keys each; the consumer warpgroups when specialised).
     pub kv_warpgroups: usize,
+    /// The warp-specialised dK/dV kernel (two warpgroups only).
+    pub kv_specialized: bool,
     /// Tiles of the dQ kernel.
     pub dq: WgmmaTiles,
 }
 
-/// `kv g<kv_warpgroups> q <dq>`, as in the kernel names (`attn_bwd_wgmma_kv_g2_hd128`,
-/// `attn_bwd_wgmma_q_g2n64_hd128`).
+impl WgmmaBackwardTiles {
+    /// The plain dK/dV kernel with `kv_warpgroups` warpgroups and the dQ kernel with `dq`.
+    pub const fn new(kv_warpgroups: usize, dq: WgmmaTiles) -> Self {
+        WgmmaBackwardTiles {
+            kv_warpgroups,
+            kv_specialized: false,
+            dq,
+        }
+    }
+
+    /// The warp-specialised dK/dV kernel (two consumer warpgroups) and the dQ kernel with `dq`.
+    pub const fn specialized_kv(dq: WgmmaTiles) -> Self {
+        WgmmaBackwardTiles {
+            kv_warpgroups: 2,
+            kv_specialized: true,
+            dq,
+        }
+    }
+
+    /// Threads per block of the dK/dV kernel.
+    pub fn kv_threads(&self) -> usize {
+        128 * (self.kv_warpgroups + usize::from(self.kv_specialized))
+    }
+}
+
+/// `kv g<kv_warpgroups>[w] q <dq>`, as in the kernel names (`attn_bwd_wgmma_kv_g2_hd128`,
+/// `attn_bwd_wgmma_kv_g2w_hd128`, `attn_bwd_wgmma_q_g2n64_hd128`).
 impl fmt::Display for WgmmaBackwardTiles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "kv g{} q {}", self.kv_warpgroups, self.dq)
+        let w = if self.kv_specialized { "w" } else { "" };
+        write!(f, "kv g{}{w} q {}", self.kv_warpgroups, self.dq)
     }
 }
 
@@ -251,16 +280,19 @@ pub fn wgmma_dq_variants(head_dim: usize) -> &'static [WgmmaTiles] {
     }
 }
 
-/// Every compiled pair of wgmma dK/dV and dQ kernels for `head_dim`.
+/// Every compiled pair of wgmma dK/dV and dQ kernels for `head_dim`: each plain dK/dV kernel
+/// ([`wgmma_kv_variants`]) and the warp-specialised one (`ATT_WG_KV_WS_VARIANTS`, two warpgroups at
+/// both head dims) with each dQ kernel.
 pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
-    wgmma_kv_variants(head_dim)
+    let dq = wgmma_dq_variants(head_dim);
+    let plain = wgmma_kv_variants(head_dim)
         .iter()
-        .flat_map(|&kv_warpgroups| {
-            wgmma_dq_variants(head_dim)
-                .iter()
-                .map(move |&dq| WgmmaBackwardTiles { kv_warpgroups, dq })
-        })
-        .collect()
+        .flat_map(|&kv| dq.iter().map(move |&dq| WgmmaBackwardTiles::new(kv, dq)));
+    let specialized = dq
+        .iter()
+        .filter(|_| WGMMA_HEAD_DIMS.contains(&head_dim))
+        .map(|&dq| WgmmaBackwardTiles::specialized_kv(dq));
+    plain.chain(specialized).collect()
 }
 
 /// The wgmma backward tiles used when [`super::AttentionTiles::wgmma_backward`] is `None`: one
@@ -271,10 +303,7 @@ pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
 pub fn default_wgmma_backward_tiles(head_dim: usize) -> Option<WgmmaBackwardTiles> {
     WGMMA_HEAD_DIMS
         .contains(&head_dim)
-        .then_some(WgmmaBackwardTiles {
-            kv_warpgroups: 1,
-            dq: WgmmaTiles::new(1, 64),
-        })
+        .then_some(WgmmaBackwardTiles::new(1, WgmmaTiles::new(1, 64)))
 }
 
 /// Tiles of a kernel that walks key blocks (the separate backward's dK/dV kernel): `warps` warps of

@@ -37,7 +37,7 @@
 //   emulator run IN OUT B H KV T HD SCALE early|late FWD BWD   (KV key/value heads, dividing H)
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | wg:det:<SPLITS> | wg:atomic (the wgmma
-//          fused backward) | wgsep:g<NWG>:g<NWG>n<BN>[p|w] (the wgmma dK/dV and dQ kernels) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
+//          fused backward) | wgsep:g<NWG>[w]:g<NWG>n<BN>[p|w] (the wgmma dK/dV and dQ kernels) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
 //          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
@@ -693,6 +693,7 @@ static std::map<std::string, BwdSep> g_sep;
 typedef void (*BwdSepWs)(const u16*, const u16*, const float*, const float*, u16*, int, int, int, float, float,
                          const AttTmaMap, const AttTmaMap, const AttTmaMap);
 static std::map<std::string, BwdSepWs> g_sep_ws;
+#define REG_WG_KV_WS(HD, NWG) g_sep_ws["attn_bwd_wgmma_kv_g" #NWG "w_hd" #HD] = attn_bwd_wgmma_kv_g##NWG##w_hd##HD;
 #define REG_WG_Q_WS(HD, NWG, BN) \
     g_sep_ws["attn_bwd_wgmma_q_g" #NWG "n" #BN "w_hd" #HD] = attn_bwd_wgmma_q_g##NWG##n##BN##w_hd##HD;
 #define REG_WG_Q(HD, NWG, BN, SUF) \
@@ -716,6 +717,7 @@ static void register_variants() {
     ATT_WG_Q_VARIANTS_64(REG_WG_Q)
     ATT_WG_Q_VARIANTS_128(REG_WG_Q)
     ATT_WG_Q_WS_VARIANTS_64(REG_WG_Q_WS)
+    ATT_WG_KV_WS_VARIANTS(REG_WG_KV_WS)
     ATT_WG_Q_WS_VARIANTS_128(REG_WG_Q_WS)
 }
 template <class F>
@@ -804,22 +806,39 @@ static int run(int argc, char** argv) {
                [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), B, T, H, KV, scale); });
     } else if (bwd.rfind("wgsep:", 0) == 0) {
         int kg, qg, qn;
-        if (std::sscanf(bwd.c_str(), "wgsep:g%d:g%dn%d", &kg, &qg, &qn) != 3) die("wgmma separate backward variant");
+        char kw = 0;
+        const bool kws = std::sscanf(bwd.c_str(), "wgsep:g%d%c:g%dn%d", &kg, &kw, &qg, &qn) == 4 && kw == 'w';
+        if (!kws && std::sscanf(bwd.c_str(), "wgsep:g%d:g%dn%d", &kg, &qg, &qn) != 3)
+            die("wgmma separate backward variant");
         const bool qpipe = bwd.back() == 'p', qws = bwd.back() == 'w';
-        BwdSep a = lookup(g_sep, "attn_bwd_wgmma_kv_g" + std::to_string(kg) + hd_tag);
         const std::string qname = "attn_bwd_wgmma_q_g" + std::to_string(qg) + "n" + std::to_string(qn) +
                                   (qpipe ? "p" : qws ? "w" : "") + hd_tag;
-        launch({kv_pairs, blocks(64 * kg), (unsigned)(128 * kg), (size_t)ATT_WG_BWD_SMEM(HD, kg, 0)}, [&] {
-            a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
-        });
+        // Tensor maps of qkv and dout as [B][T][heads][HD], boxes of 64 columns (the warp-specialised
+        // kernels).
+        const u64 heads = (u64)(H + 2 * KV), dims[4] = {(u64)HD, heads, (u64)T, (u64)B},
+                  strides[3] = {(u64)HD * 2, heads * HD * 2, (u64)T * heads * HD * 2},
+                  odims[4] = {(u64)HD, (u64)H, (u64)T, (u64)B},
+                  ostrides[3] = {(u64)HD * 2, (u64)H * HD * 2, (u64)T * H * HD * 2};
+        if (kws) {
+            BwdSepWs a = lookup(g_sep_ws, "attn_bwd_wgmma_kv_g" + std::to_string(kg) + "w" + hd_tag);
+            AttTmaMap tkv, tq, tdo;
+            tma_encode(&tkv, qkv.data(), dims, strides, {64, 1, (u32)(64 * kg), 1});
+            tma_encode(&tq, qkv.data(), dims, strides, {64, 1, 64, 1});
+            tma_encode(&tdo, dout.data(), odims, ostrides, {64, 1, 64, 1});
+            launch({kv_pairs, blocks(64 * kg), (unsigned)(128 * (kg + 1)), (size_t)ATT_WG_KV_WS_SMEM(HD, kg)}, [&] {
+                a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2, tkv, tq,
+                  tdo);
+            });
+        } else {
+            BwdSep a = lookup(g_sep, "attn_bwd_wgmma_kv_g" + std::to_string(kg) + hd_tag);
+            launch({kv_pairs, blocks(64 * kg), (unsigned)(128 * kg), (size_t)ATT_WG_BWD_SMEM(HD, kg, 0)}, [&] {
+                a(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2);
+            });
+        }
         if (qws) {
             // The warp-specialised dQ kernel: tensor maps of Q (qkv), dO (dout) and K/V (qkv).
             BwdSepWs b = lookup(g_sep_ws, qname);
             const int bm = 64 * qg;
-            const u64 heads = (u64)(H + 2 * KV), dims[4] = {(u64)HD, heads, (u64)T, (u64)B},
-                      strides[3] = {(u64)HD * 2, heads * HD * 2, (u64)T * heads * HD * 2},
-                      odims[4] = {(u64)HD, (u64)H, (u64)T, (u64)B},
-                      ostrides[3] = {(u64)HD * 2, (u64)H * HD * 2, (u64)T * H * HD * 2};
             AttTmaMap tq, tdo, tkv;
             tma_encode(&tq, qkv.data(), dims, strides, {64, 1, (u32)bm, 1});
             tma_encode(&tdo, dout.data(), odims, ostrides, {64, 1, (u32)bm, 1});
