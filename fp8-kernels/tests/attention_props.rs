@@ -409,10 +409,13 @@ fn wgmma_configs_are_validated() {
         let dout = dev.zeros::<bf16>(s.out_len()).unwrap();
         let mut dqkv = dev.zeros::<bf16>(s.qkv_len()).unwrap();
         let mut ws = AttentionWorkspace::new();
-        assert_eq!(
-            wgmma.wgmma_backward_tiles_for(hd).unwrap(),
-            WgmmaBackwardTiles::new(1, WgmmaTiles::new(1, 64))
-        );
+        let want = if hd == 64 {
+            WgmmaBackwardTiles::specialized_kv(WgmmaTiles::new(1, 64))
+        } else {
+            WgmmaBackwardTiles::specialized_kv(WgmmaTiles::warp_specialized(2, 64))
+        };
+        assert_eq!(wgmma.wgmma_backward_tiles_for(hd).unwrap(), want);
+        assert_eq!(want.kv_threads(), 384);
         assert_eq!(
             default_wgmma_backward_tiles(hd),
             Some(wgmma.wgmma_backward_tiles_for(hd).unwrap())

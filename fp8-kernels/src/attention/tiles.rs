@@ -295,15 +295,21 @@ pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
     plain.chain(specialized).collect()
 }
 
-/// The wgmma backward tiles used when [`super::AttentionTiles::wgmma_backward`] is `None`: one
-/// warpgroup (64 keys) in the dK/dV kernel, one warpgroup (64 query rows) with key blocks of 64 in the
-/// dQ kernel. The fastest pair at every benchmark shape of both head dims on an H100
-/// (`attention_bench --wgmma`, 2026-12-06: 1.27-1.83x the `mma.sync` deterministic backward; the
-/// two-warpgroup blocks were 2-11 % slower).
+/// The wgmma backward tiles used when [`super::AttentionTiles::wgmma_backward`] is `None`: the
+/// warp-specialised dK/dV kernel (two warpgroups of 64 keys, a TMA producer warpgroup) with, at head dim
+/// 128, the warp-specialised dQ kernel (two warpgroups, key blocks of 64) and, at head dim 64, the plain
+/// one-warpgroup dQ kernel. The fastest pairs on an H100 (`attention_bench --wgmma`, 2026-12-06, one
+/// call): 0.636 / 3.014 ms at B4 H20 T2048 hd128 / the llama-8b shape against 0.699 / 3.436 ms for the
+/// earlier default (plain kv g1, q g1n64); 2.195 ms at the llama-1b shape (hd 64) against 2.296 (the
+/// warp-specialised dQ kernel there: 2.192 with key blocks of 128, 2.274 with 64).
 pub fn default_wgmma_backward_tiles(head_dim: usize) -> Option<WgmmaBackwardTiles> {
-    WGMMA_HEAD_DIMS
-        .contains(&head_dim)
-        .then_some(WgmmaBackwardTiles::new(1, WgmmaTiles::new(1, 64)))
+    match head_dim {
+        64 => Some(WgmmaBackwardTiles::specialized_kv(WgmmaTiles::new(1, 64))),
+        128 => Some(WgmmaBackwardTiles::specialized_kv(
+            WgmmaTiles::warp_specialized(2, 64),
+        )),
+        _ => None,
+    }
 }
 
 /// Tiles of a kernel that walks key blocks (the separate backward's dK/dV kernel): `warps` warps of
