@@ -240,31 +240,13 @@ impl TensorKernel {
             TensorKernel::DkDv(t) if t.paired => [4, t.warps / 2, t.query_rows, 0],
             TensorKernel::DkDv(t) => [3, t.warps, t.key_tiles, t.query_rows],
             TensorKernel::Dq(t) => [5, t.warps, t.row_tiles, t.key_rows],
-            TensorKernel::WgmmaForward(t) => [
-                6,
-                t.warpgroups,
-                t.key_rows,
-                if t.specialized {
-                    2
-                } else {
-                    t.pipelined as usize
-                },
-            ],
+            TensorKernel::WgmmaForward(t) => [6, t.warpgroups, t.key_rows, t.schedule_selector()],
             TensorKernel::WgmmaFused => [7, 0, 0, 0],
             TensorKernel::WgmmaDkDv {
                 warpgroups,
                 specialized,
             } => [8, warpgroups, 0, if specialized { 2 } else { 0 }],
-            TensorKernel::WgmmaDq(t) => [
-                9,
-                t.warpgroups,
-                t.key_rows,
-                if t.specialized {
-                    2
-                } else {
-                    t.pipelined as usize
-                },
-            ],
+            TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, t.schedule_selector()],
         }
     }
 }

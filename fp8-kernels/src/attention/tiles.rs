@@ -102,6 +102,15 @@ impl WgmmaTiles {
         }
     }
 
+    /// `ATT_ONLY_C` of the kernel's single-kernel module: 0 plain, 1 pipelined, 2 warp-specialised.
+    pub(crate) fn schedule_selector(&self) -> usize {
+        if self.specialized {
+            2
+        } else {
+            usize::from(self.pipelined)
+        }
+    }
+
     /// Threads per block: 128 per warpgroup, and a producer warpgroup's 128 when specialised.
     pub fn threads(&self) -> usize {
         128 * (self.warpgroups + usize::from(self.specialized))
