@@ -159,6 +159,8 @@ pub struct CausalSelfAttention<T: Activation = f32> {
     config: AttentionConfig,
     workspace: AttentionWorkspace,
     saved: Option<(AttentionShape, Saved)>,
+    /// Recast `attn_proj`'s FP8 input from the kept output in the backward instead of keeping its codes.
+    recast_proj_input: bool,
 }
 
 impl<T: Activation> CausalSelfAttention<T> {
@@ -206,7 +208,17 @@ impl<T: Activation> CausalSelfAttention<T> {
             config: AttentionConfig::default(),
             workspace: AttentionWorkspace::new(),
             saved: None,
+            recast_proj_input: true,
         })
+    }
+
+    /// Whether a per-tensor FP8 `attn_proj` keeps no copy of its input's E4M3 codes between the passes
+    /// (`true`, the default): the attention keeps its output for its own backward anyway, and the
+    /// backward casts that output again with the forward's scale ([`Linear::set_keep_fp8_input`]): the
+    /// same codes, `d` bytes per token less held per layer, one cast kernel more in the backward.
+    pub fn recast_proj_input(mut self, on: bool) -> Self {
+        self.recast_proj_input = on;
+        self
     }
 
     /// Both linears in `precision` (a model converts chosen linears with [`crate::convert_to_fp8`]).
@@ -432,6 +444,9 @@ impl<T: Activation> CausalSelfAttention<T> {
         let training = ctx.is_training();
         let out_shape = qkv.shape().with_last(self.d)?;
         let cpu_f32 = T::DTYPE == DType::F32 && !dev.is_cuda();
+        // The F32 reference path keeps qkv only, not the output: attn_proj keeps its own input then.
+        self.attn_proj
+            .set_keep_fp8_input(cpu_f32 || !self.recast_proj_input);
         if cpu_f32 {
             let qkv = buffer_into::<T, f32>(qkv.into_data(), "CausalSelfAttention")?;
             let mut out = dev.uninit::<f32>(shape.out_len())?;
@@ -501,6 +516,12 @@ impl<T: Activation> CausalSelfAttention<T> {
         need_dx: bool,
     ) -> InputGrad<T> {
         let (shape, saved) = take_saved(&mut self.saved, "CausalSelfAttention")?;
+        if let Saved::Bf16 { out, .. } = &saved {
+            if self.attn_proj.awaits_fp8_input() {
+                // attn_proj's input was `out` (in T: the same values); its codes again, same scale.
+                self.attn_proj.restore_fp8_input(out)?;
+            }
+        }
         let d_out = self
             .attn_proj
             .backward_ref(ctx, dy, true)?

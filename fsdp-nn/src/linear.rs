@@ -130,6 +130,16 @@ pub struct Fp8Saved {
     pub x_scale_inv: Buffer<f32>,
 }
 
+/// What a per-tensor FP8 forward that keeps no `x^T` remembers in order to cast it again for the
+/// backward ([`Linear::set_keep_fp8_input`]): the rows, the format and the scale it cast `x` with.
+#[derive(Debug)]
+struct Fp8Recast {
+    tokens: usize,
+    format: Fp8Format,
+    x_scale: Buffer<f32>,
+    x_scale_inv: Buffer<f32>,
+}
+
 /// How a block-scaled FP8 linear quantizes its operands, from an [`Fp8Recipe`] whose
 /// [`Fp8Recipe::blocks`] are DeepSeek-V3's ([`fp8_core::BlockRecipe::deepseek_v3`]: 1x128 tiles of the
 /// input and output gradient, 128x128 blocks of the weight).
@@ -221,6 +231,11 @@ pub struct Linear<T: Activation = f32> {
     block: Option<BlockScaling>,
     /// FP8: the saved `x^T` codes.
     fp8_saved: Option<Fp8Saved>,
+    /// FP8: whether a training forward keeps `x^T` (true), or only what casting it again takes
+    /// ([`Linear::set_keep_fp8_input`]).
+    keep_fp8_input: bool,
+    /// FP8 without a kept `x^T`: the scale to cast the input handed back with.
+    fp8_recast: Option<Fp8Recast>,
     /// Block-scaled FP8: the saved `x^T` codes and tile scales.
     block_saved: Option<BlockFp8Saved>,
     /// Block-scaled FP8: whether a training forward casts and keeps `x^T` itself (true), or the caller
@@ -266,6 +281,8 @@ impl<T: Activation> Linear<T> {
             grad_meta: ScalingId::UNSET,
             block: None,
             fp8_saved: None,
+            keep_fp8_input: true,
+            fp8_recast: None,
             block_saved: None,
             keep_block_input: true,
             x_saved: None,
@@ -441,14 +458,76 @@ impl<T: Activation> Linear<T> {
                 .map_or(0, |s| s.x_t.num_bytes() + s.x_t_scale_inv.num_bytes())
             + self.x_saved.as_ref().map_or(0, |t| t.data().num_bytes())
             + self.x_bf16.as_ref().map_or(0, Buffer::num_bytes)
+            + self
+                .fp8_recast
+                .as_ref()
+                .map_or(0, |r| r.x_scale.num_bytes() + r.x_scale_inv.num_bytes())
     }
 
     /// Forgets what the forward kept (e.g. when a block recomputes its forward in the backward).
     pub fn drop_saved(&mut self) {
         self.fp8_saved = None;
+        self.fp8_recast = None;
         self.block_saved = None;
         self.x_saved = None;
         self.x_bf16 = None;
+    }
+
+    /// Per-tensor FP8: whether a training forward keeps the E4M3 `x^T` its weight gradient needs (`true`,
+    /// the default), or only the scale it cast `x` with, for a caller that keeps `x` itself (the
+    /// attention keeps its output for its own backward) and hands it back with
+    /// [`Linear::restore_fp8_input`] before the backward. The codes are cast again from the same values
+    /// with the same scale and the same kernel: the same bits, and one byte per input element less held
+    /// between the passes.
+    pub fn set_keep_fp8_input(&mut self, keep: bool) {
+        self.keep_fp8_input = keep;
+    }
+
+    /// Whether the last training forward kept no `x^T` and waits for [`Linear::restore_fp8_input`].
+    pub fn awaits_fp8_input(&self) -> bool {
+        self.fp8_recast.is_some()
+    }
+
+    /// Casts `x` (the values of the last training forward's input, in any float type) into the `x^T`
+    /// the backward needs, with the scale that forward used, without recording an amax (the forward
+    /// did). Errors if the forward kept `x^T` itself or `x` has another length.
+    pub fn restore_fp8_input<E: fp8_kernels::FloatElement>(
+        &mut self,
+        x: &Buffer<E>,
+    ) -> Result<(), NnError> {
+        let r = self.fp8_recast.take().ok_or_else(|| {
+            NnError::usage(
+                &self.name,
+                "restore_fp8_input without a training forward that kept no FP8 input",
+            )
+        })?;
+        let n = r.tokens * self.in_features;
+        if x.len() != n {
+            let msg = format!(
+                "restore_fp8_input got {} elements for {} rows of {}",
+                x.len(),
+                r.tokens,
+                self.in_features
+            );
+            self.fp8_recast = Some(r);
+            return Err(NnError::usage(&self.name, msg));
+        }
+        let mut x_t = x.device().uninit::<u8>(n)?;
+        cast_transpose_to_fp8(
+            x,
+            [r.tokens, self.in_features],
+            r.format,
+            &r.x_scale,
+            &mut x_t,
+            None,
+            None,
+        )?;
+        self.fp8_saved = Some(Fp8Saved {
+            tokens: r.tokens,
+            x_t,
+            x_scale_inv: r.x_scale_inv,
+        });
+        Ok(())
     }
 
     /// Block-scaled FP8: whether a training forward keeps what the backward needs of its input
@@ -606,6 +685,12 @@ impl<T: Activation> Linear<T> {
         need_dx: bool,
     ) -> InputGrad<T> {
         self.need_fp8("backward_fp8_codes")?;
+        if self.fp8_recast.is_some() {
+            return Err(NnError::usage(
+                &self.name,
+                "the forward kept no FP8 input: restore_fp8_input before the backward",
+            ));
+        }
         let saved = self
             .fp8_saved
             .as_ref()
@@ -749,21 +834,44 @@ impl<T: Activation> Linear<T> {
         let dev = ctx.device().clone();
         let mut x_q = dev.uninit::<u8>(tokens * inf)?;
         let meta = self.input_meta;
+        let recast = !self.keep_fp8_input && ctx.is_training();
+        self.fp8_recast = None;
         let saved = self.fp8_input(&dev, tokens)?;
-        {
+        let kept = {
             let s = ctx.scaling(meta)?;
+            let format = s.state.format()?;
             cast_transpose_to_fp8(
                 x.data(),
                 [tokens, inf],
-                s.state.format()?,
+                format,
                 s.state.scale(),
                 &mut saved.x_t,
                 Some(&mut x_q),
                 s.amax,
             )?;
             saved.x_scale_inv.copy_from(s.state.scale_inv())?;
+            if recast {
+                let mut x_scale = dev.zeros::<f32>(1)?;
+                x_scale.copy_from(s.state.scale())?;
+                Some((format, x_scale))
+            } else {
+                None
+            }
+        };
+        let y = self.forward_fp8_codes(ctx, &x_q, shape.with_last(self.out_features)?)?;
+        if let Some((format, x_scale)) = kept {
+            // Keep only the scale: restore_fp8_input casts x^T again with it (the same kernel, the
+            // same codes); x^T is freed here instead of held until the backward.
+            if let Some(s) = self.fp8_saved.take() {
+                self.fp8_recast = Some(Fp8Recast {
+                    tokens: s.tokens,
+                    format,
+                    x_scale,
+                    x_scale_inv: s.x_scale_inv,
+                });
+            }
         }
-        self.forward_fp8_codes(ctx, &x_q, shape.with_last(self.out_features)?)
+        Ok(y)
     }
 
     fn backward_fp8(
