@@ -212,6 +212,11 @@ impl<T: Activation> CausalSelfAttention<T> {
         })
     }
 
+    /// The fused query/key/value projection (a block's norm writes its FP8 input).
+    pub fn c_attn_mut(&mut self) -> &mut Linear<T> {
+        &mut self.c_attn
+    }
+
     /// Whether a per-tensor FP8 `attn_proj` keeps no copy of its input's E4M3 codes between the passes
     /// (`true`, the default): the attention keeps its output for its own backward anyway, and the
     /// backward casts that output again with the forward's scale ([`Linear::set_keep_fp8_input`]): the

@@ -495,38 +495,78 @@ impl<T: Activation> Linear<T> {
         &mut self,
         x: &Buffer<E>,
     ) -> Result<(), NnError> {
+        let shape = [
+            self.fp8_recast.as_ref().map_or(0, |r| r.tokens),
+            self.in_features,
+        ];
+        if self.fp8_recast.is_some() && x.len() != shape[0] * shape[1] {
+            return Err(NnError::usage(
+                &self.name,
+                format!(
+                    "restore_fp8_input got {} elements for {} rows of {}",
+                    x.len(),
+                    shape[0],
+                    shape[1]
+                ),
+            ));
+        }
+        self.restore_fp8_input_with(|format, scale, x_t| {
+            Ok(cast_transpose_to_fp8(
+                x, shape, format, scale, x_t, None, None,
+            )?)
+        })
+    }
+
+    /// [`Linear::restore_fp8_input`] for a fused producer that writes `x^T` itself (a norm that
+    /// recomputes its output): `write(format, scale, x_t)` must fill the E4M3 codes of `x^T`
+    /// (`[in, tokens]`) cast with `scale` and record no amax.
+    pub fn restore_fp8_input_with(
+        &mut self,
+        write: impl FnOnce(Fp8Format, &Buffer<f32>, &mut Buffer<u8>) -> Result<(), NnError>,
+    ) -> Result<(), NnError> {
         let r = self.fp8_recast.take().ok_or_else(|| {
             NnError::usage(
                 &self.name,
-                "restore_fp8_input without a training forward that kept no FP8 input",
+                "restoring the FP8 input without a training forward that kept none",
             )
         })?;
-        let n = r.tokens * self.in_features;
-        if x.len() != n {
-            let msg = format!(
-                "restore_fp8_input got {} elements for {} rows of {}",
-                x.len(),
-                r.tokens,
-                self.in_features
-            );
+        let mut x_t = r
+            .x_scale
+            .device()
+            .uninit::<u8>(r.tokens * self.in_features)?;
+        if let Err(e) = write(r.format, &r.x_scale, &mut x_t) {
             self.fp8_recast = Some(r);
-            return Err(NnError::usage(&self.name, msg));
+            return Err(e);
         }
-        let mut x_t = x.device().uninit::<u8>(n)?;
-        cast_transpose_to_fp8(
-            x,
-            [r.tokens, self.in_features],
-            r.format,
-            &r.x_scale,
-            &mut x_t,
-            None,
-            None,
-        )?;
         self.fp8_saved = Some(Fp8Saved {
             tokens: r.tokens,
             x_t,
             x_scale_inv: r.x_scale_inv,
         });
+        Ok(())
+    }
+
+    /// After a training forward that cast its input with `format` and `scale` (the input meta's): when
+    /// the layer keeps no FP8 input ([`Linear::set_keep_fp8_input`]), frees `x^T` and keeps the scale
+    /// to cast it again with. Nothing otherwise.
+    pub(crate) fn release_fp8_input(
+        &mut self,
+        format: Fp8Format,
+        scale: &Buffer<f32>,
+    ) -> Result<(), NnError> {
+        if self.keep_fp8_input {
+            return Ok(());
+        }
+        if let Some(s) = self.fp8_saved.take() {
+            let mut x_scale = scale.device().zeros::<f32>(1)?;
+            x_scale.copy_from(scale)?;
+            self.fp8_recast = Some(Fp8Recast {
+                tokens: s.tokens,
+                format,
+                x_scale,
+                x_scale_inv: s.x_scale_inv,
+            });
+        }
         Ok(())
     }
 
@@ -582,6 +622,7 @@ impl<T: Activation> Linear<T> {
     /// codes.
     pub fn fp8_input(&mut self, device: &Device, tokens: usize) -> Result<&mut Fp8Saved, NnError> {
         self.need_fp8("fp8_input")?;
+        self.fp8_recast = None;
         let n = tokens
             .checked_mul(self.in_features)
             .ok_or_else(|| NnError::usage(&self.name, format!("{tokens} rows overflow")))?;
@@ -834,42 +875,24 @@ impl<T: Activation> Linear<T> {
         let dev = ctx.device().clone();
         let mut x_q = dev.uninit::<u8>(tokens * inf)?;
         let meta = self.input_meta;
-        let recast = !self.keep_fp8_input && ctx.is_training();
-        self.fp8_recast = None;
         let saved = self.fp8_input(&dev, tokens)?;
-        let kept = {
+        {
             let s = ctx.scaling(meta)?;
-            let format = s.state.format()?;
             cast_transpose_to_fp8(
                 x.data(),
                 [tokens, inf],
-                format,
+                s.state.format()?,
                 s.state.scale(),
                 &mut saved.x_t,
                 Some(&mut x_q),
                 s.amax,
             )?;
             saved.x_scale_inv.copy_from(s.state.scale_inv())?;
-            if recast {
-                let mut x_scale = dev.zeros::<f32>(1)?;
-                x_scale.copy_from(s.state.scale())?;
-                Some((format, x_scale))
-            } else {
-                None
-            }
-        };
+        }
         let y = self.forward_fp8_codes(ctx, &x_q, shape.with_last(self.out_features)?)?;
-        if let Some((format, x_scale)) = kept {
-            // Keep only the scale: restore_fp8_input casts x^T again with it (the same kernel, the
-            // same codes); x^T is freed here instead of held until the backward.
-            if let Some(s) = self.fp8_saved.take() {
-                self.fp8_recast = Some(Fp8Recast {
-                    tokens: s.tokens,
-                    format,
-                    x_scale,
-                    x_scale_inv: s.x_scale_inv,
-                });
-            }
+        if ctx.is_training() {
+            let s = ctx.scaling(meta)?;
+            self.release_fp8_input(s.state.format()?, s.state.scale())?;
         }
         Ok(y)
     }

@@ -171,6 +171,9 @@ impl<T: Activation> Norm<T> {
         // A block-scaled linear takes its float input and casts it tile by tile itself (a norm fused
         // with the 1x128 cast is later work).
         if !(self.fuse_fp8 && linear.takes_fp8_codes()) {
+            // Unfused, the linear casts the bf16-rounded output itself: it keeps its input, as
+            // restore_linear_input could not recreate those codes from this norm's fused kernel.
+            linear.set_keep_fp8_input(true);
             let h = self.forward_ref(ctx, x)?;
             let y = linear.forward(ctx, h)?;
             if !ctx.is_training() {
@@ -216,10 +219,51 @@ impl<T: Activation> Norm<T> {
         let training = ctx.is_training();
         self.stats = training.then_some(stats);
         let y = linear.forward_fp8_codes(ctx, &x_q, x.shape().with_last(linear.out_features())?)?;
-        if !training {
+        if training {
+            let s = ctx.scaling(meta)?;
+            linear.release_fp8_input(s.state.format()?, s.state.scale())?;
+        } else {
             linear.drop_saved();
         }
         Ok(y)
+    }
+
+    /// Writes `linear`'s E4M3 `x^T` again from `x`, the input of the last training
+    /// [`Norm::forward_linear`], when the linear kept none ([`Linear::set_keep_fp8_input`]): this norm's
+    /// fused forward once more at the forward's scale, recording no amax, its statistics and row-major
+    /// codes discarded. The same kernel on the same values and weights: the same codes. Nothing when the
+    /// linear kept its input.
+    pub fn restore_linear_input(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+        linear: &mut Linear<T>,
+    ) -> Result<(), NnError> {
+        if !linear.awaits_fp8_input() {
+            return Ok(());
+        }
+        let spec = self.spec(x.shape())?;
+        let (w, b) = self.params_in(ctx)?;
+        let dev = ctx.device().clone();
+        let mut stats = NormStats::new(&dev, spec.rows)?;
+        let mut x_q = dev.uninit::<u8>(spec.rows * spec.d)?;
+        linear.restore_fp8_input_with(|format, scale, x_t| {
+            norm_forward_fp8(
+                &spec,
+                x.data(),
+                &w,
+                b.as_ref(),
+                &mut stats,
+                Fp8NormOutput {
+                    format,
+                    scale,
+                    codes: &mut x_q,
+                    codes_t: x_t,
+                    amax: None,
+                },
+            )?;
+            Ok(())
+        })
     }
 
     /// The backward after a training forward of input `x`: adds the weight (and bias) gradient to the

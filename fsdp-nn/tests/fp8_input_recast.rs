@@ -1,14 +1,21 @@
-//! The attention's FP8 output projection without a kept copy of its input codes
-//! (`CausalSelfAttention::recast_proj_input(true)`, the default: the backward casts the kept attention
-//! output again with the forward's scale) trains bit-identically to keeping them: over several optimizer
-//! steps, on one and two thread ranks, the losses, outputs, weights, weight scales, metas and optimizer
-//! masters are bitwise equal; and between the passes it holds `d` bytes per token less.
+//! FP8 linears that keep no copy of their E4M3 input between the passes, because the layer around them
+//! keeps the values the codes come from, train bit-identically to keeping them: the attention's output
+//! projection (`CausalSelfAttention::recast_proj_input`: the backward casts the kept attention output
+//! again with the forward's scale) and a transformer block's `c_attn` and first MLP linear
+//! (`TransformerBlock::recast_fp8_inputs`: the backward runs the norm's fused forward again from the
+//! kept block input). Over several optimizer steps, on one and two thread ranks, the losses, outputs,
+//! weights, weight scales, metas and optimizer masters are bitwise equal, and between the passes each
+//! recast linear holds `tokens * d - 4` bytes less (its `x^T`, against two scales for one).
 
 mod common;
 
 use common::{bits, on_ranks, values, TestResult};
+use fp8_core::Fp8Recipe;
 use fp8_kernels::elementwise::scale;
-use fsdp_nn::{CausalSelfAttention, Layer, LinearPrecision, Shape, Tensor};
+use fsdp_nn::{
+    convert_to_fp8, BlockConfig, CausalSelfAttention, Fp8Filter, Layer, LinearPrecision, Rope,
+    Shape, Tensor, TransformerBlock,
+};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdamW};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
 use half::bf16;
@@ -23,13 +30,80 @@ const LAYERS: usize = 2;
 const STEPS: usize = 4;
 
 /// Layers `h.0`, `h.1`, ... (one unit each).
-struct Stack {
-    h: Vec<CausalSelfAttention<bf16>>,
+struct Stack<L> {
+    h: Vec<L>,
 }
 
-impl Module for Stack {
+impl<L: Module> Module for Stack<L> {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         v.child("h", &mut self.h)
+    }
+}
+
+/// What a run stacks: attention layers alone, or Llama / GPT-2 blocks, with the recast on or off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Net {
+    Attention { recast: bool },
+    Block { llama: bool, recast: bool },
+}
+
+/// Linears per layer that keep no input when `net` recasts (and the codes were worth keeping).
+fn recast_linears(net: Net) -> usize {
+    match net {
+        Net::Attention { .. } => 1,
+        Net::Block { .. } => 3,
+    }
+}
+
+fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
+    let mut h: Vec<Box<dyn LayerModule>> = Vec::new();
+    for l in 0..LAYERS {
+        match net {
+            Net::Attention { recast } => h.push(Box::new(
+                CausalSelfAttention::<bf16>::grouped(D, HEADS, KV_HEADS, [0.2, 0.2])?
+                    .with_precision(LinearPrecision::Fp8)?
+                    .with_seed(11 + l as u64)
+                    .recast_proj_input(recast),
+            )),
+            Net::Block { llama, recast } => {
+                let mut c = if llama {
+                    let rope = Rope {
+                        theta: 500000.0,
+                        scaling: None,
+                        max_positions: SEQ,
+                    };
+                    BlockConfig::llama(D, HEADS, KV_HEADS, 2 * D, LAYERS, rope)
+                } else {
+                    BlockConfig::gpt2(D, HEADS, LAYERS)
+                };
+                c.init_std = 0.2;
+                c.proj_std = 0.2;
+                c.seed = Some(11 + l as u64);
+                h.push(Box::new(
+                    TransformerBlock::<bf16>::new(&c)?.recast_fp8_inputs(recast),
+                ));
+            }
+        }
+    }
+    let mut s = Stack { h };
+    convert_to_fp8(&mut s, &Fp8Filter::All, &Fp8Recipe::default())?;
+    Ok(s)
+}
+
+/// A layer that is also a module (the stack's element).
+trait LayerModule: Layer<bf16> + Module {
+    fn held(&self) -> usize;
+}
+
+impl LayerModule for CausalSelfAttention<bf16> {
+    fn held(&self) -> usize {
+        self.saved_bytes()
+    }
+}
+
+impl LayerModule for TransformerBlock<bf16> {
+    fn held(&self) -> usize {
+        self.saved_bytes()
     }
 }
 
@@ -45,20 +119,11 @@ struct Trace {
     saved_bytes: Vec<usize>,
 }
 
-fn run(recast: bool, ranks: usize) -> Vec<Trace> {
+fn run(net: Net, ranks: usize) -> Vec<Trace> {
     on_ranks(ranks, |comm| {
         let rank = comm.rank() as u64;
-        let mut h = Vec::new();
-        for l in 0..LAYERS {
-            h.push(
-                CausalSelfAttention::<bf16>::grouped(D, HEADS, KV_HEADS, [0.2, 0.2])?
-                    .with_precision(LinearPrecision::Fp8)?
-                    .with_seed(11 + l as u64)
-                    .recast_proj_input(recast),
-            );
-        }
         let mut model = FsdpModel::new(
-            Stack { h },
+            stack(net)?,
             comm,
             WrapPolicy::ChildrenOf("h".into()),
             FsdpConfig::default(),
@@ -95,7 +160,7 @@ fn run(recast: bool, ranks: usize) -> Vec<Trace> {
                 for l in &mut s.h {
                     x = l.forward(ctx, x)?;
                 }
-                held = s.h.iter().map(|l| l.saved_bytes()).sum();
+                held = s.h.iter().map(|l| l.held()).sum();
                 Ok::<_, fsdp_nn::NnError>(x)
             })?;
             let out = y.data().to_vec()?;
@@ -141,20 +206,35 @@ fn run(recast: bool, ranks: usize) -> Vec<Trace> {
     })
 }
 
-fn check(ranks: usize) -> TestResult<()> {
-    let kept = run(false, ranks);
-    let recast = run(true, ranks);
+fn check(kept_net: Net, recast_net: Net, ranks: usize) -> TestResult<()> {
+    let kept = run(kept_net, ranks);
+    let recast = run(recast_net, ranks);
     // The runs train and the projection's input scale moves, so equal traces are not vacuous.
     let l = &kept[0].losses;
     assert!(
         f64::from_bits(l[STEPS - 1]) != f64::from_bits(l[0]),
         "losses {l:?}"
     );
-    let meta = &kept[0].module_state[STEPS - 1]["scaling.h.0.attn_proj.input"];
-    assert!(
-        !meta.starts_with("3f800000;"),
-        "attn_proj's input scale moved off 1: {meta}"
+    let state = &kept[0].module_state[STEPS - 1];
+    let metas: Vec<_> = state
+        .iter()
+        .filter(|(k, _)| k.starts_with("scaling.h.0.") && k.ends_with(".input"))
+        .collect();
+    assert_eq!(
+        metas.len(),
+        if recast_linears(recast_net) == 1 {
+            2
+        } else {
+            4
+        },
+        "{state:?}"
     );
+    for (k, v) in metas {
+        assert!(
+            !v.starts_with("3f800000;"),
+            "{k}: the input scale moved off 1: {v}"
+        );
+    }
     for (r, (g, want)) in recast.iter().zip(&kept).enumerate() {
         assert_eq!(g.losses, want.losses, "rank {r}: losses");
         assert_eq!(g.outputs, want.outputs, "rank {r}: outputs");
@@ -165,13 +245,13 @@ fn check(ranks: usize) -> TestResult<()> {
         );
         assert_eq!(g.module_state, want.module_state, "rank {r}: metas");
         assert_eq!(g.masters, want.masters, "rank {r}: masters");
-        // Per layer the E4M3 copy of attn_proj's input (one byte per element) is not held; the two
+        // Per recast linear the E4M3 copy of its input (one byte per element) is not held; the two
         // scales it keeps instead (8 bytes) replace the saved inverse scale (4 bytes).
         let tokens = BATCH * SEQ;
         for (step, (&got, &full)) in g.saved_bytes.iter().zip(&want.saved_bytes).enumerate() {
             assert_eq!(
                 full - got,
-                LAYERS * (tokens * D - 4),
+                LAYERS * recast_linears(recast_net) * (tokens * D - 4),
                 "rank {r}, step {step}: held {got} bytes against {full}"
             );
         }
@@ -180,11 +260,31 @@ fn check(ranks: usize) -> TestResult<()> {
 }
 
 #[test]
-fn recast_projection_input_trains_bit_identically_on_one_rank() -> TestResult<()> {
-    check(1)
+fn recast_projection_input_trains_bit_identically() -> TestResult<()> {
+    for ranks in [1, 2] {
+        check(
+            Net::Attention { recast: false },
+            Net::Attention { recast: true },
+            ranks,
+        )?;
+    }
+    Ok(())
 }
 
 #[test]
-fn recast_projection_input_trains_bit_identically_on_two_ranks() -> TestResult<()> {
-    check(2)
+fn recast_block_inputs_train_bit_identically() -> TestResult<()> {
+    for (llama, ranks) in [(true, 1), (true, 2), (false, 1)] {
+        check(
+            Net::Block {
+                llama,
+                recast: false,
+            },
+            Net::Block {
+                llama,
+                recast: true,
+            },
+            ranks,
+        )?;
+    }
+    Ok(())
 }
