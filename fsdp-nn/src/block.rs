@@ -11,7 +11,10 @@
 //!
 //! Each norm feeds the linear after it: when that linear is FP8 the norm writes its E4M3 input directly
 //! ([`Norm::forward_linear`]). The block keeps its input `x` and `x1` for the norms' backward (the
-//! residual stream, in the activation type); the branches keep what their own backward needs. The
+//! residual stream, in the activation type); the branches keep what their own backward needs. What can
+//! be written again from kept values is not kept ([`TransformerBlock::recast_fp8_inputs`], default on):
+//! the FP8 inputs of `c_attn` and the MLP's first linear (the norms' fused forward again, from `x` and
+//! `x1`) and of the attention's projection (its kept output cast again), at the forward's scales. The
 //! backward adds each norm's input gradient into the residual gradient in place (one rounding per add),
 //! so the block's `dx` is the output gradient plus both branches' contributions without extra buffers.
 
