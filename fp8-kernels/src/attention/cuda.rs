@@ -5,7 +5,7 @@
 //! file turns a validated call into grids, shared-memory sizes and kernel arguments.
 
 use super::{
-    attention_module, kernel_entry, kernel_module, AttentionKernel, AttentionShape,
+    attention_module, kernel_entry, kernel_module, kv_ws_stages, AttentionKernel, AttentionShape,
     BackwardKernels, DqAccumulation, KernelFamily, KeyTiles, LayoutProbe, QueryTiles,
     ResolvedConfig, TensorKernel, WgmmaBackwardTiles, WgmmaProbe, WgmmaTiles,
     ATTENTION_WGMMA_MODULE, WS_STAGES,
@@ -125,11 +125,12 @@ pub(super) fn wgmma_backward_smem_bytes(head_dim: usize, warpgroups: usize, dq: 
 
 /// Bytes of dynamic shared memory of the warp-specialised wgmma dK/dV kernel (`ATT_WG_KV_WS_SMEM`): K, V
 /// [64 * warpgroups][hd]; Q, dO [stages][64][hd]; lse, D [stages][64] f32; 1 + 2 stages mbarriers; the
-/// alignment.
+/// alignment ([`kv_ws_stages`]).
 pub(super) fn wgmma_kv_ws_smem_bytes(head_dim: usize, warpgroups: usize) -> usize {
-    (2 * 64 * warpgroups + 2 * WS_STAGES * 64) * head_dim * 2
-        + 2 * WS_STAGES * 64 * 4
-        + (1 + 2 * WS_STAGES) * 8
+    let stages = kv_ws_stages(head_dim);
+    (2 * 64 * warpgroups + 2 * stages * 64) * head_dim * 2
+        + 2 * stages * 64 * 4
+        + (1 + 2 * stages) * 8
         + 1024
 }
 

@@ -32,10 +32,10 @@ mod tiles;
 
 pub use tiles::{
     backward_variants, default_tiles, default_wgmma_backward_tiles, default_wgmma_tiles,
-    dkdv_variants, dq_variants, forward_variants, is_backward_variant, wgmma_backward_variants,
-    wgmma_dq_variants, wgmma_forward_variants, wgmma_kv_variants, BackwardKernels, KeyTiles,
-    QueryTiles, TileDefaults, WgmmaBackwardTiles, WgmmaTiles, DEFAULT_TILES, FUSED_QUERY_ROWS,
-    WGMMA_HEAD_DIMS, WS_STAGES,
+    dkdv_variants, dq_variants, forward_variants, is_backward_variant, kv_ws_stages,
+    wgmma_backward_variants, wgmma_dq_variants, wgmma_forward_variants, wgmma_kv_variants,
+    BackwardKernels, KeyTiles, QueryTiles, TileDefaults, WgmmaBackwardTiles, WgmmaTiles,
+    DEFAULT_TILES, FUSED_QUERY_ROWS, WGMMA_HEAD_DIMS, WS_STAGES,
 };
 
 use crate::device::device_of;

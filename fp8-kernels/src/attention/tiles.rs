@@ -67,8 +67,20 @@ pub struct WgmmaTiles {
     pub specialized: bool,
 }
 
-/// Key/value stages of the warp-specialised forward (`ATT_WS_STAGES` of attention_wgmma.cu).
+/// Key/value stages of the warp-specialised forward and dQ kernels (`ATT_WS_STAGES` of
+/// attention_wgmma.cu).
 pub const WS_STAGES: usize = 2;
+
+/// Query-tile stages of the warp-specialised dK/dV kernel at `head_dim` (`ATT_KV_WS_STAGES`): three at
+/// head dim 64, two at 128 (an H100, 2026-12-06: three took the hd-64 default pair from 2.185 to 2.070 ms
+/// at the llama-1b shape; a build with three stages in every kernel was slower at hd 128).
+pub fn kv_ws_stages(head_dim: usize) -> usize {
+    if head_dim == 64 {
+        3
+    } else {
+        2
+    }
+}
 
 impl WgmmaTiles {
     /// `warpgroups` warpgroups of 64 rows, key blocks of `key_rows`, each product waited for before its
@@ -310,7 +322,8 @@ pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
 /// one-warpgroup dQ kernel. The fastest pairs on an H100 (`attention_bench --wgmma`, 2026-12-06, one
 /// call): 0.636 / 3.014 ms at B4 H20 T2048 hd128 / the llama-8b shape against 0.699 / 3.436 ms for the
 /// earlier default (plain kv g1, q g1n64); 2.195 ms at the llama-1b shape (hd 64) against 2.296 (the
-/// warp-specialised dQ kernel there: 2.192 with key blocks of 128, 2.274 with 64).
+/// warp-specialised dQ kernel there: 2.192 with key blocks of 128, 2.274 with 64), 2.070 with the
+/// dK/dV kernel's three stages ([`kv_ws_stages`]).
 pub fn default_wgmma_backward_tiles(head_dim: usize) -> Option<WgmmaBackwardTiles> {
     match head_dim {
         64 => Some(WgmmaBackwardTiles::specialized_kv(WgmmaTiles::new(1, 64))),
