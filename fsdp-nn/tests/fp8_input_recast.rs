@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{bits, on_ranks, values, TestResult};
+use common::{on_ranks, values, StepTrace, TestResult};
 use fp8_core::Fp8Recipe;
 use fp8_kernels::elementwise::scale;
 use fsdp_nn::{
@@ -19,7 +19,6 @@ use fsdp_nn::{
 use fsdp_optim::{step_model, AdamOptions, FsdpAdamW};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
 use half::bf16;
-use std::collections::BTreeMap;
 
 const D: usize = 128;
 const HEADS: usize = 4;
@@ -107,15 +106,9 @@ impl LayerModule for TransformerBlock<bf16> {
     }
 }
 
-/// Everything a run produced, as bits, and the bytes the layers held between the passes at each step.
-#[derive(Debug, PartialEq)]
+/// A run's trace and the bytes the layers held between the passes at each step.
 struct Trace {
-    losses: Vec<u64>,
-    outputs: Vec<Vec<u16>>,
-    params: Vec<Vec<(String, Vec<u32>)>>,
-    weight_scales: Vec<Vec<u32>>,
-    module_state: Vec<BTreeMap<String, String>>,
-    masters: Vec<Vec<u32>>,
+    steps: StepTrace,
     saved_bytes: Vec<usize>,
 }
 
@@ -138,12 +131,7 @@ fn run(net: Net, ranks: usize) -> Vec<Trace> {
         let dev = model.device().clone();
         let shape = Shape::new(&[BATCH, SEQ, D])?;
         let mut t = Trace {
-            losses: Vec::new(),
-            outputs: Vec::new(),
-            params: Vec::new(),
-            weight_scales: Vec::new(),
-            module_state: Vec::new(),
-            masters: Vec::new(),
+            steps: StepTrace::default(),
             saved_bytes: Vec::new(),
         };
         for step in 0..STEPS {
@@ -179,29 +167,10 @@ fn run(net: Net, ranks: usize) -> Vec<Trace> {
                 Ok::<_, fsdp_nn::NnError>(())
             })?;
             step_model(&mut opt, &mut model)?;
-            t.losses.push(loss.to_bits());
-            t.outputs.push(out.iter().map(|v| v.to_bits()).collect());
-            t.params.push(
-                model
-                    .gathered_params()?
-                    .into_iter()
-                    .map(|(n, v)| (n, bits(&v)))
-                    .collect(),
-            );
-            t.weight_scales.push(
-                model
-                    .sharded()
-                    .weight_scales()?
-                    .iter()
-                    .flat_map(|&(_, s, i)| [s.to_bits(), i.to_bits()])
-                    .collect(),
-            );
-            t.module_state.push(model.export_module_state()?);
+            t.steps.record_step(&mut model, loss, &out)?;
             t.saved_bytes.push(held);
         }
-        for u in 0..model.sharded().num_units() {
-            t.masters.push(bits(&opt.fp8_master_shard(u)?));
-        }
+        t.steps.record_masters(&model, &opt)?;
         Ok::<_, common::TestError>(t)
     })
 }
@@ -210,12 +179,12 @@ fn check(kept_net: Net, recast_net: Net, ranks: usize) -> TestResult<()> {
     let kept = run(kept_net, ranks);
     let recast = run(recast_net, ranks);
     // The runs train and the projection's input scale moves, so equal traces are not vacuous.
-    let l = &kept[0].losses;
+    let l = &kept[0].steps.losses;
     assert!(
         f64::from_bits(l[STEPS - 1]) != f64::from_bits(l[0]),
         "losses {l:?}"
     );
-    let state = &kept[0].module_state[STEPS - 1];
+    let state = &kept[0].steps.module_state[STEPS - 1];
     let metas: Vec<_> = state
         .iter()
         .filter(|(k, _)| k.starts_with("scaling.h.0.") && k.ends_with(".input"))
@@ -236,15 +205,7 @@ fn check(kept_net: Net, recast_net: Net, ranks: usize) -> TestResult<()> {
         );
     }
     for (r, (g, want)) in recast.iter().zip(&kept).enumerate() {
-        assert_eq!(g.losses, want.losses, "rank {r}: losses");
-        assert_eq!(g.outputs, want.outputs, "rank {r}: outputs");
-        assert_eq!(g.params, want.params, "rank {r}: weights");
-        assert_eq!(
-            g.weight_scales, want.weight_scales,
-            "rank {r}: weight scales"
-        );
-        assert_eq!(g.module_state, want.module_state, "rank {r}: metas");
-        assert_eq!(g.masters, want.masters, "rank {r}: masters");
+        g.steps.assert_bitwise_eq(&want.steps, &format!("rank {r}"));
         // Per recast linear the E4M3 copy of its input (one byte per element) is not held; the two
         // scales it keeps instead (8 bytes) replace the saved inverse scale (4 bytes).
         let tokens = BATCH * SEQ;

@@ -8,13 +8,12 @@
 
 mod common;
 
-use common::{bits, on_ranks, values, TestResult};
+use common::{on_ranks, values, StepTrace, TestResult};
 use fp8_kernels::elementwise::scale;
 use fsdp_nn::{Layer, LinearPrecision, Mlp, MlpActivation, MlpBlock, Recompute, Shape, Tensor};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdamW};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
 use half::bf16;
-use std::collections::BTreeMap;
 
 const D: usize = 32;
 const TOKENS: usize = 48;
@@ -40,18 +39,7 @@ struct Variant {
     recompute_block: bool,
 }
 
-/// Everything a run produced, as bits.
-#[derive(Debug, PartialEq)]
-struct Trace {
-    losses: Vec<u64>,
-    outputs: Vec<Vec<u16>>,
-    params: Vec<Vec<(String, Vec<u32>)>>,
-    weight_scales: Vec<Vec<u32>>,
-    module_state: Vec<BTreeMap<String, String>>,
-    masters: Vec<Vec<u32>>,
-}
-
-fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
+fn run(variant: Variant, ranks: usize) -> Vec<StepTrace> {
     on_ranks(ranks, |comm| {
         let rank = comm.rank() as u64;
         let mut h: Vec<Box<dyn Layer<bf16>>> = Vec::new();
@@ -82,14 +70,7 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
         )?;
         let dev = model.device().clone();
         let shape = Shape::matrix(TOKENS, D)?;
-        let mut t = Trace {
-            losses: Vec::new(),
-            outputs: Vec::new(),
-            params: Vec::new(),
-            weight_scales: Vec::new(),
-            module_state: Vec::new(),
-            masters: Vec::new(),
-        };
+        let mut t = StepTrace::default();
         for step in 0..STEPS {
             // Inputs that differ per rank and grow per step, so the delayed scales move.
             // SwiGLU's product is quadratic in the input: larger inputs push its amax past E4M3's range
@@ -127,28 +108,9 @@ fn run(variant: Variant, ranks: usize) -> Vec<Trace> {
                 Ok::<_, fsdp_nn::NnError>(())
             })?;
             step_model(&mut opt, &mut model)?;
-            t.losses.push(loss.to_bits());
-            t.outputs.push(out.iter().map(|v| v.to_bits()).collect());
-            t.params.push(
-                model
-                    .gathered_params()?
-                    .into_iter()
-                    .map(|(n, v)| (n, bits(&v)))
-                    .collect(),
-            );
-            t.weight_scales.push(
-                model
-                    .sharded()
-                    .weight_scales()?
-                    .iter()
-                    .flat_map(|&(_, s, i)| [s.to_bits(), i.to_bits()])
-                    .collect(),
-            );
-            t.module_state.push(model.export_module_state()?);
+            t.record_step(&mut model, loss, &out)?;
         }
-        for u in 0..model.sharded().num_units() {
-            t.masters.push(bits(&opt.fp8_master_shard(u)?));
-        }
+        t.record_masters(&model, &opt)?;
         Ok::<_, common::TestError>(t)
     })
 }
@@ -201,18 +163,7 @@ fn check(ranks: usize, activation: MlpActivation) -> TestResult<()> {
     ] {
         let got = run(variant, ranks);
         for (r, (g, want)) in got.iter().zip(&reference).enumerate() {
-            assert_eq!(g.losses, want.losses, "{variant:?}, rank {r}: losses");
-            assert_eq!(g.outputs, want.outputs, "{variant:?}, rank {r}: outputs");
-            assert_eq!(g.params, want.params, "{variant:?}, rank {r}: weights");
-            assert_eq!(
-                g.weight_scales, want.weight_scales,
-                "{variant:?}, rank {r}: weight scales"
-            );
-            assert_eq!(
-                g.module_state, want.module_state,
-                "{variant:?}, rank {r}: metas"
-            );
-            assert_eq!(g.masters, want.masters, "{variant:?}, rank {r}: masters");
+            g.assert_bitwise_eq(want, &format!("{variant:?}, rank {r}"));
         }
     }
     Ok(())

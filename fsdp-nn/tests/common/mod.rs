@@ -173,3 +173,71 @@ impl Communicator for CountingComm {
         self.inner.start(call)
     }
 }
+
+/// Everything a training run produced, as bits, for tests that compare two ways of computing the same
+/// training (fused against unfused, recast against kept): per step the loss, the output, the gathered
+/// weights, the FP8 weight scales and the module state (scaling metas); at the end the FP8 masters.
+#[derive(Debug, Default, PartialEq)]
+pub struct StepTrace {
+    pub losses: Vec<u64>,
+    pub outputs: Vec<Vec<u16>>,
+    pub params: Vec<Vec<(String, Vec<u32>)>>,
+    pub weight_scales: Vec<Vec<u32>>,
+    pub module_state: Vec<std::collections::BTreeMap<String, String>>,
+    pub masters: Vec<Vec<u32>>,
+}
+
+impl StepTrace {
+    /// Records one step after the optimizer stepped: its loss, the BF16 output, and the model's state.
+    pub fn record_step<M: fsdp_shard::Module>(
+        &mut self,
+        model: &mut fsdp_shard::FsdpModel<M>,
+        loss: f64,
+        out: &[half::bf16],
+    ) -> TestResult<()> {
+        self.losses.push(loss.to_bits());
+        self.outputs.push(out.iter().map(|v| v.to_bits()).collect());
+        self.params.push(
+            model
+                .gathered_params()?
+                .into_iter()
+                .map(|(n, v)| (n, bits(&v)))
+                .collect(),
+        );
+        self.weight_scales.push(
+            model
+                .sharded()
+                .weight_scales()?
+                .iter()
+                .flat_map(|&(_, s, i)| [s.to_bits(), i.to_bits()])
+                .collect(),
+        );
+        self.module_state.push(model.export_module_state()?);
+        Ok(())
+    }
+
+    /// Records the optimizer's FP8 master shards at the end of the run.
+    pub fn record_masters<M: fsdp_shard::Module>(
+        &mut self,
+        model: &fsdp_shard::FsdpModel<M>,
+        opt: &fsdp_optim::FsdpAdamW,
+    ) -> TestResult<()> {
+        for u in 0..model.sharded().num_units() {
+            self.masters.push(bits(&opt.fp8_master_shard(u)?));
+        }
+        Ok(())
+    }
+
+    /// Asserts that `self` equals `want` bit for bit, field by field, naming the run in `label`.
+    pub fn assert_bitwise_eq(&self, want: &StepTrace, label: &str) {
+        assert_eq!(self.losses, want.losses, "{label}: losses");
+        assert_eq!(self.outputs, want.outputs, "{label}: outputs");
+        assert_eq!(self.params, want.params, "{label}: weights");
+        assert_eq!(
+            self.weight_scales, want.weight_scales,
+            "{label}: weight scales"
+        );
+        assert_eq!(self.module_state, want.module_state, "{label}: metas");
+        assert_eq!(self.masters, want.masters, "{label}: masters");
+    }
+}
