@@ -178,8 +178,11 @@ fn llama_cuda_matches_cpu() {
         1e-2,
     );
     compare::<bf16>(
-        "bf16 + FP8, hd 64, GQA 2/1, untied",
-        config(128, 2, 1, false),
+        "bf16 + FP8, hd 64, GQA 2/1, untied, layer 0's MLP up output recomputed",
+        LlamaConfig {
+            recompute_mlp_up: 1,
+            ..config(128, 2, 1, false)
+        },
         fp8.clone(),
         5e-2,
         1e-2,

@@ -165,6 +165,8 @@ pub struct TransformerBlock<T: Activation = f32> {
     /// The norms' FP8 outputs (the inputs of `c_attn` and the MLP's first linear) are written again
     /// from `x` and `x1` in the backward instead of kept.
     recast_norm_outputs: bool,
+    /// The MLP's up output is recomputed in the backward from the recast codes instead of kept.
+    recompute_up_output: bool,
 }
 
 impl<T: Activation> TransformerBlock<T> {
@@ -204,6 +206,7 @@ impl<T: Activation> TransformerBlock<T> {
             x: None,
             x1: None,
             recast_norm_outputs: true,
+            recompute_up_output: false,
         })
     }
 
@@ -219,6 +222,21 @@ impl<T: Activation> TransformerBlock<T> {
     pub fn recast_fp8_inputs(mut self, on: bool) -> Self {
         self.recast_norm_outputs = on;
         self.attn = self.attn.recast_proj_input(on);
+        self
+    }
+
+    /// Whether the backward recomputes the MLP's up output (`[gate | up]`, Llama's `2 hidden` wide
+    /// SwiGLU input, or GPT-2's pre-GELU `4 d`) instead of keeping it (default off): the up GEMM once
+    /// more in the backward, from the E4M3 codes the recast already writes again
+    /// ([`TransformerBlock::recast_fp8_inputs`], [`crate::Mlp::set_keep_up_output`]). Bit-identical
+    /// training; `tokens * up_out` activations (2 bytes each in BF16) fewer held per block for one FP8
+    /// GEMM of `2 tokens d up_out` flops more. Selective recomputation: a model turns it on for as many
+    /// blocks as its memory needs, the earliest first (their activations are held longest; the last
+    /// block's recomputation would not lower the peak at the start of the backward). Takes effect where
+    /// the recast does (an MLP fused with per-tensor FP8 casts, fed by a fused norm); elsewhere the
+    /// block keeps the output as before.
+    pub fn recompute_mlp_up(mut self, on: bool) -> Self {
+        self.recompute_up_output = on;
         self
     }
 
@@ -283,6 +301,9 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         let mut x1 = self.attn.forward_normed(ctx, &mut self.ln_1, &x)?;
         ops::axpy(1.0, x.data(), x1.data_mut())?;
         let u = self.ln_2.forward_linear(ctx, &x1, self.mlp.up_mut())?;
+        // Only where the backward can write the up linear's input codes again.
+        let drop_u = self.recompute_up_output && self.mlp.up().awaits_fp8_input();
+        self.mlp.set_keep_up_output(!drop_u);
         let mut y = self.mlp.forward_after_up(ctx, u)?;
         ops::axpy(1.0, x1.data(), y.data_mut())?;
         let training = ctx.is_training();
@@ -301,8 +322,19 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         let x = self.x.take().ok_or_else(missing)?;
         let x1 = self.x1.take().ok_or_else(missing)?;
         // dy is d(out); the MLP branch's input gradient is added into it: dy becomes d(x1).
-        self.ln_2
+        let codes = self
+            .ln_2
             .restore_linear_input(ctx, &x1, self.mlp.up_mut())?;
+        if self.mlp.awaits_up_output() {
+            let codes = codes.as_ref().ok_or_else(|| {
+                NnError::usage(
+                    "TransformerBlock",
+                    "the MLP dropped its up output but its input codes were not written again",
+                )
+            })?;
+            self.mlp.restore_up_output(ctx, codes)?;
+        }
+        drop(codes);
         let dh2 = self.mlp.backward_ref(ctx, &dy, true)?.ok_or_else(missing)?;
         self.ln_2.backward_ref(ctx, &x1, &dh2, Some(&mut dy))?;
         drop((dh2, x1));

@@ -53,6 +53,11 @@ pub struct Mlp<T: Activation = f32> {
     recompute_gelu: bool,
     /// The pre-activation `up(x)`, kept for the backward.
     u: Option<Tensor<T>>,
+    /// Keep `u` after a fused training forward (the default); off, the backward waits for
+    /// [`Mlp::restore_up_output`].
+    keep_up_output: bool,
+    /// The shape of the `u` a fused training forward dropped, until it is restored.
+    dropped_u: Option<crate::Shape>,
 }
 
 impl<T: Activation> Mlp<T> {
@@ -89,6 +94,8 @@ impl<T: Activation> Mlp<T> {
             fuse_gelu: true,
             recompute_gelu: true,
             u: None,
+            keep_up_output: true,
+            dropped_u: None,
         })
     }
 
@@ -141,6 +148,45 @@ impl<T: Activation> Mlp<T> {
     pub fn recompute_gelu(mut self, on: bool) -> Self {
         self.recompute_gelu = on;
         self
+    }
+
+    /// Whether a fused training forward keeps the up linear's output `u` (`[gate | up]` for SwiGLU) for
+    /// the backward (`true`, the default). Off, the forward drops it and the backward needs
+    /// [`Mlp::restore_up_output`] first: the up GEMM once more from the up linear's E4M3 input codes, the
+    /// same product of the same codes, weights and scales, so the same `u` bit for bit. For a caller
+    /// that can write those codes again without keeping them (a [`crate::TransformerBlock`] whose norm
+    /// writes them, [`crate::Norm::restore_linear_input`]): it trades one FP8 GEMM of `2 tokens d
+    /// up_out` flops in the backward for `tokens * up_out` activations held between the passes. Only
+    /// the fused path drops `u` (both linears per-tensor FP8, fusion on).
+    pub fn set_keep_up_output(&mut self, keep: bool) {
+        self.keep_up_output = keep;
+    }
+
+    /// Whether the last training forward dropped `u` and the backward waits for
+    /// [`Mlp::restore_up_output`].
+    pub fn awaits_up_output(&self) -> bool {
+        self.dropped_u.is_some()
+    }
+
+    /// Recomputes the `u` a fused training forward dropped ([`Mlp::set_keep_up_output`]) from `x_q`,
+    /// the up linear's E4M3 input codes (`[tokens, d]`, the forward's, at the forward's scale, which
+    /// the up linear's restored input holds: [`Linear::restore_fp8_input_with`]). Errors when nothing
+    /// was dropped.
+    pub fn restore_up_output(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x_q: &Buffer<u8>,
+    ) -> Result<(), NnError> {
+        let shape = self.dropped_u.ok_or_else(|| {
+            NnError::usage(
+                "Mlp",
+                "restoring the up output without a training forward that dropped it",
+            )
+        })?;
+        let u = self.up.forward_fp8_codes(ctx, x_q, shape)?;
+        self.dropped_u = None;
+        self.u = Some(u);
+        Ok(())
     }
 
     /// Whether the activation runs fused with the FP8 casts: both linears per-tensor FP8 (decided when
@@ -250,12 +296,17 @@ impl<T: Activation> Mlp<T> {
         ctx: &mut Ctx<'_>,
         u: Tensor<T>,
     ) -> Result<Tensor<T>, NnError> {
+        self.dropped_u = None;
         let y = if self.is_fused() {
             let x_q = self.cast_down_input(ctx, &u)?;
             let out = u.shape().with_last(self.down.out_features())?;
             let y = self.down.forward_fp8_codes(ctx, &x_q, out)?;
             if self.recomputes() || !ctx.is_training() {
                 self.down.drop_saved();
+            }
+            if ctx.is_training() && !self.keep_up_output {
+                self.dropped_u = Some(u.shape());
+                return Ok(y);
             }
             y
         } else if self.activation == MlpActivation::SwiGlu {
@@ -333,6 +384,12 @@ impl<T: Activation> Mlp<T> {
             };
             return self.up.backward_step(ctx, du, need_dx);
         }
+        if self.dropped_u.is_some() {
+            return Err(NnError::usage(
+                "Mlp",
+                "the forward dropped the up output: restore_up_output comes before the backward",
+            ));
+        }
         let u = take_saved(&mut self.u, "Mlp")?;
         if self.recomputes() {
             // The same scale as in the forward (metas change at the step end): the same codes.
@@ -405,6 +462,7 @@ impl<T: Activation> Layer<T> for Mlp<T> {
 
     fn forget_saved(&mut self) {
         self.u = None;
+        self.dropped_u = None;
         self.up.drop_saved();
         self.down.drop_saved();
         self.gelu.forget_saved();

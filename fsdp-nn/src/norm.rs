@@ -230,17 +230,18 @@ impl<T: Activation> Norm<T> {
 
     /// Writes `linear`'s E4M3 `x^T` again from `x`, the input of the last training
     /// [`Norm::forward_linear`], when the linear kept none ([`Linear::set_keep_fp8_input`]): this norm's
-    /// fused forward once more at the forward's scale, recording no amax, its statistics and row-major
-    /// codes discarded. The same kernel on the same values and weights: the same codes. Nothing when the
+    /// fused forward once more at the forward's scale, recording no amax, its statistics discarded. The same kernel on the same values and weights: the same codes. Returns the row-major
+    /// codes (`[tokens, d]`, which the kernel writes beside `x^T`) for a caller that recomputes the
+    /// linear's output from them ([`crate::Mlp::restore_up_output`]); `None`, doing nothing, when the
     /// linear kept its input.
     pub fn restore_linear_input(
         &mut self,
         ctx: &mut Ctx<'_>,
         x: &Tensor<T>,
         linear: &mut Linear<T>,
-    ) -> Result<(), NnError> {
+    ) -> Result<Option<Buffer<u8>>, NnError> {
         if !linear.awaits_fp8_input() {
-            return Ok(());
+            return Ok(None);
         }
         let spec = self.spec(x.shape())?;
         let (w, b) = self.params_in(ctx)?;
@@ -263,7 +264,8 @@ impl<T: Activation> Norm<T> {
                 },
             )?;
             Ok(())
-        })
+        })?;
+        Ok(Some(x_q))
     }
 
     /// The backward after a training forward of input `x`: adds the weight (and bias) gradient to the

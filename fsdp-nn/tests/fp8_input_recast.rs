@@ -5,7 +5,9 @@
 //! (`TransformerBlock::recast_fp8_inputs`: the backward runs the norm's fused forward again from the
 //! kept block input). Over several optimizer steps, on one and two thread ranks, the losses, outputs,
 //! weights, weight scales, metas and optimizer masters are bitwise equal, and between the passes each
-//! recast linear holds `tokens * d - 4` bytes less (its `x^T`, against two scales for one).
+//! recast linear holds `tokens * d - 4` bytes less (its `x^T`, against two scales for one). A block
+//! that also recomputes its MLP's up output (`TransformerBlock::recompute_mlp_up`, from the recast
+//! codes) trains bit-identically too and holds `tokens * up_out` BF16 values less.
 
 mod common;
 
@@ -43,7 +45,12 @@ impl<L: Module> Module for Stack<L> {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Net {
     Attention { recast: bool },
-    Block { llama: bool, recast: bool },
+    Block {
+        llama: bool,
+        recast: bool,
+        /// The first this many blocks recompute the MLP's up output.
+        recompute_up: usize,
+    },
 }
 
 /// Linears per layer that keep no input when `net` recasts (and the codes were worth keeping).
@@ -53,6 +60,10 @@ fn recast_linears(net: Net) -> usize {
         Net::Block { .. } => 3,
     }
 }
+
+/// The MLP's up output width (both block kinds: `4 D`, GPT-2's hidden and Llama's `[gate | up]` of
+/// `2 D` each).
+const UP_OUT: usize = 4 * D;
 
 fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
     let mut h: Vec<Box<dyn LayerModule>> = Vec::new();
@@ -64,7 +75,11 @@ fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
                     .with_seed(11 + l as u64)
                     .recast_proj_input(recast),
             )),
-            Net::Block { llama, recast } => {
+            Net::Block {
+                llama,
+                recast,
+                recompute_up,
+            } => {
                 let mut c = if llama {
                     let rope = Rope {
                         theta: 500000.0,
@@ -79,7 +94,9 @@ fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
                 c.proj_std = 0.2;
                 c.seed = Some(11 + l as u64);
                 h.push(Box::new(
-                    TransformerBlock::<bf16>::new(&c)?.recast_fp8_inputs(recast),
+                    TransformerBlock::<bf16>::new(&c)?
+                        .recast_fp8_inputs(recast)
+                        .recompute_mlp_up(l < recompute_up),
                 ));
             }
         }
@@ -175,7 +192,9 @@ fn run(net: Net, ranks: usize) -> Vec<Trace> {
     })
 }
 
-fn check(kept_net: Net, recast_net: Net, ranks: usize) -> TestResult<()> {
+/// `recast_net` trains bit-identically to `kept_net` and holds `fewer` bytes less per step between
+/// the passes.
+fn check(kept_net: Net, recast_net: Net, ranks: usize, fewer: usize) -> TestResult<()> {
     let kept = run(kept_net, ranks);
     let recast = run(recast_net, ranks);
     // The runs train and the projection's input scale moves, so equal traces are not vacuous.
@@ -206,13 +225,10 @@ fn check(kept_net: Net, recast_net: Net, ranks: usize) -> TestResult<()> {
     }
     for (r, (g, want)) in recast.iter().zip(&kept).enumerate() {
         g.steps.assert_bitwise_eq(&want.steps, &format!("rank {r}"));
-        // Per recast linear the E4M3 copy of its input (one byte per element) is not held; the two
-        // scales it keeps instead (8 bytes) replace the saved inverse scale (4 bytes).
-        let tokens = BATCH * SEQ;
         for (step, (&got, &full)) in g.saved_bytes.iter().zip(&want.saved_bytes).enumerate() {
             assert_eq!(
-                full - got,
-                LAYERS * recast_linears(recast_net) * (tokens * D - 4),
+                full.checked_sub(got),
+                Some(fewer),
                 "rank {r}, step {step}: held {got} bytes against {full}"
             );
         }
@@ -220,13 +236,21 @@ fn check(kept_net: Net, recast_net: Net, ranks: usize) -> TestResult<()> {
     Ok(())
 }
 
+/// Per recast linear the E4M3 copy of its input (one byte per element) is not held; the two scales
+/// it keeps instead (8 bytes) replace the saved inverse scale (4 bytes).
+fn recast_saving(net: Net) -> usize {
+    LAYERS * recast_linears(net) * (BATCH * SEQ * D - 4)
+}
+
 #[test]
 fn recast_projection_input_trains_bit_identically() -> TestResult<()> {
     for ranks in [1, 2] {
+        let net = Net::Attention { recast: true };
         check(
             Net::Attention { recast: false },
-            Net::Attention { recast: true },
+            net,
             ranks,
+            recast_saving(net),
         )?;
     }
     Ok(())
@@ -235,17 +259,42 @@ fn recast_projection_input_trains_bit_identically() -> TestResult<()> {
 #[test]
 fn recast_block_inputs_train_bit_identically() -> TestResult<()> {
     for (llama, ranks) in [(true, 1), (true, 2), (false, 1)] {
-        check(
-            Net::Block {
-                llama,
-                recast: false,
-            },
-            Net::Block {
-                llama,
-                recast: true,
-            },
-            ranks,
-        )?;
+        let net = Net::Block {
+            llama,
+            recast: true,
+            recompute_up: 0,
+        };
+        let kept = Net::Block {
+            llama,
+            recast: false,
+            recompute_up: 0,
+        };
+        check(kept, net, ranks, recast_saving(net))?;
     }
     Ok(())
+}
+
+#[test]
+fn recomputed_mlp_up_output_trains_bit_identically() -> TestResult<()> {
+    let u_bytes = BATCH * SEQ * UP_OUT * std::mem::size_of::<bf16>();
+    for (llama, ranks, blocks) in [(true, 1, LAYERS), (true, 2, 1), (false, 1, LAYERS)] {
+        let recast = Net::Block {
+            llama,
+            recast: true,
+            recompute_up: 0,
+        };
+        let recompute = Net::Block {
+            llama,
+            recast: true,
+            recompute_up: blocks,
+        };
+        check(recast, recompute, ranks, blocks * u_bytes)?;
+    }
+    // Without the recast there are no codes to recompute from: the block keeps the output.
+    let kept = |recompute_up| Net::Block {
+        llama: true,
+        recast: false,
+        recompute_up,
+    };
+    check(kept(0), kept(LAYERS), 1, 0)
 }

@@ -102,6 +102,9 @@ pub struct GptConfig {
     pub tie_embeddings: bool,
     /// Recompute each block's forward in its backward instead of keeping its activations.
     pub recompute_blocks: bool,
+    /// The first this many blocks recompute their MLP's up output in the backward instead of keeping
+    /// it (`TransformerBlock::recompute_mlp_up`: bit-identical, one FP8 GEMM more per block).
+    pub recompute_mlp_up: usize,
 }
 
 impl GptConfig {
@@ -121,6 +124,7 @@ impl GptConfig {
             fuse_norm_fp8: true,
             tie_embeddings: true,
             recompute_blocks: false,
+            recompute_mlp_up: 0,
         }
     }
 

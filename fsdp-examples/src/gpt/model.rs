@@ -49,8 +49,8 @@ impl<T: Activation> Gpt<T> {
             ..BlockConfig::gpt2(d, c.heads, c.layers)
         };
         let h = (0..c.layers)
-            .map(|_| TransformerBlock::<T>::new(&block))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|i| Ok(TransformerBlock::<T>::new(&block)?.recompute_mlp_up(i < c.recompute_mlp_up)))
+            .collect::<Result<Vec<_>, GptError>>()?;
         let head = if c.tie_embeddings {
             LmHead::tied(d, c.vocab)?
         } else {

@@ -141,6 +141,9 @@ pub struct LlamaConfig {
     pub fuse_norm_fp8: bool,
     /// Recompute each layer's forward in its backward instead of keeping its activations.
     pub recompute_blocks: bool,
+    /// The first this many layers recompute their MLP's `[gate | up]` in the backward instead of
+    /// keeping it (`TransformerBlock::recompute_mlp_up`: bit-identical, one FP8 GEMM more per layer).
+    pub recompute_mlp_up: usize,
 }
 
 impl LlamaConfig {
@@ -171,6 +174,7 @@ impl LlamaConfig {
             attention: AttentionConfig::default(),
             fuse_norm_fp8: true,
             recompute_blocks: false,
+            recompute_mlp_up: 0,
         }
     }
 

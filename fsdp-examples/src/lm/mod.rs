@@ -107,6 +107,9 @@ pub struct LmSpec {
     pub seq_len: usize,
     /// Recompute each block in the backward.
     pub recompute_blocks: bool,
+    /// The first this many blocks recompute their MLP's up output in the backward
+    /// (`TransformerBlock::recompute_mlp_up`).
+    pub recompute_mlp_up: usize,
     /// Seed of the embedding table (the other parameters draw from the run's seed and their names).
     pub seed: u64,
     /// The Hugging Face config the model was read from (`--init-from` a Llama checkpoint): its RoPE
@@ -183,6 +186,7 @@ impl LmSpec {
                     vocab: GPT2_PADDED_VOCAB,
                     seq_len,
                     recompute_blocks: false,
+                    recompute_mlp_up: 0,
                     seed: 1,
                     hf_config: None,
                 }
@@ -203,6 +207,7 @@ impl LmSpec {
                     vocab: GPT2_PADDED_VOCAB,
                     seq_len,
                     recompute_blocks: false,
+                    recompute_mlp_up: 0,
                     seed: 1,
                     hf_config: None,
                 }
@@ -228,6 +233,7 @@ impl LmSpec {
             vocab: c.vocab,
             seq_len,
             recompute_blocks: false,
+            recompute_mlp_up: 0,
             seed: 1,
             hf_config: Some(hf),
         };
@@ -243,7 +249,8 @@ impl LmSpec {
     ///   MLP's matrices (2 GELU, 3 SwiGLU), `k` = 4 on CUDA and 12 on the CPU, below every run
     ///   measured (H200, `bench/run.sh`: gpt2, gpt-3b, gpt-6.7b, llama-1b, llama-3b and llama-8b held 4.6
     ///   to 6.2 beyond their model state and head chunk; the CPU at d 256: 14.6 and 19.4; a test checks
-    ///   the H200 runs); with `--recompute` one block's worth plus each block's input;
+    ///   the H200 runs); with `--recompute` one block's worth plus each block's input; with
+    ///   `--recompute-mlp-up N` one byte per element of the up output less in N blocks;
     /// - one chunk of head logits in F32;
     /// - with the optimizer in the backward, the largest unit's gradient shard (a block's, or the
     ///   embeddings' and head's), which the model state then leaves out.
@@ -312,7 +319,16 @@ impl LmSpec {
                 .and_then(|x| x.checked_mul(l));
             input.and_then(|x| x.checked_add(per_block))
         } else {
-            per_block.checked_mul(l)
+            // Blocks that recompute their MLP's up output (`(m - 1) ffn` wide) hold at least one byte
+            // per element of it less (two in BF16; one keeps the bound below the runs).
+            let up = ffn
+                .checked_mul(mats - 1)
+                .and_then(|x| x.checked_mul(tokens))
+                .and_then(|x| x.checked_mul(s.recompute_mlp_up as u64));
+            per_block
+                .checked_mul(l)
+                .zip(up)
+                .map(|(a, u)| a.saturating_sub(u))
         }
         .ok_or_else(|| over("the activations"))?;
         let gathered = block.checked_mul(8).ok_or_else(|| over("the parameters"))?;
@@ -344,9 +360,11 @@ impl LmSpec {
                     s.seq_len,
                     s.layers,
                     if s.recompute_blocks {
-                        " (--recompute)"
+                        " (--recompute)".to_string()
+                    } else if s.recompute_mlp_up > 0 {
+                        format!(" (--recompute-mlp-up {})", s.recompute_mlp_up)
                     } else {
-                        ""
+                        String::new()
                     }
                 ),
                 acts,
@@ -407,6 +425,7 @@ impl LmSpec {
         GptConfig {
             vocab: self.vocab,
             recompute_blocks: self.recompute_blocks,
+            recompute_mlp_up: self.recompute_mlp_up,
             seed: self.seed,
             ..GptConfig::new(self.d_model, self.layers, self.heads, self.seq_len)
         }
@@ -435,6 +454,7 @@ impl LmSpec {
             vocab: self.vocab,
             tie_embeddings: self.tied,
             recompute_blocks: self.recompute_blocks,
+            recompute_mlp_up: self.recompute_mlp_up,
             seed: self.seed,
             ..base
         })

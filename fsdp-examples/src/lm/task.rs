@@ -59,6 +59,8 @@ pub struct LmOptions {
     pub seed: u64,
     /// Recompute each block in the backward instead of keeping its activations.
     pub recompute_blocks: bool,
+    /// The first this many blocks recompute their MLP's up output in the backward.
+    pub recompute_mlp_up: usize,
 }
 
 impl LmOptions {
@@ -80,6 +82,7 @@ impl LmOptions {
             sample: None,
             seed: 1,
             recompute_blocks: false,
+            recompute_mlp_up: 0,
         }
     }
 }
@@ -319,6 +322,13 @@ impl<M: LanguageModel> LmTask<M> {
             )));
         }
         spec.recompute_blocks = options.recompute_blocks;
+        if options.recompute_mlp_up > spec.layers {
+            return Err(TrainError::Config(format!(
+                "--recompute-mlp-up {} exceeds the model's {} blocks",
+                options.recompute_mlp_up, spec.layers
+            )));
+        }
+        spec.recompute_mlp_up = options.recompute_mlp_up;
         spec.seed = options.seed;
         Ok(spec)
     }
@@ -670,6 +680,16 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
             ("vocab".into(), serde_json::json!(s.vocab)),
             ("batch".into(), serde_json::json!(self.options.batch_size)),
             ("seq".into(), serde_json::json!(s.seq_len)),
+            (
+                "recompute".into(),
+                serde_json::json!(if s.recompute_blocks {
+                    "blocks".to_string()
+                } else if s.recompute_mlp_up > 0 {
+                    format!("mlp-up x {}", s.recompute_mlp_up)
+                } else {
+                    "none".to_string()
+                }),
+            ),
             (
                 "world_size_planned".into(),
                 serde_json::json!(self.world_size),
