@@ -44,7 +44,9 @@ impl<L: Module> Module for Stack<L> {
 /// What a run stacks: attention layers alone, or Llama / GPT-2 blocks, with the recast on or off.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Net {
-    Attention { recast: bool },
+    Attention {
+        recast: bool,
+    },
     Block {
         llama: bool,
         recast: bool,

@@ -49,7 +49,9 @@ impl<T: Activation> Gpt<T> {
             ..BlockConfig::gpt2(d, c.heads, c.layers)
         };
         let h = (0..c.layers)
-            .map(|i| Ok(TransformerBlock::<T>::new(&block)?.recompute_mlp_up(i < c.recompute_mlp_up)))
+            .map(|i| {
+                Ok(TransformerBlock::<T>::new(&block)?.recompute_mlp_up(i < c.recompute_mlp_up))
+            })
             .collect::<Result<Vec<_>, GptError>>()?;
         let head = if c.tie_embeddings {
             LmHead::tied(d, c.vocab)?

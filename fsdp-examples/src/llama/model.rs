@@ -71,7 +71,9 @@ impl<T: Activation> Llama<T> {
         let norm =
             |d| -> Result<Norm<T>, ModelError> { Ok(Norm::rms_norm(d)?.with_eps(c.norm_eps)) };
         let layers = (0..c.layers)
-            .map(|i| Ok(TransformerBlock::<T>::new(&block)?.recompute_mlp_up(i < c.recompute_mlp_up)))
+            .map(|i| {
+                Ok(TransformerBlock::<T>::new(&block)?.recompute_mlp_up(i < c.recompute_mlp_up))
+            })
             .collect::<Result<Vec<_>, ModelError>>()?;
         let head = if c.tie_embeddings {
             LmHead::tied(d, c.vocab)?
