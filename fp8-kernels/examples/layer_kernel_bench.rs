@@ -187,8 +187,8 @@ impl NormBench {
             Fp8NormOutput {
                 format: Fp8Format::E4M3,
                 scale: &self.scale,
-                codes: &mut self.q,
-                codes_t: &mut self.qt,
+                codes: Some(&mut self.q),
+                codes_t: Some(&mut self.qt),
                 amax: Some(AmaxSlot::first(&mut self.amax)),
             },
         )
@@ -720,8 +720,8 @@ fn export(dir: &Path) -> Result<(), String> {
             Fp8NormOutput {
                 format: Fp8Format::E4M3,
                 scale: &sc,
-                codes: &mut q,
-                codes_t: &mut qt,
+                codes: Some(&mut q),
+                codes_t: Some(&mut qt),
                 amax: None,
             },
         )

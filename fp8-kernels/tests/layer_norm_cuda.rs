@@ -106,14 +106,54 @@ fn run<T: FloatElement, G: FloatElement>(dev: &Device, c: &Inputs) -> Outputs {
             Fp8NormOutput {
                 format: Fp8Format::E4M3,
                 scale: &sc,
-                codes: &mut codes,
-                codes_t: &mut codes_t,
+                codes: Some(&mut codes),
+                codes_t: Some(&mut codes_t),
                 amax: Some(AmaxSlot::new(&mut amax, 2)),
             },
         )
         .unwrap();
         assert_eq!(bits(&st2.mean), mean, "fused forward statistics");
         assert_eq!(bits(&st2.rstd), rstd, "fused forward statistics");
+        // Either layout alone (the kernel without its shared-memory tile, or without the row-major
+        // stores): the same codes, the other buffer untouched.
+        let (full, full_t) = (codes.to_vec().unwrap(), codes_t.to_vec().unwrap());
+        for (row_major, transposed) in [(true, false), (false, true)] {
+            let mut st3 = NormStats::new(dev, s.rows).unwrap();
+            let (mut q, mut qt) = (
+                dev.upload(&vec![0x55u8; n]).unwrap(),
+                dev.upload(&vec![0x55u8; n]).unwrap(),
+            );
+            norm_forward_fp8(
+                s,
+                &x,
+                &w,
+                b.as_ref(),
+                &mut st3,
+                Fp8NormOutput {
+                    format: Fp8Format::E4M3,
+                    scale: &sc,
+                    codes: row_major.then_some(&mut q),
+                    codes_t: transposed.then_some(&mut qt),
+                    amax: None,
+                },
+            )
+            .unwrap();
+            let untouched = vec![0x55u8; n];
+            let what = format!("{:?}: row-major {row_major}, transposed {transposed}", s);
+            let (q, qt) = (q.to_vec().unwrap(), qt.to_vec().unwrap());
+            assert!(
+                q == if row_major { &full[..] } else { &untouched[..] },
+                "{what}"
+            );
+            assert!(
+                qt == if transposed {
+                    &full_t[..]
+                } else {
+                    &untouched[..]
+                },
+                "{what}"
+            );
+        }
     }
 
     let dy = upg(&c.dy);

@@ -308,8 +308,8 @@ fn check_fp8<T: FloatElement>(c: &Case, scale: f32) -> Result<(), TestCaseError>
         Fp8NormOutput {
             format: Fp8Format::E4M3,
             scale: &sc,
-            codes: &mut q,
-            codes_t: &mut qt,
+            codes: Some(&mut q),
+            codes_t: Some(&mut qt),
             amax: Some(AmaxSlot::new(&mut amax, 1)),
         },
     )
@@ -351,6 +351,36 @@ fn check_fp8<T: FloatElement>(c: &Case, scale: f32) -> Result<(), TestCaseError>
     }
     let a = h.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     prop_assert_eq!(amax.to_vec().unwrap()[1], a);
+    // Either layout alone: the same codes and amax, the other buffer untouched.
+    for (row_major, transposed) in [(true, false), (false, true)] {
+        let mut st3 = NormStats::new(&dev, c.rows).unwrap();
+        let (mut q3, mut qt3) = (
+            dev.upload(&vec![0x55u8; n]).unwrap(),
+            dev.upload(&vec![0x55u8; n]).unwrap(),
+        );
+        let mut amax3 = dev.upload(&[0.0f32]).unwrap();
+        norm_forward_fp8(
+            &s,
+            &x,
+            &w,
+            b.as_ref(),
+            &mut st3,
+            Fp8NormOutput {
+                format: Fp8Format::E4M3,
+                scale: &sc,
+                codes: row_major.then_some(&mut q3),
+                codes_t: transposed.then_some(&mut qt3),
+                amax: Some(AmaxSlot::first(&mut amax3)),
+            },
+        )
+        .unwrap();
+        let untouched = vec![0x55u8; n];
+        let (q3, qt3) = (q3.to_vec().unwrap(), qt3.to_vec().unwrap());
+        prop_assert_eq!(&q3, if row_major { &qv } else { &untouched });
+        prop_assert_eq!(&qt3, if transposed { &qtv } else { &untouched });
+        prop_assert_eq!(amax3.to_vec().unwrap()[0].to_bits(), a.to_bits());
+        prop_assert_eq!(st3.rstd.to_vec().unwrap(), st1.rstd.to_vec().unwrap());
+    }
     Ok(())
 }
 
@@ -638,8 +668,8 @@ fn invalid_arguments_are_errors() {
     let e5 = Fp8NormOutput {
         format: Fp8Format::E5M2,
         scale: &sc,
-        codes: &mut q,
-        codes_t: &mut qt,
+        codes: Some(&mut q),
+        codes_t: Some(&mut qt),
         amax: None,
     };
     assert!(norm_forward_fp8(&ok, &x, &w, None, &mut stats, e5).is_err());
@@ -647,11 +677,19 @@ fn invalid_arguments_are_errors() {
     let out_of_range_slot = Fp8NormOutput {
         format: Fp8Format::E4M3,
         scale: &sc,
-        codes: &mut q,
-        codes_t: &mut qt,
+        codes: Some(&mut q),
+        codes_t: Some(&mut qt),
         amax: Some(AmaxSlot::new(&mut amax, 1)),
     };
     assert!(norm_forward_fp8(&ok, &x, &w, None, &mut stats, out_of_range_slot).is_err());
+    let neither = Fp8NormOutput {
+        format: Fp8Format::E4M3,
+        scale: &sc,
+        codes: None,
+        codes_t: None,
+        amax: None,
+    };
+    assert!(norm_forward_fp8(&ok, &x, &w, None, &mut stats, neither).is_err());
     let mut dx = dev.zeros::<f32>(11).unwrap();
     let mut dw = dev.zeros::<f32>(4).unwrap();
     let grads = norm_grads(GradMode::Overwrite, &mut dx, &mut dw, None);

@@ -322,10 +322,11 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         let x = self.x.take().ok_or_else(missing)?;
         let x1 = self.x1.take().ok_or_else(missing)?;
         // dy is d(out); the MLP branch's input gradient is added into it: dy becomes d(x1).
+        let recompute_up = self.mlp.awaits_up_output();
         let codes = self
             .ln_2
-            .restore_linear_input(ctx, &x1, self.mlp.up_mut())?;
-        if self.mlp.awaits_up_output() {
+            .restore_linear_input(ctx, &x1, self.mlp.up_mut(), recompute_up)?;
+        if recompute_up {
             let codes = codes.as_ref().ok_or_else(|| {
                 NnError::usage(
                     "TransformerBlock",
@@ -340,7 +341,7 @@ impl<T: Activation> Layer<T> for TransformerBlock<T> {
         drop((dh2, x1));
         // Then the attention branch: dy becomes d(x).
         self.ln_1
-            .restore_linear_input(ctx, &x, self.attn.c_attn_mut())?;
+            .restore_linear_input(ctx, &x, self.attn.c_attn_mut(), false)?;
         let dh1 = self
             .attn
             .backward_ref(ctx, &dy, true)?

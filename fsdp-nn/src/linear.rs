@@ -54,8 +54,8 @@ use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, Fp8Recipe, QType, ScaleRounding, ScalingRecipe};
 use fp8_kernels::gemm::{gemm, gemm_fp8};
 use fp8_kernels::{
-    cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
-    GemmSpec, Transpose,
+    cast_to_fp8, cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix,
+    GemmOutput, GemmSpec, Transpose,
 };
 use fp8_kernels::{elementwise, reduce};
 use fsdp_shard::{
@@ -483,6 +483,11 @@ impl<T: Activation> Linear<T> {
         self.keep_fp8_input = keep;
     }
 
+    /// Whether a training forward keeps the E4M3 `x^T` ([`Linear::set_keep_fp8_input`]).
+    pub fn keeps_fp8_input(&self) -> bool {
+        self.keep_fp8_input
+    }
+
     /// Whether the last training forward kept no `x^T` and waits for [`Linear::restore_fp8_input`].
     pub fn awaits_fp8_input(&self) -> bool {
         self.fp8_recast.is_some()
@@ -621,11 +626,27 @@ impl<T: Activation> Linear<T> {
     /// meta [`Linear::input_meta`] from the context. Then [`Linear::forward_fp8_codes`] with the row-major
     /// codes.
     pub fn fp8_input(&mut self, device: &Device, tokens: usize) -> Result<&mut Fp8Saved, NnError> {
+        self.fp8_input_for(device, tokens, true)
+    }
+
+    /// [`Linear::fp8_input`] for a producer that writes `x^T` only when `transpose` (a forward that
+    /// keeps no FP8 input, or an evaluation forward, needs none): without it `x_t` is empty and only the
+    /// inverse scale is prepared.
+    pub fn fp8_input_for(
+        &mut self,
+        device: &Device,
+        tokens: usize,
+        transpose: bool,
+    ) -> Result<&mut Fp8Saved, NnError> {
         self.need_fp8("fp8_input")?;
         self.fp8_recast = None;
-        let n = tokens
-            .checked_mul(self.in_features)
-            .ok_or_else(|| NnError::usage(&self.name, format!("{tokens} rows overflow")))?;
+        let n = if transpose {
+            tokens
+                .checked_mul(self.in_features)
+                .ok_or_else(|| NnError::usage(&self.name, format!("{tokens} rows overflow")))?
+        } else {
+            0
+        };
         let fits = self
             .fp8_saved
             .as_ref()
@@ -875,18 +896,30 @@ impl<T: Activation> Linear<T> {
         let dev = ctx.device().clone();
         let mut x_q = dev.uninit::<u8>(tokens * inf)?;
         let meta = self.input_meta;
-        let saved = self.fp8_input(&dev, tokens)?;
+        // x^T only for a backward that reads it as written now (not recast later, not evaluation).
+        let transpose = ctx.is_training() && self.keep_fp8_input;
+        let saved = self.fp8_input_for(&dev, tokens, transpose)?;
         {
             let s = ctx.scaling(meta)?;
-            cast_transpose_to_fp8(
-                x.data(),
-                [tokens, inf],
-                s.state.format()?,
-                s.state.scale(),
-                &mut saved.x_t,
-                Some(&mut x_q),
-                s.amax,
-            )?;
+            if transpose {
+                cast_transpose_to_fp8(
+                    x.data(),
+                    [tokens, inf],
+                    s.state.format()?,
+                    s.state.scale(),
+                    &mut saved.x_t,
+                    Some(&mut x_q),
+                    s.amax,
+                )?;
+            } else {
+                cast_to_fp8(
+                    x.data(),
+                    s.state.format()?,
+                    s.state.scale(),
+                    &mut x_q,
+                    s.amax,
+                )?;
+            }
             saved.x_scale_inv.copy_from(s.state.scale_inv())?;
         }
         let y = self.forward_fp8_codes(ctx, &x_q, shape.with_last(self.out_features)?)?;

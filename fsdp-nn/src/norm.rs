@@ -197,7 +197,9 @@ impl<T: Activation> Norm<T> {
         let mut stats = NormStats::new(&dev, spec.rows)?;
         let mut x_q = dev.uninit::<u8>(spec.rows * spec.d)?;
         let meta = linear.input_meta();
-        let saved = linear.fp8_input(&dev, spec.rows)?;
+        // x^T only for a backward that reads it as written now (not recast later, not evaluation).
+        let transpose = ctx.is_training() && linear.keeps_fp8_input();
+        let saved = linear.fp8_input_for(&dev, spec.rows, transpose)?;
         {
             let s = ctx.scaling(meta)?;
             norm_forward_fp8(
@@ -209,8 +211,8 @@ impl<T: Activation> Norm<T> {
                 Fp8NormOutput {
                     format: s.state.format()?,
                     scale: s.state.scale(),
-                    codes: &mut x_q,
-                    codes_t: &mut saved.x_t,
+                    codes: Some(&mut x_q),
+                    codes_t: transpose.then_some(&mut saved.x_t),
                     amax: s.amax,
                 },
             )?;
@@ -230,15 +232,17 @@ impl<T: Activation> Norm<T> {
 
     /// Writes `linear`'s E4M3 `x^T` again from `x`, the input of the last training
     /// [`Norm::forward_linear`], when the linear kept none ([`Linear::set_keep_fp8_input`]): this norm's
-    /// fused forward once more at the forward's scale, recording no amax, its statistics discarded. The same kernel on the same values and weights: the same codes. Returns the row-major
-    /// codes (`[tokens, d]`, which the kernel writes beside `x^T`) for a caller that recomputes the
-    /// linear's output from them ([`crate::Mlp::restore_up_output`]); `None`, doing nothing, when the
-    /// linear kept its input.
+    /// fused forward once more at the forward's scale, recording no amax, its statistics discarded. The
+    /// same kernel on the same values and weights: the same codes. With `row_major`, also writes and
+    /// returns the row-major codes (`[tokens, d]`) for a caller that recomputes the linear's output
+    /// from them ([`crate::Mlp::restore_up_output`]); `None` without, or, doing nothing, when the linear
+    /// kept its input.
     pub fn restore_linear_input(
         &mut self,
         ctx: &mut Ctx<'_>,
         x: &Tensor<T>,
         linear: &mut Linear<T>,
+        row_major: bool,
     ) -> Result<Option<Buffer<u8>>, NnError> {
         if !linear.awaits_fp8_input() {
             return Ok(None);
@@ -247,7 +251,11 @@ impl<T: Activation> Norm<T> {
         let (w, b) = self.params_in(ctx)?;
         let dev = ctx.device().clone();
         let mut stats = NormStats::new(&dev, spec.rows)?;
-        let mut x_q = dev.uninit::<u8>(spec.rows * spec.d)?;
+        let mut x_q = if row_major {
+            Some(dev.uninit::<u8>(spec.rows * spec.d)?)
+        } else {
+            None
+        };
         linear.restore_fp8_input_with(|format, scale, x_t| {
             norm_forward_fp8(
                 &spec,
@@ -258,14 +266,14 @@ impl<T: Activation> Norm<T> {
                 Fp8NormOutput {
                     format,
                     scale,
-                    codes: &mut x_q,
-                    codes_t: x_t,
+                    codes: x_q.as_mut(),
+                    codes_t: Some(x_t),
                     amax: None,
                 },
             )?;
             Ok(())
         })?;
-        Ok(Some(x_q))
+        Ok(x_q)
     }
 
     /// The backward after a training forward of input `x`: adds the weight (and bias) gradient to the

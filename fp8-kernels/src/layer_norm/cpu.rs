@@ -115,10 +115,11 @@ pub(crate) fn forward_fp8<T: FloatElement>(
     rstd: &mut [f32],
     format: Fp8Format,
     scale: f32,
-    q: &mut [u8],
-    qt: &mut [u8],
+    q: Option<&mut [u8]>,
+    qt: Option<&mut [u8]>,
 ) -> f32 {
-    let mut h = vec![0.0f32; q.len()];
+    let n = spec.rows * spec.d;
+    let mut h = vec![0.0f32; n];
     for_each_row(spec, x, w, b, mean, rstd, &mut h, |o, v| {
         *o = T::from_f32(v).to_f32()
     });
@@ -126,6 +127,14 @@ pub(crate) fn forward_fp8<T: FloatElement>(
         .par_chunks(1 << 14)
         .map(|c| c.iter().fold(0.0f32, |a, v| a.max(v.abs())))
         .reduce(|| 0.0, f32::max);
+    let mut own = Vec::new();
+    let q = match q {
+        Some(q) => q,
+        None => {
+            own.resize(n, 0u8);
+            &mut own[..]
+        }
+    };
     q.par_chunks_mut(1 << 14)
         .zip(h.par_chunks(1 << 14))
         .for_each(|(o, v)| {
@@ -133,7 +142,9 @@ pub(crate) fn forward_fp8<T: FloatElement>(
                 *c = format.encode(hv * scale);
             }
         });
-    transpose_copy(q, spec.rows, spec.d, 32, qt);
+    if let Some(qt) = qt {
+        transpose_copy(q, spec.rows, spec.d, 32, qt);
+    }
     amax
 }
 

@@ -9,7 +9,7 @@ use super::{
 use crate::cast::{format_name, FloatElement};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::launch::{kernel_name, launch, optional_ptr, optional_ptr_mut, Kernel};
-use crate::{Buffer, CudaDevice, DType, KernelError};
+use crate::{Buffer, CudaDevice, DType, Device, KernelError};
 use cudarc::driver::LaunchConfig;
 
 /// Threads per block of the plain forward and of the legacy kernels (8 warps).
@@ -279,7 +279,12 @@ pub(super) fn forward_fp8<T: FloatElement>(
             kind_name(spec)
         ),
     )?;
-    let smem = plan.tile_rows * (spec.d + TILE_PAD);
+    // The tile of codes in shared memory is only the transposed write's.
+    let smem = if out.codes_t.is_some() {
+        plan.tile_rows * (spec.d + TILE_PAD)
+    } else {
+        0
+    };
     if smem > 48 * 1024 {
         kernel.allow_dynamic_smem(smem)?;
     }
@@ -298,21 +303,24 @@ pub(super) fn forward_fp8<T: FloatElement>(
     let stream = dev.stream();
     let (xs, ws, ss) = (cs(x, WHAT)?, cs(weight, WHAT)?, cs(out.scale, WHAT)?);
     let (ms, rs) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?);
-    let (qs, qts) = (cs_mut(out.codes, WHAT)?, cs_mut(out.codes_t, WHAT)?);
+    let q = out.codes.map(|q| cs_mut(q, WHAT)).transpose()?;
+    let qt = out.codes_t.map(|q| cs_mut(q, WHAT)).transpose()?;
+    let (q, qt) = (optional_ptr_mut(q, stream), optional_ptr_mut(qt, stream));
     let bias = optional_ptr(bias.map(|b| cs(b, WHAT)).transpose()?, stream);
     let slot = out.amax.as_ref().map_or(0, |a| a.slot as i32);
     let amax = out.amax.map(|a| cs_mut(a.buffer, WHAT)).transpose()?;
     let amax = optional_ptr_mut(amax, stream);
-    // warps * 32 threads (at most 512, tile_rows = warps * rows_per_warp) and tile_rows * (d + 16) bytes of
-    // dynamic shared memory (allowed above); x, q and qt hold rows*d elements, w and b d, mean and rstd
-    // rows, scale at least one, the amax slot is in bounds (checked by the caller).
+    // warps * 32 threads (at most 512, tile_rows = warps * rows_per_warp) and, when qt is written,
+    // tile_rows * (d + 16) bytes of dynamic shared memory (allowed above); x and the non-null of q and qt
+    // (at least one, checked by the caller) hold rows*d elements, w and b d, mean and rstd rows, scale at
+    // least one, the amax slot is in bounds (checked by the caller).
     launch!(
         kernel: &kernel,
         cfg,
         "ln_fwd_fp8_<T>_<fmt>_nv<NV>_r<RPW>_<kind>(const T* x, const T* w, const T* b, float* mean, \
          float* rstd, u8* q, u8* qt, const float* scale, float* amax, int slot, int rows, int d, float eps, \
          int tile_rows)",
-        [xs, ws, &bias.ptr, ms, rs, qs, qts, ss, &amax.ptr, &slot, &rows, &d, &eps, &tile]
+        [xs, ws, &bias.ptr, ms, rs, &q.ptr, &qt.ptr, ss, &amax.ptr, &slot, &rows, &d, &eps, &tile]
     )
 }
 
@@ -640,7 +648,18 @@ fn legacy_forward_fp8<T: FloatElement>(
     let stream = dev.stream();
     let (xs, ws, ss) = (cs(x, WHAT)?, cs(weight, WHAT)?, cs(out.scale, WHAT)?);
     let (ms, rs) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?);
-    let (qs, qts) = (cs_mut(out.codes, WHAT)?, cs_mut(out.codes_t, WHAT)?);
+    // The legacy kernel writes both layouts: a layout not asked for goes to scratch.
+    let n = spec.rows * spec.d;
+    let (mut q_scratch, mut qt_scratch) = (None, None);
+    let q = match out.codes {
+        Some(q) => q,
+        None => q_scratch.insert(Device::Cuda(dev.clone()).uninit::<u8>(n)?),
+    };
+    let qt = match out.codes_t {
+        Some(q) => q,
+        None => qt_scratch.insert(Device::Cuda(dev.clone()).uninit::<u8>(n)?),
+    };
+    let (qs, qts) = (cs_mut(q, WHAT)?, cs_mut(qt, WHAT)?);
     let bias = optional_ptr(bias.map(|b| cs(b, WHAT)).transpose()?, stream);
     let slot = out.amax.as_ref().map_or(0, |a| a.slot as i32);
     let amax = out.amax.map(|a| cs_mut(a.buffer, WHAT)).transpose()?;

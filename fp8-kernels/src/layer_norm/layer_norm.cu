@@ -366,6 +366,9 @@ __device__ void ln_fwd_fp8_rows(const typename E::T* x, const typename E::T* w, 
     const float s = *scale;
     float m = 0.0f;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Either layout may be left out (null): the row-major codes when the caller recasts them later, the
+    // transpose (and its shared-memory tile) when its GEMM casts its input again in the backward.
+    const bool want_q = q != nullptr, want_qt = qt != nullptr;
     const bool vec = NV > 0 || ((d & 7) == 0 && ln_aligned16(x) && ln_aligned16(w) &&
                                 (b == nullptr || ln_aligned16(b)) && (((unsigned long long)q & 7) == 0));
     // Rows per piece of a transposed column: 16 or 8 when rows and tile_rows are multiples of it, else bytes.
@@ -412,25 +415,26 @@ __device__ void ln_fwd_fp8_rows(const typename E::T* x, const typename E::T* w, 
                         if (e < n) m = fmaxf(m, fabsf(h[e]));
                     const u32 lo = ln_e4m3x4(mul_rn(h[0], s), mul_rn(h[1], s), mul_rn(h[2], s), mul_rn(h[3], s));
                     const u32 hi = ln_e4m3x4(mul_rn(h[4], s), mul_rn(h[5], s), mul_rn(h[6], s), mul_rn(h[7], s));
-                    u8* qrow = q + (u64)(r0 + i0 + i) * d + 8 * j;
-                    u8* trow = ln_tile + (u64)(i0 + i) * ts + 8 * j;
+                    u8* qrow = want_q ? q + (u64)(r0 + i0 + i) * d + 8 * j : nullptr;
+                    u8* trow = want_qt ? ln_tile + (u64)(i0 + i) * ts + 8 * j : nullptr;
                     if (vec) {
                         const uint2 pair = make_uint2(lo, hi);
-                        *reinterpret_cast<uint2*>(qrow) = pair;
-                        *reinterpret_cast<uint2*>(trow) = pair;
+                        if (want_q) *reinterpret_cast<uint2*>(qrow) = pair;
+                        if (want_qt) *reinterpret_cast<uint2*>(trow) = pair;
                     } else {
 #pragma unroll
                         for (int e = 0; e < 8; ++e) {
                             if (e < n) {
                                 const u8 code = (u8)(((e < 4 ? lo : hi) >> (8 * (e & 3))) & 0xFFu);
-                                qrow[e] = code;
-                                trow[e] = code;
+                                if (want_q) qrow[e] = code;
+                                if (want_qt) trow[e] = code;
                             }
                         }
                     }
                 }
             }
         });
+        if (!want_qt) continue;  // uniform across the block: qt is a kernel argument
         __syncthreads();
         if (seg == 16) {
             ln_write_transposed<16>(ln_tile, ts, qt, rows, r0, tr, d);

@@ -275,10 +275,13 @@ pub struct Fp8NormOutput<'a> {
     pub format: Fp8Format,
     /// `scale[0]`, read on the device.
     pub scale: &'a Buffer<f32>,
-    /// Row-major codes `[rows, d]`.
-    pub codes: &'a mut Buffer<u8>,
-    /// Codes of the transpose `[d, rows]` (the operand of the FP8 weight-gradient GEMM).
-    pub codes_t: &'a mut Buffer<u8>,
+    /// Row-major codes `[rows, d]` (the forward GEMM's operand), if wanted.
+    pub codes: Option<&'a mut Buffer<u8>>,
+    /// Codes of the transpose `[d, rows]` (the operand of the FP8 weight-gradient GEMM), if wanted. A
+    /// forward whose linear casts its input again in the backward needs only `codes`, the backward's
+    /// recast only this: each layout left out is a pass of writes saved (the transposed one through
+    /// shared memory).
+    pub codes_t: Option<&'a mut Buffer<u8>>,
     /// Where the amax of the unscaled output accumulates, if anywhere.
     pub amax: Option<AmaxSlot<'a>>,
 }
@@ -450,8 +453,9 @@ pub fn norm_forward<T: FloatElement>(
 }
 
 /// Forward fused with the FP8 cast (one pass over `x`): writes the codes of `h = T(y)` row-major and
-/// transposed, accumulates the amax of `h` into `out.amax`, and writes the row statistics. Bit-identical to
-/// [`norm_forward`] into a `T` buffer followed by [`crate::cast_transpose_to_fp8`] of it.
+/// transposed (either or both: at least one), accumulates the amax of `h` into `out.amax`, and writes the
+/// row statistics. Bit-identical to [`norm_forward`] into a `T` buffer followed by
+/// [`crate::cast_transpose_to_fp8`] of it.
 pub fn norm_forward_fp8<T: FloatElement>(
     spec: &NormSpec,
     x: &Buffer<T>,
@@ -474,8 +478,18 @@ pub fn norm_forward_fp8<T: FloatElement>(
             ),
         ));
     }
-    check_len(WHAT, n, out.codes.len())?;
-    check_len(WHAT, n, out.codes_t.len())?;
+    if out.codes.is_none() && out.codes_t.is_none() {
+        return Err(bad(
+            WHAT,
+            "neither row-major nor transposed codes asked for".into(),
+        ));
+    }
+    if let Some(q) = &out.codes {
+        check_len(WHAT, n, q.len())?;
+    }
+    if let Some(qt) = &out.codes_t {
+        check_len(WHAT, n, qt.len())?;
+    }
     if out.scale.is_empty() {
         return Err(bad(WHAT, "scale buffer is empty".into()));
     }
@@ -491,7 +505,7 @@ pub fn norm_forward_fp8<T: FloatElement>(
             ));
         }
     }
-    let dev = device_of(WHAT, &[x, out.scale, out.codes, out.codes_t, &out.amax])?;
+    let dev = device_of(WHAT, &[x, out.scale, &out.codes, &out.codes_t, &out.amax])?;
     match dev {
         None => {
             let b = match bias {
@@ -509,8 +523,8 @@ pub fn norm_forward_fp8<T: FloatElement>(
                 rstd.host_mut(WHAT)?,
                 out.format,
                 s,
-                out.codes.host_mut(WHAT)?,
-                out.codes_t.host_mut(WHAT)?,
+                out.codes.map(|q| q.host_mut(WHAT)).transpose()?,
+                out.codes_t.map(|q| q.host_mut(WHAT)).transpose()?,
             );
             if let Some(slot) = out.amax {
                 let v = &mut slot.buffer.host_mut(WHAT)?[slot.slot];
