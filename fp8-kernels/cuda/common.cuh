@@ -347,16 +347,53 @@ __device__ void cast_transpose32(const typename E::T* x, const typename E::T* dy
     }
 }
 
+// The row-major codes alone (no transpose wanted): a grid-stride loop over the block's threads, 8 values
+// and one 8-byte store per step where cols is a multiple of 8 and the pointers allow (VAL::value8 reads 8
+// elements of one row), else one value at a time. The same values, codes and amax bits as the tiles.
+template <class E, int FMT, class VAL>
+__device__ void cast_values_rows(const typename E::T* x, const typename E::T* dy, u8* y, float s, int& m, int rows,
+                                 int cols, const VAL& val) {
+    const u64 n = (u64)rows * cols;
+    const u64 tid = (u64)blockIdx.x * blockDim.x * blockDim.y + (u64)threadIdx.y * blockDim.x + threadIdx.x;
+    const u64 nthreads = (u64)gridDim.x * blockDim.x * blockDim.y;
+    const unsigned long long align = (unsigned long long)x | (unsigned long long)dy | (unsigned long long)y;
+    if ((cols & 7) == 0 && (align & 15) == 0) {
+        for (u64 v = tid; v < n / 8; v += nthreads) {
+            float h[8];
+            val.value8(x, dy, 8 * v, h);
+            u32 w[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int k = 4 * q;
+                m = max(m, max(max(abs_bits_no_nan(h[k]), abs_bits_no_nan(h[k + 1])),
+                               max(abs_bits_no_nan(h[k + 2]), abs_bits_no_nan(h[k + 3]))));
+                const u32 lo = fp8x2<FMT>(mul_rn(h[k], s), mul_rn(h[k + 1], s));
+                const u32 hi = fp8x2<FMT>(mul_rn(h[k + 2], s), mul_rn(h[k + 3], s));
+                w[q] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint2*>(y + 8 * v) = make_uint2(w[0], w[1]);
+        }
+        return;
+    }
+    for (u64 i = tid; i < n; i += nthreads) {
+        const float h = val.value(x, dy, i);
+        m = max(m, abs_bits_no_nan(h));
+        y[i] = (u8)(fp8x2<FMT>(mul_rn(h, s), 0.0f) & 0xFF);
+    }
+}
+
 // The FP8 cast + transpose of the cast and fused-GELU families: x [rows, cols] -> y = codes [rows, cols]
-// (skipped when null), yt = codes of the transpose [cols, rows], the amax of the values into amax[slot]
-// (when not null). A one-dimensional block selects the vectorised 64x64 path (the caller launches it for
-// shapes in multiples of 64), the (32, 8) block the 32x32 tiles.
+// (skipped when null), yt = codes of the transpose [cols, rows] (skipped when null: then the row-major
+// codes alone, without the shared tiles), the amax of the values into amax[slot] (when not null). A
+// one-dimensional block selects the vectorised 64x64 path (the caller launches it for shapes in multiples
+// of 64), the (32, 8) block the 32x32 tiles.
 template <class E, int FMT, class VAL>
 __device__ void cast_transpose_values(const typename E::T* x, const typename E::T* dy, u8* y, u8* yt,
                                       const float* scale, float* amax, int slot, int rows, int cols, const VAL& val) {
     const float s = *scale;
     int m = 0;
-    if (blockDim.y == 1) cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, val);
+    if (yt == nullptr) cast_values_rows<E, FMT>(x, dy, y, s, m, rows, cols, val);
+    else if (blockDim.y == 1) cast_transpose64<E, FMT>(x, dy, y, yt, s, m, rows, cols, val);
     else cast_transpose32<E, FMT>(x, dy, y, yt, s, m, rows, cols, val);
     block_amax_commit(m, amax == nullptr ? nullptr : amax + slot);
 }

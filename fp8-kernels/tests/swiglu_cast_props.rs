@@ -181,27 +181,60 @@ fn fused<T: FloatElement>(
     let scale = dev.upload(&[s.scale]).unwrap();
     let (mut y, mut yt) = (dev.zeros::<u8>(n).unwrap(), dev.zeros::<u8>(n).unwrap());
     let mut amax = dev.upload(&s.amax0).unwrap();
-    let out = SwigluCodes {
+    let dh = dh.map(|d| dev.upload(&to_t::<T>(d)).unwrap());
+    let run = |out: SwigluCodes<'_, '_>| match &dh {
+        None => swiglu_cast_fp8(&gu, shape, out).unwrap(),
+        Some(d) => swiglu_backward_cast_fp8(&gu, d, shape, out).unwrap(),
+    };
+    run(SwigluCodes {
         format: s.format,
         scale: &scale,
-        codes: &mut y,
-        codes_t: &mut yt,
+        codes: Some(&mut y),
+        codes_t: Some(&mut yt),
         amax: Some(AmaxSlot::new(&mut amax, s.slot)),
-    };
-    match dh {
-        None => swiglu_cast_fp8(&gu, shape, out).unwrap(),
-        Some(d) => {
-            let d = dev.upload(&to_t::<T>(d)).unwrap();
-            swiglu_backward_cast_fp8(&gu, &d, shape, out).unwrap()
-        }
-    }
-    let bits = amax
+    });
+    let (y, yt) = (y.to_vec().unwrap(), yt.to_vec().unwrap());
+    let bits: Vec<u32> = amax
         .to_vec()
         .unwrap()
         .into_iter()
         .map(f32::to_bits)
         .collect();
-    (y.to_vec().unwrap(), yt.to_vec().unwrap(), bits)
+    // Either layout alone: the same codes and amax, the other buffer untouched.
+    for (row_major, transposed) in [(true, false), (false, true)] {
+        let untouched = vec![0x55u8; n];
+        let (mut q, mut qt) = (
+            dev.upload(&untouched).unwrap(),
+            dev.upload(&untouched).unwrap(),
+        );
+        let mut amax1 = dev.upload(&s.amax0).unwrap();
+        run(SwigluCodes {
+            format: s.format,
+            scale: &scale,
+            codes: row_major.then_some(&mut q),
+            codes_t: transposed.then_some(&mut qt),
+            amax: Some(AmaxSlot::new(&mut amax1, s.slot)),
+        });
+        let what = format!("{shape:?}, row-major {row_major}, transposed {transposed}");
+        let q = q.to_vec().unwrap();
+        let qt = qt.to_vec().unwrap();
+        assert!(
+            q == if row_major { &y[..] } else { &untouched[..] },
+            "{what}"
+        );
+        assert!(
+            qt == if transposed { &yt[..] } else { &untouched[..] },
+            "{what}"
+        );
+        let bits1: Vec<u32> = amax1
+            .to_vec()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect();
+        assert_eq!(bits1, bits, "{what}");
+    }
+    (y, yt, bits)
 }
 
 /// The element-wise kernel into a `T` buffer, then `cast_transpose_to_fp8`.
@@ -347,8 +380,8 @@ fn codes<'a, 'b>(
     SwigluCodes {
         format: Fp8Format::E4M3,
         scale,
-        codes: y,
-        codes_t: yt,
+        codes: Some(y),
+        codes_t: Some(yt),
         amax,
     }
 }

@@ -233,40 +233,55 @@ impl<T: Activation> Mlp<T> {
             + self.u.as_ref().map_or(0, |u| u.data().num_bytes())
     }
 
-    /// Writes the down linear's E4M3 input, `gelu(u)` cast with its input meta, into its saved `x^T` and
-    /// returns the row-major codes.
+    /// Writes the down linear's E4M3 input, `act(u)` cast with its input meta: its `x^T` into the down
+    /// linear's saved input when `transposed`, and returns the row-major codes when `row_major` (the
+    /// forward needs the codes, and `x^T` only when the backward does not recast it; the recast needs
+    /// `x^T` alone). The GELU cast writes both layouts.
     fn cast_down_input(
         &mut self,
         ctx: &mut Ctx<'_>,
         u: &Tensor<T>,
-    ) -> Result<fp8_kernels::Buffer<u8>, NnError> {
+        row_major: bool,
+        transposed: bool,
+    ) -> Result<Option<fp8_kernels::Buffer<u8>>, NnError> {
         let dev = ctx.device().clone();
         let tokens = u.shape().rows();
         let hidden = self.down.in_features();
-        let mut x_q = dev.uninit::<u8>(tokens * hidden)?;
-        let meta = self.down.input_meta();
         let activation = self.activation;
-        let saved = self.down.fp8_input(&dev, tokens)?;
+        let (row_major, transposed) = match activation {
+            MlpActivation::Gelu => (true, true),
+            MlpActivation::SwiGlu => (row_major, transposed),
+        };
+        let mut x_q = if row_major {
+            Some(dev.uninit::<u8>(tokens * hidden)?)
+        } else {
+            None
+        };
+        let meta = self.down.input_meta();
+        let saved = self.down.fp8_input_for(&dev, tokens, transposed)?;
         let s = ctx.scaling(meta)?;
-        match activation {
-            MlpActivation::Gelu => gelu_cast_fp8(
+        match (activation, x_q.as_mut()) {
+            (MlpActivation::Gelu, Some(x_q)) => gelu_cast_fp8(
                 u.data(),
                 [tokens, hidden],
                 GeluApprox::Erf,
                 s.state.format()?,
                 s.state.scale(),
-                &mut x_q,
+                x_q,
                 &mut saved.x_t,
                 s.amax,
             )?,
-            MlpActivation::SwiGlu => swiglu_cast_fp8(
+            (MlpActivation::Gelu, None) => {
+                return Err(NnError::usage("Mlp", "the GELU cast writes both layouts"))
+            }
+            (MlpActivation::SwiGlu, x_q) => swiglu_cast_fp8(
                 u.data(),
                 [tokens, hidden],
                 SwigluCodes {
                     format: s.state.format()?,
                     scale: s.state.scale(),
-                    codes: &mut x_q,
-                    codes_t: &mut saved.x_t,
+                    codes: x_q,
+                    codes_t: transposed.then_some(&mut saved.x_t),
                     amax: s.amax,
                 },
             )?,
@@ -298,7 +313,13 @@ impl<T: Activation> Mlp<T> {
     ) -> Result<Tensor<T>, NnError> {
         self.dropped_u = None;
         let y = if self.is_fused() {
-            let x_q = self.cast_down_input(ctx, &u)?;
+            // x^T only for a backward that reads it as written now.
+            let transposed = ctx.is_training() && !self.recomputes();
+            let x_q = self
+                .cast_down_input(ctx, &u, true, transposed)?
+                .ok_or_else(|| {
+                    NnError::usage("Mlp", "the down linear's input codes are missing")
+                })?;
             let out = u.shape().with_last(self.down.out_features())?;
             let y = self.down.forward_fp8_codes(ctx, &x_q, out)?;
             if self.recomputes() || !ctx.is_training() {
@@ -393,7 +414,7 @@ impl<T: Activation> Mlp<T> {
         let u = take_saved(&mut self.u, "Mlp")?;
         if self.recomputes() {
             // The same scale as in the forward (metas change at the step end): the same codes.
-            self.cast_down_input(ctx, &u)?;
+            self.cast_down_input(ctx, &u, false, true)?;
         }
         let da = self
             .down
@@ -427,8 +448,8 @@ impl<T: Activation> Mlp<T> {
                     SwigluCodes {
                         format: s.state.format()?,
                         scale: s.state.scale(),
-                        codes: &mut dq,
-                        codes_t: &mut dt,
+                        codes: Some(&mut dq),
+                        codes_t: Some(&mut dt),
                         amax: s.amax,
                     },
                 )?,

@@ -63,11 +63,12 @@ pub(super) fn swiglu_cast<T: FloatElement>(
     } = out;
     let slot = amax.as_ref().map_or(0, |a| a.slot as i32);
     let fmt = format_name(format);
-    let (gs, ss, ys, yt) = (
-        cs(gu, what)?,
-        cs(scale, what)?,
-        cs_mut(codes, what)?,
-        cs_mut(codes_t, what)?,
+    let (gs, ss) = (cs(gu, what)?, cs(scale, what)?);
+    let ys = codes.map(|q| cs_mut(q, what)).transpose()?;
+    let yt = codes_t.map(|q| cs_mut(q, what)).transpose()?;
+    let (ys, yt) = (
+        optional_ptr_mut(ys, dev.stream()),
+        optional_ptr_mut(yt, dev.stream()),
     );
     let amax = amax.map(|a| cs_mut(a.buffer, what)).transpose()?;
     let amax = optional_ptr_mut(amax, dev.stream());
@@ -79,7 +80,7 @@ pub(super) fn swiglu_cast<T: FloatElement>(
             cfg,
             "swiglu_cast_transpose_<T>_<fmt>(const T* gu, u8* y, u8* yt, const float* scale, float* amax, \
              int slot, int rows, int f)",
-            [gs, ys, yt, ss, &amax.ptr, &slot, &r, &fi]
+            [gs, &ys.ptr, &yt.ptr, ss, &amax.ptr, &slot, &r, &fi]
         ),
         Some(dh) => {
             let ds = cs(dh, what)?;
@@ -90,7 +91,7 @@ pub(super) fn swiglu_cast<T: FloatElement>(
                 cfg,
                 "swiglu_bwd_cast_transpose_<T>_<fmt>(const T* gu, const T* dh, u8* y, u8* yt, \
                  const float* scale, float* amax, int slot, int rows, int f)",
-                [gs, ds, ys, yt, ss, &amax.ptr, &slot, &r, &fi]
+                [gs, ds, &ys.ptr, &yt.ptr, ss, &amax.ptr, &slot, &r, &fi]
             )
         }
     }

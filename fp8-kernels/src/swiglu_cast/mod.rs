@@ -120,10 +120,11 @@ pub struct SwigluCodes<'a, 'b> {
     pub format: Fp8Format,
     /// `scale[0]`, read on the device.
     pub scale: &'a Buffer<f32>,
-    /// Row-major codes of the output.
-    pub codes: &'a mut Buffer<u8>,
-    /// Codes of its transpose.
-    pub codes_t: &'a mut Buffer<u8>,
+    /// Row-major codes of the output, if wanted (at least one layout).
+    pub codes: Option<&'a mut Buffer<u8>>,
+    /// Codes of its transpose, if wanted: a forward whose down linear casts its input again in the
+    /// backward needs none (and that recast needs no row-major codes).
+    pub codes_t: Option<&'a mut Buffer<u8>>,
     /// Where the amax of the (unscaled, `T`-rounded) output accumulates, if anywhere.
     pub amax: Option<AmaxSlot<'b>>,
 }
@@ -138,15 +139,25 @@ fn run_fused<T: FloatElement>(
     check_shape(what, shape, gu, dh)?;
     // The forward casts `h [rows, F]`, the backward `[dgate | dup] [rows, 2F]` (in range: checked above).
     let (rows, cols) = (shape[0], if dh.is_some() { 2 * shape[1] } else { shape[1] });
-    check_len(what, rows * cols, out.codes.len())?;
-    check_len(what, rows * cols, out.codes_t.len())?;
+    if out.codes.is_none() && out.codes_t.is_none() {
+        return Err(KernelError::InvalidArgument {
+            what,
+            detail: "neither row-major nor transposed codes asked for".into(),
+        });
+    }
+    if let Some(q) = &out.codes {
+        check_len(what, rows * cols, q.len())?;
+    }
+    if let Some(q) = &out.codes_t {
+        check_len(what, rows * cols, q.len())?;
+    }
     check_nonempty(out.scale, what)?;
     if let Some(a) = &out.amax {
         a.check(what)?;
     }
     match device_of(
         what,
-        &[gu, &dh, out.scale, &*out.codes, &*out.codes_t, &out.amax],
+        &[gu, &dh, out.scale, &out.codes, &out.codes_t, &out.amax],
     )? {
         None => {
             let s = out.scale.host(what)?[0];
@@ -154,20 +165,18 @@ fn run_fused<T: FloatElement>(
                 Some(d) => cpu::Value::Backward(d.host(what)?),
                 None => cpu::Value::Forward,
             };
-            let a = cpu::values_cast(
-                gu.host(what)?,
-                value,
-                shape[1],
-                out.format,
-                s,
-                out.codes.host_mut(what)?,
-            );
-            cpu::transpose_codes(
-                out.codes.host(what)?,
-                rows,
-                cols,
-                out.codes_t.host_mut(what)?,
-            );
+            let mut own = Vec::new();
+            let codes = match out.codes {
+                Some(q) => q.host_mut(what)?,
+                None => {
+                    own.resize(rows * cols, 0u8);
+                    &mut own[..]
+                }
+            };
+            let a = cpu::values_cast(gu.host(what)?, value, shape[1], out.format, s, codes);
+            if let Some(qt) = out.codes_t {
+                cpu::transpose_codes(codes, rows, cols, qt.host_mut(what)?);
+            }
             match out.amax {
                 Some(slot) => slot.accumulate_host(what, a),
                 None => Ok(()),
