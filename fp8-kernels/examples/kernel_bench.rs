@@ -129,8 +129,8 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
                 GeluApprox::Erf,
                 Fp8Format::E4M3,
                 &scale,
-                &mut q2,
-                &mut qt,
+                Some(&mut q2),
+                Some(&mut qt),
                 Some(AmaxSlot::first(&mut amax_buf)),
             )
         })?;
@@ -150,8 +150,8 @@ fn run(n: usize, iters: usize) -> Result<(), KernelError> {
                 GeluApprox::Erf,
                 Fp8Format::E5M2,
                 &scale,
-                &mut q2,
-                &mut qt,
+                Some(&mut q2),
+                Some(&mut qt),
                 Some(AmaxSlot::first(&mut amax_buf)),
             )
         })?;

@@ -108,27 +108,46 @@ fn fused<T: FloatElement>(dev: &Device, c: &Inputs<'_>) -> Outputs {
     let n = c.u.len();
     let u: Buffer<T> = dev.upload(&to_t::<T>(c.u)).unwrap();
     let scale = dev.upload(&[c.scale]).unwrap();
-    let (mut y, mut yt) = (dev.zeros::<u8>(n).unwrap(), dev.zeros::<u8>(n).unwrap());
-    let mut amax = dev.upload(&c.amax0).unwrap();
-    let slot = Some(AmaxSlot::new(&mut amax, c.slot));
-    match c.dh {
-        None => gelu_cast_fp8(
-            &u, c.shape, c.approx, c.format, &scale, &mut y, &mut yt, slot,
-        )
-        .unwrap(),
-        Some(g) => {
-            let g: Buffer<T> = dev.upload(&to_t::<T>(g)).unwrap();
-            gelu_backward_cast_fp8(
-                &u, &g, c.shape, c.approx, c.format, &scale, &mut y, &mut yt, slot,
-            )
-            .unwrap()
+    let g: Option<Buffer<T>> = c.dh.map(|g| dev.upload(&to_t::<T>(g)).unwrap());
+    let run = |y: Option<&mut Buffer<u8>>, yt: Option<&mut Buffer<u8>>| {
+        let mut amax = dev.upload(&c.amax0).unwrap();
+        let slot = Some(AmaxSlot::new(&mut amax, c.slot));
+        match &g {
+            None => gelu_cast_fp8(&u, c.shape, c.approx, c.format, &scale, y, yt, slot).unwrap(),
+            Some(g) => {
+                gelu_backward_cast_fp8(&u, g, c.shape, c.approx, c.format, &scale, y, yt, slot)
+                    .unwrap()
+            }
         }
+        bits(amax.to_vec().unwrap())
+    };
+    let (mut y, mut yt) = (dev.zeros::<u8>(n).unwrap(), dev.zeros::<u8>(n).unwrap());
+    let amax = run(Some(&mut y), Some(&mut yt));
+    let (y, yt) = (y.to_vec().unwrap(), yt.to_vec().unwrap());
+    // Either layout alone: the same codes and amax, the other buffer untouched.
+    for (row_major, transposed) in [(true, false), (false, true)] {
+        let untouched = vec![0x55u8; n];
+        let (mut q, mut qt) = (
+            dev.upload(&untouched).unwrap(),
+            dev.upload(&untouched).unwrap(),
+        );
+        let a = run(row_major.then_some(&mut q), transposed.then_some(&mut qt));
+        let what = format!(
+            "{:?}, row-major {row_major}, transposed {transposed}",
+            c.shape
+        );
+        let (q, qt) = (q.to_vec().unwrap(), qt.to_vec().unwrap());
+        assert!(
+            q == if row_major { &y[..] } else { &untouched[..] },
+            "{what}"
+        );
+        assert!(
+            qt == if transposed { &yt[..] } else { &untouched[..] },
+            "{what}"
+        );
+        assert_eq!(a, amax, "{what}");
     }
-    (
-        y.to_vec().unwrap(),
-        yt.to_vec().unwrap(),
-        bits(amax.to_vec().unwrap()),
-    )
+    (y, yt, amax)
 }
 
 /// The naive scalar definition: value rounded to T, encoded; transpose by index; amax accumulated.
@@ -236,23 +255,55 @@ fn bad_arguments_are_errors() {
     let mut short = dev.zeros::<u8>(11).unwrap();
     let mut amax = dev.zeros::<f32>(1).unwrap();
     let (a, f) = (GeluApprox::Erf, Fp8Format::E4M3);
-    assert!(gelu_cast_fp8(&u, [3, 5], a, f, &scale, &mut y, &mut yt, None).is_err());
-    assert!(gelu_cast_fp8(&u, [3, 4], a, f, &scale, &mut short, &mut yt, None).is_err());
-    assert!(gelu_cast_fp8(&u, [3, 4], a, f, &empty, &mut y, &mut yt, None).is_err());
+    assert!(gelu_cast_fp8(&u, [3, 5], a, f, &scale, Some(&mut y), Some(&mut yt), None).is_err());
     assert!(gelu_cast_fp8(
         &u,
         [3, 4],
         a,
         f,
         &scale,
-        &mut y,
-        &mut yt,
+        Some(&mut short),
+        Some(&mut yt),
+        None
+    )
+    .is_err());
+    assert!(gelu_cast_fp8(&u, [3, 4], a, f, &empty, Some(&mut y), Some(&mut yt), None).is_err());
+    assert!(gelu_cast_fp8(
+        &u,
+        [3, 4],
+        a,
+        f,
+        &scale,
+        Some(&mut y),
+        Some(&mut yt),
         Some(AmaxSlot::new(&mut amax, 1))
     )
     .is_err());
+    assert!(gelu_cast_fp8(&u, [3, 4], a, f, &scale, None, None, None).is_err());
     let dh = dev.upload(&[bf16::from_f32(0.5); 10]).unwrap();
-    assert!(gelu_backward_cast_fp8(&u, &dh, [3, 4], a, f, &scale, &mut y, &mut yt, None).is_err());
-    assert!(gelu_cast_fp8(&u, [usize::MAX, 2], a, f, &scale, &mut y, &mut yt, None).is_err());
+    assert!(gelu_backward_cast_fp8(
+        &u,
+        &dh,
+        [3, 4],
+        a,
+        f,
+        &scale,
+        Some(&mut y),
+        Some(&mut yt),
+        None
+    )
+    .is_err());
+    assert!(gelu_cast_fp8(
+        &u,
+        [usize::MAX, 2],
+        a,
+        f,
+        &scale,
+        Some(&mut y),
+        Some(&mut yt),
+        None
+    )
+    .is_err());
 }
 
 nvrtc_test! {

@@ -236,7 +236,7 @@ impl<T: Activation> Mlp<T> {
     /// Writes the down linear's E4M3 input, `act(u)` cast with its input meta: its `x^T` into the down
     /// linear's saved input when `transposed`, and returns the row-major codes when `row_major` (the
     /// forward needs the codes, and `x^T` only when the backward does not recast it; the recast needs
-    /// `x^T` alone). The GELU cast writes both layouts.
+    /// `x^T` alone).
     fn cast_down_input(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -248,10 +248,6 @@ impl<T: Activation> Mlp<T> {
         let tokens = u.shape().rows();
         let hidden = self.down.in_features();
         let activation = self.activation;
-        let (row_major, transposed) = match activation {
-            MlpActivation::Gelu => (true, true),
-            MlpActivation::SwiGlu => (row_major, transposed),
-        };
         let mut x_q = if row_major {
             Some(dev.uninit::<u8>(tokens * hidden)?)
         } else {
@@ -261,19 +257,16 @@ impl<T: Activation> Mlp<T> {
         let saved = self.down.fp8_input_for(&dev, tokens, transposed)?;
         let s = ctx.scaling(meta)?;
         match (activation, x_q.as_mut()) {
-            (MlpActivation::Gelu, Some(x_q)) => gelu_cast_fp8(
+            (MlpActivation::Gelu, x_q) => gelu_cast_fp8(
                 u.data(),
                 [tokens, hidden],
                 GeluApprox::Erf,
                 s.state.format()?,
                 s.state.scale(),
                 x_q,
-                &mut saved.x_t,
+                transposed.then_some(&mut saved.x_t),
                 s.amax,
             )?,
-            (MlpActivation::Gelu, None) => {
-                return Err(NnError::usage("Mlp", "the GELU cast writes both layouts"))
-            }
             (MlpActivation::SwiGlu, x_q) => swiglu_cast_fp8(
                 u.data(),
                 [tokens, hidden],
@@ -437,8 +430,8 @@ impl<T: Activation> Mlp<T> {
                     GeluApprox::Erf,
                     s.state.format()?,
                     s.state.scale(),
-                    &mut dq,
-                    &mut dt,
+                    Some(&mut dq),
+                    Some(&mut dt),
                     s.amax,
                 )?,
                 MlpActivation::SwiGlu => swiglu_backward_cast_fp8(

@@ -12,8 +12,8 @@ use fp8_core::Fp8Format;
 pub(super) struct Codes<'a, 'b> {
     pub(super) format: Fp8Format,
     pub(super) scale: &'a Buffer<f32>,
-    pub(super) out: &'a mut Buffer<u8>,
-    pub(super) out_t: &'a mut Buffer<u8>,
+    pub(super) out: Option<&'a mut Buffer<u8>>,
+    pub(super) out_t: Option<&'a mut Buffer<u8>>,
     pub(super) amax: Option<AmaxSlot<'b>>,
 }
 
@@ -40,11 +40,12 @@ pub(super) fn gelu_cast<T: FloatElement>(
     } = codes;
     let slot = amax.as_ref().map_or(0, |a| a.slot as i32);
     let fmt = format_name(format);
-    let (us, ss, ys, yt) = (
-        cs(u, what)?,
-        cs(scale, what)?,
-        cs_mut(out, what)?,
-        cs_mut(out_t, what)?,
+    let (us, ss) = (cs(u, what)?, cs(scale, what)?);
+    let ys = out.map(|q| cs_mut(q, what)).transpose()?;
+    let yt = out_t.map(|q| cs_mut(q, what)).transpose()?;
+    let (ys, yt) = (
+        optional_ptr_mut(ys, dev.stream()),
+        optional_ptr_mut(yt, dev.stream()),
     );
     let amax = amax.map(|a| cs_mut(a.buffer, what)).transpose()?;
     let amax = optional_ptr_mut(amax, dev.stream());
@@ -56,7 +57,7 @@ pub(super) fn gelu_cast<T: FloatElement>(
             cfg,
             "gelu_cast_transpose_<T>_<fmt>(const T* x, u8* y, u8* yt, const float* scale, float* amax, \
              int slot, int rows, int cols, int exact)",
-            [us, ys, yt, ss, &amax.ptr, &slot, &r, &c, &exact]
+            [us, &ys.ptr, &yt.ptr, ss, &amax.ptr, &slot, &r, &c, &exact]
         ),
         Some(dh) => {
             let gs = cs(dh, what)?;
@@ -67,7 +68,7 @@ pub(super) fn gelu_cast<T: FloatElement>(
                 cfg,
                 "gelu_bwd_cast_transpose_<T>_<fmt>(const T* x, const T* dy, u8* y, u8* yt, \
                  const float* scale, float* amax, int slot, int rows, int cols, int exact)",
-                [us, gs, ys, yt, ss, &amax.ptr, &slot, &r, &c, &exact]
+                [us, gs, &ys.ptr, &yt.ptr, ss, &amax.ptr, &slot, &r, &c, &exact]
             )
         }
     }

@@ -32,8 +32,8 @@ fn run_fused<T: FloatElement>(
     approx: GeluApprox,
     format: Fp8Format,
     scale: &Buffer<f32>,
-    out: &mut Buffer<u8>,
-    out_t: &mut Buffer<u8>,
+    out: Option<&mut Buffer<u8>>,
+    out_t: Option<&mut Buffer<u8>>,
     amax: Option<AmaxSlot<'_>>,
 ) -> Result<(), KernelError> {
     let [rows, cols] = shape;
@@ -48,13 +48,23 @@ fn run_fused<T: FloatElement>(
     if let Some(g) = dh {
         check_len(what, n, g.len())?;
     }
-    check_len(what, n, out.len())?;
-    check_len(what, n, out_t.len())?;
+    if out.is_none() && out_t.is_none() {
+        return Err(KernelError::InvalidArgument {
+            what,
+            detail: "neither row-major nor transposed codes asked for".into(),
+        });
+    }
+    if let Some(q) = &out {
+        check_len(what, n, q.len())?;
+    }
+    if let Some(q) = &out_t {
+        check_len(what, n, q.len())?;
+    }
     check_nonempty(scale, what)?;
     if let Some(a) = &amax {
         a.check(what)?;
     }
-    let dev = device_of(what, &[u, &dh, scale, out, out_t, &amax])?;
+    let dev = device_of(what, &[u, &dh, scale, &out, &out_t, &amax])?;
     match dev {
         None => {
             let s = scale.host(what)?[0];
@@ -62,8 +72,18 @@ fn run_fused<T: FloatElement>(
                 Some(g) => cpu::Value::Backward(g.host(what)?),
                 None => cpu::Value::Forward,
             };
-            let a = cpu::values_cast(u.host(what)?, value, approx, format, s, out.host_mut(what)?);
-            cpu::transpose_codes(out.host(what)?, rows, cols, out_t.host_mut(what)?);
+            let mut own = Vec::new();
+            let codes = match out {
+                Some(q) => q.host_mut(what)?,
+                None => {
+                    own.resize(n, 0u8);
+                    &mut own[..]
+                }
+            };
+            let a = cpu::values_cast(u.host(what)?, value, approx, format, s, codes);
+            if let Some(qt) = out_t {
+                cpu::transpose_codes(codes, rows, cols, qt.host_mut(what)?);
+            }
             match amax {
                 Some(slot) => slot.accumulate_host(what, a),
                 None => Ok(()),
@@ -83,7 +103,8 @@ fn run_fused<T: FloatElement>(
 }
 
 /// Forward: `h = gelu(u)` for row-major `u [rows, cols]`, rounded to `T`, cast to `format` with
-/// `scale[0]` (read on the device) into `out` (`[rows, cols]`) and `out_t` (`h^T`, `[cols, rows]`); the
+/// `scale[0]` (read on the device) into `out` (`[rows, cols]`) and `out_t` (`h^T`, `[cols, rows]`), each
+/// when given (at least one: a forward whose down linear recasts its input later needs no `out_t`); the
 /// amax of `h` accumulates into `amax` when given. Equal bit for bit to
 /// [`crate::elementwise::gelu_forward`] into a `T` buffer followed by [`crate::cast_transpose_to_fp8`] of
 /// it.
@@ -94,8 +115,8 @@ pub fn gelu_cast_fp8<T: FloatElement>(
     approx: GeluApprox,
     format: Fp8Format,
     scale: &Buffer<f32>,
-    out: &mut Buffer<u8>,
-    out_t: &mut Buffer<u8>,
+    out: Option<&mut Buffer<u8>>,
+    out_t: Option<&mut Buffer<u8>>,
     amax: Option<AmaxSlot<'_>>,
 ) -> Result<(), KernelError> {
     run_fused(
@@ -124,8 +145,8 @@ pub fn gelu_backward_cast_fp8<T: FloatElement>(
     approx: GeluApprox,
     format: Fp8Format,
     scale: &Buffer<f32>,
-    out: &mut Buffer<u8>,
-    out_t: &mut Buffer<u8>,
+    out: Option<&mut Buffer<u8>>,
+    out_t: Option<&mut Buffer<u8>>,
     amax: Option<AmaxSlot<'_>>,
 ) -> Result<(), KernelError> {
     run_fused(
