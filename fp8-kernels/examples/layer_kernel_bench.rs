@@ -178,6 +178,17 @@ impl NormBench {
 
     /// The norm fused with the E4M3 cast, both code layouts and the amax.
     fn forward_fp8(&mut self, spec: &NormSpec) -> Result<(), KernelError> {
+        self.forward_fp8_layouts(spec, true, true)
+    }
+
+    /// The norm fused with the E4M3 cast, the chosen code layouts, and the amax when the row-major
+    /// codes are written (the forward's; the backward's recast of `x^T` records none).
+    fn forward_fp8_layouts(
+        &mut self,
+        spec: &NormSpec,
+        row_major: bool,
+        transposed: bool,
+    ) -> Result<(), KernelError> {
         norm_forward_fp8(
             spec,
             &self.x,
@@ -187,9 +198,9 @@ impl NormBench {
             Fp8NormOutput {
                 format: Fp8Format::E4M3,
                 scale: &self.scale,
-                codes: Some(&mut self.q),
-                codes_t: Some(&mut self.qt),
-                amax: Some(AmaxSlot::first(&mut self.amax)),
+                codes: row_major.then_some(&mut self.q),
+                codes_t: transposed.then_some(&mut self.qt),
+                amax: row_major.then(|| AmaxSlot::first(&mut self.amax)),
             },
         )
     }
@@ -272,6 +283,34 @@ fn norm_rows(
                 tbs(4.0 * n, ms),
                 ceiling_us(4.0 * n),
                 old * 1e3
+            ),
+        });
+        // What a forward writes when its linear recasts its input in the backward (the block's
+        // default): the peer's outputs, codes and amax.
+        let ms = time_ms(dev, iters, || b.forward_fp8_layouts(&spec, true, false))?;
+        out.push(Row {
+            what: format!("{name} + E4M3 + amax fwd, row-major codes only [{rows}, {d}]"),
+            ours: ms * 1e3,
+            unit: "µs",
+            peer: peer.micros(&format!("{op}_e4m3_fwd"), &keys),
+            target: NORM_TARGET,
+            note: format!(
+                "{:.2} TB/s of 2+1 B/elem (copy ceiling {:.1} µs); the forward of a recast block",
+                tbs(3.0 * n, ms),
+                ceiling_us(3.0 * n),
+            ),
+        });
+        let ms = time_ms(dev, iters, || b.forward_fp8_layouts(&spec, false, true))?;
+        out.push(Row {
+            what: format!("{name} + E4M3 recast of x^T only [{rows}, {d}]"),
+            ours: ms * 1e3,
+            unit: "µs",
+            peer: f64::NAN,
+            target: f64::NAN,
+            note: format!(
+                "{:.2} TB/s of 2+1 B/elem (copy ceiling {:.1} µs); the backward's recast",
+                tbs(3.0 * n, ms),
+                ceiling_us(3.0 * n),
             ),
         });
         let ms = time_ms(dev, iters, || b.forward(&spec))?;
