@@ -348,8 +348,10 @@ __device__ void cast_transpose32(const typename E::T* x, const typename E::T* dy
 }
 
 // The row-major codes alone (no transpose wanted): a grid-stride loop over the block's threads, 8 values
-// and one 8-byte store per step where cols is a multiple of 8 and the pointers allow (VAL::value8 reads 8
-// elements of one row), else one value at a time. The same values, codes and amax bits as the tiles.
+// and one 8-byte store per step where the launch is the vectorised one (blockDim.y == 1: rows and cols
+// multiples of 64, which VAL::value8 assumes: SwiGLU's backward reads 8 elements of one half of a row)
+// and the pointers are 16-byte aligned, else one value at a time. The same values, codes and amax bits
+// as the tiles.
 template <class E, int FMT, class VAL>
 __device__ void cast_values_rows(const typename E::T* x, const typename E::T* dy, u8* y, float s, int& m, int rows,
                                  int cols, const VAL& val) {
@@ -357,7 +359,7 @@ __device__ void cast_values_rows(const typename E::T* x, const typename E::T* dy
     const u64 tid = (u64)blockIdx.x * blockDim.x * blockDim.y + (u64)threadIdx.y * blockDim.x + threadIdx.x;
     const u64 nthreads = (u64)gridDim.x * blockDim.x * blockDim.y;
     const unsigned long long align = (unsigned long long)x | (unsigned long long)dy | (unsigned long long)y;
-    if ((cols & 7) == 0 && (align & 15) == 0) {
+    if (blockDim.y == 1 && (align & 15) == 0) {
         for (u64 v = tid; v < n / 8; v += nthreads) {
             float h[8];
             val.value8(x, dy, 8 * v, h);

@@ -84,6 +84,23 @@ pub(crate) struct DecoderStack<T: Activation> {
 }
 
 impl<T: Activation> DecoderStack<T> {
+    /// Bytes the blocks, the final norm's input and the head hold for the backward (after a training
+    /// forward): each kept block's activations ([`TransformerBlock::saved_bytes`]) or a recomputed
+    /// block's input, and the head's.
+    pub(crate) fn held_bytes(&self) -> usize {
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .map(|b| match b {
+                Block::Keep(b) => b.saved_bytes(),
+                Block::Recompute(r) => r.saved_input_bytes::<T>(),
+            })
+            .sum();
+        blocks
+            + self.head.saved_bytes()
+            + self.last_x.as_ref().map_or(0, |x| x.data().num_bytes())
+    }
+
     /// The stack of `blocks` (wrapped in [`Recompute`] when `recompute`), `norm` and `head` of width `d`,
     /// for `vocab` ids and sequences of up to `seq_len` tokens (bounded by the model's `positions`).
     #[allow(clippy::too_many_arguments)]

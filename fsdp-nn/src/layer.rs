@@ -188,6 +188,15 @@ impl<L> Recompute<L> {
         &self.inner
     }
 
+    /// Bytes of the input kept for the recomputation, when it is a `Tensor<T>` (the input of a
+    /// `Layer<T>`'s last training forward).
+    pub fn saved_input_bytes<T: Activation>(&self) -> usize {
+        self.input
+            .as_ref()
+            .and_then(|i| i.downcast_ref::<Tensor<T>>())
+            .map_or(0, |t| t.data().num_bytes())
+    }
+
     /// The wrapped layer, mutable (e.g. for an evaluation-only path of its own).
     pub fn inner_mut(&mut self) -> &mut L {
         &mut self.inner

@@ -82,6 +82,9 @@ pub struct SpeedReport {
     pub precision: &'static str,
     /// The optimizer stepped inside the backward (`--optimizer-in-backward`).
     pub optimizer_in_backward: bool,
+    /// Bytes the model held for the backward after the last timed forward on rank 0
+    /// ([`TrainTask::held_bytes`]), when the task counts them.
+    pub held_bytes: Option<u64>,
 }
 
 impl SpeedReport {
@@ -146,6 +149,12 @@ impl SpeedReport {
             row(&format!("{label} (GiB)"), format!("{:.3}", gib(bytes)));
         }
         row("model state (GiB)", format!("{:.3}", gib(m.model_state())));
+        if let Some(h) = self.held_bytes {
+            row(
+                "activations held for the backward (GiB)",
+                format!("{:.3}", gib(h as usize)),
+            );
+        }
         if m.peak_grad_shards > m.grad_shards {
             // Transient shards (the step in the backward): not model state, but part of the peak.
             row(
@@ -185,6 +194,9 @@ impl SpeedReport {
             "profile_ms": self.profile.as_ref().map(StepProfile::json_ms),
         });
         if let Some(obj) = j.as_object_mut() {
+            if let Some(h) = self.held_bytes {
+                obj.insert("held_activation_bytes".into(), h.into());
+            }
             if self.optimizer_in_backward {
                 obj.insert("optimizer_in_backward".into(), true.into());
                 obj.insert(
@@ -241,6 +253,7 @@ struct RankSpeed {
     units: u64,
     linears: Vec<(String, fsdp_nn::LinearPrecision)>,
     params: usize,
+    held: Option<u64>,
 }
 
 impl Trainer {
@@ -295,6 +308,7 @@ impl Trainer {
             describe: task.describe(),
             precision: c.precision.name(),
             optimizer_in_backward: c.optimizer_in_backward,
+            held_bytes: first.held,
         })
     }
 
@@ -316,11 +330,13 @@ impl Trainer {
         if !task.averages_in_loss() {
             model.set_grad_divisor(env.world_size as f32)?;
         }
+        let mut held = None;
         let mut step = |model: &mut fsdp_shard::FsdpModel<T::Model>,
                         prof: &mut Option<crate::profile::ProfiledStep>|
          -> Result<(), TrainError> {
             mark(prof, Phase::Data)?;
             task.forward(model, &batch).map_err(TrainError::task)?;
+            held = task.held_bytes(model);
             mark(prof, Phase::Forward)?;
             self.begin_step(task, opt.as_mut(), model)?;
             task.backward(model, &batch).map_err(TrainError::task)?;
@@ -367,6 +383,7 @@ impl Trainer {
             units,
             linears,
             params: model.num_params(),
+            held,
         })
     }
 }

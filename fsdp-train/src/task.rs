@@ -328,6 +328,12 @@ pub trait TrainTask: Sync {
         None
     }
 
+    /// Bytes the model holds for the backward after a training forward (the activations its layers
+    /// keep), when it can count them: the speed line reports them beside the peak and the model state.
+    fn held_bytes(&self, _model: &FsdpModel<Self::Model>) -> Option<u64> {
+        None
+    }
+
     /// Facts about the run for the summary and the speed line (`preset`, model shape, ...).
     fn describe(&self) -> Vec<(String, serde_json::Value)> {
         Vec::new()

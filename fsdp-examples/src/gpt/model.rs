@@ -129,6 +129,12 @@ impl<T: Activation> Gpt<T> {
         Ok(())
     }
 
+    /// Bytes held for the backward after a training forward: the blocks' activations (a recomputed
+    /// block's input), the final norm's input and the head's.
+    pub fn held_bytes(&self) -> usize {
+        self.stack.held_bytes()
+    }
+
     /// The loss of the last forward (device buffers: sum, per-token losses; [`LossStats::mean`] reads
     /// the mean back).
     pub fn loss(&self) -> Result<&LossStats, GptError> {

@@ -148,6 +148,12 @@ impl<T: Activation> Llama<T> {
         Ok(())
     }
 
+    /// Bytes held for the backward after a training forward: the blocks' activations (a recomputed
+    /// block's input), the final norm's input and the head's.
+    pub fn held_bytes(&self) -> usize {
+        self.stack.held_bytes()
+    }
+
     /// The loss of the last forward.
     pub fn loss(&self) -> Result<&LossStats, ModelError> {
         self.stack.loss()

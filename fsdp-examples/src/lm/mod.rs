@@ -72,6 +72,9 @@ pub trait LanguageModel: Module + Sized {
     fn backward(&mut self, ctx: &mut Ctx<'_>, batch: &TokenBatch) -> Result<(), GptError>;
     /// The loss of the last forward.
     fn loss(&self) -> Result<&LossStats, GptError>;
+    /// Bytes held for the backward after a training forward (the blocks' activations and the head's
+    /// input).
+    fn held_bytes(&self) -> usize;
     /// Continues `prompt` (an evaluation pass).
     fn generate(
         &mut self,
@@ -520,6 +523,9 @@ macro_rules! language_model {
             }
             fn loss(&self) -> Result<&LossStats, GptError> {
                 $model::loss(self)
+            }
+            fn held_bytes(&self) -> usize {
+                $model::held_bytes(self)
             }
             fn generate(
                 &mut self,

@@ -661,6 +661,10 @@ impl<M: LanguageModel> TrainTask for LmTask<M> {
         Some(self.spec.flops_per_token())
     }
 
+    fn held_bytes(&self, model: &FsdpModel<M>) -> Option<u64> {
+        Some(model.module().held_bytes() as u64)
+    }
+
     fn weights_format(&self) -> Box<dyn fsdp_train::weights::WeightsFormat + '_> {
         match &self.hf_format {
             Some(f) => Box::new(f.clone()),
