@@ -96,9 +96,7 @@ impl<T: Activation> DecoderStack<T> {
                 Block::Recompute(r) => r.saved_input_bytes::<T>(),
             })
             .sum();
-        blocks
-            + self.head.saved_bytes()
-            + self.last_x.as_ref().map_or(0, |x| x.data().num_bytes())
+        blocks + self.head.saved_bytes() + self.last_x.as_ref().map_or(0, |x| x.data().num_bytes())
     }
 
     /// The stack of `blocks` (wrapped in [`Recompute`] when `recompute`), `norm` and `head` of width `d`,

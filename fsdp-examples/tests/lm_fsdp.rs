@@ -24,6 +24,7 @@ use fsdp_examples::data::tokens::{
     GPT2_VOCAB_SIZE,
 };
 use fsdp_examples::gpt::Gpt;
+use fsdp_examples::llama::Llama;
 use fsdp_examples::lm::{LmOptions, LmTask};
 use fsdp_shard::GradDtype;
 use fsdp_train::{
@@ -421,6 +422,48 @@ fn bad_flags_are_refused_naming_them() {
         e.contains("--fp8-auto-threshold") && e.contains("--fp8-layers auto"),
         "{e}"
     );
+}
+
+/// The speed line counts the activations the layers hold after the forward, and each Llama layer that
+/// recomputes its MLP's `[gate | up]` (`--recompute-mlp-up`) holds exactly that tensor less.
+#[test]
+fn speed_line_counts_held_activations_and_the_recomputed_mlp_input() {
+    let (data, _) = data_dir();
+    let (batch, seq) = (2, 32);
+    let speed = |recompute_mlp_up| {
+        let options = LmOptions {
+            batch_size: batch,
+            compact_vocab: true,
+            recompute_mlp_up,
+            ..LmOptions::new("llama-tiny", seq, data.clone())
+        };
+        let task = LmTask::<Llama<bf16>>::new(options, 1).unwrap();
+        let mut c = config(1, 1);
+        c.fp8_layers = fsdp_nn::Fp8Filter::All;
+        Trainer::new(c)
+            .speed(
+                &task,
+                SpeedOptions {
+                    warmup_steps: 1,
+                    timed_steps: 1,
+                    profile: false,
+                },
+            )
+            .unwrap()
+    };
+    let kept = speed(0);
+    let recomputed = speed(2);
+    let held =
+        |r: &fsdp_train::SpeedReport| r.held_bytes.expect("the LM task counts its activations");
+    // llama-tiny: 2 layers, SwiGLU width 384: [gate | up] is 2 x 384 BF16 values per token.
+    let u_bytes = (batch * seq * 2 * 384 * 2) as u64;
+    assert!(held(&kept) > 2 * u_bytes, "{}", held(&kept));
+    assert_eq!(held(&kept) - held(&recomputed), 2 * u_bytes);
+    assert_eq!(kept.json()["held_activation_bytes"], held(&kept));
+    assert!(kept.table().contains("activations held for the backward"));
+    assert_eq!(recomputed.json()["recompute"], "mlp-up x 2");
+    // Bit-identical training: the same loss.
+    assert_eq!(kept.loss.to_bits(), recomputed.loss.to_bits());
 }
 
 /// On a GPU (run by `scripts/gpu-tests.sh`): the learning run on CUDA ends near the CPU run, and the
