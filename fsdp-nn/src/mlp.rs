@@ -256,24 +256,24 @@ impl<T: Activation> Mlp<T> {
         let meta = self.down.input_meta();
         let saved = self.down.fp8_input_for(&dev, tokens, transposed)?;
         let s = ctx.scaling(meta)?;
-        match (activation, x_q.as_mut()) {
-            (MlpActivation::Gelu, x_q) => gelu_cast_fp8(
+        match activation {
+            MlpActivation::Gelu => gelu_cast_fp8(
                 u.data(),
                 [tokens, hidden],
                 GeluApprox::Erf,
                 s.state.format()?,
                 s.state.scale(),
-                x_q,
+                x_q.as_mut(),
                 transposed.then_some(&mut saved.x_t),
                 s.amax,
             )?,
-            (MlpActivation::SwiGlu, x_q) => swiglu_cast_fp8(
+            MlpActivation::SwiGlu => swiglu_cast_fp8(
                 u.data(),
                 [tokens, hidden],
                 SwigluCodes {
                     format: s.state.format()?,
                     scale: s.state.scale(),
-                    codes: x_q,
+                    codes: x_q.as_mut(),
                     codes_t: transposed.then_some(&mut saved.x_t),
                     amax: s.amax,
                 },
