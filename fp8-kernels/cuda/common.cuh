@@ -225,6 +225,21 @@ __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }
 
+// Eight values scaled by s and encoded into two words of four codes (element k in byte k % 4 of word
+// k / 4); their |value| bits accumulate into m (the amax, NaN ignored).
+template <int FMT>
+__device__ __forceinline__ void encode8(const float (&h)[8], float s, int& m, u32 (&w)[2]) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int k = 4 * q;
+        m = max(m, max(max(abs_bits_no_nan(h[k]), abs_bits_no_nan(h[k + 1])),
+                       max(abs_bits_no_nan(h[k + 2]), abs_bits_no_nan(h[k + 3]))));
+        const u32 lo = fp8x2<FMT>(mul_rn(h[k], s), mul_rn(h[k + 1], s));
+        const u32 hi = fp8x2<FMT>(mul_rn(h[k + 2], s), mul_rn(h[k + 3], s));
+        w[q] = lo | (hi << 16);
+    }
+}
+
 // ---- vectorised FP8 cast + transpose over 64x64 tiles ----
 // One block of 256 threads (blockDim (256, 1, 1)) per tile at a time: each thread loads 8 consecutive
 // elements per pass with 16-byte loads, stores their 8 codes with one 8-byte store, and packs them into a
@@ -262,15 +277,7 @@ __device__ void cast_transpose64(const typename E::T* x, const typename E::T* dy
             float h[8];
             val.value8(x, dy, i, h);
             u32 w[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int k = 4 * q;
-                m = max(m, max(max(abs_bits_no_nan(h[k]), abs_bits_no_nan(h[k + 1])),
-                               max(abs_bits_no_nan(h[k + 2]), abs_bits_no_nan(h[k + 3]))));
-                const u32 lo = fp8x2<FMT>(mul_rn(h[k], s), mul_rn(h[k + 1], s));
-                const u32 hi = fp8x2<FMT>(mul_rn(h[k + 2], s), mul_rn(h[k + 3], s));
-                w[q] = lo | (hi << 16);
-            }
+            encode8<FMT>(h, s, m, w);
             if (y != nullptr) *reinterpret_cast<uint2*>(y + i) = make_uint2(w[0], w[1]);
             tile[lr][lc / 4] = w[0];
             tile[lr][lc / 4 + 1] = w[1];
@@ -364,15 +371,7 @@ __device__ void cast_values_rows(const typename E::T* x, const typename E::T* dy
             float h[8];
             val.value8(x, dy, 8 * v, h);
             u32 w[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int k = 4 * q;
-                m = max(m, max(max(abs_bits_no_nan(h[k]), abs_bits_no_nan(h[k + 1])),
-                               max(abs_bits_no_nan(h[k + 2]), abs_bits_no_nan(h[k + 3]))));
-                const u32 lo = fp8x2<FMT>(mul_rn(h[k], s), mul_rn(h[k + 1], s));
-                const u32 hi = fp8x2<FMT>(mul_rn(h[k + 2], s), mul_rn(h[k + 3], s));
-                w[q] = lo | (hi << 16);
-            }
+            encode8<FMT>(h, s, m, w);
             *reinterpret_cast<uint2*>(y + 8 * v) = make_uint2(w[0], w[1]);
         }
         return;
