@@ -4,6 +4,22 @@
 
 use rayon::prelude::*;
 
+/// The row-major codes a CPU cast writes: the caller's, or `n` codes of `scratch` when it wants only the
+/// transpose (which the CPU kernels copy from the row-major codes).
+pub(crate) fn codes_or_scratch<'a>(
+    codes: Option<&'a mut [u8]>,
+    n: usize,
+    scratch: &'a mut Vec<u8>,
+) -> &'a mut [u8] {
+    match codes {
+        Some(c) => c,
+        None => {
+            scratch.resize(n, 0);
+            &mut scratch[..]
+        }
+    }
+}
+
 /// `f` over aligned chunks of `chunk` elements of `a` and `b`, in parallel when `a` holds at least
 /// `threshold` elements (on the calling thread, in one piece, below that).
 pub(crate) fn zip_chunks<A: Sync, B: Send>(

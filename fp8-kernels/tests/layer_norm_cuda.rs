@@ -11,8 +11,8 @@
 mod common;
 
 use common::{
-    bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
-    norm_grads,
+    assert_each_layout_alone, bits, cuda_device, first_difference, join_differences,
+    matches_cpu_and_deterministic, norm_grads,
 };
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
@@ -117,43 +117,31 @@ fn run<T: FloatElement, G: FloatElement>(dev: &Device, c: &Inputs) -> Outputs {
         // Either layout alone (the kernel without its shared-memory tile, or without the row-major
         // stores): the same codes, the other buffer untouched.
         let (full, full_t) = (codes.to_vec().unwrap(), codes_t.to_vec().unwrap());
-        for (row_major, transposed) in [(true, false), (false, true)] {
-            let mut st3 = NormStats::new(dev, s.rows).unwrap();
-            let (mut q, mut qt) = (
-                dev.upload(&vec![0x55u8; n]).unwrap(),
-                dev.upload(&vec![0x55u8; n]).unwrap(),
-            );
-            norm_forward_fp8(
-                s,
-                &x,
-                &w,
-                b.as_ref(),
-                &mut st3,
-                Fp8NormOutput {
-                    format: Fp8Format::E4M3,
-                    scale: &sc,
-                    codes: row_major.then_some(&mut q),
-                    codes_t: transposed.then_some(&mut qt),
-                    amax: None,
-                },
-            )
-            .unwrap();
-            let untouched = vec![0x55u8; n];
-            let what = format!("{:?}: row-major {row_major}, transposed {transposed}", s);
-            let (q, qt) = (q.to_vec().unwrap(), qt.to_vec().unwrap());
-            assert!(
-                q == if row_major { &full[..] } else { &untouched[..] },
-                "{what}"
-            );
-            assert!(
-                qt == if transposed {
-                    &full_t[..]
-                } else {
-                    &untouched[..]
-                },
-                "{what}"
-            );
-        }
+        assert_each_layout_alone(
+            dev,
+            &full,
+            &full_t,
+            &(),
+            &format!("{s:?}"),
+            |codes, codes_t| {
+                let mut st3 = NormStats::new(dev, s.rows).unwrap();
+                norm_forward_fp8(
+                    s,
+                    &x,
+                    &w,
+                    b.as_ref(),
+                    &mut st3,
+                    Fp8NormOutput {
+                        format: Fp8Format::E4M3,
+                        scale: &sc,
+                        codes,
+                        codes_t,
+                        amax: None,
+                    },
+                )
+                .unwrap();
+            },
+        );
     }
 
     let dy = upg(&c.dy);

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{grads_to_host, norm_grads};
+use common::{assert_each_layout_alone, grads_to_host, norm_grads};
 use fp8_core::Fp8Format;
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormKind, NormSpec,
@@ -351,13 +351,10 @@ fn check_fp8<T: FloatElement>(c: &Case, scale: f32) -> Result<(), TestCaseError>
     }
     let a = h.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     prop_assert_eq!(amax.to_vec().unwrap()[1], a);
-    // Either layout alone: the same codes and amax, the other buffer untouched.
-    for (row_major, transposed) in [(true, false), (false, true)] {
+    // Either layout alone: the same codes, amax and statistics, the other buffer untouched.
+    let rest = (a.to_bits(), st1.rstd.to_vec().unwrap());
+    assert_each_layout_alone(&dev, &qv, &qtv, &rest, "norm", |codes, codes_t| {
         let mut st3 = NormStats::new(&dev, c.rows).unwrap();
-        let (mut q3, mut qt3) = (
-            dev.upload(&vec![0x55u8; n]).unwrap(),
-            dev.upload(&vec![0x55u8; n]).unwrap(),
-        );
         let mut amax3 = dev.upload(&[0.0f32]).unwrap();
         norm_forward_fp8(
             &s,
@@ -368,19 +365,17 @@ fn check_fp8<T: FloatElement>(c: &Case, scale: f32) -> Result<(), TestCaseError>
             Fp8NormOutput {
                 format: Fp8Format::E4M3,
                 scale: &sc,
-                codes: row_major.then_some(&mut q3),
-                codes_t: transposed.then_some(&mut qt3),
+                codes,
+                codes_t,
                 amax: Some(AmaxSlot::first(&mut amax3)),
             },
         )
         .unwrap();
-        let untouched = vec![0x55u8; n];
-        let (q3, qt3) = (q3.to_vec().unwrap(), qt3.to_vec().unwrap());
-        prop_assert_eq!(&q3, if row_major { &qv } else { &untouched });
-        prop_assert_eq!(&qt3, if transposed { &qtv } else { &untouched });
-        prop_assert_eq!(amax3.to_vec().unwrap()[0].to_bits(), a.to_bits());
-        prop_assert_eq!(st3.rstd.to_vec().unwrap(), st1.rstd.to_vec().unwrap());
-    }
+        (
+            amax3.to_vec().unwrap()[0].to_bits(),
+            st3.rstd.to_vec().unwrap(),
+        )
+    });
     Ok(())
 }
 

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    first_difference, fp8_gpu, join_differences, matches_cpu_and_deterministic, nvrtc_test,
-    sm90_ptx,
+    assert_each_layout_alone, first_difference, fp8_gpu, join_differences,
+    matches_cpu_and_deterministic, nvrtc_test, sm90_ptx,
 };
 use fp8_core::Fp8Format;
 use fp8_kernels::kernel_source::SWIGLU_CAST_MODULE;
@@ -194,46 +194,29 @@ fn fused<T: FloatElement>(
         amax: Some(AmaxSlot::new(&mut amax, s.slot)),
     });
     let (y, yt) = (y.to_vec().unwrap(), yt.to_vec().unwrap());
-    let bits: Vec<u32> = amax
-        .to_vec()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect();
+    let amax_bits = |a: &Buffer<f32>| -> Vec<u32> {
+        a.to_vec().unwrap().into_iter().map(f32::to_bits).collect()
+    };
+    let bits = amax_bits(&amax);
     // Either layout alone: the same codes and amax, the other buffer untouched.
-    for (row_major, transposed) in [(true, false), (false, true)] {
-        let untouched = vec![0x55u8; n];
-        let (mut q, mut qt) = (
-            dev.upload(&untouched).unwrap(),
-            dev.upload(&untouched).unwrap(),
-        );
-        let mut amax1 = dev.upload(&s.amax0).unwrap();
-        run(SwigluCodes {
-            format: s.format,
-            scale: &scale,
-            codes: row_major.then_some(&mut q),
-            codes_t: transposed.then_some(&mut qt),
-            amax: Some(AmaxSlot::new(&mut amax1, s.slot)),
-        });
-        let what = format!("{shape:?}, row-major {row_major}, transposed {transposed}");
-        let q = q.to_vec().unwrap();
-        let qt = qt.to_vec().unwrap();
-        assert!(
-            q == if row_major { &y[..] } else { &untouched[..] },
-            "{what}"
-        );
-        assert!(
-            qt == if transposed { &yt[..] } else { &untouched[..] },
-            "{what}"
-        );
-        let bits1: Vec<u32> = amax1
-            .to_vec()
-            .unwrap()
-            .into_iter()
-            .map(f32::to_bits)
-            .collect();
-        assert_eq!(bits1, bits, "{what}");
-    }
+    assert_each_layout_alone(
+        dev,
+        &y,
+        &yt,
+        &bits,
+        &format!("{shape:?}"),
+        |codes, codes_t| {
+            let mut amax1 = dev.upload(&s.amax0).unwrap();
+            run(SwigluCodes {
+                format: s.format,
+                scale: &scale,
+                codes,
+                codes_t,
+                amax: Some(AmaxSlot::new(&mut amax1, s.slot)),
+            });
+            amax_bits(&amax1)
+        },
+    );
     (y, yt, bits)
 }
 

@@ -132,6 +132,26 @@ pub(crate) fn first_value(b: &Buffer<f32>, what: &'static str) -> Result<f32, Ke
         })
 }
 
+/// The outputs of a fused cast that writes row-major codes, their transpose, or both: at least one asked
+/// for, each of `n` codes.
+pub(crate) fn check_code_layouts(
+    what: &'static str,
+    n: usize,
+    codes: Option<&Buffer<u8>>,
+    codes_t: Option<&Buffer<u8>>,
+) -> Result<(), KernelError> {
+    if codes.is_none() && codes_t.is_none() {
+        return Err(KernelError::InvalidArgument {
+            what,
+            detail: "neither row-major nor transposed codes asked for".into(),
+        });
+    }
+    for c in [codes, codes_t].into_iter().flatten() {
+        check_len(what, n, c.len())?;
+    }
+    Ok(())
+}
+
 /// An error when a scalar buffer is empty.
 pub(crate) fn check_nonempty(b: &Buffer<f32>, what: &'static str) -> Result<(), KernelError> {
     if b.is_empty() {

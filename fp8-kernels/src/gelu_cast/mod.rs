@@ -17,7 +17,8 @@
 mod cpu;
 mod cuda;
 
-use crate::cast::check_nonempty;
+use crate::cast::{check_code_layouts, check_nonempty};
+use crate::cpu_kernel::codes_or_scratch;
 use crate::device::{device_of, shape_len};
 use crate::elementwise::GeluApprox;
 use crate::{check_len, AmaxSlot, Buffer, FloatElement, KernelError};
@@ -48,18 +49,7 @@ fn run_fused<T: FloatElement>(
     if let Some(g) = dh {
         check_len(what, n, g.len())?;
     }
-    if out.is_none() && out_t.is_none() {
-        return Err(KernelError::InvalidArgument {
-            what,
-            detail: "neither row-major nor transposed codes asked for".into(),
-        });
-    }
-    if let Some(q) = &out {
-        check_len(what, n, q.len())?;
-    }
-    if let Some(q) = &out_t {
-        check_len(what, n, q.len())?;
-    }
+    check_code_layouts(what, n, out.as_deref(), out_t.as_deref())?;
     check_nonempty(scale, what)?;
     if let Some(a) = &amax {
         a.check(what)?;
@@ -72,14 +62,9 @@ fn run_fused<T: FloatElement>(
                 Some(g) => cpu::Value::Backward(g.host(what)?),
                 None => cpu::Value::Forward,
             };
-            let mut own = Vec::new();
-            let codes = match out {
-                Some(q) => q.host_mut(what)?,
-                None => {
-                    own.resize(n, 0u8);
-                    &mut own[..]
-                }
-            };
+            let mut scratch = Vec::new();
+            let codes = out.map(|q| q.host_mut(what)).transpose()?;
+            let codes = codes_or_scratch(codes, n, &mut scratch);
             let a = cpu::values_cast(u.host(what)?, value, approx, format, s, codes);
             if let Some(qt) = out_t {
                 cpu::transpose_codes(codes, rows, cols, qt.host_mut(what)?);

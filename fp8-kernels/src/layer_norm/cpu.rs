@@ -3,7 +3,7 @@
 //! order, of `layer_norm.cu`, so the two agree bit for bit.
 
 use super::{param_order, NormKind, NormSpec, TILE_CHUNKS};
-use crate::cpu_kernel::{transpose_copy, xor_butterfly};
+use crate::cpu_kernel::{codes_or_scratch, transpose_copy, xor_butterfly};
 use crate::FloatElement;
 use fp8_core::Fp8Format;
 use rayon::prelude::*;
@@ -127,14 +127,8 @@ pub(crate) fn forward_fp8<T: FloatElement>(
         .par_chunks(1 << 14)
         .map(|c| c.iter().fold(0.0f32, |a, v| a.max(v.abs())))
         .reduce(|| 0.0, f32::max);
-    let mut own = Vec::new();
-    let q = match q {
-        Some(q) => q,
-        None => {
-            own.resize(n, 0u8);
-            &mut own[..]
-        }
-    };
+    let mut scratch = Vec::new();
+    let q = codes_or_scratch(q, n, &mut scratch);
     q.par_chunks_mut(1 << 14)
         .zip(h.par_chunks(1 << 14))
         .for_each(|(o, v)| {

@@ -33,7 +33,7 @@
 mod cpu;
 mod cuda;
 
-use crate::cast::AmaxSlot;
+use crate::cast::{check_code_layouts, AmaxSlot};
 use crate::device::device_of;
 use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::FloatElement;
@@ -478,18 +478,7 @@ pub fn norm_forward_fp8<T: FloatElement>(
             ),
         ));
     }
-    if out.codes.is_none() && out.codes_t.is_none() {
-        return Err(bad(
-            WHAT,
-            "neither row-major nor transposed codes asked for".into(),
-        ));
-    }
-    if let Some(q) = &out.codes {
-        check_len(WHAT, n, q.len())?;
-    }
-    if let Some(qt) = &out.codes_t {
-        check_len(WHAT, n, qt.len())?;
-    }
+    check_code_layouts(WHAT, n, out.codes.as_deref(), out.codes_t.as_deref())?;
     if out.scale.is_empty() {
         return Err(bad(WHAT, "scale buffer is empty".into()));
     }

@@ -27,7 +27,8 @@
 mod cpu;
 mod cuda;
 
-use crate::cast::check_nonempty;
+use crate::cast::{check_code_layouts, check_nonempty};
+use crate::cpu_kernel::codes_or_scratch;
 use crate::cross_entropy::exp_fixed;
 use crate::device::{device_of, shape_len};
 use crate::{check_len, AmaxSlot, Buffer, FloatElement, KernelError};
@@ -139,18 +140,12 @@ fn run_fused<T: FloatElement>(
     check_shape(what, shape, gu, dh)?;
     // The forward casts `h [rows, F]`, the backward `[dgate | dup] [rows, 2F]` (in range: checked above).
     let (rows, cols) = (shape[0], if dh.is_some() { 2 * shape[1] } else { shape[1] });
-    if out.codes.is_none() && out.codes_t.is_none() {
-        return Err(KernelError::InvalidArgument {
-            what,
-            detail: "neither row-major nor transposed codes asked for".into(),
-        });
-    }
-    if let Some(q) = &out.codes {
-        check_len(what, rows * cols, q.len())?;
-    }
-    if let Some(q) = &out.codes_t {
-        check_len(what, rows * cols, q.len())?;
-    }
+    check_code_layouts(
+        what,
+        rows * cols,
+        out.codes.as_deref(),
+        out.codes_t.as_deref(),
+    )?;
     check_nonempty(out.scale, what)?;
     if let Some(a) = &out.amax {
         a.check(what)?;
@@ -165,14 +160,9 @@ fn run_fused<T: FloatElement>(
                 Some(d) => cpu::Value::Backward(d.host(what)?),
                 None => cpu::Value::Forward,
             };
-            let mut own = Vec::new();
-            let codes = match out.codes {
-                Some(q) => q.host_mut(what)?,
-                None => {
-                    own.resize(rows * cols, 0u8);
-                    &mut own[..]
-                }
-            };
+            let mut scratch = Vec::new();
+            let codes = out.codes.map(|q| q.host_mut(what)).transpose()?;
+            let codes = codes_or_scratch(codes, rows * cols, &mut scratch);
             let a = cpu::values_cast(gu.host(what)?, value, shape[1], out.format, s, codes);
             if let Some(qt) = out.codes_t {
                 cpu::transpose_codes(codes, rows, cols, qt.host_mut(what)?);

@@ -184,3 +184,38 @@ impl CeBuffers {
         }
     }
 }
+
+/// For a fused cast that writes row-major codes, their transpose, or both: runs `write` with one layout
+/// at a time (the row-major codes, then the transpose) into buffers of `full.len()` bytes filled with
+/// 0x55 on `dev`, and asserts that the layout asked for equals `full` / `full_t` (what the kernel wrote
+/// with both), the other buffer is untouched, and what `write` returns (an amax, statistics) equals
+/// `rest` each time.
+pub fn assert_each_layout_alone<R: PartialEq + Debug>(
+    dev: &Device,
+    full: &[u8],
+    full_t: &[u8],
+    rest: &R,
+    what: &str,
+    mut write: impl FnMut(Option<&mut Buffer<u8>>, Option<&mut Buffer<u8>>) -> R,
+) {
+    let untouched = vec![0x55u8; full.len()];
+    for (row_major, transposed) in [(true, false), (false, true)] {
+        let (mut q, mut qt) = (
+            dev.upload(&untouched).unwrap(),
+            dev.upload(&untouched).unwrap(),
+        );
+        let got = write(row_major.then_some(&mut q), transposed.then_some(&mut qt));
+        let what = format!("{what}: row-major {row_major}, transposed {transposed}");
+        let (q, qt) = (q.to_vec().unwrap(), qt.to_vec().unwrap());
+        let want = |on: bool, codes: &[u8]| {
+            if on {
+                codes.to_vec()
+            } else {
+                untouched.clone()
+            }
+        };
+        assert!(q == want(row_major, full), "{what}: row-major codes");
+        assert!(qt == want(transposed, full_t), "{what}: transposed codes");
+        assert_eq!(&got, rest, "{what}");
+    }
+}
