@@ -4,6 +4,7 @@
 # mode of FIDELITY_MODES (default "fp8 fp8comm bf16"):
 #   fp8        --precision fp8 --fp8-layers all --grad-shards bf16
 #   fp8comm    the same with --fp8-grad-comm (the FP8 gradient reduce-scatter)
+#   fp8head    the fp8 flags with --fp8-head (the LM head's GEMMs in FP8 too)
 #   block      the fp8 flags with --recipe block (1x128 / 128x128 block scales)
 #   blockcomm  the block flags with --fp8-grad-comm block (the block-scaled FP8 gradient exchange)
 #   bf16       --precision bf16 (always included: the pairs' reference)
@@ -46,10 +47,11 @@ mode_flags() {
   case $1 in
     fp8) echo "--precision fp8 --fp8-layers all --grad-shards bf16" ;;
     fp8comm) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --fp8-grad-comm" ;;
+    fp8head) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --fp8-head" ;;
     block) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --recipe block" ;;
     blockcomm) echo "--precision fp8 --fp8-layers all --grad-shards bf16 --recipe block --fp8-grad-comm block" ;;
     bf16) echo "--precision bf16" ;;
-    *) echo "fidelity: unknown mode $1 (fp8, fp8comm, block, blockcomm, bf16)" >&2; return 1 ;;
+    *) echo "fidelity: unknown mode $1 (fp8, fp8comm, fp8head, block, blockcomm, bf16)" >&2; return 1 ;;
   esac
 }
 MODES=${FIDELITY_MODES:-fp8 fp8comm bf16}

@@ -25,6 +25,7 @@
 
 use crate::layer::Activation;
 use crate::linear::{block_scalable, BlockScaling, Linear, LinearPrecision};
+use crate::LmHead;
 use crate::NnError;
 use fp8_core::Fp8Recipe;
 use fsdp_shard::{Module, ModulePath, ParamDecl, ParamId, ShardError, Visitor};
@@ -172,6 +173,56 @@ pub fn convert_to_fp8(
     }
     r?;
     Ok(pass.converted)
+}
+
+/// Runs the GEMMs of every language-model head of `module` ([`crate::LmHead`], either activation type) in
+/// FP8 ([`crate::LmHead::with_fp8`]), before the model is wrapped, and returns their paths in visit order.
+/// A pass of its own beside [`convert_to_fp8`]: the head is the one product where FP8 trades the most
+/// fidelity (its logits feed the loss directly), so `--fp8-layers all` leaves it in float, as torchao's
+/// and torchtitan's default filters leave the output projection, and a run opts in (`--fp8-head`).
+///
+/// ```
+/// use fsdp_nn::{convert_lm_heads_to_fp8, LmHead};
+///
+/// let mut head = LmHead::<f32>::new(64, 1000)?;
+/// assert_eq!(convert_lm_heads_to_fp8(&mut head)?, [""]);
+/// assert!(head.is_fp8());
+/// # Ok::<(), fsdp_nn::NnError>(())
+/// ```
+pub fn convert_lm_heads_to_fp8(module: &mut dyn Module) -> Result<Vec<String>, NnError> {
+    struct Heads {
+        path: ModulePath,
+        converted: Vec<String>,
+    }
+    impl Visitor for Heads {
+        fn path(&mut self) -> &mut ModulePath {
+            &mut self.path
+        }
+        fn param(&mut self, _: &str, _: &ParamDecl<'_>, _: &mut ParamId) -> Result<(), ShardError> {
+            Ok(())
+        }
+        fn module(&mut self, module: &mut dyn Module) -> Result<(), ShardError> {
+            let Some(any) = module.as_any_mut() else {
+                return Ok(());
+            };
+            if let Some(h) = any.downcast_mut::<LmHead<f32>>() {
+                h.set_fp8(true);
+            } else if let Some(h) = any.downcast_mut::<LmHead<bf16>>() {
+                h.set_fp8(true);
+            } else {
+                return Ok(());
+            }
+            self.converted.push(self.path.module());
+            Ok(())
+        }
+    }
+    let mut h = Heads {
+        path: ModulePath::root(),
+        converted: Vec::new(),
+    };
+    h.module(module)?;
+    module.visit(&mut h)?;
+    Ok(h.converted)
 }
 
 /// Sets every linear of `module` to `precision` (a BF16 or F32 run of a model written in another float

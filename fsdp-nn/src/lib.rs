@@ -68,8 +68,8 @@ pub use attention::{CausalSelfAttention, KvCache, Rope};
 pub use block::{BlockConfig, BlockNames, TransformerBlock};
 pub use conv::Conv2d;
 pub use convert::{
-    convert_to_fp8, fp8_auto_ratio, linear_precisions, set_linear_precision, Fp8Filter, LinearInfo,
-    DEFAULT_FP8_AUTO_THRESHOLD,
+    convert_lm_heads_to_fp8, convert_to_fp8, fp8_auto_ratio, linear_precisions,
+    set_linear_precision, Fp8Filter, LinearInfo, DEFAULT_FP8_AUTO_THRESHOLD,
 };
 pub use dropout::Dropout;
 pub use embedding::Embedding;

@@ -13,6 +13,14 @@
 //! ([`LmHead::tied`], GPT-2's head tied to the token embedding): the head then declares nothing and uses
 //! the table's [`ParamId`], so the parameter has one gradient, the sum of both uses.
 //!
+//! In FP8 ([`LmHead::with_fp8`], `lm_fsdp --fp8-head`) the three GEMMs of a chunk run on FP8 codes with
+//! current per-tensor scaling: `x` and `W` in E4M3 at power-of-two scales from their amaxes (`W` and
+//! `W^T` cast once per pass, `x` per chunk with the scale of the whole input), the logits gradient in
+//! E5M2 at a static power-of-two scale: every entry of `grad_scale / tokens * (softmax - onehot)` lies
+//! within `|grad_scale| / tokens`, so that bound replaces an amax pass (the largest entry of a chunk, a
+//! badly predicted target, sits within a binade of it). The cross-entropy itself stays in F32 on the
+//! logits the FP8 GEMM writes in the activation type; [`LmHead::logits`] (sampling) stays in float.
+//!
 //! Two ways to get the gradients:
 //! - [`LmHead::forward`] keeps its input; [`LmHead::backward`] recomputes each chunk's logits (one more
 //!   GEMM of `2 tokens d vocab` flops) and produces the gradients;
@@ -23,9 +31,12 @@ use crate::init::normal;
 use crate::layer::Activation;
 use crate::layer::{rows_of_width, take_saved};
 use crate::{NnError, Tensor};
+use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
+use fp8_kernels::cast::{amax, cast_to_fp8, cast_transpose_to_fp8, AmaxSlot};
 use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
-use fp8_kernels::gemm::gemm;
-use fp8_kernels::{Buffer, GemmSpec, Transpose};
+use fp8_kernels::gemm::{gemm, gemm_fp8, DeviceScalar, Fp8Matrix};
+use fp8_kernels::scaling::scale_from_amax;
+use fp8_kernels::{Buffer, Device, FloatElement, GemmSpec, Transpose};
 use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
 /// Tokens per chunk of the head by default (4096 tokens of a 50304-word vocabulary: 412 MB of BF16
@@ -66,6 +77,123 @@ struct EarlyGrads<T: Activation> {
     dw: Buffer<f32>,
 }
 
+/// The E4M3 operands of an FP8 head pass: `W` (and `W^T` when training) cast once, `x`'s scale from the
+/// amax of the whole input, each at the power-of-two scale of its amax.
+struct Fp8HeadOperands {
+    w: Buffer<u8>,
+    w_t: Option<Buffer<u8>>,
+    w_scale_inv: Buffer<f32>,
+    x_scale: Buffer<f32>,
+    x_scale_inv: Buffer<f32>,
+}
+
+impl Fp8HeadOperands {
+    fn new<T: FloatElement>(
+        dev: &Device,
+        w: &Buffer<f32>,
+        x: &Buffer<T>,
+        [vocab, d]: [usize; 2],
+        training: bool,
+    ) -> Result<Self, NnError> {
+        let e4m3 = Fp8Format::E4M3;
+        let scales = |src_amax: &Buffer<f32>| -> Result<(Buffer<f32>, Buffer<f32>), NnError> {
+            let (mut s, mut si) = (dev.zeros::<f32>(1)?, dev.zeros::<f32>(1)?);
+            scale_from_amax(src_amax, e4m3, 0, &mut s, &mut si)?;
+            Ok((s, si))
+        };
+        let mut w_amax = dev.zeros::<f32>(1)?;
+        amax(w, AmaxSlot::first(&mut w_amax))?;
+        let (w_scale, w_scale_inv) = scales(&w_amax)?;
+        let mut wq = dev.uninit::<u8>(vocab * d)?;
+        let w_t = if training {
+            let mut t = dev.uninit::<u8>(vocab * d)?;
+            cast_transpose_to_fp8(w, [vocab, d], e4m3, &w_scale, &mut t, Some(&mut wq), None)?;
+            Some(t)
+        } else {
+            cast_to_fp8(w, e4m3, &w_scale, &mut wq, None)?;
+            None
+        };
+        let mut x_amax = dev.zeros::<f32>(1)?;
+        amax(x, AmaxSlot::first(&mut x_amax))?;
+        let (x_scale, x_scale_inv) = scales(&x_amax)?;
+        Ok(Fp8HeadOperands {
+            w: wq,
+            w_t,
+            w_scale_inv,
+            x_scale,
+            x_scale_inv,
+        })
+    }
+
+    /// `(scale, scale_inv)` of the E5M2 logits gradient for rows scaled by `row_scale`: the power-of-two
+    /// scale of the bound `|row_scale|` (see the module docs).
+    fn gradient_scale(dev: &Device, row_scale: f32) -> Result<(Buffer<f32>, Buffer<f32>), NnError> {
+        let s = compute_scale(
+            row_scale.abs(),
+            Fp8Format::E5M2.max(),
+            0,
+            ScaleRounding::PowerOfTwo,
+            1.0,
+        );
+        Ok((dev.upload(&[s])?, dev.upload(&[1.0 / s])?))
+    }
+
+    /// The E4M3 codes of a chunk `x_c [rows, d]`, and with `transposed` also of `x_c^T`.
+    fn cast_input<T: FloatElement>(
+        &self,
+        dev: &Device,
+        xc: &Buffer<T>,
+        shape: [usize; 2],
+        transposed: bool,
+    ) -> Result<(Buffer<u8>, Option<Buffer<u8>>), NnError> {
+        let mut q = dev.uninit::<u8>(xc.len())?;
+        if transposed {
+            let mut t = dev.uninit::<u8>(xc.len())?;
+            cast_transpose_to_fp8(
+                xc,
+                shape,
+                Fp8Format::E4M3,
+                &self.x_scale,
+                &mut t,
+                Some(&mut q),
+                None,
+            )?;
+            Ok((q, Some(t)))
+        } else {
+            cast_to_fp8(xc, Fp8Format::E4M3, &self.x_scale, &mut q, None)?;
+            Ok((q, None))
+        }
+    }
+
+    fn x_matrix<'a>(&'a self, codes: &'a Buffer<u8>) -> Result<Fp8Matrix<'a>, NnError> {
+        Ok(Fp8Matrix {
+            data: codes,
+            format: Fp8Format::E4M3,
+            scale_inv: DeviceScalar::new(&self.x_scale_inv, 0)?,
+        })
+    }
+
+    fn w_matrix(&self) -> Result<Fp8Matrix<'_>, NnError> {
+        Ok(Fp8Matrix {
+            data: &self.w,
+            format: Fp8Format::E4M3,
+            scale_inv: DeviceScalar::new(&self.w_scale_inv, 0)?,
+        })
+    }
+
+    fn w_t_matrix(&self) -> Result<Fp8Matrix<'_>, NnError> {
+        let data = self
+            .w_t
+            .as_ref()
+            .ok_or_else(|| NnError::usage("LmHead", "W^T codes of an evaluation pass"))?;
+        Ok(Fp8Matrix {
+            data,
+            format: Fp8Format::E4M3,
+            scale_inv: DeviceScalar::new(&self.w_scale_inv, 0)?,
+        })
+    }
+}
+
 /// The LM head `logits = x W^T` with the mean cross-entropy against targets; `W [vocab, d]`.
 #[derive(Debug)]
 pub struct LmHead<T: Activation = f32> {
@@ -78,6 +206,8 @@ pub struct LmHead<T: Activation = f32> {
     /// An explicit seed of its own weight; `None`: the weight's own seed.
     seed: Option<u64>,
     weight: ParamId,
+    /// The GEMMs run on FP8 codes (see the module docs).
+    fp8: bool,
     stats: Option<LossStats>,
     x: Option<Tensor<T>>,
     early: Option<EarlyGrads<T>>,
@@ -97,6 +227,7 @@ impl<T: Activation> LmHead<T> {
             std: 0.02,
             seed: None,
             weight: ParamId::UNSET,
+            fp8: false,
             stats: None,
             x: None,
             early: None,
@@ -133,6 +264,22 @@ impl<T: Activation> LmHead<T> {
         }
         self.chunk = tokens;
         Ok(self)
+    }
+
+    /// With the GEMMs in FP8 (`true`) or in the activation type (see the module docs).
+    pub fn with_fp8(mut self, on: bool) -> Self {
+        self.fp8 = on;
+        self
+    }
+
+    /// Sets whether the GEMMs run in FP8 (the model-wide conversion, [`crate::convert_lm_heads_to_fp8`]).
+    pub fn set_fp8(&mut self, on: bool) {
+        self.fp8 = on;
+    }
+
+    /// Whether the GEMMs run in FP8.
+    pub fn is_fp8(&self) -> bool {
+        self.fp8
     }
 
     /// Tokens per chunk.
@@ -278,6 +425,98 @@ impl<T: Activation> LmHead<T> {
                 format!("a table of {} elements for {vocab} x {d}", w32.len()),
             ));
         }
+        if self.fp8 {
+            let ops = Fp8HeadOperands::new(&dev, w32, x.data(), [vocab, d], grads.is_some())?;
+            let grad_scale = match row_scale {
+                Some(r) => Some(Fp8HeadOperands::gradient_scale(&dev, r)?),
+                None => None,
+            };
+            let chunk = self.chunk.min(tokens);
+            for (k, a) in (0..tokens).step_by(chunk).enumerate() {
+                let c = chunk.min(tokens - a);
+                let copied;
+                let xc = if c == tokens {
+                    x.data()
+                } else {
+                    let mut b = dev.uninit::<T>(c * d)?;
+                    b.copy_range_from(0, x.data(), a * d, c * d)?;
+                    copied = b;
+                    &copied
+                };
+                let (xq, xq_t) = ops.cast_input(&dev, xc, [c, d], grads.is_some())?;
+                let mut logits = dev.uninit::<T>(c * vocab)?;
+                let fwd = GemmSpec::new(c, vocab, d)
+                    .transposes(Transpose::No, Transpose::Yes)
+                    .parallelism(par);
+                gemm_fp8(&fwd, ops.x_matrix(&xq)?, ops.w_matrix()?, &mut logits)?;
+                let spec = CrossEntropySpec {
+                    rows: c,
+                    vocab,
+                    row_offset: a,
+                    ignore_index: None,
+                    grad_scale: row_scale,
+                };
+                cross_entropy(
+                    &spec,
+                    &mut logits,
+                    targets,
+                    CrossEntropyOutputs {
+                        lse: &mut stats.lse,
+                        loss: &mut stats.per_token,
+                        loss_sum: &mut stats.sum,
+                        invalid_targets: &mut stats.invalid_targets,
+                    },
+                )?;
+                let (Some((dx, dw)), Some((gs, gs_inv)), Some(xq_t)) =
+                    (grads.as_mut(), grad_scale.as_ref(), xq_t.as_ref())
+                else {
+                    continue;
+                };
+                // The logits gradient in E5M2, row-major for dx and transposed for dW; the BF16 copy
+                // goes before the GEMMs run.
+                let mut gq = dev.uninit::<u8>(c * vocab)?;
+                let mut gq_t = dev.uninit::<u8>(c * vocab)?;
+                cast_transpose_to_fp8(
+                    &logits,
+                    [c, vocab],
+                    Fp8Format::E5M2,
+                    gs,
+                    &mut gq_t,
+                    Some(&mut gq),
+                    None,
+                )?;
+                drop(logits);
+                let g_inv = DeviceScalar::new(gs_inv, 0)?;
+                let dx_spec = GemmSpec::new(c, d, vocab)
+                    .transposes(Transpose::No, Transpose::Yes)
+                    .parallelism(par);
+                let g = Fp8Matrix {
+                    data: &gq,
+                    format: Fp8Format::E5M2,
+                    scale_inv: g_inv,
+                };
+                if c == tokens {
+                    gemm_fp8(&dx_spec, g, ops.w_t_matrix()?, dx.data_mut())?;
+                } else {
+                    let mut dxc = dev.uninit::<T>(c * d)?;
+                    gemm_fp8(&dx_spec, g, ops.w_t_matrix()?, &mut dxc)?;
+                    dx.data_mut().copy_range_from(a * d, &dxc, 0, c * d)?;
+                }
+                let beta = if k == 0 { 0.0 } else { 1.0 };
+                let dw_spec = GemmSpec::new(vocab, d, c)
+                    .transposes(Transpose::No, Transpose::Yes)
+                    .scalars(1.0, beta)
+                    .parallelism(par);
+                let g_t = Fp8Matrix {
+                    data: &gq_t,
+                    format: Fp8Format::E5M2,
+                    scale_inv: g_inv,
+                };
+                gemm_fp8(&dw_spec, g_t, ops.x_matrix(xq_t)?, dw)?;
+            }
+            self.stats = Some(stats);
+            return Ok(grads);
+        }
         let w = T::from_f32_buffer(w32, &mut scratch)?;
         let chunk = self.chunk.min(tokens);
         for (k, a) in (0..tokens).step_by(chunk).enumerate() {
@@ -361,6 +600,10 @@ impl<T: Activation> LmHead<T> {
 }
 
 impl<T: Activation> Module for LmHead<T> {
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         self.name = v.path().module();
         if !self.owns_weight {

@@ -442,6 +442,10 @@ impl Head {
 }
 
 fn head_model(chunk: usize) -> FsdpModel<Head> {
+    head_model_in(chunk, false)
+}
+
+fn head_model_in(chunk: usize, fp8: bool) -> FsdpModel<Head> {
     let (tokens, d, vocab) = (10, 8, 24);
     one_rank(Head {
         src: Source::new(&[tokens, d], uniform(tokens * d, 1.0, 21)),
@@ -450,7 +454,8 @@ fn head_model(chunk: usize) -> FsdpModel<Head> {
             .unwrap()
             .with_std(0.5)
             .with_chunk(chunk)
-            .unwrap(),
+            .unwrap()
+            .with_fp8(fp8),
     })
 }
 
@@ -542,4 +547,152 @@ fn lm_head_chunking_and_early_gradients_agree() {
     m.forward(Mode::Train, |m, ctx| m.forward(ctx, &t, Some(0.5)))
         .unwrap();
     assert!(m.backward(|m, ctx| m.backward(ctx, &t, 0.25)).is_err());
+}
+
+/// `v` through an FP8 format at the power-of-two scale of `bound` (the value the kernels' GEMMs read:
+/// `decode(encode(v s)) / s`).
+fn fake_quantize(v: &[f32], format: fp8_core::Fp8Format, bound: f32) -> Vec<f32> {
+    let s = fp8_core::compute_scale(
+        bound,
+        format.max(),
+        0,
+        fp8_core::ScaleRounding::PowerOfTwo,
+        1.0,
+    );
+    v.iter()
+        .map(|&x| format.decode(format.encode(x * s)) * (1.0 / s))
+        .collect()
+}
+
+fn amax(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+/// The FP8 head against its definition built from float pieces on the CPU: `x` and `W` through E4M3 at
+/// the power-of-two scales of their amaxes, the F32 GEMM, the cross-entropy kernel's gradient, that
+/// gradient through E5M2 at the scale of `grad_scale / tokens`, then `dx = G W_q` and `dW = G^T x_q`.
+/// A wrong scale, format, operand layout or chunk accumulation breaks the agreement by far more than
+/// the summation-order slack allowed.
+#[test]
+fn fp8_lm_head_equals_its_quantized_definition() {
+    use fp8_core::Fp8Format::{E4M3, E5M2};
+    use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+    use fp8_kernels::gemm::gemm_f32;
+    use fp8_kernels::{Device, GemmSpec, Transpose};
+
+    let (tokens, d, vocab) = (10usize, 8usize, 24usize);
+    let targets: Vec<i32> = (0..10).map(|i| (i * 5 + 1) % 24).collect();
+    let scale = 0.25f32;
+    for (chunk, early) in [(4, false), (4, true), (1000, false), (3, true)] {
+        let mut model = head_model_in(chunk, true);
+        assert!(model.module().head.is_fp8());
+        let (loss, g) = head_step(&mut model, &targets, scale, early);
+        let x = values(&model, model.module().src.id);
+        let w = values(&model, model.module().head.weight_id());
+
+        let dev = Device::Cpu;
+        let xq = fake_quantize(&x, E4M3, amax(&x));
+        let wq = fake_quantize(&w, E4M3, amax(&w));
+        let mut logits = dev.zeros::<f32>(tokens * vocab).unwrap();
+        let fwd = GemmSpec::new(tokens, vocab, d).transposes(Transpose::No, Transpose::Yes);
+        gemm_f32(
+            &fwd,
+            &dev.upload(&xq).unwrap(),
+            &dev.upload(&wq).unwrap(),
+            &mut logits,
+        )
+        .unwrap();
+        let row_scale = scale / tokens as f32;
+        let (mut lse, mut per) = (dev.zeros(tokens).unwrap(), dev.zeros(tokens).unwrap());
+        let (mut sum, mut bad) = (dev.zeros(1).unwrap(), dev.zeros(1).unwrap());
+        let spec = CrossEntropySpec {
+            rows: tokens,
+            vocab,
+            row_offset: 0,
+            ignore_index: None,
+            grad_scale: Some(row_scale),
+        };
+        let t = dev.upload(&targets).unwrap();
+        let outputs = CrossEntropyOutputs {
+            lse: &mut lse,
+            loss: &mut per,
+            loss_sum: &mut sum,
+            invalid_targets: &mut bad,
+        };
+        cross_entropy(&spec, &mut logits, &t, outputs).unwrap();
+        let want_loss: f64 =
+            per.to_vec().unwrap().iter().map(|&l| l as f64).sum::<f64>() / tokens as f64;
+        let gq = fake_quantize(&logits.to_vec().unwrap(), E5M2, row_scale);
+        let gq = dev.upload(&gq).unwrap();
+        let mut dx = dev.zeros::<f32>(tokens * d).unwrap();
+        gemm_f32(
+            &GemmSpec::new(tokens, d, vocab),
+            &gq,
+            &dev.upload(&wq).unwrap(),
+            &mut dx,
+        )
+        .unwrap();
+        let mut dw = dev.zeros::<f32>(vocab * d).unwrap();
+        let dw_spec = GemmSpec::new(vocab, d, tokens).transposes(Transpose::Yes, Transpose::No);
+        gemm_f32(&dw_spec, &gq, &dev.upload(&xq).unwrap(), &mut dw).unwrap();
+
+        let what = format!("chunk {chunk}, early {early}");
+        assert!(
+            (loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
+            "{what}: loss {loss} vs {want_loss}"
+        );
+        for (k, (got, want)) in g
+            .iter()
+            .zip([dx.to_vec().unwrap(), dw.to_vec().unwrap()])
+            .enumerate()
+        {
+            let max = amax(&want);
+            assert!(max > 0.0, "{what}: gradient {k} is zero");
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * max,
+                    "{what}, gradient {k}[{i}]: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+/// The FP8 head's loss and gradients stay within FP8's error of the float head's, its evaluation
+/// forward gives the training forward's loss bit for bit, and it does differ from the float head (the
+/// flag is not ignored).
+#[test]
+fn fp8_lm_head_is_close_to_the_float_head() {
+    let targets: Vec<i32> = (0..10).map(|i| (i * 7 + 3) % 24).collect();
+    let scale = 1.0;
+    let (loss_f, g_f) = head_step(&mut head_model_in(4, false), &targets, scale, false);
+    let mut model = head_model_in(4, true);
+    let (loss_q, g_q) = head_step(&mut model, &targets, scale, false);
+    assert_ne!(
+        loss_q.to_bits(),
+        loss_f.to_bits(),
+        "the FP8 head computed the float loss"
+    );
+    assert!(
+        (loss_q - loss_f).abs() <= 0.02 * loss_f.abs(),
+        "loss {loss_q} vs float {loss_f}"
+    );
+    for (k, (q, f)) in g_q.iter().zip(&g_f).enumerate() {
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in q.iter().zip(f) {
+            num += (*a as f64 - *b as f64).powi(2);
+            den += (*b as f64).powi(2);
+        }
+        let rel = (num / den).sqrt();
+        assert!(
+            rel < 0.1,
+            "gradient {k}: relative L2 error {rel} against the float head"
+        );
+    }
+    let dev = model.device().clone();
+    let t = dev.upload(&targets).unwrap();
+    let eval = model
+        .forward(Mode::Eval, |m, ctx| m.forward(ctx, &t, None))
+        .unwrap();
+    assert_eq!(eval.to_bits(), loss_q.to_bits(), "evaluation loss");
 }

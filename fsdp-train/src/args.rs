@@ -128,6 +128,10 @@ pub struct TrainArgs {
     /// With --precision fp8: which linears run in FP8 [default: the program's].
     #[arg(long, value_enum)]
     pub fp8_layers: Option<Fp8LayersArg>,
+    /// With --precision fp8: the language-model head's three GEMMs in FP8 too (E4M3 input and weight at
+    /// current scales, E5M2 logits gradient); off by default, whatever --fp8-layers says.
+    #[arg(long)]
+    pub fp8_head: bool,
     /// With --fp8-layers auto: a linear in -> out runs in FP8 when in*out/(in+out) >= N [default: 1200,
     /// measured by the linear_crossover example].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -352,6 +356,7 @@ impl TrainArgs {
         c.seed = self.seed;
         c.precision = precision;
         c.fp8_layers = fp8_layers;
+        c.fp8_head = self.fp8_head;
         c.fp8_recipe = match self.recipe.unwrap_or(RecipeArg::Tensor) {
             RecipeArg::Tensor => Fp8Recipe {
                 activations: scaling,

@@ -68,6 +68,10 @@ pub struct TrainConfig {
     pub fp8_layers: Fp8Filter,
     /// With [`Precision::Fp8`]: scaling and formats, model-wide.
     pub fp8_recipe: Fp8Recipe,
+    /// With [`Precision::Fp8`]: the language-model heads' GEMMs in FP8 too
+    /// ([`fsdp_nn::convert_lm_heads_to_fp8`]; `--fp8-head`). Off by default: no filter choice of
+    /// `fp8_layers` reaches the head.
+    pub fp8_head: bool,
     /// How the FP8 weights' gradients travel between ranks (F32 by default).
     pub fp8_grad_comm: Fp8GradComm,
     /// Storage of the reduced gradient shards.
@@ -143,6 +147,7 @@ impl TrainConfig {
             precision: Precision::Fp8,
             fp8_layers: Fp8Filter::All,
             fp8_recipe: Fp8Recipe::default(),
+            fp8_head: false,
             fp8_grad_comm: Fp8GradComm::Off,
             grad_shards: GradDtype::F32,
             optimizer_states: StatePrecision::default(),
@@ -218,6 +223,13 @@ impl TrainConfig {
             return bad(format!(
                 "--fp8-grad-comm reduces the gradients of FP8 weights; with --precision {} there are \
                  none (drop the flag or use --precision fp8)",
+                self.precision.name()
+            ));
+        }
+        if self.fp8_head && self.precision != Precision::Fp8 {
+            return bad(format!(
+                "--fp8-head runs the LM head's GEMMs in FP8; with --precision {} nothing is (drop the \
+                 flag or use --precision fp8)",
                 self.precision.name()
             ));
         }

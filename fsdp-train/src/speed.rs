@@ -57,6 +57,8 @@ pub struct SpeedReport {
     pub fp8_linears: Vec<String>,
     /// Linears in all.
     pub linears: usize,
+    /// The LM head's GEMMs run in FP8 (`--fp8-head`).
+    pub fp8_head: bool,
     /// The arithmetic in words.
     pub recipe: String,
     /// Seconds of each timed step.
@@ -128,6 +130,9 @@ impl SpeedReport {
             "FP8 linears",
             format!("{} of {}", self.fp8_linears.len(), self.linears),
         );
+        if self.fp8_head {
+            row("FP8 LM head", "yes".into());
+        }
         row("recipe", self.recipe.clone());
         row("optimizer", self.optimizer.clone());
         row(
@@ -184,6 +189,7 @@ impl SpeedReport {
             "peak_GiB": self.peak_bytes as f64 / f64::from(1u32 << 30),
             "peak_source": self.peak_source,
             "fp8_layers": self.fp8_linears,
+            "fp8_head": self.fp8_head,
             "recipe": self.recipe,
             "optimizer": self.optimizer,
             "device": self.device,
@@ -292,6 +298,7 @@ impl Trainer {
                 .map(|(n, _)| n.clone())
                 .collect(),
             linears: first.linears.len(),
+            fp8_head: c.fp8_head && c.precision == crate::Precision::Fp8,
             recipe: self.recipe_name(),
             step_times: first.times,
             peak_bytes: first.peak,

@@ -13,7 +13,10 @@ use crate::task::{
 use crate::{signal, space, TrainError};
 use fp8_kernels::{elementwise, Buffer, CpuParallelism, Device};
 use fsdp_comm::{Communicator, ReduceOp};
-use fsdp_nn::{convert_to_fp8, linear_precisions, set_linear_precision, LinearPrecision};
+use fsdp_nn::{
+    convert_lm_heads_to_fp8, convert_to_fp8, linear_precisions, set_linear_precision,
+    LinearPrecision,
+};
 use fsdp_optim::{
     export_with, finish_step_model, step_model, ExportDtype, LrSchedule, Optimizer,
     PendingStepReport, SharedOptimizer,
@@ -236,9 +239,14 @@ impl Trainer {
         );
         match c.precision {
             Precision::Fp8 => format!(
-                "FP8 linears ({}): {}; FP8 weight all-gather; {comm}",
+                "FP8 linears ({}): {}; FP8 weight all-gather; {comm}{}",
                 c.fp8_layers.name(),
-                c.fp8_recipe.name()
+                c.fp8_recipe.name(),
+                if c.fp8_head {
+                    "; FP8 LM head (E4M3 input and weight at current scales, E5M2 logits gradient)"
+                } else {
+                    ""
+                }
             ),
             Precision::Bf16 => format!("BF16 linears; {comm}"),
             Precision::Fp32 => format!("F32 linears; {comm}"),
@@ -272,6 +280,10 @@ impl Trainer {
                 "FP8 recipe (--recipe, --fp8-scaling, --fp8-margin)",
                 c.fp8_recipe.name(),
             ));
+            if c.fp8_head {
+                // Only when on: checkpoints of runs before the flag existed resume without it.
+                identity.push(RunSetting::new("fp8_head", "--fp8-head", "on"));
+            }
             identity.push(RunSetting::new(
                 "fp8_grad_comm",
                 "--fp8-grad-comm",
@@ -449,6 +461,11 @@ impl Trainer {
         match c.precision {
             Precision::Fp8 => {
                 convert_to_fp8(&mut module, &c.fp8_layers, &c.fp8_recipe)?;
+                if c.fp8_head && convert_lm_heads_to_fp8(&mut module)?.is_empty() {
+                    return Err(TrainError::Config(
+                        "--fp8-head: the model has no LM head (fsdp_nn::LmHead)".into(),
+                    ));
+                }
             }
             Precision::Bf16 => set_linear_precision(&mut module, LinearPrecision::Bf16)?,
             Precision::Fp32 => set_linear_precision(&mut module, LinearPrecision::F32)?,

@@ -198,9 +198,9 @@ impl<T: Activation> Module for Gpt<T> {
         if self.config.tie_embeddings {
             // The registration visit has just assigned the table's id.
             self.stack.head.set_table(self.wte.weight_id());
-            Ok(())
-        } else {
-            v.child("lm_head", &mut self.stack.head)
         }
+        // Tied, the head declares nothing; it is visited anyway so that model-wide passes reach it
+        // (`fsdp_nn::convert_lm_heads_to_fp8`).
+        v.child("lm_head", &mut self.stack.head)
     }
 }
