@@ -466,6 +466,52 @@ fn speed_line_counts_held_activations_and_the_recomputed_mlp_input() {
     assert_eq!(kept.loss.to_bits(), recomputed.loss.to_bits());
 }
 
+/// `--fp8-head` reaches the tied head of both families through the Trainer's conversion: the speed line
+/// names it, and the loss moves (the head's GEMMs read FP8 codes) but stays near the float head's.
+#[test]
+fn the_fp8_head_reaches_tied_heads_of_both_families() {
+    let (data, _) = data_dir();
+    let speed = |preset: &str, fp8_head: bool| {
+        let options = LmOptions {
+            batch_size: 2,
+            compact_vocab: true,
+            ..LmOptions::new(preset, 32, data.clone())
+        };
+        let mut c = config(1, 1);
+        c.fp8_layers = fsdp_nn::Fp8Filter::All;
+        c.fp8_head = fp8_head;
+        let opts = SpeedOptions {
+            warmup_steps: 1,
+            timed_steps: 1,
+            profile: false,
+        };
+        if preset.starts_with("llama") {
+            let task = LmTask::<Llama<bf16>>::new(options, 1).unwrap();
+            Trainer::new(c).speed(&task, opts).unwrap()
+        } else {
+            let task = LmTask::<Gpt<bf16>>::new(options, 1).unwrap();
+            Trainer::new(c).speed(&task, opts).unwrap()
+        }
+    };
+    for preset in ["llama-tiny", "tiny"] {
+        let (float, fp8) = (speed(preset, false), speed(preset, true));
+        assert_eq!(fp8.json()["fp8_head"], true, "{preset}");
+        assert_eq!(float.json()["fp8_head"], false, "{preset}");
+        assert!(
+            fp8.recipe.contains("FP8 LM head"),
+            "{preset}: {}",
+            fp8.recipe
+        );
+        assert_ne!(fp8.loss.to_bits(), float.loss.to_bits(), "{preset}");
+        assert!(
+            (fp8.loss - float.loss).abs() < 0.05 * float.loss.abs(),
+            "{preset}: {} vs {}",
+            fp8.loss,
+            float.loss
+        );
+    }
+}
+
 /// On a GPU (run by `scripts/gpu-tests.sh`): the learning run on CUDA ends near the CPU run, and the
 /// speed mode on the tiny preset reports a step time, a pool peak and the model state.
 #[test]

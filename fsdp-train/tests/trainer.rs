@@ -258,3 +258,22 @@ fn non_finite_losses_stop_the_run_after_the_limit() {
     );
     assert!(e.to_string().contains("--max-skipped-steps"), "{e}");
 }
+
+#[test]
+fn the_fp8_head_flag_is_refused_where_it_cannot_apply() {
+    // A model without an LM head: the conversion finds nothing to convert, and the run says so.
+    let mut c = config(1, 1);
+    c.fp8_head = true;
+    let task = Task {
+        rows: 16,
+        poison: false,
+    };
+    let e = Trainer::new(c).run(&task).unwrap_err();
+    assert!(e.to_string().contains("no LM head"), "{e}");
+    // Without FP8 there is nothing for it to do.
+    let mut c = config(1, 1);
+    c.fp8_head = true;
+    c.precision = Precision::Bf16;
+    let e = Trainer::new(c).run(&task).unwrap_err();
+    assert!(e.to_string().contains("--fp8-head"), "{e}");
+}
