@@ -91,12 +91,15 @@ fn check(gpu: &Arc<dyn Communicator>, shapes: &[[usize; 4]]) -> TestResult<()> {
             };
             let (lc, dxc, dwc) = run(&cpu)?;
             let (lg, dxg, dwg) = run(gpu)?;
-            if !((lg - lc).abs() <= 1e-4 * lc.abs()) {
+            // Written so that a NaN fails.
+            let close = (lg - lc).abs() <= 1e-4 * lc.abs();
+            if !close {
                 failures.push(format!("{name}: loss {lg} on CUDA, {lc} on the CPU"));
             }
             for (what, g, c) in [("dx", &dxg, &dxc), ("dW", &dwg, &dwc)] {
                 let e = rel_diff(g, c);
-                if !(e <= 1e-2) || c.iter().all(|&v| v == 0.0) {
+                let close = e <= 1e-2;
+                if !close || c.iter().all(|&v| v == 0.0) {
                     failures.push(format!("{name}: {what} relative L2 error {e:.3e}"));
                 }
             }
