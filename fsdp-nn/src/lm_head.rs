@@ -36,7 +36,7 @@ use fp8_kernels::cast::{amax, cast_to_fp8, cast_transpose_to_fp8, AmaxSlot};
 use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
 use fp8_kernels::gemm::{gemm, gemm_fp8, DeviceScalar, Fp8Matrix};
 use fp8_kernels::scaling::scale_from_amax;
-use fp8_kernels::{Buffer, Device, FloatElement, GemmSpec, Transpose};
+use fp8_kernels::{Buffer, CpuParallelism, Device, FloatElement, GemmSpec, Transpose};
 use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
 /// Tokens per chunk of the head by default (4096 tokens of a 50304-word vocabulary: 412 MB of BF16
@@ -77,23 +77,127 @@ struct EarlyGrads<T: Activation> {
     dw: Buffer<f32>,
 }
 
-/// The E4M3 operands of an FP8 head pass: `W` (and `W^T` when training) cast once, `x`'s scale from the
-/// amax of the whole input, each at the power-of-two scale of its amax.
+/// The sizes of one chunk's products: `c` tokens of width `d` against `vocab` rows of `W`.
+struct HeadChunk {
+    c: usize,
+    d: usize,
+    vocab: usize,
+    par: CpuParallelism,
+}
+
+/// The chunk's GEMMs: in the activation type on `W` converted once, or on FP8 codes.
+enum HeadGemms<'w, T: Activation> {
+    Float(&'w Buffer<T>),
+    Fp8(Fp8HeadOperands),
+}
+
+impl<T: Activation> HeadGemms<'_, T> {
+    /// `logits = x_c W^T`; in FP8 with `training` also returns `x_c^T`'s codes for the weight gradient.
+    fn logits(
+        &self,
+        dev: &Device,
+        s: &HeadChunk,
+        xc: &Buffer<T>,
+        training: bool,
+        logits: &mut Buffer<T>,
+    ) -> Result<Option<Buffer<u8>>, NnError> {
+        let spec = GemmSpec::new(s.c, s.vocab, s.d)
+            .transposes(Transpose::No, Transpose::Yes)
+            .parallelism(s.par);
+        match self {
+            HeadGemms::Float(w) => {
+                gemm(&spec, xc, w, logits)?;
+                Ok(None)
+            }
+            HeadGemms::Fp8(ops) => {
+                let (xq, xq_t) = ops.cast_input(dev, xc, [s.c, s.d], training)?;
+                gemm_fp8(&spec, ops.x_matrix(&xq)?, ops.w_matrix()?, logits)?;
+                Ok(xq_t)
+            }
+        }
+    }
+
+    /// From the logits gradient the cross-entropy wrote over the logits: `dx_c = G W` into `dx` and
+    /// `dW = beta dW + G^T x_c`.
+    #[allow(clippy::too_many_arguments)]
+    fn gradients(
+        &self,
+        dev: &Device,
+        s: &HeadChunk,
+        g: Buffer<T>,
+        (xc, xq_t): (&Buffer<T>, Option<Buffer<u8>>),
+        dx: &mut Buffer<T>,
+        dw: &mut Buffer<f32>,
+        beta: f32,
+    ) -> Result<(), NnError> {
+        let dx_spec = GemmSpec::new(s.c, s.d, s.vocab).parallelism(s.par);
+        let dw_spec = GemmSpec::new(s.vocab, s.d, s.c)
+            .scalars(1.0, beta)
+            .parallelism(s.par);
+        match self {
+            HeadGemms::Float(w) => {
+                gemm(&dx_spec, &g, w, dx)?;
+                let dw_spec = dw_spec.transposes(Transpose::Yes, Transpose::No);
+                gemm(&dw_spec, &g, xc, dw)?;
+            }
+            HeadGemms::Fp8(ops) => {
+                let xq_t = xq_t.ok_or_else(|| NnError::usage("LmHead", "no x^T codes kept"))?;
+                let (gs, gs_inv) = ops
+                    .grad_scale
+                    .as_ref()
+                    .ok_or_else(|| NnError::usage("LmHead", "no gradient scale"))?;
+                // The logits gradient in E5M2, row-major for dx and transposed for dW; the BF16 copy
+                // goes before the GEMMs run.
+                let n = s.c * s.vocab;
+                let (mut gq, mut gq_t) = (dev.uninit::<u8>(n)?, dev.uninit::<u8>(n)?);
+                let e5m2 = Fp8Format::E5M2;
+                cast_transpose_to_fp8(
+                    &g,
+                    [s.c, s.vocab],
+                    e5m2,
+                    gs,
+                    &mut gq_t,
+                    Some(&mut gq),
+                    None,
+                )?;
+                drop(g);
+                let g_inv = DeviceScalar::new(gs_inv, 0)?;
+                let codes = |data| Fp8Matrix {
+                    data,
+                    format: e5m2,
+                    scale_inv: g_inv,
+                };
+                let dx_spec = dx_spec.transposes(Transpose::No, Transpose::Yes);
+                gemm_fp8(&dx_spec, codes(&gq), ops.w_t_matrix()?, dx)?;
+                let dw_spec = dw_spec.transposes(Transpose::No, Transpose::Yes);
+                gemm_fp8(&dw_spec, codes(&gq_t), ops.x_matrix(&xq_t)?, dw)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The FP8 operands of a head pass: `W` (and `W^T` when training) in E4M3, cast once; the scale of `x`
+/// from the amax of the whole input; each at the power-of-two scale of its amax; and when training the
+/// static scale of the E5M2 logits gradient.
 struct Fp8HeadOperands {
     w: Buffer<u8>,
     w_t: Option<Buffer<u8>>,
     w_scale_inv: Buffer<f32>,
     x_scale: Buffer<f32>,
     x_scale_inv: Buffer<f32>,
+    /// `(scale, scale_inv)` of the logits gradient.
+    grad_scale: Option<(Buffer<f32>, Buffer<f32>)>,
 }
 
 impl Fp8HeadOperands {
+    /// `row_scale`: the factor of each row's `softmax - onehot` when training.
     fn new<T: FloatElement>(
         dev: &Device,
         w: &Buffer<f32>,
         x: &Buffer<T>,
         [vocab, d]: [usize; 2],
-        training: bool,
+        row_scale: Option<f32>,
     ) -> Result<Self, NnError> {
         let e4m3 = Fp8Format::E4M3;
         let scales = |src_amax: &Buffer<f32>| -> Result<(Buffer<f32>, Buffer<f32>), NnError> {
@@ -105,7 +209,7 @@ impl Fp8HeadOperands {
         amax(w, AmaxSlot::first(&mut w_amax))?;
         let (w_scale, w_scale_inv) = scales(&w_amax)?;
         let mut wq = dev.uninit::<u8>(vocab * d)?;
-        let w_t = if training {
+        let w_t = if row_scale.is_some() {
             let mut t = dev.uninit::<u8>(vocab * d)?;
             cast_transpose_to_fp8(w, [vocab, d], e4m3, &w_scale, &mut t, Some(&mut wq), None)?;
             Some(t)
@@ -116,26 +220,28 @@ impl Fp8HeadOperands {
         let mut x_amax = dev.zeros::<f32>(1)?;
         amax(x, AmaxSlot::first(&mut x_amax))?;
         let (x_scale, x_scale_inv) = scales(&x_amax)?;
+        // Every entry of the gradient lies within |row_scale| (see the module docs).
+        let grad_scale = match row_scale {
+            Some(r) => {
+                let s = compute_scale(
+                    r.abs(),
+                    Fp8Format::E5M2.max(),
+                    0,
+                    ScaleRounding::PowerOfTwo,
+                    1.0,
+                );
+                Some((dev.upload(&[s])?, dev.upload(&[1.0 / s])?))
+            }
+            None => None,
+        };
         Ok(Fp8HeadOperands {
             w: wq,
             w_t,
             w_scale_inv,
             x_scale,
             x_scale_inv,
+            grad_scale,
         })
-    }
-
-    /// `(scale, scale_inv)` of the E5M2 logits gradient for rows scaled by `row_scale`: the power-of-two
-    /// scale of the bound `|row_scale|` (see the module docs).
-    fn gradient_scale(dev: &Device, row_scale: f32) -> Result<(Buffer<f32>, Buffer<f32>), NnError> {
-        let s = compute_scale(
-            row_scale.abs(),
-            Fp8Format::E5M2.max(),
-            0,
-            ScaleRounding::PowerOfTwo,
-            1.0,
-        );
-        Ok((dev.upload(&[s])?, dev.upload(&[1.0 / s])?))
     }
 
     /// The E4M3 codes of a chunk `x_c [rows, d]`, and with `transposed` also of `x_c^T`.
@@ -149,15 +255,8 @@ impl Fp8HeadOperands {
         let mut q = dev.uninit::<u8>(xc.len())?;
         if transposed {
             let mut t = dev.uninit::<u8>(xc.len())?;
-            cast_transpose_to_fp8(
-                xc,
-                shape,
-                Fp8Format::E4M3,
-                &self.x_scale,
-                &mut t,
-                Some(&mut q),
-                None,
-            )?;
+            let e4m3 = Fp8Format::E4M3;
+            cast_transpose_to_fp8(xc, shape, e4m3, &self.x_scale, &mut t, Some(&mut q), None)?;
             Ok((q, Some(t)))
         } else {
             cast_to_fp8(xc, Fp8Format::E4M3, &self.x_scale, &mut q, None)?;
@@ -165,20 +264,23 @@ impl Fp8HeadOperands {
         }
     }
 
-    fn x_matrix<'a>(&'a self, codes: &'a Buffer<u8>) -> Result<Fp8Matrix<'a>, NnError> {
+    fn matrix<'a>(
+        data: &'a Buffer<u8>,
+        scale_inv: &'a Buffer<f32>,
+    ) -> Result<Fp8Matrix<'a>, NnError> {
         Ok(Fp8Matrix {
-            data: codes,
+            data,
             format: Fp8Format::E4M3,
-            scale_inv: DeviceScalar::new(&self.x_scale_inv, 0)?,
+            scale_inv: DeviceScalar::new(scale_inv, 0)?,
         })
     }
 
+    fn x_matrix<'a>(&'a self, codes: &'a Buffer<u8>) -> Result<Fp8Matrix<'a>, NnError> {
+        Self::matrix(codes, &self.x_scale_inv)
+    }
+
     fn w_matrix(&self) -> Result<Fp8Matrix<'_>, NnError> {
-        Ok(Fp8Matrix {
-            data: &self.w,
-            format: Fp8Format::E4M3,
-            scale_inv: DeviceScalar::new(&self.w_scale_inv, 0)?,
-        })
+        Self::matrix(&self.w, &self.w_scale_inv)
     }
 
     fn w_t_matrix(&self) -> Result<Fp8Matrix<'_>, NnError> {
@@ -186,11 +288,7 @@ impl Fp8HeadOperands {
             .w_t
             .as_ref()
             .ok_or_else(|| NnError::usage("LmHead", "W^T codes of an evaluation pass"))?;
-        Ok(Fp8Matrix {
-            data,
-            format: Fp8Format::E4M3,
-            scale_inv: DeviceScalar::new(&self.w_scale_inv, 0)?,
-        })
+        Self::matrix(data, &self.w_scale_inv)
     }
 }
 
@@ -425,99 +523,17 @@ impl<T: Activation> LmHead<T> {
                 format!("a table of {} elements for {vocab} x {d}", w32.len()),
             ));
         }
-        if self.fp8 {
-            let ops = Fp8HeadOperands::new(&dev, w32, x.data(), [vocab, d], grads.is_some())?;
-            let grad_scale = match row_scale {
-                Some(r) => Some(Fp8HeadOperands::gradient_scale(&dev, r)?),
-                None => None,
-            };
-            let chunk = self.chunk.min(tokens);
-            for (k, a) in (0..tokens).step_by(chunk).enumerate() {
-                let c = chunk.min(tokens - a);
-                let copied;
-                let xc = if c == tokens {
-                    x.data()
-                } else {
-                    let mut b = dev.uninit::<T>(c * d)?;
-                    b.copy_range_from(0, x.data(), a * d, c * d)?;
-                    copied = b;
-                    &copied
-                };
-                let (xq, xq_t) = ops.cast_input(&dev, xc, [c, d], grads.is_some())?;
-                let mut logits = dev.uninit::<T>(c * vocab)?;
-                let fwd = GemmSpec::new(c, vocab, d)
-                    .transposes(Transpose::No, Transpose::Yes)
-                    .parallelism(par);
-                gemm_fp8(&fwd, ops.x_matrix(&xq)?, ops.w_matrix()?, &mut logits)?;
-                let spec = CrossEntropySpec {
-                    rows: c,
-                    vocab,
-                    row_offset: a,
-                    ignore_index: None,
-                    grad_scale: row_scale,
-                };
-                cross_entropy(
-                    &spec,
-                    &mut logits,
-                    targets,
-                    CrossEntropyOutputs {
-                        lse: &mut stats.lse,
-                        loss: &mut stats.per_token,
-                        loss_sum: &mut stats.sum,
-                        invalid_targets: &mut stats.invalid_targets,
-                    },
-                )?;
-                let (Some((dx, dw)), Some((gs, gs_inv)), Some(xq_t)) =
-                    (grads.as_mut(), grad_scale.as_ref(), xq_t.as_ref())
-                else {
-                    continue;
-                };
-                // The logits gradient in E5M2, row-major for dx and transposed for dW; the BF16 copy
-                // goes before the GEMMs run.
-                let mut gq = dev.uninit::<u8>(c * vocab)?;
-                let mut gq_t = dev.uninit::<u8>(c * vocab)?;
-                cast_transpose_to_fp8(
-                    &logits,
-                    [c, vocab],
-                    Fp8Format::E5M2,
-                    gs,
-                    &mut gq_t,
-                    Some(&mut gq),
-                    None,
-                )?;
-                drop(logits);
-                let g_inv = DeviceScalar::new(gs_inv, 0)?;
-                let dx_spec = GemmSpec::new(c, d, vocab)
-                    .transposes(Transpose::No, Transpose::Yes)
-                    .parallelism(par);
-                let g = Fp8Matrix {
-                    data: &gq,
-                    format: Fp8Format::E5M2,
-                    scale_inv: g_inv,
-                };
-                if c == tokens {
-                    gemm_fp8(&dx_spec, g, ops.w_t_matrix()?, dx.data_mut())?;
-                } else {
-                    let mut dxc = dev.uninit::<T>(c * d)?;
-                    gemm_fp8(&dx_spec, g, ops.w_t_matrix()?, &mut dxc)?;
-                    dx.data_mut().copy_range_from(a * d, &dxc, 0, c * d)?;
-                }
-                let beta = if k == 0 { 0.0 } else { 1.0 };
-                let dw_spec = GemmSpec::new(vocab, d, c)
-                    .transposes(Transpose::No, Transpose::Yes)
-                    .scalars(1.0, beta)
-                    .parallelism(par);
-                let g_t = Fp8Matrix {
-                    data: &gq_t,
-                    format: Fp8Format::E5M2,
-                    scale_inv: g_inv,
-                };
-                gemm_fp8(&dw_spec, g_t, ops.x_matrix(xq_t)?, dw)?;
-            }
-            self.stats = Some(stats);
-            return Ok(grads);
-        }
-        let w = T::from_f32_buffer(w32, &mut scratch)?;
+        let gemms = if self.fp8 {
+            HeadGemms::Fp8(Fp8HeadOperands::new(
+                &dev,
+                w32,
+                x.data(),
+                [vocab, d],
+                row_scale,
+            )?)
+        } else {
+            HeadGemms::Float(T::from_f32_buffer(w32, &mut scratch)?)
+        };
         let chunk = self.chunk.min(tokens);
         for (k, a) in (0..tokens).step_by(chunk).enumerate() {
             let c = chunk.min(tokens - a);
@@ -532,10 +548,8 @@ impl<T: Activation> LmHead<T> {
                 &copied
             };
             let mut logits = dev.uninit::<T>(c * vocab)?;
-            let fwd = GemmSpec::new(c, vocab, d)
-                .transposes(Transpose::No, Transpose::Yes)
-                .parallelism(par);
-            gemm(&fwd, xc, w, &mut logits)?;
+            let shape = HeadChunk { c, d, vocab, par };
+            let xq_t = gemms.logits(&dev, &shape, xc, grads.is_some(), &mut logits)?;
             let spec = CrossEntropySpec {
                 rows: c,
                 vocab,
@@ -555,20 +569,15 @@ impl<T: Activation> LmHead<T> {
                 },
             )?;
             if let Some((dx, dw)) = grads.as_mut() {
-                let dx_spec = GemmSpec::new(c, d, vocab).parallelism(par);
+                let beta = if k == 0 { 0.0 } else { 1.0 };
+                let inputs = (xc, xq_t);
                 if whole {
-                    gemm(&dx_spec, &logits, w, dx.data_mut())?;
+                    gemms.gradients(&dev, &shape, logits, inputs, dx.data_mut(), dw, beta)?;
                 } else {
                     let mut dxc = dev.uninit::<T>(c * d)?;
-                    gemm(&dx_spec, &logits, w, &mut dxc)?;
+                    gemms.gradients(&dev, &shape, logits, inputs, &mut dxc, dw, beta)?;
                     dx.data_mut().copy_range_from(a * d, &dxc, 0, c * d)?;
                 }
-                let beta = if k == 0 { 0.0 } else { 1.0 };
-                let dw_spec = GemmSpec::new(vocab, d, c)
-                    .transposes(Transpose::Yes, Transpose::No)
-                    .scalars(1.0, beta)
-                    .parallelism(par);
-                gemm(&dw_spec, &logits, xc, dw)?;
             }
         }
         self.stats = Some(stats);
