@@ -88,7 +88,7 @@ struct HeadChunk {
 /// The chunk's GEMMs: in the activation type on `W` converted once, or on FP8 codes.
 enum HeadGemms<'w, T: Activation> {
     Float(&'w Buffer<T>),
-    Fp8(Fp8HeadOperands),
+    Fp8(Box<Fp8HeadOperands>),
 }
 
 impl<T: Activation> HeadGemms<'_, T> {
@@ -524,13 +524,13 @@ impl<T: Activation> LmHead<T> {
             ));
         }
         let gemms = if self.fp8 {
-            HeadGemms::Fp8(Fp8HeadOperands::new(
+            HeadGemms::Fp8(Box::new(Fp8HeadOperands::new(
                 &dev,
                 w32,
                 x.data(),
                 [vocab, d],
                 row_scale,
-            )?)
+            )?))
         } else {
             HeadGemms::Float(T::from_f32_buffer(w32, &mut scratch)?)
         };
