@@ -21,8 +21,8 @@
 #                     by row (~150 s each) with the external peers
 #   mnist    whole    14 epochs each (MNIST_EPOCHS): ~100 s, ~200 s with the external peer (it reads CSV, which
 #                     is written from the IDX files first)
-#   layers   whole    peer_layers.py, then layer_kernel_bench and attention_bench (--peer: its figures beside
-#                     ours): ~150 s
+#   layers   whole    peer_layers.py, then layer_kernel_bench, attention_bench and lm_head_bench (--peer: its
+#                     figures beside ours; lm_head_bench: the LM head float and --fp8-head): ~200 s
 #   kernels  whole    kernel_bench, gemm_bench, peer_kernels.py, peer_blockwise_gemm.py, block_gemm_bench (reads
 #                     the blockwise peer's log for its side-by-side columns): ~130 s
 #
@@ -70,13 +70,13 @@ rows_of() {
   esac
 }
 
-# Our binaries each table runs ("example:" ones are fp8-kernels examples).
+# Our binaries each table runs ("example:" ones are examples of a workspace crate).
 binaries_of() {
   case $1 in
     gpt | llama) echo "LM" ;;
     mlp) echo "mlp_bench" ;;
     mnist) echo "mnist_fsdp" ;;
-    layers) echo "example:layer_kernel_bench example:attention_bench" ;;
+    layers) echo "example:layer_kernel_bench example:attention_bench example:lm_head_bench" ;;
     kernels) echo "example:kernel_bench example:gemm_bench example:block_gemm_bench" ;;
   esac
 }
@@ -223,8 +223,8 @@ cmd_pack() {
   args=()
   for b in $examples; do args+=(--example "$b"); done
   if [ ${#args[@]} -gt 0 ]; then
-    echo "pack: cargo build --release -p fp8-kernels ${args[*]}"
-    cargo build --release -p fp8-kernels "${args[@]}" || die "cargo build failed"
+    echo "pack: cargo build --release ${args[*]}"
+    cargo build --release "${args[@]}" || die "cargo build failed"
     for b in $examples; do
       strip_copy "target/release/examples/$b" "$PACK/bin/$b"
       record_packed "bin/$b" "$commit"
@@ -426,6 +426,7 @@ table_layers() {
   [ -s "$peer_log" ] && peer_args=(--peer "$peer_log")
   run_case "$row" "$label" ours:layer_kernel_bench 150 "$PACK/bin/layer_kernel_bench" "${peer_args[@]}"
   run_case "$row" "$label" ours:attention_bench 240 "$PACK/bin/attention_bench" "${peer_args[@]}"
+  run_case "$row" "$label" ours:lm_head_bench 150 "$PACK/bin/lm_head_bench" "${peer_args[@]}"
 }
 
 table_kernels() {
