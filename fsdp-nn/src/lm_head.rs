@@ -88,7 +88,7 @@ struct HeadChunk {
 /// The chunk's GEMMs: in the activation type on `W` converted once, or on FP8 codes.
 enum HeadGemms<'w, T: Activation> {
     Float(&'w Buffer<T>),
-    Fp8(Box<Fp8HeadOperands>),
+    Fp8(Box<Fp8HeadOperands<'w>>),
 }
 
 impl<T: Activation> HeadGemms<'_, T> {
@@ -142,9 +142,8 @@ impl<T: Activation> HeadGemms<'_, T> {
             }
             HeadGemms::Fp8(ops) => {
                 let xq_t = xq_t.ok_or_else(|| NnError::usage("LmHead", "no x^T codes kept"))?;
-                let (gs, gs_inv) = ops
+                let gs = ops
                     .grad_scale
-                    .as_ref()
                     .ok_or_else(|| NnError::usage("LmHead", "no gradient scale"))?;
                 // The logits gradient in E5M2, row-major for dx and transposed for dW; the BF16 copy
                 // goes before the GEMMs run.
@@ -161,7 +160,7 @@ impl<T: Activation> HeadGemms<'_, T> {
                     None,
                 )?;
                 drop(g);
-                let g_inv = DeviceScalar::new(gs_inv, 0)?;
+                let g_inv = DeviceScalar::new(gs, 1)?;
                 let codes = |data| Fp8Matrix {
                     data,
                     format: e5m2,
@@ -180,24 +179,24 @@ impl<T: Activation> HeadGemms<'_, T> {
 /// The FP8 operands of a head pass: `W` (and `W^T` when training) in E4M3, cast once; the scale of `x`
 /// from the amax of the whole input; each at the power-of-two scale of its amax; and when training the
 /// static scale of the E5M2 logits gradient.
-struct Fp8HeadOperands {
+struct Fp8HeadOperands<'s> {
     w: Buffer<u8>,
     w_t: Option<Buffer<u8>>,
     w_scale_inv: Buffer<f32>,
     x_scale: Buffer<f32>,
     x_scale_inv: Buffer<f32>,
-    /// `(scale, scale_inv)` of the logits gradient.
-    grad_scale: Option<(Buffer<f32>, Buffer<f32>)>,
+    /// `[scale, scale_inv]` of the logits gradient (training only; [`LmHead::gradient_scale`]).
+    grad_scale: Option<&'s Buffer<f32>>,
 }
 
-impl Fp8HeadOperands {
-    /// `row_scale`: the factor of each row's `softmax - onehot` when training.
+impl<'s> Fp8HeadOperands<'s> {
+    /// With `grad_scale` when training (then `W^T` is cast too).
     fn new<T: FloatElement>(
         dev: &Device,
         w: &Buffer<f32>,
         x: &Buffer<T>,
         [vocab, d]: [usize; 2],
-        row_scale: Option<f32>,
+        grad_scale: Option<&'s Buffer<f32>>,
     ) -> Result<Self, NnError> {
         let e4m3 = Fp8Format::E4M3;
         let scales = |src_amax: &Buffer<f32>| -> Result<(Buffer<f32>, Buffer<f32>), NnError> {
@@ -209,7 +208,7 @@ impl Fp8HeadOperands {
         amax(w, AmaxSlot::first(&mut w_amax))?;
         let (w_scale, w_scale_inv) = scales(&w_amax)?;
         let mut wq = dev.uninit::<u8>(vocab * d)?;
-        let w_t = if row_scale.is_some() {
+        let w_t = if grad_scale.is_some() {
             let mut t = dev.uninit::<u8>(vocab * d)?;
             cast_transpose_to_fp8(w, [vocab, d], e4m3, &w_scale, &mut t, Some(&mut wq), None)?;
             Some(t)
@@ -220,20 +219,6 @@ impl Fp8HeadOperands {
         let mut x_amax = dev.zeros::<f32>(1)?;
         amax(x, AmaxSlot::first(&mut x_amax))?;
         let (x_scale, x_scale_inv) = scales(&x_amax)?;
-        // Every entry of the gradient lies within |row_scale| (see the module docs).
-        let grad_scale = match row_scale {
-            Some(r) => {
-                let s = compute_scale(
-                    r.abs(),
-                    Fp8Format::E5M2.max(),
-                    0,
-                    ScaleRounding::PowerOfTwo,
-                    1.0,
-                );
-                Some((dev.upload(&[s])?, dev.upload(&[1.0 / s])?))
-            }
-            None => None,
-        };
         Ok(Fp8HeadOperands {
             w: wq,
             w_t,
@@ -306,6 +291,9 @@ pub struct LmHead<T: Activation = f32> {
     weight: ParamId,
     /// The GEMMs run on FP8 codes (see the module docs).
     fp8: bool,
+    /// The FP8 logits gradient's `[scale, scale_inv]` on the device and the row scale it is for: uploaded
+    /// once, not every step (an upload from pageable memory may wait for the stream).
+    fp8_grad_scale: Option<(u32, Buffer<f32>)>,
     stats: Option<LossStats>,
     x: Option<Tensor<T>>,
     early: Option<EarlyGrads<T>>,
@@ -326,6 +314,7 @@ impl<T: Activation> LmHead<T> {
             seed: None,
             weight: ParamId::UNSET,
             fp8: false,
+            fp8_grad_scale: None,
             stats: None,
             x: None,
             early: None,
@@ -524,12 +513,16 @@ impl<T: Activation> LmHead<T> {
             ));
         }
         let gemms = if self.fp8 {
+            let grad_scale = match row_scale {
+                Some(r) => Some(Self::gradient_scale(&mut self.fp8_grad_scale, &dev, r)?),
+                None => None,
+            };
             HeadGemms::Fp8(Box::new(Fp8HeadOperands::new(
                 &dev,
                 w32,
                 x.data(),
                 [vocab, d],
-                row_scale,
+                grad_scale,
             )?))
         } else {
             HeadGemms::Float(T::from_f32_buffer(w32, &mut scratch)?)
@@ -580,8 +573,34 @@ impl<T: Activation> LmHead<T> {
                 }
             }
         }
+        drop(gemms);
         self.stats = Some(stats);
         Ok(grads)
+    }
+
+    /// `[scale, scale_inv]` of the E5M2 logits gradient for rows scaled by `row_scale`: the power-of-two
+    /// scale of the bound `|row_scale|` (every entry of the gradient lies within it; see the module docs),
+    /// kept in `cache` while the row scale stays.
+    fn gradient_scale<'c>(
+        cache: &'c mut Option<(u32, Buffer<f32>)>,
+        dev: &Device,
+        row_scale: f32,
+    ) -> Result<&'c Buffer<f32>, NnError> {
+        let bits = row_scale.to_bits();
+        if cache.as_ref().map(|(b, _)| *b) != Some(bits) {
+            let s = compute_scale(
+                row_scale.abs(),
+                Fp8Format::E5M2.max(),
+                0,
+                ScaleRounding::PowerOfTwo,
+                1.0,
+            );
+            *cache = Some((bits, dev.upload(&[s, 1.0 / s])?));
+        }
+        cache
+            .as_ref()
+            .map(|(_, b)| b)
+            .ok_or_else(|| NnError::usage("LmHead", "no gradient scale"))
     }
 
     /// The logits `x W^T` (`[rows, vocab]`, in the activation type) of a few rows, e.g. the last position
