@@ -587,20 +587,17 @@ impl<T: Activation> LmHead<T> {
         row_scale: f32,
     ) -> Result<&'c Buffer<f32>, NnError> {
         let bits = row_scale.to_bits();
-        if cache.as_ref().map(|(b, _)| *b) != Some(bits) {
-            let s = compute_scale(
-                row_scale.abs(),
-                Fp8Format::E5M2.max(),
-                0,
-                ScaleRounding::PowerOfTwo,
-                1.0,
-            );
-            *cache = Some((bits, dev.upload(&[s, 1.0 / s])?));
+        if let Some(kept) = cache.take().filter(|(b, _)| *b == bits) {
+            return Ok(&cache.insert(kept).1);
         }
-        cache
-            .as_ref()
-            .map(|(_, b)| b)
-            .ok_or_else(|| NnError::usage("LmHead", "no gradient scale"))
+        let s = compute_scale(
+            row_scale.abs(),
+            Fp8Format::E5M2.max(),
+            0,
+            ScaleRounding::PowerOfTwo,
+            1.0,
+        );
+        Ok(&cache.insert((bits, dev.upload(&[s, 1.0 / s])?)).1)
     }
 
     /// The logits `x W^T` (`[rows, vocab]`, in the activation type) of a few rows, e.g. the last position

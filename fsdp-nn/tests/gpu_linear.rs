@@ -11,11 +11,11 @@
 
 mod common;
 
-use common::{full_grad, grad_shards, values, TestResult};
+use common::{cpu_comm, cuda_comm, full_grad, grad_shards, values, TestResult};
 use fp8_core::{Fp8Format, Fp8Recipe, ScaleRounding};
 use fp8_kernels::block_quantize::{block_dequantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder};
 use fp8_kernels::{block_quantize, Device};
-use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
+use fsdp_comm::Communicator;
 use fsdp_nn::{Activation, Layer, Linear, LinearPrecision, Shape, Tensor};
 use fsdp_optim::{step_model, AdamOptions, FsdpAdam, StatePrecision};
 use fsdp_shard::{FsdpConfig, FsdpModel, GatheredParam, Mode, WrapPolicy};
@@ -64,13 +64,6 @@ fn rel_to_max(gpu: &[f32], cpu: &[f32]) -> f32 {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max)
         / scale
-}
-
-fn cpu_comm() -> TestResult<Arc<dyn Communicator>> {
-    let comm = ThreadGroup::new(1, DEFAULT_THREAD_TIMEOUT)?
-        .pop()
-        .ok_or("no rank")?;
-    Ok(Arc::new(comm))
 }
 
 fn model<T: Activation>(
@@ -476,17 +469,7 @@ fn check_blocks(gpu_comm: &Arc<dyn Communicator>) -> TestResult<()> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_block_linear_matches_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
-    if let Device::Cuda(c) = &gpu {
-        if let Err(e) = c.require_fp8() {
-            panic!("no FP8 on this GPU: {e}");
-        }
-    }
-    drop(gpu);
-    let comm = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default())
-        .expect("an NCCL communicator of one rank (source cuda-env.sh)");
-    let comm: Arc<dyn Communicator> = Arc::new(comm);
-    if let Err(e) = check_blocks(&comm) {
+    if let Err(e) = check_blocks(&cuda_comm()) {
         panic!("CUDA vs CPU block-scaled linear:\n{e}");
     }
 }
@@ -503,18 +486,7 @@ fn the_block_check_passes_cpu_against_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_linear_matches_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
-    if let Device::Cuda(c) = &gpu {
-        if let Err(e) = c.require_fp8() {
-            panic!("no FP8 on this GPU: {e}");
-        }
-    }
-    drop(gpu);
-    // With a GPU present, a missing NCCL is a failure of the machine's setup, not a skip.
-    let comm = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default())
-        .expect("an NCCL communicator of one rank (source cuda-env.sh)");
-    let comm: Arc<dyn Communicator> = Arc::new(comm);
-    if let Err(e) = check(&comm) {
+    if let Err(e) = check(&cuda_comm()) {
         panic!("CUDA vs CPU linear:\n{e}");
     }
 }

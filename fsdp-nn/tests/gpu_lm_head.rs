@@ -8,9 +8,8 @@
 
 mod common;
 
-use common::{full_grad, grad_shards, rel_diff, values, TestResult};
-use fp8_kernels::Device;
-use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
+use common::{cpu_comm, cuda_comm, full_grad, grad_shards, rel_diff, values, TestResult};
+use fsdp_comm::Communicator;
 use fsdp_nn::{Activation, LmHead, NnError, Shape, Tensor};
 use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
 use half::bf16;
@@ -65,11 +64,7 @@ fn step<T: Activation>(
 const SHAPES: [[usize; 4]; 2] = [[1000, 256, 5000, 384], [2048, 512, 8192, 4096]];
 
 fn check(gpu: &Arc<dyn Communicator>, shapes: &[[usize; 4]]) -> TestResult<()> {
-    let cpu: Arc<dyn Communicator> = Arc::new(
-        ThreadGroup::new(1, DEFAULT_THREAD_TIMEOUT)?
-            .pop()
-            .ok_or("no rank")?,
-    );
+    let cpu = cpu_comm()?;
     let mut failures = Vec::new();
     for (k, &shape) in shapes.iter().enumerate() {
         let [tokens, d, vocab, _] = shape;
@@ -115,17 +110,7 @@ fn check(gpu: &Arc<dyn Communicator>, shapes: &[[usize; 4]]) -> TestResult<()> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_fp8_lm_head_matches_cpu() {
-    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
-    if let Device::Cuda(c) = &gpu {
-        if let Err(e) = c.require_fp8() {
-            panic!("no FP8 on this GPU: {e}");
-        }
-    }
-    drop(gpu);
-    let comm = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default())
-        .expect("an NCCL communicator of one rank (source cuda-env.sh)");
-    let comm: Arc<dyn Communicator> = Arc::new(comm);
-    if let Err(e) = check(&comm, &SHAPES) {
+    if let Err(e) = check(&cuda_comm(), &SHAPES) {
         panic!("CUDA vs CPU FP8 LM head:\n{e}");
     }
 }
@@ -134,12 +119,7 @@ fn cuda_fp8_lm_head_matches_cpu() {
 /// a failure on the GPU machine is about the GPU.
 #[test]
 fn the_lm_head_check_passes_cpu_against_cpu() {
-    let cpu: Arc<dyn Communicator> = Arc::new(
-        ThreadGroup::new(1, DEFAULT_THREAD_TIMEOUT)
-            .expect("a thread group")
-            .pop()
-            .expect("a rank"),
-    );
+    let cpu = cpu_comm().expect("a thread rank");
     if let Err(e) = check(&cpu, &SHAPES[..1]) {
         panic!("CPU vs CPU FP8 LM head:\n{e}");
     }

@@ -298,7 +298,7 @@ impl Trainer {
                 .map(|(n, _)| n.clone())
                 .collect(),
             linears: first.linears.len(),
-            fp8_head: c.fp8_head && c.precision == crate::Precision::Fp8,
+            fp8_head: c.fp8_head,
             recipe: self.recipe_name(),
             step_times: first.times,
             peak_bytes: first.peak,

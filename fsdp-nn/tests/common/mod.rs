@@ -7,7 +7,8 @@ pub mod tiny_lm;
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::Device;
 use fsdp_comm::{
-    run_ranks, Collective, CollectiveKind, CommError, CommWork, Communicator, ReduceOp,
+    run_ranks, Collective, CollectiveKind, CommError, CommWork, Communicator, DistEnv, NcclComm,
+    NcclConfig, ReduceOp, ThreadGroup, DEFAULT_THREAD_TIMEOUT,
 };
 use fsdp_nn::{Linear, LinearPrecision, NnError, Relu, Sequential};
 use fsdp_shard::{ModelLayout, ParamGroup, ShardedModel};
@@ -40,6 +41,31 @@ pub fn linear_relu_linear(
                 .with_precision(precisions[1])?
                 .with_seed(2),
         ))
+}
+
+/// One thread rank on the CPU.
+pub fn cpu_comm() -> TestResult<Arc<dyn Communicator>> {
+    let comm = ThreadGroup::new(1, DEFAULT_THREAD_TIMEOUT)?
+        .pop()
+        .ok_or("no rank")?;
+    Ok(Arc::new(comm))
+}
+
+/// For a GPU test: an NCCL communicator of world size 1 on GPU 0 (`DistEnv::single()`, as the examples
+/// do without a launcher; `fsdp-comm` has no other single-rank communicator on CUDA). Panics, naming the
+/// cause, when the GPU is missing, has no FP8, or NCCL cannot start: with a GPU present that is a failure
+/// of the machine's setup, not a skip.
+pub fn cuda_comm() -> Arc<dyn Communicator> {
+    let gpu = Device::cuda(0).unwrap_or_else(|e| panic!("no usable CUDA device: {e}"));
+    if let Device::Cuda(c) = &gpu {
+        if let Err(e) = c.require_fp8() {
+            panic!("no FP8 on this GPU: {e}");
+        }
+    }
+    drop(gpu);
+    let comm = NcclComm::from_dist_env(&DistEnv::single(), &NcclConfig::default())
+        .expect("an NCCL communicator of one rank (source cuda-env.sh)");
+    Arc::new(comm)
 }
 
 /// Deterministic values uniform in `[-scale, scale)`.
