@@ -2,7 +2,8 @@
 //! loss sum, invalid-target count), on random logits of GPT-2 vocabulary rows and awkward shapes (vocab
 //! not a multiple of 8, tiny vocab, chunks at a row offset, ignored and out-of-range targets, a NaN logit),
 //! f32 and bf16; and CUDA run twice gives the same bits. The bf16 register-held variants (8 and 16 vectors per
-//! thread) and the re-reading kernel, each forced, give the CPU's bits too. GPU tests: ignored unless run
+//! thread) and the re-reading kernel, each forced, give the CPU's bits too; so do the variants that write the
+//! gradient as E4M3 or E5M2 codes (`cross_entropy_to_fp8`), logits left unchanged. GPU tests: ignored unless run
 //! with `--ignored` (`scripts/gpu-tests.sh`), and failing where no GPU can be opened.
 
 mod common;
@@ -11,9 +12,13 @@ use common::{
     canon, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
     CeBuffers,
 };
-use fp8_kernels::cross_entropy::{cross_entropy_with_launch, CrossEntropyLaunch, CrossEntropySpec};
+use fp8_core::Fp8Format;
+use fp8_kernels::cross_entropy::{
+    cross_entropy_to_fp8, cross_entropy_with_launch, CrossEntropyFp8Grad, CrossEntropyLaunch,
+    CrossEntropySpec,
+};
 use fp8_kernels::rng::SplitMix64;
-use fp8_kernels::{Buffer, Device, FloatElement};
+use fp8_kernels::{Buffer, Device, DeviceScalar, FloatElement};
 use half::bf16;
 
 #[derive(PartialEq, Debug)]
@@ -187,4 +192,94 @@ fn register_and_reread_kernels_match_cpu_bitwise() {
         }
     }
     assert!(ok, "a CUDA launch choice differs from the CPU (see above)");
+}
+
+/// `c` through `cross_entropy_to_fp8`: the codes in `grad` (the logits must come back unchanged), at a scale
+/// that puts the largest possible entry `1 / rows` at the format's largest value, kept at index 1 of the
+/// scale buffer.
+fn run_codes<T: FloatElement>(dev: &Device, c: &Case, format: Fp8Format) -> Outputs {
+    let tg = dev.upload(&c.targets).unwrap();
+    let mut out = CeBuffers::new(dev, c.rows, 0.5, 0);
+    let scale = dev.upload(&[0.0, c.rows as f32 * format.max()]).unwrap();
+    let mut grad = Vec::new();
+    let mut a = 0;
+    while a < c.rows {
+        let b = (a + c.chunk).min(c.rows);
+        let host: Vec<T> = c.logits[a * c.vocab..b * c.vocab]
+            .iter()
+            .map(|&v| T::from_f32(v))
+            .collect();
+        let lg: Buffer<T> = dev.upload(&host).unwrap();
+        let mut codes = dev.zeros::<u8>(host.len()).unwrap();
+        let spec = CrossEntropySpec {
+            rows: b - a,
+            vocab: c.vocab,
+            row_offset: a,
+            ignore_index: c.ignore_index,
+            grad_scale: Some(1.0 / c.rows as f32),
+        };
+        let sink = CrossEntropyFp8Grad {
+            codes: &mut codes,
+            format,
+            scale: DeviceScalar::new(&scale, 1).unwrap(),
+        };
+        cross_entropy_to_fp8(&spec, &lg, &tg, out.outputs(), sink).unwrap();
+        let kept: Vec<u32> = lg
+            .to_vec()
+            .unwrap()
+            .iter()
+            .map(|v| canon(v.to_f32()))
+            .collect();
+        let sent: Vec<u32> = host.iter().map(|v| canon(v.to_f32())).collect();
+        assert!(kept == sent, "the logits changed");
+        grad.extend(codes.to_vec().unwrap().into_iter().map(u32::from));
+        a = b;
+    }
+    let bits = |b: &Buffer<f32>| b.to_vec().unwrap().into_iter().map(canon).collect();
+    Outputs {
+        grad,
+        lse: bits(&out.lse),
+        loss: bits(&out.loss),
+        sum: canon(out.sum.to_vec().unwrap()[0]),
+        invalid: out.invalid.to_vec().unwrap()[0],
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_gradient_codes_match_cpu_bitwise() {
+    let gpu = cuda_device();
+    let mut cases = vec![
+        (
+            "GPT-2 vocabulary, 3 chunks",
+            in_chunks(case(96, 50304, 8.0, 21), 40),
+        ),
+        ("Llama-3 vocabulary", case(12, 128256, 8.0, 22)),
+        ("vocab 50257 (odd)", case(9, 50257, 8.0, 23)),
+        ("vocab 5", case(7, 5, 2.0, 24)),
+        ("wide logits", case(5, 4096, 200.0, 25)),
+    ];
+    cases.push(("ignored, invalid targets and a NaN", special_case(640, 27)));
+    let mut ok = true;
+    for (what, c) in &cases {
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let label = |t: &str| format!("{what} [{}, {}] {t} {format:?}", c.rows, c.vocab);
+            let cpu = run_codes::<bf16>(&Device::cpu(), c, format);
+            let (g1, g2) = (
+                run_codes::<bf16>(&gpu, c, format),
+                run_codes::<bf16>(&gpu, c, format),
+            );
+            ok &= matches_cpu_and_deterministic(&label("bf16"), &cpu, &g1, &g2, differences);
+            let cpu = run_codes::<f32>(&Device::cpu(), c, format);
+            let (g1, g2) = (
+                run_codes::<f32>(&gpu, c, format),
+                run_codes::<f32>(&gpu, c, format),
+            );
+            ok &= matches_cpu_and_deterministic(&label("f32"), &cpu, &g1, &g2, differences);
+        }
+    }
+    assert!(
+        ok,
+        "the FP8 gradient codes differ between CUDA and the CPU (see above)"
+    );
 }

@@ -1,16 +1,18 @@
 //! The CPU cross-entropy (the reference of the CUDA kernel) against a plain f64 implementation on random
 //! shapes and logits; its exp and log against f64; the gradient against central finite differences of the
 //! f64 mean loss; chunking with row offsets; ignored and invalid targets; argument errors (launch choices
-//! included).
+//! included); the FP8-code gradient (`cross_entropy_to_fp8`) against the in-place gradient followed by the
+//! plain cast.
 
 mod common;
 
 use common::CeBuffers;
+use fp8_core::Fp8Format;
 use fp8_kernels::cross_entropy::{
-    check_targets, cross_entropy, cross_entropy_with_launch, exp_fixed, ln_fixed, loss_sum,
-    CrossEntropyLaunch, CrossEntropySpec,
+    check_targets, cross_entropy, cross_entropy_to_fp8, cross_entropy_with_launch, exp_fixed,
+    ln_fixed, loss_sum, CrossEntropyFp8Grad, CrossEntropyLaunch, CrossEntropySpec,
 };
-use fp8_kernels::{Buffer, DType, Device, FloatElement};
+use fp8_kernels::{cast_to_fp8, Buffer, DType, Device, DeviceScalar, FloatElement};
 use half::bf16;
 use proptest::prelude::*;
 
@@ -112,7 +114,68 @@ fn case() -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<i32>)> {
     })
 }
 
+/// The codes, lse, loss, sum and invalid count of `cross_entropy_to_fp8` against the in-place kernel
+/// followed by `cast_to_fp8` at the same scale; the logits must come back unchanged.
+fn check_codes<T: FloatElement>(
+    (rows, vocab, logits, targets): (usize, usize, &[f32], &[i32]),
+    format: Fp8Format,
+    scale: f32,
+) -> Result<(), TestCaseError> {
+    let dev = Device::cpu();
+    let lt = to_t::<T>(logits);
+    let spec = CrossEntropySpec::new(rows, vocab, 1.0 / rows as f32);
+    let want = run(&spec, &lt, targets);
+    let grad: Buffer<T> = dev.upload(&want.grad).unwrap();
+    let scale_buf = dev.upload(&[scale]).unwrap();
+    let mut want_codes = dev.zeros::<u8>(lt.len()).unwrap();
+    cast_to_fp8(&grad, format, &scale_buf, &mut want_codes, None).unwrap();
+
+    let lg: Buffer<T> = dev.upload(&lt).unwrap();
+    let tg = dev.upload(targets).unwrap();
+    let mut out = CeBuffers::new(&dev, rows, 0.25, 3);
+    let mut codes = dev.zeros::<u8>(lt.len()).unwrap();
+    let sink = CrossEntropyFp8Grad {
+        codes: &mut codes,
+        format,
+        scale: DeviceScalar::new(&scale_buf, 0).unwrap(),
+    };
+    cross_entropy_to_fp8(&spec, &lg, &tg, out.outputs(), sink).unwrap();
+    let same = |a: &[T], b: &[T]| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| x.to_f32().to_bits() == y.to_f32().to_bits())
+    };
+    prop_assert!(same(&lg.to_vec().unwrap(), &lt), "the logits changed");
+    prop_assert_eq!(codes.to_vec().unwrap(), want_codes.to_vec().unwrap());
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    prop_assert_eq!(bits(out.lse.to_vec().unwrap()), bits(want.lse));
+    prop_assert_eq!(bits(out.loss.to_vec().unwrap()), bits(want.loss));
+    prop_assert_eq!(
+        (out.sum.to_vec().unwrap()[0] - 0.25).to_bits(),
+        want.sum.to_bits()
+    );
+    prop_assert_eq!(out.invalid.to_vec().unwrap()[0] - 3, want.invalid);
+    Ok(())
+}
+
 proptest! {
+    #[test]
+    fn fp8_codes_equal_the_in_place_gradient_then_cast(
+        (rows, vocab, logits, mut targets) in case(),
+        e5m2 in any::<bool>(),
+        scale_exp in 0i32..24,
+        invalid_first in any::<bool>(),
+    ) {
+        if invalid_first {
+            targets[0] = vocab as i32;
+        }
+        let format = if e5m2 { Fp8Format::E5M2 } else { Fp8Format::E4M3 };
+        // Up to far past the largest entry 1 / rows at the format's largest value: saturation included.
+        let scale = 2f32.powi(scale_exp) * rows as f32;
+        check_codes::<f32>((rows, vocab, &logits, &targets), format, scale)?;
+        check_codes::<bf16>((rows, vocab, &logits, &targets), format, scale)?;
+    }
+
     #[test]
     fn matches_f64((rows, vocab, logits, targets) in case()) {
         check_against_f64::<f32>(rows, vocab, &logits, &targets)?;
@@ -322,4 +385,35 @@ fn launch_choices_are_checked() {
     for bad in [Some(8), Some(16)] {
         assert!(call::<f32>(bad).is_err(), "f32 {bad:?}");
     }
+}
+
+#[test]
+fn fp8_codes_need_a_gradient_scale_and_matching_buffers() {
+    let dev = Device::cpu();
+    let lg: Buffer<f32> = dev.upload(&[0.5f32, -1.0, 2.0, 0.0]).unwrap();
+    let tg = dev.upload(&[1i32, 3]).unwrap();
+    let scale = dev.upload(&[8.0f32]).unwrap();
+    let mut out = CeBuffers::new(&dev, 2, 0.0, 0);
+    let call = |spec: CrossEntropySpec, codes_len: usize, out: &mut CeBuffers| {
+        let mut codes = dev.zeros::<u8>(codes_len).unwrap();
+        let sink = CrossEntropyFp8Grad {
+            codes: &mut codes,
+            format: Fp8Format::E5M2,
+            scale: DeviceScalar::new(&scale, 0).unwrap(),
+        };
+        cross_entropy_to_fp8(&spec, &lg, &tg, out.outputs(), sink).map(|_| codes.to_vec().unwrap())
+    };
+    let ok = CrossEntropySpec::new(2, 2, 0.5);
+    let codes = call(ok, 4, &mut out).unwrap();
+    // Row 0: softmax(0.5, -1) - onehot(1), times 0.5, times 8: a positive and a negative code.
+    assert!(
+        codes[0] != 0 && codes[0] & 0x80 == 0 && codes[1] & 0x80 != 0,
+        "{codes:?}"
+    );
+    let no_scale = CrossEntropySpec {
+        grad_scale: None,
+        ..ok
+    };
+    assert!(call(no_scale, 4, &mut out).is_err());
+    assert!(call(ok, 3, &mut out).is_err());
 }

@@ -33,7 +33,9 @@ use crate::layer::{rows_of_width, take_saved};
 use crate::{NnError, Tensor};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::cast::{amax, cast_to_fp8, cast_transpose_to_fp8, AmaxSlot};
-use fp8_kernels::cross_entropy::{cross_entropy, CrossEntropyOutputs, CrossEntropySpec};
+use fp8_kernels::cross_entropy::{
+    cross_entropy, cross_entropy_to_fp8, CrossEntropyFp8Grad, CrossEntropyOutputs, CrossEntropySpec,
+};
 use fp8_kernels::gemm::{gemm, gemm_fp8, DeviceScalar, Fp8Matrix};
 use fp8_kernels::scaling::scale_from_amax;
 use fp8_kernels::{Buffer, CpuParallelism, Device, FloatElement, GemmSpec, Transpose};
@@ -117,14 +119,44 @@ impl<T: Activation> HeadGemms<'_, T> {
         }
     }
 
-    /// From the logits gradient the cross-entropy wrote over the logits: `dx_c = G W` into `dx` and
-    /// `dW = beta dW + G^T x_c`.
+    /// The chunk's cross-entropy (loss and log-sum-exp into `out`); with `spec.grad_scale` also the logits
+    /// gradient: in the activation type over the logits (float), or as E5M2 codes at the static gradient
+    /// scale written by the same pass, the logits freed at once (FP8).
+    fn cross_entropy(
+        &self,
+        dev: &Device,
+        spec: &CrossEntropySpec,
+        mut logits: Buffer<T>,
+        targets: &Buffer<i32>,
+        out: CrossEntropyOutputs<'_>,
+    ) -> Result<Option<ChunkGrad<T>>, NnError> {
+        match (self, spec.grad_scale) {
+            (HeadGemms::Fp8(ops), Some(_)) => {
+                let gs = ops
+                    .grad_scale
+                    .ok_or_else(|| NnError::usage("LmHead", "no gradient scale"))?;
+                let mut codes = dev.uninit::<u8>(logits.len())?;
+                let sink = CrossEntropyFp8Grad {
+                    codes: &mut codes,
+                    format: Fp8Format::E5M2,
+                    scale: DeviceScalar::new(gs, 0)?,
+                };
+                cross_entropy_to_fp8(spec, &logits, targets, out, sink)?;
+                Ok(Some(ChunkGrad::Fp8(codes)))
+            }
+            (_, grad) => {
+                cross_entropy(spec, &mut logits, targets, out)?;
+                Ok(grad.map(|_| ChunkGrad::Float(logits)))
+            }
+        }
+    }
+
+    /// From the chunk's logits gradient `G`: `dx_c = G W` into `dx` and `dW = beta dW + G^T x_c`.
     #[allow(clippy::too_many_arguments)]
     fn gradients(
         &self,
-        dev: &Device,
         s: &HeadChunk,
-        g: Buffer<T>,
+        g: ChunkGrad<T>,
         (xc, xq_t): (&Buffer<T>, Option<Buffer<u8>>),
         dx: &mut Buffer<T>,
         dw: &mut Buffer<f32>,
@@ -134,46 +166,47 @@ impl<T: Activation> HeadGemms<'_, T> {
         let dw_spec = GemmSpec::new(s.vocab, s.d, s.c)
             .scalars(1.0, beta)
             .parallelism(s.par);
-        match self {
-            HeadGemms::Float(w) => {
+        match (self, g) {
+            (HeadGemms::Float(w), ChunkGrad::Float(g)) => {
                 gemm(&dx_spec, &g, w, dx)?;
                 let dw_spec = dw_spec.transposes(Transpose::Yes, Transpose::No);
                 gemm(&dw_spec, &g, xc, dw)?;
             }
-            HeadGemms::Fp8(ops) => {
+            (HeadGemms::Fp8(ops), ChunkGrad::Fp8(gq)) => {
                 let xq_t = xq_t.ok_or_else(|| NnError::usage("LmHead", "no x^T codes kept"))?;
                 let gs = ops
                     .grad_scale
                     .ok_or_else(|| NnError::usage("LmHead", "no gradient scale"))?;
-                // The logits gradient in E5M2, row-major for dx and transposed for dW; the BF16 copy
-                // goes before the GEMMs run.
-                let n = s.c * s.vocab;
-                let (mut gq, mut gq_t) = (dev.uninit::<u8>(n)?, dev.uninit::<u8>(n)?);
-                let e5m2 = Fp8Format::E5M2;
-                cast_transpose_to_fp8(
-                    &g,
-                    [s.c, s.vocab],
-                    e5m2,
-                    gs,
-                    &mut gq_t,
-                    Some(&mut gq),
-                    None,
-                )?;
-                drop(g);
-                let g_inv = DeviceScalar::new(gs, 1)?;
-                let codes = |data| Fp8Matrix {
-                    data,
-                    format: e5m2,
-                    scale_inv: g_inv,
+                let codes = |data| -> Result<Fp8Matrix<'_>, NnError> {
+                    Ok(Fp8Matrix {
+                        data,
+                        format: Fp8Format::E5M2,
+                        scale_inv: DeviceScalar::new(gs, 1)?,
+                    })
                 };
                 let dx_spec = dx_spec.transposes(Transpose::No, Transpose::Yes);
-                gemm_fp8(&dx_spec, codes(&gq), ops.w_t_matrix()?, dx)?;
-                let dw_spec = dw_spec.transposes(Transpose::No, Transpose::Yes);
-                gemm_fp8(&dw_spec, codes(&gq_t), ops.x_matrix(&xq_t)?, dw)?;
+                gemm_fp8(&dx_spec, codes(&gq)?, ops.w_t_matrix()?, dx)?;
+                // `G^T` as the GEMM's transposed operand: it lays the codes out K-major itself (one
+                // pass over a byte per entry), where a transposed copy made beside the row-major one
+                // would hold both at once.
+                let dw_spec = dw_spec.transposes(Transpose::Yes, Transpose::Yes);
+                gemm_fp8(&dw_spec, codes(&gq)?, ops.x_matrix(&xq_t)?, dw)?;
+            }
+            _ => {
+                return Err(NnError::usage(
+                    "LmHead",
+                    "a logits gradient of the other head kind",
+                ))
             }
         }
         Ok(())
     }
+}
+
+/// A chunk's logits gradient: in the activation type, or as E5M2 codes (FP8 head).
+enum ChunkGrad<T: Activation> {
+    Float(Buffer<T>),
+    Fp8(Buffer<u8>),
 }
 
 /// The FP8 operands of a head pass: `W` (and `W^T` when training) in E4M3, cast once; the scale of `x`
@@ -550,25 +583,21 @@ impl<T: Activation> LmHead<T> {
                 ignore_index: None,
                 grad_scale: row_scale,
             };
-            cross_entropy(
-                &spec,
-                &mut logits,
-                targets,
-                CrossEntropyOutputs {
-                    lse: &mut stats.lse,
-                    loss: &mut stats.per_token,
-                    loss_sum: &mut stats.sum,
-                    invalid_targets: &mut stats.invalid_targets,
-                },
-            )?;
-            if let Some((dx, dw)) = grads.as_mut() {
+            let outputs = CrossEntropyOutputs {
+                lse: &mut stats.lse,
+                loss: &mut stats.per_token,
+                loss_sum: &mut stats.sum,
+                invalid_targets: &mut stats.invalid_targets,
+            };
+            let g = gemms.cross_entropy(&dev, &spec, logits, targets, outputs)?;
+            if let (Some((dx, dw)), Some(g)) = (grads.as_mut(), g) {
                 let beta = if k == 0 { 0.0 } else { 1.0 };
                 let inputs = (xc, xq_t);
                 if whole {
-                    gemms.gradients(&dev, &shape, logits, inputs, dx.data_mut(), dw, beta)?;
+                    gemms.gradients(&shape, g, inputs, dx.data_mut(), dw, beta)?;
                 } else {
                     let mut dxc = dev.uninit::<T>(c * d)?;
-                    gemms.gradients(&dev, &shape, logits, inputs, &mut dxc, dw, beta)?;
+                    gemms.gradients(&shape, g, inputs, &mut dxc, dw, beta)?;
                     dx.data_mut().copy_range_from(a * d, &dxc, 0, c * d)?;
                 }
             }

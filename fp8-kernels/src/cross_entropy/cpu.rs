@@ -4,6 +4,7 @@
 
 use crate::cpu_kernel::xor_butterfly;
 use crate::FloatElement;
+use fp8_core::Fp8Format;
 use rayon::prelude::*;
 
 /// Threads per row of the CUDA kernel (`CE_THREADS`).
@@ -173,13 +174,12 @@ pub(crate) struct RowResult {
     pub invalid: bool,
 }
 
-/// One row: log-sum-exp, loss, and (with `grad_scale`) the gradient written over the row.
-pub(crate) fn row<T: FloatElement>(
-    logits: &mut [T],
+/// One row's log-sum-exp and loss, and whether its target is valid.
+fn row_stats<T: FloatElement>(
+    logits: &[T],
     target: i32,
     ignore_index: Option<i32>,
-    grad_scale: Option<f32>,
-) -> RowResult {
+) -> (RowResult, bool) {
     let vocab = logits.len();
     let ignored = ignore_index == Some(target);
     let valid = !ignored && target >= 0 && (target as usize) < vocab;
@@ -196,20 +196,72 @@ pub(crate) fn row<T: FloatElement>(
     } else {
         f32::NAN
     };
-    if let Some(gs) = grad_scale {
-        for (e, v) in logits.iter_mut().enumerate() {
-            let mut p = exp_fixed(v.to_f32() + -lse);
-            if valid && e == target as usize {
-                p += -1.0;
-            }
-            *v = T::from_f32(if valid { p * gs } else { 0.0 });
-        }
-    }
-    RowResult {
+    let res = RowResult {
         lse,
         loss,
         invalid: !ignored && !valid,
+    };
+    (res, valid)
+}
+
+/// The gradient of entry `e` holding `x`, in f32 before the rounding to the logits' type.
+#[inline]
+fn gradient(x: f32, e: usize, target: i32, valid: bool, lse: f32, gs: f32) -> f32 {
+    let mut p = exp_fixed(x + -lse);
+    if valid && e == target as usize {
+        p += -1.0;
     }
+    if valid {
+        p * gs
+    } else {
+        0.0
+    }
+}
+
+/// One row: log-sum-exp, loss, and (with `grad_scale`) the gradient written over the row.
+pub(crate) fn row<T: FloatElement>(
+    logits: &mut [T],
+    target: i32,
+    ignore_index: Option<i32>,
+    grad_scale: Option<f32>,
+) -> RowResult {
+    let (res, valid) = row_stats(logits, target, ignore_index);
+    if let Some(gs) = grad_scale {
+        for (e, v) in logits.iter_mut().enumerate() {
+            *v = T::from_f32(gradient(v.to_f32(), e, target, valid, res.lse, gs));
+        }
+    }
+    res
+}
+
+/// [`rows`] with the gradient as FP8 codes `encode(round_T(g) * scale)` in `codes`, the logits unchanged.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rows_to_codes<T: FloatElement>(
+    logits: &[T],
+    vocab: usize,
+    targets: &[i32],
+    ignore_index: Option<i32>,
+    grad_scale: f32,
+    (codes, format, scale): (&mut [u8], Fp8Format, f32),
+    lse: &mut [f32],
+    loss: &mut [f32],
+) -> u32 {
+    logits
+        .par_chunks(vocab)
+        .zip(codes.par_chunks_mut(vocab))
+        .zip(targets.par_iter())
+        .zip(lse.par_iter_mut().zip(loss.par_iter_mut()))
+        .map(|(((r, c), &t), (l, lo))| {
+            let (res, valid) = row_stats(r, t, ignore_index);
+            for (e, (x, code)) in r.iter().zip(c.iter_mut()).enumerate() {
+                let g = gradient(x.to_f32(), e, t, valid, res.lse, grad_scale);
+                *code = format.encode(T::from_f32(g).to_f32() * scale);
+            }
+            *l = res.lse;
+            *lo = res.loss;
+            res.invalid as u32
+        })
+        .sum()
 }
 
 /// Every row of `logits` (`rows x vocab`) with its target; fills `lse` and `loss` (one per row) and returns

@@ -17,6 +17,11 @@
 // flight, unpacks them in order in the first pass and again in the second, so those vectors are read from
 // memory once; vectors beyond NV * CE_THREADS (and every vector when NV = 0 or the row is not vectorisable)
 // are read in each pass as before. The arithmetic and its order are the same in every variant.
+//
+// Code variants (template CODES = FP8_E4M3 or FP8_E5M2, entries cross_entropy_<T>_<format>): the gradient goes
+// to a separate buffer of FP8 codes [rows, vocab], encode(round_T(g) * code_scale[0]), and the logits stay as
+// they are: the value an in-place pass followed by the plain cast would give, without the gradient's round
+// trip through memory in the logits' type. Eight codes go out as one 8-byte store when the row is vectorisable.
 
 #define CE_THREADS 512
 #define CE_WARPS (CE_THREADS / 32)
@@ -119,16 +124,18 @@ __device__ __forceinline__ void ce_unpack_bf16(const uint4& w, float (&v)[8]) {
     for (int k = 0; k < 8; ++k) v[k] = bf16_to_f32(h[k]);
 }
 
-template <class E, int NV>
+template <class E, int NV, int CODES>
 __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_out, float* loss_out, u32* invalid,
                         int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore,
-                        int write_grad) {
+                        int write_grad, u8* codes, const float* code_scale) {
     __shared__ float warp_m[CE_WARPS], warp_s[CE_WARPS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nvec = (vocab + 7) >> 3;
     // Vectors re-read per step beyond the cached ones: fewer when the cache holds the registers.
     constexpr int U = NV == 0 ? 4 : 1;
     const bool vec = (vocab & 7) == 0 && (((unsigned long long)logits & 15) == 0);
+    const bool codes_vec = CODES >= 0 && (vocab & 7) == 0 && (((unsigned long long)codes & 7) == 0);
+    const float cscale = CODES >= 0 ? code_scale[0] : 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         typename E::T* row = logits + (u64)r * vocab;
         const int t = targets[offset + r];
@@ -212,7 +219,27 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
                     if (8 * jj + q == t) p = __fadd_rn(p, -1.0f);
                     g[q] = valid ? __fmul_rn(p, grad_scale) : 0.0f;
                 }
-                store_vec8<E>(row, jj, vocab, vec, g);
+                if constexpr (CODES < 0) {
+                    store_vec8<E>(row, jj, vocab, vec, g);
+                } else {
+                    u8* crow = codes + (u64)r * vocab + (u64)8 * jj;
+                    float h[8];
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) h[q] = mul_rn(round_through<E>(g[q]), cscale);
+                    if (codes_vec) {
+                        u32 w[2];
+#pragma unroll
+                        for (int k = 0; k < 2; ++k)
+                            w[k] = (u32)fp8x2<CODES>(h[4 * k], h[4 * k + 1]) |
+                                   ((u32)fp8x2<CODES>(h[4 * k + 2], h[4 * k + 3]) << 16);
+                        *reinterpret_cast<uint2*>(crow) = make_uint2(w[0], w[1]);
+                    } else {
+                        const int n = min(8, vocab - 8 * jj);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q)
+                            if (q < n) crow[q] = (u8)(fp8x2<CODES>(h[q], 0.0f) & 0xFFu);
+                    }
+                }
             };
             int jj = tid;
             if constexpr (NV > 0) {
@@ -255,18 +282,29 @@ __device__ void ce_impl(typename E::T* logits, const int* targets, float* lse_ou
 
 // Re-reading entries: at most 4 blocks of 512 per SM (32 registers).
 extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_f32(float* logits, CE_ARGS) {
-    ce_impl<TF32, 0>(logits, CE_PASS);
+    ce_impl<TF32, 0, -1>(logits, CE_PASS, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_bf16(u16* logits, CE_ARGS) {
-    ce_impl<TBF16, 0>(logits, CE_PASS);
+    ce_impl<TBF16, 0, -1>(logits, CE_PASS, nullptr, nullptr);
 }
+// The code variants read the logits only (write_grad must be 1).
+#define CE_CODES_ENTRY(TNAME, E, FNAME, FMT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(CE_THREADS)                                                   \
+        cross_entropy_##TNAME##_##FNAME(const E::T* logits, CE_ARGS, u8* codes, const float* code_scale,         \
+                                        int scale_index) {                                                     \
+        ce_impl<E, 0, FMT>(const_cast<E::T*>(logits), CE_PASS, codes, code_scale + scale_index);               \
+    }
+CE_CODES_ENTRY(f32, TF32, e4m3, FP8_E4M3)
+CE_CODES_ENTRY(f32, TF32, e5m2, FP8_E5M2)
+CE_CODES_ENTRY(bf16, TBF16, e4m3, FP8_E4M3)
+CE_CODES_ENTRY(bf16, TBF16, e5m2, FP8_E5M2)
 // Register entries (bf16): 8 vectors per thread (rows up to 32768 cached whole, longer ones in part) at 2 blocks
 // per SM, 16 vectors (rows up to 65536) at 1 block per SM.
 extern "C" __global__ void __launch_bounds__(CE_THREADS, 2) cross_entropy_bf16_nv8(u16* logits, CE_ARGS) {
-    ce_impl<TBF16, 8>(logits, CE_PASS);
+    ce_impl<TBF16, 8, -1>(logits, CE_PASS, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(CE_THREADS, 1) cross_entropy_bf16_nv16(u16* logits, CE_ARGS) {
-    ce_impl<TBF16, 16>(logits, CE_PASS);
+    ce_impl<TBF16, 16, -1>(logits, CE_PASS, nullptr, nullptr);
 }
 
 // acc[0] += the sum of loss[offset .. offset + n]: thread t adds loss[t], loss[t + 256], ... from zero, warps combine by a

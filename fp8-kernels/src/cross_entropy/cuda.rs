@@ -1,6 +1,10 @@
 //! Launches of the cross-entropy kernels (`cross_entropy.cu`). Arguments were validated by `mod.rs`.
 
-use super::{CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec, CROSS_ENTROPY_MODULE};
+use super::{
+    CrossEntropyFp8Grad, CrossEntropyLaunch, CrossEntropyOutputs, CrossEntropySpec,
+    CROSS_ENTROPY_MODULE,
+};
+use crate::cast::format_name;
 use crate::cast::FloatElement;
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
 use crate::launch::{kernel_name, launch, one_block};
@@ -74,7 +78,18 @@ pub(super) fn cross_entropy<T: FloatElement>(
          int write_grad)",
         [xs, ts, lse, loss, invalid, &offset, &rows, &vocab, &grad_scale, &ignore, &has_ignore, &write_grad]
     )?;
-    // One block of 256 threads; loss holds at least offset + rows elements, acc at least one.
+    loss_sum(dev, spec, out)
+}
+
+/// Adds the chunk's loss sum into the accumulator (one block of 256 threads, in call order).
+fn loss_sum(
+    dev: &CudaDevice,
+    spec: &CrossEntropySpec,
+    out: CrossEntropyOutputs<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "cross_entropy";
+    let (offset, rows) = (spec.row_offset as i32, spec.rows as i32);
+    // loss holds at least offset + rows elements, acc at least one (checked by the caller).
     let (loss, sum) = (cs(out.loss, WHAT)?, cs_mut(out.loss_sum, WHAT)?);
     launch!(
         dev,
@@ -84,4 +99,54 @@ pub(super) fn cross_entropy<T: FloatElement>(
         "cross_entropy_loss_sum(const float* loss, int offset, int n, float* acc)",
         [loss, &offset, &rows, sum]
     )
+}
+
+/// The code variants `cross_entropy_<T>_<format>` (re-reading, as the default in-place kernel).
+pub(super) fn cross_entropy_to_fp8<T: FloatElement>(
+    dev: &CudaDevice,
+    spec: &CrossEntropySpec,
+    logits: &Buffer<T>,
+    targets: &Buffer<i32>,
+    out: CrossEntropyOutputs<'_>,
+    grad: CrossEntropyFp8Grad<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "cross_entropy_to_fp8";
+    if spec.rows == 0 {
+        return Ok(());
+    }
+    let name = kernel_name!("cross_entropy_", T::NAME, "_", format_name(grad.format));
+    let blocks = (spec.rows as u64).min(dev.sm_count() as u64 * BLOCKS_PER_SM);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (offset, rows, vocab) = (spec.row_offset as i32, spec.rows as i32, spec.vocab as i32);
+    let grad_scale = spec.grad_scale.unwrap_or(0.0);
+    let write_grad = 1i32;
+    let ignore = spec.ignore_index.unwrap_or(0);
+    let has_ignore = spec.ignore_index.is_some() as i32;
+    let scale_index = grad.scale.index as i32;
+    // Targets outside 0..vocab are never used as indices; logits and codes hold rows*vocab elements,
+    // targets, lse and loss at least offset + rows, invalid at least one, the scale index lies in
+    // its buffer (all checked by the caller and `DeviceScalar::new`); the kernel only reads the logits.
+    let (xs, ts) = (cs(logits, WHAT)?, cs(targets, WHAT)?);
+    let (lse, loss, invalid) = (
+        cs_mut(out.lse, WHAT)?,
+        cs_mut(out.loss, WHAT)?,
+        cs_mut(out.invalid_targets, WHAT)?,
+    );
+    let (codes, scale) = (cs_mut(grad.codes, WHAT)?, cs(grad.scale.buffer, WHAT)?);
+    launch!(
+        dev,
+        &CROSS_ENTROPY_MODULE,
+        name,
+        cfg,
+        "cross_entropy_<T>_<format>(const T* logits, const int* targets, float* lse, float* loss, \
+         u32* invalid, int offset, int rows, int vocab, float grad_scale, int ignore_index, int has_ignore, \
+         int write_grad, u8* codes, const float* code_scale, int scale_index)",
+        [xs, ts, lse, loss, invalid, &offset, &rows, &vocab, &grad_scale, &ignore, &has_ignore, &write_grad,
+         codes, scale, &scale_index]
+    )?;
+    loss_sum(dev, spec, out)
 }

@@ -22,15 +22,20 @@
 //! - `loss_sum[0] += sum of the chunk's losses` in a fixed order (256 strided partial sums, butterflies),
 //!   so accumulating chunk after chunk on one stream is deterministic.
 //!
-//! CPU and CUDA agree bit for bit (lse, loss, gradient, sum, counter).
+//! - [`cross_entropy_to_fp8`] writes the gradient as FP8 codes into a buffer of its own instead:
+//!   `encode(round_T(g) * scale)`, the in-place gradient followed by the plain cast, in one pass.
+//!
+//! CPU and CUDA agree bit for bit (lse, loss, gradient or its codes, sum, counter).
 
 mod cpu;
 mod cuda;
 
 use crate::device::device_of;
+use crate::gemm::DeviceScalar;
 use crate::kernel_source::{KernelModule, ModuleArch};
 use crate::FloatElement;
 use crate::{check_len, Buffer, DType, KernelError};
+use fp8_core::Fp8Format;
 
 pub use cpu::{exp_fixed, ln_fixed};
 
@@ -137,6 +142,83 @@ pub fn cross_entropy<T: FloatElement>(
     cross_entropy_with_launch(spec, CrossEntropyLaunch::default(), logits, targets, out)
 }
 
+/// The gradient of [`cross_entropy_to_fp8`]: FP8 codes in a buffer of their own.
+#[derive(Debug)]
+pub struct CrossEntropyFp8Grad<'a> {
+    /// The chunk's `[rows, vocab]` codes (row 0 is the chunk's first row, whatever `row_offset` is).
+    pub codes: &'a mut Buffer<u8>,
+    /// Format of the codes.
+    pub format: Fp8Format,
+    /// `code = encode(round_T(g) * scale)`, read on the device.
+    pub scale: DeviceScalar<'a>,
+}
+
+/// [`cross_entropy`] with the gradient written as FP8 codes into `grad.codes` instead of over the logits,
+/// which stay unchanged: `encode(round_T(g) * scale)` with `g` the in-place gradient before its rounding to
+/// the logits' type `T`. The codes equal what the in-place kernel followed by the plain cast
+/// ([`crate::cast_to_fp8`] at the same scale) gives, bit for bit, without the gradient's pass through
+/// memory in `T`. Needs `spec.grad_scale`.
+pub fn cross_entropy_to_fp8<T: FloatElement>(
+    spec: &CrossEntropySpec,
+    logits: &Buffer<T>,
+    targets: &Buffer<i32>,
+    out: CrossEntropyOutputs<'_>,
+    grad: CrossEntropyFp8Grad<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "cross_entropy_to_fp8";
+    let Some(grad_scale) = spec.grad_scale else {
+        return Err(bad(WHAT, "FP8 gradient codes need a grad_scale".into()));
+    };
+    let end = check::<T>(WHAT, spec, logits.len(), targets, &out)?;
+    check_len(WHAT, logits.len(), grad.codes.len())?;
+    if grad.scale.index >= grad.scale.buffer.len() || grad.scale.index > i32::MAX as usize {
+        return Err(bad(
+            WHAT,
+            format!(
+                "scale index {} out of a buffer of {}",
+                grad.scale.index,
+                grad.scale.buffer.len()
+            ),
+        ));
+    }
+    let dev = device_of(
+        WHAT,
+        &[
+            logits,
+            targets,
+            out.lse,
+            out.loss,
+            out.loss_sum,
+            out.invalid_targets,
+            grad.codes,
+            grad.scale.buffer,
+        ],
+    )?;
+    if spec.rows == 0 {
+        return Ok(());
+    }
+    match dev {
+        None => {
+            let scale = grad.scale.host_value(WHAT)?;
+            let range = spec.row_offset..end;
+            let lse = &mut out.lse.host_mut(WHAT)?[range.clone()];
+            let loss = &mut out.loss.host_mut(WHAT)?[range.clone()];
+            let invalid = cpu::rows_to_codes(
+                logits.host(WHAT)?,
+                spec.vocab,
+                &targets.host(WHAT)?[range],
+                spec.ignore_index,
+                grad_scale,
+                (grad.codes.host_mut(WHAT)?, grad.format, scale),
+                lse,
+                loss,
+            );
+            add_to_accumulators(loss, invalid, out.loss_sum, out.invalid_targets)
+        }
+        Some(dev) => cuda::cross_entropy_to_fp8(&dev, spec, logits, targets, out, grad),
+    }
+}
+
 /// [`cross_entropy`] with explicit CUDA launch choices (results unchanged; for benchmarks and tests).
 pub fn cross_entropy_with_launch<T: FloatElement>(
     spec: &CrossEntropySpec,
@@ -159,51 +241,7 @@ pub fn cross_entropy_with_launch<T: FloatElement>(
             ))
         }
     }
-    match T::DTYPE {
-        DType::F32 | DType::BF16 => {}
-        other => return Err(bad(WHAT, format!("logits of {other} (f32 or bf16 only)"))),
-    }
-    if spec.vocab == 0 {
-        return Err(bad(WHAT, "vocab must be positive".into()));
-    }
-    let end = spec
-        .row_offset
-        .checked_add(spec.rows)
-        .ok_or_else(|| bad(WHAT, "row range overflows".into()))?;
-    if spec.vocab > i32::MAX as usize || end > i32::MAX as usize {
-        return Err(bad(
-            WHAT,
-            format!(
-                "{} rows at offset {} of {} classes exceed the 32-bit index range",
-                spec.rows, spec.row_offset, spec.vocab
-            ),
-        ));
-    }
-    if let Some(g) = spec.grad_scale {
-        if !g.is_finite() {
-            return Err(bad(WHAT, format!("grad_scale {g} is not finite")));
-        }
-    }
-    let n = spec
-        .rows
-        .checked_mul(spec.vocab)
-        .ok_or_else(|| bad(WHAT, "rows x vocab overflows".into()))?;
-    check_len(WHAT, n, logits.len())?;
-    for (name, len) in [
-        ("targets", targets.len()),
-        ("lse", out.lse.len()),
-        ("loss", out.loss.len()),
-    ] {
-        if len < end {
-            return Err(bad(
-                WHAT,
-                format!("{name} holds {len} rows, the chunk needs rows up to {end}"),
-            ));
-        }
-    }
-    if out.loss_sum.is_empty() || out.invalid_targets.is_empty() {
-        return Err(bad(WHAT, "the accumulators must hold one element".into()));
-    }
+    let end = check::<T>(WHAT, spec, logits.len(), targets, &out)?;
     let dev = device_of(
         WHAT,
         &[
@@ -232,15 +270,82 @@ pub fn cross_entropy_with_launch<T: FloatElement>(
                 lse,
                 loss,
             );
-            let sum = cpu::loss_sum(loss);
-            let acc = &mut out.loss_sum.host_mut(WHAT)?[0];
-            *acc += sum;
-            let cnt = &mut out.invalid_targets.host_mut(WHAT)?[0];
-            *cnt = cnt.wrapping_add(invalid);
-            Ok(())
+            add_to_accumulators(loss, invalid, out.loss_sum, out.invalid_targets)
         }
         Some(dev) => cuda::cross_entropy(&dev, spec, launch, logits, targets, out),
     }
+}
+
+/// The CPU's `loss_sum[0] += sum`, `invalid_targets[0] += invalid`.
+fn add_to_accumulators(
+    loss: &[f32],
+    invalid: u32,
+    loss_sum: &mut Buffer<f32>,
+    invalid_targets: &mut Buffer<u32>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "cross_entropy";
+    let sum = cpu::loss_sum(loss);
+    let acc = &mut loss_sum.host_mut(WHAT)?[0];
+    *acc += sum;
+    let cnt = &mut invalid_targets.host_mut(WHAT)?[0];
+    *cnt = cnt.wrapping_add(invalid);
+    Ok(())
+}
+
+/// Checks the element type, the shape, the scale and the buffer lengths; returns the chunk's end row.
+fn check<T: FloatElement>(
+    what: &'static str,
+    spec: &CrossEntropySpec,
+    logits_len: usize,
+    targets: &Buffer<i32>,
+    out: &CrossEntropyOutputs<'_>,
+) -> Result<usize, KernelError> {
+    match T::DTYPE {
+        DType::F32 | DType::BF16 => {}
+        other => return Err(bad(what, format!("logits of {other} (f32 or bf16 only)"))),
+    }
+    if spec.vocab == 0 {
+        return Err(bad(what, "vocab must be positive".into()));
+    }
+    let end = spec
+        .row_offset
+        .checked_add(spec.rows)
+        .ok_or_else(|| bad(what, "row range overflows".into()))?;
+    if spec.vocab > i32::MAX as usize || end > i32::MAX as usize {
+        return Err(bad(
+            what,
+            format!(
+                "{} rows at offset {} of {} classes exceed the 32-bit index range",
+                spec.rows, spec.row_offset, spec.vocab
+            ),
+        ));
+    }
+    if let Some(g) = spec.grad_scale {
+        if !g.is_finite() {
+            return Err(bad(what, format!("grad_scale {g} is not finite")));
+        }
+    }
+    let n = spec
+        .rows
+        .checked_mul(spec.vocab)
+        .ok_or_else(|| bad(what, "rows x vocab overflows".into()))?;
+    check_len(what, n, logits_len)?;
+    for (name, len) in [
+        ("targets", targets.len()),
+        ("lse", out.lse.len()),
+        ("loss", out.loss.len()),
+    ] {
+        if len < end {
+            return Err(bad(
+                what,
+                format!("{name} holds {len} rows, the chunk needs rows up to {end}"),
+            ));
+        }
+    }
+    if out.loss_sum.is_empty() || out.invalid_targets.is_empty() {
+        return Err(bad(what, "the accumulators must hold one element".into()));
+    }
+    Ok(end)
 }
 
 /// The log-sum-exp of one row as the kernels compute it, for references and tests.
