@@ -44,6 +44,7 @@ nvrtc_test! {
             &layout,
             &[
                 "gemm_relayout_u8",
+                "gemm_transpose_u8_v4",
                 "gemm_unpad_f32",
                 "gemm_unpad_bf16",
                 "gemm_fp8_to_bf16",

@@ -169,6 +169,10 @@ nvrtc_test! {
             "cross_entropy_bf16",
             "cross_entropy_bf16_nv8",
             "cross_entropy_bf16_nv16",
+            "cross_entropy_f32_e4m3",
+            "cross_entropy_f32_e5m2",
+            "cross_entropy_bf16_e4m3",
+            "cross_entropy_bf16_e5m2",
         ] {
             let body = entry(&ptx, name);
             assert!(body.contains("fma.rn.f32"), "{name}: polynomial exp");

@@ -19,7 +19,9 @@
 //! E5M2 at a static power-of-two scale: every entry of `grad_scale / tokens * (softmax - onehot)` lies
 //! within `|grad_scale| / tokens`, so that bound replaces an amax pass (the largest entry of a chunk, a
 //! badly predicted target, sits within a binade of it). The cross-entropy itself stays in F32 on the
-//! logits the FP8 GEMM writes in the activation type; [`LmHead::logits`] (sampling) stays in float.
+//! logits the FP8 GEMM writes in the activation type and writes the gradient's E5M2 codes in the same pass
+//! (`fp8_kernels::cross_entropy::cross_entropy_to_fp8`); the weight-gradient GEMM reads them transposed.
+//! [`LmHead::logits`] (sampling) stays in float.
 //!
 //! Two ways to get the gradients:
 //! - [`LmHead::forward`] keeps its input; [`LmHead::backward`] recomputes each chunk's logits (one more

@@ -158,6 +158,34 @@ pub(super) fn relayout_u8_into(
         to_i64("gemm", dst_rows)?,
         to_i64("gemm", dst_cols)?,
     );
+    if transpose && src_cols % 4 == 0 && dst_cols % 4 == 0 {
+        let grid_x =
+            u32::try_from(dst_cols.div_ceil(64)).map_err(|_| KernelError::InvalidArgument {
+                what: "gemm",
+                detail: format!("{dst_cols} columns are too many for one grid"),
+            })?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_x.max(1),
+                dst_rows.div_ceil(64).clamp(1, 65535) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // The kernel reads src^T inside src_rows x src_cols and writes dst_rows x dst_cols (checked above),
+        // in 4-byte words at multiples of 4 bytes from the starts (both column counts are multiples of 4,
+        // the buffers' starts are allocation starts).
+        return launch!(
+            dev,
+            &GEMM_LAYOUT_MODULE,
+            "gemm_transpose_u8_v4",
+            cfg,
+            "gemm_transpose_u8_v4(const u8* src, long long src_rows, long long src_cols, u8* dst, \
+             long long dst_rows, long long dst_cols)",
+            [src, &sr, &sc, dst, &dr, &dc]
+        );
+    }
     let tr: i32 = i32::from(transpose);
     let grid_x =
         u32::try_from(dst_cols.div_ceil(32)).map_err(|_| KernelError::InvalidArgument {

@@ -51,6 +51,50 @@ extern "C" __global__ void gemm_relayout_u8(const unsigned char* __restrict__ sr
     }
 }
 
+// The transposing case of gemm_relayout_u8 with 4-byte accesses: dst[i, j] = src[j, i] inside src, zero
+// outside, for src_cols and dst_cols multiples of 4 (so every word read or written lies wholly inside or
+// wholly outside its matrix's columns). A block moves a 64 x 64 tile: 256 threads each read 4 words of 4
+// source rows, write them to shared memory, then each gather 4 words of the transpose (one byte from each
+// of 4 tile rows per word) and write them. A byte per access in gemm_relayout_u8 left the transposes
+// bound by instruction issue, not by memory.
+#define T4 64
+#define T4_STRIDE (T4 + 4)
+extern "C" __global__ void __launch_bounds__(256) gemm_transpose_u8_v4(const unsigned char* __restrict__ src,
+                                                                      long long src_rows, long long src_cols,
+                                                                      unsigned char* __restrict__ dst,
+                                                                      long long dst_rows, long long dst_cols) {
+    __shared__ __align__(16) unsigned char tile[T4][T4_STRIDE];
+    const int w = threadIdx.x & 15, sub = threadIdx.x >> 4;
+    const long long tiles_y = (dst_rows + T4 - 1) / T4;
+    for (long long ty = blockIdx.y; ty < tiles_y; ty += gridDim.y) {
+        const long long r0 = ty * T4;                   // dst rows = source columns
+        const long long c0 = (long long)blockIdx.x * T4;  // dst columns = source rows
+        const long long sc = r0 + 4 * w;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int tr = sub + 16 * i;
+            const long long sr = c0 + tr;
+            unsigned int v = 0;
+            if (sr < src_rows && sc < src_cols) v = *reinterpret_cast<const unsigned int*>(src + sr * src_cols + sc);
+            *reinterpret_cast<unsigned int*>(&tile[tr][4 * w]) = v;
+        }
+        __syncthreads();
+        const long long dc = c0 + 4 * w;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = sub + 16 * i;
+            const long long dr = r0 + r;
+            if (dr < dst_rows && dc < dst_cols) {
+                const unsigned int v = (unsigned int)tile[4 * w][r] | ((unsigned int)tile[4 * w + 1][r] << 8) |
+                                       ((unsigned int)tile[4 * w + 2][r] << 16) |
+                                       ((unsigned int)tile[4 * w + 3][r] << 24);
+                *reinterpret_cast<unsigned int*>(dst + dr * dst_cols + dc) = v;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // c[i, j] = tmp[i * ld + j] + beta * c[i, j] for i < rows, j < cols (c is rows x cols, f32).
 // beta == 0 does not read c.
 extern "C" __global__ void gemm_unpad_f32(const float* __restrict__ tmp, long long ld, long long rows,
