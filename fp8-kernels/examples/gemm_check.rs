@@ -10,7 +10,7 @@
 
 use fp8_core::Fp8Format;
 use fp8_kernels::adam::{adam_step_f32, adam_step_low_precision, AmaxSlots};
-use fp8_kernels::gemm::{gemm, gemm_f32, gemm_f32_host, gemm_fp8};
+use fp8_kernels::gemm::{gemm, gemm_at, gemm_f32, gemm_f32_host, gemm_fp8, gemm_fp8_at};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     AdamConfig, Buffer, Device, DeviceScalar, Element, Fp8Matrix, GemmOutput, GemmSpec,
@@ -241,6 +241,92 @@ fn check_fp8_gemms(gpu: &Device, rng: &mut Rng, r: &mut Report) -> Result<(), St
     Ok(())
 }
 
+/// `gemm_fp8_at` and `gemm_at` (BF16 operands) with beta 1 into an F32 buffer with elements before and
+/// after `C`, at offsets the direct path takes (0, 64: 256-byte aligned, m, n, k multiples of 16) and ones
+/// that go through a temporary (3, and a shape of no multiples of 16): `C` against the CPU within the GEMM
+/// bounds, every element outside it unchanged.
+fn check_gemms_into_a_range(gpu: &Device, rng: &mut Rng, r: &mut Report) -> Result<(), String> {
+    let scales = [0.0f32, 0.125, 4.0];
+    let (sc, sg) = both(gpu, &scales)?;
+    for (m, n, k) in [(256, 128, 512), (100, 37, 70)] {
+        for offset in [0usize, 64, 3] {
+            for (ta, tb) in [
+                (Transpose::No, Transpose::Yes),
+                (Transpose::Yes, Transpose::Yes),
+            ] {
+                let spec = GemmSpec::new(m, n, k).transposes(ta, tb).scalars(1.0, 1.0);
+                let big = rng.vec(offset + m * n + 5, 100.0);
+                let (fa, fb) = (Fp8Format::E5M2, Fp8Format::E4M3);
+                let (a, b) = (rng.fp8(m * k, fa), rng.fp8(k * n, fb));
+                let ad: Vec<f32> = a.iter().map(|&q| fa.decode(q) * scales[1]).collect();
+                let bd: Vec<f32> = b.iter().map(|&q| fb.decode(q) * scales[2]).collect();
+                let mag = magnitude(&spec, &ad, &bd, &big[offset..offset + m * n]);
+                let (ac, ag) = both(gpu, &a)?;
+                let (bc, bg) = both(gpu, &b)?;
+                let (mut cc, mut cg) = both(gpu, &big)?;
+                let name = format!("gemm_fp8_at {m}x{n}x{k} {ta:?}/{tb:?} offset {offset}");
+                let run = gemm_fp8_at(
+                    &spec,
+                    op(&ac, fa, &sc, 1),
+                    op(&bc, fb, &sc, 2),
+                    &mut cc,
+                    offset,
+                )
+                .and(gemm_fp8_at(
+                    &spec,
+                    op(&ag, fa, &sg, 1),
+                    op(&bg, fb, &sg, 2),
+                    &mut cg,
+                    offset,
+                ))
+                .and_then(|_| Ok((cc.to_vec()?, cg.to_vec()?)));
+                range_line(r, &name, run, (&big, offset, m * n), &mag);
+
+                let a16: Vec<bf16> = ad.iter().map(|&v| bf16::from_f32(v)).collect();
+                let b16: Vec<bf16> = bd.iter().map(|&v| bf16::from_f32(v)).collect();
+                let (ac, ag) = both(gpu, &a16)?;
+                let (bc, bg) = both(gpu, &b16)?;
+                let (mut cc, mut cg) = both(gpu, &big)?;
+                let name = format!("gemm_at bf16->f32 {m}x{n}x{k} {ta:?}/{tb:?} offset {offset}");
+                let run = gemm_at(&spec, &ac, &bc, &mut cc, offset)
+                    .and(gemm_at(&spec, &ag, &bg, &mut cg, offset))
+                    .and_then(|_| Ok((cc.to_vec()?, cg.to_vec()?)));
+                range_line(r, &name, run, (&big, offset, m * n), &mag);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One line for a GEMM into a range: inside it the GPU against the CPU (FP8 bound), outside it the GPU's
+/// buffer bit for bit as it was.
+fn range_line(
+    r: &mut Report,
+    name: &str,
+    run: Result<(Vec<f32>, Vec<f32>), fp8_kernels::KernelError>,
+    (before, offset, mn): (&[f32], usize, usize),
+    mag: &[f32],
+) {
+    match run {
+        Ok((hc, hg)) => {
+            let range = offset..offset + mn;
+            let w = worst(&hg[range.clone()], &hc[range.clone()], mag, FP8_REL, false);
+            let kept = hg
+                .iter()
+                .zip(before)
+                .enumerate()
+                .filter(|(i, _)| !range.contains(i))
+                .all(|(_, (g, b))| g.to_bits() == b.to_bits());
+            r.line(
+                w <= 1.0 && kept,
+                name,
+                format!("worst error / bound = {w:.3}, outside C unchanged: {kept}"),
+            );
+        }
+        Err(e) => r.error(name, e),
+    }
+}
+
 fn op<'a>(d: &'a Buffer<u8>, f: Fp8Format, s: &'a Buffer<f32>, i: usize) -> Fp8Matrix<'a> {
     Fp8Matrix {
         data: d,
@@ -413,6 +499,7 @@ fn main() -> ExitCode {
             check_float_gemms as fn(&Device, &mut Rng, &mut Report) -> Result<(), String>,
         ),
         ("FP8 GEMMs", check_fp8_gemms),
+        ("GEMMs into a range", check_gemms_into_a_range),
         ("Adam", check_adam),
     ] {
         if let Err(e) = f(&gpu, &mut rng, &mut report) {

@@ -1,8 +1,11 @@
 //! GEMM property tests on the CPU against an f64 triple loop: all transpose combinations, alpha/beta,
-//! F32, BF16 (f32 and bf16 outputs) and FP8 (every format pair) operands.
+//! F32, BF16 (f32 and bf16 outputs) and FP8 (every format pair) operands; and the GEMMs into a range of a
+//! larger buffer (`gemm_at`, `gemm_fp8_at`) against the plain ones, bit for bit, the rest untouched.
 
 use fp8_core::Fp8Format;
-use fp8_kernels::gemm::{dequantize_fp8_host, gemm, gemm_bf16, gemm_f32, gemm_fp8};
+use fp8_kernels::gemm::{
+    dequantize_fp8_host, gemm, gemm_at, gemm_bf16, gemm_f32, gemm_fp8, gemm_fp8_at,
+};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{CpuParallelism, Device, DeviceScalar, Fp8Matrix, GemmSpec, Transpose};
 use half::bf16;
@@ -85,6 +88,46 @@ fn widen(x: &[f32]) -> Vec<f64> {
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn gemms_into_a_range_equal_the_plain_gemms(p in problem(), before in 0usize..40, after in 0usize..9) {
+        let (spec, seed) = p;
+        let dev = Device::cpu();
+        let mn = spec.m * spec.n;
+        let (a, b) = (values(seed, spec.m * spec.k), values(seed ^ 1, spec.k * spec.n));
+        let big0 = values(seed ^ 3, before + mn + after);
+        let c0 = big0[before..before + mn].to_vec();
+        let (ab, bb) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap());
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let expect = |plain: Vec<f32>| {
+            let mut e = big0.clone();
+            e[before..before + mn].copy_from_slice(&plain);
+            bits(e)
+        };
+        // F32 operands.
+        let mut c = dev.upload(&c0).unwrap();
+        gemm(&spec, &ab, &bb, &mut c).unwrap();
+        let mut big = dev.upload(&big0).unwrap();
+        gemm_at(&spec, &ab, &bb, &mut big, before).unwrap();
+        prop_assert_eq!(bits(big.to_vec().unwrap()), expect(c.to_vec().unwrap()));
+        // FP8 operands (E4M3 x E5M2).
+        let (fa, fb) = (Fp8Format::E4M3, Fp8Format::E5M2);
+        let qa: Vec<u8> = a.iter().map(|&v| fa.encode(v * 16.0)).collect();
+        let qb: Vec<u8> = b.iter().map(|&v| fb.encode(v * 16.0)).collect();
+        let (qab, qbb) = (dev.upload(&qa).unwrap(), dev.upload(&qb).unwrap());
+        let inv = dev.upload(&[1.0f32 / 16.0]).unwrap();
+        let op = |data, format| Fp8Matrix { data, format, scale_inv: DeviceScalar::new(&inv, 0).unwrap() };
+        let mut c = dev.upload(&c0).unwrap();
+        gemm_fp8(&spec, op(&qab, fa), op(&qbb, fb), &mut c).unwrap();
+        let mut big = dev.upload(&big0).unwrap();
+        gemm_fp8_at(&spec, op(&qab, fa), op(&qbb, fb), &mut big, before).unwrap();
+        prop_assert_eq!(bits(big.to_vec().unwrap()), expect(c.to_vec().unwrap()));
+        // A range that runs past the end is refused.
+        let mut short = dev.upload(&big0[..before + mn - 1.min(mn)]).unwrap();
+        if mn > 0 {
+            prop_assert!(gemm_at(&spec, &ab, &bb, &mut short, before).is_err());
+        }
+    }
 
     #[test]
     fn f32_gemm_matches_f64(p in problem()) {

@@ -14,6 +14,9 @@ pub trait Activation: FloatElement + GemmOutput {
         src: &'a Buffer<f32>,
         scratch: &'a mut Option<Buffer<Self>>,
     ) -> Result<&'a Buffer<Self>, KernelError>;
+
+    /// `src` as this type in a buffer of its own (a copy for `f32`).
+    fn owned_from_f32(src: &Buffer<f32>) -> Result<Buffer<Self>, KernelError>;
 }
 
 impl Activation for f32 {
@@ -22,6 +25,12 @@ impl Activation for f32 {
         _scratch: &'a mut Option<Buffer<f32>>,
     ) -> Result<&'a Buffer<f32>, KernelError> {
         Ok(src)
+    }
+
+    fn owned_from_f32(src: &Buffer<f32>) -> Result<Buffer<f32>, KernelError> {
+        let mut out = src.device().uninit(src.len())?;
+        out.copy_range_from(0, src, 0, src.len())?;
+        Ok(out)
     }
 }
 
@@ -38,6 +47,12 @@ impl Activation for bf16 {
             .as_mut()
             .ok_or(KernelError::Internal("conversion buffer missing".into()))?;
         convert(src, out)?;
+        Ok(out)
+    }
+
+    fn owned_from_f32(src: &Buffer<f32>) -> Result<Buffer<bf16>, KernelError> {
+        let mut out = src.device().uninit(src.len())?;
+        convert(src, &mut out)?;
         Ok(out)
     }
 }

@@ -38,7 +38,7 @@ use fp8_kernels::cast::{amax, cast_to_fp8, cast_transpose_to_fp8, AmaxSlot};
 use fp8_kernels::cross_entropy::{
     cross_entropy, cross_entropy_to_fp8, CrossEntropyFp8Grad, CrossEntropyOutputs, CrossEntropySpec,
 };
-use fp8_kernels::gemm::{gemm, gemm_fp8, DeviceScalar, Fp8Matrix};
+use fp8_kernels::gemm::{gemm, gemm_at, gemm_fp8, gemm_fp8_at, DeviceScalar, Fp8Matrix};
 use fp8_kernels::scaling::scale_from_amax;
 use fp8_kernels::{Buffer, CpuParallelism, Device, FloatElement, GemmSpec, Transpose};
 use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
@@ -70,15 +70,11 @@ impl LossStats {
     }
 }
 
-/// `(dx, dW)` of one pass of the head.
-type HeadGrads<T> = (Tensor<T>, Buffer<f32>);
-
 /// Gradients computed during the forward ([`LmHead::forward_with_grad`]).
 #[derive(Debug)]
 struct EarlyGrads<T: Activation> {
     grad_scale: f32,
     dx: Tensor<T>,
-    dw: Buffer<f32>,
 }
 
 /// The sizes of one chunk's products: `c` tokens of width `d` against `vocab` rows of `W`.
@@ -89,9 +85,10 @@ struct HeadChunk {
     par: CpuParallelism,
 }
 
-/// The chunk's GEMMs: in the activation type on `W` converted once, or on FP8 codes.
+/// The chunk's GEMMs: in the activation type on a copy of `W` made once per pass (so that the weight's
+/// gradient can be accumulated in the model's flat gradient while it is in use), or on FP8 codes.
 enum HeadGemms<'w, T: Activation> {
-    Float(&'w Buffer<T>),
+    Float(Buffer<T>),
     Fp8(Box<Fp8HeadOperands<'w>>),
 }
 
@@ -153,26 +150,25 @@ impl<T: Activation> HeadGemms<'_, T> {
         }
     }
 
-    /// From the chunk's logits gradient `G`: `dx_c = G W` into `dx` and `dW = beta dW + G^T x_c`.
-    #[allow(clippy::too_many_arguments)]
+    /// From the chunk's logits gradient `G`: `dx_c = G W` into `dx` and `dW += G^T x_c` into the
+    /// weight's gradient, the range `dw.1..` of the flat gradient `dw.0`.
     fn gradients(
         &self,
         s: &HeadChunk,
         g: ChunkGrad<T>,
         (xc, xq_t): (&Buffer<T>, Option<Buffer<u8>>),
         dx: &mut Buffer<T>,
-        dw: &mut Buffer<f32>,
-        beta: f32,
+        (dw, at): (&mut Buffer<f32>, usize),
     ) -> Result<(), NnError> {
         let dx_spec = GemmSpec::new(s.c, s.d, s.vocab).parallelism(s.par);
         let dw_spec = GemmSpec::new(s.vocab, s.d, s.c)
-            .scalars(1.0, beta)
+            .scalars(1.0, 1.0)
             .parallelism(s.par);
         match (self, g) {
             (HeadGemms::Float(w), ChunkGrad::Float(g)) => {
                 gemm(&dx_spec, &g, w, dx)?;
                 let dw_spec = dw_spec.transposes(Transpose::Yes, Transpose::No);
-                gemm(&dw_spec, &g, xc, dw)?;
+                gemm_at(&dw_spec, &g, xc, dw, at)?;
             }
             (HeadGemms::Fp8(ops), ChunkGrad::Fp8(gq)) => {
                 let xq_t = xq_t.ok_or_else(|| NnError::usage("LmHead", "no x^T codes kept"))?;
@@ -192,7 +188,7 @@ impl<T: Activation> HeadGemms<'_, T> {
                 // pass over a byte per entry), where a transposed copy made beside the row-major one
                 // would hold both at once.
                 let dw_spec = dw_spec.transposes(Transpose::Yes, Transpose::Yes);
-                gemm_fp8(&dw_spec, codes(&gq)?, ops.x_matrix(&xq_t)?, dw)?;
+                gemm_fp8_at(&dw_spec, codes(&gq)?, ops.x_matrix(&xq_t)?, dw, at)?;
             }
             _ => {
                 return Err(NnError::usage(
@@ -429,10 +425,7 @@ impl<T: Activation> LmHead<T> {
     /// Bytes kept for the backward.
     pub fn saved_bytes(&self) -> usize {
         self.x.as_ref().map_or(0, |x| x.data().num_bytes())
-            + self
-                .early
-                .as_ref()
-                .map_or(0, |e| e.dx.data().num_bytes() + e.dw.num_bytes())
+            + self.early.as_ref().map_or(0, |e| e.dx.data().num_bytes())
     }
 
     /// The loss of `x [..., d]` against `targets` (one per row of `x`); in training keeps `x` for
@@ -450,8 +443,9 @@ impl<T: Activation> LmHead<T> {
     }
 
     /// A training forward that also computes the gradients of `grad_scale` times the mean loss (the same
-    /// scale must then be given to [`LmHead::backward`]); keeps `dx` (`x`'s shape) and `dW` (F32) instead
-    /// of `x`.
+    /// scale must then be given to [`LmHead::backward`]): `dW` goes into the model's gradient at once
+    /// (accumulated chunk by chunk in the flat gradient, [`Ctx::grad_slot`]), `dx` (`x`'s shape) is kept
+    /// instead of `x` for the backward to return.
     pub fn forward_with_grad(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -467,22 +461,22 @@ impl<T: Activation> LmHead<T> {
         }
         self.x = None;
         self.early = None;
-        let (dx, dw) = self
+        let dx = self
             .run(ctx, &x, targets, Some(grad_scale))?
             .ok_or_else(|| NnError::usage("LmHead", "no gradient computed"))?;
-        self.early = Some(EarlyGrads { grad_scale, dx, dw });
+        self.early = Some(EarlyGrads { grad_scale, dx });
         Ok(())
     }
 
     /// The backward: adds `dW` of `grad_scale` times the mean loss of the last training forward to the
-    /// model and returns `dx`.
+    /// model (unless [`LmHead::forward_with_grad`] did) and returns `dx`.
     pub fn backward(
         &mut self,
         ctx: &mut Ctx<'_>,
         targets: &Buffer<i32>,
         grad_scale: f32,
     ) -> Result<Tensor<T>, NnError> {
-        let (dx, dw) = if let Some(e) = self.early.take() {
+        let dx = if let Some(e) = self.early.take() {
             if e.grad_scale.to_bits() != grad_scale.to_bits() {
                 return Err(NnError::usage(
                     &self.name,
@@ -492,7 +486,7 @@ impl<T: Activation> LmHead<T> {
                     ),
                 ));
             }
-            (e.dx, e.dw)
+            e.dx
         } else {
             let x = take_saved(&mut self.x, &self.name)?;
             // The loss statistics of the forward stay; the recomputation's go to scratch accumulators.
@@ -501,18 +495,18 @@ impl<T: Activation> LmHead<T> {
             self.stats = kept;
             r?.ok_or_else(|| NnError::usage("LmHead", "no gradient computed"))?
         };
-        ctx.add_grad(self.weight, &dw)?;
         Ok(dx)
     }
 
-    /// The chunked loop: loss into fresh statistics; with a gradient scale also `(dx, dW)`.
+    /// The chunked loop: loss into fresh statistics; with a gradient scale also `dW`, accumulated into
+    /// the model's gradient in place, and the returned `dx`.
     fn run(
         &mut self,
         ctx: &mut Ctx<'_>,
         x: &Tensor<T>,
         targets: &Buffer<i32>,
         grad_scale: Option<f32>,
-    ) -> Result<Option<HeadGrads<T>>, NnError> {
+    ) -> Result<Option<Tensor<T>>, NnError> {
         let (d, vocab) = (self.d, self.vocab);
         let tokens = rows_of_width(&self.name, x.shape(), d)?;
         if targets.len() != tokens || tokens == 0 {
@@ -530,17 +524,14 @@ impl<T: Activation> LmHead<T> {
             lse: dev.uninit(tokens)?,
             tokens,
         };
-        let mut grads = match grad_scale {
-            Some(_) => Some((
-                Tensor::<T>::uninit(&dev, x.shape())?,
-                dev.uninit::<f32>(vocab * d)?,
-            )),
+        let mut dx = match grad_scale {
+            Some(_) => Some(Tensor::<T>::uninit(&dev, x.shape())?),
             None => None,
         };
         // Gradient of `grad_scale * mean`: each row's `(softmax - onehot)` times `grad_scale / tokens`.
         let row_scale = grad_scale.map(|g| g / tokens as f32);
-        let mut scratch = None;
-        let w32 = ctx.plain(self.weight)?;
+        let weight = self.weight;
+        let w32 = ctx.plain(weight)?;
         if w32.len() != vocab * d {
             return Err(NnError::usage(
                 &self.name,
@@ -560,10 +551,10 @@ impl<T: Activation> LmHead<T> {
                 grad_scale,
             )?))
         } else {
-            HeadGemms::Float(T::from_f32_buffer(w32, &mut scratch)?)
+            HeadGemms::Float(T::owned_from_f32(w32)?)
         };
         let chunk = self.chunk.min(tokens);
-        for (k, a) in (0..tokens).step_by(chunk).enumerate() {
+        for a in (0..tokens).step_by(chunk) {
             let c = chunk.min(tokens - a);
             let whole = c == tokens;
             let copied;
@@ -577,7 +568,7 @@ impl<T: Activation> LmHead<T> {
             };
             let mut logits = dev.uninit::<T>(c * vocab)?;
             let shape = HeadChunk { c, d, vocab, par };
-            let xq_t = gemms.logits(&dev, &shape, xc, grads.is_some(), &mut logits)?;
+            let xq_t = gemms.logits(&dev, &shape, xc, dx.is_some(), &mut logits)?;
             let spec = CrossEntropySpec {
                 rows: c,
                 vocab,
@@ -592,21 +583,23 @@ impl<T: Activation> LmHead<T> {
                 invalid_targets: &mut stats.invalid_targets,
             };
             let g = gemms.cross_entropy(&dev, &spec, logits, targets, outputs)?;
-            if let (Some((dx, dw)), Some(g)) = (grads.as_mut(), g) {
-                let beta = if k == 0 { 0.0 } else { 1.0 };
+            if let (Some(dx), Some(g)) = (dx.as_mut(), g) {
                 let inputs = (xc, xq_t);
+                // `dW` straight into the weight's range of the flat gradient: no F32 copy of the table
+                // beside it, no pass that adds one.
+                let dw = ctx.grad_slot(weight)?;
                 if whole {
-                    gemms.gradients(&shape, g, inputs, dx.data_mut(), dw, beta)?;
+                    gemms.gradients(&shape, g, inputs, dx.data_mut(), dw)?;
                 } else {
                     let mut dxc = dev.uninit::<T>(c * d)?;
-                    gemms.gradients(&shape, g, inputs, &mut dxc, dw, beta)?;
+                    gemms.gradients(&shape, g, inputs, &mut dxc, dw)?;
                     dx.data_mut().copy_range_from(a * d, &dxc, 0, c * d)?;
                 }
             }
         }
         drop(gemms);
         self.stats = Some(stats);
-        Ok(grads)
+        Ok(dx)
     }
 
     /// `[scale, scale_inv]` of the E5M2 logits gradient for rows scaled by `row_scale`: the power-of-two

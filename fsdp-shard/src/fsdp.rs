@@ -352,6 +352,35 @@ impl Ctx<'_> {
         self.sharded.add_grad_at(p, grad)
     }
 
+    /// The full gradient of parameter `id` in place: its unit's flat F32 gradient buffer (created zeroed
+    /// on first use) and the parameter's offset in it, for a kernel that accumulates into it (`beta = 1`)
+    /// instead of adding a temporary of the parameter's size. In a backward pass, or in a training forward
+    /// that already knows its loss scale (an LM head that computes its gradients with its loss); a
+    /// gradient written in the forward is reduced with the backward's.
+    pub fn grad_slot(&mut self, id: ParamId) -> Result<(&mut Buffer<f32>, usize), ShardError> {
+        let p = match self.phase {
+            Phase::Backward => self.grad_target(id)?,
+            Phase::Forward(Mode::Train) => {
+                self.unit_of(id)?;
+                id.index()
+                    .ok_or_else(|| ShardError::InvalidArgument("unset parameter id".into()))?
+            }
+            Phase::Forward(Mode::Eval) => {
+                return Err(ShardError::State(
+                    "gradients are accepted only in training passes".into(),
+                ))
+            }
+        };
+        let len = self
+            .sharded
+            .layout()
+            .params
+            .get(p)
+            .map(|spec| spec.numel())
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no parameter with index {p}")))?;
+        self.sharded.grad_slot_at(p, len)
+    }
+
     /// [`Ctx::add_grad`] for a BF16 gradient.
     pub fn add_grad_bf16(
         &mut self,

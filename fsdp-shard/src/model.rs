@@ -844,6 +844,17 @@ impl ShardedModel {
     }
 
     /// The unit's full flat gradient buffer holding parameter `param` (created zeroed on first use) and
+    /// the parameter's offset in it, for a gradient of `len` elements accumulated in place (see
+    /// [`crate::Ctx::grad_slot`]).
+    pub fn grad_slot_at(
+        &mut self,
+        param: usize,
+        len: usize,
+    ) -> Result<(&mut Buffer<f32>, usize), ShardError> {
+        self.full_grad_range(param, len)
+    }
+
+    /// The unit's full flat gradient buffer holding parameter `param` (created zeroed on first use) and
     /// the parameter's offset in it, after checking that a gradient of `len` elements fits.
     fn full_grad_range(
         &mut self,

@@ -218,6 +218,35 @@ pub(super) fn gemm_float<T: Element, O: GemmOutput>(
     b: &Buffer<T>,
     c: &mut Buffer<O>,
 ) -> Result<(), KernelError> {
+    gemm_float_at(dev, spec, a, b, c, 0)
+}
+
+/// The bytes a `C` that starts inside its buffer must be aligned to: cuBLASLt's heuristics assume 256-byte
+/// aligned matrices unless told otherwise.
+pub(super) const OUTPUT_ALIGN_BYTES: usize = 256;
+
+/// Whether `C` starting at element `c_offset` of `c` has the alignment cuBLASLt assumes.
+pub(super) fn output_aligned<O: GemmOutput>(
+    dev: &CudaDevice,
+    c: &mut Buffer<O>,
+    c_offset: usize,
+) -> Result<bool, KernelError> {
+    let stream = dev.stream().clone();
+    let (p, _g) = cuda_slice_mut(c, "gemm: C")?.device_ptr_mut(&stream);
+    let at = p + (c_offset * std::mem::size_of::<O>()) as u64;
+    Ok(at % OUTPUT_ALIGN_BYTES as u64 == 0)
+}
+
+/// [`gemm_float`] into `C`'s `m x n` elements from element `c_offset` of `c` (`mod.rs` checked the range
+/// and the alignment; `k > 0` there).
+pub(super) fn gemm_float_at<T: Element, O: GemmOutput>(
+    dev: &CudaDevice,
+    spec: &GemmSpec,
+    a: &Buffer<T>,
+    b: &Buffer<T>,
+    c: &mut Buffer<O>,
+    c_offset: usize,
+) -> Result<(), KernelError> {
     same_device("gemm: A", dev, &a.device())?;
     same_device("gemm: B", dev, &b.device())?;
     let (m, n, k) = (spec.m, spec.n, spec.k);
@@ -225,6 +254,11 @@ pub(super) fn gemm_float<T: Element, O: GemmOutput>(
         return Ok(());
     }
     if k == 0 {
+        if c_offset != 0 {
+            return Err(KernelError::Internal(
+                "a GEMM with k = 0 into a range of C".into(),
+            ));
+        }
         return scale_output(dev, m, n, spec.beta, c);
     }
     let in_type = cuda_type(T::DTYPE)?;
@@ -260,15 +294,16 @@ pub(super) fn gemm_float<T: Element, O: GemmOutput>(
         key,
         a: pb,
         b: pa,
-        d: pd,
+        d: pd + (c_offset * std::mem::size_of::<O>()) as u64,
         alpha: spec.alpha,
         beta: spec.beta,
         a_scale: None,
         b_scale: None,
     };
     // SAFETY: A, B and C are buffers of this device whose lengths `mod.rs` checked against the shape the
-    // key describes (the row-major [m, k], [k, n], [m, n] are the column-major transposes); the guards
-    // keep them ordered on the stream until the call returns.
+    // key describes (the row-major [m, k], [k, n], [m, n] are the column-major transposes; C's m x n
+    // elements from `c_offset` lie inside its buffer at a 256-byte aligned address); the guards keep them
+    // ordered on the stream until the call returns.
     unsafe { blas.run(dev, &mm) }
 }
 
@@ -297,6 +332,19 @@ pub(super) fn gemm_fp8<O: GemmOutput>(
     b: Fp8Matrix<'_>,
     c: &mut Buffer<O>,
 ) -> Result<(), KernelError> {
+    gemm_fp8_at(dev, spec, a, b, c, 0)
+}
+
+/// [`gemm_fp8`] into `C`'s `m x n` elements from element `c_offset` of `c`: only where m, n and k are
+/// multiples of 16 (the product goes straight to `C`; `mod.rs` checked that, the range and the alignment).
+pub(super) fn gemm_fp8_at<O: GemmOutput>(
+    dev: &CudaDevice,
+    spec: &GemmSpec,
+    a: Fp8Matrix<'_>,
+    b: Fp8Matrix<'_>,
+    c: &mut Buffer<O>,
+    c_offset: usize,
+) -> Result<(), KernelError> {
     dev.require_fp8()?;
     for (what, d) in [
         ("gemm_fp8: A", a.data.device()),
@@ -311,7 +359,7 @@ pub(super) fn gemm_fp8<O: GemmOutput>(
         return Ok(());
     }
     if a.format == Fp8Format::E5M2 && b.format == Fp8Format::E5M2 {
-        return gemm_e5m2_pair_as_bf16(dev, spec, a, b, c);
+        return gemm_e5m2_pair_as_bf16(dev, spec, a, b, c, c_offset);
     }
     let stream = dev.stream().clone();
     let fits = [m, n, k]
@@ -323,6 +371,11 @@ pub(super) fn gemm_fp8<O: GemmOutput>(
     } else {
         (pad(m), pad(n), pad(k))
     };
+    if !fits && c_offset != 0 {
+        return Err(KernelError::Internal(
+            "a padded FP8 GEMM into a range of C".into(),
+        ));
+    }
 
     let a_src = cuda_slice(a.data, "gemm_fp8: A")?;
     let b_src = cuda_slice(b.data, "gemm_fp8: B")?;
@@ -393,14 +446,15 @@ pub(super) fn gemm_fp8<O: GemmOutput>(
             key,
             a: pb,
             b: pa,
-            d: pd,
+            d: pd + (c_offset * std::mem::size_of::<O>()) as u64,
             alpha: spec.alpha,
             beta: spec.beta,
             a_scale: Some(sb),
             b_scale: Some(sa),
         };
         // SAFETY: the operands are [m, k] and [n, k] K-major codes of this device (lengths checked by
-        // `mod.rs`, layout by `fits` and the transposes), C holds [m, n]; the scale addresses point into
+        // `mod.rs`, layout by `fits` and the transposes), C holds [m, n] from `c_offset` (range and
+        // 256-byte alignment checked by `mod.rs`); the scale addresses point into
         // the scale buffers (indices checked by `scalar_ptr`), which the caller holds across the call.
         unsafe { blas.run(dev, &mm) }
     } else {
@@ -435,10 +489,11 @@ fn gemm_e5m2_pair_as_bf16<O: GemmOutput>(
     a: Fp8Matrix<'_>,
     b: Fp8Matrix<'_>,
     c: &mut Buffer<O>,
+    c_offset: usize,
 ) -> Result<(), KernelError> {
     let a16 = fp8_to_bf16(dev, &a)?;
     let b16 = fp8_to_bf16(dev, &b)?;
-    gemm_float(dev, spec, &a16, &b16, c)
+    gemm_float_at(dev, spec, &a16, &b16, c, c_offset)
 }
 
 /// `decode(codes) * scale_inv` rounded to bf16, in a new buffer.

@@ -347,6 +347,120 @@ pub fn gemm_fp8<O: GemmOutput>(
     }
 }
 
+/// [`gemm`] into the `m x n` consecutive elements of `c` from element `offset` (row-major; e.g. one
+/// parameter's gradient inside a flat gradient buffer, accumulated with `beta = 1`); the rest of `c` is
+/// left alone. On CUDA the product goes straight there when that address is 256-byte aligned and `k > 0`,
+/// else through a temporary of `m x n` (copied in when `beta != 0`, copied back out).
+pub fn gemm_at<T: GemmOutput, O: GemmOutput>(
+    spec: &GemmSpec,
+    a: &Buffer<T>,
+    b: &Buffer<T>,
+    c: &mut Buffer<O>,
+    offset: usize,
+) -> Result<(), KernelError> {
+    let mn = output_range(spec, c.len(), offset)?;
+    spec.check(a.len(), b.len(), mn)?;
+    if T::DTYPE == DType::F32 && O::DTYPE != DType::F32 {
+        return Err(KernelError::InvalidArgument {
+            what: "gemm",
+            detail: format!("f32 inputs need an f32 output, not {}", O::DTYPE),
+        });
+    }
+    match c.device() {
+        Device::Cpu => {
+            let what = "gemm_at";
+            let out = &mut c.host_mut(what)?[offset..offset + mn];
+            let (ah, bh) = (a.host(what)?, b.host(what)?);
+            if T::DTYPE == DType::F32 {
+                let (a32, b32): (&[f32], &[f32]) =
+                    (bytemuck::cast_slice(ah), bytemuck::cast_slice(bh));
+                cpu::gemm_into_host(spec, a32, b32, out)
+            } else {
+                cpu::gemm_into_host(spec, &cpu::widen(ah), &cpu::widen(bh), out)
+            }
+        }
+        Device::Cuda(dev) => {
+            if spec.k > 0 && cuda::output_aligned(&dev, c, offset)? {
+                cuda::gemm_float_at(&dev, spec, a, b, c, offset)
+            } else {
+                through_temporary(spec, c, offset, mn, |t| gemm(spec, a, b, t))
+            }
+        }
+    }
+}
+
+/// [`gemm_fp8`] into the `m x n` consecutive elements of `c` from element `offset` (see [`gemm_at`]). On
+/// CUDA the product goes straight there when m, n and k are multiples of 16 and that address is 256-byte
+/// aligned, else through a temporary.
+pub fn gemm_fp8_at<O: GemmOutput>(
+    spec: &GemmSpec,
+    a: Fp8Matrix<'_>,
+    b: Fp8Matrix<'_>,
+    c: &mut Buffer<O>,
+    offset: usize,
+) -> Result<(), KernelError> {
+    let mn = output_range(spec, c.len(), offset)?;
+    spec.check(a.data.len(), b.data.len(), mn)?;
+    match c.device() {
+        Device::Cpu => {
+            let what = "gemm_fp8_at";
+            let a32 =
+                dequantize_fp8_host(a.data.host(what)?, a.format, a.scale_inv.host_value(what)?);
+            let b32 =
+                dequantize_fp8_host(b.data.host(what)?, b.format, b.scale_inv.host_value(what)?);
+            cpu::gemm_into_host(
+                spec,
+                &a32,
+                &b32,
+                &mut c.host_mut(what)?[offset..offset + mn],
+            )
+        }
+        Device::Cuda(dev) => {
+            let fits = [spec.m, spec.n, spec.k]
+                .iter()
+                .all(|&d| d > 0 && d % FP8_DIM_MULTIPLE == 0);
+            if fits && cuda::output_aligned(&dev, c, offset)? {
+                cuda::gemm_fp8_at(&dev, spec, a, b, c, offset)
+            } else {
+                through_temporary(spec, c, offset, mn, |t| gemm_fp8(spec, a, b, t))
+            }
+        }
+    }
+}
+
+/// Elements of `C`, after checking that they fit in `c_len` from `offset`.
+fn output_range(spec: &GemmSpec, c_len: usize, offset: usize) -> Result<usize, KernelError> {
+    let (_, _, mn) = spec.lens()?;
+    match offset.checked_add(mn) {
+        Some(end) if end <= c_len => Ok(mn),
+        _ => Err(KernelError::InvalidArgument {
+            what: "gemm",
+            detail: format!(
+                "C of {} x {} at offset {offset} does not fit a buffer of {c_len}",
+                spec.m, spec.n
+            ),
+        }),
+    }
+}
+
+/// Runs `gemm` into a temporary of `mn` elements holding `c[offset..]` (when `beta` reads it) and copies
+/// the result back.
+fn through_temporary<O: GemmOutput>(
+    spec: &GemmSpec,
+    c: &mut Buffer<O>,
+    offset: usize,
+    mn: usize,
+    gemm: impl FnOnce(&mut Buffer<O>) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
+    let dev = c.device();
+    let mut t = dev.uninit::<O>(mn)?;
+    if spec.beta != 0.0 {
+        t.copy_range_from(0, c, offset, mn)?;
+    }
+    gemm(&mut t)?;
+    c.copy_range_from(offset, &t, 0, mn)
+}
+
 /// Whether FP8 GEMMs of this row-major shape and transposes run on cuBLASLt directly (no re-layout, no
 /// padding): `trans_a = No`, `trans_b = Yes`, and m, n, k multiples of 16.
 pub fn fp8_runs_directly(spec: &GemmSpec) -> bool {
