@@ -52,15 +52,15 @@ use crate::layer::{rows_of_width, Activation, InputGrad, Layer};
 use crate::retype::buffer_converted;
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, Fp8Recipe, QType, ScaleRounding, ScalingRecipe};
-use fp8_kernels::gemm::{gemm, gemm_fp8};
+use fp8_kernels::gemm::{gemm, gemm_at, gemm_fp8, gemm_fp8_at};
 use fp8_kernels::{
     cast_to_fp8, cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix,
     GemmOutput, GemmSpec, Transpose,
 };
 use fp8_kernels::{elementwise, reduce};
 use fsdp_shard::{
-    Ctx, GatheredParam, GradDtype, Module, ParamDecl, ParamId, ParamKind, ScalingDecl, ScalingId,
-    ShardError, Visitor,
+    Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ScalingDecl, ScalingId, ShardError,
+    Visitor,
 };
 use half::bf16;
 
@@ -769,14 +769,9 @@ impl<T: Activation> Linear<T> {
         }
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
-        let bf16_grad = ctx.grad_dtype() == GradDtype::Bf16;
-        let (dx, dw32, dw16) = {
+        let dx = if need_dx {
             let ((codes, scales), gmeta) =
                 ctx.fp8_weight_and_scaling(self.weight, self.grad_meta)?;
-            let g_scale = DeviceScalar {
-                buffer: gmeta.scale_inv(),
-                index: 0,
-            };
             let weight = Fp8Matrix {
                 data: codes,
                 format: Fp8Format::E4M3,
@@ -785,54 +780,47 @@ impl<T: Activation> Linear<T> {
                     index: 1,
                 },
             };
-            let dx = if need_dx {
-                // dx [tokens, in] = dy [tokens, out] * W [out, in].
-                let mut dx = Tensor::<T>::uninit(&dev, in_shape)?;
-                let a = Fp8Matrix {
-                    data: dy_q,
-                    format: Fp8Format::E5M2,
-                    scale_inv: g_scale,
-                };
-                let spec = GemmSpec::new(tokens, inf, outf).parallelism(par);
-                gemm_fp8(&spec, a, weight, dx.data_mut())?;
-                Some(dx)
-            } else {
-                None
-            };
-            // dW [out, in] = dy^T [out, tokens] * x [tokens, in]; both operands held K-major.
+            // dx [tokens, in] = dy [tokens, out] * W [out, in].
+            let mut dx = Tensor::<T>::uninit(&dev, in_shape)?;
             let a = Fp8Matrix {
-                data: dy_t,
+                data: dy_q,
                 format: Fp8Format::E5M2,
-                scale_inv: g_scale,
-            };
-            let b = Fp8Matrix {
-                data: &saved.x_t,
-                format: Fp8Format::E4M3,
                 scale_inv: DeviceScalar {
-                    buffer: &saved.x_scale_inv,
+                    buffer: gmeta.scale_inv(),
                     index: 0,
                 },
             };
-            let spec = GemmSpec::new(outf, inf, tokens)
-                .transposes(Transpose::No, Transpose::Yes)
-                .scalars(1.0, 0.0)
-                .parallelism(par);
-            if bf16_grad {
-                let mut dw = dev.uninit::<bf16>(inf * outf)?;
-                gemm_fp8(&spec, a, b, &mut dw)?;
-                (dx, None, Some(dw))
-            } else {
-                let mut dw = dev.uninit::<f32>(inf * outf)?;
-                gemm_fp8(&spec, a, b, &mut dw)?;
-                (dx, Some(dw), None)
-            }
+            let spec = GemmSpec::new(tokens, inf, outf).parallelism(par);
+            gemm_fp8(&spec, a, weight, dx.data_mut())?;
+            Some(dx)
+        } else {
+            None
         };
-        if let Some(dw) = dw16 {
-            ctx.add_grad_bf16(self.weight, &dw)?;
-        }
-        if let Some(dw) = dw32 {
-            ctx.add_grad(self.weight, &dw)?;
-        }
+        // dW [out, in] += dy^T [out, tokens] * x [tokens, in], both operands held K-major, accumulated
+        // in F32 straight into the weight's range of the unit's flat gradient: no dW buffer of the
+        // weight's size and no pass that adds it (whatever the shards' type; they round at the reduction).
+        let ((flat, at), gmeta) = ctx.grad_slot_and_scaling(self.weight, self.grad_meta)?;
+        let a = Fp8Matrix {
+            data: dy_t,
+            format: Fp8Format::E5M2,
+            scale_inv: DeviceScalar {
+                buffer: gmeta.scale_inv(),
+                index: 0,
+            },
+        };
+        let b = Fp8Matrix {
+            data: &saved.x_t,
+            format: Fp8Format::E4M3,
+            scale_inv: DeviceScalar {
+                buffer: &saved.x_scale_inv,
+                index: 0,
+            },
+        };
+        let spec = GemmSpec::new(outf, inf, tokens)
+            .transposes(Transpose::No, Transpose::Yes)
+            .scalars(1.0, 1.0)
+            .parallelism(par);
+        gemm_fp8_at(&spec, a, b, flat, at)?;
         // The saved input is spent: free it now rather than hold it through the optimizer step.
         self.fp8_saved = None;
         Ok(dx)
@@ -1037,11 +1025,11 @@ impl<T: Activation> Linear<T> {
         let tokens = dy.shape().rows();
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
-        let mut dw = dev.uninit::<f32>(inf * outf)?;
         let dx_spec = GemmSpec::new(tokens, inf, outf).parallelism(par);
+        // dW accumulates in the weight's range of the unit's flat gradient (no buffer of its own).
         let dw_spec = GemmSpec::new(outf, inf, tokens)
             .transposes(Transpose::Yes, Transpose::No)
-            .scalars(1.0, 0.0)
+            .scalars(1.0, 1.0)
             .parallelism(par);
         let (dx, db) = match self.precision {
             LinearPrecision::F32 => {
@@ -1058,7 +1046,8 @@ impl<T: Activation> Linear<T> {
                 } else {
                     None
                 };
-                gemm(&dw_spec, dy32, as_f32(&x)?, &mut dw)?;
+                let (flat, at) = ctx.grad_slot(self.weight)?;
+                gemm_at(&dw_spec, dy32, as_f32(&x)?, flat, at)?;
                 (dx, self.bias_grad(&dev, &dy, tokens)?)
             }
             LinearPrecision::Bf16 => {
@@ -1079,7 +1068,8 @@ impl<T: Activation> Linear<T> {
                 } else {
                     None
                 };
-                gemm(&dw_spec, &dy16, &x16, &mut dw)?;
+                let (flat, at) = ctx.grad_slot(self.weight)?;
+                gemm_at(&dw_spec, &dy16, &x16, flat, at)?;
                 let db = if self.has_bias {
                     let mut db = dev.uninit::<f32>(outf)?;
                     reduce::sum_over_rows(&dy16, tokens, outf, &mut db)?;
@@ -1091,7 +1081,6 @@ impl<T: Activation> Linear<T> {
             }
             LinearPrecision::Fp8 => return Err(NnError::usage(&self.name, "not a float layer")),
         };
-        ctx.add_grad(self.weight, &dw)?;
         if let Some(db) = db {
             ctx.add_grad(self.bias, &db)?;
         }

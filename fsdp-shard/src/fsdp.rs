@@ -381,6 +381,26 @@ impl Ctx<'_> {
         self.sharded.grad_slot_at(p, len)
     }
 
+    /// [`Ctx::grad_slot`] in a backward pass together with the state of scaling meta `meta` (e.g. the
+    /// output gradient's, whose inverse scale the weight-gradient GEMM reads while it accumulates).
+    #[allow(clippy::type_complexity)]
+    pub fn grad_slot_and_scaling(
+        &mut self,
+        id: ParamId,
+        meta: ScalingId,
+    ) -> Result<((&mut Buffer<f32>, usize), &ScalingState), ShardError> {
+        let p = self.grad_target(id)?;
+        let len = self
+            .sharded
+            .layout()
+            .params
+            .get(p)
+            .map(|spec| spec.numel())
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no parameter with index {p}")))?;
+        let state = self.scaling.get(meta)?;
+        Ok((self.sharded.grad_slot_at(p, len)?, state))
+    }
+
     /// [`Ctx::add_grad`] for a BF16 gradient.
     pub fn add_grad_bf16(
         &mut self,
