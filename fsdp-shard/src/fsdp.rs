@@ -371,14 +371,18 @@ impl Ctx<'_> {
                 ))
             }
         };
-        let len = self
-            .sharded
+        let len = self.param_numel(p)?;
+        self.sharded.grad_slot_at(p, len)
+    }
+
+    /// Elements of parameter `p`.
+    fn param_numel(&self, p: usize) -> Result<usize, ShardError> {
+        self.sharded
             .layout()
             .params
             .get(p)
             .map(|spec| spec.numel())
-            .ok_or_else(|| ShardError::InvalidArgument(format!("no parameter with index {p}")))?;
-        self.sharded.grad_slot_at(p, len)
+            .ok_or_else(|| ShardError::InvalidArgument(format!("no parameter with index {p}")))
     }
 
     /// [`Ctx::grad_slot`] in a backward pass together with the state of scaling meta `meta` (e.g. the
@@ -390,13 +394,7 @@ impl Ctx<'_> {
         meta: ScalingId,
     ) -> Result<((&mut Buffer<f32>, usize), &ScalingState), ShardError> {
         let p = self.grad_target(id)?;
-        let len = self
-            .sharded
-            .layout()
-            .params
-            .get(p)
-            .map(|spec| spec.numel())
-            .ok_or_else(|| ShardError::InvalidArgument(format!("no parameter with index {p}")))?;
+        let len = self.param_numel(p)?;
         let state = self.scaling.get(meta)?;
         Ok((self.sharded.grad_slot_at(p, len)?, state))
     }

@@ -27,6 +27,41 @@ fn vectors_per_thread(launch: CrossEntropyLaunch) -> u32 {
     launch.vectors_per_thread.unwrap_or(0)
 }
 
+/// One block of `THREADS` per row, at most `per_sm` blocks per SM (a grid-stride loop takes the rest).
+fn row_blocks(dev: &CudaDevice, spec: &CrossEntropySpec, per_sm: u64) -> LaunchConfig {
+    let blocks = (spec.rows as u64).min(dev.sm_count() as u64 * per_sm);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The row kernels' scalar arguments (`mod.rs` checked that the counts fit in `int`).
+struct RowArgs {
+    offset: i32,
+    rows: i32,
+    vocab: i32,
+    grad_scale: f32,
+    write_grad: i32,
+    ignore: i32,
+    has_ignore: i32,
+}
+
+impl RowArgs {
+    fn of(spec: &CrossEntropySpec) -> Self {
+        RowArgs {
+            offset: spec.row_offset as i32,
+            rows: spec.rows as i32,
+            vocab: spec.vocab as i32,
+            grad_scale: spec.grad_scale.unwrap_or(0.0),
+            write_grad: i32::from(spec.grad_scale.is_some()),
+            ignore: spec.ignore_index.unwrap_or(0),
+            has_ignore: i32::from(spec.ignore_index.is_some()),
+        }
+    }
+}
+
 pub(super) fn cross_entropy<T: FloatElement>(
     dev: &CudaDevice,
     spec: &CrossEntropySpec,
@@ -48,17 +83,16 @@ pub(super) fn cross_entropy<T: FloatElement>(
             16 / n as u64,
         ),
     };
-    let blocks = (spec.rows as u64).min(dev.sm_count() as u64 * per_sm);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (offset, rows, vocab) = (spec.row_offset as i32, spec.rows as i32, spec.vocab as i32);
-    let grad_scale = spec.grad_scale.unwrap_or(0.0);
-    let write_grad = spec.grad_scale.is_some() as i32;
-    let ignore = spec.ignore_index.unwrap_or(0);
-    let has_ignore = spec.ignore_index.is_some() as i32;
+    let cfg = row_blocks(dev, spec, per_sm);
+    let RowArgs {
+        offset,
+        rows,
+        vocab,
+        grad_scale,
+        write_grad,
+        ignore,
+        has_ignore,
+    } = RowArgs::of(spec);
     // The nv entries exist for bf16 only (checked by the caller); targets outside 0..vocab are never used
     // as indices; logits hold rows*vocab elements, targets, lse and loss at least offset + rows, invalid
     // at least one (checked by the caller).
@@ -115,17 +149,17 @@ pub(super) fn cross_entropy_to_fp8<T: FloatElement>(
         return Ok(());
     }
     let name = kernel_name!("cross_entropy_", T::NAME, "_", format_name(grad.format));
-    let blocks = (spec.rows as u64).min(dev.sm_count() as u64 * BLOCKS_PER_SM);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (offset, rows, vocab) = (spec.row_offset as i32, spec.rows as i32, spec.vocab as i32);
-    let grad_scale = spec.grad_scale.unwrap_or(0.0);
-    let write_grad = 1i32;
-    let ignore = spec.ignore_index.unwrap_or(0);
-    let has_ignore = spec.ignore_index.is_some() as i32;
+    let cfg = row_blocks(dev, spec, BLOCKS_PER_SM);
+    // The caller checked that `spec.grad_scale` is set: `write_grad` is 1.
+    let RowArgs {
+        offset,
+        rows,
+        vocab,
+        grad_scale,
+        write_grad,
+        ignore,
+        has_ignore,
+    } = RowArgs::of(spec);
     let scale_index = grad.scale.index as i32;
     // Targets outside 0..vocab are never used as indices; logits and codes hold rows*vocab elements,
     // targets, lse and loss at least offset + rows, invalid at least one, the scale index lies in

@@ -301,26 +301,52 @@ pub fn gemm<T: GemmOutput, O: GemmOutput>(
     c: &mut Buffer<O>,
 ) -> Result<(), KernelError> {
     spec.check(a.len(), b.len(), c.len())?;
+    check_float_output::<T, O>()?;
+    match c.device() {
+        Device::Cpu => float_gemm_host(spec, a, b, c.host_mut("gemm")?),
+        Device::Cuda(dev) => cuda::gemm_float(&dev, spec, a, b, c),
+    }
+}
+
+/// F32 inputs need an f32 output (cuBLASLt has no f32 x f32 -> bf16).
+fn check_float_output<T: GemmOutput, O: GemmOutput>() -> Result<(), KernelError> {
     if T::DTYPE == DType::F32 && O::DTYPE != DType::F32 {
         return Err(KernelError::InvalidArgument {
             what: "gemm",
             detail: format!("f32 inputs need an f32 output, not {}", O::DTYPE),
         });
     }
-    match c.device() {
-        Device::Cpu => {
-            let what = "gemm";
-            let (ah, bh) = (a.host(what)?, b.host(what)?);
-            if T::DTYPE == DType::F32 {
-                let (a32, b32): (&[f32], &[f32]) =
-                    (bytemuck::cast_slice(ah), bytemuck::cast_slice(bh));
-                cpu::gemm_into_host(spec, a32, b32, c.host_mut(what)?)
-            } else {
-                cpu::gemm_into_host(spec, &cpu::widen(ah), &cpu::widen(bh), c.host_mut(what)?)
-            }
-        }
-        Device::Cuda(dev) => cuda::gemm_float(&dev, spec, a, b, c),
+    Ok(())
+}
+
+/// [`gemm`] of CPU buffers into `out` (the `m x n` elements of `C`).
+fn float_gemm_host<T: GemmOutput, O: GemmOutput>(
+    spec: &GemmSpec,
+    a: &Buffer<T>,
+    b: &Buffer<T>,
+    out: &mut [O],
+) -> Result<(), KernelError> {
+    let what = "gemm";
+    let (ah, bh) = (a.host(what)?, b.host(what)?);
+    if T::DTYPE == DType::F32 {
+        let (a32, b32): (&[f32], &[f32]) = (bytemuck::cast_slice(ah), bytemuck::cast_slice(bh));
+        cpu::gemm_into_host(spec, a32, b32, out)
+    } else {
+        cpu::gemm_into_host(spec, &cpu::widen(ah), &cpu::widen(bh), out)
     }
+}
+
+/// [`gemm_fp8`] of CPU buffers into `out` (the `m x n` elements of `C`): the operands decoded to f32.
+fn fp8_gemm_host<O: GemmOutput>(
+    spec: &GemmSpec,
+    a: Fp8Matrix<'_>,
+    b: Fp8Matrix<'_>,
+    out: &mut [O],
+) -> Result<(), KernelError> {
+    let what = "gemm_fp8";
+    let a32 = dequantize_fp8_host(a.data.host(what)?, a.format, a.scale_inv.host_value(what)?);
+    let b32 = dequantize_fp8_host(b.data.host(what)?, b.format, b.scale_inv.host_value(what)?);
+    cpu::gemm_into_host(spec, &a32, &b32, out)
 }
 
 /// FP8 x FP8 GEMM with f32 accumulation into an f32 or bf16 output; the scales come from device buffers.
@@ -335,14 +361,7 @@ pub fn gemm_fp8<O: GemmOutput>(
 ) -> Result<(), KernelError> {
     spec.check(a.data.len(), b.data.len(), c.len())?;
     match c.device() {
-        Device::Cpu => {
-            let what = "gemm_fp8";
-            let a32 =
-                dequantize_fp8_host(a.data.host(what)?, a.format, a.scale_inv.host_value(what)?);
-            let b32 =
-                dequantize_fp8_host(b.data.host(what)?, b.format, b.scale_inv.host_value(what)?);
-            cpu::gemm_into_host(spec, &a32, &b32, c.host_mut(what)?)
-        }
+        Device::Cpu => fp8_gemm_host(spec, a, b, c.host_mut("gemm_fp8")?),
         Device::Cuda(dev) => cuda::gemm_fp8(&dev, spec, a, b, c),
     }
 }
@@ -360,24 +379,10 @@ pub fn gemm_at<T: GemmOutput, O: GemmOutput>(
 ) -> Result<(), KernelError> {
     let mn = output_range(spec, c.len(), offset)?;
     spec.check(a.len(), b.len(), mn)?;
-    if T::DTYPE == DType::F32 && O::DTYPE != DType::F32 {
-        return Err(KernelError::InvalidArgument {
-            what: "gemm",
-            detail: format!("f32 inputs need an f32 output, not {}", O::DTYPE),
-        });
-    }
+    check_float_output::<T, O>()?;
     match c.device() {
         Device::Cpu => {
-            let what = "gemm_at";
-            let out = &mut c.host_mut(what)?[offset..offset + mn];
-            let (ah, bh) = (a.host(what)?, b.host(what)?);
-            if T::DTYPE == DType::F32 {
-                let (a32, b32): (&[f32], &[f32]) =
-                    (bytemuck::cast_slice(ah), bytemuck::cast_slice(bh));
-                cpu::gemm_into_host(spec, a32, b32, out)
-            } else {
-                cpu::gemm_into_host(spec, &cpu::widen(ah), &cpu::widen(bh), out)
-            }
+            float_gemm_host(spec, a, b, &mut c.host_mut("gemm_at")?[offset..offset + mn])
         }
         Device::Cuda(dev) => {
             if spec.k > 0 && cuda::output_aligned(&dev, c, offset)? {
@@ -402,19 +407,12 @@ pub fn gemm_fp8_at<O: GemmOutput>(
     let mn = output_range(spec, c.len(), offset)?;
     spec.check(a.data.len(), b.data.len(), mn)?;
     match c.device() {
-        Device::Cpu => {
-            let what = "gemm_fp8_at";
-            let a32 =
-                dequantize_fp8_host(a.data.host(what)?, a.format, a.scale_inv.host_value(what)?);
-            let b32 =
-                dequantize_fp8_host(b.data.host(what)?, b.format, b.scale_inv.host_value(what)?);
-            cpu::gemm_into_host(
-                spec,
-                &a32,
-                &b32,
-                &mut c.host_mut(what)?[offset..offset + mn],
-            )
-        }
+        Device::Cpu => fp8_gemm_host(
+            spec,
+            a,
+            b,
+            &mut c.host_mut("gemm_fp8_at")?[offset..offset + mn],
+        ),
         Device::Cuda(dev) => {
             let fits = [spec.m, spec.n, spec.k]
                 .iter()
