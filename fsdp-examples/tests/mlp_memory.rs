@@ -21,8 +21,9 @@ use std::sync::Arc;
 ///   gradient `[T, H]` BF16, with either (at the GELU backward) another `[T, H]` BF16's worth (fused: the
 ///   E5M2 codes and transpose of the up linear's output gradient; unfused: the GELU's input gradient) less
 ///   the down linear's `[T, H]` E4M3 input codes it freed after its backward, or
-///   (at the down linear's weight gradient) the E5M2 output-gradient codes and transpose `2 x [T, d]`
-///   and the BF16 weight gradient `8 d^2`, whichever is larger;
+///   (at the down linear's weight gradient) the E5M2 output-gradient codes and transpose `2 x [T, d]`,
+///   whichever is larger (the weight gradient itself accumulates in the unit's F32 full gradient, counted
+///   below: no buffer of its own);
 /// - one unit's transients: its F32 full gradient (`4 x 8 d^2`), its gathered E4M3 weights (`8 d^2`) and
 ///   the next unit's gathered flat buffer, in flight (`8 d^2`);
 /// - `small`: scales, metas, segment tables and step scalars (a few KiB).
@@ -52,7 +53,7 @@ fn fp8_peak_bound(
     let dy_copy = if fused { 0 } else { 2 * t * d };
     // At the GELU backward the down linear has already freed its saved `[T, H]` E4M3 input codes, so that
     // branch adds `2 T H - T H` beyond the codes counted above.
-    let working = 2 * t * d + dy_copy + 2 * t * h + (t * h).max(2 * t * d + 8 * d * d);
+    let working = 2 * t * d + dy_copy + 2 * t * h + (t * h).max(2 * t * d);
     let unit = 8 * d * d;
     let transients = 4 * unit + unit + unit;
     model_state + io + codes + kept + working + transients + small
