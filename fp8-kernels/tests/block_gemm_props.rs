@@ -7,6 +7,8 @@
 //!   bf16 outputs. Bound: `(k + 8) 2^-24 (|alpha| sum |a b| + |beta c|)` (f32 sums of at most 128
 //!   products per K block, two scale multiplies, at most k/128 block additions, alpha and beta), plus
 //!   half a bf16 ulp (2^-8 relative) for bf16 outputs;
+//! - `gemm_fp8_block_at` into a range of a larger buffer: bit for bit the plain GEMM there, the rest
+//!   untouched, a range past the end refused;
 //! - a hand-computed case with two K blocks;
 //! - the linear layer's three products from `block_quantize` of random inputs against the f64 GEMM of
 //!   the unquantized inputs, within the bound stated at `quantized_products_approximate_the_f64_gemm`.
@@ -15,7 +17,7 @@ mod block_gemm_common;
 
 use block_gemm_common::{gemm_spec, operand, reference, HostOperand, Kind, OperandSpec};
 use fp8_core::{BlockLayout, Fp8Format, ScalingGranularity};
-use fp8_kernels::gemm::{gemm_fp8_block, transpose_block_fp8};
+use fp8_kernels::gemm::{gemm_fp8_block, gemm_fp8_block_at, transpose_block_fp8};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_quantize, BlockFp8Matrix, BlockQuantLayout, BlockQuantSpec, Buffer, Device, GemmSpec,
@@ -111,6 +113,29 @@ fn worst(got: &[f32], want: &[f64], mag: &[f64], k: usize, bf16_out: bool) -> f6
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    fn gemm_into_a_range_equals_the_plain_gemm(
+        (spec, a, b, c) in case(),
+        before in 0usize..40,
+        after in 0usize..9,
+    ) {
+        let dev = Device::cpu();
+        let mn = spec.m * spec.n;
+        let (ab, bb) = (a.upload(&dev), b.upload(&dev));
+        let mut big0 = SplitMix64::new(before as u64 ^ 0xB16).uniform_vec(before + mn + after);
+        big0[before..before + mn].copy_from_slice(&c);
+        let mut plain = dev.upload(&c).unwrap();
+        gemm_fp8_block(&spec, a.matrix(&ab), b.matrix(&bb), &mut plain).unwrap();
+        let mut want = big0.clone();
+        want[before..before + mn].copy_from_slice(&plain.to_vec().unwrap());
+        let mut big = dev.upload(&big0).unwrap();
+        gemm_fp8_block_at(&spec, a.matrix(&ab), b.matrix(&bb), &mut big, before).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&big.to_vec().unwrap()), bits(&want));
+        let mut short = dev.upload(&big0[..before + mn - 1]).unwrap();
+        prop_assert!(gemm_fp8_block_at(&spec, a.matrix(&ab), b.matrix(&bb), &mut short, before).is_err());
+    }
 
     #[test]
     fn cpu_matches_f64_reference((spec, a, b, c) in case()) {

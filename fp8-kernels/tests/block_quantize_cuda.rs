@@ -3,7 +3,8 @@
 //! formats and both scale roundings, on random inputs with wide magnitude ranges, special values and
 //! all-zero blocks, in shapes that are and are not multiples of 128, with the scales stored row-major
 //! and in the GEMM's order; the packed 1x128 records and the dequantized sum of their rows likewise (1 to
-//! 8 rows, f32/bf16/f16 accumulators, several scales alpha); and CUDA run twice gives the same bits. GPU
+//! 8 rows, f32/bf16/f16 accumulators, several scales alpha); `block_quantize_both` (both 1x128 layouts
+//! from one read) against the CPU's two casts; and CUDA run twice gives the same bits. GPU
 //! tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
 //! GPU can be opened.
 
@@ -13,8 +14,8 @@ use common::{first_difference, fp8_gpu, join_differences, matches_cpu_and_determ
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
-    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
-    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
+    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 
@@ -137,6 +138,115 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
                     // The GEMM's scale order (padding entries stay zero on both devices).
                     let gemm = spec.with_scale_order(ScaleOrder::Gemm);
                     ok &= compare::<bf16>(&gpu, &x, shape, gemm);
+                }
+            }
+        }
+    }
+    assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}
+
+/// `block_quantize_both` of `x`: the codes, scales and inverse scales of its two outputs, as bits.
+fn run_both<T: FloatElement>(
+    dev: &Device,
+    x: &[f32],
+    [rows, cols]: [usize; 2],
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    order: ScaleOrder,
+) -> [Vec<u32>; 6] {
+    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let xb = dev.upload(&xt).unwrap();
+    let bufs = |layout: BlockQuantLayout| {
+        let l = layout.output_layout(rows, cols).unwrap();
+        let n = order.strides(&l).unwrap().len;
+        (
+            dev.zeros::<u8>(rows * cols).unwrap(),
+            dev.zeros::<f32>(n).unwrap(),
+            dev.zeros::<f32>(n).unwrap(),
+        )
+    };
+    let (mut q, mut s, mut si) = bufs(BlockQuantLayout::Rows1x128);
+    let (mut qt, mut st, mut sit) = bufs(BlockQuantLayout::Columns128x1Transposed);
+    block_quantize_both(
+        &xb,
+        [rows, cols],
+        format,
+        rounding,
+        order,
+        BlockQuantOutput {
+            codes: &mut q,
+            scale: &mut s,
+            scale_inv: &mut si,
+        },
+        BlockQuantOutput {
+            codes: &mut qt,
+            scale: &mut st,
+            scale_inv: &mut sit,
+        },
+    )
+    .unwrap();
+    let codes = |b: &Buffer<u8>| b.to_vec().unwrap().into_iter().map(u32::from).collect();
+    [
+        codes(&q),
+        common::bits(&s),
+        common::bits(&si),
+        codes(&qt),
+        common::bits(&st),
+        common::bits(&sit),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_both_layouts_match_cpu_bitwise_and_are_deterministic() {
+    let gpu = fp8_gpu();
+    // Sides that are and are not multiples of 8, 16 and 128 (the kernel's vector and byte paths).
+    let shapes = [
+        [1, 1],
+        [3, 130],
+        [127, 129],
+        [128, 128],
+        [136, 392],
+        [300, 257],
+        [1040, 768],
+        [2048, 2560],
+    ];
+    let mut ok = true;
+    for (k, &shape) in shapes.iter().enumerate() {
+        let x = input(shape[0], shape[1], 0xB07 + k as u64);
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for rounding in [ScaleRounding::PowerOfTwo, ScaleRounding::Exact] {
+                for order in [ScaleOrder::RowMajor, ScaleOrder::Gemm] {
+                    let run = |dev: &Device, f32_in: bool| {
+                        if f32_in {
+                            run_both::<f32>(dev, &x, shape, format, rounding, order)
+                        } else {
+                            run_both::<bf16>(dev, &x, shape, format, rounding, order)
+                        }
+                    };
+                    for f32_in in [false, true] {
+                        let cpu = run(&Device::cpu(), f32_in);
+                        let (g1, g2) = (run(&gpu, f32_in), run(&gpu, f32_in));
+                        let what = format!(
+                            "both layouts {}x{} f32 input {f32_in} {format:?} {rounding:?} {order:?}",
+                            shape[0], shape[1]
+                        );
+                        ok &= matches_cpu_and_deterministic(&what, &cpu, &g1, &g2, |a, b| {
+                            join_differences(
+                                [
+                                    "1x128 codes",
+                                    "1x128 scale",
+                                    "1x128 scale_inv",
+                                    "128x1 codes",
+                                    "128x1 scale",
+                                    "128x1 scale_inv",
+                                ]
+                                .iter()
+                                .zip(a.iter().zip(b))
+                                .map(|(name, (a, b))| first_difference(name, a, b)),
+                            )
+                        });
+                    }
                 }
             }
         }

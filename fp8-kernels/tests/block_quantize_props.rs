@@ -12,8 +12,8 @@ use fp8_core::reference::ReferenceEncoder;
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::BLOCK_QUANTIZE_MODULE;
 use fp8_kernels::{
-    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
-    BlockQuantLayout, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both, block_quantize_packed,
+    BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -124,6 +124,45 @@ fn run<T: FloatElement>(
         scale: bits(&s),
         scale_inv: bits(&si),
     }
+}
+
+/// `block_quantize_both` of `x [rows, cols]`: the `Rows1x128` and the `Columns128x1Transposed` outputs.
+fn run_both<T: FloatElement>(
+    dev: &Device,
+    x: &[f32],
+    [rows, cols]: [usize; 2],
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    order: ScaleOrder,
+) -> [Quantized; 2] {
+    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
+    let xb = dev.upload(&xt).unwrap();
+    let bufs = |layout: BlockQuantLayout| {
+        let l = layout.output_layout(rows, cols).unwrap();
+        let n = order.strides(&l).unwrap().len;
+        (
+            dev.zeros::<u8>(rows * cols).unwrap(),
+            dev.zeros::<f32>(n).unwrap(),
+            dev.zeros::<f32>(n).unwrap(),
+        )
+    };
+    let (mut q, mut s, mut si) = bufs(BlockQuantLayout::Rows1x128);
+    let (mut qt, mut st, mut sit) = bufs(BlockQuantLayout::Columns128x1Transposed);
+    block_quantize_both(
+        &xb,
+        [rows, cols],
+        format,
+        rounding,
+        order,
+        BlockQuantOutput { codes: &mut q, scale: &mut s, scale_inv: &mut si },
+        BlockQuantOutput { codes: &mut qt, scale: &mut st, scale_inv: &mut sit },
+    )
+    .unwrap();
+    let bits = |b: &Buffer<f32>| b.to_vec().unwrap().iter().map(|v| v.to_bits()).collect();
+    [
+        Quantized { codes: q.to_vec().unwrap(), scale: bits(&s), scale_inv: bits(&si) },
+        Quantized { codes: qt.to_vec().unwrap(), scale: bits(&st), scale_inv: bits(&sit) },
+    ]
 }
 
 /// Dequantizes `q` (the output of `spec` for `[rows, cols]`) to f32.
@@ -367,6 +406,24 @@ proptest! {
     }
 
     #[test]
+    fn both_layouts_at_once_equal_the_two_casts(
+        (rows, cols, x) in input(),
+        format in format(),
+        rounding in rounding(),
+        gemm_order in any::<bool>(),
+    ) {
+        let dev = Device::cpu();
+        let order = if gemm_order { ScaleOrder::Gemm } else { ScaleOrder::RowMajor };
+        let spec = |layout| BlockQuantSpec { layout, format, rounding, scale_order: order };
+        let [q, qt] = run_both::<bf16>(&dev, &x, [rows, cols], format, rounding, order);
+        prop_assert_eq!(q, run::<bf16>(&dev, &x, rows, cols, spec(BlockQuantLayout::Rows1x128)));
+        prop_assert_eq!(
+            qt,
+            run::<bf16>(&dev, &x, rows, cols, spec(BlockQuantLayout::Columns128x1Transposed))
+        );
+    }
+
+    #[test]
     fn round_trip_within_half_a_step_of_the_block_scale(
         (rows, cols, x) in input(),
         format in format(),
@@ -520,7 +577,7 @@ nvrtc_test! {
         let mut kernels = Vec::new();
         for t in ["f32", "bf16", "f16"] {
             for f in ["e4m3", "e5m2"] {
-                for l in ["1x128", "128x1t", "128x128"] {
+                for l in ["1x128", "128x1t", "128x128", "both"] {
                     kernels.push(format!("bq_{l}_{t}_{f}"));
                 }
                 kernels.push(format!("bdq_{f}_{t}"));

@@ -1,6 +1,7 @@
 // Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh and blocks128.cuh (the
 // 128x128-block cast, BQ_TILE, warp_max_bits). Kernel names:
-// bq_<layout>_<input type>_<fp8 format>, bqp_1x128_<input type>_<fp8 format> (packed row records),
+// bq_<layout>_<input type>_<fp8 format>, bq_both_<input type>_<fp8 format> (1x128 and 128x1 transposed from
+// one read), bqp_1x128_<input type>_<fp8 format> (packed row records),
 // bdq_<fp8 format>_<output type>, bdqs_<fp8 format>_<output type> (dequantize packed pieces and sum).
 //
 // Every block's scale is compute_scale_dev(amax, fmax, 0, exact, 1.0f) (fp8_core::block_scale: margin 0,
@@ -70,57 +71,118 @@ __device__ void bq_1x128_impl(const typename In::T* x, Sink out, float fmax, int
     }
 }
 
-// ---- 128x1 tiles (128 rows of one column), written transposed ----
-// x [rows, cols] -> yt [cols, rows], scales [cols, ceil(rows/128)]: exactly the 1x128 cast of x^T. Block
-// (32, 8) per slab of 128 rows x 32 columns: loads along rows (coalesced over the 32 columns), the column
-// amaxes through shared memory, then each warp writes 128 consecutive codes of a transposed row.
+// ---- 128x1 tiles (128 rows of one column) written transposed, and optionally 1x128 tiles too ----
+// x [rows, cols] -> yt [cols, rows] with scales [cols, ceil(rows/128)] (exactly the 1x128 cast of x^T) and,
+// when y is not null, y [rows, cols] with scales [rows, ceil(cols/128)] (the 1x128 cast of x): both
+// layouts from one read of x, as the linear layers need them (the forward's x, the backward's dy).
+// One block of 256 threads per 128 x 128 region, grid-stride: thread t covers columns 8 (t % 16) .. +7 and
+// rows 8 (t / 16) .. +7 of the region, 64 values in registers. A row tile's amax is a max over the 16
+// threads of a half-warp (shuffles), a column tile's over the 16 threads of a column group (one shuffle,
+// then shared memory across the warps). Codes go out 8 bytes per store: 8 consecutive columns of a row
+// (y) and 8 consecutive rows of a column (yt), byte by byte where the shape or the alignment does not
+// allow that. The amaxes are order-free maxima, so the codes and scales equal the one-layout casts'.
 template <class In, int FMT>
-__device__ void bq_128x1t_impl(const typename In::T* x, u8* yt, float* scale, float* scale_inv, u64 srs, u64 scs,
-                               float fmax, int exact, int rows, int cols) {
-    __shared__ float vals[BQ_TILE][33];
-    __shared__ int part[8][32];
-    __shared__ float col_scale[32];
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int tiles_r = (rows + BQ_TILE - 1) / BQ_TILE, slabs_c = (cols + 31) / 32;
-    for (u64 t = blockIdx.x; t < (u64)tiles_r * slabs_c; t += gridDim.x) {
-        const int tr = (int)(t / slabs_c);
-        const int r0 = tr * BQ_TILE, c0 = (int)(t % slabs_c) * 32;
-        const int c = c0 + tx;
-        int m = 0;
-        for (int k = ty; k < BQ_TILE; k += 8) {
-            const int r = r0 + k;
-            float v = 0.0f;
-            if (r < rows && c < cols) {
-                v = In::load(x, (u64)r * cols + c);
-                m = max(m, abs_bits_no_nan(v));
-            }
-            vals[k][tx] = v;
-        }
-        part[ty][tx] = m;
-        __syncthreads();
-        if (ty == 0) {
-            int mm = part[0][tx];
+__device__ void bq_tiles_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs,
+                              u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact,
+                              int rows, int cols) {
+    __shared__ int col_part[8][BQ_TILE];
+    __shared__ float col_scale[BQ_TILE];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int g = t & 15, rl = t >> 4;  // column group, row group
+    const int tiles_r = (rows + BQ_TILE - 1) / BQ_TILE, tiles_c = (cols + BQ_TILE - 1) / BQ_TILE;
+    const bool vec_in = (cols % 8 == 0) && ((((u64)x) & 15) == 0);
+    const bool vec_y = y != nullptr && (cols % 8 == 0) && ((((u64)y) & 7) == 0);
+    const bool vec_yt = (rows % 8 == 0) && ((((u64)yt) & 7) == 0);
+    for (u64 b = blockIdx.x; b < (u64)tiles_r * tiles_c; b += gridDim.x) {
+        const int tr = (int)(b / tiles_c), tc = (int)(b % tiles_c);
+        const int r0 = tr * BQ_TILE + 8 * rl, c0 = tc * BQ_TILE + 8 * g;
+        float v[8][8];  // [row][column]
 #pragma unroll
-            for (int j = 1; j < 8; ++j) mm = max(mm, part[j][tx]);
-            const float s = compute_scale_dev(__int_as_float(mm), fmax, 0, exact, 1.0f);
-            col_scale[tx] = s;
+        for (int i = 0; i < 8; ++i) {
+            const int r = r0 + i;
+            if (r < rows && c0 < cols) {
+                load_vec8<In>(x + (u64)r * cols + c0, 0, cols - c0, vec_in, v[i]);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) v[i][q] = 0.0f;
+            }
+        }
+        // Column tiles: this thread's 8 rows, the other half-warp's 8, then the 8 warps.
+        int cm[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            int m = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) m = max(m, abs_bits_no_nan(v[i][q]));
+            cm[q] = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
+        }
+        if (lane < 16) {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) col_part[warp][8 * g + q] = cm[q];
+        }
+        __syncthreads();
+        if (t < BQ_TILE) {
+            int m = col_part[0][t];
+#pragma unroll
+            for (int w = 1; w < 8; ++w) m = max(m, col_part[w][t]);
+            const float s = compute_scale_dev(__int_as_float(m), fmax, 0, exact, 1.0f);
+            col_scale[t] = s;
+            const int c = tc * BQ_TILE + t;
             if (c < cols) {
-                const u64 i = (u64)c * srs + (u64)tr * scs;
-                scale[i] = s;
-                scale_inv[i] = div_rn(1.0f, s);
+                const u64 at = (u64)c * trs + (u64)tr * tcs;
+                tscale[at] = s;
+                tscale_inv[at] = div_rn(1.0f, s);
             }
         }
         __syncthreads();
-        for (int j = ty; j < 32; j += 8) {
-            const int cc = c0 + j;
-            if (cc >= cols) continue;
-            const float s = col_scale[j];
+        // Transposed codes: column c0 + q, rows r0 .. r0 + 7.
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int k = tx + 32 * q, r = r0 + k;
-                if (r < rows) yt[(u64)cc * rows + r] = (u8)(fp8x2<FMT>(mul_rn(vals[k][j], s), 0.0f) & 0xFF);
+        for (int q = 0; q < 8; ++q) {
+            const int c = c0 + q;
+            if (c >= cols || r0 >= rows) continue;
+            const float s = col_scale[8 * g + q];
+            u32 w[4];
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) w[i / 2] = fp8x2<FMT>(mul_rn(v[i][q], s), mul_rn(v[i + 1][q], s));
+            u8* dst = yt + (u64)c * rows + r0;
+            if (vec_yt) {
+                *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+            } else {
+                const int n = min(8, rows - r0);
+                for (int i = 0; i < n; ++i) dst[i] = (u8)((w[i / 2] >> (8 * (i % 2))) & 0xFFu);
             }
         }
+        if (y != nullptr) {
+            // Row tiles: row r0 + i over the 16 threads of this half-warp.
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                int m = 0;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) m = max(m, abs_bits_no_nan(v[i][q]));
+#pragma unroll
+                for (int o = 8; o >= 1; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+                const int r = r0 + i;
+                const float s = compute_scale_dev(__int_as_float(m), fmax, 0, exact, 1.0f);
+                if (r >= rows) continue;
+                if (g == 0) {
+                    const u64 at = (u64)r * srs + (u64)tc * scs;
+                    scale[at] = s;
+                    scale_inv[at] = div_rn(1.0f, s);
+                }
+                if (c0 >= cols) continue;
+                u32 w[4];
+#pragma unroll
+                for (int q = 0; q < 8; q += 2) w[q / 2] = fp8x2<FMT>(mul_rn(v[i][q], s), mul_rn(v[i][q + 1], s));
+                u8* dst = y + (u64)r * cols + c0;
+                if (vec_y) {
+                    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+                } else {
+                    const int n = min(8, cols - c0);
+                    for (int q = 0; q < n; ++q) dst[q] = (u8)((w[q / 2] >> (8 * (q % 2))) & 0xFFu);
+                }
+            }
+        }
+        // col_part and col_scale are rewritten by the next region.
         __syncthreads();
     }
 }
@@ -208,7 +270,15 @@ __device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pi
     extern "C" __global__ void bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
                                                           u64 srs, u64 scs, float fmax, int exact, int rows,    \
                                                           int cols) {                                           \
-        bq_128x1t_impl<IN, FMT>(x, yt, scale, scale_inv, srs, scs, fmax, exact, rows, cols);                    \
+        bq_tiles_impl<IN, FMT>(x, nullptr, nullptr, nullptr, 0, 0, yt, scale, scale_inv, srs, scs, fmax, exact,  \
+                               rows, cols);                                                                     \
+    }                                                                                                           \
+    extern "C" __global__ void bq_both_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,    \
+                                                        u64 srs, u64 scs, u8* yt, float* tscale,                 \
+                                                        float* tscale_inv, u64 trs, u64 tcs, float fmax,         \
+                                                        int exact, int rows, int cols) {                         \
+        bq_tiles_impl<IN, FMT>(x, y, scale, scale_inv, srs, scs, yt, tscale, tscale_inv, trs, tcs, fmax, exact,  \
+                               rows, cols);                                                                     \
     }                                                                                                           \
     extern "C" __global__ void bq_128x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv, \
                                                            u64 srs, u64 scs, float fmax, int exact, int rows,   \

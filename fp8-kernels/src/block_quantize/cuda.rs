@@ -34,6 +34,47 @@ pub(crate) fn blocks128_launch(dev: &CudaDevice, rows: usize, cols: usize) -> La
     )
 }
 
+/// One block of 256 threads per 128 x 128 region of `[rows, cols]` (`bq_tiles_impl` needs exactly 256).
+fn regions_launch(dev: &CudaDevice, rows: usize, cols: usize) -> LaunchConfig {
+    tile_launch(
+        dev,
+        rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(BLOCK_SIZE),
+        (256, 1, 1),
+    )
+}
+
+/// `x [rows, cols]` to both 1x128 outputs: `rows_out` (the `Rows1x128` cast) and `cols_out` (the
+/// `Columns128x1Transposed` cast), one read of `x`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn quantize_both<T: FloatElement>(
+    dev: &CudaDevice,
+    x: &CudaSlice<T>,
+    [rows, cols]: [usize; 2],
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    (row_strides, col_strides): (ScaleStrides, ScaleStrides),
+    (y, s, si): (&mut CudaSlice<u8>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    (yt, ts, tsi): (&mut CudaSlice<u8>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+) -> Result<(), KernelError> {
+    dev.require_fp8()?;
+    let fmax = format.max();
+    let exact = matches!(rounding, ScaleRounding::Exact) as i32;
+    let (r, c) = (rows as i32, cols as i32);
+    let (srs, scs) = (row_strides.row as u64, row_strides.col as u64);
+    let (trs, tcs) = (col_strides.row as u64, col_strides.col as u64);
+    // x, y and yt hold rows * cols elements; s and si hold row_strides.len values and ts and tsi
+    // col_strides.len, which hold the index of every tile of the two output layouts (checked by mod.rs).
+    launch!(
+        dev,
+        &BLOCK_QUANTIZE_MODULE,
+        kernel_name!("bq_both_", T::NAME, "_", format_name(format)),
+        regions_launch(dev, rows, cols),
+        "bq_both_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, u8* yt, \
+         float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, int rows, int cols)",
+        [x, y, s, si, &srs, &scs, yt, ts, tsi, &trs, &tcs, &fmax, &exact, &r, &c]
+    )
+}
+
 /// `x [rows, cols]` to codes and block scales in `spec.layout`, the scales stored at `strides`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn quantize<T: FloatElement>(
@@ -54,12 +95,8 @@ pub(super) fn quantize<T: FloatElement>(
     let cfg = match spec.layout {
         // One warp per 1x128 tile.
         BlockQuantLayout::Rows1x128 => grid(dev, (rows * cols.div_ceil(BLOCK_SIZE) * 32) as u64),
-        // One (32, 8) block per slab of 128 rows x 32 columns.
-        BlockQuantLayout::Columns128x1Transposed => tile_launch(
-            dev,
-            rows.div_ceil(BLOCK_SIZE) * cols.div_ceil(32),
-            (32, 8, 1),
-        ),
+        // One block of 256 threads per 128 x 128 region (bq_tiles_impl's thread layout).
+        BlockQuantLayout::Columns128x1Transposed => regions_launch(dev, rows, cols),
         BlockQuantLayout::Blocks128x128 => blocks128_launch(dev, rows, cols),
     };
     // x and codes hold rows * cols elements, scale and scale_inv `strides.len` values, which hold the

@@ -35,9 +35,10 @@
 //! [`ScaleOrder::strides`] gives the index of every block's scale and the buffer length.
 //!
 //! The CPU implementation (`cpu.rs`, rayon over bands of block rows) is the reference; `cuda.rs` and
-//! `block_quantize.cu` launch one warp per 1x128 tile (packed or not), one 128 x 32 slab per block of
-//! threads for the transposed tiles, one block of threads per 128x128 block, and one thread per 8
-//! elements of the dequantized sum. The 128x128 cast (`blocks128.cuh` on CUDA, templated on where its
+//! `block_quantize.cu` launch one warp per 1x128 tile (packed or not), one block of threads per 128 x 128
+//! region for the transposed tiles (with the 1x128 tiles too for [`block_quantize_both`], which writes
+//! both layouts from one read), one block of threads per 128x128 block, and one thread per 8 elements of
+//! the dequantized sum. The 128x128 cast (`blocks128.cuh` on CUDA, templated on where its
 //! values come from, and `cpu.rs`'s loop) is also the Adam step's cast of block-scaled weights from their
 //! masters, [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks).
 
@@ -280,6 +281,81 @@ pub fn block_quantize<T: FloatElement>(
         let (xs, q) = (x.cuda(WHAT)?, codes.cuda_mut(WHAT)?);
         let (s, si) = (scale.cuda_mut(WHAT)?, scale_inv.cuda_mut(WHAT)?);
         cuda::quantize(&dev, xs, shape, spec, strides, q, s, si)
+    })
+}
+
+/// Where one layout of [`block_quantize_both`] goes: its codes, scales and inverse scales (lengths as
+/// [`block_quantize`] wants them for that layout).
+#[derive(Debug)]
+pub struct BlockQuantOutput<'a> {
+    /// FP8 codes.
+    pub codes: &'a mut Buffer<u8>,
+    /// One scale per tile.
+    pub scale: &'a mut Buffer<f32>,
+    /// One inverse scale per tile.
+    pub scale_inv: &'a mut Buffer<f32>,
+}
+
+/// The `Rows1x128` cast of `x [rows, cols]` into `rows_out` and its `Columns128x1Transposed` cast into
+/// `cols_out`, both with `format`, `rounding` and scales in `order`: bit for bit what two
+/// [`block_quantize`] calls write, with one read of `x` on CUDA (one block of threads per 128 x 128
+/// region computes the row and the column tiles' amaxes from the same registers). The linear layers need
+/// both: the forward's input for `y = x W^T` and the weight gradient, the backward's `dy` for `dx` and the
+/// weight gradient.
+pub fn block_quantize_both<T: FloatElement>(
+    x: &Buffer<T>,
+    shape: [usize; 2],
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    order: ScaleOrder,
+    rows_out: BlockQuantOutput<'_>,
+    cols_out: BlockQuantOutput<'_>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "block_quantize_both";
+    let [rows, cols] = shape;
+    let rl = BlockQuantLayout::Rows1x128.output_layout(rows, cols)?;
+    let cl = BlockQuantLayout::Columns128x1Transposed.output_layout(rows, cols)?;
+    let (rs, cs) = (order.strides(&rl)?, order.strides(&cl)?);
+    check_sides(WHAT, &[rows, cols, rs.len, cs.len])?;
+    check_len(WHAT, rl.numel(), x.len())?;
+    for (out, strides) in [(&rows_out, rs), (&cols_out, cs)] {
+        check_len(WHAT, rl.numel(), out.codes.len())?;
+        check_len(WHAT, strides.len, out.scale.len())?;
+        check_len(WHAT, strides.len, out.scale_inv.len())?;
+    }
+    let BlockQuantOutput {
+        codes: y,
+        scale: s,
+        scale_inv: si,
+    } = rows_out;
+    let BlockQuantOutput {
+        codes: yt,
+        scale: ts,
+        scale_inv: tsi,
+    } = cols_out;
+    dispatch!(WHAT, [x, y, s, si, yt, ts, tsi],
+    cpu: {
+        let xs = x.host(WHAT)?;
+        let scales = cpu::ScaleOut { scale: Some(s.host_mut(WHAT)?), scale_inv: si.host_mut(WHAT)?, strides: rs };
+        cpu::quantize(xs, &rl, format, rounding, y.host_mut(WHAT)?, scales);
+        let xt = cpu::transpose(xs, rows, cols);
+        let scales = cpu::ScaleOut { scale: Some(ts.host_mut(WHAT)?), scale_inv: tsi.host_mut(WHAT)?, strides: cs };
+        cpu::quantize(&xt, &cl, format, rounding, yt.host_mut(WHAT)?, scales);
+    },
+    cuda(dev): {
+        if rl.numel() == 0 {
+            return Ok(());
+        }
+        cuda::quantize_both(
+            &dev,
+            x.cuda(WHAT)?,
+            shape,
+            format,
+            rounding,
+            (rs, cs),
+            (y.cuda_mut(WHAT)?, s.cuda_mut(WHAT)?, si.cuda_mut(WHAT)?),
+            (yt.cuda_mut(WHAT)?, ts.cuda_mut(WHAT)?, tsi.cuda_mut(WHAT)?),
+        )
     })
 }
 

@@ -40,7 +40,10 @@
 //! | data gradient `dx = dy W` | `dy`, 1x128 | `W`, 128x128, `trans_b = No` (or `W^T` from [`transpose_block_fp8`], `Yes`) | `(t, in, out)` |
 //! | weight gradient `dW = dy^T x` | `dy^T` (`Columns128x1Transposed` of `dy`), 1x128 | `x^T` (`Columns128x1Transposed` of `x`), 1x128, `trans_b = Yes` | `(out, in, t)` |
 
-use super::{block_cpu, block_cuda, GemmOutput, GemmSpec, FP8_DIM_MULTIPLE};
+use super::cuda::output_aligned;
+use super::{
+    block_cpu, block_cuda, output_range, through_temporary, GemmOutput, GemmSpec, FP8_DIM_MULTIPLE,
+};
 use crate::block_quantize::{ScaleOrder, ScaleStrides};
 use crate::device::dispatch;
 use crate::{check_len, Buffer, Device, KernelError};
@@ -225,7 +228,37 @@ pub fn gemm_fp8_block<O: GemmOutput>(
     let (a, b) = check(spec, a, b, c.len())?;
     match c.device() {
         Device::Cpu => block_cpu::gemm(spec, &a, &b, c.host_mut(WHAT)?),
-        Device::Cuda(dev) => block_cuda::gemm(&dev, spec, &a, &b, c),
+        Device::Cuda(dev) => block_cuda::gemm(&dev, spec, &a, &b, c, 0),
+    }
+}
+
+/// [`gemm_fp8_block`] into the `m x n` consecutive elements of `c` from element `offset` (row-major; e.g.
+/// a block-scaled weight's gradient inside its unit's flat gradient, accumulated with `beta = 1`); the
+/// rest of `c` is left alone. On CUDA the product goes straight there when that address is 256-byte
+/// aligned, `k > 0` and the operands are not both E5M2, else through a temporary of `m x n` (copied in
+/// when `beta != 0`, copied back out).
+pub fn gemm_fp8_block_at<O: GemmOutput>(
+    spec: &GemmSpec,
+    a: BlockFp8Matrix<'_>,
+    b: BlockFp8Matrix<'_>,
+    c: &mut Buffer<O>,
+    offset: usize,
+) -> Result<(), KernelError> {
+    let mn = output_range(spec, c.len(), offset)?;
+    let (a, b) = check(spec, a, b, mn)?;
+    match c.device() {
+        Device::Cpu => block_cpu::gemm(spec, &a, &b, &mut c.host_mut(WHAT)?[offset..offset + mn]),
+        Device::Cuda(dev) => {
+            let e5m2_pair =
+                a.matrix.format == Fp8Format::E5M2 && b.matrix.format == Fp8Format::E5M2;
+            if spec.k > 0 && !e5m2_pair && output_aligned(&dev, c, offset)? {
+                block_cuda::gemm(&dev, spec, &a, &b, c, offset)
+            } else {
+                through_temporary(spec, c, offset, mn, |t| {
+                    block_cuda::gemm(&dev, spec, &a, &b, t, 0)
+                })
+            }
+        }
     }
 }
 

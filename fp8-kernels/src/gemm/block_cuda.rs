@@ -133,13 +133,16 @@ fn k_major<'a>(
     })
 }
 
-/// The block-scaled GEMM through cuBLASLt (see the module docs).
+/// The block-scaled GEMM through cuBLASLt (see the module docs), into `C`'s `m x n` elements from element
+/// `c_offset` of `c` (`block.rs` checked the range; a nonzero offset only with `k > 0`, operands not both
+/// E5M2, and the address 256-byte aligned).
 pub(super) fn gemm<O: GemmOutput>(
     dev: &CudaDevice,
     spec: &GemmSpec,
     a: &BlockOperand<'_>,
     b: &BlockOperand<'_>,
     c: &mut Buffer<O>,
+    c_offset: usize,
 ) -> Result<(), KernelError> {
     dev.require_fp8()?;
     for (what, d) in [
@@ -154,10 +157,16 @@ pub(super) fn gemm<O: GemmOutput>(
     if m == 0 || n == 0 {
         return Ok(());
     }
+    let e5m2_pair = a.matrix.format == Fp8Format::E5M2 && b.matrix.format == Fp8Format::E5M2;
+    if c_offset != 0 && (k == 0 || e5m2_pair) {
+        return Err(KernelError::Internal(
+            "a block-scaled GEMM with k = 0 or two E5M2 operands into a range of C".into(),
+        ));
+    }
     if k == 0 {
         return scale_output(dev, m, n, spec.beta, c);
     }
-    if a.matrix.format == Fp8Format::E5M2 && b.matrix.format == Fp8Format::E5M2 {
+    if e5m2_pair {
         return e5m2_pair_as_bf16(dev, spec, &a.matrix, &b.matrix, c);
     }
     let ak = k_major(dev, a, m, k)?;
@@ -187,6 +196,7 @@ pub(super) fn gemm<O: GemmOutput>(
     let (sa, _gsa) = ak.scales().device_ptr(&stream);
     let (sb, _gsb) = bk.scales().device_ptr(&stream);
     let (pd, _gd) = cuda_slice_mut(c, WHAT)?.device_ptr_mut(&stream);
+    let pd = pd + (c_offset * std::mem::size_of::<O>()) as u64;
     let mm = ColMajorMatmul {
         key,
         a: pb,
@@ -198,7 +208,7 @@ pub(super) fn gemm<O: GemmOutput>(
         b_scale: Some(sa),
     };
     // SAFETY: A and B are [m, k] and [n, k] K-major codes of this device (lengths checked by block.rs
-    // against the layouts, or written so by relayout_u8), C holds [m, n] (checked by block.rs); their
+    // against the layouts, or written so by relayout_u8), C holds [m, n] from c_offset (checked by block.rs); their
     // scales are whole f32 buffers in the GEMM's order of the K-major layouts (ScaleOrder::Gemm's
     // lengths, checked by block.rs or allocated so by k_major), which is the order and extent the scale
     // modes make cuBLASLt read. The guards keep every buffer ordered on the stream until the call has

@@ -50,7 +50,7 @@ mod block_cuda;
 mod cpu;
 mod cuda;
 
-pub use block::{gemm_fp8_block, transpose_block_fp8, BlockFp8Matrix};
+pub use block::{gemm_fp8_block, gemm_fp8_block_at, transpose_block_fp8, BlockFp8Matrix};
 
 pub use crate::cast::dequantize_fp8_host;
 pub use cpu::gemm_f32_host;

@@ -11,11 +11,13 @@ use super::{broadcast_bias, plain, BlockFp8Saved, Linear};
 use crate::layer::{Activation, InputGrad};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity};
-use fp8_kernels::block_quantize::{block_quantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder};
-use fp8_kernels::gemm::{gemm_fp8_block, FP8_DIM_MULTIPLE};
+use fp8_kernels::block_quantize::{
+    block_quantize, block_quantize_both, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec,
+    ScaleOrder,
+};
+use fp8_kernels::gemm::{gemm_fp8_block, gemm_fp8_block_at, FP8_DIM_MULTIPLE};
 use fp8_kernels::{BlockFp8Matrix, Buffer, Device, Element, FloatElement, GemmSpec, Transpose};
-use fsdp_shard::{Ctx, GatheredParam, GradDtype};
-use half::bf16;
+use fsdp_shard::{Ctx, GatheredParam};
 
 /// One block-scaled cast: codes, inverse scales in the GEMM's order, and their layout.
 struct Quantized {
@@ -61,6 +63,54 @@ impl Quantized {
             layout: out,
             format,
         })
+    }
+
+    /// `x [rows, cols]` cast in both 1x128 layouts at once (`Rows1x128`, `Columns128x1Transposed`): the
+    /// same codes and scales as two [`Quantized::new`] calls, one read of `x` on CUDA.
+    fn both<X: FloatElement>(
+        dev: &Device,
+        x: &Buffer<X>,
+        [rows, cols]: [usize; 2],
+        format: Fp8Format,
+        rounding: ScaleRounding,
+    ) -> Result<[Self; 2], NnError> {
+        let buffers = |layout: BlockQuantLayout| -> Result<_, NnError> {
+            let out = layout.output_layout(rows, cols)?;
+            let n = ScaleOrder::Gemm.strides(&out)?.len;
+            // Zero inverse scales: the padding entries of the GEMM's order are never written.
+            Ok((
+                out,
+                dev.uninit::<u8>(out.numel())?,
+                dev.uninit::<f32>(n)?,
+                dev.zeros::<f32>(n)?,
+            ))
+        };
+        let (rl, mut q, mut s, mut si) = buffers(BlockQuantLayout::Rows1x128)?;
+        let (cl, mut qt, mut st, mut sit) = buffers(BlockQuantLayout::Columns128x1Transposed)?;
+        block_quantize_both(
+            x,
+            [rows, cols],
+            format,
+            rounding,
+            ScaleOrder::Gemm,
+            BlockQuantOutput {
+                codes: &mut q,
+                scale: &mut s,
+                scale_inv: &mut si,
+            },
+            BlockQuantOutput {
+                codes: &mut qt,
+                scale: &mut st,
+                scale_inv: &mut sit,
+            },
+        )?;
+        let made = |codes, scale_inv, layout| Quantized {
+            codes,
+            scale_inv,
+            layout,
+            format,
+        };
+        Ok([made(q, si, rl), made(qt, sit, cl)])
     }
 
     fn matrix(&self) -> BlockFp8Matrix<'_> {
@@ -149,22 +199,30 @@ impl<T: Activation> Linear<T> {
         let par = ctx.cpu_parallelism();
         let x_pad = padded(x.data(), tokens, rows, inf)?;
         let xs = x_pad.as_ref().unwrap_or(x.data());
-        let cast =
-            |layout| Quantized::new(&dev, xs, [rows, inf], layout, bs.input_format, bs.rounding);
-        let x_q = cast(BlockQuantLayout::Rows1x128)?;
-        // The weight-gradient operand is cast now, so the backward keeps one byte per element instead
-        // of `x` (two or four); the same `x` gives the same codes whenever it is cast.
-        self.block_saved = if ctx.is_training() && self.keep_block_input {
-            let x_t = cast(BlockQuantLayout::Columns128x1Transposed)?;
-            Some(BlockFp8Saved {
+        // The weight-gradient operand is cast now (with the forward's, from one read of `x`), so the
+        // backward keeps one byte per element instead of `x` (two or four); the same `x` gives the same
+        // codes whenever it is cast.
+        let (x_q, saved) = if ctx.is_training() && self.keep_block_input {
+            let [x_q, x_t] = Quantized::both(&dev, xs, [rows, inf], bs.input_format, bs.rounding)?;
+            let saved = BlockFp8Saved {
                 tokens,
                 padded_tokens: rows,
                 x_t: x_t.codes,
                 x_t_scale_inv: x_t.scale_inv,
-            })
+            };
+            (x_q, Some(saved))
         } else {
-            None
+            let x_q = Quantized::new(
+                &dev,
+                xs,
+                [rows, inf],
+                BlockQuantLayout::Rows1x128,
+                bs.input_format,
+                bs.rounding,
+            )?;
+            (x_q, None)
         };
+        self.block_saved = saved;
         drop(x_pad);
         let mut y = dev.uninit::<T>(rows * outf)?;
         let mut spec = GemmSpec::new(rows, outf, inf)
@@ -220,9 +278,10 @@ impl<T: Activation> Linear<T> {
     }
 
     /// `dx = dy_q W_q` (`dy` in 1x128 tiles, the weight read transposed: its 128x128 blocks transpose
-    /// exactly) and `dW = dy_q^T x_q` (both in 128x1 tiles, transposed: K-major over the tokens), added
-    /// to the model in BF16 when it keeps BF16 gradient shards, else in f32; `db` the column sum of
-    /// `dy`.
+    /// exactly) and `dW = dy_q^T x_q` (both in 128x1 tiles, transposed: K-major over the tokens),
+    /// accumulated in F32 straight into the weight's range of the unit's flat gradient
+    /// ([`Ctx::grad_slot`]: no buffer of the weight's size, no pass that adds it); `db` the column sum
+    /// of `dy`.
     pub(super) fn backward_block(
         &mut self,
         ctx: &mut Ctx<'_>,
@@ -250,17 +309,37 @@ impl<T: Activation> Linear<T> {
         }
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
-        let bf16_grad = ctx.grad_dtype() == GradDtype::Bf16;
         let db = self.bias_grad(&dev, dy, tokens)?;
         let dy_pad = padded(dy.data(), tokens, rows, outf)?;
         let dys = dy_pad.as_ref().unwrap_or(dy.data());
-        let cast =
-            |layout| Quantized::new(&dev, dys, [rows, outf], layout, bs.grad_format, bs.rounding);
-        let dy_t = cast(BlockQuantLayout::Columns128x1Transposed)?;
-        let dy_q = need_dx
-            .then(|| cast(BlockQuantLayout::Rows1x128))
-            .transpose()?;
+        let (dy_q, dy_t) = if need_dx {
+            let [q, t] = Quantized::both(&dev, dys, [rows, outf], bs.grad_format, bs.rounding)?;
+            (Some(q), t)
+        } else {
+            let t = Quantized::new(
+                &dev,
+                dys,
+                [rows, outf],
+                BlockQuantLayout::Columns128x1Transposed,
+                bs.grad_format,
+                bs.rounding,
+            )?;
+            (None, t)
+        };
         drop(dy_pad);
+        let dx = match &dy_q {
+            Some(q) => {
+                let [w] = ctx.params([self.weight])?;
+                let w = block_weight(w, [outf, inf], &self.name)?;
+                // dx [rows, in] = dy [rows, out] * W [out, in], W stored [k, n].
+                let spec = GemmSpec::new(rows, inf, outf).parallelism(par);
+                let mut dx = dev.uninit::<T>(rows * inf)?;
+                gemm_fp8_block(&spec, q.matrix(), w, &mut dx)?;
+                Some(Tensor::new(unpadded(dx, tokens, inf)?, in_shape)?)
+            }
+            None => None,
+        };
+        drop(dy_q);
         let x_t = BlockFp8Matrix {
             data: &saved.x_t,
             format: bs.input_format,
@@ -268,40 +347,13 @@ impl<T: Activation> Linear<T> {
             scale_inv: &saved.x_t_scale_inv,
             scale_order: ScaleOrder::Gemm,
         };
-        let (dx, dw32, dw16) = {
-            let [w] = ctx.params([self.weight])?;
-            let w = block_weight(w, [outf, inf], &self.name)?;
-            let dx = match &dy_q {
-                Some(q) => {
-                    // dx [rows, in] = dy [rows, out] * W [out, in], W stored [k, n].
-                    let spec = GemmSpec::new(rows, inf, outf).parallelism(par);
-                    let mut dx = dev.uninit::<T>(rows * inf)?;
-                    gemm_fp8_block(&spec, q.matrix(), w, &mut dx)?;
-                    Some(Tensor::new(unpadded(dx, tokens, inf)?, in_shape)?)
-                }
-                None => None,
-            };
-            // dW [out, in] = dy^T [out, rows] * x [rows, in]; both operands held K-major.
-            let spec = GemmSpec::new(outf, inf, rows)
-                .transposes(Transpose::No, Transpose::Yes)
-                .scalars(1.0, 0.0)
-                .parallelism(par);
-            if bf16_grad {
-                let mut dw = dev.uninit::<bf16>(inf * outf)?;
-                gemm_fp8_block(&spec, dy_t.matrix(), x_t, &mut dw)?;
-                (dx, None, Some(dw))
-            } else {
-                let mut dw = dev.uninit::<f32>(inf * outf)?;
-                gemm_fp8_block(&spec, dy_t.matrix(), x_t, &mut dw)?;
-                (dx, Some(dw), None)
-            }
-        };
-        if let Some(dw) = dw16 {
-            ctx.add_grad_bf16(self.weight, &dw)?;
-        }
-        if let Some(dw) = dw32 {
-            ctx.add_grad(self.weight, &dw)?;
-        }
+        // dW [out, in] += dy^T [out, rows] * x [rows, in]; both operands held K-major.
+        let spec = GemmSpec::new(outf, inf, rows)
+            .transposes(Transpose::No, Transpose::Yes)
+            .scalars(1.0, 1.0)
+            .parallelism(par);
+        let (flat, at) = ctx.grad_slot(self.weight)?;
+        gemm_fp8_block_at(&spec, dy_t.matrix(), x_t, flat, at)?;
         if let Some(db) = db {
             ctx.add_grad(self.bias, &db)?;
         }
