@@ -228,8 +228,18 @@ fn cuda_gemm_into_a_range_matches_cpu() {
     .into_iter()
     .enumerate()
     {
-        let a = operand(m, k, op(Kind::Tiles, false, fa, ScaleOrder::Gemm), seed as u64);
-        let b = operand(n, k, op(Kind::Tiles, false, fb, ScaleOrder::Gemm), seed as u64 ^ 7);
+        let a = operand(
+            m,
+            k,
+            op(Kind::Tiles, false, fa, ScaleOrder::Gemm),
+            seed as u64,
+        );
+        let b = operand(
+            n,
+            k,
+            op(Kind::Tiles, false, fb, ScaleOrder::Gemm),
+            seed as u64 ^ 7,
+        );
         let spec = gemm_spec(m, n, k, &a, &b).scalars(1.0, 1.0);
         let big0 = SplitMix64::new(seed as u64 ^ 0xB16).uniform_vec(offset + m * n + 5);
         let on = |dev: &Device| -> Result<Vec<f32>, KernelError> {
@@ -251,7 +261,10 @@ fn cuda_gemm_into_a_range_matches_cpu() {
         let untouched = outside.clone().all(|i| g[i].to_bits() == big0[i].to_bits());
         let mag = magnitude(&spec, &a, &b, &big0[offset..offset + m * n]);
         let worst = (0..m * n)
-            .map(|i| (g[offset + i] as f64 - cpu[offset + i] as f64).abs() / (REL * mag[i] as f64 + 1e-30))
+            .map(|i| {
+                (g[offset + i] as f64 - cpu[offset + i] as f64).abs()
+                    / (REL * mag[i] as f64 + 1e-30)
+            })
             .fold(0.0f64, f64::max);
         let pass = untouched && worst <= 1.0;
         println!(

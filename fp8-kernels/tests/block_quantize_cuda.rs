@@ -15,7 +15,8 @@ use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
-    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
+    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device,
+    FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 

@@ -12,8 +12,9 @@ use fp8_core::reference::ReferenceEncoder;
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::BLOCK_QUANTIZE_MODULE;
 use fp8_kernels::{
-    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both, block_quantize_packed,
-    BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
+    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device,
+    FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -154,14 +155,30 @@ fn run_both<T: FloatElement>(
         format,
         rounding,
         order,
-        BlockQuantOutput { codes: &mut q, scale: &mut s, scale_inv: &mut si },
-        BlockQuantOutput { codes: &mut qt, scale: &mut st, scale_inv: &mut sit },
+        BlockQuantOutput {
+            codes: &mut q,
+            scale: &mut s,
+            scale_inv: &mut si,
+        },
+        BlockQuantOutput {
+            codes: &mut qt,
+            scale: &mut st,
+            scale_inv: &mut sit,
+        },
     )
     .unwrap();
     let bits = |b: &Buffer<f32>| b.to_vec().unwrap().iter().map(|v| v.to_bits()).collect();
     [
-        Quantized { codes: q.to_vec().unwrap(), scale: bits(&s), scale_inv: bits(&si) },
-        Quantized { codes: qt.to_vec().unwrap(), scale: bits(&st), scale_inv: bits(&sit) },
+        Quantized {
+            codes: q.to_vec().unwrap(),
+            scale: bits(&s),
+            scale_inv: bits(&si),
+        },
+        Quantized {
+            codes: qt.to_vec().unwrap(),
+            scale: bits(&st),
+            scale_inv: bits(&sit),
+        },
     ]
 }
 
