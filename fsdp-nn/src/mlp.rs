@@ -380,8 +380,10 @@ impl<T: Activation> Mlp<T> {
                 };
                 self.down.save_block_input(ctx, &h)?;
             }
-            let dy_copy = Tensor::new(dy.data().to_device(ctx.device())?, dy.shape())?;
-            let da = self.down.backward(ctx, dy_copy)?;
+            // From the borrowed `dy`: an FP8 down linear casts it without a copy.
+            let da = self.down.backward_ref(ctx, dy, true)?.ok_or_else(|| {
+                NnError::usage("Mlp", "the down linear returned no input gradient")
+            })?;
             let du = match self.activation {
                 MlpActivation::Gelu => self.gelu.backward(ctx, da)?,
                 MlpActivation::SwiGlu => {
