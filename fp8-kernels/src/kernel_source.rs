@@ -166,7 +166,11 @@ pub const ROPE_MODULE: KernelModule =
 /// transpose of its result.
 pub const SWIGLU_CAST_MODULE: KernelModule = kernel_module!(
     "fp8_kernels_swiglu_cast",
-    ["cuda/common.cuh", "src/swiglu_cast/swiglu_cast.cu"]
+    [
+        "cuda/common.cuh",
+        "src/swiglu_cast/swiglu.cuh",
+        "src/swiglu_cast/swiglu_cast.cu"
+    ]
 );
 
 /// Every NVRTC program of the crate. A family that adds a `.cu` file registers its module here; the

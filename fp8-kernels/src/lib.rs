@@ -72,8 +72,8 @@ pub use attention::{
 };
 pub use block_quantize::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
-    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, PackedRows1x128,
-    ScaleOrder,
+    block_quantize_packed, block_quantize_tiles, BlockCastInput, BlockQuantLayout,
+    BlockQuantOutput, BlockQuantSpec, PackedRows1x128, ScaleOrder,
 };
 pub use cast::{
     add_decoded_fp8, amax, cast_to_fp8, cast_to_fp8_current, cast_transpose_to_fp8, convert,

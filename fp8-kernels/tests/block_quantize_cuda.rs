@@ -4,7 +4,9 @@
 //! all-zero blocks, in shapes that are and are not multiples of 128, with the scales stored row-major
 //! and in the GEMM's order; the packed 1x128 records and the dequantized sum of their rows likewise (1 to
 //! 8 rows, f32/bf16/f16 accumulators, several scales alpha); `block_quantize_both` (both 1x128 layouts
-//! from one read) against the CPU's two casts; and CUDA run twice gives the same bits. GPU
+//! from one read) against the CPU's two casts; `block_quantize_tiles` of activations computed inside the
+//! cast (GELU, its gradient, SwiGLU, its gradient; one layout or both) against the CPU's activation
+//! kernel followed by the casts; and CUDA run twice gives the same bits. GPU
 //! tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
 //! GPU can be opened.
 
@@ -15,8 +17,8 @@ use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
-    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device,
-    FloatElement, PackedRows1x128, ScaleOrder,
+    block_quantize_packed, block_quantize_tiles, BlockCastInput, BlockQuantLayout,
+    BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 
@@ -231,6 +233,143 @@ fn cuda_both_layouts_match_cpu_bitwise_and_are_deterministic() {
                         let what = format!(
                             "both layouts {}x{} f32 input {f32_in} {format:?} {rounding:?} {order:?}",
                             shape[0], shape[1]
+                        );
+                        ok &= matches_cpu_and_deterministic(&what, &cpu, &g1, &g2, |a, b| {
+                            join_differences(
+                                [
+                                    "1x128 codes",
+                                    "1x128 scale",
+                                    "1x128 scale_inv",
+                                    "128x1 codes",
+                                    "128x1 scale",
+                                    "128x1 scale_inv",
+                                ]
+                                .iter()
+                                .zip(a.iter().zip(b))
+                                .map(|(name, (a, b))| first_difference(name, a, b)),
+                            )
+                        });
+                    }
+                }
+            }
+        }
+    }
+    assert!(ok, "CUDA differs from the CPU or between runs (see above)");
+}
+
+/// `block_quantize_tiles` of the activation `kind` over `[rows, cols]` from the inputs `a` (and `b`), in
+/// the layouts asked for: codes, scales and inverse scales of each as bits (empty when not asked).
+#[allow(clippy::too_many_arguments)]
+fn run_tiles<T: FloatElement>(
+    dev: &Device,
+    kind: &str,
+    a: &[f32],
+    b: &[f32],
+    [rows, cols]: [usize; 2],
+    format: Fp8Format,
+    (want_rows, want_cols): (bool, bool),
+) -> [Vec<u32>; 6] {
+    let up = |v: &[f32]| {
+        dev.upload(&v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
+            .unwrap()
+    };
+    let (ab, bb) = (up(a), up(b));
+    let approx = fp8_kernels::elementwise::GeluApprox::Tanh;
+    let input = match kind {
+        "gelu" => BlockCastInput::Gelu { u: &ab, approx },
+        "gelu_grad" => BlockCastInput::GeluGrad {
+            u: &ab,
+            dy: &bb,
+            approx,
+        },
+        "swiglu" => BlockCastInput::SwiGlu { gu: &ab },
+        "swiglu_grad" => BlockCastInput::SwiGluGrad { gu: &ab, dh: &bb },
+        _ => BlockCastInput::Values(&ab),
+    };
+    let order = ScaleOrder::Gemm;
+    let bufs = |layout: BlockQuantLayout| {
+        let l = layout.output_layout(rows, cols).unwrap();
+        let n = order.strides(&l).unwrap().len;
+        (
+            dev.zeros::<u8>(rows * cols).unwrap(),
+            dev.zeros::<f32>(n).unwrap(),
+            dev.zeros::<f32>(n).unwrap(),
+        )
+    };
+    let (mut q, mut s, mut si) = bufs(BlockQuantLayout::Rows1x128);
+    let (mut qt, mut st, mut sit) = bufs(BlockQuantLayout::Columns128x1Transposed);
+    block_quantize_tiles(
+        input,
+        [rows, cols],
+        format,
+        ScaleRounding::PowerOfTwo,
+        order,
+        want_rows.then_some(BlockQuantOutput {
+            codes: &mut q,
+            scale: &mut s,
+            scale_inv: &mut si,
+        }),
+        want_cols.then_some(BlockQuantOutput {
+            codes: &mut qt,
+            scale: &mut st,
+            scale_inv: &mut sit,
+        }),
+    )
+    .unwrap();
+    let codes = |b: &Buffer<u8>| b.to_vec().unwrap().into_iter().map(u32::from).collect();
+    [
+        codes(&q),
+        common::bits(&s),
+        common::bits(&si),
+        codes(&qt),
+        common::bits(&st),
+        common::bits(&sit),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_activation_tiles_match_cpu_bitwise_and_are_deterministic() {
+    let gpu = fp8_gpu();
+    let mut ok = true;
+    // Widths that are multiples of 16 (the 16-byte path) and not (element by element).
+    for (k, &[rows, cols]) in [[256, 512], [300, 264], [130, 200], [1024, 2560]]
+        .iter()
+        .enumerate()
+    {
+        for kind in ["values", "gelu", "gelu_grad", "swiglu", "swiglu_grad"] {
+            // The inputs' sizes: SwiGLU reads gu [rows, 2 cols]; its gradient writes [rows, cols] from
+            // gu [rows, cols] and dh [rows, cols / 2].
+            let (na, nb) = match kind {
+                "swiglu" => (2 * rows * cols, 0),
+                "swiglu_grad" => (rows * cols, rows * cols / 2),
+                _ => (rows * cols, rows * cols),
+            };
+            let a: Vec<f32> = SplitMix64::new(0xAC7 + k as u64)
+                .uniform_vec(na)
+                .iter()
+                .map(|v| v * 4.0)
+                .collect();
+            let b: Vec<f32> = SplitMix64::new(0xD7 + k as u64)
+                .uniform_vec(nb)
+                .iter()
+                .map(|v| v * 3.0)
+                .collect();
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                for want in [(true, true), (true, false), (false, true)] {
+                    let shape = [rows, cols];
+                    let run = |dev: &Device, f32_in: bool| {
+                        if f32_in {
+                            run_tiles::<f32>(dev, kind, &a, &b, shape, format, want)
+                        } else {
+                            run_tiles::<bf16>(dev, kind, &a, &b, shape, format, want)
+                        }
+                    };
+                    for f32_in in [false, true] {
+                        let cpu = run(&Device::cpu(), f32_in);
+                        let (g1, g2) = (run(&gpu, f32_in), run(&gpu, f32_in));
+                        let what = format!(
+                            "{kind} {rows}x{cols} f32 input {f32_in} {format:?} layouts {want:?}"
                         );
                         ok &= matches_cpu_and_deterministic(&what, &cpu, &g1, &g2, |a, b| {
                             join_differences(

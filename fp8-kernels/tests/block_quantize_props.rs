@@ -13,8 +13,8 @@ use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::BLOCK_QUANTIZE_MODULE;
 use fp8_kernels::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
-    block_quantize_packed, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, Buffer, Device,
-    FloatElement, PackedRows1x128, ScaleOrder,
+    block_quantize_packed, block_quantize_tiles, BlockCastInput, BlockQuantLayout,
+    BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -441,6 +441,99 @@ proptest! {
     }
 
     #[test]
+    fn activation_tiles_equal_the_activation_then_the_cast(
+        rows in 1usize..140,
+        half in 1usize..80,
+        seed in any::<u64>(),
+        kind in 0usize..4,
+        gemm_order in any::<bool>(),
+    ) {
+        use fp8_kernels::elementwise::{gelu_grad_scalar, gelu_scalar, GeluApprox};
+        use fp8_kernels::swiglu_cast::{swiglu_grad_scalars, swiglu_scalar};
+        let dev = Device::cpu();
+        let cols = 2 * half;
+        let r16 = |v: f32| bf16::from_f32(v);
+        let mut rng = fp8_kernels::rng::SplitMix64::new(seed);
+        let mut draw = |n: usize| -> Vec<bf16> { (0..n).map(|_| r16(rng.uniform_f32() * 6.0)).collect() };
+        let approx = GeluApprox::Erf;
+        // The inputs, and the activation's values from the scalar definitions rounded to bf16.
+        let (a, b, want): (Vec<bf16>, Vec<bf16>, Vec<f32>) = match kind {
+            0 => {
+                let u = draw(rows * cols);
+                let w = u.iter().map(|v| r16(gelu_scalar(v.to_f32(), approx)).to_f32()).collect();
+                (u, Vec::new(), w)
+            }
+            1 => {
+                let (u, dy) = (draw(rows * cols), draw(rows * cols));
+                let w = u.iter().zip(&dy)
+                    .map(|(u, d)| r16(gelu_grad_scalar(u.to_f32(), approx) * d.to_f32()).to_f32())
+                    .collect();
+                (u, dy, w)
+            }
+            2 => {
+                let gu = draw(rows * 2 * cols);
+                let w = (0..rows * cols)
+                    .map(|i| {
+                        let (r, c) = (i / cols, i % cols);
+                        let (g, u) = (gu[r * 2 * cols + c].to_f32(), gu[r * 2 * cols + cols + c].to_f32());
+                        r16(swiglu_scalar(g, u)).to_f32()
+                    })
+                    .collect();
+                (gu, Vec::new(), w)
+            }
+            _ => {
+                let (gu, dh) = (draw(rows * cols), draw(rows * half));
+                let w = (0..rows * cols)
+                    .map(|i| {
+                        let (r, c) = (i / cols, i % cols);
+                        let k = c % half;
+                        let (g, u) = (gu[r * cols + k].to_f32(), gu[r * cols + half + k].to_f32());
+                        let (dg, du) = swiglu_grad_scalars(g, u, dh[r * half + k].to_f32());
+                        r16(if c < half { dg } else { du }).to_f32()
+                    })
+                    .collect();
+                (gu, dh, w)
+            }
+        };
+        let (ab, bb) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap());
+        let input = match kind {
+            0 => BlockCastInput::Gelu { u: &ab, approx },
+            1 => BlockCastInput::GeluGrad { u: &ab, dy: &bb, approx },
+            2 => BlockCastInput::SwiGlu { gu: &ab },
+            _ => BlockCastInput::SwiGluGrad { gu: &ab, dh: &bb },
+        };
+        let order = if gemm_order { ScaleOrder::Gemm } else { ScaleOrder::RowMajor };
+        let format = Fp8Format::E4M3;
+        let spec = |layout| BlockQuantSpec { layout, format, rounding: ScaleRounding::PowerOfTwo, scale_order: order };
+        let bufs = |layout: BlockQuantLayout| {
+            let n = order.strides(&layout.output_layout(rows, cols).unwrap()).unwrap().len;
+            (dev.zeros::<u8>(rows * cols).unwrap(), dev.zeros::<f32>(n).unwrap(), dev.zeros::<f32>(n).unwrap())
+        };
+        let (mut q, mut s, mut si) = bufs(BlockQuantLayout::Rows1x128);
+        let (mut qt, mut st, mut sit) = bufs(BlockQuantLayout::Columns128x1Transposed);
+        block_quantize_tiles(
+            input,
+            [rows, cols],
+            format,
+            ScaleRounding::PowerOfTwo,
+            order,
+            Some(BlockQuantOutput { codes: &mut q, scale: &mut s, scale_inv: &mut si }),
+            Some(BlockQuantOutput { codes: &mut qt, scale: &mut st, scale_inv: &mut sit }),
+        )
+        .unwrap();
+        let bits = |b: &Buffer<f32>| b.to_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        let got = [
+            Quantized { codes: q.to_vec().unwrap(), scale: bits(&s), scale_inv: bits(&si) },
+            Quantized { codes: qt.to_vec().unwrap(), scale: bits(&st), scale_inv: bits(&sit) },
+        ];
+        prop_assert_eq!(&got[0], &run::<bf16>(&dev, &want, rows, cols, spec(BlockQuantLayout::Rows1x128)));
+        prop_assert_eq!(
+            &got[1],
+            &run::<bf16>(&dev, &want, rows, cols, spec(BlockQuantLayout::Columns128x1Transposed))
+        );
+    }
+
+    #[test]
     fn round_trip_within_half_a_step_of_the_block_scale(
         (rows, cols, x) in input(),
         format in format(),
@@ -594,7 +687,7 @@ nvrtc_test! {
         let mut kernels = Vec::new();
         for t in ["f32", "bf16", "f16"] {
             for f in ["e4m3", "e5m2"] {
-                for l in ["1x128", "128x1t", "128x128", "both"] {
+                for l in ["1x128", "128x1t", "128x128", "both", "gelu", "gelu_grad", "swiglu", "swiglu_grad"] {
                     kernels.push(format!("bq_{l}_{t}_{f}"));
                 }
                 kernels.push(format!("bdq_{f}_{t}"));

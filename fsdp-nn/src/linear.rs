@@ -52,6 +52,7 @@ use crate::layer::{rows_of_width, Activation, InputGrad, Layer};
 use crate::retype::buffer_converted;
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, Fp8Recipe, QType, ScaleRounding, ScalingRecipe};
+use fp8_kernels::block_quantize::BlockCastInput;
 use fp8_kernels::gemm::{gemm, gemm_at, gemm_fp8, gemm_fp8_at};
 use fp8_kernels::{
     cast_to_fp8, cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix,
@@ -587,7 +588,48 @@ impl<T: Activation> Linear<T> {
     /// backward needs and keeps it, the same codes the forward would have kept (the cast is a function
     /// of `x` alone). An error for a linear that is not block-scaled.
     pub fn save_block_input(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<(), NnError> {
-        self.save_block_input_impl(ctx, x)
+        self.save_block_input_impl(ctx, BlockCastInput::Values(x.data()), x.shape())
+    }
+
+    /// Block-scaled FP8: [`Linear::save_block_input`] of the values `input` computes for an input of
+    /// shape `shape` (an activation of its saved input, cast without being written).
+    pub fn save_block_input_from(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        input: BlockCastInput<'_, T>,
+        shape: Shape,
+    ) -> Result<(), NnError> {
+        self.save_block_input_impl(ctx, input, shape)
+    }
+
+    /// Block-scaled FP8: the forward of the values `input` computes for an input of shape `shape`, e.g.
+    /// `gelu(u)` or SwiGLU of the up linear's output: the activation goes straight into the block casts
+    /// (`fp8_kernels::block_quantize_tiles`) and is never written, bit for bit the forward of the
+    /// activation's output. An error for a linear that is not block-scaled.
+    pub fn forward_from(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        input: BlockCastInput<'_, T>,
+        shape: Shape,
+    ) -> Result<Tensor<T>, NnError> {
+        self.in_shape = Some(shape);
+        self.forward_block_input(ctx, input, shape)
+    }
+
+    /// Block-scaled FP8: the backward from the output gradient `dy` computes (`dy_numel` elements), e.g.
+    /// GELU's or SwiGLU's input gradient from the next linear's `dx`, cast without being written; bit for
+    /// bit the backward of that gradient. An error for a linear that is not block-scaled.
+    pub fn backward_from(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: BlockCastInput<'_, T>,
+        dy_numel: usize,
+        need_dx: bool,
+    ) -> InputGrad<T> {
+        let in_shape = self
+            .in_shape
+            .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
+        self.backward_block_input(ctx, dy, dy_numel, in_shape, need_dx)
     }
 
     /// What the block-scaled forward kept for the backward (the quantized `x^T`), if anything.

@@ -19,6 +19,7 @@ use crate::activation::Gelu;
 use crate::layer::{take_saved, Activation, InputGrad, Layer};
 use crate::linear::{Linear, LinearPrecision, WeightInit};
 use crate::{NnError, Tensor};
+use fp8_kernels::block_quantize::BlockCastInput;
 use fp8_kernels::elementwise::{self, GeluApprox};
 use fp8_kernels::gelu_cast::{gelu_backward_cast_fp8, gelu_cast_fp8};
 use fp8_kernels::swiglu_cast::{
@@ -189,12 +190,18 @@ impl<T: Activation> Mlp<T> {
         Ok(())
     }
 
-    /// Whether the activation runs fused with the FP8 casts: both linears per-tensor FP8 (decided when
-    /// the model was converted) and fusion on. Block-scaled linears take the unfused path: the
-    /// activation writes its float output and the linear casts it in 1x128 tiles (fusing the block
-    /// casts into the activation is later work).
+    /// Whether the activation runs fused with the per-tensor FP8 casts: both linears per-tensor FP8
+    /// (decided when the model was converted) and fusion on. Block-scaled linears fuse it into their
+    /// block casts instead ([`Mlp::fuses_block_casts`]).
     fn is_fused(&self) -> bool {
         self.fuse_gelu && self.up.takes_fp8_codes() && self.down.takes_fp8_codes()
+    }
+
+    /// Whether the activation runs inside a block-scaled down linear's casts (and its gradient inside a
+    /// block-scaled up linear's): fusion on and the down linear block-scaled. Bit for bit the unfused
+    /// path, which writes the activation and its gradient and casts them.
+    fn fuses_block_casts(&self) -> bool {
+        self.fuse_gelu && self.down.is_block_scaled()
     }
 
     /// Whether a fused forward recasts the down linear's input in the backward.
@@ -283,6 +290,61 @@ impl<T: Activation> Mlp<T> {
         Ok(x_q)
     }
 
+    /// The activation of `u` as the input of a block-scaled cast (computed inside the cast).
+    fn activation_input<'a>(&self, u: &'a Tensor<T>) -> BlockCastInput<'a, T> {
+        match self.activation {
+            MlpActivation::Gelu => BlockCastInput::Gelu {
+                u: u.data(),
+                approx: self.gelu.approx(),
+            },
+            MlpActivation::SwiGlu => BlockCastInput::SwiGlu { gu: u.data() },
+        }
+    }
+
+    /// The backward of a block-scaled down linear, whose forward cast the activation of the saved `u`
+    /// without writing it: the down linear's weight-gradient operand recast from `u` when the forward
+    /// left it, then the activation's gradient straight into a block-scaled up linear's casts (or
+    /// written, for an up linear of another kind).
+    fn backward_block(&mut self, ctx: &mut Ctx<'_>, dy: &Tensor<T>, need_dx: bool) -> InputGrad<T> {
+        let u = take_saved(&mut self.u, "Mlp")?;
+        let h_shape = u.shape().with_last(self.hidden)?;
+        if self.recomputes_block_input() {
+            self.down
+                .save_block_input_from(ctx, self.activation_input(&u), h_shape)?;
+        }
+        let da = self
+            .down
+            .backward_ref(ctx, dy, true)?
+            .ok_or_else(|| NnError::usage("Mlp", "the down linear returned no input gradient"))?;
+        let grad = match self.activation {
+            MlpActivation::Gelu => BlockCastInput::GeluGrad {
+                u: u.data(),
+                dy: da.data(),
+                approx: self.gelu.approx(),
+            },
+            MlpActivation::SwiGlu => BlockCastInput::SwiGluGrad {
+                gu: u.data(),
+                dh: da.data(),
+            },
+        };
+        if self.up.is_block_scaled() {
+            return self.up.backward_from(ctx, grad, u.shape().numel(), need_dx);
+        }
+        let mut du = Tensor::<T>::uninit(ctx.device(), u.shape())?;
+        match grad {
+            BlockCastInput::GeluGrad { u, dy, approx } => {
+                elementwise::gelu_backward(u, dy, du.data_mut(), approx)?
+            }
+            _ => swiglu_backward(
+                u.data(),
+                da.data(),
+                [u.shape().rows(), self.hidden],
+                du.data_mut(),
+            )?,
+        }
+        self.up.backward_step(ctx, du, need_dx)
+    }
+
     /// `silu(gate) * up` from `u = [gate | up]`, in the activation type.
     fn swiglu(&self, ctx: &Ctx<'_>, u: &Tensor<T>) -> Result<Tensor<T>, NnError> {
         let tokens = u.shape().rows();
@@ -323,6 +385,21 @@ impl<T: Activation> Mlp<T> {
                 return Ok(y);
             }
             y
+        } else if self.fuses_block_casts() {
+            // The activation goes straight into the down linear's block casts: never written (bit
+            // for bit the casts of its output); u stays for the backward.
+            let h_shape = u.shape().with_last(self.hidden)?;
+            self.down
+                .set_keep_block_input(!self.recomputes_block_input());
+            let y = self
+                .down
+                .forward_from(ctx, self.activation_input(&u), h_shape)?;
+            if !ctx.is_training() {
+                self.down.drop_saved();
+                self.up.drop_saved();
+            }
+            self.u = ctx.is_training().then_some(u);
+            return Ok(y);
         } else if self.activation == MlpActivation::SwiGlu {
             let h = self.swiglu(ctx, &u)?;
             self.down
@@ -360,6 +437,9 @@ impl<T: Activation> Mlp<T> {
         dy: &Tensor<T>,
         need_dx: bool,
     ) -> InputGrad<T> {
+        if self.fuses_block_casts() {
+            return self.backward_block(ctx, dy, need_dx);
+        }
         if !self.is_fused() {
             if self.recomputes_block_input() {
                 let h = match self.activation {

@@ -1014,17 +1014,26 @@ fn fused_producers_feed_block_linears_their_float_output() {
             32,
         );
     }
+    // 40 tokens (padded to 48: the activation is written, then cast) and 32 (the activation and its
+    // gradient computed inside the block casts, never written), recompute on and off.
     for activation in [MlpActivation::Gelu, MlpActivation::SwiGlu] {
-        fusion_changes_nothing(
-            &format!("{activation:?} MLP"),
-            |fused| {
-                Ok(Mlp::<bf16>::with_activation(32, 64, activation)?
-                    .with_seed(7)
-                    .fused(fused))
-            },
-            &[2, 20, 32],
-            32,
-        );
+        for (shape, recompute) in [
+            ([2, 20, 32], true),
+            ([2, 16, 32], true),
+            ([2, 16, 32], false),
+        ] {
+            fusion_changes_nothing(
+                &format!("{activation:?} MLP {shape:?} recompute {recompute}"),
+                |fused| {
+                    Ok(Mlp::<bf16>::with_activation(32, 64, activation)?
+                        .with_seed(7)
+                        .recompute_gelu(recompute)
+                        .fused(fused))
+                },
+                &shape,
+                32,
+            );
+        }
     }
     fusion_changes_nothing(
         "GPT-2 block",

@@ -1,4 +1,5 @@
-// Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh and blocks128.cuh (the
+// Block-scaled FP8 casts (see src/block_quantize/mod.rs). Compiled after cuda/common.cuh, src/elementwise/gelu.cuh and
+// src/swiglu_cast/swiglu.cuh (the activations' values, for the fused activation + cast entries) and blocks128.cuh (the
 // 128x128-block cast, BQ_TILE, warp_max_bits). Kernel names:
 // bq_<layout>_<input type>_<fp8 format>, bq_both_<input type>_<fp8 format> (1x128 and 128x1 transposed from
 // one read), bqp_1x128_<input type>_<fp8 format> (packed row records),
@@ -71,85 +72,134 @@ __device__ void bq_1x128_impl(const typename In::T* x, Sink out, float fmax, int
     }
 }
 
-// ---- 128x1 tiles (128 rows of one column) written transposed, and optionally 1x128 tiles too ----
-// x [rows, cols] -> yt [cols, rows] with scales [cols, ceil(rows/128)] (exactly the 1x128 cast of x^T) and,
-// when y is not null, y [rows, cols] with scales [rows, ceil(cols/128)] (the 1x128 cast of x): both
-// layouts from one read of x, as the linear layers need them (the forward's x, the backward's dy).
+// ---- 1x128 tiles and 128x1 tiles (written transposed) of one input, from one read ----
+// The values are those of a [rows, cols] matrix given by a value functor (common.cuh's protocol: VAL::value
+// and VAL::value8 at flat index r * cols + c of the pointers x and x2): the input itself (CastValue), or
+// an activation rounded to the element type (GeluValue, GeluGradValue, SwigluValue, SwigluGradValue), so
+// that a fused activation + cast equals the activation kernel into a buffer followed by the cast, bit for
+// bit. Outputs: when y is not null, y [rows, cols] with scales [rows, ceil(cols/128)] (the 1x128 cast);
+// when yt is not null, yt [cols, rows] with scales [cols, ceil(rows/128)] (the 128x1 cast, transposed: the
+// 1x128 cast of the transpose).
 // One block of 256 threads per 128 x 128 region, grid-stride: thread t covers columns 8 (t % 16) .. +7 and
-// rows 8 (t / 16) .. +7 of the region, 64 values in registers. A row tile's amax is a max over the 16
-// threads of a half-warp (shuffles), a column tile's over the 16 threads of a column group (one shuffle,
-// then shared memory across the warps). Codes go out 8 bytes per store: 8 consecutive columns of a row
-// (y) and 8 consecutive rows of a column (yt), byte by byte where the shape or the alignment does not
+// rows 8 (t / 16) .. +7 of the region, its 64 values held in the element type (16-bit types packed two to
+// a register, so a block needs few enough registers for several per SM). A row tile's amax is a max over
+// the 16 threads of a half-warp (shuffles), a column tile's over the 16 threads of a column group (one
+// shuffle, then shared memory across the warps). Codes go out 8 bytes per store: 8 consecutive columns of
+// a row (y) and 8 consecutive rows of a column (yt), byte by byte where the shape or the alignment does not
 // allow that. The amaxes are order-free maxima, so the codes and scales equal the one-layout casts'.
-template <class In, int FMT>
-__device__ void bq_tiles_impl(const typename In::T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs,
-                              u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact,
-                              int rows, int cols) {
+
+// Eight values of one row as the element type holds them (exact: every value is already rounded to it).
+template <class E, int BYTES = sizeof(typename E::T)>
+struct BqEight;
+template <class E>
+struct BqEight<E, 2> {
+    u32 w[4];
+    __device__ __forceinline__ void set(const float (&v)[8]) {
+        typename E::T h[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) E::store(h, k, v[k]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = (u32)h[2 * k] | ((u32)h[2 * k + 1] << 16);
+    }
+    __device__ __forceinline__ float get(int k) const {
+        typename E::T h[1];
+        h[0] = (typename E::T)((w[k / 2] >> (16 * (k % 2))) & 0xFFFFu);
+        return E::load(h, 0);
+    }
+};
+template <class E>
+struct BqEight<E, 4> {
+    float v[8];
+    __device__ __forceinline__ void set(const float (&x)[8]) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = x[k];
+    }
+    __device__ __forceinline__ float get(int k) const { return v[k]; }
+};
+
+template <class E, int FMT, class VAL>
+__device__ void bq_tiles_impl(const typename E::T* x, const typename E::T* x2, VAL val, u8* y, float* scale,
+                              float* scale_inv, u64 srs, u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs,
+                              u64 tcs, float fmax, int exact, int rows, int cols) {
     __shared__ int col_part[8][BQ_TILE];
     __shared__ float col_scale[BQ_TILE];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int g = t & 15, rl = t >> 4;  // column group, row group
     const int tiles_r = (rows + BQ_TILE - 1) / BQ_TILE, tiles_c = (cols + BQ_TILE - 1) / BQ_TILE;
-    const bool vec_in = (cols % 8 == 0) && ((((u64)x) & 15) == 0);
+    // value8 reads 8 values of one row at a multiple of 8 with 16-byte accesses (the functors' rule: a
+    // width that is a multiple of 16 keeps every such access aligned and inside one half of a gate/up row).
+    const bool vec_in = (cols % 16 == 0) && ((((u64)x) & 15) == 0) && ((((u64)x2) & 15) == 0);
     const bool vec_y = y != nullptr && (cols % 8 == 0) && ((((u64)y) & 7) == 0);
-    const bool vec_yt = (rows % 8 == 0) && ((((u64)yt) & 7) == 0);
+    const bool vec_yt = yt != nullptr && (rows % 8 == 0) && ((((u64)yt) & 7) == 0);
     for (u64 b = blockIdx.x; b < (u64)tiles_r * tiles_c; b += gridDim.x) {
         const int tr = (int)(b / tiles_c), tc = (int)(b % tiles_c);
         const int r0 = tr * BQ_TILE + 8 * rl, c0 = tc * BQ_TILE + 8 * g;
-        float v[8][8];  // [row][column]
+        BqEight<E> v[8];  // [row]
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int r = r0 + i;
+            float f[8];
             if (r < rows && c0 < cols) {
-                load_vec8<In>(x + (u64)r * cols + c0, 0, cols - c0, vec_in, v[i]);
+                const u64 at = (u64)r * cols + c0;
+                if (vec_in) {
+                    val.value8(x, x2, at, f);
+                } else {
+                    const int n = min(8, cols - c0);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) f[q] = q < n ? val.value(x, x2, at + q) : 0.0f;
+                }
             } else {
 #pragma unroll
-                for (int q = 0; q < 8; ++q) v[i][q] = 0.0f;
+                for (int q = 0; q < 8; ++q) f[q] = 0.0f;
             }
+            v[i].set(f);
         }
-        // Column tiles: this thread's 8 rows, the other half-warp's 8, then the 8 warps.
-        int cm[8];
+        if (yt != nullptr) {
+            // Column tiles: this thread's 8 rows, the other half-warp's 8, then the 8 warps.
+            int cm[8];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            int m = 0;
+            for (int q = 0; q < 8; ++q) {
+                int m = 0;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) m = max(m, abs_bits_no_nan(v[i][q]));
-            cm[q] = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
-        }
-        if (lane < 16) {
-#pragma unroll
-            for (int q = 0; q < 8; ++q) col_part[warp][8 * g + q] = cm[q];
-        }
-        __syncthreads();
-        if (t < BQ_TILE) {
-            int m = col_part[0][t];
-#pragma unroll
-            for (int w = 1; w < 8; ++w) m = max(m, col_part[w][t]);
-            const float s = compute_scale_dev(__int_as_float(m), fmax, 0, exact, 1.0f);
-            col_scale[t] = s;
-            const int c = tc * BQ_TILE + t;
-            if (c < cols) {
-                const u64 at = (u64)c * trs + (u64)tr * tcs;
-                tscale[at] = s;
-                tscale_inv[at] = div_rn(1.0f, s);
+                for (int i = 0; i < 8; ++i) m = max(m, abs_bits_no_nan(v[i].get(q)));
+                cm[q] = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
             }
-        }
-        __syncthreads();
-        // Transposed codes: column c0 + q, rows r0 .. r0 + 7.
+            if (lane < 16) {
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            const int c = c0 + q;
-            if (c >= cols || r0 >= rows) continue;
-            const float s = col_scale[8 * g + q];
-            u32 w[4];
+                for (int q = 0; q < 8; ++q) col_part[warp][8 * g + q] = cm[q];
+            }
+            __syncthreads();
+            if (t < BQ_TILE) {
+                int m = col_part[0][t];
 #pragma unroll
-            for (int i = 0; i < 8; i += 2) w[i / 2] = fp8x2<FMT>(mul_rn(v[i][q], s), mul_rn(v[i + 1][q], s));
-            u8* dst = yt + (u64)c * rows + r0;
-            if (vec_yt) {
-                *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
-            } else {
-                const int n = min(8, rows - r0);
-                for (int i = 0; i < n; ++i) dst[i] = (u8)((w[i / 2] >> (8 * (i % 2))) & 0xFFu);
+                for (int w = 1; w < 8; ++w) m = max(m, col_part[w][t]);
+                const float s = compute_scale_dev(__int_as_float(m), fmax, 0, exact, 1.0f);
+                col_scale[t] = s;
+                const int c = tc * BQ_TILE + t;
+                if (c < cols) {
+                    const u64 at = (u64)c * trs + (u64)tr * tcs;
+                    tscale[at] = s;
+                    tscale_inv[at] = div_rn(1.0f, s);
+                }
+            }
+            __syncthreads();
+            // Transposed codes: column c0 + q, rows r0 .. r0 + 7.
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const int c = c0 + q;
+                if (c >= cols || r0 >= rows) continue;
+                const float s = col_scale[8 * g + q];
+                u32 w[4];
+#pragma unroll
+                for (int i = 0; i < 8; i += 2)
+                    w[i / 2] = fp8x2<FMT>(mul_rn(v[i].get(q), s), mul_rn(v[i + 1].get(q), s));
+                u8* dst = yt + (u64)c * rows + r0;
+                if (vec_yt) {
+                    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+                } else {
+                    const int n = min(8, rows - r0);
+                    for (int i = 0; i < n; ++i) dst[i] = (u8)((w[i / 2] >> (8 * (i % 2))) & 0xFFu);
+                }
             }
         }
         if (y != nullptr) {
@@ -158,7 +208,7 @@ __device__ void bq_tiles_impl(const typename In::T* x, u8* y, float* scale, floa
             for (int i = 0; i < 8; ++i) {
                 int m = 0;
 #pragma unroll
-                for (int q = 0; q < 8; ++q) m = max(m, abs_bits_no_nan(v[i][q]));
+                for (int q = 0; q < 8; ++q) m = max(m, abs_bits_no_nan(v[i].get(q)));
 #pragma unroll
                 for (int o = 8; o >= 1; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
                 const int r = r0 + i;
@@ -172,7 +222,7 @@ __device__ void bq_tiles_impl(const typename In::T* x, u8* y, float* scale, floa
                 if (c0 >= cols) continue;
                 u32 w[4];
 #pragma unroll
-                for (int q = 0; q < 8; q += 2) w[q / 2] = fp8x2<FMT>(mul_rn(v[i][q], s), mul_rn(v[i][q + 1], s));
+                for (int q = 0; q < 8; q += 2) w[q / 2] = fp8x2<FMT>(mul_rn(v[i].get(q), s), mul_rn(v[i].get(q + 1), s));
                 u8* dst = y + (u64)r * cols + c0;
                 if (vec_y) {
                     *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
@@ -270,15 +320,47 @@ __device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pi
     extern "C" __global__ void bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
                                                           u64 srs, u64 scs, float fmax, int exact, int rows,    \
                                                           int cols) {                                           \
-        bq_tiles_impl<IN, FMT>(x, nullptr, nullptr, nullptr, 0, 0, yt, scale, scale_inv, srs, scs, fmax, exact,  \
-                               rows, cols);                                                                     \
+        bq_tiles_impl<IN, FMT>(x, x, CastValue<IN>{}, nullptr, nullptr, nullptr, 0, 0, yt, scale, scale_inv, srs,  \
+                               scs, fmax, exact, rows, cols);                                                   \
     }                                                                                                           \
     extern "C" __global__ void bq_both_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,    \
                                                         u64 srs, u64 scs, u8* yt, float* tscale,                 \
                                                         float* tscale_inv, u64 trs, u64 tcs, float fmax,         \
                                                         int exact, int rows, int cols) {                         \
-        bq_tiles_impl<IN, FMT>(x, y, scale, scale_inv, srs, scs, yt, tscale, tscale_inv, trs, tcs, fmax, exact,  \
-                               rows, cols);                                                                     \
+        bq_tiles_impl<IN, FMT>(x, x, CastValue<IN>{}, y, scale, scale_inv, srs, scs, yt, tscale, tscale_inv, trs, \
+                               tcs, fmax, exact, rows, cols);                                                   \
+    }                                                                                                           \
+    /* Activations cast in 1x128 and/or 128x1 tiles (a null y or yt skips that layout): GELU of u, GELU's */     \
+    /* gradient gelu'(u) dy, SwiGLU of gu [rows, 2f] (cols = f), SwiGLU's gradient [rows, 2f] from gu, dh. */  \
+    extern "C" __global__ void bq_gelu_##NAME##_##FNAME(const IN::T* u, int gelu_exact, u8* y, float* scale,     \
+                                                        float* scale_inv, u64 srs, u64 scs, u8* yt,              \
+                                                        float* tscale, float* tscale_inv, u64 trs, u64 tcs,      \
+                                                        float fmax, int exact, int rows, int cols) {             \
+        bq_tiles_impl<IN, FMT>(u, u, GeluValue<IN>{gelu_exact}, y, scale, scale_inv, srs, scs, yt, tscale,         \
+                               tscale_inv, trs, tcs, fmax, exact, rows, cols);                                  \
+    }                                                                                                           \
+    extern "C" __global__ void bq_gelu_grad_##NAME##_##FNAME(const IN::T* u, const IN::T* dy, int gelu_exact,    \
+                                                             u8* y, float* scale, float* scale_inv, u64 srs,     \
+                                                             u64 scs, u8* yt, float* tscale, float* tscale_inv,  \
+                                                             u64 trs, u64 tcs, float fmax, int exact, int rows,  \
+                                                             int cols) {                                         \
+        bq_tiles_impl<IN, FMT>(u, dy, GeluGradValue<IN>{gelu_exact}, y, scale, scale_inv, srs, scs, yt, tscale,    \
+                               tscale_inv, trs, tcs, fmax, exact, rows, cols);                                  \
+    }                                                                                                           \
+    extern "C" __global__ void bq_swiglu_##NAME##_##FNAME(const IN::T* gu, u8* y, float* scale, float* scale_inv, \
+                                                          u64 srs, u64 scs, u8* yt, float* tscale,               \
+                                                          float* tscale_inv, u64 trs, u64 tcs, float fmax,       \
+                                                          int exact, int rows, int cols) {                       \
+        bq_tiles_impl<IN, FMT>(gu, gu, SwigluValue<IN>{(u64)cols}, y, scale, scale_inv, srs, scs, yt, tscale,      \
+                               tscale_inv, trs, tcs, fmax, exact, rows, cols);                                  \
+    }                                                                                                           \
+    extern "C" __global__ void bq_swiglu_grad_##NAME##_##FNAME(const IN::T* gu, const IN::T* dh, u8* y,          \
+                                                               float* scale, float* scale_inv, u64 srs, u64 scs, \
+                                                               u8* yt, float* tscale, float* tscale_inv,         \
+                                                               u64 trs, u64 tcs, float fmax, int exact,          \
+                                                               int rows, int cols) {                             \
+        bq_tiles_impl<IN, FMT>(gu, dh, SwigluGradValue<IN>{(u64)(cols / 2)}, y, scale, scale_inv, srs, scs, yt,    \
+                               tscale, tscale_inv, trs, tcs, fmax, exact, rows, cols);                          \
     }                                                                                                           \
     extern "C" __global__ void bq_128x128_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv, \
                                                            u64 srs, u64 scs, float fmax, int exact, int rows,   \

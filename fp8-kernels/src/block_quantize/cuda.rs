@@ -3,10 +3,12 @@
 //! and a non-empty matrix.
 
 use super::{
-    BlockQuantLayout, BlockQuantSpec, PackedRows1x128, ScaleStrides, BLOCK_QUANTIZE_MODULE,
+    BlockCastInput, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, PackedRows1x128,
+    ScaleStrides, BLOCK_QUANTIZE_MODULE,
 };
 use crate::cast::format_name;
-use crate::launch::{grid, kernel_name, launch};
+use crate::elementwise::GeluApprox;
+use crate::launch::{grid, kernel_name, launch, optional_ptr_mut};
 use crate::{CudaDevice, FloatElement, KernelError};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, BLOCK_SIZE};
@@ -43,36 +45,139 @@ fn regions_launch(dev: &CudaDevice, rows: usize, cols: usize) -> LaunchConfig {
     )
 }
 
-/// `x [rows, cols]` to both 1x128 outputs: `rows_out` (the `Rows1x128` cast) and `cols_out` (the
-/// `Columns128x1Transposed` cast), one read of `x`.
+/// An output's device slices (codes, scales, inverse scales), or none.
+type OutputParts<'b> = (
+    Option<&'b mut CudaSlice<u8>>,
+    Option<&'b mut CudaSlice<f32>>,
+    Option<&'b mut CudaSlice<f32>>,
+);
+
+fn output_parts<'b>(
+    o: Option<&'b mut BlockQuantOutput<'_>>,
+) -> Result<OutputParts<'b>, KernelError> {
+    const WHAT: &str = "block_quantize_tiles";
+    Ok(match o {
+        Some(o) => (
+            Some(o.codes.cuda_mut(WHAT)?),
+            Some(o.scale.cuda_mut(WHAT)?),
+            Some(o.scale_inv.cuda_mut(WHAT)?),
+        ),
+        None => (None, None, None),
+    })
+}
+
+/// `input`'s `[rows, cols]` values to the 1x128 output `rows_out` and/or the 128x1 transposed output
+/// `cols_out` (`bq_tiles_impl`: an absent output is a null pointer, and that layout is skipped).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn quantize_both<T: FloatElement>(
+pub(super) fn quantize_tiles<T: FloatElement>(
     dev: &CudaDevice,
-    x: &CudaSlice<T>,
+    input: BlockCastInput<'_, T>,
     [rows, cols]: [usize; 2],
     format: Fp8Format,
     rounding: ScaleRounding,
     (row_strides, col_strides): (ScaleStrides, ScaleStrides),
-    (y, s, si): (&mut CudaSlice<u8>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
-    (yt, ts, tsi): (&mut CudaSlice<u8>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    rows_out: Option<&mut BlockQuantOutput<'_>>,
+    cols_out: Option<&mut BlockQuantOutput<'_>>,
 ) -> Result<(), KernelError> {
+    const WHAT: &str = "block_quantize_tiles";
     dev.require_fp8()?;
+    let stream = dev.stream().clone();
     let fmax = format.max();
     let exact = matches!(rounding, ScaleRounding::Exact) as i32;
     let (r, c) = (rows as i32, cols as i32);
     let (srs, scs) = (row_strides.row as u64, row_strides.col as u64);
     let (trs, tcs) = (col_strides.row as u64, col_strides.col as u64);
-    // x, y and yt hold rows * cols elements; s and si hold row_strides.len values and ts and tsi
-    // col_strides.len, which hold the index of every tile of the two output layouts (checked by mod.rs).
-    launch!(
-        dev,
-        &BLOCK_QUANTIZE_MODULE,
-        kernel_name!("bq_both_", T::NAME, "_", format_name(format)),
-        regions_launch(dev, rows, cols),
-        "bq_both_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, u8* yt, \
-         float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, int rows, int cols)",
-        [x, y, s, si, &srs, &scs, yt, ts, tsi, &trs, &tcs, &fmax, &exact, &r, &c]
-    )
+    let (y, s, si) = output_parts(rows_out)?;
+    let (yt, ts, tsi) = output_parts(cols_out)?;
+    let (y, s, si) = (
+        optional_ptr_mut(y, &stream),
+        optional_ptr_mut(s, &stream),
+        optional_ptr_mut(si, &stream),
+    );
+    let (yt, ts, tsi) = (
+        optional_ptr_mut(yt, &stream),
+        optional_ptr_mut(ts, &stream),
+        optional_ptr_mut(tsi, &stream),
+    );
+    let cfg = regions_launch(dev, rows, cols);
+    let fname = format_name(format);
+    // The inputs hold what mod.rs checked for [rows, cols] (gu of SwiGLU 2 * rows * cols, dh of its
+    // gradient rows * cols / 2); y and yt hold rows * cols codes and the scale buffers their strides'
+    // len, which hold the index of every tile of the two output layouts (checked by mod.rs); a null
+    // output is never touched.
+    match input {
+        BlockCastInput::Values(x) => {
+            let x = x.cuda(WHAT)?;
+            launch!(
+            dev,
+            &BLOCK_QUANTIZE_MODULE,
+            kernel_name!("bq_both_", T::NAME, "_", fname),
+            cfg,
+            "bq_both_<T>_<fmt>(const T* x, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, u8* yt, \
+             float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, int rows, int cols)",
+            [x, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr, &tsi.ptr, &trs, &tcs,
+             &fmax, &exact, &r, &c]
+        )
+        }
+        BlockCastInput::Gelu { u, approx } => {
+            let ge = (approx == GeluApprox::Erf) as i32;
+            let u = u.cuda(WHAT)?;
+            launch!(
+                dev,
+                &BLOCK_QUANTIZE_MODULE,
+                kernel_name!("bq_gelu_", T::NAME, "_", fname),
+                cfg,
+                "bq_gelu_<T>_<fmt>(const T* u, int gelu_exact, u8* y, float* scale, float* scale_inv, u64 srs, \
+                 u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, \
+                 int rows, int cols)",
+                [u, &ge, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr, &tsi.ptr, &trs,
+                 &tcs, &fmax, &exact, &r, &c]
+            )
+        }
+        BlockCastInput::GeluGrad { u, dy, approx } => {
+            let ge = (approx == GeluApprox::Erf) as i32;
+            let (u, dy) = (u.cuda(WHAT)?, dy.cuda(WHAT)?);
+            launch!(
+                dev,
+                &BLOCK_QUANTIZE_MODULE,
+                kernel_name!("bq_gelu_grad_", T::NAME, "_", fname),
+                cfg,
+                "bq_gelu_grad_<T>_<fmt>(const T* u, const T* dy, int gelu_exact, u8* y, float* scale, \
+                 float* scale_inv, u64 srs, u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs, \
+                 u64 tcs, float fmax, int exact, int rows, int cols)",
+                [u, dy, &ge, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr,
+                 &tsi.ptr, &trs, &tcs, &fmax, &exact, &r, &c]
+            )
+        }
+        BlockCastInput::SwiGlu { gu } => {
+            let gu = gu.cuda(WHAT)?;
+            launch!(
+            dev,
+            &BLOCK_QUANTIZE_MODULE,
+            kernel_name!("bq_swiglu_", T::NAME, "_", fname),
+            cfg,
+            "bq_swiglu_<T>_<fmt>(const T* gu, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, \
+             u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, int rows, \
+             int cols)",
+            [gu, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr, &tsi.ptr, &trs, &tcs,
+             &fmax, &exact, &r, &c]
+        )
+        }
+        BlockCastInput::SwiGluGrad { gu, dh } => {
+            let (gu, dh) = (gu.cuda(WHAT)?, dh.cuda(WHAT)?);
+            launch!(
+            dev,
+            &BLOCK_QUANTIZE_MODULE,
+            kernel_name!("bq_swiglu_grad_", T::NAME, "_", fname),
+            cfg,
+            "bq_swiglu_grad_<T>_<fmt>(const T* gu, const T* dh, u8* y, float* scale, float* scale_inv, \
+             u64 srs, u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, \
+             int exact, int rows, int cols)",
+            [gu, dh, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr,
+             &tsi.ptr, &trs, &tcs, &fmax, &exact, &r, &c]
+        )
+        }
+    }
 }
 
 /// `x [rows, cols]` to codes and block scales in `spec.layout`, the scales stored at `strides`.

@@ -45,8 +45,10 @@
 mod cpu;
 mod cuda;
 
-use crate::device::dispatch;
+use crate::device::{device_of, dispatch, Placed};
+use crate::elementwise::{gelu_backward, gelu_forward, GeluApprox};
 use crate::kernel_source::{KernelModule, ModuleArch};
+use crate::swiglu_cast::{swiglu_backward, swiglu_forward};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity, BLOCK_SIZE};
 
@@ -134,18 +136,24 @@ impl ScaleOrder {
     }
 }
 
-/// The CUDA module: `cuda/common.cuh`, `src/block_quantize/blocks128.cuh` (the 128x128-block cast, shared
-/// with the Adam step's [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks)), then
+/// The CUDA module: `cuda/common.cuh`, the activations' arithmetic (`src/elementwise/gelu.cuh`,
+/// `src/swiglu_cast/swiglu.cuh`: the fused activation + block casts compute the same values as the
+/// activation kernels), `src/block_quantize/blocks128.cuh` (the 128x128-block cast, shared with the Adam
+/// step's [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks)), then
 /// `src/block_quantize/block_quantize.cu`.
 pub const BLOCK_QUANTIZE_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_block_quantize",
     files: &[
         "cuda/common.cuh",
+        "src/elementwise/gelu.cuh",
+        "src/swiglu_cast/swiglu.cuh",
         "src/block_quantize/blocks128.cuh",
         "src/block_quantize/block_quantize.cu",
     ],
     source: concat!(
         include_str!("../../cuda/common.cuh"),
+        include_str!("../elementwise/gelu.cuh"),
+        include_str!("../swiglu_cast/swiglu.cuh"),
         include_str!("blocks128.cuh"),
         include_str!("block_quantize.cu")
     ),
@@ -296,12 +304,195 @@ pub struct BlockQuantOutput<'a> {
     pub scale_inv: &'a mut Buffer<f32>,
 }
 
-/// The `Rows1x128` cast of `x [rows, cols]` into `rows_out` and its `Columns128x1Transposed` cast into
-/// `cols_out`, both with `format`, `rounding` and scales in `order`: bit for bit what two
-/// [`block_quantize`] calls write, with one read of `x` on CUDA (one block of threads per 128 x 128
-/// region computes the row and the column tiles' amaxes from the same registers). The linear layers need
-/// both: the forward's input for `y = x W^T` and the weight gradient, the backward's `dy` for `dx` and the
-/// weight gradient.
+/// What [`block_quantize_tiles`] casts: a tensor, or an activation computed on the fly from its inputs and
+/// rounded to the element type, exactly as the activation's own kernel writes it (so a fused activation +
+/// cast equals that kernel into a buffer followed by the cast, bit for bit, and the activation's output is
+/// never written).
+#[derive(Debug, Clone, Copy)]
+pub enum BlockCastInput<'a, T: FloatElement> {
+    /// The values of `x [rows, cols]`.
+    Values(&'a Buffer<T>),
+    /// `gelu(u)` ([`crate::elementwise::gelu_forward`]), `u [rows, cols]`.
+    Gelu {
+        /// GELU's input.
+        u: &'a Buffer<T>,
+        /// GELU's formula.
+        approx: GeluApprox,
+    },
+    /// `gelu'(u) * dy` ([`crate::elementwise::gelu_backward`]), `u` and `dy` `[rows, cols]`.
+    GeluGrad {
+        /// GELU's input.
+        u: &'a Buffer<T>,
+        /// GELU's output gradient.
+        dy: &'a Buffer<T>,
+        /// GELU's formula.
+        approx: GeluApprox,
+    },
+    /// `silu(gate) * up` ([`crate::swiglu_cast::swiglu_forward`]) from a fused gate/up output
+    /// `gu [rows, 2 cols]`.
+    SwiGlu {
+        /// `[gate | up]` per row.
+        gu: &'a Buffer<T>,
+    },
+    /// `[dgate | dup]` ([`crate::swiglu_cast::swiglu_backward`]), `[rows, cols]`, from `gu [rows, cols]`
+    /// and `dh [rows, cols / 2]` (`cols` even).
+    SwiGluGrad {
+        /// `[gate | up]` per row.
+        gu: &'a Buffer<T>,
+        /// The gradient of SwiGLU's output.
+        dh: &'a Buffer<T>,
+    },
+}
+
+impl<T: FloatElement> BlockCastInput<'_, T> {
+    /// Checks the input buffers against the cast's `[rows, cols]`.
+    fn check(&self, what: &'static str, [rows, cols]: [usize; 2]) -> Result<(), KernelError> {
+        let n = rows * cols;
+        match *self {
+            BlockCastInput::Values(x) | BlockCastInput::Gelu { u: x, .. } => {
+                check_len(what, n, x.len())
+            }
+            BlockCastInput::GeluGrad { u, dy, .. } => {
+                check_len(what, n, u.len())?;
+                check_len(what, n, dy.len())
+            }
+            BlockCastInput::SwiGlu { gu } => check_len(what, 2 * n, gu.len()),
+            BlockCastInput::SwiGluGrad { gu, dh } => {
+                if cols % 2 != 0 {
+                    return Err(KernelError::InvalidArgument {
+                        what,
+                        detail: format!("SwiGLU's gradient has an even width, not {cols}"),
+                    });
+                }
+                check_len(what, n, gu.len())?;
+                check_len(what, n / 2, dh.len())
+            }
+        }
+    }
+
+    /// The input buffers (for the device check).
+    fn buffers(&self) -> [&Buffer<T>; 2] {
+        match *self {
+            BlockCastInput::Values(x) | BlockCastInput::Gelu { u: x, .. } => [x, x],
+            BlockCastInput::SwiGlu { gu } => [gu, gu],
+            BlockCastInput::GeluGrad { u: a, dy: b, .. }
+            | BlockCastInput::SwiGluGrad { gu: a, dh: b } => [a, b],
+        }
+    }
+
+    /// The values on the host (the CPU reference: the activation's element-wise kernel, then the cast).
+    fn host_values(&self, [rows, cols]: [usize; 2]) -> Result<Vec<T>, KernelError> {
+        const WHAT: &str = "block_quantize_tiles";
+        let cpu = crate::Device::Cpu;
+        let mut out = cpu.zeros::<T>(rows * cols)?;
+        match *self {
+            BlockCastInput::Values(x) => return Ok(x.host(WHAT)?.to_vec()),
+            BlockCastInput::Gelu { u, approx } => gelu_forward(u, &mut out, approx)?,
+            BlockCastInput::GeluGrad { u, dy, approx } => gelu_backward(u, dy, &mut out, approx)?,
+            BlockCastInput::SwiGlu { gu } => swiglu_forward(gu, [rows, cols], &mut out)?,
+            BlockCastInput::SwiGluGrad { gu, dh } => {
+                swiglu_backward(gu, dh, [rows, cols / 2], &mut out)?
+            }
+        }
+        Ok(out.host(WHAT)?.to_vec())
+    }
+}
+
+/// The `Rows1x128` cast of `input`'s `[rows, cols]` values into `rows_out` and/or its
+/// `Columns128x1Transposed` cast into `cols_out` (at least one), both with `format`, `rounding` and scales
+/// in `order`: bit for bit what [`block_quantize`] writes of those values, with one read of the inputs on
+/// CUDA (one block of threads per 128 x 128 region computes the row and the column tiles' amaxes from the
+/// same registers) and, for an activation, without writing it. The linear layers need both layouts: the
+/// forward's input for `y = x W^T` and the weight gradient, the backward's `dy` for `dx` and the weight
+/// gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn block_quantize_tiles<T: FloatElement>(
+    input: BlockCastInput<'_, T>,
+    shape: [usize; 2],
+    format: Fp8Format,
+    rounding: ScaleRounding,
+    order: ScaleOrder,
+    rows_out: Option<BlockQuantOutput<'_>>,
+    cols_out: Option<BlockQuantOutput<'_>>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "block_quantize_tiles";
+    let [rows, cols] = shape;
+    if rows_out.is_none() && cols_out.is_none() {
+        return Err(KernelError::InvalidArgument {
+            what: WHAT,
+            detail: "neither the 1x128 nor the 128x1 output was asked for".into(),
+        });
+    }
+    let rl = BlockQuantLayout::Rows1x128.output_layout(rows, cols)?;
+    let cl = BlockQuantLayout::Columns128x1Transposed.output_layout(rows, cols)?;
+    let (rs, cs) = (order.strides(&rl)?, order.strides(&cl)?);
+    check_sides(WHAT, &[rows, cols, 2 * cols, rs.len, cs.len])?;
+    input.check(WHAT, shape)?;
+    for (out, strides) in [(&rows_out, rs), (&cols_out, cs)] {
+        if let Some(out) = out {
+            check_len(WHAT, rl.numel(), out.codes.len())?;
+            check_len(WHAT, strides.len, out.scale.len())?;
+            check_len(WHAT, strides.len, out.scale_inv.len())?;
+        }
+    }
+    let [x1, x2] = input.buffers();
+    let mut outs = [rows_out, cols_out];
+    let device = {
+        let mut all: Vec<&dyn Placed> = vec![x1, x2];
+        for o in outs.iter().flatten() {
+            all.extend([&*o.codes as &dyn Placed, &*o.scale, &*o.scale_inv]);
+        }
+        device_of(WHAT, &all)?
+    };
+    let [rows_out, cols_out] = &mut outs;
+    match device {
+        None => {
+            let values = input.host_values(shape)?;
+            if let Some(o) = rows_out {
+                let scales = cpu::ScaleOut {
+                    scale: Some(o.scale.host_mut(WHAT)?),
+                    scale_inv: o.scale_inv.host_mut(WHAT)?,
+                    strides: rs,
+                };
+                cpu::quantize(
+                    &values,
+                    &rl,
+                    format,
+                    rounding,
+                    o.codes.host_mut(WHAT)?,
+                    scales,
+                );
+            }
+            if let Some(o) = cols_out {
+                let xt = cpu::transpose(&values, rows, cols);
+                let scales = cpu::ScaleOut {
+                    scale: Some(o.scale.host_mut(WHAT)?),
+                    scale_inv: o.scale_inv.host_mut(WHAT)?,
+                    strides: cs,
+                };
+                cpu::quantize(&xt, &cl, format, rounding, o.codes.host_mut(WHAT)?, scales);
+            }
+            Ok(())
+        }
+        Some(dev) => {
+            if rl.numel() == 0 {
+                return Ok(());
+            }
+            cuda::quantize_tiles(
+                &dev,
+                input,
+                shape,
+                format,
+                rounding,
+                (rs, cs),
+                rows_out.as_mut(),
+                cols_out.as_mut(),
+            )
+        }
+    }
+}
+
+/// [`block_quantize_tiles`] of the values of `x` into both layouts.
 pub fn block_quantize_both<T: FloatElement>(
     x: &Buffer<T>,
     shape: [usize; 2],
@@ -311,52 +502,15 @@ pub fn block_quantize_both<T: FloatElement>(
     rows_out: BlockQuantOutput<'_>,
     cols_out: BlockQuantOutput<'_>,
 ) -> Result<(), KernelError> {
-    const WHAT: &str = "block_quantize_both";
-    let [rows, cols] = shape;
-    let rl = BlockQuantLayout::Rows1x128.output_layout(rows, cols)?;
-    let cl = BlockQuantLayout::Columns128x1Transposed.output_layout(rows, cols)?;
-    let (rs, cs) = (order.strides(&rl)?, order.strides(&cl)?);
-    check_sides(WHAT, &[rows, cols, rs.len, cs.len])?;
-    check_len(WHAT, rl.numel(), x.len())?;
-    for (out, strides) in [(&rows_out, rs), (&cols_out, cs)] {
-        check_len(WHAT, rl.numel(), out.codes.len())?;
-        check_len(WHAT, strides.len, out.scale.len())?;
-        check_len(WHAT, strides.len, out.scale_inv.len())?;
-    }
-    let BlockQuantOutput {
-        codes: y,
-        scale: s,
-        scale_inv: si,
-    } = rows_out;
-    let BlockQuantOutput {
-        codes: yt,
-        scale: ts,
-        scale_inv: tsi,
-    } = cols_out;
-    dispatch!(WHAT, [x, y, s, si, yt, ts, tsi],
-    cpu: {
-        let xs = x.host(WHAT)?;
-        let scales = cpu::ScaleOut { scale: Some(s.host_mut(WHAT)?), scale_inv: si.host_mut(WHAT)?, strides: rs };
-        cpu::quantize(xs, &rl, format, rounding, y.host_mut(WHAT)?, scales);
-        let xt = cpu::transpose(xs, rows, cols);
-        let scales = cpu::ScaleOut { scale: Some(ts.host_mut(WHAT)?), scale_inv: tsi.host_mut(WHAT)?, strides: cs };
-        cpu::quantize(&xt, &cl, format, rounding, yt.host_mut(WHAT)?, scales);
-    },
-    cuda(dev): {
-        if rl.numel() == 0 {
-            return Ok(());
-        }
-        cuda::quantize_both(
-            &dev,
-            x.cuda(WHAT)?,
-            shape,
-            format,
-            rounding,
-            (rs, cs),
-            (y.cuda_mut(WHAT)?, s.cuda_mut(WHAT)?, si.cuda_mut(WHAT)?),
-            (yt.cuda_mut(WHAT)?, ts.cuda_mut(WHAT)?, tsi.cuda_mut(WHAT)?),
-        )
-    })
+    block_quantize_tiles(
+        BlockCastInput::Values(x),
+        shape,
+        format,
+        rounding,
+        order,
+        Some(rows_out),
+        Some(cols_out),
+    )
 }
 
 /// The `Blocks128x128` E4M3 cast with power-of-two scales of row-major `x [rows, cols]` on the host (the

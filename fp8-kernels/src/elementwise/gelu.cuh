@@ -47,3 +47,32 @@ __device__ __forceinline__ float gelu_slope(float v, int exact) {
     const float du = mul_rn(GELU_K0, add_rn(1.0f, mul_rn(3.0f * GELU_K1, v2)));
     return add_rn(mul_rn(0.5f, add_rn(1.0f, t)), mul_rn(mul_rn(mul_rn(0.5f, v), add_rn(1.0f, -mul_rn(t, t))), du));
 }
+
+// The value functors (common.cuh's protocol) of the fused casts (gelu_cast.cu, block_quantize.cu): gelu(x), or gelu'(x) * dy, rounded to the element type.
+template <class E>
+struct GeluValue {
+    int exact;
+    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T*, u64 i) const {
+        return round_through<E>(gelu_value(E::load(x, i), exact));
+    }
+    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T*, u64 i, float (&h)[8]) const {
+        E::load8(x, i, h);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = round_through<E>(gelu_value(h[k], exact));
+    }
+};
+template <class E>
+struct GeluGradValue {
+    int exact;
+    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T* dy, u64 i) const {
+        return round_through<E>(mul_rn(gelu_slope(E::load(x, i), exact), E::load(dy, i)));
+    }
+    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T* dy, u64 i, float (&h)[8]) const {
+        float d[8];
+        E::load8(x, i, h);
+        E::load8(dy, i, d);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) h[k] = round_through<E>(mul_rn(gelu_slope(h[k], exact), d[k]));
+    }
+};
+

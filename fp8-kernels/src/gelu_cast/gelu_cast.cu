@@ -4,33 +4,7 @@
 // element-wise GELU kernels, so the fused kernels equal "GELU kernel (stored in the element type), then
 // cast_transpose" bit for bit.
 
-// The values of the vectorised path (cast_transpose64): gelu(x), or gelu'(x) * dy, rounded to the element type.
-template <class E>
-struct GeluValue {
-    int exact;
-    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T*, u64 i) const {
-        return round_through<E>(gelu_value(E::load(x, i), exact));
-    }
-    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T*, u64 i, float (&h)[8]) const {
-        E::load8(x, i, h);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) h[k] = round_through<E>(gelu_value(h[k], exact));
-    }
-};
-template <class E>
-struct GeluGradValue {
-    int exact;
-    __device__ __forceinline__ float value(const typename E::T* x, const typename E::T* dy, u64 i) const {
-        return round_through<E>(mul_rn(gelu_slope(E::load(x, i), exact), E::load(dy, i)));
-    }
-    __device__ __forceinline__ void value8(const typename E::T* x, const typename E::T* dy, u64 i, float (&h)[8]) const {
-        float d[8];
-        E::load8(x, i, h);
-        E::load8(dy, i, d);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) h[k] = round_through<E>(mul_rn(gelu_slope(h[k], exact), d[k]));
-    }
-};
+// GeluValue and GeluGradValue (the values of the vectorised path) are in gelu.cuh.
 
 // x [rows, cols] row-major -> y = codes [rows, cols], yt = codes of the transpose [cols, rows], amax into
 // amax[slot]. dy == nullptr: value = gelu(x); otherwise value = gelu'(x) * dy. The value is rounded to the

@@ -12,10 +12,11 @@ use crate::layer::{Activation, InputGrad};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity};
 use fp8_kernels::block_quantize::{
-    block_quantize, block_quantize_both, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec,
-    ScaleOrder,
+    block_quantize_tiles, BlockCastInput, BlockQuantLayout, BlockQuantOutput, ScaleOrder,
 };
+use fp8_kernels::elementwise::{gelu_backward, gelu_forward};
 use fp8_kernels::gemm::{gemm_fp8_block, gemm_fp8_block_at, FP8_DIM_MULTIPLE};
+use fp8_kernels::swiglu_cast::{swiglu_backward, swiglu_forward};
 use fp8_kernels::{BlockFp8Matrix, Buffer, Device, Element, FloatElement, GemmSpec, Transpose};
 use fsdp_shard::{Ctx, GatheredParam};
 
@@ -27,53 +28,34 @@ struct Quantized {
     format: Fp8Format,
 }
 
-impl Quantized {
-    /// `x [rows, cols]` cast in `layout`'s tiles (the scales themselves are not kept).
-    fn new<X: FloatElement>(
-        dev: &Device,
-        x: &Buffer<X>,
-        [rows, cols]: [usize; 2],
-        layout: BlockQuantLayout,
-        format: Fp8Format,
-        rounding: ScaleRounding,
-    ) -> Result<Self, NnError> {
-        let spec = BlockQuantSpec {
-            layout,
-            format,
-            rounding,
-            scale_order: ScaleOrder::Gemm,
-        };
-        let out = layout.output_layout(rows, cols)?;
-        let n = ScaleOrder::Gemm.strides(&out)?.len;
-        let mut codes = dev.uninit::<u8>(out.numel())?;
-        let mut scale = dev.uninit::<f32>(n)?;
-        // Zeros: the padding entries of the GEMM's order are never written.
-        let mut scale_inv = dev.zeros::<f32>(n)?;
-        block_quantize(
-            x,
-            [rows, cols],
-            spec,
-            &mut codes,
-            &mut scale,
-            &mut scale_inv,
-        )?;
-        Ok(Quantized {
-            codes,
-            scale_inv,
-            layout: out,
-            format,
-        })
-    }
+/// The casts of one input that a product needs: the 1x128 tiles, the 128x1 tiles written transposed,
+/// or both from one read ([`block_quantize_tiles`]).
+struct Casts {
+    rows: Option<Quantized>,
+    cols: Option<Quantized>,
+}
 
-    /// `x [rows, cols]` cast in both 1x128 layouts at once (`Rows1x128`, `Columns128x1Transposed`): the
-    /// same codes and scales as two [`Quantized::new`] calls, one read of `x` on CUDA.
-    fn both<X: FloatElement>(
+/// One layout's layout, codes, scales and inverse scales while being cast.
+type CastBuffers = (BlockLayout, Buffer<u8>, Buffer<f32>, Buffer<f32>);
+
+fn output_of(b: &mut Option<CastBuffers>) -> Option<BlockQuantOutput<'_>> {
+    b.as_mut().map(|(_, q, s, si)| BlockQuantOutput {
+        codes: q,
+        scale: s,
+        scale_inv: si,
+    })
+}
+
+impl Quantized {
+    /// `input`'s `[rows, cols]` values cast in the layouts asked for (at least one), scales in the
+    /// GEMM's order.
+    fn tiles<X: FloatElement>(
         dev: &Device,
-        x: &Buffer<X>,
+        input: BlockCastInput<'_, X>,
         [rows, cols]: [usize; 2],
-        format: Fp8Format,
-        rounding: ScaleRounding,
-    ) -> Result<[Self; 2], NnError> {
+        (format, rounding): (Fp8Format, ScaleRounding),
+        (want_rows, want_cols): (bool, bool),
+    ) -> Result<Casts, NnError> {
         let buffers = |layout: BlockQuantLayout| -> Result<_, NnError> {
             let out = layout.output_layout(rows, cols)?;
             let n = ScaleOrder::Gemm.strides(&out)?.len;
@@ -85,32 +67,33 @@ impl Quantized {
                 dev.zeros::<f32>(n)?,
             ))
         };
-        let (rl, mut q, mut s, mut si) = buffers(BlockQuantLayout::Rows1x128)?;
-        let (cl, mut qt, mut st, mut sit) = buffers(BlockQuantLayout::Columns128x1Transposed)?;
-        block_quantize_both(
-            x,
+        let mut r = want_rows
+            .then(|| buffers(BlockQuantLayout::Rows1x128))
+            .transpose()?;
+        let mut c = want_cols
+            .then(|| buffers(BlockQuantLayout::Columns128x1Transposed))
+            .transpose()?;
+        block_quantize_tiles(
+            input,
             [rows, cols],
             format,
             rounding,
             ScaleOrder::Gemm,
-            BlockQuantOutput {
-                codes: &mut q,
-                scale: &mut s,
-                scale_inv: &mut si,
-            },
-            BlockQuantOutput {
-                codes: &mut qt,
-                scale: &mut st,
-                scale_inv: &mut sit,
-            },
+            output_of(&mut r),
+            output_of(&mut c),
         )?;
-        let made = |codes, scale_inv, layout| Quantized {
-            codes,
-            scale_inv,
-            layout,
-            format,
+        let made = |b: Option<CastBuffers>| {
+            b.map(|(layout, codes, _, scale_inv)| Quantized {
+                codes,
+                scale_inv,
+                layout,
+                format,
+            })
         };
-        Ok([made(q, si, rl), made(qt, sit, cl)])
+        Ok(Casts {
+            rows: made(r),
+            cols: made(c),
+        })
     }
 
     fn matrix(&self) -> BlockFp8Matrix<'_> {
@@ -124,18 +107,49 @@ impl Quantized {
     }
 }
 
-/// `x [rows, cols]` with zero rows appended up to `padded_rows`; `None` when no row is missing.
-fn padded<X: Element>(
-    x: &Buffer<X>,
+/// `input`'s `[tokens, cols]` values in a buffer: an activation computed by its own kernel.
+fn input_values<X: FloatElement>(
+    dev: &Device,
+    input: BlockCastInput<'_, X>,
+    tokens: usize,
+    cols: usize,
+) -> Result<Buffer<X>, NnError> {
+    let mut values = dev.uninit::<X>(tokens * cols)?;
+    match input {
+        BlockCastInput::Values(x) => values.copy_from(x)?,
+        BlockCastInput::Gelu { u, approx } => gelu_forward(u, &mut values, approx)?,
+        BlockCastInput::GeluGrad { u, dy, approx } => gelu_backward(u, dy, &mut values, approx)?,
+        BlockCastInput::SwiGlu { gu } => swiglu_forward(gu, [tokens, cols], &mut values)?,
+        BlockCastInput::SwiGluGrad { gu, dh } => {
+            swiglu_backward(gu, dh, [tokens, cols / 2], &mut values)?
+        }
+    }
+    Ok(values)
+}
+
+/// `input`'s `[tokens, cols]` values with zero rows appended up to `rows`, as a buffer of their own;
+/// `None` when no row is missing (the input is cast as it is). An activation is computed by its own
+/// kernel first (the rare case of a token count that is not a multiple of 16).
+fn padded_input<X: FloatElement>(
+    dev: &Device,
+    input: BlockCastInput<'_, X>,
+    tokens: usize,
     rows: usize,
-    padded_rows: usize,
     cols: usize,
 ) -> Result<Option<Buffer<X>>, NnError> {
-    if rows == padded_rows {
+    if rows == tokens {
         return Ok(None);
     }
-    let mut p = x.device().zeros::<X>(padded_rows * cols)?;
-    p.copy_range_from(0, x, 0, rows * cols)?;
+    let values;
+    let x = match input {
+        BlockCastInput::Values(x) => x,
+        other => {
+            values = input_values(dev, other, tokens, cols)?;
+            &values
+        }
+    };
+    let mut p = dev.zeros::<X>(rows * cols)?;
+    p.copy_range_from(0, x, 0, tokens * cols)?;
     Ok(Some(p))
 }
 
@@ -188,42 +202,48 @@ impl<T: Activation> Linear<T> {
         ctx: &mut Ctx<'_>,
         x: &Tensor<T>,
     ) -> Result<Tensor<T>, NnError> {
+        self.forward_block_input(ctx, BlockCastInput::Values(x.data()), x.shape())
+    }
+
+    /// [`Linear::forward_block`] of the values `input` gives for an input of shape `shape` (e.g. GELU of
+    /// the up linear's output, cast without being written: [`Linear::forward_from`]).
+    pub(super) fn forward_block_input(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        input: BlockCastInput<'_, T>,
+        shape: Shape,
+    ) -> Result<Tensor<T>, NnError> {
         let bs = self
             .block_scaling()
             .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
-        let shape = x.shape();
         let tokens = self.tokens_of(shape)?;
         let (inf, outf) = (self.in_features, self.out_features);
         let rows = self.block_rows(tokens)?;
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
-        let x_pad = padded(x.data(), tokens, rows, inf)?;
-        let xs = x_pad.as_ref().unwrap_or(x.data());
+        let x_pad = padded_input(&dev, input, tokens, rows, inf)?;
+        let input = x_pad.as_ref().map_or(input, BlockCastInput::Values);
         // The weight-gradient operand is cast now (with the forward's, from one read of `x`), so the
         // backward keeps one byte per element instead of `x` (two or four); the same `x` gives the same
         // codes whenever it is cast.
-        let (x_q, saved) = if ctx.is_training() && self.keep_block_input {
-            let [x_q, x_t] = Quantized::both(&dev, xs, [rows, inf], bs.input_format, bs.rounding)?;
-            let saved = BlockFp8Saved {
-                tokens,
-                padded_tokens: rows,
-                x_t: x_t.codes,
-                x_t_scale_inv: x_t.scale_inv,
-            };
-            (x_q, Some(saved))
-        } else {
-            let x_q = Quantized::new(
-                &dev,
-                xs,
-                [rows, inf],
-                BlockQuantLayout::Rows1x128,
-                bs.input_format,
-                bs.rounding,
-            )?;
-            (x_q, None)
-        };
-        self.block_saved = saved;
+        let keep = ctx.is_training() && self.keep_block_input;
+        let casts = Quantized::tiles(
+            &dev,
+            input,
+            [rows, inf],
+            (bs.input_format, bs.rounding),
+            (true, keep),
+        )?;
         drop(x_pad);
+        self.block_saved = casts.cols.map(|x_t| BlockFp8Saved {
+            tokens,
+            padded_tokens: rows,
+            x_t: x_t.codes,
+            x_t_scale_inv: x_t.scale_inv,
+        });
+        let x_q = casts
+            .rows
+            .ok_or_else(|| NnError::usage(&self.name, "the 1x128 cast is missing"))?;
         let mut y = dev.uninit::<T>(rows * outf)?;
         let mut spec = GemmSpec::new(rows, outf, inf)
             .transposes(Transpose::No, Transpose::Yes)
@@ -245,29 +265,33 @@ impl<T: Activation> Linear<T> {
         Tensor::new(unpadded(y, tokens, outf)?, shape.with_last(outf)?)
     }
 
-    /// [`Linear::save_block_input`]: the weight-gradient operand cast from `x`, kept.
+    /// [`Linear::save_block_input`]: the weight-gradient operand cast from the values `input` gives for an
+    /// input of shape `shape`, kept.
     pub(super) fn save_block_input_impl(
         &mut self,
         ctx: &mut Ctx<'_>,
-        x: &Tensor<T>,
+        input: BlockCastInput<'_, T>,
+        shape: Shape,
     ) -> Result<(), NnError> {
         let bs = self
             .block_scaling()
             .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
-        let tokens = self.tokens_of(x.shape())?;
+        let tokens = self.tokens_of(shape)?;
         let inf = self.in_features;
         let rows = self.block_rows(tokens)?;
         let dev = ctx.device().clone();
-        let x_pad = padded(x.data(), tokens, rows, inf)?;
-        let xs = x_pad.as_ref().unwrap_or(x.data());
-        let x_t = Quantized::new(
+        let x_pad = padded_input(&dev, input, tokens, rows, inf)?;
+        let input = x_pad.as_ref().map_or(input, BlockCastInput::Values);
+        let casts = Quantized::tiles(
             &dev,
-            xs,
+            input,
             [rows, inf],
-            BlockQuantLayout::Columns128x1Transposed,
-            bs.input_format,
-            bs.rounding,
+            (bs.input_format, bs.rounding),
+            (false, true),
         )?;
+        let x_t = casts
+            .cols
+            .ok_or_else(|| NnError::usage(&self.name, "the 128x1 cast is missing"))?;
         self.block_saved = Some(BlockFp8Saved {
             tokens,
             padded_tokens: rows,
@@ -289,6 +313,43 @@ impl<T: Activation> Linear<T> {
         in_shape: Shape,
         need_dx: bool,
     ) -> InputGrad<T> {
+        let tokens = self.tokens_of(in_shape)?;
+        let db = self.bias_grad(ctx.device(), dy, tokens)?;
+        let input = BlockCastInput::Values(dy.data());
+        self.backward_block_cast(ctx, input, dy.shape().numel(), in_shape, need_dx, db)
+    }
+
+    /// [`Linear::backward_block`] of the output gradient `dy` gives (`dy_numel` elements; e.g. GELU's
+    /// input gradient `gelu'(u) da`, cast without being written: [`Linear::backward_from`]). A layer with
+    /// a bias needs `dy` itself for the bias gradient: an activation's gradient is then computed first.
+    pub(super) fn backward_block_input(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: BlockCastInput<'_, T>,
+        dy_numel: usize,
+        in_shape: Shape,
+        need_dx: bool,
+    ) -> InputGrad<T> {
+        if self.has_bias {
+            let tokens = self.tokens_of(in_shape)?;
+            let dev = ctx.device().clone();
+            let values = input_values(&dev, dy, tokens, self.out_features)?;
+            let dy = Tensor::new(values, in_shape.with_last(self.out_features)?)?;
+            return self.backward_block(ctx, &dy, in_shape, need_dx);
+        }
+        self.backward_block_cast(ctx, dy, dy_numel, in_shape, need_dx, None)
+    }
+
+    /// The products of the backward from `dy`'s casts; `db` added as given.
+    fn backward_block_cast(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        dy: BlockCastInput<'_, T>,
+        dy_numel: usize,
+        in_shape: Shape,
+        need_dx: bool,
+        db: Option<Buffer<f32>>,
+    ) -> InputGrad<T> {
         let bs = self
             .block_scaling()
             .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
@@ -298,36 +359,30 @@ impl<T: Activation> Linear<T> {
             .ok_or_else(|| NnError::usage(&self.name, "backward before a training forward"))?;
         let (inf, outf) = (self.in_features, self.out_features);
         let (tokens, rows) = (saved.tokens, saved.padded_tokens);
-        if dy.shape().numel() != tokens * outf || in_shape.numel() != tokens * inf {
+        if dy_numel != tokens * outf || in_shape.numel() != tokens * inf {
             return Err(NnError::usage(
                 &self.name,
                 format!(
-                    "output gradient of shape {:?} for a training forward of {tokens} rows",
-                    dy.shape()
+                    "output gradient of {dy_numel} elements for a training forward of {tokens} rows"
                 ),
             ));
         }
         let dev = ctx.device().clone();
         let par = ctx.cpu_parallelism();
-        let db = self.bias_grad(&dev, dy, tokens)?;
-        let dy_pad = padded(dy.data(), tokens, rows, outf)?;
-        let dys = dy_pad.as_ref().unwrap_or(dy.data());
-        let (dy_q, dy_t) = if need_dx {
-            let [q, t] = Quantized::both(&dev, dys, [rows, outf], bs.grad_format, bs.rounding)?;
-            (Some(q), t)
-        } else {
-            let t = Quantized::new(
-                &dev,
-                dys,
-                [rows, outf],
-                BlockQuantLayout::Columns128x1Transposed,
-                bs.grad_format,
-                bs.rounding,
-            )?;
-            (None, t)
-        };
+        let dy_pad = padded_input(&dev, dy, tokens, rows, outf)?;
+        let dy = dy_pad.as_ref().map_or(dy, BlockCastInput::Values);
+        let casts = Quantized::tiles(
+            &dev,
+            dy,
+            [rows, outf],
+            (bs.grad_format, bs.rounding),
+            (need_dx, true),
+        )?;
         drop(dy_pad);
-        let dx = match &dy_q {
+        let dy_t = casts
+            .cols
+            .ok_or_else(|| NnError::usage(&self.name, "the 128x1 cast is missing"))?;
+        let dx = match &casts.rows {
             Some(q) => {
                 let [w] = ctx.params([self.weight])?;
                 let w = block_weight(w, [outf, inf], &self.name)?;
@@ -339,7 +394,7 @@ impl<T: Activation> Linear<T> {
             }
             None => None,
         };
-        drop(dy_q);
+        drop(casts.rows);
         let x_t = BlockFp8Matrix {
             data: &saved.x_t,
             format: bs.input_format,
