@@ -193,6 +193,7 @@ pub const MODULES: &[KernelModule] = &[
     crate::attention::ATTENTION_MODULE,
     crate::attention::ATTENTION_WGMMA_MODULE,
     crate::block_quantize::BLOCK_QUANTIZE_MODULE,
+    crate::block_quantize::BLOCK_ACTIVATION_MODULE,
     crate::cross_entropy::CROSS_ENTROPY_MODULE,
     crate::embedding::EMBEDDING_MODULE,
     crate::layer_norm::LAYER_NORM_FORWARD_MODULE,

@@ -10,7 +10,7 @@ mod common;
 use common::{assert_kernels, nvrtc_test, sm90_ptx};
 use fp8_core::reference::ReferenceEncoder;
 use fp8_core::{Fp8Format, ScaleRounding};
-use fp8_kernels::block_quantize::BLOCK_QUANTIZE_MODULE;
+use fp8_kernels::block_quantize::{BLOCK_ACTIVATION_MODULE, BLOCK_QUANTIZE_MODULE};
 use fp8_kernels::{
     block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
     block_quantize_packed, block_quantize_tiles, BlockCastInput, BlockQuantLayout,
@@ -687,7 +687,7 @@ nvrtc_test! {
         let mut kernels = Vec::new();
         for t in ["f32", "bf16", "f16"] {
             for f in ["e4m3", "e5m2"] {
-                for l in ["1x128", "128x1t", "128x128", "both", "gelu", "gelu_grad", "swiglu", "swiglu_grad"] {
+                for l in ["1x128", "128x1t", "128x128", "both"] {
                     kernels.push(format!("bq_{l}_{t}_{f}"));
                 }
                 kernels.push(format!("bdq_{f}_{t}"));
@@ -700,6 +700,20 @@ nvrtc_test! {
         for insn in ["cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.satfinite.e5m2x2.f32", "cvt.rn.f16x2.e4m3x2"] {
             assert!(ptx.contains(insn), "block_quantize module lacks {insn}");
         }
+    }
+}
+
+nvrtc_test! {
+    fn block_activation_module_compiles_for_sm90() {
+        let ptx = sm90_ptx(&BLOCK_ACTIVATION_MODULE);
+        let mut kernels = Vec::new();
+        for a in ["gelu", "gelu_grad", "swiglu", "swiglu_grad"] {
+            for f in ["e4m3", "e5m2"] {
+                kernels.push(format!("bq_{a}_bf16_{f}"));
+            }
+        }
+        let names: Vec<&str> = kernels.iter().map(String::as_str).collect();
+        assert_kernels(&ptx, &names);
     }
 }
 

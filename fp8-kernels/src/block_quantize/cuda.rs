@@ -4,7 +4,7 @@
 
 use super::{
     BlockCastInput, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec, PackedRows1x128,
-    ScaleStrides, BLOCK_QUANTIZE_MODULE,
+    ScaleStrides, BLOCK_ACTIVATION_MODULE, BLOCK_QUANTIZE_MODULE,
 };
 use crate::cast::format_name;
 use crate::elementwise::GeluApprox;
@@ -124,8 +124,8 @@ pub(super) fn quantize_tiles<T: FloatElement>(
             let u = u.cuda(WHAT)?;
             launch!(
                 dev,
-                &BLOCK_QUANTIZE_MODULE,
-                kernel_name!("bq_gelu_", T::NAME, "_", fname),
+                &BLOCK_ACTIVATION_MODULE,
+                kernel_name!("bq_gelu_bf16_", fname),
                 cfg,
                 "bq_gelu_<T>_<fmt>(const T* u, int gelu_exact, u8* y, float* scale, float* scale_inv, u64 srs, \
                  u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, \
@@ -139,8 +139,8 @@ pub(super) fn quantize_tiles<T: FloatElement>(
             let (u, dy) = (u.cuda(WHAT)?, dy.cuda(WHAT)?);
             launch!(
                 dev,
-                &BLOCK_QUANTIZE_MODULE,
-                kernel_name!("bq_gelu_grad_", T::NAME, "_", fname),
+                &BLOCK_ACTIVATION_MODULE,
+                kernel_name!("bq_gelu_grad_bf16_", fname),
                 cfg,
                 "bq_gelu_grad_<T>_<fmt>(const T* u, const T* dy, int gelu_exact, u8* y, float* scale, \
                  float* scale_inv, u64 srs, u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs, \
@@ -153,8 +153,8 @@ pub(super) fn quantize_tiles<T: FloatElement>(
             let gu = gu.cuda(WHAT)?;
             launch!(
             dev,
-            &BLOCK_QUANTIZE_MODULE,
-            kernel_name!("bq_swiglu_", T::NAME, "_", fname),
+            &BLOCK_ACTIVATION_MODULE,
+            kernel_name!("bq_swiglu_bf16_", fname),
             cfg,
             "bq_swiglu_<T>_<fmt>(const T* gu, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, \
              u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, int rows, \
@@ -167,8 +167,8 @@ pub(super) fn quantize_tiles<T: FloatElement>(
             let (gu, dh) = (gu.cuda(WHAT)?, dh.cuda(WHAT)?);
             launch!(
             dev,
-            &BLOCK_QUANTIZE_MODULE,
-            kernel_name!("bq_swiglu_grad_", T::NAME, "_", fname),
+            &BLOCK_ACTIVATION_MODULE,
+            kernel_name!("bq_swiglu_grad_bf16_", fname),
             cfg,
             "bq_swiglu_grad_<T>_<fmt>(const T* gu, const T* dh, u8* y, float* scale, float* scale_inv, \
              u64 srs, u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, \

@@ -136,26 +136,48 @@ impl ScaleOrder {
     }
 }
 
-/// The CUDA module: `cuda/common.cuh`, the activations' arithmetic (`src/elementwise/gelu.cuh`,
-/// `src/swiglu_cast/swiglu.cuh`: the fused activation + block casts compute the same values as the
-/// activation kernels), `src/block_quantize/blocks128.cuh` (the 128x128-block cast, shared with the Adam
-/// step's [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks)), then
+/// The CUDA module of the casts: `cuda/common.cuh`, `src/block_quantize/blocks128.cuh` (the 128x128-block
+/// cast, shared with the Adam step's [`cast_weight_blocks`](crate::adam::control::cast_weight_blocks)),
+/// `src/block_quantize/block_tiles.cuh` (the 1x128 + 128x1 tile cast), then
 /// `src/block_quantize/block_quantize.cu`.
 pub const BLOCK_QUANTIZE_MODULE: KernelModule = KernelModule {
     name: "fp8_kernels_block_quantize",
     files: &[
         "cuda/common.cuh",
+        "src/block_quantize/blocks128.cuh",
+        "src/block_quantize/block_tiles.cuh",
+        "src/block_quantize/block_quantize.cu",
+    ],
+    source: concat!(
+        include_str!("../../cuda/common.cuh"),
+        include_str!("blocks128.cuh"),
+        include_str!("block_tiles.cuh"),
+        include_str!("block_quantize.cu")
+    ),
+    arch: ModuleArch::Portable,
+};
+
+/// The CUDA module of the activations cast inside the tile cast ([`BlockCastInput`], BF16): the
+/// activations' arithmetic (`src/elementwise/gelu.cuh`, `src/swiglu_cast/swiglu.cuh`: the same values as
+/// the activation kernels), `blocks128.cuh`, `block_tiles.cuh`, then
+/// `src/block_quantize/block_activation.cu`. A module of its own: only block-scaled MLPs compile it.
+pub const BLOCK_ACTIVATION_MODULE: KernelModule = KernelModule {
+    name: "fp8_kernels_block_activation",
+    files: &[
+        "cuda/common.cuh",
         "src/elementwise/gelu.cuh",
         "src/swiglu_cast/swiglu.cuh",
         "src/block_quantize/blocks128.cuh",
-        "src/block_quantize/block_quantize.cu",
+        "src/block_quantize/block_tiles.cuh",
+        "src/block_quantize/block_activation.cu",
     ],
     source: concat!(
         include_str!("../../cuda/common.cuh"),
         include_str!("../elementwise/gelu.cuh"),
         include_str!("../swiglu_cast/swiglu.cuh"),
         include_str!("blocks128.cuh"),
-        include_str!("block_quantize.cu")
+        include_str!("block_tiles.cuh"),
+        include_str!("block_activation.cu")
     ),
     arch: ModuleArch::Portable,
 };
@@ -380,13 +402,16 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
         }
     }
 
-    /// The values on the host (the CPU reference: the activation's element-wise kernel, then the cast).
-    fn host_values(&self, [rows, cols]: [usize; 2]) -> Result<Vec<T>, KernelError> {
-        const WHAT: &str = "block_quantize_tiles";
-        let cpu = crate::Device::Cpu;
-        let mut out = cpu.zeros::<T>(rows * cols)?;
+    /// The activation's `[rows, cols]` values computed by its element-wise kernel into a buffer on
+    /// `dev` (`None` for [`BlockCastInput::Values`]).
+    fn values_on(
+        &self,
+        dev: &crate::Device,
+        [rows, cols]: [usize; 2],
+    ) -> Result<Option<Buffer<T>>, KernelError> {
+        let mut out = dev.uninit::<T>(rows * cols)?;
         match *self {
-            BlockCastInput::Values(x) => return Ok(x.host(WHAT)?.to_vec()),
+            BlockCastInput::Values(_) => return Ok(None),
             BlockCastInput::Gelu { u, approx } => gelu_forward(u, &mut out, approx)?,
             BlockCastInput::GeluGrad { u, dy, approx } => gelu_backward(u, dy, &mut out, approx)?,
             BlockCastInput::SwiGlu { gu } => swiglu_forward(gu, [rows, cols], &mut out)?,
@@ -394,7 +419,17 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
                 swiglu_backward(gu, dh, [rows, cols / 2], &mut out)?
             }
         }
-        Ok(out.host(WHAT)?.to_vec())
+        Ok(Some(out))
+    }
+
+    /// The values on the host (the CPU reference: the activation's element-wise kernel, then the cast).
+    fn host_values(&self, shape: [usize; 2]) -> Result<Vec<T>, KernelError> {
+        const WHAT: &str = "block_quantize_tiles";
+        match (self.values_on(&crate::Device::Cpu, shape)?, *self) {
+            (Some(v), _) => Ok(v.host(WHAT)?.to_vec()),
+            (None, BlockCastInput::Values(x)) => Ok(x.host(WHAT)?.to_vec()),
+            (None, _) => Err(KernelError::Internal("an activation without values".into())),
+        }
     }
 }
 
@@ -478,6 +513,13 @@ pub fn block_quantize_tiles<T: FloatElement>(
             if rl.numel() == 0 {
                 return Ok(());
             }
+            // The fused activation kernels are BF16 only: other types compute the activation first.
+            let values = if T::DTYPE == crate::DType::BF16 {
+                None
+            } else {
+                input.values_on(&crate::Device::Cuda(dev.clone()), shape)?
+            };
+            let input = values.as_ref().map_or(input, BlockCastInput::Values);
             cuda::quantize_tiles(
                 &dev,
                 input,
