@@ -17,9 +17,9 @@ use common::{first_difference, fp8_gpu, join_differences, matches_cpu_and_determ
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
-    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_both,
-    block_quantize_packed, block_quantize_tiles, BlockCastInput, BlockQuantLayout,
-    BlockQuantOutput, BlockQuantSpec, Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
+    block_dequantize, block_dequantize_sum, block_quantize, block_quantize_packed,
+    block_quantize_tiles, BlockCastInput, BlockQuantLayout, BlockQuantOutput, BlockQuantSpec,
+    Buffer, Device, FloatElement, PackedRows1x128, ScaleOrder,
 };
 use half::{bf16, f16};
 
@@ -149,55 +149,25 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
     assert!(ok, "CUDA differs from the CPU or between runs (see above)");
 }
 
-/// `block_quantize_both` of `x`: the codes, scales and inverse scales of its two outputs, as bits.
+/// Both 1x128 layouts of `x` (`block_quantize_tiles` of its values, what `block_quantize_both` runs): the
+/// codes, scales and inverse scales of its two outputs, as bits.
 fn run_both<T: FloatElement>(
     dev: &Device,
     x: &[f32],
-    [rows, cols]: [usize; 2],
+    shape: [usize; 2],
     format: Fp8Format,
     rounding: ScaleRounding,
     order: ScaleOrder,
 ) -> [Vec<u32>; 6] {
-    let xt: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
-    let xb = dev.upload(&xt).unwrap();
-    let bufs = |layout: BlockQuantLayout| {
-        let l = layout.output_layout(rows, cols).unwrap();
-        let n = order.strides(&l).unwrap().len;
-        (
-            dev.zeros::<u8>(rows * cols).unwrap(),
-            dev.zeros::<f32>(n).unwrap(),
-            dev.zeros::<f32>(n).unwrap(),
-        )
-    };
-    let (mut q, mut s, mut si) = bufs(BlockQuantLayout::Rows1x128);
-    let (mut qt, mut st, mut sit) = bufs(BlockQuantLayout::Columns128x1Transposed);
-    block_quantize_both(
-        &xb,
-        [rows, cols],
-        format,
-        rounding,
-        order,
-        BlockQuantOutput {
-            codes: &mut q,
-            scale: &mut s,
-            scale_inv: &mut si,
-        },
-        BlockQuantOutput {
-            codes: &mut qt,
-            scale: &mut st,
-            scale_inv: &mut sit,
-        },
+    run_tiles_with::<T>(
+        dev,
+        "values",
+        x,
+        &[],
+        shape,
+        (format, rounding, order),
+        (true, true),
     )
-    .unwrap();
-    let codes = |b: &Buffer<u8>| b.to_vec().unwrap().into_iter().map(u32::from).collect();
-    [
-        codes(&q),
-        common::bits(&s),
-        common::bits(&si),
-        codes(&qt),
-        common::bits(&st),
-        common::bits(&sit),
-    ]
 }
 
 #[test]
@@ -266,8 +236,22 @@ fn run_tiles<T: FloatElement>(
     kind: &str,
     a: &[f32],
     b: &[f32],
-    [rows, cols]: [usize; 2],
+    shape: [usize; 2],
     format: Fp8Format,
+    want: (bool, bool),
+) -> [Vec<u32>; 6] {
+    let cast = (format, ScaleRounding::PowerOfTwo, ScaleOrder::Gemm);
+    run_tiles_with::<T>(dev, kind, a, b, shape, cast, want)
+}
+
+/// [`run_tiles`] with the scales' rounding and order given.
+fn run_tiles_with<T: FloatElement>(
+    dev: &Device,
+    kind: &str,
+    a: &[f32],
+    b: &[f32],
+    [rows, cols]: [usize; 2],
+    (format, rounding, order): (Fp8Format, ScaleRounding, ScaleOrder),
     (want_rows, want_cols): (bool, bool),
 ) -> [Vec<u32>; 6] {
     let up = |v: &[f32]| {
@@ -287,7 +271,6 @@ fn run_tiles<T: FloatElement>(
         "swiglu_grad" => BlockCastInput::SwiGluGrad { gu: &ab, dh: &bb },
         _ => BlockCastInput::Values(&ab),
     };
-    let order = ScaleOrder::Gemm;
     let bufs = |layout: BlockQuantLayout| {
         let l = layout.output_layout(rows, cols).unwrap();
         let n = order.strides(&l).unwrap().len;
@@ -303,7 +286,7 @@ fn run_tiles<T: FloatElement>(
         input,
         [rows, cols],
         format,
-        ScaleRounding::PowerOfTwo,
+        rounding,
         order,
         want_rows.then_some(BlockQuantOutput {
             codes: &mut q,
