@@ -330,19 +330,11 @@ impl<T: Activation> Mlp<T> {
         if self.up.is_block_scaled() {
             return self.up.backward_from(ctx, grad, u.shape().numel(), need_dx);
         }
-        let mut du = Tensor::<T>::uninit(ctx.device(), u.shape())?;
-        match grad {
-            BlockCastInput::GeluGrad { u, dy, approx } => {
-                elementwise::gelu_backward(u, dy, du.data_mut(), approx)?
-            }
-            _ => swiglu_backward(
-                u.data(),
-                da.data(),
-                [u.shape().rows(), self.hidden],
-                du.data_mut(),
-            )?,
-        }
-        self.up.backward_step(ctx, du, need_dx)
+        let du = grad
+            .values_on(ctx.device(), [u.shape().rows(), u.shape().last()])?
+            .ok_or_else(|| NnError::usage("Mlp", "the activation's gradient has no values"))?;
+        self.up
+            .backward_step(ctx, Tensor::new(du, u.shape())?, need_dx)
     }
 
     /// `silu(gate) * up` from `u = [gate | up]`, in the activation type.

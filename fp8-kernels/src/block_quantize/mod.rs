@@ -402,9 +402,9 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
         }
     }
 
-    /// The activation's `[rows, cols]` values computed by its element-wise kernel into a buffer on
-    /// `dev` (`None` for [`BlockCastInput::Values`]).
-    fn values_on(
+    /// The activation's `[rows, cols]` values computed by its element-wise kernel into a new buffer on
+    /// `dev` (what the fused cast reads without writing; `None` for [`BlockCastInput::Values`]).
+    pub fn values_on(
         &self,
         dev: &crate::Device,
         [rows, cols]: [usize; 2],

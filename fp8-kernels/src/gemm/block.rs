@@ -40,9 +40,8 @@
 //! | data gradient `dx = dy W` | `dy`, 1x128 | `W`, 128x128, `trans_b = No` (or `W^T` from [`transpose_block_fp8`], `Yes`) | `(t, in, out)` |
 //! | weight gradient `dW = dy^T x` | `dy^T` (`Columns128x1Transposed` of `dy`), 1x128 | `x^T` (`Columns128x1Transposed` of `x`), 1x128, `trans_b = Yes` | `(out, in, t)` |
 
-use super::cuda::output_aligned;
 use super::{
-    block_cpu, block_cuda, output_range, through_temporary, GemmOutput, GemmSpec, FP8_DIM_MULTIPLE,
+    block_cpu, block_cuda, cuda_into_range, output_range, GemmOutput, GemmSpec, FP8_DIM_MULTIPLE,
 };
 use crate::block_quantize::{ScaleOrder, ScaleStrides};
 use crate::device::dispatch;
@@ -251,13 +250,15 @@ pub fn gemm_fp8_block_at<O: GemmOutput>(
         Device::Cuda(dev) => {
             let e5m2_pair =
                 a.matrix.format == Fp8Format::E5M2 && b.matrix.format == Fp8Format::E5M2;
-            if spec.k > 0 && !e5m2_pair && output_aligned(&dev, c, offset)? {
-                block_cuda::gemm(&dev, spec, &a, &b, c, offset)
-            } else {
-                through_temporary(spec, c, offset, mn, |t| {
-                    block_cuda::gemm(&dev, spec, &a, &b, t, 0)
-                })
-            }
+            cuda_into_range(
+                &dev,
+                spec,
+                c,
+                offset,
+                mn,
+                spec.k > 0 && !e5m2_pair,
+                |c, at| block_cuda::gemm(&dev, spec, &a, &b, c, at),
+            )
         }
     }
 }

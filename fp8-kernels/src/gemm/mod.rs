@@ -384,13 +384,9 @@ pub fn gemm_at<T: GemmOutput, O: GemmOutput>(
         Device::Cpu => {
             float_gemm_host(spec, a, b, &mut c.host_mut("gemm_at")?[offset..offset + mn])
         }
-        Device::Cuda(dev) => {
-            if spec.k > 0 && cuda::output_aligned(&dev, c, offset)? {
-                cuda::gemm_float_at(&dev, spec, a, b, c, offset)
-            } else {
-                through_temporary(spec, c, offset, mn, |t| gemm(spec, a, b, t))
-            }
-        }
+        Device::Cuda(dev) => cuda_into_range(&dev, spec, c, offset, mn, spec.k > 0, |c, at| {
+            cuda::gemm_float_at(&dev, spec, a, b, c, at)
+        }),
     }
 }
 
@@ -417,11 +413,9 @@ pub fn gemm_fp8_at<O: GemmOutput>(
             let fits = [spec.m, spec.n, spec.k]
                 .iter()
                 .all(|&d| d > 0 && d % FP8_DIM_MULTIPLE == 0);
-            if fits && cuda::output_aligned(&dev, c, offset)? {
-                cuda::gemm_fp8_at(&dev, spec, a, b, c, offset)
-            } else {
-                through_temporary(spec, c, offset, mn, |t| gemm_fp8(spec, a, b, t))
-            }
+            cuda_into_range(&dev, spec, c, offset, mn, fits, |c, at| {
+                cuda::gemm_fp8_at(&dev, spec, a, b, c, at)
+            })
         }
     }
 }
@@ -441,21 +435,26 @@ fn output_range(spec: &GemmSpec, c_len: usize, offset: usize) -> Result<usize, K
     }
 }
 
-/// Runs `gemm` into a temporary of `mn` elements holding `c[offset..]` (when `beta` reads it) and copies
-/// the result back.
-fn through_temporary<O: GemmOutput>(
+/// A GEMM `run(c, at)` on CUDA into `C`'s `mn` elements from element `offset` of `c`: straight there when
+/// `direct` (the GEMM can write a range) and that address has cuBLASLt's alignment, else into a temporary
+/// of `mn` at 0 (copied in when `beta != 0`, copied back out).
+fn cuda_into_range<O: GemmOutput>(
+    dev: &crate::CudaDevice,
     spec: &GemmSpec,
     c: &mut Buffer<O>,
     offset: usize,
     mn: usize,
-    gemm: impl FnOnce(&mut Buffer<O>) -> Result<(), KernelError>,
+    direct: bool,
+    run: impl Fn(&mut Buffer<O>, usize) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
-    let dev = c.device();
-    let mut t = dev.uninit::<O>(mn)?;
+    if direct && cuda::output_aligned(dev, c, offset)? {
+        return run(c, offset);
+    }
+    let mut t = c.device().uninit::<O>(mn)?;
     if spec.beta != 0.0 {
         t.copy_range_from(0, c, offset, mn)?;
     }
-    gemm(&mut t)?;
+    run(&mut t, 0)?;
     c.copy_range_from(offset, &t, 0, mn)
 }
 

@@ -7,16 +7,14 @@
 //! tile, contributes exact zeros to the weight gradient's sum over tokens, and its output rows are cut
 //! off. The feature sides are checked when the model is wrapped ([`super::block_scalable`]).
 
-use super::{broadcast_bias, plain, BlockFp8Saved, Linear};
+use super::{broadcast_bias, plain, BlockFp8Saved, BlockScaling, Linear};
 use crate::layer::{Activation, InputGrad};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity};
 use fp8_kernels::block_quantize::{
     block_quantize_tiles, BlockCastInput, BlockQuantLayout, BlockQuantOutput, ScaleOrder,
 };
-use fp8_kernels::elementwise::{gelu_backward, gelu_forward};
 use fp8_kernels::gemm::{gemm_fp8_block, gemm_fp8_block_at, FP8_DIM_MULTIPLE};
-use fp8_kernels::swiglu_cast::{swiglu_backward, swiglu_forward};
 use fp8_kernels::{BlockFp8Matrix, Buffer, Device, Element, FloatElement, GemmSpec, Transpose};
 use fsdp_shard::{Ctx, GatheredParam};
 
@@ -107,26 +105,6 @@ impl Quantized {
     }
 }
 
-/// `input`'s `[tokens, cols]` values in a buffer: an activation computed by its own kernel.
-fn input_values<X: FloatElement>(
-    dev: &Device,
-    input: BlockCastInput<'_, X>,
-    tokens: usize,
-    cols: usize,
-) -> Result<Buffer<X>, NnError> {
-    let mut values = dev.uninit::<X>(tokens * cols)?;
-    match input {
-        BlockCastInput::Values(x) => values.copy_from(x)?,
-        BlockCastInput::Gelu { u, approx } => gelu_forward(u, &mut values, approx)?,
-        BlockCastInput::GeluGrad { u, dy, approx } => gelu_backward(u, dy, &mut values, approx)?,
-        BlockCastInput::SwiGlu { gu } => swiglu_forward(gu, [tokens, cols], &mut values)?,
-        BlockCastInput::SwiGluGrad { gu, dh } => {
-            swiglu_backward(gu, dh, [tokens, cols / 2], &mut values)?
-        }
-    }
-    Ok(values)
-}
-
 /// `input`'s `[tokens, cols]` values with zero rows appended up to `rows`, as a buffer of their own;
 /// `None` when no row is missing (the input is cast as it is). An activation is computed by its own
 /// kernel first (the rare case of a token count that is not a multiple of 16).
@@ -140,13 +118,11 @@ fn padded_input<X: FloatElement>(
     if rows == tokens {
         return Ok(None);
     }
-    let values;
-    let x = match input {
-        BlockCastInput::Values(x) => x,
-        other => {
-            values = input_values(dev, other, tokens, cols)?;
-            &values
-        }
+    let values = input.values_on(dev, [tokens, cols])?;
+    let x = match (&values, input) {
+        (Some(v), _) => v,
+        (None, BlockCastInput::Values(x)) => x,
+        (None, _) => return Err(NnError::usage("block cast", "an activation without values")),
     };
     let mut p = dev.zeros::<X>(rows * cols)?;
     p.copy_range_from(0, x, 0, tokens * cols)?;
@@ -188,6 +164,12 @@ fn block_weight<'a>(
 }
 
 impl<T: Activation> Linear<T> {
+    /// The block recipe of a block-scaled layer; an error for any other.
+    fn required_block_scaling(&self) -> Result<BlockScaling, NnError> {
+        self.block_scaling()
+            .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))
+    }
+
     /// Rows of the GEMMs for `tokens` rows of input: the next multiple of 16.
     fn block_rows(&self, tokens: usize) -> Result<usize, NnError> {
         tokens
@@ -213,9 +195,7 @@ impl<T: Activation> Linear<T> {
         input: BlockCastInput<'_, T>,
         shape: Shape,
     ) -> Result<Tensor<T>, NnError> {
-        let bs = self
-            .block_scaling()
-            .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
+        let bs = self.required_block_scaling()?;
         let tokens = self.tokens_of(shape)?;
         let (inf, outf) = (self.in_features, self.out_features);
         let rows = self.block_rows(tokens)?;
@@ -273,9 +253,7 @@ impl<T: Activation> Linear<T> {
         input: BlockCastInput<'_, T>,
         shape: Shape,
     ) -> Result<(), NnError> {
-        let bs = self
-            .block_scaling()
-            .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
+        let bs = self.required_block_scaling()?;
         let tokens = self.tokens_of(shape)?;
         let inf = self.in_features;
         let rows = self.block_rows(tokens)?;
@@ -332,8 +310,12 @@ impl<T: Activation> Linear<T> {
     ) -> InputGrad<T> {
         if self.has_bias {
             let tokens = self.tokens_of(in_shape)?;
-            let dev = ctx.device().clone();
-            let values = input_values(&dev, dy, tokens, self.out_features)?;
+            let values = match dy {
+                BlockCastInput::Values(d) => d.to_device(ctx.device())?,
+                _ => dy
+                    .values_on(ctx.device(), [tokens, self.out_features])?
+                    .ok_or_else(|| NnError::usage(&self.name, "an activation without values"))?,
+            };
             let dy = Tensor::new(values, in_shape.with_last(self.out_features)?)?;
             return self.backward_block(ctx, &dy, in_shape, need_dx);
         }
@@ -350,9 +332,7 @@ impl<T: Activation> Linear<T> {
         need_dx: bool,
         db: Option<Buffer<f32>>,
     ) -> InputGrad<T> {
-        let bs = self
-            .block_scaling()
-            .ok_or_else(|| NnError::usage(&self.name, "not a block-scaled layer"))?;
+        let bs = self.required_block_scaling()?;
         let saved = self
             .block_saved
             .take()
