@@ -368,22 +368,42 @@ fn what_cannot_step_in_the_backward_is_refused_naming_the_flags() {
 #[ignore = "needs a CUDA GPU"]
 fn cuda_the_step_in_the_backward_is_bit_for_bit_and_holds_no_gradient_shards() {
     let data = data_dir();
-    for (states, shards, fp8_comm) in [
+    let block_recipe = fp8_core::Fp8Recipe::block_scaled(fp8_core::ScaleRounding::PowerOfTwo);
+    for (states, shards, fp8_comm, block) in [
         (
             StatePrecision::LowPrecision,
             GradDtype::Bf16,
             Fp8GradComm::Off,
+            false,
         ),
-        (StatePrecision::F32, GradDtype::F32, Fp8GradComm::Tensor),
+        (
+            StatePrecision::F32,
+            GradDtype::F32,
+            Fp8GradComm::Tensor,
+            false,
+        ),
+        // Block-scaled: the in-place block weight gradients and the linears' inputs recast in the
+        // backward (the norms' outputs computed again, the attention output cast again).
+        (
+            StatePrecision::LowPrecision,
+            GradDtype::Bf16,
+            Fp8GradComm::Off,
+            true,
+        ),
     ] {
         let mut c = config(6, 1, false);
         c.device = DeviceChoice::Cuda;
         c.optimizer_states = states;
         c.grad_shards = shards;
         c.fp8_grad_comm = fp8_comm;
+        if block {
+            c.fp8_recipe = block_recipe;
+        }
         let opts = small("llama-tiny", &data, 8);
-        let what =
-            format!("CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm:?}");
+        let what = format!(
+            "CUDA llama, {states:?} states, {shards:?} shards, FP8 reduction {fp8_comm:?}, \
+             block-scaled {block}"
+        );
         let run = |in_backward: bool| {
             let mut c = c.clone();
             c.optimizer_in_backward = in_backward;

@@ -450,8 +450,9 @@ impl<T: Activation> CausalSelfAttention<T> {
         let out_shape = qkv.shape().with_last(self.d)?;
         let cpu_f32 = T::DTYPE == DType::F32 && !dev.is_cuda();
         // The F32 reference path keeps qkv only, not the output: attn_proj keeps its own input then.
-        self.attn_proj
-            .set_keep_fp8_input(cpu_f32 || !self.recast_proj_input);
+        let keep = cpu_f32 || !self.recast_proj_input;
+        self.attn_proj.set_keep_fp8_input(keep);
+        self.attn_proj.set_keep_block_input(keep);
         if cpu_f32 {
             let qkv = buffer_into::<T, f32>(qkv.into_data(), "CausalSelfAttention")?;
             let mut out = dev.uninit::<f32>(shape.out_len())?;
@@ -525,6 +526,11 @@ impl<T: Activation> CausalSelfAttention<T> {
             if self.attn_proj.awaits_fp8_input() {
                 // attn_proj's input was `out` (in T: the same values); its codes again, same scale.
                 self.attn_proj.restore_fp8_input(out)?;
+            }
+            if self.attn_proj.awaits_block_input() {
+                // Block-scaled: its tiles cast again from the same values.
+                let shape = dy.shape().with_last(self.d)?;
+                self.attn_proj.save_block_input_values(ctx, out, shape)?;
             }
         }
         let d_out = self

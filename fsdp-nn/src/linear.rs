@@ -242,6 +242,9 @@ pub struct Linear<T: Activation = f32> {
     /// Block-scaled FP8: whether a training forward casts and keeps `x^T` itself (true), or the caller
     /// hands it over before the backward ([`Linear::save_block_input`]).
     keep_block_input: bool,
+    /// Block-scaled FP8: the last training forward kept no `x^T` (`keep_block_input` off) and the
+    /// backward waits for [`Linear::save_block_input`].
+    block_awaited: bool,
     /// F32: the input, kept for the weight gradient.
     x_saved: Option<Tensor<T>>,
     /// BF16: the input rounded to bf16, kept for the weight gradient.
@@ -286,6 +289,7 @@ impl<T: Activation> Linear<T> {
             fp8_recast: None,
             block_saved: None,
             keep_block_input: true,
+            block_awaited: false,
             x_saved: None,
             x_bf16: None,
             in_shape: None,
@@ -470,6 +474,7 @@ impl<T: Activation> Linear<T> {
         self.fp8_saved = None;
         self.fp8_recast = None;
         self.block_saved = None;
+        self.block_awaited = false;
         self.x_saved = None;
         self.x_bf16 = None;
     }
@@ -582,6 +587,24 @@ impl<T: Activation> Linear<T> {
     /// cheap to recompute from the activation's own saved input: one byte per element less).
     pub fn set_keep_block_input(&mut self, keep: bool) {
         self.keep_block_input = keep;
+    }
+
+    /// Block-scaled FP8: whether the last training forward kept nothing of its input
+    /// ([`Linear::set_keep_block_input`] off) and the backward waits for [`Linear::save_block_input`].
+    pub fn awaits_block_input(&self) -> bool {
+        self.block_awaited
+    }
+
+    /// Block-scaled FP8: [`Linear::save_block_input`] from the input's values held in another float
+    /// type (e.g. the attention's BF16 output kept for its own backward, which an F32 model's projection
+    /// read converted: the same values, so the same codes). `x` holds the `shape` the forward saw.
+    pub fn save_block_input_values<E: fp8_kernels::FloatElement>(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Buffer<E>,
+        shape: Shape,
+    ) -> Result<(), NnError> {
+        self.save_block_input_impl(ctx, BlockCastInput::Values(x), shape)
     }
 
     /// Block-scaled FP8: casts `x` (the input of the last training forward, recomputed) into what the

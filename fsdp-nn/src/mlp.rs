@@ -238,6 +238,7 @@ impl<T: Activation> Mlp<T> {
         self.up.saved_bytes()
             + self.down.saved_bytes()
             + self.u.as_ref().map_or(0, |u| u.data().num_bytes())
+            + self.gelu.saved_input().map_or(0, |u| u.data().num_bytes())
     }
 
     /// Writes the down linear's E4M3 input, `act(u)` cast with its input meta: its `x^T` into the down

@@ -148,14 +148,24 @@ impl<T: Activation> Norm<T> {
 
     /// The normalised `x` (same shape); keeps the row statistics when training.
     pub fn forward_ref(&mut self, ctx: &mut Ctx<'_>, x: &Tensor<T>) -> Result<Tensor<T>, NnError> {
+        let (y, stats) = self.normalized(ctx, x)?;
+        self.stats = ctx.is_training().then_some(stats);
+        Ok(y)
+    }
+
+    /// `norm(x)` and its row statistics.
+    fn normalized(
+        &self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+    ) -> Result<(Tensor<T>, NormStats), NnError> {
         let spec = self.spec(x.shape())?;
         let (w, b) = self.params_in(ctx)?;
         let dev = ctx.device().clone();
         let mut stats = NormStats::new(&dev, spec.rows)?;
         let mut y = Tensor::<T>::uninit(&dev, x.shape())?;
         norm_forward(&spec, x.data(), &w, b.as_ref(), &mut stats, y.data_mut())?;
-        self.stats = ctx.is_training().then_some(stats);
-        Ok(y)
+        Ok((y, stats))
     }
 
     /// `linear(norm(x))`. With an FP8 linear (and fusion on) the norm writes the linear's E4M3 input
@@ -171,8 +181,13 @@ impl<T: Activation> Norm<T> {
         // A block-scaled linear takes its float input and casts it tile by tile itself (a norm fused
         // with the 1x128 cast is later work).
         if !(self.fuse_fp8 && linear.takes_fp8_codes()) {
-            // Unfused, the linear casts the bf16-rounded output itself: it keeps its input, as
-            // restore_linear_input could not recreate those codes from this norm's fused kernel.
+            // Block-scaled, the cast is a function of this norm's output alone: a caller that asked
+            // for no kept input (Linear::set_keep_fp8_input off) gets it recast from the recomputed
+            // output in restore_linear_input, the same codes, one byte per element less held.
+            let recast_block = linear.is_block_scaled() && !linear.keeps_fp8_input();
+            linear.set_keep_block_input(!recast_block);
+            // Unfused per-tensor, the linear casts the bf16-rounded output itself: it keeps its input,
+            // as restore_linear_input could not recreate those codes from this norm's fused kernel.
             linear.set_keep_fp8_input(true);
             let h = self.forward_ref(ctx, x)?;
             let y = linear.forward(ctx, h)?;
@@ -244,6 +259,12 @@ impl<T: Activation> Norm<T> {
         linear: &mut Linear<T>,
         row_major: bool,
     ) -> Result<Option<Buffer<u8>>, NnError> {
+        if linear.awaits_block_input() {
+            // This norm's output once more (its statistics discarded), cast by the linear.
+            let (h, _) = self.normalized(ctx, x)?;
+            linear.save_block_input(ctx, &h)?;
+            return Ok(None);
+        }
         if !linear.awaits_fp8_input() {
             return Ok(None);
         }

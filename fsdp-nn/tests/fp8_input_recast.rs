@@ -7,13 +7,17 @@
 //! weights, weight scales, metas and optimizer masters are bitwise equal, and between the passes each
 //! recast linear holds `tokens * d - 4` bytes less (its `x^T`, against two scales for one). A block
 //! that also recomputes its MLP's up output (`TransformerBlock::recompute_mlp_up`, from the recast
-//! codes) trains bit-identically too and holds `tokens * up_out` BF16 values less.
+//! codes) trains bit-identically too and holds `tokens * up_out` BF16 values less. Block-scaled linears
+//! (`Fp8Recipe::block_scaled`) are recast the same way: the projection's 128x1 tiles cast again from the
+//! kept attention output, `c_attn`'s and the MLP's first linear's from the norm's output computed again;
+//! each holds its `x^T` codes and tile scales less.
 
 mod common;
 
 use common::{on_ranks, values, StepTrace, TestResult};
-use fp8_core::Fp8Recipe;
+use fp8_core::{Fp8Recipe, ScaleRounding};
 use fp8_kernels::elementwise::scale;
+use fp8_kernels::{BlockQuantLayout, ScaleOrder};
 use fsdp_nn::{
     convert_to_fp8, BlockConfig, CausalSelfAttention, Fp8Filter, Layer, LinearPrecision, Rope,
     Shape, Tensor, TransformerBlock,
@@ -46,13 +50,24 @@ impl<L: Module> Module for Stack<L> {
 enum Net {
     Attention {
         recast: bool,
+        block: bool,
     },
     Block {
         llama: bool,
         recast: bool,
         /// The first this many blocks recompute the MLP's up output.
         recompute_up: usize,
+        /// Block-scaled FP8 (`Fp8Recipe::block_scaled`) instead of per-tensor.
+        block: bool,
     },
+}
+
+impl Net {
+    fn block_scaled(self) -> bool {
+        match self {
+            Net::Attention { block, .. } | Net::Block { block, .. } => block,
+        }
+    }
 }
 
 /// Linears per layer that keep no input when `net` recasts (and the codes were worth keeping).
@@ -71,7 +86,7 @@ fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
     let mut h: Vec<Box<dyn LayerModule>> = Vec::new();
     for l in 0..LAYERS {
         match net {
-            Net::Attention { recast } => h.push(Box::new(
+            Net::Attention { recast, .. } => h.push(Box::new(
                 CausalSelfAttention::<bf16>::grouped(D, HEADS, KV_HEADS, [0.2, 0.2])?
                     .with_precision(LinearPrecision::Fp8)?
                     .with_seed(11 + l as u64)
@@ -81,6 +96,7 @@ fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
                 llama,
                 recast,
                 recompute_up,
+                ..
             } => {
                 let mut c = if llama {
                     let rope = Rope {
@@ -104,7 +120,12 @@ fn stack(net: Net) -> TestResult<Stack<Box<dyn LayerModule>>> {
         }
     }
     let mut s = Stack { h };
-    convert_to_fp8(&mut s, &Fp8Filter::All, &Fp8Recipe::default())?;
+    let recipe = if net.block_scaled() {
+        Fp8Recipe::block_scaled(ScaleRounding::PowerOfTwo)
+    } else {
+        Fp8Recipe::default()
+    };
+    convert_to_fp8(&mut s, &Fp8Filter::All, &recipe)?;
     Ok(s)
 }
 
@@ -206,13 +227,22 @@ fn check(kept_net: Net, recast_net: Net, ranks: usize, fewer: usize) -> TestResu
         "losses {l:?}"
     );
     let state = &kept[0].steps.module_state[STEPS - 1];
+    if recast_net.block_scaled() {
+        // No scaling metas: the tiles' scales are the inputs' own.
+        assert!(
+            !state.keys().any(|k| k.starts_with("scaling.")),
+            "{state:?}"
+        );
+    }
     let metas: Vec<_> = state
         .iter()
         .filter(|(k, _)| k.starts_with("scaling.h.0.") && k.ends_with(".input"))
         .collect();
     assert_eq!(
         metas.len(),
-        if recast_linears(recast_net) == 1 {
+        if recast_net.block_scaled() {
+            0
+        } else if recast_linears(recast_net) == 1 {
             2
         } else {
             4
@@ -238,40 +268,59 @@ fn check(kept_net: Net, recast_net: Net, ranks: usize, fewer: usize) -> TestResu
     Ok(())
 }
 
-/// Per recast linear the E4M3 copy of its input (one byte per element) is not held; the two scales
-/// it keeps instead (8 bytes) replace the saved inverse scale (4 bytes).
-fn recast_saving(net: Net) -> usize {
-    LAYERS * recast_linears(net) * (BATCH * SEQ * D - 4)
+/// Per recast linear the E4M3 copy of its input (one byte per element) is not held; per tensor, the
+/// two scales it keeps instead (8 bytes) replace the saved inverse scale (4 bytes); block-scaled, the
+/// tiles' inverse scales go too.
+fn recast_saving(net: Net) -> TestResult<usize> {
+    let per_linear = if net.block_scaled() {
+        let l = BlockQuantLayout::Columns128x1Transposed.output_layout(BATCH * SEQ, D)?;
+        l.numel() + 4 * ScaleOrder::Gemm.strides(&l)?.len
+    } else {
+        BATCH * SEQ * D - 4
+    };
+    Ok(LAYERS * recast_linears(net) * per_linear)
 }
 
 #[test]
 fn recast_projection_input_trains_bit_identically() -> TestResult<()> {
-    for ranks in [1, 2] {
-        let net = Net::Attention { recast: true };
-        check(
-            Net::Attention { recast: false },
-            net,
-            ranks,
-            recast_saving(net),
-        )?;
+    for (ranks, block) in [(1, false), (2, false), (1, true), (2, true)] {
+        let net = Net::Attention {
+            recast: true,
+            block,
+        };
+        let kept = Net::Attention {
+            recast: false,
+            block,
+        };
+        check(kept, net, ranks, recast_saving(net)?)?;
     }
     Ok(())
 }
 
 #[test]
 fn recast_block_inputs_train_bit_identically() -> TestResult<()> {
-    for (llama, ranks) in [(true, 1), (true, 2), (false, 1)] {
+    let cases = [
+        (true, 1, false),
+        (true, 2, false),
+        (false, 1, false),
+        (true, 1, true),
+        (true, 2, true),
+        (false, 1, true),
+    ];
+    for (llama, ranks, block) in cases {
         let net = Net::Block {
             llama,
             recast: true,
             recompute_up: 0,
+            block,
         };
         let kept = Net::Block {
             llama,
             recast: false,
             recompute_up: 0,
+            block,
         };
-        check(kept, net, ranks, recast_saving(net))?;
+        check(kept, net, ranks, recast_saving(net)?)?;
     }
     Ok(())
 }
@@ -284,11 +333,13 @@ fn recomputed_mlp_up_output_trains_bit_identically() -> TestResult<()> {
             llama,
             recast: true,
             recompute_up: 0,
+            block: false,
         };
         let recompute = Net::Block {
             llama,
             recast: true,
             recompute_up: blocks,
+            block: false,
         };
         check(recast, recompute, ranks, blocks * u_bytes)?;
     }
@@ -297,6 +348,7 @@ fn recomputed_mlp_up_output_trains_bit_identically() -> TestResult<()> {
         llama: true,
         recast: false,
         recompute_up,
+        block: false,
     };
     check(kept(0), kept(LAYERS), 1, 0)
 }

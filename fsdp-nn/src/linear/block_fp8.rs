@@ -207,6 +207,7 @@ impl<T: Activation> Linear<T> {
         // backward keeps one byte per element instead of `x` (two or four); the same `x` gives the same
         // codes whenever it is cast.
         let keep = ctx.is_training() && self.keep_block_input;
+        self.block_awaited = ctx.is_training() && !self.keep_block_input;
         let casts = Quantized::tiles(
             &dev,
             input,
@@ -247,10 +248,10 @@ impl<T: Activation> Linear<T> {
 
     /// [`Linear::save_block_input`]: the weight-gradient operand cast from the values `input` gives for an
     /// input of shape `shape`, kept.
-    pub(super) fn save_block_input_impl(
+    pub(super) fn save_block_input_impl<E: FloatElement>(
         &mut self,
         ctx: &mut Ctx<'_>,
-        input: BlockCastInput<'_, T>,
+        input: BlockCastInput<'_, E>,
         shape: Shape,
     ) -> Result<(), NnError> {
         let bs = self.required_block_scaling()?;
@@ -276,6 +277,7 @@ impl<T: Activation> Linear<T> {
             x_t: x_t.codes,
             x_t_scale_inv: x_t.scale_inv,
         });
+        self.block_awaited = false;
         Ok(())
     }
 
