@@ -10,6 +10,8 @@
 //! | GELU gradient, both | 4 (`u`, `dy`) | 2 |
 //! | SwiGLU, both | 4 (`gate`, `up`) | 2 |
 //! | SwiGLU gradient, both (`[dgate, dup]`, width `2 w`) | 2 + 1 (`gu`, `dh` per output) | 2 |
+//! | LayerNorm statistics only (`norm_forward_stats`) | 2 | 8 bytes a row |
+//! | LayerNorm output from them, both | 2 (`x`; weight and statistics are small) | 2 |
 //!
 //! A cast is a memory-bound pass: its rate is (bytes read + bytes written, scales included) / time,
 //! and the ceiling is a device-to-device copy of the input (2 x its bytes / time). Every input is
@@ -23,6 +25,7 @@ mod common;
 use common::{bench_exit, time_ms};
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::elementwise::GeluApprox;
+use fp8_kernels::layer_norm::{norm_forward_stats, NormSpec, NormStats};
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_quantize_tiles, BlockCastInput, BlockQuantLayout, BlockQuantOutput, Buffer, Device,
@@ -155,7 +158,22 @@ fn bench_shape(
     drop(copy);
     let mut rows_out = Vec::new();
     let tanh = GeluApprox::Tanh;
-    let cases: [(&'static str, BlockCastInput<'_, bf16>, Layouts, usize); 6] = [
+    // LayerNorm's output from its statistics alone (what a norm before a block-scaled linear runs).
+    let spec = NormSpec::layer_norm(rows, cols);
+    let w = gpu.upload(&random_bf16(cols, 4))?;
+    let mut stats = NormStats::new(gpu, rows)?;
+    let stats_ms = time_ms(&dev, iters, || {
+        norm_forward_stats(&spec, &x, &w, None, &mut stats)
+    })?;
+    rows_out.push(Row {
+        preset,
+        shape,
+        cast: "LayerNorm statistics only",
+        ms: stats_ms,
+        gbs: (2 * n + 8 * rows) as f64 / (stats_ms * 1e-3) / 1e9,
+        copy_gbs,
+    });
+    let cases: [(&'static str, BlockCastInput<'_, bf16>, Layouts, usize); 7] = [
         ("1x128", BlockCastInput::Values(&x), Layouts::Rows, 2 * n),
         ("128x1^T", BlockCastInput::Values(&x), Layouts::Cols, 2 * n),
         ("both", BlockCastInput::Values(&x), Layouts::Both, 2 * n),
@@ -183,6 +201,18 @@ fn bench_shape(
             BlockCastInput::SwiGlu { gu: &gu },
             Layouts::Both,
             4 * n,
+        ),
+        (
+            "LayerNorm output, both",
+            BlockCastInput::Norm {
+                x: &x,
+                weight: &w,
+                bias: None,
+                stats: &stats,
+                spec,
+            },
+            Layouts::Both,
+            2 * n,
         ),
     ];
     for (name, input, layouts, read) in cases {

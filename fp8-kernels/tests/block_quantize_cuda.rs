@@ -5,9 +5,10 @@
 //! and in the GEMM's order; the packed 1x128 records and the dequantized sum of their rows likewise (1 to
 //! 8 rows, f32/bf16/f16 accumulators, several scales alpha); `block_quantize_both` (both 1x128 layouts
 //! from one read) against the CPU's two casts; `block_quantize_tiles` of activations computed inside the
-//! cast (GELU, its gradient, SwiGLU, its gradient; one layout or both) against the activation kernel
-//! followed by the casts (SwiGLU's on the CPU; GELU's on CUDA, whose tanh and exp may differ from the
-//! CPU's in the last place); and CUDA run twice gives the same bits. GPU
+//! cast (GELU, its gradient, SwiGLU, its gradient, LayerNorm's and RMSNorm's output from the statistics
+//! alone; one layout or both) against the activation kernel followed by the casts (SwiGLU's and the
+//! norms' on the CPU; GELU's on CUDA, whose tanh and exp may differ from the CPU's in the last place);
+//! and CUDA run twice gives the same bits. GPU
 //! tests: ignored unless run with `--ignored` (`scripts/gpu-tests.sh`), and failing where no
 //! GPU can be opened.
 
@@ -260,7 +261,34 @@ fn run_tiles_with<T: FloatElement>(
     };
     let (ab, bb) = (up(a), up(b));
     let approx = fp8_kernels::elementwise::GeluApprox::Tanh;
+    // The norms: x in a, the weight and (LayerNorm) the bias in b; the statistics alone on this device.
+    use fp8_kernels::layer_norm::{norm_forward_stats, NormSpec, NormStats};
+    let norm_spec = if kind == "layer_norm" {
+        NormSpec::layer_norm(rows, cols)
+    } else {
+        NormSpec::rms_norm(rows, cols)
+    };
+    let is_norm = kind.ends_with("_norm");
+    let (nw, nb) = if is_norm {
+        (
+            up(&b[..cols]),
+            (kind == "layer_norm").then(|| up(&b[cols..2 * cols])),
+        )
+    } else {
+        (up(&[]), None)
+    };
+    let mut stats = NormStats::new(dev, rows).unwrap();
+    if is_norm {
+        norm_forward_stats(&norm_spec, &ab, &nw, nb.as_ref(), &mut stats).unwrap();
+    }
     let input = match kind {
+        "layer_norm" | "rms_norm" => BlockCastInput::Norm {
+            x: &ab,
+            weight: &nw,
+            bias: nb.as_ref(),
+            stats: &stats,
+            spec: norm_spec,
+        },
         "gelu" => BlockCastInput::Gelu { u: &ab, approx },
         "gelu_grad" => BlockCastInput::GeluGrad {
             u: &ab,
@@ -346,12 +374,22 @@ fn cuda_activation_tiles_match_the_unfused_casts_bitwise_and_are_deterministic()
         .iter()
         .enumerate()
     {
-        for kind in ["values", "gelu", "gelu_grad", "swiglu", "swiglu_grad"] {
+        let kinds = [
+            "values",
+            "gelu",
+            "gelu_grad",
+            "swiglu",
+            "swiglu_grad",
+            "layer_norm",
+            "rms_norm",
+        ];
+        for kind in kinds {
             // The inputs' sizes: SwiGLU reads gu [rows, 2 cols]; its gradient writes [rows, cols] from
-            // gu [rows, cols] and dh [rows, cols / 2].
+            // gu [rows, cols] and dh [rows, cols / 2]; a norm reads x [rows, cols], its weight and bias.
             let (na, nb) = match kind {
                 "swiglu" => (2 * rows * cols, 0),
                 "swiglu_grad" => (rows * cols, rows * cols / 2),
+                "layer_norm" | "rms_norm" => (rows * cols, 2 * cols),
                 _ => (rows * cols, rows * cols),
             };
             let a: Vec<f32> = SplitMix64::new(0xAC7 + k as u64)
@@ -377,7 +415,8 @@ fn cuda_activation_tiles_match_the_unfused_casts_bitwise_and_are_deterministic()
                     for f32_in in [false, true] {
                         // GELU's tanh and exp may differ between the devices in the last place (the
                         // element-wise family's documented exception): its reference is CUDA's own GELU
-                        // kernel written to a buffer, then the cast; SwiGLU's (exp_fixed) is the CPU.
+                        // kernel written to a buffer, then the cast; SwiGLU's (exp_fixed) and the norms'
+                        // (statistics and output bitwise on both devices) are the CPU.
                         let cpu = if kind.starts_with("gelu") {
                             let values = gpu_gelu_values(&gpu, kind, &a, &b, f32_in);
                             if f32_in {

@@ -445,10 +445,11 @@ proptest! {
         rows in 1usize..140,
         half in 1usize..80,
         seed in any::<u64>(),
-        kind in 0usize..4,
+        kind in 0usize..6,
         gemm_order in any::<bool>(),
     ) {
         use fp8_kernels::elementwise::{gelu_grad_scalar, gelu_scalar, GeluApprox};
+        use fp8_kernels::layer_norm::{norm_forward, norm_forward_stats, NormSpec, NormStats};
         use fp8_kernels::swiglu_cast::{swiglu_grad_scalars, swiglu_scalar};
         let dev = Device::cpu();
         let cols = 2 * half;
@@ -481,6 +482,18 @@ proptest! {
                     .collect();
                 (gu, Vec::new(), w)
             }
+            // LayerNorm (with a bias) and RMSNorm: the forward's own output.
+            4 | 5 => {
+                let x = draw(rows * cols);
+                let wb = draw(2 * cols);
+                let spec = if kind == 4 { NormSpec::layer_norm(rows, cols) } else { NormSpec::rms_norm(rows, cols) };
+                let (xb, w) = (dev.upload(&x).unwrap(), dev.upload(&wb[..cols]).unwrap());
+                let b = (kind == 4).then(|| dev.upload(&wb[cols..]).unwrap());
+                let mut st = NormStats::new(&dev, rows).unwrap();
+                let mut y = dev.zeros::<bf16>(rows * cols).unwrap();
+                norm_forward(&spec, &xb, &w, b.as_ref(), &mut st, &mut y).unwrap();
+                (x, wb, y.to_vec().unwrap().iter().map(|v| v.to_f32()).collect())
+            }
             _ => {
                 let (gu, dh) = (draw(rows * cols), draw(rows * half));
                 let w = (0..rows * cols)
@@ -496,10 +509,22 @@ proptest! {
             }
         };
         let (ab, bb) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap());
+        // The norm's parameters and the statistics alone (the fused cast applies them itself).
+        let norm_spec = if kind == 4 { NormSpec::layer_norm(rows, cols) } else { NormSpec::rms_norm(rows, cols) };
+        let (nw, nb) = if kind >= 4 {
+            (dev.upload(&b[..cols]).unwrap(), (kind == 4).then(|| dev.upload(&b[cols..]).unwrap()))
+        } else {
+            (dev.zeros::<bf16>(cols).unwrap(), None)
+        };
+        let mut stats = NormStats::new(&dev, rows).unwrap();
+        if kind >= 4 {
+            norm_forward_stats(&norm_spec, &ab, &nw, nb.as_ref(), &mut stats).unwrap();
+        }
         let input = match kind {
             0 => BlockCastInput::Gelu { u: &ab, approx },
             1 => BlockCastInput::GeluGrad { u: &ab, dy: &bb, approx },
             2 => BlockCastInput::SwiGlu { gu: &ab },
+            4 | 5 => BlockCastInput::Norm { x: &ab, weight: &nw, bias: nb.as_ref(), stats: &stats, spec: norm_spec },
             _ => BlockCastInput::SwiGluGrad { gu: &ab, dh: &bb },
         };
         let order = if gemm_order { ScaleOrder::Gemm } else { ScaleOrder::RowMajor };

@@ -110,8 +110,14 @@ nvrtc_test! {
                 for rpw in rpws {
                     for kind in ["ln", "rms"] {
                         let plain = format!("ln_fwd_{t}_nv{nv}_r{rpw}_{kind}");
+                        let stats = format!("ln_stats_{t}_nv{nv}_r{rpw}_{kind}");
                         let fused = format!("ln_fwd_fp8_{t}_e4m3_nv{nv}_r{rpw}_{kind}");
                         assert!(!entry(&ptx, &plain).contains(".local"), "{plain} uses local memory");
+                        // The statistics alone: no output store of the element type.
+                        let st = entry(&ptx, &stats);
+                        assert!(!st.contains(".local"), "{stats} uses local memory");
+                        let out_store = if *t == "bf16" { "st.global.v4" } else { "st.global.v4.f32" };
+                        assert!(!st.contains(out_store), "{stats} stores rows");
                         let body = entry(&ptx, &fused);
                         assert!(body.contains("cvt.rn.satfinite.e4m3x2.f32"), "{fused}");
                         assert!(!body.contains(".local"), "{fused} uses local memory");
@@ -119,7 +125,7 @@ nvrtc_test! {
                 }
             }
             let entries = ptx.matches(".entry ").count();
-            assert_eq!(entries, types.len() * rpws.len() * 4, "{}: entries", m.name);
+            assert_eq!(entries, types.len() * rpws.len() * 6, "{}: entries", m.name);
         }
         let legacy = compile(&LAYER_NORM_LEGACY_MODULE);
         for nv in ["nv0", "nv4", "nv8", "nv12", "nv16"] {

@@ -9,7 +9,11 @@
 //!   row-major codes, the transposed codes the linear keeps for its weight gradient, and the amax into the
 //!   linear's input meta, cast with that meta's scale; the normalised tensor never exists. Bit-identical to
 //!   [`Norm::forward_ref`] followed by the linear's own cast (the norm's output is rounded to the
-//!   activation type before the cast either way);
+//!   activation type before the cast either way). When the linear is block-scaled the norm computes its
+//!   row statistics only and the linear's 1x128 / 128x1 casts apply them as they read `x`
+//!   (`BlockCastInput::Norm`), again without writing the normalised tensor, bit for bit the unfused
+//!   path; a recast in the backward ([`Norm::restore_linear_input`]) applies the kept statistics the
+//!   same way;
 //! - as a [`Layer`] (keeps its own input).
 //!
 //! The backward takes the output gradient and the forward's input, and either returns `dx` or adds it
@@ -18,9 +22,10 @@
 
 use crate::layer::{rows_of_width, take_saved, Activation, InputGrad, Layer};
 use crate::{Linear, NnError, Shape, Tensor};
+use fp8_kernels::block_quantize::BlockCastInput;
 use fp8_kernels::layer_norm::{
-    norm_backward, norm_forward, norm_forward_fp8, Fp8NormOutput, GradMode, NormGrads, NormKind,
-    NormSpec, NormStats, DEFAULT_EPS,
+    norm_backward, norm_forward, norm_forward_fp8, norm_forward_stats, Fp8NormOutput, GradMode,
+    NormGrads, NormKind, NormSpec, NormStats, DEFAULT_EPS,
 };
 use fp8_kernels::{convert, Buffer, Device};
 use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
@@ -189,6 +194,9 @@ impl<T: Activation> Norm<T> {
             // Unfused per-tensor, the linear casts the bf16-rounded output itself: it keeps its input,
             // as restore_linear_input could not recreate those codes from this norm's fused kernel.
             linear.set_keep_fp8_input(true);
+            if self.fuse_fp8 && linear.is_block_scaled() {
+                return self.forward_block_linear(ctx, x, linear);
+            }
             let h = self.forward_ref(ctx, x)?;
             let y = linear.forward(ctx, h)?;
             if !ctx.is_training() {
@@ -245,6 +253,36 @@ impl<T: Activation> Norm<T> {
         Ok(y)
     }
 
+    /// `linear(norm(x))` for a block-scaled linear: this norm computes its row statistics only, and the
+    /// linear's 1x128 / 128x1 casts compute the normalised values from them as they read `x`
+    /// (`BlockCastInput::Norm`: the same values as [`Norm::forward_ref`]'s, which are never written).
+    fn forward_block_linear(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        x: &Tensor<T>,
+        linear: &mut Linear<T>,
+    ) -> Result<Tensor<T>, NnError> {
+        let spec = self.spec(x.shape())?;
+        let (w, b) = self.params_in(ctx)?;
+        let mut stats = NormStats::new(ctx.device(), spec.rows)?;
+        norm_forward_stats(&spec, x.data(), &w, b.as_ref(), &mut stats)?;
+        let input = BlockCastInput::Norm {
+            x: x.data(),
+            weight: &w,
+            bias: b.as_ref(),
+            stats: &stats,
+            spec,
+        };
+        let y = linear.forward_from(ctx, input, x.shape())?;
+        if ctx.is_training() {
+            self.stats = Some(stats);
+        } else {
+            self.stats = None;
+            linear.drop_saved();
+        }
+        Ok(y)
+    }
+
     /// Writes `linear`'s E4M3 `x^T` again from `x`, the input of the last training
     /// [`Norm::forward_linear`], when the linear kept none ([`Linear::set_keep_fp8_input`]): this norm's
     /// fused forward once more at the forward's scale, recording no amax, its statistics discarded. The
@@ -260,9 +298,26 @@ impl<T: Activation> Norm<T> {
         row_major: bool,
     ) -> Result<Option<Buffer<u8>>, NnError> {
         if linear.awaits_block_input() {
-            // This norm's output once more (its statistics discarded), cast by the linear.
-            let (h, _) = self.normalized(ctx, x)?;
-            linear.save_block_input(ctx, &h)?;
+            match (self.fuse_fp8, self.stats.as_ref()) {
+                // The kept statistics applied inside the linear's cast, as in the forward.
+                (true, Some(stats)) => {
+                    let spec = self.spec(x.shape())?;
+                    let (w, b) = self.params_in(ctx)?;
+                    let input = BlockCastInput::Norm {
+                        x: x.data(),
+                        weight: &w,
+                        bias: b.as_ref(),
+                        stats,
+                        spec,
+                    };
+                    linear.save_block_input_from(ctx, input, x.shape())?;
+                }
+                // This norm's output once more (its statistics discarded), cast by the linear.
+                _ => {
+                    let (h, _) = self.normalized(ctx, x)?;
+                    linear.save_block_input(ctx, &h)?;
+                }
+            }
             return Ok(None);
         }
         if !linear.awaits_fp8_input() {

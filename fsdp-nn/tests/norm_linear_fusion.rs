@@ -3,6 +3,10 @@
 //! gradients (which read the saved transposed codes) and recorded amaxes, over several steps of delayed
 //! scaling (so the scale moves off its initial value), in training and evaluation, for LayerNorm with and
 //! without a bias and RMSNorm. (The port of the old `Fp8Linear::quantize_input_norm` wrapper's test.)
+//! Before a block-scaled linear the fused norm computes its statistics only and the linear's casts apply
+//! them (`BlockCastInput::Norm`): the same bits as the norm's output cast by the linear, with the linear
+//! keeping its input or recasting it in the backward from the kept statistics, at token counts that are
+//! and are not a multiple of the GEMM's 16.
 
 mod transformer_common;
 
@@ -119,6 +123,74 @@ fn fused_norm_cast_equals_norm_then_cast() {
             if step >= 2 {
                 assert_ne!(a.6, 1.0, "{what}: the delayed scale moved");
             }
+        }
+    }
+}
+
+#[test]
+fn fused_norm_block_cast_equals_norm_then_block_cast() {
+    let recipe = fp8_core::Fp8Recipe::block_scaled(fp8_core::ScaleRounding::PowerOfTwo);
+    let block_net = |kind, bias, fused| {
+        let mut n = NormLinear::new(kind, bias, fused);
+        n.linear = Linear::new(48, 32)
+            .and_then(|l| l.with_precision(LinearPrecision::Fp8))
+            .and_then(|l| l.with_fp8_recipe(&recipe))
+            .map(|l| l.with_seed(3))
+            .unwrap()
+            .without_bias();
+        one_rank(n)
+    };
+    for (kind, bias) in [
+        (NormKind::LayerNorm, false),
+        (NormKind::LayerNorm, true),
+        (NormKind::RmsNorm, false),
+    ] {
+        for (batch, recast) in [(4, false), (3, false), (4, true), (3, true)] {
+            let mut fused = block_net(kind, bias, true);
+            let mut plain = block_net(kind, bias, false);
+            assert!(fused.module().linear.is_block_scaled());
+            let shape = [batch, 8, 48];
+            let x = uniform(batch * 8 * 48, 2.0, 100 + batch as u64);
+            let w = uniform(48, 3.0, 200);
+            let dy = uniform(batch * 8 * 32, 1.0, 300);
+            let mut out = Vec::new();
+            for m in [&mut fused, &mut plain] {
+                let id = m.module().norm.weight_id();
+                set_values(m, id, &w);
+                m.sharded_mut().zero_grads().unwrap();
+                let (xt, dyt) = (tensor(m, &x, &shape), tensor(m, &dy, &[batch, 8, 32]));
+                let y = m
+                    .forward(Mode::Train, |n, ctx| {
+                        // A caller that holds x asks the linear to keep nothing of its input.
+                        n.linear.set_keep_fp8_input(!recast);
+                        n.forward(ctx, &xt)
+                    })
+                    .unwrap();
+                let awaited = m.module().linear.awaits_block_input();
+                let dx = m
+                    .backward(|n, ctx| {
+                        n.norm
+                            .restore_linear_input(ctx, &xt, &mut n.linear, false)?;
+                        n.backward(ctx, &xt, &dyt)
+                    })
+                    .unwrap();
+                let names = m.param_names().unwrap();
+                let grads: Vec<Vec<f32>> = names.iter().map(|&(_, id)| grad(m, id)).collect();
+                let eval = m.forward(Mode::Eval, |n, ctx| n.forward(ctx, &xt)).unwrap();
+                out.push((y, awaited, dx, grads, eval));
+            }
+            let (a, b) = (&out[0], &out[1]);
+            let what = format!("{kind:?} bias {bias} batch {batch} recast {recast}");
+            assert_eq!(a.1, recast, "{what}: the linear waits for its input");
+            assert_eq!(a.0, b.0, "{what}: output");
+            assert_eq!(a.2, b.2, "{what}: input gradient");
+            assert_eq!(a.3, b.3, "{what}: parameter gradients");
+            assert!(
+                a.3.iter().all(|g| g.iter().any(|&v| v != 0.0)),
+                "{what}: gradients"
+            );
+            assert_eq!(a.4, b.4, "{what}: evaluation output");
+            assert_eq!(a.0, a.4, "{what}: evaluation equals training");
         }
     }
 }

@@ -154,13 +154,13 @@ __device__ void bdqs_impl(const u8* p, typename Out::T* out, float alpha, int pi
                                                           int cols) {                                           \
         bq_1x128_impl<IN, FMT>(x, BqPackedSink{p, row_bytes, scales_offset}, fmax, exact, rows, cols);           \
     }                                                                                                           \
-    extern "C" __global__ void bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
+    extern "C" __global__ void BQ_TILES_CAST_BOUNDS(IN) bq_128x1t_##NAME##_##FNAME(const IN::T* x, u8* yt, float* scale, float* scale_inv, \
                                                           u64 srs, u64 scs, float fmax, int exact, int rows,    \
                                                           int cols) {                                           \
         bq_tiles_impl<IN, FMT>(x, x, CastValue<IN>{}, nullptr, nullptr, nullptr, 0, 0, yt, scale, scale_inv, srs,  \
                                scs, fmax, exact, rows, cols);                                                   \
     }                                                                                                           \
-    extern "C" __global__ void bq_both_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,    \
+    extern "C" __global__ void BQ_TILES_CAST_BOUNDS(IN) bq_both_##NAME##_##FNAME(const IN::T* x, u8* y, float* scale, float* scale_inv,    \
                                                         u64 srs, u64 scs, u8* yt, float* tscale,                 \
                                                         float* tscale_inv, u64 trs, u64 tcs, float fmax,         \
                                                         int exact, int rows, int cols) {                         \

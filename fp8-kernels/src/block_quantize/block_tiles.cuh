@@ -18,6 +18,18 @@
 // a row (y) and 8 consecutive rows of a column (yt), byte by byte where the shape or the alignment does not
 // allow that. The amaxes are order-free maxima, so the codes and scales equal the one-layout casts'.
 
+// The kernels around bq_tiles_impl run 256 threads a block; the register cap lets several blocks share an
+// SM (a memory-bound pass needs the loads of several regions in flight): for 16-bit inputs 4 blocks (64
+// registers, no spills with NVRTC 13.0); for f32 inputs, whose 64 values alone take 64 registers, 2.
+template <class E>
+struct BqCastBlocks {
+    static constexpr int value = sizeof(typename E::T) == 2 ? 4 : 2;
+};
+#define BQ_TILES_CAST_BOUNDS(E) __launch_bounds__(256, BqCastBlocks<E>::value)
+// The activation casts (BF16): two inputs and the activation's arithmetic want about 120 registers; at
+// 3 blocks (80 registers) a few bytes spill into L1.
+#define BQ_TILES_ACT_BOUNDS __launch_bounds__(256, 3)
+
 // Eight values of one row as the element type holds them (exact: every value is already rounded to it).
 template <class E, int BYTES = sizeof(typename E::T)>
 struct BqEight;

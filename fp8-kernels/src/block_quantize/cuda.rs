@@ -8,7 +8,7 @@ use super::{
 };
 use crate::cast::format_name;
 use crate::elementwise::GeluApprox;
-use crate::launch::{grid, kernel_name, launch, optional_ptr_mut};
+use crate::launch::{grid, kernel_name, launch, optional_ptr, optional_ptr_mut};
 use crate::{CudaDevice, FloatElement, KernelError};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, BLOCK_SIZE};
@@ -162,6 +162,30 @@ pub(super) fn quantize_tiles<T: FloatElement>(
             [gu, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr, &tsi.ptr, &trs, &tcs,
              &fmax, &exact, &r, &c]
         )
+        }
+        BlockCastInput::Norm {
+            x,
+            weight,
+            bias,
+            stats,
+            ..
+        } => {
+            let (x, w) = (x.cuda(WHAT)?, weight.cuda(WHAT)?);
+            let (mean, rstd) = (stats.mean.cuda(WHAT)?, stats.rstd.cuda(WHAT)?);
+            let b = optional_ptr(bias.map(|b| b.cuda(WHAT)).transpose()?, &stream);
+            // w and b hold cols values, mean and rstd rows (checked by mod.rs).
+            launch!(
+                dev,
+                &BLOCK_ACTIVATION_MODULE,
+                kernel_name!("bq_norm_bf16_", fname),
+                cfg,
+                "bq_norm_<T>_<fmt>(const T* x, const T* w, const T* b, const float* mean, \
+                 const float* rstd, u8* y, float* scale, float* scale_inv, u64 srs, u64 scs, u8* yt, \
+                 float* tscale, float* tscale_inv, u64 trs, u64 tcs, float fmax, int exact, int rows, \
+                 int cols)",
+                [x, w, &b.ptr, mean, rstd, &y.ptr, &s.ptr, &si.ptr, &srs, &scs, &yt.ptr, &ts.ptr,
+                 &tsi.ptr, &trs, &tcs, &fmax, &exact, &r, &c]
+            )
         }
         BlockCastInput::SwiGluGrad { gu, dh } => {
             let (gu, dh) = (gu.cuda(WHAT)?, dh.cuda(WHAT)?);

@@ -48,6 +48,7 @@ mod cuda;
 use crate::device::{device_of, dispatch, Placed};
 use crate::elementwise::{gelu_backward, gelu_forward, GeluApprox};
 use crate::kernel_source::{KernelModule, ModuleArch};
+use crate::layer_norm::{norm_forward, NormSpec, NormStats};
 use crate::swiglu_cast::{swiglu_backward, swiglu_forward};
 use crate::{check_len, Buffer, FloatElement, KernelError};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity, BLOCK_SIZE};
@@ -364,6 +365,22 @@ pub enum BlockCastInput<'a, T: FloatElement> {
         /// The gradient of SwiGLU's output.
         dh: &'a Buffer<T>,
     },
+    /// The output of the LayerNorm / RMSNorm `spec` ([`crate::layer_norm::norm_forward`]) of
+    /// `x [rows, cols]` (`spec.rows` x `spec.d`), computed from the row statistics `stats` that
+    /// [`crate::layer_norm::norm_forward_stats`] (or the forward itself) wrote for this `x`: the same
+    /// operations as the forward's, so the same values, and the norm's output is never written.
+    Norm {
+        /// The norm's input.
+        x: &'a Buffer<T>,
+        /// Its weight `[cols]`.
+        weight: &'a Buffer<T>,
+        /// Its bias `[cols]`, if any.
+        bias: Option<&'a Buffer<T>>,
+        /// The forward's row statistics of `x`.
+        stats: &'a NormStats,
+        /// The normalisation.
+        spec: NormSpec,
+    },
 }
 
 impl<T: FloatElement> BlockCastInput<'_, T> {
@@ -379,6 +396,30 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
                 check_len(what, n, dy.len())
             }
             BlockCastInput::SwiGlu { gu } => check_len(what, 2 * n, gu.len()),
+            BlockCastInput::Norm {
+                x,
+                weight,
+                bias,
+                stats,
+                spec,
+            } => {
+                if [spec.rows, spec.d] != [rows, cols] {
+                    return Err(KernelError::InvalidArgument {
+                        what,
+                        detail: format!(
+                            "a norm of {} x {} cast as {rows} x {cols}",
+                            spec.rows, spec.d
+                        ),
+                    });
+                }
+                check_len(what, n, x.len())?;
+                check_len(what, cols, weight.len())?;
+                if let Some(b) = bias {
+                    check_len(what, cols, b.len())?;
+                }
+                check_len(what, rows, stats.mean.len())?;
+                check_len(what, rows, stats.rstd.len())
+            }
             BlockCastInput::SwiGluGrad { gu, dh } => {
                 if cols % 2 != 0 {
                     return Err(KernelError::InvalidArgument {
@@ -393,12 +434,19 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
     }
 
     /// The input buffers (for the device check).
-    fn buffers(&self) -> [&Buffer<T>; 2] {
+    fn buffers(&self) -> Vec<&dyn Placed> {
         match *self {
-            BlockCastInput::Values(x) | BlockCastInput::Gelu { u: x, .. } => [x, x],
-            BlockCastInput::SwiGlu { gu } => [gu, gu],
+            BlockCastInput::Values(x) | BlockCastInput::Gelu { u: x, .. } => vec![x],
+            BlockCastInput::SwiGlu { gu } => vec![gu],
             BlockCastInput::GeluGrad { u: a, dy: b, .. }
-            | BlockCastInput::SwiGluGrad { gu: a, dh: b } => [a, b],
+            | BlockCastInput::SwiGluGrad { gu: a, dh: b } => vec![a, b],
+            BlockCastInput::Norm {
+                x,
+                weight,
+                ref bias,
+                stats,
+                ..
+            } => vec![x, weight, bias, &stats.mean, &stats.rstd],
         }
     }
 
@@ -418,6 +466,33 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
             BlockCastInput::SwiGluGrad { gu, dh } => {
                 swiglu_backward(gu, dh, [rows, cols / 2], &mut out)?
             }
+            BlockCastInput::Norm {
+                x,
+                weight,
+                bias,
+                stats,
+                spec,
+            } => match dev {
+                // From the given statistics, as the fused kernel computes it.
+                crate::Device::Cpu => {
+                    const WHAT: &str = "block_quantize_tiles";
+                    let b = bias.map(|b| b.host(WHAT)).transpose()?;
+                    crate::layer_norm::forward_with_stats(
+                        cols,
+                        x.host(WHAT)?,
+                        weight.host(WHAT)?,
+                        b,
+                        stats.mean.host(WHAT)?,
+                        stats.rstd.host(WHAT)?,
+                        out.host_mut(WHAT)?,
+                    );
+                }
+                // The forward again: the same statistics for the same x, so the same values.
+                crate::Device::Cuda(_) => {
+                    let mut scratch = NormStats::new(dev, rows)?;
+                    norm_forward(&spec, x, weight, bias, &mut scratch, &mut out)?
+                }
+            },
         }
         Ok(Some(out))
     }
@@ -470,10 +545,9 @@ pub fn block_quantize_tiles<T: FloatElement>(
             check_len(WHAT, strides.len, out.scale_inv.len())?;
         }
     }
-    let [x1, x2] = input.buffers();
     let mut outs = [rows_out, cols_out];
     let device = {
-        let mut all: Vec<&dyn Placed> = vec![x1, x2];
+        let mut all = input.buffers();
         for o in outs.iter().flatten() {
             all.extend([&*o.codes as &dyn Placed, &*o.scale, &*o.scale_inv]);
         }

@@ -90,6 +90,50 @@ fn for_each_row<T: FloatElement, O: Send>(
         });
 }
 
+/// The forward's output from given row statistics (`[rows]` each) of `x [rows, d]`: [`forward`]'s values
+/// when they are its statistics.
+pub(crate) fn forward_with_stats<T: FloatElement>(
+    d: usize,
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    mean: &[f32],
+    rstd: &[f32],
+    y: &mut [T],
+) {
+    y.par_chunks_mut(d.max(1))
+        .zip(x.par_chunks(d.max(1)))
+        .zip(mean.par_iter().zip(rstd))
+        .for_each(|((yr, xr), (&mu, &rs))| {
+            for (e, o) in yr.iter_mut().enumerate() {
+                let v = affine(
+                    xr[e].to_f32(),
+                    w[e].to_f32(),
+                    b.map(|b| b[e].to_f32()),
+                    mu,
+                    rs,
+                );
+                *o = T::from_f32(v);
+            }
+        });
+}
+
+/// The row statistics alone (those [`forward`] writes).
+pub(crate) fn statistics<T: FloatElement>(
+    spec: &NormSpec,
+    x: &[T],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
+    let d = spec.d;
+    mean.par_iter_mut()
+        .zip(rstd.par_iter_mut())
+        .enumerate()
+        .for_each(|(r, (mo, so))| {
+            (*mo, *so) = row_stats(&x[r * d..(r + 1) * d], spec.kind, spec.eps);
+        });
+}
+
 /// Forward into `y` (rounded to `T`).
 pub(crate) fn forward<T: FloatElement>(
     spec: &NormSpec,

@@ -201,15 +201,19 @@ pub(super) fn forward<T: FloatElement>(
     weight: &Buffer<T>,
     bias: Option<&Buffer<T>>,
     stats: &mut NormStats,
-    y: &mut Buffer<T>,
+    y: Option<&mut Buffer<T>>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "norm_forward";
     if spec.rows == 0 {
         return Ok(());
     }
-    if spec.launch.legacy_forward {
-        return legacy_forward(dev, spec, x, weight, bias, stats, y);
-    }
+    // The legacy kernels always write y; the statistics alone come from the current ones.
+    let y = match y {
+        Some(y) if spec.launch.legacy_forward => {
+            return legacy_forward(dev, spec, x, weight, bias, stats, y)
+        }
+        y => y,
+    };
     let plan = forward_plan(spec, T::DTYPE == DType::BF16)?;
     let cfg = LaunchConfig {
         grid_dim: (capped_grid(dev, spec.rows.div_ceil(plan.tile_rows)), 1, 1),
@@ -219,27 +223,34 @@ pub(super) fn forward<T: FloatElement>(
     let (rows, d, eps) = (spec.rows as i32, spec.d as i32, spec.eps);
     let NormStats { mean, rstd } = stats;
     let (xs, ws) = (cs(x, WHAT)?, cs(weight, WHAT)?);
-    let (ms, rs, ys) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?, cs_mut(y, WHAT)?);
+    let (ms, rs) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?);
     let bias = optional_ptr(bias.map(|b| cs(b, WHAT)).transpose()?, dev.stream());
+    let (nv, rpw, kind) = (plan.nv, plan.rows_per_warp, kind_name(spec));
     // 256 threads; x and y hold rows*d elements, w and b d, mean and rstd rows (checked by the caller).
-    launch!(
-        dev,
-        forward_module(plan.nv),
-        kernel_name!(
-            "ln_fwd_",
-            T::NAME,
-            "_nv",
-            plan.nv,
-            "_r",
-            plan.rows_per_warp,
-            "_",
-            kind_name(spec)
+    match y {
+        Some(y) => {
+            let ys = cs_mut(y, WHAT)?;
+            launch!(
+                dev,
+                forward_module(nv),
+                kernel_name!("ln_fwd_", T::NAME, "_nv", nv, "_r", rpw, "_", kind),
+                cfg,
+                "ln_fwd_<T>_nv<NV>_r<RPW>_<kind>(const T* x, const T* w, const T* b, float* mean, \
+                 float* rstd, T* y, int rows, int d, float eps)",
+                [xs, ws, &bias.ptr, ms, rs, ys, &rows, &d, &eps]
+            )
+        }
+        // The statistics alone: the same kernel without its output.
+        None => launch!(
+            dev,
+            forward_module(nv),
+            kernel_name!("ln_stats_", T::NAME, "_nv", nv, "_r", rpw, "_", kind),
+            cfg,
+            "ln_stats_<T>_nv<NV>_r<RPW>_<kind>(const T* x, const T* w, const T* b, float* mean, \
+             float* rstd, int rows, int d, float eps)",
+            [xs, ws, &bias.ptr, ms, rs, &rows, &d, &eps]
         ),
-        cfg,
-        "ln_fwd_<T>_nv<NV>_r<RPW>_<kind>(const T* x, const T* w, const T* b, float* mean, float* rstd, \
-         T* y, int rows, int d, float eps)",
-        [xs, ws, &bias.ptr, ms, rs, ys, &rows, &d, &eps]
-    )
+    }
 }
 
 pub(super) fn forward_fp8<T: FloatElement>(

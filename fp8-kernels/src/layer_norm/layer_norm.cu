@@ -304,8 +304,10 @@ __device__ __forceinline__ void ln_params8(const typename E::T* w, const typenam
 
 // ---- forward, output in the element type ----
 // Blocks of W warps take groups of W * RPW consecutive rows (grid-stride); warp i holds rows RPW i ..
-// RPW i + RPW - 1 of the group at once.
-template <class E, int NV, int RPW, int RMS>
+// RPW i + RPW - 1 of the group at once. WRITE_Y false writes the statistics only (y unused), for a
+// consumer that applies them itself: the block-scaled cast of the norm's output (block_activation.cu's
+// NormValue). A template parameter, not a null test, so the output variants compile as before.
+template <class E, int NV, int RPW, int RMS, bool WRITE_Y = true>
 __device__ void ln_fwd_rows(const typename E::T* x, const typename E::T* w, const typename E::T* b, float* mean_out,
                             float* rstd_out, typename E::T* y, int rows, int d, float eps) {
     typedef typename E::T T;
@@ -334,6 +336,7 @@ __device__ void ln_fwd_rows(const typename E::T* x, const typename E::T* w, cons
                 rstd_out[r0 + i] = rstd[i];
             }
         }
+        if (!WRITE_Y) continue;
         lane_vectors<NV>(lane, nvec, [&](int k, int j) {
             float wv[8], bv[8];
             ln_params8<E>(w, b, j, d, vec, wv, bv);
@@ -668,7 +671,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 #endif
 
 // ---- entry points ----
-// Forward: ln_fwd_<T>_nv<NV>_r<RPW>_<ln|rms> and ln_fwd_fp8_<T>_e4m3_nv<NV>_r<RPW>_<ln|rms>; register-held
+// Forward: ln_fwd_<T>_nv<NV>_r<RPW>_<ln|rms>, ln_stats_<T>_nv<NV>_r<RPW>_<ln|rms> (the statistics alone)
+// and ln_fwd_fp8_<T>_e4m3_nv<NV>_r<RPW>_<ln|rms>; register-held
 // variants (NV > 0) for bf16, the training type; f32 rows use the re-reading variants (NV = 0), which give
 // the same results. At most 512 threads per block; MINB (plain) and MINB8 (FP8) are the blocks of 512
 // threads per SM each variant is built for: 2 (64 registers a thread) where that fits without spilling,
@@ -679,6 +683,10 @@ extern "C" __global__ void __launch_bounds__(1024)
         const E::T* x, const E::T* w, const E::T* b, float* mean, float* rstd, E::T* y, int rows, int d,          \
         float eps) {                                                                                              \
         ln_fwd_rows<E, NV, RPW, RMS>(x, w, b, mean, rstd, y, rows, d, eps);                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(LN_MAX_THREADS, MINB) ln_stats_##TN##_nv##NV##_r##RPW##_##KN(     \
+        const E::T* x, const E::T* w, const E::T* b, float* mean, float* rstd, int rows, int d, float eps) {      \
+        ln_fwd_rows<E, NV, RPW, RMS, false>(x, w, b, mean, rstd, nullptr, rows, d, eps);                          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(LN_MAX_THREADS, MINB8)                                          \
         ln_fwd_fp8_##TN##_e4m3_nv##NV##_r##RPW##_##KN(const E::T* x, const E::T* w, const E::T* b, float* mean,   \

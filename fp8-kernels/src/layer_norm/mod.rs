@@ -448,7 +448,39 @@ pub fn norm_forward<T: FloatElement>(
             );
             Ok(())
         }
-        Some(dev) => cuda::forward(&dev, spec, x, weight, bias, stats, y),
+        Some(dev) => cuda::forward(&dev, spec, x, weight, bias, stats, Some(y)),
+    }
+}
+
+/// `y = T((x - mean) * rstd * w (+ b))` of host slices from given row statistics (the CPU side of the
+/// block-scaled cast of a norm's output).
+pub(crate) use cpu::forward_with_stats;
+
+/// The row statistics of [`norm_forward`] alone, for a consumer that applies them itself: the
+/// block-scaled cast of the norm's output (`crate::BlockCastInput::Norm`), which computes each output
+/// value as [`norm_forward`] does and never writes them. One read of `x`; `weight` and `bias` are
+/// checked as [`norm_forward`] checks them (the CUDA kernel is the forward's, without its output).
+pub fn norm_forward_stats<T: FloatElement>(
+    spec: &NormSpec,
+    x: &Buffer<T>,
+    weight: &Buffer<T>,
+    bias: Option<&Buffer<T>>,
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "norm_forward_stats";
+    check_forward(WHAT, spec, x, weight, bias, stats)?;
+    match device_of(WHAT, &[x])? {
+        None => {
+            let NormStats { mean, rstd } = stats;
+            cpu::statistics(
+                spec,
+                x.host(WHAT)?,
+                mean.host_mut(WHAT)?,
+                rstd.host_mut(WHAT)?,
+            );
+            Ok(())
+        }
+        Some(dev) => cuda::forward(&dev, spec, x, weight, bias, stats, None),
     }
 }
 
