@@ -22,17 +22,15 @@
 
 mod common;
 
-use common::{bench_exit, time_ms};
+use common::{bench_exit, random_bf16, time_ms};
 use fp8_core::{Fp8Format, ScaleRounding};
 use fp8_kernels::elementwise::GeluApprox;
 use fp8_kernels::layer_norm::{norm_forward_stats, NormSpec, NormStats};
-use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_quantize_tiles, BlockCastInput, BlockQuantLayout, BlockQuantOutput, Buffer, Device,
     KernelError, ScaleOrder,
 };
 use half::bf16;
-use rayon::prelude::*;
 use std::process::ExitCode;
 
 /// `(preset, tokens, width)`: the inputs of the linears (model width) and of the down projections
@@ -45,17 +43,6 @@ const SHAPES: [(&str, usize, usize); 6] = [
     ("llama-8b", 8192, 4096),
     ("llama-8b", 8192, 14336),
 ];
-
-/// Random bf16 values, uniform in [-1, 1) (counter-based, so the parallel fill is reproducible).
-fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
-    (0..n)
-        .into_par_iter()
-        .map(|i| {
-            let z = SplitMix64::mix(seed.wrapping_add((i as u64).wrapping_mul(SplitMix64::GAMMA)));
-            bf16::from_f32(((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        })
-        .collect()
-}
 
 /// One layout's output buffers for a `[rows, cols]` cast.
 struct Out {

@@ -27,16 +27,14 @@
 
 mod common;
 
-use common::{bench_exit, time_ms};
+use common::{bench_exit, random_bf16, time_ms};
 use fp8_core::Fp8Format;
 use fp8_kernels::gemm::{gemm_fp8, gemm_fp8_block, transpose_block_fp8};
-use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{
     block_quantize, BlockFp8Matrix, BlockQuantLayout, BlockQuantSpec, Buffer, CudaDevice, Device,
     DeviceScalar, Fp8Matrix, GemmSpec, KernelError, ScaleOrder, Transpose,
 };
 use half::bf16;
-use rayon::prelude::*;
 use std::collections::HashMap;
 use std::process::ExitCode;
 
@@ -48,17 +46,6 @@ const SHAPES: [(usize, usize, usize); 5] = [
     (8192, 8192, 8192),
     (16384, 2560, 10240),
 ];
-
-/// Random bf16 values, uniform in [-1, 1) (counter-based, so the parallel fill is reproducible).
-fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
-    (0..n)
-        .into_par_iter()
-        .map(|i| {
-            let z = SplitMix64::mix(seed.wrapping_add((i as u64).wrapping_mul(SplitMix64::GAMMA)));
-            bf16::from_f32(((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        })
-        .collect()
-}
 
 /// A block-scaled E4M3 cast held on the GPU.
 struct Cast {

@@ -2,7 +2,10 @@
 // Each example uses the part it needs.
 #![allow(dead_code)]
 
+use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{CudaDevice, KernelError};
+use half::bf16;
+use rayon::prelude::*;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -67,4 +70,15 @@ pub fn bench_exit(result: Result<(), KernelError>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Random bf16 values, uniform in [-1, 1) (counter-based, so the parallel fill is reproducible).
+pub fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
+    (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let z = SplitMix64::mix(seed.wrapping_add((i as u64).wrapping_mul(SplitMix64::GAMMA)));
+            bf16::from_f32(((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+        })
+        .collect()
 }
