@@ -183,8 +183,8 @@ impl<T: Activation> Norm<T> {
         x: &Tensor<T>,
         linear: &mut Linear<T>,
     ) -> Result<Tensor<T>, NnError> {
-        // A block-scaled linear takes its float input and casts it tile by tile itself (a norm fused
-        // with the 1x128 cast is later work).
+        // A block-scaled linear casts tile by tile itself: with fusion on it applies this norm's
+        // statistics as it reads x (forward_block_linear), else it takes the norm's output.
         if !(self.fuse_fp8 && linear.takes_fp8_codes()) {
             // Block-scaled, the cast is a function of this norm's output alone: a caller that asked
             // for no kept input (Linear::set_keep_fp8_input off) gets it recast from the recomputed
