@@ -2,18 +2,22 @@
 //! and backward to `dx` and `dW` as a training step runs it (`forward_with_grad`, then `backward`), in
 //! float and in FP8 (`--fp8-head`), at `peer_layers.py`'s shapes and the Llama-3 vocabulary's. Per shape:
 //! the median of `--iters` steps after 3 warm-up steps (CUDA events on the compute stream) and the extra
-//! peak (the pool's high-water mark during a step minus what the input, the weight and the two
-//! gradients hold, as the peer counts it). With `--peer FILE` (the JSON lines of `peer_layers.py`, same
-//! call) its `lmhead_ce_fwd_bwd` figures stand beside ours.
+//! peak (the pool's high-water mark during a step minus what the step's start held and the `dx` it
+//! returns; on the CPU the same from the byte count of live CPU buffers). With `--peer FILE` (the JSON
+//! lines of `peer_layers.py`, same call) its `lmhead_ce_fwd_bwd` figures stand beside ours.
 //!
 //! ```text
-//! lm_head_bench [--iters 10] [--peer FILE] [--shapes 8192x2560x50304,16384x768x50304,16384x2048x128256]
+//! lm_head_bench [--iters 10] [--peer FILE] [--chunk TOKENS]
+//!               [--shapes 8192x2560x50304,16384x768x50304,16384x2048x128256]
 //! ```
 //!
-//! CUDA only (source `cuda-env.sh` on the GPU machine); without a GPU it runs one tiny shape on the CPU
-//! to exercise the code (`--device cpu`), whose times say nothing.
+//! Made for CUDA (source `cuda-env.sh` on the GPU machine); without a GPU it runs one tiny shape on the
+//! CPU (`--device cpu`, or name `--shapes`), whose times say nothing but whose extra peak is counted the
+//! same way: a shape scaled down by `s` in tokens, width, vocabulary and chunk holds about `1 / s^2` of
+//! the full shape's bytes, so the memory plan can be checked without a GPU.
 
 use clap::Parser;
+use fp8_kernels::device::{host_buffer_bytes, reset_host_buffer_peak};
 use fp8_kernels::{CudaDevice, Device};
 use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
 use fsdp_nn::{LmHead, NnError, Shape, Tensor};
@@ -41,6 +45,9 @@ struct Args {
     /// TOKENSxDxVOCAB shapes [default: the peer's two and llama-1b's 16384x2048x128256].
     #[arg(long, value_delimiter = ',')]
     shapes: Option<Vec<String>>,
+    /// Tokens per chunk of the head [default: the head's own, `fsdp_nn::DEFAULT_HEAD_CHUNK`].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    chunk: Option<u64>,
 }
 
 struct Probe {
@@ -55,14 +62,18 @@ impl Module for Probe {
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// `(median ms, extra peak GiB or NaN on the CPU)` of the head's training step.
+/// `(median ms, extra peak GiB)` of the head's training step.
 fn measure(
     comm: Arc<dyn Communicator>,
     [tokens, d, vocab]: [usize; 3],
     fp8: bool,
     iters: usize,
+    chunk: Option<usize>,
 ) -> BenchResult<(f64, f64)> {
-    let head = LmHead::<bf16>::new(d, vocab)?.with_fp8(fp8);
+    let mut head = LmHead::<bf16>::new(d, vocab)?.with_fp8(fp8);
+    if let Some(c) = chunk {
+        head = head.with_chunk(c)?;
+    }
     let mut model = FsdpModel::new(
         Probe { head },
         comm,
@@ -101,19 +112,27 @@ fn measure(
         step(&mut model)?;
     }
     dev.synchronize()?;
+    // What one step holds beyond what its start held and the `dx` it returns (dropped at its end, so
+    // subtracted as the peer's input gradient).
+    let held = (tokens * d * 2) as u64;
     let extra = match &cuda {
         Some(c) => {
-            // What the step holds beyond x, W (F32 master and its gathered copy) and the gradients.
             let (before, _) = c.pool_memory()?;
             c.reset_pool_high_water()?;
             step(&mut model)?;
             dev.synchronize()?;
             let (_, high) = c.pool_memory()?;
-            let held = (tokens * d * 2) as u64; // dx
-            high.saturating_sub(before).saturating_sub(held) as f64 / f64::from(1u32 << 30)
+            high.saturating_sub(before).saturating_sub(held)
         }
-        None => f64::NAN,
-    };
+        None => {
+            let before = host_buffer_bytes().live as u64;
+            reset_host_buffer_peak();
+            step(&mut model)?;
+            let high = host_buffer_bytes().peak as u64;
+            high.saturating_sub(before).saturating_sub(held)
+        }
+    } as f64
+        / f64::from(1u32 << 30);
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         times.push(time_one(cuda.as_ref(), || step(&mut model))?);
@@ -202,12 +221,13 @@ fn run(args: Args) -> BenchResult<()> {
         None => String::new(),
     };
     let iters = usize::try_from(args.iters)?;
+    let chunk = args.chunk.map(usize::try_from).transpose()?;
     println!("| shape (tokens x d x vocab) | head | ours ms | extra peak GiB | PyTorch ms | extra peak GiB | ours / PyTorch |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for shape in shapes {
         let p = peer_figure(&peer, shape);
         for fp8 in [false, true] {
-            let (ms, gib) = measure(comm.clone(), shape, fp8, iters)?;
+            let (ms, gib) = measure(comm.clone(), shape, fp8, iters, chunk)?;
             let (pms, pgib, ratio) = match p {
                 Some((pms, pgib)) => (
                     format!("{pms:.2}"),
@@ -218,7 +238,7 @@ fn run(args: Args) -> BenchResult<()> {
             };
             let [t, d, v] = shape;
             println!(
-                "| {t} x {d} x {v} | {} | {ms:.2} | {gib:.2} | {pms} | {pgib} | {ratio} |",
+                "| {t} x {d} x {v} | {} | {ms:.2} | {gib:.3} | {pms} | {pgib} | {ratio} |",
                 if fp8 { "FP8" } else { "BF16" }
             );
         }
