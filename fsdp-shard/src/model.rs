@@ -596,23 +596,25 @@ impl ShardedModel {
             plain: None,
             works: Vec::with_capacity(3),
         };
+        // The receive buffers are left uninitialised: each all-gather writes every element (all ranks'
+        // padded shards), so a fill would be a pass over the unit's bytes for nothing.
         if g8.block_scaled {
             // Uneven shards stored padded to one length: the gathered buffers hold each rank's chunk
             // at `rank * shard_len`, and the cut in `wait_gather` skips the padding.
-            let mut full = self.device.zeros::<u8>(ws * shards.fp8.len())?;
+            let mut full = self.device.uninit::<u8>(ws * shards.fp8.len())?;
             pending.works.push(self.comm.all_gather_async(
                 SendBuf::fp8(&shards.fp8, Fp8Format::E4M3),
                 RecvBuf::Fp8(&mut full, Fp8Format::E4M3),
             )?);
             pending.fp8 = Some(full);
-            let mut scales = self.device.zeros::<f32>(ws * shards.block_scales.len())?;
+            let mut scales = self.device.uninit::<f32>(ws * shards.block_scales.len())?;
             pending.works.push(
                 self.comm
                     .all_gather_async((&shards.block_scales).into(), (&mut scales).into())?,
             );
             pending.scales = Some(scales);
         } else if !g8.is_empty() {
-            let mut full = self.device.zeros::<u8>(g8.padded_len(ws))?;
+            let mut full = self.device.uninit::<u8>(g8.padded_len(ws))?;
             pending.works.push(self.comm.all_gather_async(
                 SendBuf::fp8(&shards.fp8, Fp8Format::E4M3),
                 RecvBuf::Fp8(&mut full, Fp8Format::E4M3),
@@ -620,7 +622,7 @@ impl ShardedModel {
             pending.fp8 = Some(full);
         }
         if !gp.is_empty() {
-            let mut full = self.device.zeros::<f32>(gp.padded_len(ws))?;
+            let mut full = self.device.uninit::<f32>(gp.padded_len(ws))?;
             pending.works.push(
                 self.comm
                     .all_gather_async((&shards.plain).into(), (&mut full).into())?,
@@ -699,9 +701,9 @@ impl ShardedModel {
         } else if let Some(full) = &pending.fp8 {
             bytes += full.num_bytes();
             for (i, slot) in unit_layout.group(ParamGroup::Fp8).slots.iter().enumerate() {
-                let mut codes = self.device.zeros::<u8>(slot.numel)?;
+                let mut codes = self.device.uninit::<u8>(slot.numel)?;
                 codes.copy_range_from(0, full, slot.offset, slot.numel)?;
-                let mut scales = self.device.zeros::<f32>(2)?;
+                let mut scales = self.device.uninit::<f32>(2)?;
                 scales.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
                 bytes += codes.num_bytes() + scales.num_bytes();
                 params[ParamGroup::Fp8 as usize].push(GatheredParam::Fp8 { codes, scales });
@@ -710,7 +712,7 @@ impl ShardedModel {
         if let Some(full) = &pending.plain {
             bytes += full.num_bytes();
             for slot in &unit_layout.group(ParamGroup::Plain).slots {
-                let mut p = self.device.zeros::<f32>(slot.numel)?;
+                let mut p = self.device.uninit::<f32>(slot.numel)?;
                 p.copy_range_from(0, full, slot.offset, slot.numel)?;
                 bytes += p.num_bytes();
                 params[ParamGroup::Plain as usize].push(GatheredParam::Plain(p));

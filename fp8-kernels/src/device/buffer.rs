@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// Bytes held by live CPU buffers in this process, and their high-water mark (see [`host_buffer_bytes`]).
 static HOST_LIVE: AtomicUsize = AtomicUsize::new(0);
@@ -107,7 +107,47 @@ pub(crate) fn host_zeroed<T: Element>(len: usize) -> Vec<T> {
 /// A vector of `len` elements whose contents are unspecified: a reused one keeps its old values (the
 /// caller overwrites them, as for a CUDA `uninit`), a fresh one is zero-filled.
 pub(crate) fn host_unfilled<T: Element>(len: usize) -> Vec<T> {
-    host_reused(len).unwrap_or_else(|| vec![T::default(); len])
+    let mut v = host_reused(len).unwrap_or_else(|| vec![T::default(); len]);
+    if uninit_poison() {
+        bytemuck::cast_slice_mut::<T, u8>(&mut v).fill(UNINIT_POISON_BYTE);
+    }
+    v
+}
+
+/// The byte [`Device::uninit`] buffers are filled with while [`uninit_poison`] is on: every F32 and BF16
+/// element reads about `3.4e38`, every E4M3 code is NaN, every integer is large. A result that depends on
+/// such a value is far off, so a test that reads memory nothing wrote fails instead of passing on
+/// zeros or on a stale copy of the right answer.
+pub const UNINIT_POISON_BYTE: u8 = 0x7F;
+
+/// 0: not read yet, 1: off, 2: on.
+static POISON: AtomicU8 = AtomicU8::new(0);
+
+/// Whether [`Device::uninit`] fills its buffers with [`UNINIT_POISON_BYTE`] (CPU and CUDA). Off unless the
+/// environment variable `FP8_KERNELS_POISON_UNINIT` is `1` when first asked, or [`set_uninit_poison`]
+/// turned it on. CI runs every test with it on (`.ci/run`). Process-wide; turning it on never changes a
+/// correct result, only the cost of one fill per buffer.
+pub fn uninit_poison() -> bool {
+    match POISON.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var_os("FP8_KERNELS_POISON_UNINIT").is_some_and(|v| v == "1");
+            // Another thread may have set it in between: its value wins.
+            let _ = POISON.compare_exchange(
+                0,
+                if on { 2 } else { 1 },
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            POISON.load(Ordering::Relaxed) == 2
+        }
+        v => v == 2,
+    }
+}
+
+/// Turns the poison fill of [`Device::uninit`] buffers on or off for the whole process (see
+/// [`uninit_poison`]).
+pub fn set_uninit_poison(on: bool) {
+    POISON.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
 
 /// Keeps a freed vector in this thread's host cache when its size is in the cached range and the cache

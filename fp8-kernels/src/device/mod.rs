@@ -14,7 +14,8 @@ mod functions;
 
 pub use buffer::{
     check_len, clear_host_buffer_cache, host_buffer_bytes, host_buffer_cache_bytes,
-    reset_host_buffer_peak, Buffer, HostBufferBytes,
+    reset_host_buffer_peak, set_uninit_poison, uninit_poison, Buffer, HostBufferBytes,
+    UNINIT_POISON_BYTE,
 };
 pub(crate) use buffer::{cuda_slice, cuda_slice_mut, shape_len};
 pub use element::{DType, Element, FloatElement};
@@ -22,7 +23,7 @@ pub(crate) use functions::{KernelName, LoadedFunction, NamePart};
 
 use crate::KernelError;
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream, DevicePtrMut};
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
@@ -106,19 +107,35 @@ impl Device {
     }
 
     /// A buffer of `len` elements whose contents are unspecified until written: for outputs a kernel
-    /// overwrites completely (no fill pass: a reused buffer keeps its old values, a fresh CPU one is zeros). On CUDA it comes from the stream's
-    /// memory pool, so a buffer freed earlier on the same stream is reused without a device sync.
+    /// overwrites completely (no fill pass: a reused buffer keeps its old values, a fresh CPU one is
+    /// zeros; with [`uninit_poison`] on, every byte is [`UNINIT_POISON_BYTE`]). On CUDA it comes from the
+    /// stream's memory pool, so a buffer freed earlier on the same stream is reused without a device sync.
     pub fn uninit<T: Element>(&self, len: usize) -> Result<Buffer<T>, KernelError> {
         match self {
             Device::Cpu => Ok(Buffer::from_vec(buffer::host_unfilled(len))),
             Device::Cuda(d) => {
-                let slice = match d.cache_take::<T>(len) {
+                let mut slice = match d.cache_take::<T>(len) {
                     Some(s) => s,
                     // SAFETY: the slice is device memory of `len` elements of a plain-old-data type;
                     // every byte pattern is a valid `T`, and callers overwrite it before reading
                     // (documented above).
                     None => unsafe { d.stream().alloc::<T>(len) }?,
                 };
+                if uninit_poison() && len > 0 {
+                    let stream = d.stream();
+                    let (ptr, _guard) = slice.device_ptr_mut(stream);
+                    // SAFETY: `ptr` is this stream's live allocation of `len` elements of a
+                    // plain-old-data type (every byte pattern is a valid `T`); the fill is queued on
+                    // the stream that uses the buffer, and the guard orders it there.
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            ptr,
+                            UNINIT_POISON_BYTE,
+                            len * std::mem::size_of::<T>(),
+                            stream.cu_stream(),
+                        )
+                    }?;
+                }
                 Ok(Buffer::from_cuda(slice, d.clone()))
             }
         }
@@ -661,6 +678,33 @@ mod tests {
         }
         let (d, why) = Device::auto();
         assert_eq!(d.is_cuda(), why.is_none());
+    }
+
+    /// Fills a reused buffer (one the host or CUDA cache kept) and a fresh one, and checks every byte.
+    fn uninit_buffers_hold_the_poison_byte(dev: &Device) {
+        set_uninit_poison(true);
+        // A size the host cache keeps (128 KiB): the buffer below reuses this one's stale values.
+        let n = 1 << 15;
+        drop(dev.upload(&vec![1.5f32; n]).unwrap());
+        let reused: Buffer<f32> = dev.uninit(n).unwrap();
+        let bits = u32::from_ne_bytes([UNINIT_POISON_BYTE; 4]);
+        assert!(reused.to_vec().unwrap().iter().all(|v| v.to_bits() == bits));
+        let fresh: Buffer<u8> = dev.uninit(5).unwrap();
+        assert_eq!(fresh.to_vec().unwrap(), vec![UNINIT_POISON_BYTE; 5]);
+        assert!(uninit_poison());
+    }
+
+    #[test]
+    fn uninit_buffers_hold_the_poison_byte_when_asked_cpu() {
+        // Process-wide: the other tests of this binary then run with poisoned buffers too, which
+        // cannot change a correct result.
+        uninit_buffers_hold_the_poison_byte(&Device::cpu());
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn uninit_buffers_hold_the_poison_byte_when_asked_cuda() {
+        uninit_buffers_hold_the_poison_byte(&Device::cuda(0).unwrap());
     }
 
     #[test]
