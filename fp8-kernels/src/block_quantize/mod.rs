@@ -412,13 +412,7 @@ impl<T: FloatElement> BlockCastInput<'_, T> {
                         ),
                     });
                 }
-                check_len(what, n, x.len())?;
-                check_len(what, cols, weight.len())?;
-                if let Some(b) = bias {
-                    check_len(what, cols, b.len())?;
-                }
-                check_len(what, rows, stats.mean.len())?;
-                check_len(what, rows, stats.rstd.len())
+                crate::layer_norm::check_forward(what, &spec, x, weight, bias, stats).map(|_| ())
             }
             BlockCastInput::SwiGluGrad { gu, dh } => {
                 if cols % 2 != 0 {

@@ -50,6 +50,30 @@ fn affine(x: f32, w: f32, b: Option<f32>, mean: f32, rstd: f32) -> f32 {
     }
 }
 
+/// One row's `affine` values from its statistics, each handed to `f` with its output slot.
+fn affine_row<T: FloatElement, O>(
+    row: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    mean: f32,
+    rstd: f32,
+    out: &mut [O],
+    f: impl Fn(&mut O, f32),
+) {
+    for (e, slot) in out.iter_mut().enumerate() {
+        f(
+            slot,
+            affine(
+                row[e].to_f32(),
+                w[e].to_f32(),
+                b.map(|b| b[e].to_f32()),
+                mean,
+                rstd,
+            ),
+        );
+    }
+}
+
 /// Normalises every row of `x` into `f(row index, element index, value)` (value rounded to `T`) and
 /// writes the statistics.
 #[allow(clippy::too_many_arguments)]
@@ -76,16 +100,7 @@ fn for_each_row<T: FloatElement, O: Send>(
                 let (mu, rs) = row_stats(row, spec.kind, spec.eps);
                 *mo = mu;
                 *so = rs;
-                for (e, slot) in orow.iter_mut().enumerate() {
-                    let y = affine(
-                        row[e].to_f32(),
-                        w[e].to_f32(),
-                        b.map(|b| b[e].to_f32()),
-                        mu,
-                        rs,
-                    );
-                    f(slot, y);
-                }
+                affine_row(row, w, b, mu, rs, orow, &f);
             }
         });
 }
@@ -105,16 +120,7 @@ pub(crate) fn forward_with_stats<T: FloatElement>(
         .zip(x.par_chunks(d.max(1)))
         .zip(mean.par_iter().zip(rstd))
         .for_each(|((yr, xr), (&mu, &rs))| {
-            for (e, o) in yr.iter_mut().enumerate() {
-                let v = affine(
-                    xr[e].to_f32(),
-                    w[e].to_f32(),
-                    b.map(|b| b[e].to_f32()),
-                    mu,
-                    rs,
-                );
-                *o = T::from_f32(v);
-            }
+            affine_row(xr, w, b, mu, rs, yr, |o, v| *o = T::from_f32(v));
         });
 }
 

@@ -395,8 +395,9 @@ fn check_type<T: FloatElement>(what: &'static str) -> Result<(), KernelError> {
     }
 }
 
-/// Checks the inputs shared by the forward calls and returns `rows * d`.
-fn check_forward<T: FloatElement>(
+/// Checks the inputs shared by the forward calls (and the block-scaled cast of a norm's output) and
+/// returns `rows * d`.
+pub(crate) fn check_forward<T: FloatElement>(
     what: &'static str,
     spec: &NormSpec,
     x: &Buffer<T>,
