@@ -225,6 +225,19 @@ __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ u64 global_thread() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 grid_threads() { return (u64)gridDim.x * blockDim.x; }
 
+// q = i / n and r = i % n, in 32 bits where both fit: a 64-bit division is a long software routine, and the
+// value functors below find an element's row and column once per 8 values.
+__device__ __forceinline__ void divmod_u64(u64 i, u64 n, u64& q, u64& r) {
+    if (((i | n) >> 32) == 0) {
+        const u32 a = (u32)i, b = (u32)n, qq = a / b;
+        q = qq;
+        r = a - qq * b;
+    } else {
+        q = i / n;
+        r = i - q * n;
+    }
+}
+
 // Eight values scaled by s and encoded into two words of four codes (element k in byte k % 4 of word
 // k / 4); their |value| bits accumulate into m (the amax, NaN ignored).
 template <int FMT>

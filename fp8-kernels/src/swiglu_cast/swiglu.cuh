@@ -35,14 +35,17 @@ __device__ __forceinline__ float swiglu_value(float g, float u) {
     return mul_rn(silu, u);
 }
 
-// dgate = (d * u) * silu'(g) and dup = d * silu(g) (the CPU's swiglu_grad_scalars).
-__device__ __forceinline__ void swiglu_grads(float g, float u, float d, float& dgate, float& dup) {
+// dgate = (d * u) * silu'(g) and dup = d * silu(g) (the CPU's swiglu_grad_scalars), each alone: an
+// output element is one of the two, and each needs one of the two divisions.
+__device__ __forceinline__ float swiglu_dgate(float g, float u, float d) {
     const float den = add_rn(1.0f, swiglu_exp(-g));
-    const float silu = div_rn(g, den);
     const float s = div_rn(1.0f, den);
     const float dsilu = mul_rn(s, add_rn(1.0f, mul_rn(g, add_rn(1.0f, -s))));
-    dgate = mul_rn(mul_rn(d, u), dsilu);
-    dup = mul_rn(d, silu);
+    return mul_rn(mul_rn(d, u), dsilu);
+}
+__device__ __forceinline__ float swiglu_dup(float g, float d) {
+    const float den = add_rn(1.0f, swiglu_exp(-g));
+    return mul_rn(d, div_rn(g, den));
 }
 
 // The value of output element i rounded to the element type. Forward: h [rows, f] from gu [rows, 2f].
@@ -53,11 +56,13 @@ template <class E>
 struct SwigluValue {
     u64 f;
     __device__ __forceinline__ float value(const typename E::T* gu, const typename E::T*, u64 i) const {
-        const u64 r = i / f, c = i % f;
+        u64 r, c;
+        divmod_u64(i, f, r, c);
         return round_through<E>(swiglu_value(E::load(gu, 2 * f * r + c), E::load(gu, 2 * f * r + f + c)));
     }
     __device__ __forceinline__ void value8(const typename E::T* gu, const typename E::T*, u64 i, float (&h)[8]) const {
-        const u64 r = i / f, c = i % f;
+        u64 r, c;
+        divmod_u64(i, f, r, c);
         float u[8];
         E::load8(gu, 2 * f * r + c, h);
         E::load8(gu, 2 * f * r + f + c, u);
@@ -69,23 +74,29 @@ template <class E>
 struct SwigluGradValue {
     u64 f;
     __device__ __forceinline__ float value(const typename E::T* gu, const typename E::T* dh, u64 i) const {
-        const u64 r = i / (2 * f), c = i % (2 * f), k = c < f ? c : c - f;
-        float dgate, dup;
-        swiglu_grads(E::load(gu, 2 * f * r + k), E::load(gu, 2 * f * r + f + k), E::load(dh, f * r + k), dgate, dup);
-        return round_through<E>(c < f ? dgate : dup);
+        u64 r, c;
+        divmod_u64(i, 2 * f, r, c);
+        const u64 k = c < f ? c : c - f;
+        const float g = E::load(gu, 2 * f * r + k), d = E::load(dh, f * r + k);
+        return round_through<E>(c < f ? swiglu_dgate(g, E::load(gu, 2 * f * r + f + k), d) : swiglu_dup(g, d));
     }
+    // The 8 outputs lie in one half (see above): the gate half reads g, u and d, the up half g and d.
     __device__ __forceinline__ void value8(const typename E::T* gu, const typename E::T* dh, u64 i, float (&h)[8]) const {
-        const u64 r = i / (2 * f), c = i % (2 * f), k0 = c < f ? c : c - f;
-        float g[8], u[8], d[8];
-        E::load8(gu, 2 * f * r + k0, g);
-        E::load8(gu, 2 * f * r + f + k0, u);
-        E::load8(dh, f * r + k0, d);
+        u64 r, c;
+        divmod_u64(i, 2 * f, r, c);
+        float g[8], d[8];
+        if (c < f) {
+            float u[8];
+            E::load8(gu, 2 * f * r + c, g);
+            E::load8(gu, 2 * f * r + f + c, u);
+            E::load8(dh, f * r + c, d);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            float dgate, dup;
-            swiglu_grads(g[k], u[k], d[k], dgate, dup);
-            h[k] = round_through<E>(c < f ? dgate : dup);
+            for (int k = 0; k < 8; ++k) h[k] = round_through<E>(swiglu_dgate(g[k], u[k], d[k]));
+        } else {
+            E::load8(gu, 2 * f * r + c - f, g);
+            E::load8(dh, f * r + c - f, d);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) h[k] = round_through<E>(swiglu_dup(g[k], d[k]));
         }
     }
 };
-

@@ -3,7 +3,7 @@
 // with f32 operations rounded once each (mul_rn/add_rn/div_rn, fused multiply-adds only inside swiglu_exp,
 // as the CPU's exp_fixed has them), so CPU and CUDA agree bit for bit.
 
-// swiglu_exp, swiglu_value, swiglu_grads and the value functors SwigluValue / SwigluGradValue are in
+// swiglu_exp, swiglu_value, swiglu_dgate / swiglu_dup and the value functors SwigluValue / SwigluGradValue are in
 // swiglu.cuh (shared with the block-scaled casts of block_quantize.cu).
 
 // Element-wise outputs in the element type: h = T(value) over rows * f (forward) or rows * 2f (backward).
