@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# bench/run.sh gpt gpt-6.7b: the commands in the order they ran (from the repository root)
+.bench/bin/lm_fsdp --speed --device cuda --d-model 4096 --layers 32 --heads 32 --batch-size 1 --seq-len 8192 --grad-shards bf16 --optimizer-in-backward --fp8-head
+env COMPILE=1 python3 .bench/peers/peer_gpt.py speed bf16 gpt-6.7b 1 8192
