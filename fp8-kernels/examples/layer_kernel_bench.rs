@@ -349,8 +349,9 @@ fn norm_rows(
 }
 
 /// Times the `NormLaunch` choices of one shape (results are the same bits: layer_norm_cuda): the FP8
-/// forward over register bound (the default or 0: re-read), rows per warp and tile height, the previous
-/// kernel over its tile heights; the backward over register bound and the row prefetch.
+/// forward of each code layout (both, row-major only as a recast block's forward, `x^T` only as its
+/// backward's recast) over rows per warp and tile height at the default register bound; the backward over
+/// register bound and the row prefetch.
 fn norm_sweep(
     dev: &CudaDevice,
     iters: usize,
@@ -359,38 +360,30 @@ fn norm_sweep(
 ) -> Result<(), KernelError> {
     let (rows, d) = (spec.rows, spec.d);
     let auto = NormLaunch::default();
-    let mut line = format!("sweep {:?} fwd fp8 [{rows}, {d}] µs:", spec.kind);
-    for nv in [None, Some(0u32)] {
+    for (layout, row_major, transposed) in [
+        ("both", true, true),
+        ("row-major", true, false),
+        ("x^T", false, true),
+    ] {
+        let mut line = format!("sweep {:?} fwd fp8 {layout} [{rows}, {d}] µs:", spec.kind);
         for rpw in [1u32, 2, 4] {
-            for tile in [8usize, 16, 32] {
-                let launch = NormLaunch {
-                    vectors_per_lane: nv,
+            for tile in [8usize, 16, 32, 64] {
+                let sp = spec.with_launch(NormLaunch {
                     rows_per_warp: Some(rpw),
                     tile_rows: Some(tile),
                     ..auto
-                };
-                let sp = spec.with_launch(launch);
-                let label = format!(
-                    "{}/r{rpw}/t{tile}",
-                    nv.map_or("auto".to_string(), |v| format!("nv{v}"))
-                );
-                match time_ms(dev, iters, || b.forward_fp8(&sp)) {
+                });
+                let label = format!("r{rpw}/t{tile}");
+                match time_ms(dev, iters, || {
+                    b.forward_fp8_layouts(&sp, row_major, transposed)
+                }) {
                     Ok(ms) => line += &format!(" {label} {:.1}", ms * 1e3),
                     Err(e) => line += &format!(" {label} ({e})"),
                 }
             }
         }
+        println!("{line}");
     }
-    for tile in [8usize, 16, 32] {
-        let sp = spec.with_launch(NormLaunch {
-            legacy_forward: true,
-            tile_rows: Some(tile),
-            ..auto
-        });
-        let ms = time_ms(dev, iters, || b.forward_fp8(&sp))?;
-        line += &format!(" previous/t{tile} {:.1}", ms * 1e3);
-    }
-    println!("{line}");
     let mut line = format!("sweep {:?} bwd [{rows}, {d}] µs:", spec.kind);
     for nv in [None, Some(0u32)] {
         for prefetch in [false, true] {

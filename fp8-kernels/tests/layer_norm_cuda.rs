@@ -202,7 +202,7 @@ fn cuda_matches_cpu_bitwise_and_is_deterministic() {
     // (rows, d, with a NaN)
     let shapes = [
         (16384, 768, false), // 3 vectors per lane, 2 rows per warp, tiles of 16 rows; 256 parameter tiles
-        (8192, 2560, false), // 10 vectors per lane, tiles of 8 rows (8-row pieces); backward re-reads
+        (8192, 2560, false), // 10 vectors per lane, 16-row tiles of 16 warps; backward re-reads
         (8192, 2048, false), // 8 vectors per lane, 16 warps per block; backward holds 8 vectors
         (4096, 3072, false), // 12 vectors per lane
         (2049, 768, false),  // chunks of 2 rows, the last of one (odd rows for the row prefetch)

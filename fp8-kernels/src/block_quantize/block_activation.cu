@@ -54,7 +54,7 @@ struct NormValue {
         bq_tiles_impl<TBF16, FMT>(u, u, GeluValue<TBF16>{gelu_exact}, y, scale, scale_inv, srs, scs, yt, tscale,         \
                                tscale_inv, trs, tcs, fmax, exact, rows, cols);                                  \
     }                                                                                                           \
-    extern "C" __global__ void bq_gelu_grad_bf16_##FNAME(const TBF16::T* u, const TBF16::T* dy, int gelu_exact,    \
+    extern "C" __global__ void BQ_TILES_ACT_BOUNDS bq_gelu_grad_bf16_##FNAME(const TBF16::T* u, const TBF16::T* dy, int gelu_exact,    \
                                                              u8* y, float* scale, float* scale_inv, u64 srs,     \
                                                              u64 scs, u8* yt, float* tscale, float* tscale_inv,  \
                                                              u64 trs, u64 tcs, float fmax, int exact, int rows,  \
@@ -62,7 +62,7 @@ struct NormValue {
         bq_tiles_impl<TBF16, FMT>(u, dy, GeluGradValue<TBF16>{gelu_exact}, y, scale, scale_inv, srs, scs, yt, tscale,    \
                                tscale_inv, trs, tcs, fmax, exact, rows, cols);                                  \
     }                                                                                                           \
-    extern "C" __global__ void bq_swiglu_bf16_##FNAME(const TBF16::T* gu, u8* y, float* scale, float* scale_inv, \
+    extern "C" __global__ void BQ_TILES_ACT_BOUNDS bq_swiglu_bf16_##FNAME(const TBF16::T* gu, u8* y, float* scale, float* scale_inv, \
                                                           u64 srs, u64 scs, u8* yt, float* tscale,               \
                                                           float* tscale_inv, u64 trs, u64 tcs, float fmax,       \
                                                           int exact, int rows, int cols) {                       \
@@ -79,7 +79,7 @@ struct NormValue {
     }
 
 #define BQ_NORM_ENTRY(FNAME, FMT)                                                                                \
-    extern "C" __global__ void bq_norm_bf16_##FNAME(                                         \
+    extern "C" __global__ void BQ_TILES_ACT_BOUNDS bq_norm_bf16_##FNAME(                                         \
         const TBF16::T* x, const TBF16::T* w, const TBF16::T* b, const float* mean, const float* rstd, u8* y,     \
         float* scale, float* scale_inv, u64 srs, u64 scs, u8* yt, float* tscale, float* tscale_inv, u64 trs,     \
         u64 tcs, float fmax, int exact, int rows, int cols) {                                                    \

@@ -26,9 +26,11 @@ struct BqCastBlocks {
     static constexpr int value = sizeof(typename E::T) == 2 ? 4 : 2;
 };
 #define BQ_TILES_CAST_BOUNDS(E) __launch_bounds__(256, BqCastBlocks<E>::value)
-// GELU's forward cast (BF16) wants about 120 registers; capped at 80 (3 blocks per SM) a few bytes spill
-// into L1 and it ran 5-8 % faster on an H100 (2026-12-07). The other activation casts ran as fast or
-// faster without a cap (the SwiGLU gradient 8-29 % slower with it), so they have none.
+// The activation casts (BF16) want about 120 registers; capped at 80 (3 blocks per SM) a few bytes spill
+// into L1, and still they ran faster on an H100 (block_cast_bench, 2026-12-07; uncapped against capped
+// builds in one call): GELU's forward 5-8 %, SwiGLU's forward 4-26 %, the norm output 1-5 %, GELU's
+// gradient up to 7 % at the wide shapes (6 % slower at 8192 x 2560). The SwiGLU gradient, which computes
+// one half of its output per element, has no cap (its earlier two-half form was 8-29 % slower with one).
 #define BQ_TILES_ACT_BOUNDS __launch_bounds__(256, 3)
 
 // Eight values of one row as the element type holds them (exact: every value is already rounded to it).

@@ -114,14 +114,18 @@ fn rows_per_warp(spec: &NormSpec, nv: u32) -> Result<(u32, u32), KernelError> {
     })
 }
 
-/// The FP8 forward's launch. Tile height: named (a power of two up to 64), or 16 rows for register bounds
-/// up to 8 (d <= 2048) and 8 beyond (the wider kernels use up to 128 registers a thread: 8 warps keep two
-/// blocks resident per SM), halved while the tile's codes exceed 96 KiB. A warp holds `rows_per_warp`
-/// rows (see [`forward_plan`]), fewer when the tile is lower, more when the tile would need more than 16
-/// warps.
+/// The FP8 forward's launch. Tile height: named (a power of two up to 64), or by default 16 rows when
+/// the transposed codes are written (halved while the tile's codes exceed 96 KiB), and when only the
+/// row-major codes are, 16 rows up to width 1024 and 8 beyond. Measured on an H100
+/// (2026-12-07, `layer_kernel_bench --sweep`): with the transposed codes 16-row tiles beat 8-row ones by
+/// 19-28 % at widths 2560-4096, and without them 8-row tiles beat 16-row ones by 6-14 % at 2048-4096.
+/// A warp holds `rows_per_warp` rows (see [`forward_plan`]), fewer when the tile is lower, more when the
+/// tile would need more than 16 warps. The shared memory bound applies only to the transposed codes'
+/// tile.
 fn fp8_forward_plan(
     spec: &NormSpec,
     all_bf16: bool,
+    transposed: bool,
     smem_limit: usize,
 ) -> Result<ForwardPlan, KernelError> {
     const WHAT: &str = "norm_forward_fp8";
@@ -135,16 +139,18 @@ fn fp8_forward_plan(
                 detail: format!("tile of {t} rows (a power of two up to 64)"),
             })
         }
-        None => {
-            let mut t = if nv <= 8 { 16 } else { 8 };
+        None if transposed => {
+            let mut t = 16;
             while t > 1 && t * (spec.d + TILE_PAD) > TILE_BYTES_MAX {
                 t /= 2;
             }
             t
         }
+        None if spec.d <= 1024 => 16,
+        None => 8,
     };
     // 1 KiB kept for the kernel's static shared memory (the block amax).
-    if tile * (spec.d + TILE_PAD) > smem_limit.saturating_sub(1024) {
+    if transposed && tile * (spec.d + TILE_PAD) > smem_limit.saturating_sub(1024) {
         return Err(KernelError::InvalidArgument {
             what: WHAT,
             detail: format!(
@@ -272,6 +278,7 @@ pub(super) fn forward_fp8<T: FloatElement>(
     let plan = fp8_forward_plan(
         spec,
         T::DTYPE == DType::BF16,
+        out.codes_t.is_some(),
         dev.shared_memory_per_block_optin(),
     )?;
     let kernel = Kernel::new(
@@ -725,19 +732,21 @@ mod tests {
     fn fp8_tiles_and_warps_follow_the_width() {
         let limit = 227 * 1024;
         let auto = NormLaunch::default();
-        let plan = |d, launch| fp8_forward_plan(&spec(64, d, launch), true, limit).unwrap();
-        let p = plan(768, auto);
-        assert_eq!((p.nv, p.rows_per_warp, p.warps, p.tile_rows), (3, 2, 8, 16));
-        let p = plan(2048, auto);
-        assert_eq!(
-            (p.nv, p.rows_per_warp, p.warps, p.tile_rows),
-            (8, 1, 16, 16)
-        );
-        let p = plan(4096, auto);
-        assert_eq!((p.nv, p.rows_per_warp, p.warps, p.tile_rows), (16, 1, 8, 8));
+        let plan = |d, launch| fp8_forward_plan(&spec(64, d, launch), true, true, limit).unwrap();
+        let row_major =
+            |d, launch| fp8_forward_plan(&spec(64, d, launch), true, false, limit).unwrap();
+        let shape = |p: ForwardPlan| (p.nv, p.rows_per_warp, p.warps, p.tile_rows);
+        // With the transposed codes: 16-row tiles at every width that fits.
+        assert_eq!(shape(plan(768, auto)), (3, 2, 8, 16));
+        assert_eq!(shape(plan(2048, auto)), (8, 1, 16, 16));
+        assert_eq!(shape(plan(4096, auto)), (16, 1, 16, 16));
         // Wide rows: the tile shrinks to fit 96 KiB.
-        let p = plan(65_536, auto);
-        assert_eq!((p.nv, p.rows_per_warp, p.warps, p.tile_rows), (0, 1, 1, 1));
+        assert_eq!(shape(plan(65_536, auto)), (0, 1, 1, 1));
+        // Row-major codes only: 8-row tiles beyond width 1024, and no shared-memory bound.
+        assert_eq!(shape(row_major(768, auto)), (3, 2, 8, 16));
+        assert_eq!(shape(row_major(2048, auto)), (8, 1, 8, 8));
+        assert_eq!(shape(row_major(4096, auto)), (16, 1, 8, 8));
+        assert_eq!(shape(row_major(65_536, auto)), (0, 1, 8, 8));
         // A tall tile takes more rows per warp (at most 16 warps), re-reading where no kernel holds them.
         let tall = NormLaunch {
             tile_rows: Some(64),
@@ -768,14 +777,15 @@ mod tests {
                 ..auto
             },
         ] {
-            assert!(fp8_forward_plan(&spec(64, 768, bad), true, limit).is_err());
+            assert!(fp8_forward_plan(&spec(64, 768, bad), true, true, limit).is_err());
         }
         // A named tile beyond the block's shared memory.
         let big = NormLaunch {
             tile_rows: Some(64),
             ..auto
         };
-        assert!(fp8_forward_plan(&spec(64, 8192, big), true, limit).is_err());
+        assert!(fp8_forward_plan(&spec(64, 8192, big), true, true, limit).is_err());
+        assert_eq!(row_major(8192, big).tile_rows, 64);
     }
 
     #[test]
