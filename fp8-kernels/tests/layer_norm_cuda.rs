@@ -327,3 +327,90 @@ fn every_launch_choice_gives_the_same_bits() {
     }
     assert!(ok, "a launch choice changed the results (see above)");
 }
+
+/// The row-major FP8 forward with `prefetch` (the persistent kernel whose warps load their next row
+/// ahead): codes, statistics and amax bit for bit the CPU's, at the widths it exists for (2, 3 and 4
+/// vectors per lane), with more rows than the grid's warps, fewer, and not a multiple of them, and a NaN.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefetching_fp8_forward_matches_cpu_bitwise() {
+    let gpu = cuda_device();
+    let launch = NormLaunch {
+        prefetch: Some(true),
+        ..NormLaunch::default()
+    };
+    let mut ok = true;
+    let mut seed = 500;
+    // (rows, d, with a NaN)
+    for (rows, d, nan) in [
+        (16384, 768, false),
+        (8192, 1024, false),
+        (20000, 512, false),
+        (2049, 768, true),
+        (40, 1000, false),
+        (3, 256, false),
+        (1, 768, false),
+    ] {
+        for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+            let spec = NormSpec {
+                kind,
+                rows,
+                d,
+                eps: 1e-5,
+                launch,
+            };
+            let c = inputs(spec, kind == NormKind::LayerNorm, nan, seed);
+            seed += 1;
+            let forward = |dev: &Device| -> (Vec<u8>, Vec<u32>, Vec<u32>, Vec<u32>) {
+                let up = |v: &[f32]| -> Buffer<bf16> {
+                    dev.upload(&v.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>())
+                        .unwrap()
+                };
+                let (x, w) = (up(&c.x), up(&c.w));
+                let b = c.b.as_ref().map(|b| up(b));
+                let mut stats = NormStats::new(dev, rows).unwrap();
+                let mut codes = dev.zeros::<u8>(rows * d).unwrap();
+                let mut amax = dev.upload(&[0.0f32, 0.0]).unwrap();
+                let sc = dev.upload(&[c.scale]).unwrap();
+                norm_forward_fp8(
+                    &spec,
+                    &x,
+                    &w,
+                    b.as_ref(),
+                    &mut stats,
+                    Fp8NormOutput {
+                        format: Fp8Format::E4M3,
+                        scale: &sc,
+                        codes: Some(&mut codes),
+                        codes_t: None,
+                        amax: Some(AmaxSlot::new(&mut amax, 1)),
+                    },
+                )
+                .unwrap();
+                (
+                    codes.to_vec().unwrap(),
+                    bits(&stats.mean),
+                    bits(&stats.rstd),
+                    bits(&amax),
+                )
+            };
+            let cpu = forward(&Device::cpu());
+            let (g1, g2) = (forward(&gpu), forward(&gpu));
+            let what = format!("{kind:?} [{rows}, {d}] prefetch");
+            let diff = |a: &(Vec<u8>, Vec<u32>, Vec<u32>, Vec<u32>),
+                        b: &(Vec<u8>, Vec<u32>, Vec<u32>, Vec<u32>)| {
+                join_differences([
+                    first_difference("codes", &a.0, &b.0),
+                    first_difference("mean", &a.1, &b.1),
+                    first_difference("rstd", &a.2, &b.2),
+                    first_difference("amax", &a.3, &b.3),
+                ])
+            };
+            ok &= matches_cpu_and_deterministic(&what, &cpu, &g1, &g2, diff);
+        }
+    }
+    assert!(
+        ok,
+        "the prefetching forward differs from the CPU or between runs (see above)"
+    );
+}
