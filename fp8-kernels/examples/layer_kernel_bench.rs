@@ -300,28 +300,6 @@ fn norm_rows(
                 ceiling_us(3.0 * n),
             ),
         });
-        if d <= 1024 {
-            // The persistent kernel whose warps load their next row ahead (NormLaunch::prefetch).
-            let pf = spec.with_launch(NormLaunch {
-                prefetch: Some(true),
-                ..NormLaunch::default()
-            });
-            let ms = time_ms(dev, iters, || b.forward_fp8_layouts(&pf, true, false))?;
-            out.push(Row {
-                what: format!(
-                    "{name} + E4M3 + amax fwd, row-major codes, prefetching [{rows}, {d}]"
-                ),
-                ours: ms * 1e3,
-                unit: "µs",
-                peer: peer.micros(&format!("{op}_e4m3_fwd"), &keys),
-                target: NORM_TARGET,
-                note: format!(
-                    "{:.2} TB/s of 2+1 B/elem (copy ceiling {:.1} µs); `NormLaunch::prefetch`",
-                    tbs(3.0 * n, ms),
-                    ceiling_us(3.0 * n),
-                ),
-            });
-        }
         let ms = time_ms(dev, iters, || b.forward_fp8_layouts(&spec, false, true))?;
         out.push(Row {
             what: format!("{name} + E4M3 recast of x^T only [{rows}, {d}]"),
@@ -403,14 +381,6 @@ fn norm_sweep(
                     Err(e) => line += &format!(" {label} ({e})"),
                 }
             }
-        }
-        if row_major && !transposed {
-            let sp = spec.with_launch(NormLaunch {
-                prefetch: Some(true),
-                ..auto
-            });
-            let ms = time_ms(dev, iters, || b.forward_fp8_layouts(&sp, true, false))?;
-            line += &format!(" prefetch {:.1}", ms * 1e3);
         }
         println!("{line}");
     }

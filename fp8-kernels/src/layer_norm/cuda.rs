@@ -3,8 +3,8 @@
 
 use super::{
     backward_module, forward_module, param_order, Fp8NormOutput, NormGrads, NormKind, NormSpec,
-    NormStats, BACKWARD_PREFETCH_VECTORS, BACKWARD_VECTORS_PER_LANE, FORWARD_PREFETCH_VECTORS,
-    FORWARD_VECTORS_PER_LANE, LAYER_NORM_LEGACY_MODULE, TILE_CHUNKS,
+    NormStats, BACKWARD_PREFETCH_VECTORS, BACKWARD_VECTORS_PER_LANE, FORWARD_VECTORS_PER_LANE,
+    LAYER_NORM_LEGACY_MODULE, TILE_CHUNKS,
 };
 use crate::cast::{format_name, FloatElement};
 use crate::device::{cuda_slice as cs, cuda_slice_mut as cs_mut};
@@ -275,9 +275,6 @@ pub(super) fn forward_fp8<T: FloatElement>(
     if spec.launch.legacy_forward {
         return legacy_forward_fp8(dev, spec, x, weight, bias, stats, out);
     }
-    if let Some(nv) = prefetch_forward_bound(spec, T::DTYPE == DType::BF16, out.codes_t.is_some()) {
-        return forward_fp8_prefetch(dev, spec, nv, x, weight, bias, stats, out);
-    }
     let plan = fp8_forward_plan(
         spec,
         T::DTYPE == DType::BF16,
@@ -342,85 +339,6 @@ pub(super) fn forward_fp8<T: FloatElement>(
          float* rstd, u8* q, u8* qt, const float* scale, float* amax, int slot, int rows, int d, float eps, \
          int tile_rows)",
         [xs, ws, &bias.ptr, ms, rs, &q.ptr, &qt.ptr, ss, &amax.ptr, &slot, &rows, &d, &eps, &tile]
-    )
-}
-
-/// Threads per block of the prefetching FP8 forward (`LN_PF_THREADS`).
-const PREFETCH_THREADS: u32 = 256;
-
-/// Blocks per SM the prefetching FP8 forward of register bound `nv` is built for (`LN_FWD_PF_KINDS`): its
-/// grid is what the GPU holds at once.
-fn prefetch_blocks_per_sm(nv: u32) -> u64 {
-    if nv == 4 {
-        3
-    } else {
-        4
-    }
-}
-
-/// The register bound of the prefetching FP8 forward when the launch asks for it and a kernel exists:
-/// bf16 rows held in registers, row-major codes only.
-fn prefetch_forward_bound(spec: &NormSpec, all_bf16: bool, transposed: bool) -> Option<u32> {
-    if spec.launch.prefetch != Some(true) || transposed || spec.launch.legacy_forward {
-        return None;
-    }
-    let nv = vectors_per_lane(spec, all_bf16, &FORWARD_VECTORS_PER_LANE);
-    FORWARD_PREFETCH_VECTORS.contains(&nv).then_some(nv)
-}
-
-/// The FP8 forward's persistent variant (`ln_fwd_fp8_pf_*`): every warp walks rows a grid's warps
-/// apart, loading the next while it casts the current one; the same bits as the tiled kernel.
-#[allow(clippy::too_many_arguments)]
-fn forward_fp8_prefetch<T: FloatElement>(
-    dev: &CudaDevice,
-    spec: &NormSpec,
-    nv: u32,
-    x: &Buffer<T>,
-    weight: &Buffer<T>,
-    bias: Option<&Buffer<T>>,
-    stats: &mut NormStats,
-    out: Fp8NormOutput<'_>,
-) -> Result<(), KernelError> {
-    const WHAT: &str = "norm_forward_fp8";
-    let warps = (PREFETCH_THREADS / 32) as usize;
-    let cap = dev.sm_count() as u64 * prefetch_blocks_per_sm(nv);
-    let blocks = (spec.rows.div_ceil(warps) as u64).clamp(1, cap) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (PREFETCH_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (rows, d, eps) = (spec.rows as i32, spec.d as i32, spec.eps);
-    let NormStats { mean, rstd } = stats;
-    let stream = dev.stream();
-    let (xs, ws, ss) = (cs(x, WHAT)?, cs(weight, WHAT)?, cs(out.scale, WHAT)?);
-    let (ms, rs) = (cs_mut(mean, WHAT)?, cs_mut(rstd, WHAT)?);
-    let q = out.codes.ok_or_else(|| KernelError::InvalidArgument {
-        what: WHAT,
-        detail: "the prefetching forward writes the row-major codes".into(),
-    })?;
-    let qs = cs_mut(q, WHAT)?;
-    let bias = optional_ptr(bias.map(|b| cs(b, WHAT)).transpose()?, stream);
-    let slot = out.amax.as_ref().map_or(0, |a| a.slot as i32);
-    let amax = out.amax.map(|a| cs_mut(a.buffer, WHAT)).transpose()?;
-    let amax = optional_ptr_mut(amax, stream);
-    // PREFETCH_THREADS threads; x and q hold rows*d elements (d a multiple of 8: register-held rows), w
-    // and b d, mean and rstd rows, scale at least one, the amax slot in bounds (checked by the caller).
-    launch!(
-        dev,
-        forward_module(nv),
-        kernel_name!(
-            "ln_fwd_fp8_pf_bf16_",
-            format_name(out.format),
-            "_nv",
-            nv,
-            "_",
-            kind_name(spec)
-        ),
-        cfg,
-        "ln_fwd_fp8_pf_bf16_e4m3_nv<NV>_<kind>(const u16* x, const u16* w, const u16* b, float* mean, \
-         float* rstd, u8* q, const float* scale, float* amax, int slot, int rows, int d, float eps)",
-        [xs, ws, &bias.ptr, ms, rs, qs, ss, &amax.ptr, &slot, &rows, &d, &eps]
     )
 }
 
@@ -868,28 +786,6 @@ mod tests {
         };
         assert!(fp8_forward_plan(&spec(64, 8192, big), true, true, limit).is_err());
         assert_eq!(row_major(8192, big).tile_rows, 64);
-    }
-
-    #[test]
-    fn the_prefetching_forward_runs_only_where_asked_and_built() {
-        let on = NormLaunch {
-            prefetch: Some(true),
-            ..NormLaunch::default()
-        };
-        let bound = |d, launch, bf16, transposed| {
-            prefetch_forward_bound(&spec(64, d, launch), bf16, transposed)
-        };
-        assert_eq!(bound(768, on, true, false), Some(3));
-        assert_eq!(bound(256, on, true, false), Some(2));
-        assert_eq!(bound(1024, on, true, false), Some(4));
-        // Not asked, the transposed codes wanted, f32 rows, or no kernel at the width: the tiled kernel.
-        assert_eq!(bound(768, NormLaunch::default(), true, false), None);
-        assert_eq!(bound(768, on, true, true), None);
-        assert_eq!(bound(768, on, false, false), None);
-        assert_eq!(bound(2048, on, true, false), None);
-        assert_eq!(bound(100, on, true, false), None);
-        assert_eq!(prefetch_blocks_per_sm(4), 3);
-        assert_eq!(prefetch_blocks_per_sm(3), 4);
     }
 
     #[test]

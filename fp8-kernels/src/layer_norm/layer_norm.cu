@@ -455,58 +455,6 @@ __device__ void ln_fwd_fp8_rows(const typename E::T* x, const typename E::T* w, 
     block_amax_commit(__float_as_int(m), amax == nullptr ? nullptr : amax + slot);
 }
 
-// ---- forward fused with the FP8 cast, row-major codes only, persistent with a row prefetch ----
-// Each warp walks rows g, g + S, g + 2 S, ... (g its index in the grid, S the grid's warps) holding two
-// rows in registers in turn: the next row's loads are issued before the current row's statistics and cast,
-// so a warp always has a row in flight (the tiled kernel's blocks load, compute and store in lockstep).
-// Per row the same values, in the same order, as ln_fwd_fp8_rows with RPW = 1: the same bits. NV > 0 only
-// (16-byte loads, d a multiple of 8); the amax a running max per thread, one atomic per block.
-template <class E, int NV, int RMS>
-__device__ void ln_fwd_fp8_pf_rows(const typename E::T* x, const typename E::T* w, const typename E::T* b,
-                                   float* mean_out, float* rstd_out, u8* q, const float* scale, float* amax,
-                                   int slot, int rows, int d, float eps) {
-    static_assert(NV > 0, "the prefetching forward holds its rows in registers");
-    typedef typename E::T T;
-    const float s = *scale;
-    float m = 0.0f;
-    const int lane = threadIdx.x & 31;
-    const i64 first = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const i64 step = (i64)gridDim.x * (blockDim.x >> 5);
-    const int nvec = d >> 3;
-    // One row's statistics, codes and amax from its cached vectors.
-    auto row_out = [&](const RowCache<E, NV> (&c)[1], i64 r) {
-        const T* row[1] = {x + (u64)r * d};
-        float mean[1], rstd[1];
-        ln_rows_stats<E, NV, 1, RMS>(c, row, lane, d, true, eps, mean, rstd);
-        if (lane == 0) {
-            mean_out[r] = mean[0];
-            rstd_out[r] = rstd[0];
-        }
-        lane_vectors<NV>(lane, nvec, [&](int k, int j) {
-            float wv[8], bv[8], h[8];
-            ln_params8<E>(w, b, j, d, true, wv, bv);
-            c[0].get(k, row[0], j, d, true, h);
-            ln_affine8<RMS>(h, wv, bv, b != nullptr, mean[0], rstd[0]);
-            ln_round8<E>(h);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(h[e]));
-            const u32 lo = ln_e4m3x4(mul_rn(h[0], s), mul_rn(h[1], s), mul_rn(h[2], s), mul_rn(h[3], s));
-            const u32 hi = ln_e4m3x4(mul_rn(h[4], s), mul_rn(h[5], s), mul_rn(h[6], s), mul_rn(h[7], s));
-            *reinterpret_cast<uint2*>(q + (u64)r * d + 8 * j) = make_uint2(lo, hi);
-        });
-    };
-    RowCache<E, NV> ca[1], cb[1];
-    if (first < rows) ca[0].fill(x + (u64)first * d, lane, d, true);
-    for (i64 r = first; r < rows; r += 2 * step) {
-        if (r + step < rows) cb[0].fill(x + (u64)(r + step) * d, lane, d, true);
-        row_out(ca, r);
-        if (r + step >= rows) break;
-        if (r + 2 * step < rows) ca[0].fill(x + (u64)(r + 2 * step) * d, lane, d, true);
-        row_out(cb, r + step);
-    }
-    block_amax_commit(__float_as_int(m), amax == nullptr ? nullptr : amax + slot);
-}
-
 // ---- backward, fused: dx and the tile sums of dweight / dbias ----
 // g = dy * w, xhat = (x - mean) * rstd (x * rstd for RMSNorm), c1 = sum(g * xhat) / d, c2 = sum(g) / d
 // (0 for RMSNorm), dx = (g - c2 - xhat * c1) * rstd, optionally added to the dx already stored.
@@ -749,17 +697,6 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
 #define LN_FWD_KINDS(TN, E, NV, RPW, MINB, MINB8) \
     LN_FWD_ENTRIES(TN, E, NV, RPW, ln, 0, MINB, MINB8) LN_FWD_ENTRIES(TN, E, NV, RPW, rms, 1, MINB, MINB8)
-// The prefetching FP8 forward (row-major codes only): ln_fwd_fp8_pf_bf16_e4m3_nv<NV>_<ln|rms>, blocks of
-// LN_PF_THREADS threads, MINB per SM (4: 64 registers a thread; 3 where 64 spill). cuda.rs's
-// prefetch_blocks_per_sm states the same counts: the grid is what the GPU holds at once.
-#define LN_PF_THREADS 256
-#define LN_FWD_PF_ENTRY(NV, KN, RMS, MINB)                                                                         \
-    extern "C" __global__ void __launch_bounds__(LN_PF_THREADS, MINB) ln_fwd_fp8_pf_bf16_e4m3_nv##NV##_##KN(       \
-        const TBF16::T* x, const TBF16::T* w, const TBF16::T* b, float* mean, float* rstd, u8* q,                  \
-        const float* scale, float* amax, int slot, int rows, int d, float eps) {                                   \
-        ln_fwd_fp8_pf_rows<TBF16, NV, RMS>(x, w, b, mean, rstd, q, scale, amax, slot, rows, d, eps);               \
-    }
-#define LN_FWD_PF_KINDS(NV, MINB) LN_FWD_PF_ENTRY(NV, ln, 0, MINB) LN_FWD_PF_ENTRY(NV, rms, 1, MINB)
 
 #if LN_HAS_NV(0)
 LN_FWD_KINDS(f32, TF32, 0, 1, 2, 2)
@@ -770,19 +707,16 @@ LN_FWD_KINDS(bf16, TBF16, 0, 2, 2, 2)
 LN_FWD_KINDS(bf16, TBF16, 0, 4, 1, 1)
 #endif
 #if LN_HAS_NV(2)
-LN_FWD_PF_KINDS(2, 4)
 LN_FWD_KINDS(bf16, TBF16, 2, 1, 2, 2)
 LN_FWD_KINDS(bf16, TBF16, 2, 2, 2, 2)
 LN_FWD_KINDS(bf16, TBF16, 2, 4, 1, 1)
 #endif
 #if LN_HAS_NV(3)
-LN_FWD_PF_KINDS(3, 4)
 LN_FWD_KINDS(bf16, TBF16, 3, 1, 2, 2)
 LN_FWD_KINDS(bf16, TBF16, 3, 2, 1, 2)
 LN_FWD_KINDS(bf16, TBF16, 3, 4, 1, 1)
 #endif
 #if LN_HAS_NV(4)
-LN_FWD_PF_KINDS(4, 3)
 LN_FWD_KINDS(bf16, TBF16, 4, 1, 2, 2)
 LN_FWD_KINDS(bf16, TBF16, 4, 2, 1, 1)
 LN_FWD_KINDS(bf16, TBF16, 4, 4, 1, 1)

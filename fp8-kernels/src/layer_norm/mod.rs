@@ -122,10 +122,6 @@ pub const BACKWARD_VECTORS_PER_LANE: [u32; 6] = [0, 2, 3, 4, 6, 8];
 /// ([`NormLaunch::prefetch`]).
 pub const BACKWARD_PREFETCH_VECTORS: [u32; 3] = [2, 3, 4];
 
-/// Register bounds whose FP8 forward (row-major codes only) also exists as a persistent kernel that loads
-/// each warp's next row ahead ([`NormLaunch::prefetch`]).
-pub const FORWARD_PREFETCH_VECTORS: [u32; 3] = [2, 3, 4];
-
 const FORWARD_MODULES: [KernelModule; 9] = [
     norm_module!(forward, 0),
     norm_module!(forward, 2),
@@ -378,10 +374,7 @@ pub struct NormLaunch {
     /// warps (at most 16: more rows per warp are taken when the tile needs it).
     pub rows_per_warp: Option<u32>,
     /// Backward: load the next row of a chunk while computing the current one (kernels of
-    /// [`BACKWARD_PREFETCH_VECTORS`] only). FP8 forward writing the row-major codes only (no transposed
-    /// ones): `Some(true)` runs the persistent kernel whose warps load their next row while casting the
-    /// current one (bf16 rows of register bounds [`FORWARD_PREFETCH_VECTORS`]; others keep the tiled
-    /// kernel); off by default until it is measured faster.
+    /// [`BACKWARD_PREFETCH_VECTORS`] only).
     pub prefetch: Option<bool>,
     /// Run the previous forward kernels (`layer_norm_legacy.cu`), for comparison.
     pub legacy_forward: bool,
