@@ -7,7 +7,7 @@
 //! lines of `peer_layers.py`, same call) its `lmhead_ce_fwd_bwd` figures stand beside ours.
 //!
 //! ```text
-//! lm_head_bench [--iters 10] [--peer FILE] [--chunk TOKENS]
+//! lm_head_bench [--iters 10] [--peer FILE] [--chunk TOKENS] [--bf16-gather]
 //!               [--shapes 8192x2560x50304,16384x768x50304,16384x2048x128256]
 //! ```
 //!
@@ -21,7 +21,9 @@ use fp8_kernels::device::{host_buffer_bytes, reset_host_buffer_peak};
 use fp8_kernels::{CudaDevice, Device};
 use fsdp_comm::{Communicator, DistEnv, NcclComm, NcclConfig, ThreadGroup, DEFAULT_THREAD_TIMEOUT};
 use fsdp_nn::{LmHead, NnError, Shape, Tensor};
-use fsdp_shard::{FsdpConfig, FsdpModel, Mode, Module, ShardError, Visitor, WrapPolicy};
+use fsdp_shard::{
+    FsdpConfig, FsdpModel, GatherDtype, Mode, Module, ShardError, Visitor, WrapPolicy,
+};
 use fsdp_train::{DeviceArg, DeviceChoice};
 use half::bf16;
 use std::path::PathBuf;
@@ -48,6 +50,9 @@ struct Args {
     /// Tokens per chunk of the head [default: the head's own, `fsdp_nn::DEFAULT_HEAD_CHUNK`].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     chunk: Option<u64>,
+    /// Gather the head's table in BF16 (`FsdpConfig::plain_gather_dtype`) instead of F32.
+    #[arg(long)]
+    bf16_gather: bool,
 }
 
 struct Probe {
@@ -69,6 +74,7 @@ fn measure(
     fp8: bool,
     iters: usize,
     chunk: Option<usize>,
+    bf16_gather: bool,
 ) -> BenchResult<(f64, f64)> {
     let mut head = LmHead::<bf16>::new(d, vocab)?.with_fp8(fp8);
     if let Some(c) = chunk {
@@ -78,7 +84,14 @@ fn measure(
         Probe { head },
         comm,
         WrapPolicy::Single,
-        FsdpConfig::default(),
+        FsdpConfig {
+            plain_gather_dtype: if bf16_gather {
+                GatherDtype::Bf16
+            } else {
+                GatherDtype::F32
+            },
+            ..FsdpConfig::default()
+        },
     )?;
     let dev = model.device().clone();
     let cuda = dev.as_cuda("lm_head_bench").ok().cloned();
@@ -227,7 +240,7 @@ fn run(args: Args) -> BenchResult<()> {
     for shape in shapes {
         let p = peer_figure(&peer, shape);
         for fp8 in [false, true] {
-            let (ms, gib) = measure(comm.clone(), shape, fp8, iters, chunk)?;
+            let (ms, gib) = measure(comm.clone(), shape, fp8, iters, chunk, args.bf16_gather)?;
             let (pms, pgib, ratio) = match p {
                 Some((pms, pgib)) => (
                     format!("{pms:.2}"),

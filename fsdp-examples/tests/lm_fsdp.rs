@@ -554,3 +554,69 @@ fn cuda_run_and_speed_line() {
     assert!(report.loss.is_finite());
     assert!(report.profile.is_some(), "no phase profile");
 }
+
+/// `--plain-gather bf16` (plain parameters gathered in BF16 for compute) trains a Llama with BF16
+/// activations bit for bit as the F32 gather does, on one rank and on two: every layer rounds the plain
+/// parameters it reads (RMSNorm weights, the token table, the LM head) to BF16 either way; only the bytes
+/// gathered change. The recipe line names it.
+#[test]
+fn bf16_plain_gathers_train_a_bf16_llama_bit_for_bit() {
+    let (data, _) = data_dir();
+    for ws in [1, 2] {
+        let options = LmOptions {
+            batch_size: 4 / ws,
+            compact_vocab: true,
+            ..LmOptions::new("llama-tiny", 32, data.clone())
+        };
+        let run = |plain_gather| {
+            let mut c = config(4, ws);
+            c.eval_every = Some(4);
+            c.plain_gather = plain_gather;
+            let task = LmTask::<Llama<bf16>>::new(options.clone(), ws).unwrap();
+            let trainer = Trainer::new(c);
+            let recipe = trainer.recipe_name();
+            (trainer.run(&task).unwrap(), recipe)
+        };
+        let (f32_run, f32_recipe) = run(fsdp_shard::GatherDtype::F32);
+        let (bf16_run, bf16_recipe) = run(fsdp_shard::GatherDtype::Bf16);
+        let bits = |r: &TrainReport| -> Vec<Vec<u32>> {
+            r.step_losses
+                .iter()
+                .map(|l| l.iter().map(|v| v.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(bits(&f32_run), bits(&bf16_run), "{ws} rank(s): step losses");
+        assert_eq!(
+            final_val(&f32_run).to_bits(),
+            final_val(&bf16_run).to_bits(),
+            "{ws} rank(s): validation loss"
+        );
+        assert!(
+            !f32_recipe.contains("plain-parameter gather"),
+            "{f32_recipe}"
+        );
+        assert!(
+            bf16_recipe.contains("BF16 plain-parameter gather"),
+            "{bf16_recipe}"
+        );
+    }
+    // The option is live: a GPT adds its position table to the token rows in F32 before rounding, so
+    // gathering both tables in BF16 moves its losses (slightly).
+    let gpt = |plain_gather| {
+        let mut c = config(4, 1);
+        c.eval_every = Some(4);
+        c.plain_gather = plain_gather;
+        train(&small(&data, 32, 4), &c).unwrap()
+    };
+    let (a, b) = (
+        global_losses(&gpt(fsdp_shard::GatherDtype::F32)),
+        global_losses(&gpt(fsdp_shard::GatherDtype::Bf16)),
+    );
+    let most = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    eprintln!("GPT, BF16 against F32 plain gathers: losses differ by at most {most:.2e}");
+    assert!(most > 0.0 && most < 1e-2, "{a:?} against {b:?}");
+}

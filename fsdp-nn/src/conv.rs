@@ -2,12 +2,13 @@
 
 use crate::init::{kaiming_uniform, uniform_fan_in};
 use crate::layer::{take_saved, InputGrad, Layer};
+use crate::plain_param::{plain_in, plain_param};
 use crate::{NnError, Shape, Tensor};
 use fp8_kernels::conv::{self, Conv2dGeometry};
 use fp8_kernels::gemm::gemm_f32;
 use fp8_kernels::{elementwise, reduce};
 use fp8_kernels::{Buffer, GemmSpec, Transpose};
-use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
 /// A 2-D convolution (NCHW, square kernel, stride 1 and no padding by default) with bias, over F32
 /// parameters `<path>.weight [out, in, k, k]` and `<path>.bias [out]`, initialised as PyTorch does.
@@ -115,15 +116,6 @@ impl Conv2d {
     }
 }
 
-fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
-    match p {
-        GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
-            Err(NnError::usage(layer, "expected a plain parameter"))
-        }
-    }
-}
-
 impl Module for Conv2d {
     fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
         self.name = v.path().module();
@@ -159,7 +151,10 @@ impl Layer for Conv2d {
         conv::im2col(x.data(), &g, &mut cols)?;
         drop(x);
         let [w, b] = ctx.params([self.weight, self.bias])?;
-        let (w, b) = (plain(w, &self.name)?, plain(b, &self.name)?);
+        // The convolution runs in F32: a parameter gathered in BF16 is widened.
+        let (mut ws, mut bs) = (None, None);
+        let w = plain_in::<f32>(plain_param(w, &self.name)?, &mut ws)?;
+        let b = plain_in::<f32>(plain_param(b, &self.name)?, &mut bs)?;
         conv::transpose_batched(w, [1, oc, pl], &mut w_t)?;
         let spec = GemmSpec::new(patches, oc, pl).parallelism(par);
         gemm_f32(&spec, &cols, &w_t, &mut y_pix)?;
@@ -202,7 +197,11 @@ impl Layer for Conv2d {
         gemm_f32(&spec, &dy_pix, &cols, &mut dw)?;
         drop(cols);
         let dx = if need_dx {
-            let w = plain(ctx.params([self.weight])?[0], &self.name)?;
+            let mut ws = None;
+            let w = plain_in::<f32>(
+                plain_param(ctx.params([self.weight])?[0], &self.name)?,
+                &mut ws,
+            )?;
             let mut dcols = dev.uninit::<f32>(patches * pl)?;
             // dcols [patches, pl] = dY [patches, oc] x W [oc, pl].
             let spec = GemmSpec::new(patches, pl, oc).parallelism(par);

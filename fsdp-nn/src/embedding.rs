@@ -13,12 +13,14 @@
 
 use crate::init::normal;
 use crate::layer::Activation;
+use crate::plain_param::{plain_in, plain_param};
 use crate::{NnError, Shape, Tensor, TokenBatch};
 use fp8_kernels::embedding::{
     embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
 };
-use fp8_kernels::{convert, elementwise as ops};
-use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+use fp8_kernels::{convert, elementwise as ops, Buffer, FloatElement};
+use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, PlainParam, ShardError, Visitor};
+use half::bf16;
 
 /// A `[rows, dim]` table, initialised `N(0, std^2)` (GPT-2: 0.02) from its seed.
 #[derive(Debug)]
@@ -120,20 +122,31 @@ impl Embedding {
         self.check_batch(batch, positions)?;
         let shape = Shape::new(&[batch.batch(), batch.seq(), self.dim])?;
         let mut out = Tensor::<T>::uninit(ctx.device(), shape)?;
+        let (d, seq) = (self.dim, batch.seq());
         match positions {
             Some(p) => {
                 let [t, pt] = ctx.params([self.weight, p.weight])?;
-                let (t, pt) = (plain(t, &self.name)?, plain(pt, &p.name)?);
-                let pos = PositionTable {
-                    table: pt,
-                    seq: batch.seq(),
-                };
-                embedding_forward(t, self.dim, Some(pos), batch.groups(), out.data_mut())?;
+                let (t, pt) = (plain_param(t, &self.name)?, plain_param(pt, &p.name)?);
+                match (t, pt) {
+                    (PlainParam::F32(t), PlainParam::F32(pt)) => {
+                        lookup(t, d, Some((pt, seq)), batch, out.data_mut())?
+                    }
+                    (PlainParam::Bf16(t), PlainParam::Bf16(pt)) => {
+                        lookup(t, d, Some((pt, seq)), batch, out.data_mut())?
+                    }
+                    // Gathered in different types (one unit gathered exactly): both as F32.
+                    (t, pt) => {
+                        let (mut ts, mut ps) = (None, None);
+                        let t = plain_in::<f32>(t, &mut ts)?;
+                        let pt = plain_in::<f32>(pt, &mut ps)?;
+                        lookup(t, d, Some((pt, seq)), batch, out.data_mut())?
+                    }
+                }
             }
-            None => {
-                let t = ctx.plain(self.weight)?;
-                embedding_forward(t, self.dim, None, batch.groups(), out.data_mut())?;
-            }
+            None => match ctx.plain_param(self.weight)? {
+                PlainParam::F32(t) => lookup(t, d, None, batch, out.data_mut())?,
+                PlainParam::Bf16(t) => lookup(t, d, None, batch, out.data_mut())?,
+            },
         }
         Ok(out)
     }
@@ -160,11 +173,24 @@ impl Embedding {
         let d = self.dim;
         let groups = RowGroups::from_ids(&dev, &[id], self.rows)?;
         let [t, pt] = ctx.params([self.weight, positions.weight])?;
-        let (t, pt) = (plain(t, &self.name)?, plain(pt, &positions.name)?);
+        let (t, pt) = (
+            plain_param(t, &self.name)?,
+            plain_param(pt, &positions.name)?,
+        );
         let mut row = dev.uninit::<f32>(d)?;
-        embedding_forward(t, d, None, &groups, &mut row)?;
+        match t {
+            PlainParam::F32(t) => embedding_forward(t, d, None, &groups, &mut row)?,
+            PlainParam::Bf16(t) => embedding_forward(t, d, None, &groups, &mut row)?,
+        }
         let mut pos = dev.uninit::<f32>(d)?;
-        pos.copy_range_from(0, pt, position * d, d)?;
+        match pt {
+            PlainParam::F32(pt) => pos.copy_range_from(0, pt, position * d, d)?,
+            PlainParam::Bf16(pt) => {
+                let mut p16 = dev.uninit::<bf16>(d)?;
+                p16.copy_range_from(0, pt, position * d, d)?;
+                convert(&p16, &mut pos)?;
+            }
+        }
         let mut sum = dev.uninit::<f32>(d)?;
         ops::add(&row, &pos, &mut sum)?;
         let shape = Shape::new(&[1, 1, d])?;
@@ -227,13 +253,17 @@ impl Embedding {
     }
 }
 
-fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a fp8_kernels::Buffer<f32>, NnError> {
-    match p {
-        GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
-            Err(NnError::usage(layer, "the table is not a plain parameter"))
-        }
-    }
+/// `out = table[ids] (+ positions)` for a table (and position table) of element type `S`.
+fn lookup<S: FloatElement, O: FloatElement>(
+    table: &Buffer<S>,
+    d: usize,
+    positions: Option<(&Buffer<S>, usize)>,
+    batch: &TokenBatch,
+    out: &mut Buffer<O>,
+) -> Result<(), NnError> {
+    let pos = positions.map(|(table, seq)| PositionTable { table, seq });
+    embedding_forward(table, d, pos, batch.groups(), out)?;
+    Ok(())
 }
 
 impl Module for Embedding {

@@ -58,6 +58,7 @@ mod lm_head;
 mod loss;
 mod mlp;
 mod norm;
+mod plain_param;
 mod pool;
 mod retype;
 mod tensor;

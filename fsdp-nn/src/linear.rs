@@ -49,19 +49,20 @@
 
 use crate::init::{kaiming_uniform, normal, uniform_fan_in};
 use crate::layer::{rows_of_width, Activation, InputGrad, Layer};
+use crate::plain_param::{plain_in, plain_param};
 use crate::retype::buffer_converted;
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{Fp8Format, Fp8Recipe, QType, ScaleRounding, ScalingRecipe};
 use fp8_kernels::block_quantize::BlockCastInput;
 use fp8_kernels::gemm::{gemm, gemm_at, gemm_fp8, gemm_fp8_at};
 use fp8_kernels::{
-    cast_to_fp8, cast_transpose_to_fp8, convert, Buffer, DType, Device, DeviceScalar, Fp8Matrix,
-    GemmOutput, GemmSpec, Transpose,
+    cast_to_fp8, cast_transpose_to_fp8, Buffer, DType, Device, DeviceScalar, Fp8Matrix, GemmOutput,
+    GemmSpec, Transpose,
 };
 use fp8_kernels::{elementwise, reduce};
 use fsdp_shard::{
-    Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ScalingDecl, ScalingId, ShardError,
-    Visitor,
+    Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, PlainParam, ScalingDecl, ScalingId,
+    ShardError, Visitor,
 };
 use half::bf16;
 
@@ -775,7 +776,7 @@ impl<T: Activation> Linear<T> {
         }
         .into_fp8(&self.name)?;
         if let Some(b) = bias {
-            let b = T::from_f32_buffer(b, &mut self.bias_t)?;
+            let b = plain_in::<T>(b, &mut self.bias_t)?;
             broadcast_bias(b, tokens, y.data_mut())?;
             spec.beta = 1.0;
         }
@@ -1043,35 +1044,41 @@ impl<T: Activation> Linear<T> {
             .parallelism(par);
         let (w, b) = if self.has_bias {
             let [w, b] = ctx.params([self.weight, self.bias])?;
-            (plain(w, &self.name)?, Some(plain(b, &self.name)?))
+            (
+                plain_param(w, &self.name)?,
+                Some(plain_param(b, &self.name)?),
+            )
         } else {
             let [w] = ctx.params([self.weight])?;
-            (plain(w, &self.name)?, None)
+            (plain_param(w, &self.name)?, None)
         };
+        let mut w32_scratch: Option<Buffer<f32>> = None;
+        let mut w16_scratch: Option<Buffer<bf16>> = None;
+        let mut b_scratch: Option<Buffer<f32>> = None;
         let out_shape = shape.with_last(outf)?;
         match self.precision {
             LinearPrecision::F32 => {
                 let mut y = Tensor::<f32>::uninit(&dev, out_shape)?;
                 if let Some(b) = b {
-                    broadcast_bias(b, tokens, y.data_mut())?;
+                    broadcast_bias(plain_in::<f32>(b, &mut b_scratch)?, tokens, y.data_mut())?;
                     spec.beta = 1.0;
                 }
                 let x32 = as_f32(&x)?;
+                let w = plain_in::<f32>(w, &mut w32_scratch)?;
                 gemm(&spec, x32, w, y.data_mut())?;
                 self.x_saved = training.then_some(x);
                 retype(y)
             }
             LinearPrecision::Bf16 => {
                 let x16: Buffer<bf16> = buffer_converted(x.into_data())?;
-                let mut w16 = dev.uninit::<bf16>(w.len())?;
-                convert(w, &mut w16)?;
+                let w16 = plain_in::<bf16>(w, &mut w16_scratch)?;
                 let mut y = Tensor::<T>::uninit(&dev, out_shape)?;
                 if let Some(b) = b {
-                    let b = T::from_f32_buffer(b, &mut self.bias_t)?;
+                    let b = plain_in::<T>(b, &mut self.bias_t)?;
                     broadcast_bias(b, tokens, y.data_mut())?;
                     spec.beta = 1.0;
                 }
-                gemm(&spec, &x16, &w16, y.data_mut())?;
+                gemm(&spec, &x16, w16, y.data_mut())?;
                 self.x_bf16 = training.then_some(x16);
                 Ok(y)
             }
@@ -1102,7 +1109,11 @@ impl<T: Activation> Linear<T> {
                     .x_saved
                     .take()
                     .ok_or_else(|| NnError::usage(&self.name, "backward before forward"))?;
-                let w = plain(ctx.params([self.weight])?[0], &self.name)?;
+                let mut w_scratch = None;
+                let w = plain_in::<f32>(
+                    plain_param(ctx.params([self.weight])?[0], &self.name)?,
+                    &mut w_scratch,
+                )?;
                 let dy32 = as_f32(&dy)?;
                 let dx = if need_dx {
                     let mut dx = Tensor::<f32>::uninit(&dev, in_shape)?;
@@ -1123,12 +1134,14 @@ impl<T: Activation> Linear<T> {
                 let dy16: Buffer<bf16> = buffer_converted(dy.into_data())?;
                 // The weight again in bf16 from the unit gathered for the backward (ZeRO-3 keeps no
                 // copy between the passes).
-                let w = plain(ctx.params([self.weight])?[0], &self.name)?;
-                let mut w16 = dev.uninit::<bf16>(w.len())?;
-                convert(w, &mut w16)?;
+                let mut w_scratch = None;
+                let w16 = plain_in::<bf16>(
+                    plain_param(ctx.params([self.weight])?[0], &self.name)?,
+                    &mut w_scratch,
+                )?;
                 let dx = if need_dx {
                     let mut dx = Tensor::<T>::uninit(&dev, in_shape)?;
-                    gemm(&dx_spec, &dy16, &w16, dx.data_mut())?;
+                    gemm(&dx_spec, &dy16, w16, dx.data_mut())?;
                     Some(dx)
                 } else {
                     None
@@ -1159,35 +1172,28 @@ trait IntoFp8<'a> {
     fn into_fp8(
         self,
         layer: &str,
-    ) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>, Option<&'a Buffer<f32>>), NnError>;
+    ) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>, Option<PlainParam<'a>>), NnError>;
 }
 
 impl<'a> IntoFp8<'a> for (&'a GatheredParam, Option<&'a GatheredParam>, ()) {
     fn into_fp8(
         self,
         layer: &str,
-    ) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>, Option<&'a Buffer<f32>>), NnError> {
+    ) -> Result<(&'a Buffer<u8>, &'a Buffer<f32>, Option<PlainParam<'a>>), NnError> {
         let (w, b, ()) = self;
         let (codes, scales) = match w {
             GatheredParam::Fp8 { codes, scales } => (codes, scales),
-            GatheredParam::Plain(_) | GatheredParam::Fp8Block { .. } => {
+            GatheredParam::Plain(_)
+            | GatheredParam::PlainBf16(_)
+            | GatheredParam::Fp8Block { .. } => {
                 return Err(NnError::usage(
                     layer,
                     "the weight is not a per-tensor FP8 parameter",
                 ))
             }
         };
-        let bias = b.map(|b| plain(b, layer)).transpose()?;
+        let bias = b.map(|b| plain_param(b, layer)).transpose()?;
         Ok((codes, scales, bias))
-    }
-}
-
-fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
-    match p {
-        GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
-            Err(NnError::usage(layer, "expected a plain parameter"))
-        }
     }
 }
 

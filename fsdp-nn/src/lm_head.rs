@@ -32,6 +32,7 @@
 use crate::init::normal;
 use crate::layer::Activation;
 use crate::layer::{rows_of_width, take_saved};
+use crate::plain_param::{plain_in, plain_owned};
 use crate::{NnError, Tensor};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::cast::{amax, cast_to_fp8, cast_transpose_to_fp8, AmaxSlot};
@@ -41,7 +42,7 @@ use fp8_kernels::cross_entropy::{
 use fp8_kernels::gemm::{gemm, gemm_at, gemm_fp8, gemm_fp8_at, DeviceScalar, Fp8Matrix};
 use fp8_kernels::scaling::scale_from_amax;
 use fp8_kernels::{Buffer, CpuParallelism, Device, FloatElement, GemmSpec, Transpose};
-use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, PlainParam, ShardError, Visitor};
 
 /// Tokens per chunk of the head by default (4096 tokens of a 50304-word vocabulary: 412 MB of BF16
 /// logits).
@@ -222,9 +223,9 @@ struct Fp8HeadOperands<'s> {
 
 impl<'s> Fp8HeadOperands<'s> {
     /// With `grad_scale` when training (then `W^T` is cast too).
-    fn new<T: FloatElement>(
+    fn new<S: FloatElement, T: FloatElement>(
         dev: &Device,
-        w: &Buffer<f32>,
+        w: &Buffer<S>,
         x: &Buffer<T>,
         [vocab, d]: [usize; 2],
         grad_scale: Option<&'s Buffer<f32>>,
@@ -531,11 +532,15 @@ impl<T: Activation> LmHead<T> {
         // Gradient of `grad_scale * mean`: each row's `(softmax - onehot)` times `grad_scale / tokens`.
         let row_scale = grad_scale.map(|g| g / tokens as f32);
         let weight = self.weight;
-        let w32 = ctx.plain(weight)?;
-        if w32.len() != vocab * d {
+        let w = ctx.plain_param(weight)?;
+        let w_len = match w {
+            PlainParam::F32(b) => b.len(),
+            PlainParam::Bf16(b) => b.len(),
+        };
+        if w_len != vocab * d {
             return Err(NnError::usage(
                 &self.name,
-                format!("a table of {} elements for {vocab} x {d}", w32.len()),
+                format!("a table of {w_len} elements for {vocab} x {d}"),
             ));
         }
         let gemms = if self.fp8 {
@@ -543,15 +548,18 @@ impl<T: Activation> LmHead<T> {
                 Some(r) => Some(Self::gradient_scale(&mut self.fp8_grad_scale, &dev, r)?),
                 None => None,
             };
-            HeadGemms::Fp8(Box::new(Fp8HeadOperands::new(
-                &dev,
-                w32,
-                x.data(),
-                [vocab, d],
-                grad_scale,
-            )?))
+            // The E4M3 codes straight from the table as gathered (F32, or BF16 without a widened copy).
+            let ops = match w {
+                PlainParam::F32(w) => {
+                    Fp8HeadOperands::new(&dev, w, x.data(), [vocab, d], grad_scale)?
+                }
+                PlainParam::Bf16(w) => {
+                    Fp8HeadOperands::new(&dev, w, x.data(), [vocab, d], grad_scale)?
+                }
+            };
+            HeadGemms::Fp8(Box::new(ops))
         } else {
-            HeadGemms::Float(T::owned_from_f32(w32)?)
+            HeadGemms::Float(plain_owned::<T>(&dev, w)?)
         };
         let chunk = self.chunk.min(tokens);
         for a in (0..tokens).step_by(chunk) {
@@ -633,7 +641,7 @@ impl<T: Activation> LmHead<T> {
         let par = ctx.cpu_parallelism();
         let mut out = Tensor::<T>::uninit(&dev, crate::Shape::matrix(rows, vocab)?)?;
         let mut scratch = None;
-        let w = T::from_f32_buffer(ctx.plain(self.weight)?, &mut scratch)?;
+        let w = plain_in::<T>(ctx.plain_param(self.weight)?, &mut scratch)?;
         let spec = GemmSpec::new(rows, vocab, d)
             .transposes(Transpose::No, Transpose::Yes)
             .parallelism(par);

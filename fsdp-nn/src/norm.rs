@@ -21,14 +21,15 @@
 //! stream's gradient of a pre-norm block, without a separate add.
 
 use crate::layer::{rows_of_width, take_saved, Activation, InputGrad, Layer};
+use crate::plain_param::{plain_owned, plain_param};
 use crate::{Linear, NnError, Shape, Tensor};
 use fp8_kernels::block_quantize::BlockCastInput;
 use fp8_kernels::layer_norm::{
     norm_backward, norm_forward, norm_forward_fp8, norm_forward_stats, Fp8NormOutput, GradMode,
     NormGrads, NormKind, NormSpec, NormStats, DEFAULT_EPS,
 };
-use fp8_kernels::{convert, Buffer, Device};
-use fsdp_shard::{Ctx, GatheredParam, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
+use fp8_kernels::Buffer;
+use fsdp_shard::{Ctx, Module, ParamDecl, ParamId, ParamKind, ShardError, Visitor};
 
 /// LayerNorm or RMSNorm over vectors of `d` (parameters `<path>.weight`, and `<path>.bias` when it has
 /// one; weight initialised to 1, bias to 0).
@@ -142,12 +143,12 @@ impl<T: Activation> Norm<T> {
         if self.has_bias {
             let [w, b] = ctx.params([self.weight, self.bias])?;
             Ok((
-                to_activation(&dev, plain(w, &self.name)?)?,
-                Some(to_activation(&dev, plain(b, &self.name)?)?),
+                plain_owned(&dev, plain_param(w, &self.name)?)?,
+                Some(plain_owned(&dev, plain_param(b, &self.name)?)?),
             ))
         } else {
             let [w] = ctx.params([self.weight])?;
-            Ok((to_activation(&dev, plain(w, &self.name)?)?, None))
+            Ok((plain_owned(&dev, plain_param(w, &self.name)?)?, None))
         }
     }
 
@@ -404,32 +405,6 @@ impl<T: Activation> Norm<T> {
             ctx.add_grad(self.bias, &db)?;
         }
         Ok(fresh)
-    }
-}
-
-/// A plain parameter's buffer.
-fn plain<'a>(p: &'a GatheredParam, layer: &str) -> Result<&'a Buffer<f32>, NnError> {
-    match p {
-        GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
-            Err(NnError::usage(layer, "expected a plain parameter"))
-        }
-    }
-}
-
-/// An owned copy of an f32 parameter in the activation type (a copy for f32, rounded for bf16): the norm
-/// kernels take the weight in the input's type, as PyTorch's mixed precision casts parameters.
-pub(crate) fn to_activation<T: Activation>(
-    dev: &Device,
-    p: &Buffer<f32>,
-) -> Result<Buffer<T>, NnError> {
-    match crate::retype::buffer_ref::<f32, T>(p) {
-        Some(same) => Ok(same.to_device(dev)?),
-        None => {
-            let mut out = dev.uninit::<T>(p.len())?;
-            convert(p, &mut out)?;
-            Ok(out)
-        }
     }
 }
 

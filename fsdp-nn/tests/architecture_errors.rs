@@ -52,9 +52,7 @@ impl Module for Cross {
 fn plain(p: &GatheredParam) -> Result<&fp8_kernels::Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
-            Err(NnError::usage("head", "plain"))
-        }
+        _ => Err(NnError::usage("head", "plain F32")),
     }
 }
 

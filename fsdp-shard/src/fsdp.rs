@@ -63,7 +63,7 @@
 
 use crate::layout::{ModelLayout, ParamGroup, WrapPolicy};
 use crate::model::GradDtype;
-use crate::model::{FsdpConfig, GatheredParam, ShardedModel};
+use crate::model::{FsdpConfig, GatheredParam, PlainParam, ShardedModel};
 use crate::module::{
     initial_values, param_specs, Module, ModulePath, ParamDecl, ParamId, ScalingDecl, ScalingId,
     Visitor,
@@ -294,15 +294,25 @@ impl Ctx<'_> {
             .map_err(|_| ShardError::State("parameter count".into()))
     }
 
-    /// A gathered plain (F32) parameter.
+    /// A gathered plain parameter in F32: an error where the model gathers plain parameters in BF16
+    /// ([`crate::FsdpConfig::plain_gather_dtype`]; [`Ctx::plain_param`] takes either).
     pub fn plain(&mut self, id: ParamId) -> Result<&Buffer<f32>, ShardError> {
-        let [p] = self.params([id])?;
-        match p {
-            GatheredParam::Plain(b) => Ok(b),
-            _ => Err(ShardError::InvalidArgument(format!(
-                "parameter {id:?} is an FP8 weight, not a plain parameter"
+        match self.plain_param(id)? {
+            PlainParam::F32(b) => Ok(b),
+            PlainParam::Bf16(_) => Err(ShardError::InvalidArgument(format!(
+                "parameter {id:?} is gathered in BF16 (plain_gather_dtype): read it with plain_param"
             ))),
         }
+    }
+
+    /// A gathered plain parameter in the type the model gathers plain parameters in.
+    pub fn plain_param(&mut self, id: ParamId) -> Result<PlainParam<'_>, ShardError> {
+        let [p] = self.params([id])?;
+        p.as_plain().ok_or_else(|| {
+            ShardError::InvalidArgument(format!(
+                "parameter {id:?} is an FP8 weight, not a plain parameter"
+            ))
+        })
     }
 
     /// A gathered FP8 weight: E4M3 codes and `[scale, scale_inv]`.
@@ -860,7 +870,10 @@ impl<M: Module> FsdpModel<M> {
     pub fn gathered_params(&mut self) -> Result<Vec<(String, Vec<f32>)>, ShardError> {
         self.release_all()?;
         let names = crate::module::param_names(&mut self.module)?;
-        self.gather_all()?;
+        // Exact F32 plain values even where compute gathers them in BF16.
+        for u in 0..self.sharded.num_units() {
+            self.sharded.gather_exact(u)?;
+        }
         let mut out = Vec::with_capacity(names.len());
         for (name, id) in names {
             let p = id

@@ -45,8 +45,8 @@ pub use layout::{
 };
 pub use memory::MemoryReport;
 pub use model::{
-    decode_block_rows, quantize_block_rows, FsdpConfig, GatheredParam, GradDtype, GradShard,
-    ShardedModel, UnitShards,
+    decode_block_rows, quantize_block_rows, FsdpConfig, GatherDtype, GatheredParam, GradDtype,
+    GradShard, PlainParam, ShardedModel, UnitShards,
 };
 pub use module::{
     param_seed, Module, ModulePath, ParamDecl, ParamId, ParamInit, ScalingDecl, ScalingId, Visitor,

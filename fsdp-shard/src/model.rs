@@ -25,6 +25,7 @@ use crate::memory::MemoryReport;
 use crate::ShardError;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::{block_quantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder};
+use fp8_kernels::cast::convert;
 use fp8_kernels::segmented::segmented_scales;
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::{CommWork, Communicator, RecvBuf, SendBuf};
@@ -55,6 +56,23 @@ pub struct FsdpConfig {
     /// The model's seed: a parameter declared with [`crate::ParamDecl::seeded`] draws its initial values
     /// from [`crate::module::param_seed`] of this seed and its dotted name.
     pub init_seed: u64,
+    /// The type plain parameters travel and are held in while gathered for compute (FSDP's
+    /// `param_dtype` for the plain group): F32 (the default, exact) or BF16, which halves their
+    /// all-gather and gathered bytes (each rank rounds its F32 master shard to BF16, nearest even, and
+    /// the ranks gather that). The masters, the gradients and the optimizer stay F32; what must be exact
+    /// (the consolidated checkpoint, [`crate::FsdpModel::gathered_params`]) gathers F32 whatever this
+    /// says ([`ShardedModel::gather_exact`]).
+    pub plain_gather_dtype: GatherDtype,
+}
+
+/// Storage type of gathered plain parameters ([`FsdpConfig::plain_gather_dtype`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GatherDtype {
+    /// F32: the master values.
+    #[default]
+    F32,
+    /// BF16: the master values rounded to nearest even.
+    Bf16,
 }
 
 /// Storage type of the reduced gradient shards.
@@ -133,6 +151,7 @@ impl Default for FsdpConfig {
             grad_dtype: GradDtype::F32,
             grad_divisor: 1.0,
             init_seed: 0,
+            plain_gather_dtype: GatherDtype::F32,
         }
     }
 }
@@ -161,13 +180,34 @@ pub enum GatheredParam {
     },
     /// A plain F32 parameter.
     Plain(Buffer<f32>),
+    /// A plain parameter gathered in BF16 ([`GatherDtype::Bf16`]).
+    PlainBf16(Buffer<bf16>),
+}
+
+/// A gathered plain parameter in the type it was gathered in ([`FsdpConfig::plain_gather_dtype`]).
+#[derive(Debug, Clone, Copy)]
+pub enum PlainParam<'a> {
+    /// The F32 master values.
+    F32(&'a Buffer<f32>),
+    /// The master values rounded to BF16.
+    Bf16(&'a Buffer<bf16>),
 }
 
 impl GatheredParam {
+    /// A plain parameter as [`PlainParam`]; `None` for an FP8 weight.
+    pub fn as_plain(&self) -> Option<PlainParam<'_>> {
+        match self {
+            GatheredParam::Plain(b) => Some(PlainParam::F32(b)),
+            GatheredParam::PlainBf16(b) => Some(PlainParam::Bf16(b)),
+            GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => None,
+        }
+    }
+
     /// The values as F32 on the host: an FP8 weight decoded with its `scale_inv`.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>, ShardError> {
         match self {
             GatheredParam::Plain(b) => Ok(b.to_vec()?),
+            GatheredParam::PlainBf16(b) => Ok(b.to_vec()?.into_iter().map(bf16::to_f32).collect()),
             GatheredParam::Fp8 { codes, scales } => {
                 let c = codes.to_vec()?;
                 let inv = scales.to_vec()?.get(1).copied().ok_or_else(|| {
@@ -193,6 +233,7 @@ impl GatheredParam {
                 codes, scale_inv, ..
             } => codes.num_bytes() + scale_inv.num_bytes(),
             GatheredParam::Plain(b) => b.num_bytes(),
+            GatheredParam::PlainBf16(b) => b.num_bytes(),
         }
     }
 }
@@ -320,6 +361,9 @@ struct PendingGather {
     /// Inverse block scales of block-scaled weights.
     scales: Option<Buffer<f32>>,
     plain: Option<Buffer<f32>>,
+    /// The plain group gathered in BF16, and this rank's shard rounded to BF16 (the all-gather's send
+    /// buffer, kept until the collective is waited for).
+    plain_bf16: Option<(Buffer<bf16>, Buffer<bf16>)>,
     works: Vec<CommWork>,
 }
 
@@ -328,6 +372,10 @@ impl PendingGather {
         self.fp8.as_ref().map_or(0, Buffer::num_bytes)
             + self.scales.as_ref().map_or(0, Buffer::num_bytes)
             + self.plain.as_ref().map_or(0, Buffer::num_bytes)
+            + self
+                .plain_bf16
+                .as_ref()
+                .map_or(0, |(full, send)| full.num_bytes() + send.num_bytes())
     }
 }
 
@@ -578,6 +626,32 @@ impl ShardedModel {
     /// (e.g. right after `wait_gather(u)`): then it waits for nothing but earlier work and overlaps `u`'s
     /// kernels. On CPU backends the collective completes inside this call.
     pub fn gather_async(&mut self, u: usize) -> Result<(), ShardError> {
+        self.gather_async_as(u, self.config.plain_gather_dtype)
+    }
+
+    /// Gathers unit `u` with its plain parameters in F32 whatever [`FsdpConfig::plain_gather_dtype`] says
+    /// (a unit gathered or being gathered in BF16 is released and gathered again): for readers that need
+    /// the exact values (a consolidated checkpoint, a full-weights export).
+    pub fn gather_exact(&mut self, u: usize) -> Result<(), ShardError> {
+        let shards = self.unit(u)?;
+        let bf16_gathered = shards.gathered.as_ref().is_some_and(|g| {
+            g[ParamGroup::Plain as usize]
+                .iter()
+                .any(|p| matches!(p, GatheredParam::PlainBf16(_)))
+        });
+        let bf16_pending = shards
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.plain_bf16.is_some());
+        if bf16_gathered || bf16_pending {
+            self.release(u)?;
+        }
+        self.gather_async_as(u, GatherDtype::F32)?;
+        self.wait_gather(u)
+    }
+
+    /// [`ShardedModel::gather_async`] with the plain group in `plain`.
+    fn gather_async_as(&mut self, u: usize, plain: GatherDtype) -> Result<(), ShardError> {
         let ws = self.comm.world_size();
         let layout = self.layout.clone();
         let unit_layout = layout
@@ -594,6 +668,7 @@ impl ShardedModel {
             fp8: None,
             scales: None,
             plain: None,
+            plain_bf16: None,
             works: Vec::with_capacity(3),
         };
         // The receive buffers are left uninitialised: each all-gather writes every element (all ranks'
@@ -622,12 +697,27 @@ impl ShardedModel {
             pending.fp8 = Some(full);
         }
         if !gp.is_empty() {
-            let mut full = self.device.uninit::<f32>(gp.padded_len(ws))?;
-            pending.works.push(
-                self.comm
-                    .all_gather_async((&shards.plain).into(), (&mut full).into())?,
-            );
-            pending.plain = Some(full);
+            match plain {
+                GatherDtype::F32 => {
+                    let mut full = self.device.uninit::<f32>(gp.padded_len(ws))?;
+                    pending.works.push(
+                        self.comm
+                            .all_gather_async((&shards.plain).into(), (&mut full).into())?,
+                    );
+                    pending.plain = Some(full);
+                }
+                GatherDtype::Bf16 => {
+                    // The shard rounded on the compute stream; the collective is ordered after it.
+                    let mut send = self.device.uninit::<bf16>(shards.plain.len())?;
+                    convert(&shards.plain, &mut send)?;
+                    let mut full = self.device.uninit::<bf16>(gp.padded_len(ws))?;
+                    pending.works.push(
+                        self.comm
+                            .all_gather_async(SendBuf::BF16(&send), RecvBuf::BF16(&mut full))?,
+                    );
+                    pending.plain_bf16 = Some((full, send));
+                }
+            }
         }
         let held = self.gathered_bytes() + self.pending_bytes() + pending.num_bytes();
         self.peak_gathered_bytes = self.peak_gathered_bytes.max(held);
@@ -717,6 +807,14 @@ impl ShardedModel {
                 bytes += p.num_bytes();
                 params[ParamGroup::Plain as usize].push(GatheredParam::Plain(p));
             }
+        } else if let Some((full, send)) = &pending.plain_bf16 {
+            bytes += full.num_bytes() + send.num_bytes();
+            for slot in &unit_layout.group(ParamGroup::Plain).slots {
+                let mut p = self.device.uninit::<bf16>(slot.numel)?;
+                p.copy_range_from(0, full, slot.offset, slot.numel)?;
+                bytes += p.num_bytes();
+                params[ParamGroup::Plain as usize].push(GatheredParam::PlainBf16(p));
+            }
         }
         // During the cut the flat buffers and the cut parameters coexist: that is the peak.
         let held = self.gathered_bytes() + self.pending_bytes() + bytes;
@@ -771,12 +869,14 @@ impl ShardedModel {
             .ok_or_else(|| ShardError::State(format!("parameter {param} missing from its unit")))
     }
 
-    /// The gathered plain parameter named `name`.
+    /// The gathered plain parameter named `name`, in F32 (gathered in F32: see
+    /// [`ShardedModel::gather_exact`]).
     pub fn plain(&self, name: &str) -> Result<&Buffer<f32>, ShardError> {
         match self.param(self.index(name)?)? {
             GatheredParam::Plain(b) => Ok(b),
-            _ => Err(ShardError::InvalidArgument(format!(
-                "{name} is an FP8 weight, not a plain parameter"
+            other => Err(ShardError::InvalidArgument(format!(
+                "{name} is {}, not a plain F32 parameter",
+                gathered_kind(other)
             ))),
         }
     }
@@ -1325,5 +1425,6 @@ fn gathered_kind(p: &GatheredParam) -> &'static str {
         GatheredParam::Fp8 { .. } => "a per-tensor FP8 weight",
         GatheredParam::Fp8Block { .. } => "a block-scaled FP8 weight",
         GatheredParam::Plain(_) => "a plain parameter",
+        GatheredParam::PlainBf16(_) => "a plain parameter gathered in BF16",
     }
 }

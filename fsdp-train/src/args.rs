@@ -32,7 +32,7 @@ use fp8_core::{Fp8Format, Fp8Recipe, ScalingRecipe};
 use fp8_kernels::{Device, KernelError};
 use fsdp_nn::{Fp8Filter, LinearPrecision, DEFAULT_FP8_AUTO_THRESHOLD};
 use fsdp_optim::{ExportDtype, StatePrecision};
-use fsdp_shard::GradDtype;
+use fsdp_shard::{GatherDtype, GradDtype};
 use std::path::PathBuf;
 
 use crate::config::{Fp8GradComm, Precision, RunLength, TrainConfig, DEFAULT_MAX_SKIPPED_STEPS};
@@ -158,6 +158,10 @@ pub struct TrainArgs {
     /// Storage of the reduced gradient shards (bf16: half the bytes, one rounding per reduction).
     #[arg(long, value_enum, default_value_t = GradShardsArg::F32)]
     pub grad_shards: GradShardsArg,
+    /// The type plain parameters (norms, biases, embeddings, the LM head) are gathered in for compute
+    /// (bf16: half their gathered bytes; the masters, gradients and checkpoints stay F32).
+    #[arg(long, value_enum, default_value_t = GradShardsArg::F32)]
+    pub plain_gather: GradShardsArg,
     /// Optimizer states of the FP8 weights (other parameters keep F32 states) [default: low].
     #[arg(long, value_enum)]
     pub optimizer_states: Option<StatesArg>,
@@ -370,6 +374,10 @@ impl TrainArgs {
             .fp8_grad_comm
             .map_or(Fp8GradComm::Off, Fp8GradComm::from);
         c.grad_shards = self.grad_shards.into();
+        c.plain_gather = match self.plain_gather {
+            GradShardsArg::F32 => GatherDtype::F32,
+            GradShardsArg::Bf16 => GatherDtype::Bf16,
+        };
         c.optimizer_states = self.optimizer_states.unwrap_or(StatesArg::Low).into();
         c.world_size = self.world_size.unwrap_or(defaults.world_size);
         c.device = self.device.into();

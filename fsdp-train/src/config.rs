@@ -7,7 +7,7 @@ use crate::TrainError;
 use fp8_core::{Fp8Format, Fp8Recipe};
 use fsdp_nn::Fp8Filter;
 use fsdp_optim::{ExportDtype, StatePrecision};
-use fsdp_shard::{GradDtype, GradReduction};
+use fsdp_shard::{GatherDtype, GradDtype, GradReduction};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -76,6 +76,10 @@ pub struct TrainConfig {
     pub fp8_grad_comm: Fp8GradComm,
     /// Storage of the reduced gradient shards.
     pub grad_shards: GradDtype,
+    /// The type plain parameters (norm weights, biases, embeddings, the LM head) are gathered in for
+    /// compute (`fsdp_shard::FsdpConfig::plain_gather_dtype`; `--plain-gather`): F32 by default, BF16
+    /// halves their gathered bytes.
+    pub plain_gather: GatherDtype,
     /// Storage of the FP8 weights' optimizer states.
     pub optimizer_states: StatePrecision,
     /// Ranks: threads on the CPU; on CUDA the launcher's process count.
@@ -150,6 +154,7 @@ impl TrainConfig {
             fp8_head: false,
             fp8_grad_comm: Fp8GradComm::Off,
             grad_shards: GradDtype::F32,
+            plain_gather: GatherDtype::F32,
             optimizer_states: StatePrecision::default(),
             world_size: 1,
             device: DeviceChoice::Auto,

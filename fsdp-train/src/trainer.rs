@@ -234,8 +234,13 @@ impl Trainer {
         let c = &self.config;
         let comm = c.fp8_grad_comm.describe();
         let comm = format!(
-            "{comm}, {} gradient shards",
-            c.grad_shards.name().to_uppercase()
+            "{comm}, {} gradient shards{}",
+            c.grad_shards.name().to_uppercase(),
+            if c.plain_gather == fsdp_shard::GatherDtype::Bf16 {
+                ", BF16 plain-parameter gather"
+            } else {
+                ""
+            }
         );
         match c.precision {
             Precision::Fp8 => format!(
@@ -477,6 +482,7 @@ impl Trainer {
         let fsdp = FsdpConfig {
             grad_reduction: c.fp8_grad_comm.reduction(),
             grad_dtype: c.grad_shards,
+            plain_gather_dtype: c.plain_gather,
             weight_margin: c.fp8_recipe.weight_margin,
             init_seed: c.seed,
             ..FsdpConfig::default()

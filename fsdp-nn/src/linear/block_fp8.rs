@@ -7,8 +7,9 @@
 //! tile, contributes exact zeros to the weight gradient's sum over tokens, and its output rows are cut
 //! off. The feature sides are checked when the model is wrapped ([`super::block_scalable`]).
 
-use super::{broadcast_bias, plain, BlockFp8Saved, BlockScaling, Linear};
+use super::{broadcast_bias, BlockFp8Saved, BlockScaling, Linear};
 use crate::layer::{Activation, InputGrad};
+use crate::plain_param::{plain_in, plain_param};
 use crate::{NnError, Shape, Tensor};
 use fp8_core::{BlockLayout, Fp8Format, ScaleRounding, ScalingGranularity};
 use fp8_kernels::block_quantize::{
@@ -156,10 +157,9 @@ fn block_weight<'a>(
             scale_inv,
             scale_order: ScaleOrder::Gemm,
         }),
-        GatheredParam::Fp8 { .. } | GatheredParam::Plain(_) => Err(NnError::usage(
-            layer,
-            "the weight is not a block-scaled FP8 parameter",
-        )),
+        GatheredParam::Fp8 { .. } | GatheredParam::Plain(_) | GatheredParam::PlainBf16(_) => Err(
+            NnError::usage(layer, "the weight is not a block-scaled FP8 parameter"),
+        ),
     }
 }
 
@@ -231,14 +231,14 @@ impl<T: Activation> Linear<T> {
             .parallelism(par);
         let (w, b) = if self.has_bias {
             let [w, b] = ctx.params([self.weight, self.bias])?;
-            (w, Some(plain(b, &self.name)?))
+            (w, Some(plain_param(b, &self.name)?))
         } else {
             let [w] = ctx.params([self.weight])?;
             (w, None)
         };
         let w = block_weight(w, [outf, inf], &self.name)?;
         if let Some(b) = b {
-            let b = T::from_f32_buffer(b, &mut self.bias_t)?;
+            let b = plain_in::<T>(b, &mut self.bias_t)?;
             broadcast_bias(b, rows, &mut y)?;
             spec.beta = 1.0;
         }

@@ -62,9 +62,7 @@ impl TinyConfig {
 fn plain(p: &GatheredParam) -> Result<&Buffer<f32>, NnError> {
     match p {
         GatheredParam::Plain(b) => Ok(b),
-        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
-            Err(NnError::usage("tiny", "expected a plain parameter"))
-        }
+        _ => Err(NnError::usage("tiny", "expected a plain F32 parameter")),
     }
 }
 

@@ -83,7 +83,7 @@ impl Source {
         let [p] = ctx.params([self.id])?;
         let b = match p {
             GatheredParam::Plain(b) => b.to_device(&dev)?,
-            GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => unreachable!("plain"),
+            _ => unreachable!("plain F32"),
         };
         Tensor::new(b, Shape::new(&self.shape)?)
     }

@@ -581,7 +581,8 @@ pub fn save_full(
     }
     for u in 0..layout.units.len() {
         let was = model.is_gathered(u);
-        model.gather(u)?;
+        // Exact F32 plain values even where compute gathers them in BF16.
+        model.gather_exact(u)?;
         if rank == 0 {
             for g in ParamGroup::ALL {
                 for slot in &layout.units[u].group(g).slots {
@@ -592,6 +593,12 @@ pub fn save_full(
                                 spec.name.clone(),
                                 TensorRecord::from_f32(&spec.shape, &b.to_vec()?),
                             );
+                        }
+                        crate::model::GatheredParam::PlainBf16(_) => {
+                            return Err(ShardError::State(format!(
+                                "{}: gathered in BF16 for a consolidated checkpoint",
+                                spec.name
+                            )))
                         }
                         crate::model::GatheredParam::Fp8Block {
                             codes,

@@ -1,0 +1,63 @@
+//! Gathered plain parameters in the type a kernel takes. The model gathers plain parameters in F32 or
+//! in BF16 (`fsdp_shard::FsdpConfig::plain_gather_dtype`); a layer borrows one when the types agree and
+//! converts it otherwise (rounding to nearest even, or widening exactly).
+
+use crate::retype::buffer_ref;
+use crate::NnError;
+use fp8_kernels::{convert, Buffer, Device, FloatElement};
+use fsdp_shard::{GatheredParam, PlainParam};
+
+/// The plain parameter `p` of `layer` (an error naming the layer for an FP8 weight).
+pub(crate) fn plain_param<'a>(
+    p: &'a GatheredParam,
+    layer: &str,
+) -> Result<PlainParam<'a>, NnError> {
+    p.as_plain()
+        .ok_or_else(|| NnError::usage(layer, "expected a plain parameter"))
+}
+
+/// `p` as a `Buffer<T>`: itself when gathered in `T`, else converted into `scratch`.
+pub(crate) fn plain_in<'a, T: FloatElement>(
+    p: PlainParam<'a>,
+    scratch: &'a mut Option<Buffer<T>>,
+) -> Result<&'a Buffer<T>, NnError> {
+    fn borrow_or_convert<'a, S: FloatElement, T: FloatElement>(
+        b: &'a Buffer<S>,
+        scratch: &'a mut Option<Buffer<T>>,
+    ) -> Result<&'a Buffer<T>, NnError> {
+        if let Some(same) = buffer_ref::<S, T>(b) {
+            return Ok(same);
+        }
+        let mut out = b.device().uninit::<T>(b.len())?;
+        convert(b, &mut out)?;
+        Ok(scratch.insert(out))
+    }
+    match p {
+        PlainParam::F32(b) => borrow_or_convert(b, scratch),
+        PlainParam::Bf16(b) => borrow_or_convert(b, scratch),
+    }
+}
+
+/// An owned copy of `p` in `T` on `dev` (a copy when gathered in `T`, else converted).
+pub(crate) fn plain_owned<T: FloatElement>(
+    dev: &Device,
+    p: PlainParam<'_>,
+) -> Result<Buffer<T>, NnError> {
+    fn owned<S: FloatElement, T: FloatElement>(
+        dev: &Device,
+        b: &Buffer<S>,
+    ) -> Result<Buffer<T>, NnError> {
+        match buffer_ref::<S, T>(b) {
+            Some(same) => Ok(same.to_device(dev)?),
+            None => {
+                let mut out = dev.uninit::<T>(b.len())?;
+                convert(b, &mut out)?;
+                Ok(out)
+            }
+        }
+    }
+    match p {
+        PlainParam::F32(b) => owned(dev, b),
+        PlainParam::Bf16(b) => owned(dev, b),
+    }
+}
