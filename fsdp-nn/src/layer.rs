@@ -2,60 +2,16 @@
 //! [`Sequential`] container.
 
 use crate::{NnError, Shape, Tensor};
-use fp8_kernels::{convert, Buffer, FloatElement, GemmOutput, KernelError};
+use fp8_kernels::{FloatElement, GemmOutput};
 use fsdp_shard::{Ctx, Module, ModulePath, ParamDecl, ParamId, ShardError, Visitor};
 use half::bf16;
 
 /// Element types of activations and gradients between layers: `f32` or `bf16`.
-pub trait Activation: FloatElement + GemmOutput {
-    /// `src` as this type: `src` itself for `f32`, converted into `scratch` (round to nearest even)
-    /// otherwise.
-    fn from_f32_buffer<'a>(
-        src: &'a Buffer<f32>,
-        scratch: &'a mut Option<Buffer<Self>>,
-    ) -> Result<&'a Buffer<Self>, KernelError>;
+pub trait Activation: FloatElement + GemmOutput {}
 
-    /// `src` as this type in a buffer of its own (a copy for `f32`).
-    fn owned_from_f32(src: &Buffer<f32>) -> Result<Buffer<Self>, KernelError>;
-}
+impl Activation for f32 {}
 
-impl Activation for f32 {
-    fn from_f32_buffer<'a>(
-        src: &'a Buffer<f32>,
-        _scratch: &'a mut Option<Buffer<f32>>,
-    ) -> Result<&'a Buffer<f32>, KernelError> {
-        Ok(src)
-    }
-
-    fn owned_from_f32(src: &Buffer<f32>) -> Result<Buffer<f32>, KernelError> {
-        let mut out = src.device().uninit(src.len())?;
-        out.copy_range_from(0, src, 0, src.len())?;
-        Ok(out)
-    }
-}
-
-impl Activation for bf16 {
-    fn from_f32_buffer<'a>(
-        src: &'a Buffer<f32>,
-        scratch: &'a mut Option<Buffer<bf16>>,
-    ) -> Result<&'a Buffer<bf16>, KernelError> {
-        let fits = scratch.as_ref().is_some_and(|b| b.len() == src.len());
-        if !fits {
-            *scratch = Some(src.device().uninit(src.len())?);
-        }
-        let out = scratch
-            .as_mut()
-            .ok_or(KernelError::Internal("conversion buffer missing".into()))?;
-        convert(src, out)?;
-        Ok(out)
-    }
-
-    fn owned_from_f32(src: &Buffer<f32>) -> Result<Buffer<bf16>, KernelError> {
-        let mut out = src.device().uninit(src.len())?;
-        convert(src, &mut out)?;
-        Ok(out)
-    }
-}
+impl Activation for bf16 {}
 
 /// What a backward returns: the input gradient when it was asked for, `None` otherwise.
 pub type InputGrad<T = f32> = Result<Option<Tensor<T>>, NnError>;

@@ -533,14 +533,10 @@ impl<T: Activation> LmHead<T> {
         let row_scale = grad_scale.map(|g| g / tokens as f32);
         let weight = self.weight;
         let w = ctx.plain_param(weight)?;
-        let w_len = match w {
-            PlainParam::F32(b) => b.len(),
-            PlainParam::Bf16(b) => b.len(),
-        };
-        if w_len != vocab * d {
+        if w.len() != vocab * d {
             return Err(NnError::usage(
                 &self.name,
-                format!("a table of {w_len} elements for {vocab} x {d}"),
+                format!("a table of {} elements for {vocab} x {d}", w.len()),
             ));
         }
         let gemms = if self.fp8 {

@@ -4,7 +4,7 @@
 
 use crate::retype::buffer_ref;
 use crate::NnError;
-use fp8_kernels::{convert, Buffer, Device, FloatElement};
+use fp8_kernels::{convert, Buffer, Device, FloatElement, KernelError};
 use fsdp_shard::{GatheredParam, PlainParam};
 
 /// The plain parameter `p` of `layer` (an error naming the layer for an FP8 weight).
@@ -16,6 +16,22 @@ pub(crate) fn plain_param<'a>(
         .ok_or_else(|| NnError::usage(layer, "expected a plain parameter"))
 }
 
+/// `b` converted into `slot`'s buffer, which is reused when its length fits (a layer keeps its scratch
+/// between calls) and made otherwise.
+fn convert_into<'a, S: FloatElement, T: FloatElement>(
+    b: &Buffer<S>,
+    slot: &'a mut Option<Buffer<T>>,
+) -> Result<&'a mut Buffer<T>, NnError> {
+    if slot.as_ref().is_none_or(|o| o.len() != b.len()) {
+        *slot = Some(b.device().uninit::<T>(b.len())?);
+    }
+    let out = slot
+        .as_mut()
+        .ok_or(KernelError::Internal("conversion buffer missing".into()))?;
+    convert(b, out)?;
+    Ok(out)
+}
+
 /// `p` as a `Buffer<T>`: itself when gathered in `T`, else converted into `scratch`.
 pub(crate) fn plain_in<'a, T: FloatElement>(
     p: PlainParam<'a>,
@@ -25,12 +41,10 @@ pub(crate) fn plain_in<'a, T: FloatElement>(
         b: &'a Buffer<S>,
         scratch: &'a mut Option<Buffer<T>>,
     ) -> Result<&'a Buffer<T>, NnError> {
-        if let Some(same) = buffer_ref::<S, T>(b) {
-            return Ok(same);
+        match buffer_ref::<S, T>(b) {
+            Some(same) => Ok(same),
+            None => Ok(convert_into(b, scratch)?),
         }
-        let mut out = b.device().uninit::<T>(b.len())?;
-        convert(b, &mut out)?;
-        Ok(scratch.insert(out))
     }
     match p {
         PlainParam::F32(b) => borrow_or_convert(b, scratch),
@@ -47,14 +61,12 @@ pub(crate) fn plain_owned<T: FloatElement>(
         dev: &Device,
         b: &Buffer<S>,
     ) -> Result<Buffer<T>, NnError> {
-        match buffer_ref::<S, T>(b) {
-            Some(same) => Ok(same.to_device(dev)?),
-            None => {
-                let mut out = dev.uninit::<T>(b.len())?;
-                convert(b, &mut out)?;
-                Ok(out)
-            }
+        if let Some(same) = buffer_ref::<S, T>(b) {
+            return Ok(same.to_device(dev)?);
         }
+        let mut out = None;
+        convert_into(b, &mut out)?;
+        out.ok_or_else(|| KernelError::Internal("conversion buffer missing".into()).into())
     }
     match p {
         PlainParam::F32(b) => owned(dev, b),

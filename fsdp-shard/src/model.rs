@@ -193,6 +193,21 @@ pub enum PlainParam<'a> {
     Bf16(&'a Buffer<bf16>),
 }
 
+impl PlainParam<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            PlainParam::F32(b) => b.len(),
+            PlainParam::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Whether the parameter has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl GatheredParam {
     /// A plain parameter as [`PlainParam`]; `None` for an FP8 weight.
     pub fn as_plain(&self) -> Option<PlainParam<'_>> {

@@ -374,10 +374,7 @@ impl TrainArgs {
             .fp8_grad_comm
             .map_or(Fp8GradComm::Off, Fp8GradComm::from);
         c.grad_shards = self.grad_shards.into();
-        c.plain_gather = match self.plain_gather {
-            GradShardsArg::F32 => GatherDtype::F32,
-            GradShardsArg::Bf16 => GatherDtype::Bf16,
-        };
+        c.plain_gather = self.plain_gather.into();
         c.optimizer_states = self.optimizer_states.unwrap_or(StatesArg::Low).into();
         c.world_size = self.world_size.unwrap_or(defaults.world_size);
         c.device = self.device.into();
@@ -559,6 +556,15 @@ impl From<Fp8GradCommArg> for Fp8GradComm {
 pub enum GradShardsArg {
     F32,
     Bf16,
+}
+
+impl From<GradShardsArg> for GatherDtype {
+    fn from(arg: GradShardsArg) -> Self {
+        match arg {
+            GradShardsArg::F32 => GatherDtype::F32,
+            GradShardsArg::Bf16 => GatherDtype::Bf16,
+        }
+    }
 }
 
 impl From<GradShardsArg> for GradDtype {
