@@ -17,13 +17,15 @@
 //!   table of ours against PyTorch's backends (default, flash, cuDNN, cuDNN on expanded K/V) read from
 //!   `--peer FILE`, the JSON lines `peer_layers.py` printed in the same device call (`bench/run.sh
 //!   layers` passes it), with the ratio of our default to the fastest backend.
-//! - `--wgmma`: also the modes `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
+//! - `--wgmma`: also the modes `wgmma ordered` (the fused deterministic wgmma backward,
+//!   `WgmmaBackwardTiles::ORDERED`), `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
 //!   fwd+mma` (the wgmma forward with the mma.sync fused backward; compute capability 9.0 only, head
 //!   dims 64 and 128), and after the table, per shape of head dim 64 or 128, the mma.sync forward and
 //!   every compiled wgmma forward variant timed alone, with their speed-up and their largest differences
 //!   from the mma.sync forward's `out` and `lse` on the same inputs (a quick check beside
 //!   `attention_cuda`'s); then the same for the backward alone: the mma.sync deterministic default
-//!   against every compiled pair of wgmma dK/dV and dQ kernels and the wgmma atomic kernel.
+//!   against every compiled pair of wgmma dK/dV and dQ kernels, the fused ordered kernel and the wgmma
+//!   atomic kernel.
 //! - `--sweep`: every compiled variant at each shape, forward and backward timed separately: the
 //!   forward tiles; the backward organisations (the fused kernel with 64 and 32 query rows,
 //!   deterministic and atomic; every pair of separate dK/dV and dQ tiles); the fused deterministic
@@ -43,7 +45,7 @@ use fp8_kernels::attention::{
     attention_backward, attention_forward, backward_splits, backward_variants, forward_variants,
     wgmma_backward_variants, wgmma_forward_variants, AttentionConfig, AttentionKernel,
     AttentionShape, AttentionTiles, AttentionWorkspace, BackwardKernels, DqAccumulation,
-    QueryTiles, FUSED_QUERY_ROWS, WGMMA_HEAD_DIMS,
+    QueryTiles, WgmmaBackwardTiles, FUSED_QUERY_ROWS, WGMMA_HEAD_DIMS,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, KernelError};
@@ -433,6 +435,16 @@ fn modes(wgmma: bool) -> Vec<(&'static str, AttentionConfig)> {
         ),
     ];
     if wgmma {
+        v.push((
+            "wgmma ordered",
+            AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_backward: Some(WgmmaBackwardTiles::ORDERED),
+                    ..Default::default()
+                },
+                ..wgmma_config()
+            },
+        ));
         v.push((
             "wgmma atomic",
             AttentionConfig {

@@ -506,7 +506,11 @@ fn emulated_wgmma_backward_matches_cpu() {
         let want = reference(&inp, scale);
         let hd = shape.head_dim;
         let fwd = default_wgmma_tiles(hd).unwrap();
-        let pairs = wgmma_backward_variants(hd);
+        // The ordered fused kernel has its own test below.
+        let pairs: Vec<_> = wgmma_backward_variants(hd)
+            .into_iter()
+            .filter(|t| !t.ordered)
+            .collect();
         let sep = if i < 2 {
             default_wgmma_backward_tiles(hd).unwrap()
         } else {
@@ -550,6 +554,66 @@ fn emulated_wgmma_backward_matches_cpu() {
                     println!("FAIL {label}: {e}");
                     fails.push(format!("{label}: {e}"));
                 }
+            }
+        }
+    }
+    assert_no_failures(&fails);
+}
+
+#[test]
+#[cfg_attr(not(cxx20_found), ignore = "needs a C++20 compiler (CXX, g++ or c++)")]
+fn emulated_ordered_backward_matches_cpu_and_repeats() {
+    // The fused deterministic wgmma backward (one kernel, dQ added tile by tile with bulk reductions in
+    // key-block order; the emulator also checks that every tile's turn counter ends at the number of
+    // key blocks that reach it) on the wgmma shapes up to T = 257 and a group of 3 with a non-default
+    // scale: against the CPU, and the same bits with wgmma results, TMA copies and bulk reductions at
+    // issue and at the waits.
+    let bin = emulator();
+    let dir = scratch("attention_emulated_ordered_backward");
+    let mut fails = Vec::new();
+    for (i, (shape, scale)) in emulated_wgmma_cases(AttentionShape::gqa(1, 6, 2, 150, 64))
+        .into_iter()
+        .enumerate()
+    {
+        let inp = inputs(shape, 1700 + i as u64);
+        let scale = AttentionConfig {
+            softmax_scale: scale,
+            ..Default::default()
+        }
+        .scale_for(shape.head_dim);
+        let want = reference(&inp, scale);
+        let fwd = default_wgmma_tiles(shape.head_dim).unwrap();
+        let mut runs = Vec::new();
+        for copies in ["early", "late"] {
+            let v = Variant {
+                name: format!("wgmma {fwd}, ordered backward"),
+                copies,
+                fwd: format!("wg:{fwd}"),
+                bwd: "wgord".to_string(),
+            };
+            let label = wgmma_label(&shape, scale, &v);
+            match run(&bin, &inp, &v, scale, &dir) {
+                Ok(got) => {
+                    fails.extend(check_all(&label, &shape, &got, &want));
+                    runs.push((label, got));
+                }
+                Err(e) => {
+                    println!("FAIL {label}: {e}");
+                    fails.push(format!("{label}: {e}"));
+                }
+            }
+        }
+        if let [(label, a), (_, b)] = &runs[..] {
+            let differ = a
+                .dqkv
+                .iter()
+                .zip(&b.dqkv)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            if differ > 0 {
+                fails.push(format!(
+                    "{label}: {differ} gradient elements differ between early and late results"
+                ));
             }
         }
     }

@@ -440,6 +440,7 @@ fn wgmma_configs_are_validated() {
                 kv_warpgroups: 1,
                 kv_specialized: true,
                 dq: WgmmaTiles::new(1, 64),
+                ordered: false,
             },
         ] {
             let c = AttentionConfig {
@@ -707,6 +708,7 @@ nvrtc_test! {
         for k in [
             "attn_bwd_dot_rows",
             "attn_bwd_dq_convert",
+            "attn_bwd_dq_tiles_convert",
             "attn_probe_abt",
             "attn_probe_pb",
             "attn_probe_atb",
@@ -732,7 +734,7 @@ nvrtc_test! {
         let m = attention_module(64, KernelFamily::SeparateBackward);
         assert_eq!(m.name, "fp8_kernels_attention_hd64_separate_backward");
         let ptx = sm90_ptx(m);
-        let mut want: std::collections::BTreeSet<String> = ["attn_bwd_dot_rows", "attn_bwd_dq_convert"]
+        let mut want: std::collections::BTreeSet<String> = ["attn_bwd_dot_rows", "attn_bwd_dq_convert", "attn_bwd_dq_tiles_convert"]
             .iter()
             .map(|s| s.to_string())
             .collect();
@@ -783,6 +785,7 @@ nvrtc_test! {
                 kernel.name(hd),
                 "attn_bwd_dot_rows".into(),
                 "attn_bwd_dq_convert".into(),
+                "attn_bwd_dq_tiles_convert".into(),
             ]
             .into();
             assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
@@ -926,6 +929,7 @@ nvrtc_test! {
         // The small kernels every backward module holds.
         want.insert("attn_bwd_dot_rows".into());
         want.insert("attn_bwd_dq_convert".into());
+        want.insert("attn_bwd_dq_tiles_convert".into());
         assert_eq!(entries(&ptx, "attn_"), want);
         for insn in [
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
@@ -939,6 +943,9 @@ nvrtc_test! {
             "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes",
             "mbarrier.try_wait.parity.shared::cta.b64",
             "mbarrier.arrive.expect_tx.shared::cta.b64",
+            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+            "ld.acquire.gpu.global.u32",
+            "red.release.gpu.global.add.u32",
         ] {
             assert!(ptx.contains(insn), "wgmma module PTX lacks {insn}");
         }
@@ -980,6 +987,7 @@ nvrtc_test! {
                     kernel.name(hd),
                     "attn_bwd_dot_rows".into(),
                     "attn_bwd_dq_convert".into(),
+                    "attn_bwd_dq_tiles_convert".into(),
                 ]
                 .into();
                 assert_eq!(entries(&ptx, "attn_"), want, "{}", m.name);
@@ -989,7 +997,7 @@ nvrtc_test! {
 }
 
 /// Every wgmma kernel compiled for `hd`: the forward variants, the fused backward, the dK/dV and dQ
-/// kernels of the deterministic backward.
+/// kernels of the deterministic backward, the fused ordered backward.
 fn wgmma_kernels(hd: usize) -> Vec<TensorKernel> {
     let mut v: Vec<TensorKernel> = wgmma_forward_variants(hd)
         .iter()
@@ -1013,5 +1021,6 @@ fn wgmma_kernels(hd: usize) -> Vec<TensorKernel> {
             .iter()
             .map(|&t| TensorKernel::WgmmaDq(t)),
     );
+    v.push(TensorKernel::WgmmaOrdered);
     v
 }

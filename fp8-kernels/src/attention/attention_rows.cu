@@ -38,3 +38,28 @@ extern "C" __global__ void attn_bwd_dq_convert(const float* __restrict__ acc, in
         dqkv[row * qkv_row + c] = f32_to_bf16(s * scale);
     }
 }
+
+// The ordered wgmma backward's dQ (attn_bwd_wgmma_ordered, attention_wgmma.cu): the q slot of dqkv =
+// bf16(scale * acc) from its accumulator of 64 x HD f32 tiles, tile (b * H + h) * nqb + i holding query rows
+// 64 i .. 64 i + 63 of head h in the consumers' register order (element ((c * 4 + w) * 8 + r4) * 128 +
+// 4 lane + j: row 16 w + lane / 4 + 8 (j / 2), column 64 c + 8 r4 + 2 (lane % 4) + j % 2). One thread per
+// pair of adjacent columns (j even); rows >= T are skipped.
+extern "C" __global__ void attn_bwd_dq_tiles_convert(const float* __restrict__ acc, u16* __restrict__ dqkv,
+                                                     int B, int T, int H, int KV, int HD, float scale) {
+    const int nqb = (T + 63) / 64;
+    const u64 tile_len = (u64)64 * HD, pairs = (u64)B * H * nqb * tile_len / 2;
+    const u64 qkv_row = (u64)(H + 2 * KV) * HD;
+    for (u64 p = global_thread(); p < pairs; p += grid_threads()) {
+        const u64 e = 2 * p, tile = e / tile_len;
+        const int x = (int)(e - tile * tile_len);
+        const int c = x >> 12, w = (x >> 10) & 3, r4 = (x >> 7) & 7, lane = (x >> 2) & 31, j = x & 3;
+        const int row = 16 * w + (lane >> 2) + 8 * (j >> 1), col = 64 * c + 8 * r4 + 2 * (lane & 3);
+        const u64 bh = tile / nqb;
+        const int i = (int)(tile - bh * nqb), t = 64 * i + row;
+        if (t >= T) continue;
+        const u64 b = bh / H, h = bh - b * H;
+        u16* dst = dqkv + ((u64)b * T + t) * qkv_row + h * HD + col;
+        dst[0] = f32_to_bf16(acc[e] * scale);
+        dst[1] = f32_to_bf16(acc[e + 1] * scale);
+    }
+}

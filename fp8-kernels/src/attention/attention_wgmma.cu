@@ -222,6 +222,33 @@ __device__ __forceinline__ void att_tma_load_4d(u32 dst, const AttTmaMap* map, i
         : "memory");
 }
 
+// Bulk reduction (cp.reduce.async.bulk, non-tensor): the `bytes` bytes of f32 at shared address `src`
+// (16-byte aligned, a multiple of 16 bytes) added element-wise into global memory at `dst` (16-byte
+// aligned) by the async proxy, as one operation of this thread's current bulk async-group.
+__device__ __forceinline__ void att_bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void att_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until every bulk async-group of this thread completed: the reductions' writes are performed
+// (their completion implies a generic-async proxy fence for this thread).
+__device__ __forceinline__ void att_bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Orders this thread's global accesses of the generic proxy with its async-proxy (bulk) operations.
+__device__ __forceinline__ void att_fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// A GPU-scope acquire load and release add of a 32-bit counter in global memory (the ordered dQ
+// reduction's turn counters).
+__device__ __forceinline__ u32 att_ld_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void att_red_release_gpu_add(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 #endif  // ATT_HOST_EMULATION
 
 template <int N>
@@ -882,11 +909,15 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
 // warpgroup's rows of the K and V tiles (column blocks KCB = BN * 128 bytes apart); cQ, cdO: the tile's Q
 // and dO (column blocks BM * 128 apart); cL, cD: its lse and D in shared memory; key_a: the thread's first
 // key.
-template <int HD, int BN, int BM>
+// With DS (the fused deterministic backward), dS^T (bf16) also goes to the SW128 tile sdS of DS_ROWS rows
+// (keys) and BM columns (queries), the warp's rows at ds_row0 + 16 warp (after batch 4 was issued: its A
+// operand is in registers, so the stores overlap it).
+template <int HD, int BN, int BM, bool DS = false, int DS_ROWS = 64>
 __device__ __forceinline__ void att_wg_kv_tile(u32 aKw, u32 aVw, u32 cQ, u32 cdO, const float* __restrict__ cL,
                                                const float* __restrict__ cD,
                                                int q0, int kw0, int key_a, int T, int q, float scale_log2,
-                                               float (&dk)[HD / 2], float (&dv)[HD / 2]) {
+                                               float (&dk)[HD / 2], float (&dv)[HD / 2], u16* sdS = nullptr,
+                                               int ds_row0 = 0) {
     constexpr u32 KCB = BN * 128, QCB = BM * 128;
     // Batches 1 and 2: S^T and dP^T.
     float s[BM / 2], dp[BM / 2];
@@ -952,6 +983,16 @@ __device__ __forceinline__ void att_wg_kv_tile(u32 aKw, u32 aVw, u32 cQ, u32 cdO
     att_wg_fence();
     att_wg_pv<BM, HD>(dk, dsa, cQ, QCB);
     att_wg_commit();
+    if constexpr (DS) {
+        const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+        for (int kc = 0; kc < BM / 16; ++kc)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = ds_row0 + 16 * warp + g + 8 * (r & 1), col = 16 * kc + 8 * (r >> 1) + 2 * q;
+                *reinterpret_cast<u32*>(sdS + att_sw128_index<DS_ROWS>(row, col)) = dsa[kc][r];
+            }
+    }
 }
 
 template <int HD, int NWG, bool DQ>
@@ -1316,6 +1357,229 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 // Bytes of attn_bwd_wgmma's shared memory (the host's figures must match): the K and V tiles of 64 NWG
 // rows, Q and dO [2][64][HD], sdS with DQ, lse and D, and the 1024-byte alignment.
 #define ATT_WG_BWD_SMEM(HD, NWG, DQ) ((2 * 64 * (NWG) + 4 * 64) * (HD) * 2 + ((DQ) ? 64 * 128 : 0) + 4 * 64 * 4 + 1024)
+
+// -----------------------------------------------------------------------------------------------------
+// The fused deterministic backward, attn_bwd_wgmma_ordered_hd<HD>: dK, dV and dQ in one kernel, five
+// products per tile pair where the pair of kernels above needs seven, FlashAttention-3's organisation with
+// its deterministic dQ. Grid (B*KV, ceil(T / 128)); block (bkv, n) holds keys k0 = 128 n .. k0 + 127 in
+// two consumer warpgroups of 64 (warpgroup 0 the lower keys) and a producer warpgroup, as
+// attn_bwd_kv_wgmma_ws. It walks the query tiles of 64 rows in decreasing order, i = nqb - 1 down to
+// k0 / 64, and for each tile the group's query heads in increasing order (heads inner: every block
+// reaches tile (h, i) after the same number of steps from its start). Per tile and consumer warpgroup:
+//   batches 1-4  as att_wg_kv_tile (S^T, dP^T, dV += P^T dO, dK += dS^T Q); dS^T (bf16) also to the
+//                warpgroup's 64 rows of the SW128 tile sdS [128 keys][64 queries]
+//   batch 5      per 64-column half c of dQ: dQ_w = dS_w K_w over the warpgroup's 64 keys, 4 wgmma
+//                m64n64k16 with A = sdS read MN-major (A(query, key) = sdS[key][query]) and B = K read
+//                MN-major, waited for
+//   combine      warpgroup 0 stores dQ_0 into the f32 tile sdQ (after the writer freed it: dq_empty) and
+//                arrives on dq_half; warpgroup 1 waits for it, stores dQ_0 + dQ_1 and arrives on dq_full
+// The dQ writer, the producer warpgroup's second warp, then adds sdQ into the f32 accumulator tile of
+// (b, h, i) in global memory with one bulk reduction, in key-block order: its first lane waits until the
+// tile's counter equals n (ld.acquire.gpu), reduces, waits for the reduction to complete, increments the
+// counter (red.release.gpu) and frees sdQ. Every dQ element is thus ((dQ(block 0) + dQ(block 1)) + ...)
+// in key-block order, each block's part (dQ_0 + dQ_1) summed in a fixed order too: the same bits on every
+// run. A block waits only for lower key blocks, which the grid launches first (blockIdx.y = n) and whose
+// walks hold this block's tiles, in the same order, before their own last ones: a waiting block never
+// waits for one that has not started, and in a full wave all blocks reach a tile together.
+// The accumulator holds per (b, h, i) (tile index (b * H + h) * nqb + i) 64 x HD f32 in sdQ's order,
+// the consumer threads' dQ registers as they hold them: element ((c * 4 + w) * 8 + r4) * 128 + 4 lane + j
+// is register 4 r4 + j of half c of lane `lane` of warp w (row 16 w + lane / 4 + 8 (j / 2), column
+// 64 c + 8 r4 + 2 (lane % 4) + j % 2), 16-byte stores without bank conflicts; attn_bwd_dq_tiles_convert
+// (attention_rows.cu) writes dQ * scale from it. Accumulator and counters are zero at launch.
+// Shared memory (1024-byte aligned): K, V [128][HD]; Q, dO [ST][64][HD]; sdS [128][64] bf16 (SW128
+// tiles); sdQ [64 HD] f32; lse, D [ST][64] f32; the barriers full_kv, full[ST], empty[ST], dq_half,
+// dq_full, dq_empty.
+template <int HD>
+__device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, const AttTmaMap* tq,
+                                                       const AttTmaMap* tdo, const float* __restrict__ lse,
+                                                       const float* __restrict__ dvec, float* __restrict__ dq_acc,
+                                                       u32* __restrict__ dq_turn, u16* __restrict__ dqkv, int T,
+                                                       int H, int KV, float scale, float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    constexpr int NWG = 2, BN = 128, BM = 64, NC = 256, ST = ATT_KV_WS_STAGES(HD);
+    constexpr u32 KB = BN * HD * 2, QB = BM * HD * 2, KCB = BN * 128, DSB = BN * BM * 2, DQB = BM * HD * 4;
+    const u32 raw = att_smem_u32(att_smem);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 aK = raw + pad, aV = aK + KB, aQ = aV + KB, adO = aQ + ST * QB, adS = adO + ST * QB,
+              adQ = adS + DSB;
+    unsigned char* base = att_smem + pad;
+    u16* sK = reinterpret_cast<u16*>(base);
+    u16* sV = reinterpret_cast<u16*>(base + KB);
+    u16* sdS = reinterpret_cast<u16*>(base + 2 * KB + 2 * ST * QB);
+    float* sdQ = reinterpret_cast<float*>(base + 2 * KB + 2 * ST * QB + DSB);
+    float* sL = reinterpret_cast<float*>(base + 2 * KB + 2 * ST * QB + DSB + DQB);  // [ST][BM]
+    float* sD = sL + ST * BM;                                                      // [ST][BM]
+    const u32 aBar = adQ + DQB + 2 * ST * BM * 4;  // full_kv, full[ST], empty[ST], dq_half, dq_full, dq_empty
+    const u32 dq_half = aBar + 8u * (1 + 2 * ST), dq_full = dq_half + 8u, dq_empty = dq_half + 16u;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+    const int g = lane >> 2, q = lane & 3;
+    const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;
+    const int G = H / KV;
+    const u64 rs = (u64)(H + 2 * KV) * HD;
+    const int nqb = (T + BM - 1) / BM;
+    const int kb = blockIdx.y, k0 = kb * BN;
+    const int i0 = k0 / BM;  // the last query tile of the walk: the first holding a query >= k0
+
+    if (tid == 0) {
+        att_mbar_init(aBar, 1);
+        for (int s = 0; s < ST; ++s) att_mbar_init(aBar + 8u * (1 + s), 1);
+        for (int s = 0; s < ST; ++s) att_mbar_init(aBar + 8u * (1 + ST + s), 4 * NWG);
+        att_mbar_init(dq_half, 4);
+        att_mbar_init(dq_full, 4);
+        att_mbar_init(dq_empty, 1);
+        att_mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (tid >= NC) {  // the producer warpgroup: warp 0 loads, warp 1 writes dQ
+        // 32 registers (2 x 240 + 32 = 512 per thread of the three warpgroups): with 24 the two loops spill.
+        att_setmaxnreg_dec<32>();
+        if (tid >= NC + 64) return;
+        if (tid < NC + 32) {
+            if (lane == 0) {
+                att_mbar_arrive_expect_tx(aBar, 2 * KB);
+#pragma unroll
+                for (int c = 0; c < HD / 64; ++c) {
+                    att_tma_load_4d(aK + (u32)c * KCB, tkv, 64 * c, H + kvh, k0, b, aBar);
+                    att_tma_load_4d(aV + (u32)c * KCB, tkv, 64 * c, H + KV + kvh, k0, b, aBar);
+                }
+            }
+            int n = 0;
+            for (int i = nqb - 1; i >= i0; --i)
+                for (int hh = 0; hh < G; ++hh, ++n) {
+                    const int h = kvh * G + hh, st = n % ST;
+                    const float* gL = lse + ((u64)b * H + h) * T;
+                    const float* gD = dvec + ((u64)b * H + h) * T;
+                    if (n >= ST) att_mbar_wait(aBar + 8u * (1 + ST + st), (u32)(n / ST - 1) & 1u);
+                    for (int r = lane; r < BM; r += 32) {
+                        const int t = i * BM + r;
+                        sL[st * BM + r] = t < T ? gL[t] : 0.0f;
+                        sD[st * BM + r] = t < T ? gD[t] : 0.0f;
+                    }
+                    __syncwarp();  // the warp's lse and D writes before lane 0's arrival (release)
+                    if (lane == 0) {
+                        const u32 full = aBar + 8u * (1 + st);
+                        att_mbar_arrive_expect_tx(full, 2 * QB);
+#pragma unroll
+                        for (int c = 0; c < HD / 64; ++c) {
+                            att_tma_load_4d(aQ + (u32)st * QB + (u32)c * BM * 128, tq, 64 * c, h, i * BM, b, full);
+                            att_tma_load_4d(adO + (u32)st * QB + (u32)c * BM * 128, tdo, 64 * c, h, i * BM, b,
+                                            full);
+                        }
+                    }
+                }
+            return;
+        }
+        // The dQ writer.
+        int n = 0;
+        for (int i = nqb - 1; i >= i0; --i)
+            for (int hh = 0; hh < G; ++hh, ++n) {
+                att_mbar_wait(dq_full, (u32)n & 1u);
+                if (lane == 0) {
+                    const u64 tile = ((u64)b * H + kvh * G + hh) * nqb + i;
+                    u32* turn = dq_turn + tile;
+                    while (att_ld_acquire_gpu(turn) != (u32)kb) {
+                    }
+                    att_fence_proxy_async_global();
+                    att_bulk_reduce_add_f32(dq_acc + tile * (u64)(BM * HD), adQ, DQB);
+                    att_bulk_commit();
+                    att_bulk_wait_all();
+                    att_fence_proxy_async_global();
+                    att_red_release_gpu_add(turn, 1u);
+                    att_mbar_arrive(dq_empty);
+                }
+                __syncwarp();
+            }
+        return;
+    }
+
+    att_setmaxnreg_inc<240>();
+    const int kw0 = k0 + 64 * wg;  // the warpgroup's first key
+    const int key_a = kw0 + warp * 16 + g;
+    const u32 aKw = aK + (u32)(64 * wg) * 128u, aVw = aV + (u32)(64 * wg) * 128u;
+    float4* dq_mine = reinterpret_cast<float4*>(sdQ) + warp * 8 * 32 + lane;  // half c, quad r4: + (c * 4 * 8 + r4) * 32
+    float dk[HD / 2], dv[HD / 2];
+#pragma unroll
+    for (int x = 0; x < HD / 2; ++x) dk[x] = dv[x] = 0.0f;
+    att_mbar_wait(aBar, 0);  // K and V
+    int n = 0;
+    for (int i = nqb - 1; i >= i0; --i)
+        for (int hh = 0; hh < G; ++hh, ++n) {
+            const int st = n % ST;
+            att_mbar_wait(aBar + 8u * (1 + st), (u32)(n / ST) & 1u);
+            const int q0 = i * BM;
+            const bool visible = kw0 <= q0 + BM - 1;  // warpgroup-uniform (always true for warpgroup 0)
+            if (visible) {
+                att_wg_kv_tile<HD, BN, BM, true, BN>(aKw, aVw, aQ + (u32)st * QB, adO + (u32)st * QB, sL + st * BM,
+                                                     sD + st * BM, q0, kw0, key_a, T, q, scale_log2, dk, dv, sdS,
+                                                     64 * wg);
+                // Batches 3 and 4 complete before dQ's products are issued: their A fragments (P^T, dS^T)
+                // stay live until then, and with dQ's accumulators beside dK and dV at head dim 128 that
+                // spills.
+                att_wg_wait<0>();
+                att_wg_fence_regs<HD / 2>(dv);
+                att_wg_fence_regs<HD / 2>(dk);
+                att_fence_proxy_async();
+                att_bar_sync(1 + wg, 128);  // the warpgroup's rows of sdS complete
+            }
+            if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));  // Q and dO read
+#pragma unroll
+            for (int c = 0; c < HD / 64; ++c) {
+                float dq[32];
+                if (visible) {
+                    att_wg_fence_regs<32>(dq);
+                    att_wg_fence();
+#pragma unroll
+                    for (int kc = 0; kc < 4; ++kc) {
+                        const u32 krow = (u32)(64 * wg + 16 * kc) * 128u;
+                        AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + krow, DSB, 1024u),
+                                            att_wg_desc(aK + (u32)c * KCB + krow, KCB, 1024u), kc > 0 ? 1 : 0);
+                    }
+                    att_wg_commit();
+                    att_wg_wait<0>();
+                    att_wg_fence_regs<32>(dq);
+                } else {
+#pragma unroll
+                    for (int x = 0; x < 32; ++x) dq[x] = 0.0f;
+                }
+                float4* dst = dq_mine + c * 4 * 8 * 32;
+                if (wg == 0) {
+                    if (c == 0 && n > 0) att_mbar_wait(dq_empty, (u32)(n - 1) & 1u);
+#pragma unroll
+                    for (int r4 = 0; r4 < 8; ++r4)
+                        dst[r4 * 32] = make_float4(dq[4 * r4], dq[4 * r4 + 1], dq[4 * r4 + 2], dq[4 * r4 + 3]);
+                } else {
+                    if (c == 0) att_mbar_wait(dq_half, (u32)n & 1u);
+#pragma unroll
+                    for (int r4 = 0; r4 < 8; ++r4) {
+                        const float4 p = dst[r4 * 32];
+                        dst[r4 * 32] = make_float4(p.x + dq[4 * r4], p.y + dq[4 * r4 + 1], p.z + dq[4 * r4 + 2],
+                                                   p.w + dq[4 * r4 + 3]);
+                    }
+                }
+            }
+            if (wg == 1) att_fence_proxy_async();  // sdQ's sums before the writer's bulk reduction reads them
+            __syncwarp();
+            if (lane == 0) att_mbar_arrive(wg == 0 ? dq_half : dq_full);
+        }
+
+    // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV (only this warpgroup's
+    // wgmma read them, and they completed).
+    const int srow = 64 * wg + 16 * warp;
+    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.0f, 1.0f};
+    att_wg_stage_rows<HD, BN>(dk, dk_mul, sK, srow, g, q);
+    att_wg_stage_rows<HD, BN>(dv, dv_mul, sV, srow, g, q);
+    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    att_wg_store_rows<HD, BN>(sK, srow, gdK, rs, k0 + srow, T, lane);
+    att_wg_store_rows<HD, BN>(sV, srow, gdK + (u64)KV * HD, rs, k0 + srow, T, lane);
+}
+
+// Bytes of attn_bwd_ordered_wgmma's shared memory: K, V [128][HD]; Q, dO [ST][64][HD]; sdS [128][64] bf16;
+// sdQ [64][HD] f32; lse, D [ST][64] f32; 1 + 2 ST + 3 barriers; the alignment.
+#define ATT_WG_ORDERED_SMEM(HD)                                                                            \
+    ((2 * 128 + 2 * ATT_KV_WS_STAGES(HD) * 64) * (HD) * 2 + 128 * 64 * 2 + 64 * (HD) * 4 +                \
+     2 * ATT_KV_WS_STAGES(HD) * 64 * 4 + (4 + 2 * ATT_KV_WS_STAGES(HD)) * 8 + 1024)
 
 // -----------------------------------------------------------------------------------------------------
 // dQ of the deterministic backward. Grid (B*H, ceil(T / BM)), BM = 64 NWG query rows per block of NWG
@@ -1819,6 +2083,19 @@ ATT_WG_PROBE_ENTRIES(128)
         (void)dout;                                                                                            \
         attn_bwd_kv_wgmma_ws<HD, NWG>(&tkv, &tq, &tdo, lse, dvec, dqkv, T, H, KV, scale, scale_log2);          \
     }
+// attn_bwd_wgmma_ordered_hd<HD>: the fused deterministic backward (ATT_ONLY_KIND 10), the dK/dV kernel's
+// arguments with the dQ accumulator tiles and their turn counters, then the tensor maps of K/V (qkv, boxes
+// of 128 rows), Q (qkv, 64 rows) and dO (dout, 64 rows).
+#define ATT_WG_BWD_ORDERED_ENTRY(HD)                                                                           \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_wgmma_ordered_hd##HD(                        \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc, u32* dq_turn,     \
+        u16* dqkv, int T, int H, int KV, float scale, float scale_log2, const __grid_constant__ AttTmaMap tkv,  \
+        const __grid_constant__ AttTmaMap tq, const __grid_constant__ AttTmaMap tdo) {                         \
+        (void)qkv;                                                                                             \
+        (void)dout;                                                                                            \
+        attn_bwd_ordered_wgmma<HD>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,         \
+                                   scale_log2);                                                                \
+    }
 #define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
 #define ATT_WG_KV_VARIANTS_128(X) X(128, 1) X(128, 2)
 #define ATT_WG_Q_VARIANTS_64(X) \
@@ -1845,6 +2122,8 @@ ATT_WG_APPLY3(ATT_WG_BWD_Q_WS_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
 ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 9
 ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
+#elif ATT_ONLY_KIND == 10
+ATT_WG_APPLY1(ATT_WG_BWD_ORDERED_ENTRY, ATT_HD)
 #endif
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)
@@ -1860,4 +2139,6 @@ ATT_WG_Q_VARIANTS_128(ATT_WG_BWD_Q_ENTRY)
 ATT_WG_KV_WS_VARIANTS(ATT_WG_BWD_KV_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_64(ATT_WG_BWD_Q_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_128(ATT_WG_BWD_Q_WS_ENTRY)
+ATT_WG_BWD_ORDERED_ENTRY(64)
+ATT_WG_BWD_ORDERED_ENTRY(128)
 #endif

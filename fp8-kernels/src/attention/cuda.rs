@@ -134,6 +134,26 @@ pub(super) fn wgmma_kv_ws_smem_bytes(head_dim: usize, warpgroups: usize) -> usiz
         + 1024
 }
 
+/// Bytes of dynamic shared memory of the fused ordered wgmma backward (`ATT_WG_ORDERED_SMEM`): K, V
+/// [128][hd]; Q, dO [stages][64][hd]; dS^T [128][64] bf16; the dQ tile [64][hd] f32; lse, D [stages][64]
+/// f32; 4 + 2 stages mbarriers; the alignment ([`kv_ws_stages`]).
+pub(super) fn wgmma_ordered_smem_bytes(head_dim: usize) -> usize {
+    let stages = kv_ws_stages(head_dim);
+    (2 * 128 + 2 * stages * 64) * head_dim * 2
+        + 128 * 64 * 2
+        + 64 * head_dim * 4
+        + 2 * stages * 64 * 4
+        + (4 + 2 * stages) * 8
+        + 1024
+}
+
+/// F32 workspace elements of the fused ordered wgmma backward: the dQ accumulator, a 64 x hd tile per
+/// (batch, query head, 64-row query tile), then one 32-bit turn counter per tile.
+pub(super) fn ordered_workspace_len(shape: &AttentionShape) -> usize {
+    let tiles = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
+    tiles * 64 * shape.head_dim + tiles
+}
+
 /// Bytes of dynamic shared memory of the wgmma dQ kernel (`ATT_WG_DQ_SMEM`): Q, dO [64 * warpgroups][hd];
 /// K [2, 3 pipelined, or the stages when specialised][key_rows][hd]; V [2 or the stages][key_rows][hd];
 /// the specialised kernel's mbarriers; the alignment.
@@ -430,6 +450,8 @@ pub(super) enum BackwardRun {
     Separate { dkdv: KeyTiles, dq: QueryTiles },
     /// The wgmma dK/dV and dQ kernels (the deterministic wgmma backward).
     WgmmaSeparate(WgmmaBackwardTiles),
+    /// The fused ordered wgmma kernel (deterministic; [`WgmmaBackwardTiles::ORDERED`]).
+    WgmmaOrdered,
 }
 
 /// Which tensor-core backward this call runs: the wgmma one where the config asks for it and the GPU
@@ -446,6 +468,7 @@ pub(super) fn backward_run(
         if dev.compute_capability() == (9, 0) {
             return Ok(match cfg.dq_accumulation {
                 DqAccumulation::Atomic => BackwardRun::Fused(TensorKernel::WgmmaFused),
+                DqAccumulation::Deterministic if tiles.ordered => BackwardRun::WgmmaOrdered,
                 DqAccumulation::Deterministic => BackwardRun::WgmmaSeparate(tiles),
             });
         }
@@ -524,6 +547,7 @@ pub(super) fn workspace_lens(
                 BackwardRun::Fused(kernel) => {
                     fused_plan(dev, shape, cfg, kernel)?.buffers * shape.out_len()
                 }
+                BackwardRun::WgmmaOrdered => ordered_workspace_len(shape),
                 BackwardRun::Separate { .. } | BackwardRun::WgmmaSeparate(_) => 0,
             }
         }
@@ -566,6 +590,7 @@ pub(super) fn backward(
                 specialized: t.kv_specialized,
             },
         ),
+        Some(BackwardRun::WgmmaOrdered) => kernel_module(hd, TensorKernel::WgmmaOrdered),
     };
 
     // D = rowsum(dO * O), one warp per row.
@@ -663,6 +688,12 @@ pub(super) fn backward(
                     ];
                     separate_backward(dev, shape, cfg, kernels, qkv, d_out, lse, d_qkv, d_ws)?
                 }
+                Some(BackwardRun::WgmmaOrdered) => {
+                    let dq_ws = dq_ws.ok_or_else(|| {
+                        KernelError::Internal("attention backward without a dQ workspace".into())
+                    })?;
+                    ordered_backward(dev, shape, cfg, module, qkv, d_out, lse, d_qkv, d_ws, dq_ws)?
+                }
                 Some(BackwardRun::Fused(kernel)) => {
                     let dq_ws = dq_ws.ok_or_else(|| {
                         KernelError::Internal("attention backward without a dQ workspace".into())
@@ -726,6 +757,97 @@ pub(super) fn backward(
             }
         }
     }
+    Ok(())
+}
+
+/// The fused ordered wgmma backward (`D` already in `d_ws`): clears the dQ accumulator tiles and turn
+/// counters in `dq_ws`, runs `attn_bwd_wgmma_ordered_hd<hd>` (grid (B*KV, ceil(T / 128)), 384 threads)
+/// and converts the accumulator into the q slot of `d_qkv`.
+#[allow(clippy::too_many_arguments)]
+fn ordered_backward(
+    dev: &CudaDevice,
+    shape: &AttentionShape,
+    cfg: &ResolvedConfig,
+    module: &'static crate::kernel_source::KernelModule,
+    qkv: &CudaSlice<bf16>,
+    d_out: &CudaSlice<bf16>,
+    lse: &CudaSlice<f32>,
+    d_qkv: &mut CudaSlice<bf16>,
+    d_ws: &CudaSlice<f32>,
+    dq_ws: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    const WHAT: &str = "attention_backward";
+    require_sm90(dev, WHAT)?;
+    let hd = shape.head_dim;
+    let (b, t, h, kv) = dims(shape);
+    let tiles = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
+    let acc_len = tiles * 64 * hd;
+    let need = ordered_workspace_len(shape);
+    if dq_ws.len() < need {
+        return Err(KernelError::Internal(format!(
+            "dQ workspace of {} elements, {need} needed",
+            dq_ws.len()
+        )));
+    }
+    {
+        let mut view = dq_ws.slice_mut(0..need);
+        dev.stream().memset_zeros(&mut view)?;
+    }
+    let (module_k, entry) = kernel_entry(hd, TensorKernel::WgmmaOrdered);
+    let kernel = Kernel::new(dev, module_k, entry)?;
+    let smem = wgmma_ordered_smem_bytes(hd);
+    allow_dynamic_smem(dev, &kernel, smem, WHAT)?;
+    let slots = shape.heads + 2 * shape.kv_heads;
+    let tkv = rows_tensor_map(qkv, shape, slots, 128)?;
+    let tq = rows_tensor_map(qkv, shape, slots, 64)?;
+    let tdo = rows_tensor_map(d_out, shape, shape.heads, 64)?;
+    let launch = LaunchConfig {
+        grid_dim: (
+            (shape.batch * shape.kv_heads) as u32,
+            shape.seq_len.div_ceil(128) as u32,
+            1,
+        ),
+        block_dim: (384, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let scale_log2 = cfg.scale * std::f32::consts::LOG2_E;
+    {
+        let (mut acc, mut turn) = dq_ws.split_at_mut(acc_len);
+        let dq = &mut *d_qkv;
+        // Grid (B*KV, ceil(T / 128)) of 384 threads with the shared memory above (limit raised); dq_acc
+        // holds a 64 x hd tile per (b, h, 64-row query tile) and dq_turn one zeroed counter per tile
+        // after it (checked and cleared above; the kernel reads the f32 slots as u32); the other lengths
+        // as in the separate backward (checked by the caller); every global access is bounded by T and
+        // the tile count.
+        launch!(
+            kernel: &kernel,
+            launch,
+            "attn_bwd_wgmma_ordered_hd<HD>(const u16* qkv, const u16* dout, const float* lse, \
+             const float* D, float* dq_acc, u32* dq_turn, u16* dqkv, int T, int H, int KV, float scale, \
+             float scale_log2, AttTmaMap tkv, AttTmaMap tq, AttTmaMap tdo)",
+            [qkv, d_out, lse, d_ws, &mut acc, &mut turn, dq, &t, &h, &kv, &cfg.scale, &scale_log2, &tkv, &tq, &tdo]
+        )?;
+    }
+    let pairs = (acc_len / 2) as u64;
+    let cap = dev.sm_count() as u64 * 16;
+    let launch = LaunchConfig {
+        grid_dim: (pairs.div_ceil(256).clamp(1, cap) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let hd_i = hd as i32;
+    let (acc, dq) = (&dq_ws.slice(0..acc_len), &mut *d_qkv);
+    // acc holds the tiles of B*H*ceil(T/64) x 64 x hd elements (checked above), dqkv
+    // B*T*(H+2*KV)*HD; grid-stride over the element pairs, rows >= T skipped.
+    launch!(
+        dev,
+        module,
+        "attn_bwd_dq_tiles_convert",
+        launch,
+        "attn_bwd_dq_tiles_convert(const float* acc, u16* dqkv, int B, int T, int H, int KV, int HD, \
+         float scale)",
+        [acc, dq, &b, &t, &h, &kv, &hd_i, &cfg.scale]
+    )?;
     Ok(())
 }
 

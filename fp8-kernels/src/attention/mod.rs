@@ -207,6 +207,9 @@ pub enum TensorKernel {
     },
     /// The dQ kernel of the deterministic wgmma backward.
     WgmmaDq(WgmmaTiles),
+    /// The fused deterministic wgmma backward ([`WgmmaBackwardTiles::ORDERED`]): dK, dV and dQ in one
+    /// kernel, dQ reduced tile by tile in key-block order.
+    WgmmaOrdered,
 }
 
 impl TensorKernel {
@@ -229,6 +232,7 @@ impl TensorKernel {
                 format!("attn_bwd_wgmma_kv_g{warpgroups}{w}_hd{head_dim}")
             }
             TensorKernel::WgmmaDq(t) => format!("attn_bwd_wgmma_q_{t}_hd{head_dim}"),
+            TensorKernel::WgmmaOrdered => format!("attn_bwd_wgmma_ordered_hd{head_dim}"),
         }
     }
 
@@ -247,6 +251,7 @@ impl TensorKernel {
                 specialized,
             } => [8, warpgroups, 0, if specialized { 2 } else { 0 }],
             TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, t.schedule_selector()],
+            TensorKernel::WgmmaOrdered => [10, 0, 0, 0],
         }
     }
 }
@@ -299,7 +304,8 @@ fn single_kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static Singl
             TensorKernel::WgmmaForward(_)
             | TensorKernel::WgmmaFused
             | TensorKernel::WgmmaDkDv { .. }
-            | TensorKernel::WgmmaDq(_) => &ATTENTION_WGMMA_MODULE,
+            | TensorKernel::WgmmaDq(_)
+            | TensorKernel::WgmmaOrdered => &ATTENTION_WGMMA_MODULE,
             _ => &ATTENTION_MODULE,
         };
         let entry: &'static str = Box::leak(kernel.name(head_dim).into_boxed_str());
@@ -922,7 +928,8 @@ pub fn attention_backward(
 
 /// `(blocks per (batch, head) pair, dQ buffers)` the fused tensor-core backward (or the wgmma backward)
 /// would use for this call on `device` (for benchmarks and docs; `(0, 0)` on the CPU, with the simple
-/// kernels or with the separate backward, which has neither splits nor buffers).
+/// kernels, with the separate backward or with the ordered wgmma kernel, which have neither splits nor
+/// per-split buffers).
 pub fn backward_splits(
     device: &Device,
     shape: &AttentionShape,
@@ -940,7 +947,9 @@ pub fn backward_splits(
                 let plan = cuda::fused_plan(dev, shape, &cfg, kernel)?;
                 Ok((plan.splits, plan.buffers))
             }
-            cuda::BackwardRun::Separate { .. } | cuda::BackwardRun::WgmmaSeparate(_) => Ok((0, 0)),
+            cuda::BackwardRun::Separate { .. }
+            | cuda::BackwardRun::WgmmaSeparate(_)
+            | cuda::BackwardRun::WgmmaOrdered => Ok((0, 0)),
         },
         _ => Ok((0, 0)),
     }

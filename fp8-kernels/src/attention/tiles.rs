@@ -218,6 +218,12 @@ pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
 /// `kv_warpgroups` warpgroups of 64 keys per block (1 or 2; with `kv_specialized`, two consumer
 /// warpgroups and a producer warpgroup loading by TMA), and the dQ kernel with `dq` tiles (warpgroups of
 /// 64 query rows, key blocks of `dq.key_rows`).
+///
+/// Or, with `ordered` ([`WgmmaBackwardTiles::ORDERED`]), one fused kernel
+/// (`attn_bwd_wgmma_ordered_hd<hd>`): the warp-specialised dK/dV kernel's blocks of 128 keys also
+/// compute dQ per query tile and add it into an F32 accumulator with one bulk reduction per tile, the
+/// key blocks taking turns in a fixed order (a counter per tile), so it is deterministic too: five
+/// products per tile pair instead of seven. Its `kv_*` and `dq` fields are unused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WgmmaBackwardTiles {
     /// Warpgroups of the dK/dV kernel (64 keys each; the consumer warpgroups when specialised).
@@ -226,15 +232,26 @@ pub struct WgmmaBackwardTiles {
     pub kv_specialized: bool,
     /// Tiles of the dQ kernel.
     pub dq: WgmmaTiles,
+    /// The fused kernel with the ordered dQ reduction instead of the two kernels.
+    pub ordered: bool,
 }
 
 impl WgmmaBackwardTiles {
+    /// The fused deterministic backward (one kernel, dQ reduced tile by tile in key-block order).
+    pub const ORDERED: Self = WgmmaBackwardTiles {
+        kv_warpgroups: 2,
+        kv_specialized: true,
+        dq: WgmmaTiles::new(1, 64),
+        ordered: true,
+    };
+
     /// The plain dK/dV kernel with `kv_warpgroups` warpgroups and the dQ kernel with `dq`.
     pub const fn new(kv_warpgroups: usize, dq: WgmmaTiles) -> Self {
         WgmmaBackwardTiles {
             kv_warpgroups,
             kv_specialized: false,
             dq,
+            ordered: false,
         }
     }
 
@@ -244,6 +261,7 @@ impl WgmmaBackwardTiles {
             kv_warpgroups: 2,
             kv_specialized: true,
             dq,
+            ordered: false,
         }
     }
 
@@ -257,6 +275,9 @@ impl WgmmaBackwardTiles {
 /// `attn_bwd_wgmma_kv_g2w_hd128`, `attn_bwd_wgmma_q_g2n64_hd128`).
 impl fmt::Display for WgmmaBackwardTiles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.ordered {
+            return f.write_str("fused ordered");
+        }
         let w = if self.kv_specialized { "w" } else { "" };
         write!(f, "kv g{}{w} q {}", self.kv_warpgroups, self.dq)
     }
@@ -303,7 +324,7 @@ pub fn wgmma_dq_variants(head_dim: usize) -> &'static [WgmmaTiles] {
 
 /// Every compiled pair of wgmma dK/dV and dQ kernels for `head_dim`: each plain dK/dV kernel
 /// ([`wgmma_kv_variants`]) and the warp-specialised one (`ATT_WG_KV_WS_VARIANTS`, two warpgroups at
-/// both head dims) with each dQ kernel.
+/// both head dims) with each dQ kernel; then the fused ordered kernel ([`WgmmaBackwardTiles::ORDERED`]).
 pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
     let dq = wgmma_dq_variants(head_dim);
     let plain = wgmma_kv_variants(head_dim)
@@ -313,7 +334,10 @@ pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
         .iter()
         .filter(|_| WGMMA_HEAD_DIMS.contains(&head_dim))
         .map(|&dq| WgmmaBackwardTiles::specialized_kv(dq));
-    plain.chain(specialized).collect()
+    let ordered = WGMMA_HEAD_DIMS
+        .contains(&head_dim)
+        .then_some(WgmmaBackwardTiles::ORDERED);
+    plain.chain(specialized).chain(ordered).collect()
 }
 
 /// The wgmma backward tiles used when [`super::AttentionTiles::wgmma_backward`] is `None`: the

@@ -583,6 +583,58 @@ static inline void att_tma_load_4d(u32 dst, const void* map, int c0, int c1, int
     }
 }
 
+// ---- bulk reductions and GPU-scope counters (the ordered wgmma backward's dQ writer) ----
+// cp.reduce.async.bulk .add.f32: applied at issue ("early") or only at the cp.async.bulk.wait_group that
+// retires it ("late"; shared memory is read then, so a kernel that overwrites its source before the wait
+// fails). ld.acquire / red.release on a counter: under one mutex; a thread that polls a counter without
+// seeing it change for 20 s is deadlocked.
+static thread_local std::vector<std::function<void()>> t_bulk;
+static inline void att_bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    if ((bytes % 16) != 0 || (src % 16) != 0 || ((uintptr_t)dst % 16) != 0) die("bulk reduction misaligned");
+    if (src < kSmemWindow || src - kSmemWindow + bytes > g_smem_bytes) die("bulk reduction source outside shared memory");
+    check_global(dst, bytes, "bulk reduction writes outside every global buffer");
+    unsigned char* smem = att_smem;
+    auto op = [dst, src, bytes, smem] {
+        const float* from = (const float*)(smem + (src - kSmemWindow));
+        std::lock_guard<std::mutex> lock(g_red_mutex);
+        for (u32 k = 0; k < bytes / 4; ++k) dst[k] += from[k];
+    };
+    if (g_late_copies)
+        t_bulk.push_back(op);
+    else
+        op();
+}
+static inline void att_bulk_commit() {}
+static inline void att_bulk_wait_all() {
+    for (auto& op : t_bulk) op();
+    t_bulk.clear();
+}
+static inline void att_fence_proxy_async_global() {}
+static inline u32 att_ld_acquire_gpu(const u32* p) {
+    using clock = std::chrono::steady_clock;
+    static thread_local clock::time_point since;
+    static thread_local const u32* since_p = nullptr;
+    static thread_local u32 since_v = 0;
+    check_global(p, 4, "acquire load outside every global buffer");
+    u32 v;
+    {
+        std::lock_guard<std::mutex> lock(g_red_mutex);
+        v = *p;
+    }
+    if (since_p != p || since_v != v) {
+        since_p = p, since_v = v, since = clock::now();
+    } else if (clock::now() - since > std::chrono::seconds(20)) {
+        die("a counter polled without change for 20 s (deadlock)");
+    }
+    std::this_thread::yield();
+    return v;
+}
+static inline void att_red_release_gpu_add(u32* p, u32 v) {
+    check_global(p, 4, "release add outside every global buffer");
+    std::lock_guard<std::mutex> lock(g_red_mutex);
+    *p += v;
+}
+
 #define ATT_HOST_EMULATION 1
 #include "../../src/attention/attention_mma.cuh"
 #include "../../src/attention/attention_rows.cu"
@@ -648,6 +700,7 @@ static void launch(const Launch& L, const std::function<void()>& body) {
                     body();
                     if (!t_open.empty() || !t_groups.empty()) die("cp.async groups left in flight at exit");
                     if (!t_wg_open.empty() || !t_wg_groups.empty()) die("wgmma left in flight at exit");
+                    if (!t_bulk.empty()) die("bulk reductions left in flight at exit");
                     g_block_bar->arrive_and_wait();  // the block is done before the next one starts
                 }
         });
@@ -703,6 +756,8 @@ static std::map<std::string, BwdSepWs> g_sep_ws;
     g_sep["attn_bwd_dkdv_w" #NW "m" #MT "q" #BM "_hd" #HD] = attn_bwd_dkdv_w##NW##m##MT##q##BM##_hd##HD;
 #define REG_DKDV_PAIR(HD, NP, BM) g_sep["attn_bwd_dkdv_p" #NP "q" #BM "_hd" #HD] = attn_bwd_dkdv_p##NP##q##BM##_hd##HD;
 #define REG_DQ(HD, NW, MT, BN) g_sep["attn_bwd_dq_w" #NW "m" #MT "n" #BN "_hd" #HD] = attn_bwd_dq_w##NW##m##MT##n##BN##_hd##HD;
+typedef void (*BwdOrdered)(const u16*, const u16*, const float*, const float*, float*, u32*, u16*, int, int, int,
+                           float, float, const AttTmaMap, const AttTmaMap, const AttTmaMap);
 static void register_variants() {
     ATT_FOR_VARIANTS(ATT_FWD_VARIANTS_, REG_FWD)
     ATT_FOR_VARIANTS(ATT_DKDV_VARIANTS_, REG_DKDV)
@@ -853,6 +908,36 @@ static int run(int argc, char** argv) {
             launch({pairs, blocks(64 * qg), (unsigned)(128 * qg), (size_t)ATT_WG_DQ_SMEM(HD, qg, qn, qpipe ? 3 : 2)},
                    [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2); });
         }
+    } else if (bwd == "wgord") {
+        // The ordered wgmma backward: tensor maps of K/V (128-row boxes), Q and dO (64 rows); the dQ
+        // accumulator tiles and turn counters start at zero.
+        if (HD == 32) die("the wgmma backward has head dims 64 and 128");
+        BwdOrdered f = HD == 64 ? attn_bwd_wgmma_ordered_hd64 : attn_bwd_wgmma_ordered_hd128;
+        const u64 heads = (u64)(H + 2 * KV), dims[4] = {(u64)HD, heads, (u64)T, (u64)B},
+                  strides[3] = {(u64)HD * 2, heads * HD * 2, (u64)T * heads * HD * 2},
+                  odims[4] = {(u64)HD, (u64)H, (u64)T, (u64)B},
+                  ostrides[3] = {(u64)HD * 2, (u64)H * HD * 2, (u64)T * H * HD * 2};
+        AttTmaMap tkv, tq, tdo;
+        tma_encode(&tkv, qkv.data(), dims, strides, {64, 1, 128, 1});
+        tma_encode(&tq, qkv.data(), dims, strides, {64, 1, 64, 1});
+        tma_encode(&tdo, dout.data(), odims, ostrides, {64, 1, 64, 1});
+        const int nqb = (T + 63) / 64, nkb = (T + 127) / 128;
+        std::vector<float> acc((size_t)B * H * nqb * 64 * HD, 0.0f);
+        std::vector<u32> turn((size_t)B * H * nqb, 0);
+        reg(acc), reg(turn);
+        launch({kv_pairs, blocks(128), 384, (size_t)ATT_WG_ORDERED_SMEM(HD)}, [&] {
+            f(qkv.data(), dout.data(), lse.data(), dvec.data(), acc.data(), turn.data(), dqkv.data(), T, H, KV, scale,
+              scale_log2, tkv, tq, tdo);
+        });
+        // Every tile was added once by each key block that reaches it.
+        for (size_t tile = 0; tile < turn.size(); ++tile) {
+            const int i = (int)(tile % nqb), want = std::min(i / 2, nkb - 1) + 1;
+            if (turn[tile] != (u32)want) die("a dQ tile's turn counter ended wrong");
+        }
+        launch({(unsigned)std::min<size_t>((n + 255) / 256, 4), 1, 256, 0},
+               [&] { attn_bwd_dq_tiles_convert(acc.data(), dqkv.data(), B, T, H, KV, HD, scale); });
+        g_regions.pop_back();
+        g_regions.pop_back();
     } else if (bwd.rfind("sep:", 0) == 0) {
         int kw, km, kq, qw, qm, qn, np = 0;
         const bool paired = std::sscanf(bwd.c_str(), "sep:p%dq%d:w%dm%dn%d", &np, &kq, &qw, &qm, &qn) == 5;
