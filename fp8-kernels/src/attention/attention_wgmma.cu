@@ -1433,8 +1433,10 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     __syncthreads();
 
     if (tid >= NC) {  // the producer warpgroup: warp 0 loads, warp 1 writes dQ
-        // 32 registers (2 x 240 + 32 = 512 per thread of the three warpgroups): with 24 the two loops spill.
-        att_setmaxnreg_dec<32>();
+        // The block's pool is 168 registers per thread (the launch bounds' most for 384 threads), 504 per
+        // thread of a warpgroup triple: 2 x 232 for the consumers and 40 here (with 24 the two loops
+        // spill). A split asking for more than the pool makes setmaxnreg.inc wait forever.
+        att_setmaxnreg_dec<40>();
         if (tid >= NC + 64) return;
         if (tid < NC + 32) {
             if (lane == 0) {
@@ -1494,7 +1496,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
         return;
     }
 
-    att_setmaxnreg_inc<240>();
+    att_setmaxnreg_inc<232>();
     const int kw0 = k0 + 64 * wg;  // the warpgroup's first key
     const int key_a = kw0 + warp * 16 + g;
     const u32 aKw = aK + (u32)(64 * wg) * 128u, aVw = aV + (u32)(64 * wg) * 128u;

@@ -521,10 +521,45 @@ static inline bool att_mbar_try_wait(u32 bar, u32 parity) {
     std::this_thread::yield();
     return false;
 }
+// setmaxnreg: a block's registers are a pool fixed at launch, per thread the most the launch bounds
+// allow (65536 / threads, rounded down to a multiple of 8, at most 255 rounded to 248: what ptxas gives a
+// kernel that uses setmaxnreg); dec returns a warpgroup's surplus to the pool, inc waits until the pool
+// holds what it asks for. A split whose warpgroups ask for more than the pool holds waits forever on a
+// GPU: here it is a deadlock error after 20 s.
+static std::mutex g_reg_mutex;
+static std::vector<int> g_wg_regs;  // per warpgroup, per thread; reset by launch()
+static int g_reg_pool = 0;          // registers per block
+static void set_wg_regs(int n, bool inc) {
+    if (n < 24 || n > 256 || n % 8 != 0) die("setmaxnreg count");
+    using clock = std::chrono::steady_clock;
+    const auto since = clock::now();
+    const size_t wg = (size_t)t_warp / 4;
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> lock(g_reg_mutex);
+            if (wg >= g_wg_regs.size()) die("setmaxnreg in a block that is not whole warpgroups");
+            if (inc && n < g_wg_regs[wg]) die("setmaxnreg.inc below the warpgroup's registers");
+            if (!inc && n > g_wg_regs[wg]) die("setmaxnreg.dec above the warpgroup's registers");
+            int total = 0;
+            for (size_t w = 0; w < g_wg_regs.size(); ++w) total += 128 * (w == wg ? n : g_wg_regs[w]);
+            if (!inc || total <= g_reg_pool) {
+                g_wg_regs[wg] = n;  // every thread of the warpgroup sets the same value
+                return;
+            }
+        }
+        if (clock::now() - since > std::chrono::seconds(20))
+            die("setmaxnreg.inc waits for registers the block's pool never has (deadlock)");
+        std::this_thread::yield();
+    }
+}
 template <int N>
-static inline void att_setmaxnreg_dec() {}
+static inline void att_setmaxnreg_dec() {
+    set_wg_regs(N, false);
+}
 template <int N>
-static inline void att_setmaxnreg_inc() {}
+static inline void att_setmaxnreg_inc() {
+    set_wg_regs(N, true);
+}
 // The emulator's tensor map, in the 128 bytes of AttTmaMap: base address, the 4 dimensions, the byte
 // strides of dimensions 1-3, the box, and the 128-byte swizzle (the only mode the kernels use).
 static void tma_encode(void* map, const void* base, const u64 (&dims)[4], const u64 (&strides)[3],
@@ -666,6 +701,11 @@ static void launch(const Launch& L, const std::function<void()>& body) {
         g_warps.back().bar = std::make_unique<std::barrier<>>(32);
     }
     g_wgs.clear();
+    {
+        const int per_thread = std::min(248, (int)(65536 / L.threads) / 8 * 8);
+        g_wg_regs.assign(L.threads / 128, per_thread);
+        g_reg_pool = per_thread * (int)(L.threads / 128) * 128;
+    }
     if (L.threads % 128 == 0)
         for (unsigned w = 0; w < L.threads / 128; ++w) {
             g_wgs.emplace_back();
@@ -684,6 +724,7 @@ static void launch(const Launch& L, const std::function<void()>& body) {
                 for (unsigned bx = 0; bx < L.gx; ++bx) {
                     blockIdx = Dim3{bx, by, 0};
                     if (t == 0) {
+                        std::fill(g_wg_regs.begin(), g_wg_regs.end(), std::min(248, (int)(65536 / L.threads) / 8 * 8));
                         std::memset(smem.data(), 0xFF, smem.size());  // NaN in bf16 and f32
                         g_unfenced_smem = false;
                         g_mbars.clear();
