@@ -1566,8 +1566,11 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
             if (lane == 0) att_mbar_arrive(wg == 0 ? dq_half : dq_full);
         }
 
-    // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV (only this warpgroup's
-    // wgmma read them, and they completed).
+    // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV. Every warp of the
+    // warpgroup read all 64 of its K rows as dQ's B operand, and a warp's wait covers only its own part
+    // of a wgmma: the warpgroup passes a barrier before any warp overwrites them. (The emulator, which
+    // completes a late wgmma per thread at its own wait, caught the missing barrier.)
+    att_bar_sync(1 + wg, 128);
     const int srow = 64 * wg + 16 * warp;
     const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.0f, 1.0f};
     att_wg_stage_rows<HD, BN>(dk, dk_mul, sK, srow, g, q);
