@@ -24,7 +24,13 @@
 //     ("late": the accumulator reads NaN in between, and shared memory is read at the wait, so a kernel
 //     that reads results early or overwrites operands in flight fails). A wgmma without a wgmma.fence since
 //     the last wait, and a wgmma after a barrier that published cp.async data without
-//     fence.proxy.async, are errors. The emulated shared window starts at a 16-byte but not 1024-byte
+//     fence.proxy.async, are errors. In late mode the last warp of each warpgroup is slow to complete
+//     its waits, and each warp's shared-memory operands of an op are checked at its wait against their
+//     bits at issue: a kernel that overwrites an operand another warp of the warpgroup has not yet waited
+//     for is an error. setmaxnreg moves registers within the block's pool fixed at launch (an inc the
+//     pool cannot satisfy is a deadlock error). cp.reduce.async.bulk runs at issue or at
+//     cp.async.bulk.wait_group, and the GPU-scope counters under one lock with deadlock detection.
+//     The emulated shared window starts at a 16-byte but not 1024-byte
 //     aligned address: the swizzle follows address bits, so a kernel must align its tiles itself.
 // So the kernels' own index arithmetic, tile bookkeeping, masks and synchronisation run as written, and
 // only the instruction semantics come from here. The emulator also checks every shared-memory address of
@@ -314,6 +320,7 @@ struct WgOp {
     int n = 0, tnsp_a = 0, tnsp_b = 0, accumulate = 1;
     u64 da = 0, db = 0;
     u32 a[128][4];
+    u64 operand_sum[4] = {0, 0, 0, 0};  // per warp: its shared-memory operand bits at issue (late mode)
 };
 // One warpgroup of the block being run: its barrier and a ring of issued operations (slot = issue count
 // % 64; every thread issues the same sequence).
@@ -382,6 +389,25 @@ static void wg_complete(const WgOp& op, float* d, const float* base) {
     }
 }
 
+// A checksum of the shared-memory operand elements warp w of the warpgroup reads for `op`: its 16 rows of
+// A (unless A is in registers) and all of B. Taken at issue and again when the warp waits for the op
+// (late mode): a difference means the kernel changed an operand of a wgmma in flight (another warp of the
+// warpgroup may not yet have waited for it even where this one has).
+static u64 wg_operand_sum(const WgOp& op, int w) {
+    u64 h = 1469598103934665603ull;
+    auto mix = [&h](float v) {
+        u32 b;
+        std::memcpy(&b, &v, 4);
+        h = (h ^ b) * 1099511628211ull;
+    };
+    if (!op.rs)
+        for (int r = 16 * w; r < 16 * w + 16; ++r)
+            for (int k = 0; k < 16; ++k) mix(wg_desc_elem(op.da, op.tnsp_a != 0, r, k));
+    for (int c = 0; c < op.n; ++c)
+        for (int k = 0; k < 16; ++k) mix(wg_desc_elem(op.db, op.tnsp_b != 0, c, k));
+    return h;
+}
+
 static void wg_issue(bool rs, int n, int tnsp_a, int tnsp_b, int accumulate, u64 da, u64 db, const u32* a,
                      float* d) {
     if (g_wgs.empty()) die("wgmma in a block that is not whole warpgroups");
@@ -404,6 +430,8 @@ static void wg_issue(bool rs, int n, int tnsp_a, int tnsp_b, int accumulate, u64
     }
     if (rs)
         for (int r = 0; r < 4; ++r) op.a[t][r] = a[r];
+    if (t == 0 && g_late_copies)
+        for (int w = 0; w < 4; ++w) op.operand_sum[w] = wg_operand_sum(op, w);
     G.bar->arrive_and_wait();
     if (op.rs != rs || op.n != n || op.tnsp_a != tnsp_a || op.tnsp_b != tnsp_b || op.accumulate != accumulate || (!rs && op.da != da) ||
         op.db != db)
@@ -432,9 +460,18 @@ template <int N>
 static inline void att_wg_wait() {
     if (!t_wg_open.empty()) die("wgmma.wait_group with uncommitted wgmma");
     t_wg_fenced = false;
+    // Late results: the last warp of each warpgroup is slow to complete its part, so the other warps run
+    // ahead of it as far as the kernel lets them (a warp's wait covers only its own part of a wgmma,
+    // whose shared-memory operands its slow sibling still reads).
+    if (g_late_copies && (t_warp % 4) == 3 && !t_wg_groups.empty())
+        std::this_thread::sleep_for(std::chrono::microseconds(300));
     while (t_wg_groups.size() > (size_t)N) {
-        for (PendingWg& p : t_wg_groups.front())
-            wg_complete(g_wgs[t_warp / 4].ops[p.op], p.d, p.chained ? p.d : p.saved.data());
+        for (PendingWg& p : t_wg_groups.front()) {
+            const WgOp& op = g_wgs[t_warp / 4].ops[p.op];
+            if (t_lane == 0 && wg_operand_sum(op, t_warp % 4) != op.operand_sum[t_warp % 4])
+                die("a shared-memory operand of a wgmma changed before this warp waited for it");
+            wg_complete(op, p.d, p.chained ? p.d : p.saved.data());
+        }
         t_wg_groups.erase(t_wg_groups.begin());
     }
     __syncwarp();
