@@ -230,6 +230,13 @@ __device__ __forceinline__ void att_bulk_reduce_add_f32(float* dst, u32 src, u32
                  "r"(src), "r"(bytes)
                  : "memory");
 }
+// Bulk copy (cp.async.bulk, non-tensor): the `bytes` bytes at shared address `src` to global memory at
+// `dst` (both 16-byte aligned, a multiple of 16 bytes), in this thread's current bulk async-group.
+__device__ __forceinline__ void att_bulk_store(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void att_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until every bulk async-group of this thread completed: the reductions' writes are performed
 // (their completion implies a generic-async proxy fence for this thread).
@@ -1374,7 +1381,8 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 //   combine      warpgroup 0 stores dQ_0 into the f32 tile sdQ (after the writer freed it: dq_empty) and
 //                arrives on dq_half; warpgroup 1 waits for it, stores dQ_0 + dQ_1 and arrives on dq_full
 // The dQ writer, the producer warpgroup's second warp, then adds sdQ into the f32 accumulator tile of
-// (b, h, i) in global memory with one bulk reduction, in key-block order: its first lane waits until the
+// (b, h, i) in global memory with one bulk reduction (key block 0: a bulk copy), in key-block order: its
+// first lane waits until the
 // tile's counter equals n (ld.acquire.gpu), reduces, waits for the reduction to complete, increments the
 // counter (red.release.gpu) and frees sdQ. Every dQ element is thus ((dQ(block 0) + dQ(block 1)) + ...)
 // in key-block order, each block's part (dQ_0 + dQ_1) summed in a fixed order too: the same bits on every
@@ -1484,7 +1492,11 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                     while (att_ld_acquire_gpu(turn) != (u32)kb) {
                     }
                     att_fence_proxy_async_global();
-                    att_bulk_reduce_add_f32(dq_acc + tile * (u64)(BM * HD), adQ, DQB);
+                    // Key block 0 comes first at every tile: it stores, so the accumulator needs no clearing.
+                    if (kb == 0)
+                        att_bulk_store(dq_acc + tile * (u64)(BM * HD), adQ, DQB);
+                    else
+                        att_bulk_reduce_add_f32(dq_acc + tile * (u64)(BM * HD), adQ, DQB);
                     att_bulk_commit();
                     att_bulk_wait_all();
                     att_fence_proxy_async_global();

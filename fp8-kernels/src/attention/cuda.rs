@@ -760,8 +760,8 @@ pub(super) fn backward(
     Ok(())
 }
 
-/// The fused ordered wgmma backward (`D` already in `d_ws`): clears the dQ accumulator tiles and turn
-/// counters in `dq_ws`, runs `attn_bwd_wgmma_ordered_hd<hd>` (grid (B*KV, ceil(T / 128)), 384 threads)
+/// The fused ordered wgmma backward (`D` already in `d_ws`): clears the turn counters in `dq_ws` (the
+/// accumulator tiles before them are stored by key block 0 first), runs `attn_bwd_wgmma_ordered_hd<hd>` (grid (B*KV, ceil(T / 128)), 384 threads)
 /// and converts the accumulator into the q slot of `d_qkv`.
 #[allow(clippy::too_many_arguments)]
 fn ordered_backward(
@@ -790,7 +790,8 @@ fn ordered_backward(
         )));
     }
     {
-        let mut view = dq_ws.slice_mut(0..need);
+        // The turn counters start at zero; the accumulator needs no clearing (key block 0 stores first).
+        let mut view = dq_ws.slice_mut(acc_len..need);
         dev.stream().memset_zeros(&mut view)?;
     }
     let (module_k, entry) = kernel_entry(hd, TensorKernel::WgmmaOrdered);
@@ -816,7 +817,8 @@ fn ordered_backward(
         let dq = &mut *d_qkv;
         // Grid (B*KV, ceil(T / 128)) of 384 threads with the shared memory above (limit raised); dq_acc
         // holds a 64 x hd tile per (b, h, 64-row query tile) and dq_turn one zeroed counter per tile
-        // after it (checked and cleared above; the kernel reads the f32 slots as u32); the other lengths
+        // after it (checked and cleared above; the kernel reads the f32 slots as u32; key block 0
+        // stores every tile before any other block adds to it); the other lengths
         // as in the separate backward (checked by the caller); every global access is bounded by T and
         // the tile count.
         launch!(

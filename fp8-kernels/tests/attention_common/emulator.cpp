@@ -676,6 +676,20 @@ static inline void att_bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
     else
         op();
 }
+static inline void att_bulk_store(float* dst, u32 src, u32 bytes) {
+    if ((bytes % 16) != 0 || (src % 16) != 0 || ((uintptr_t)dst % 16) != 0) die("bulk copy misaligned");
+    if (src < kSmemWindow || src - kSmemWindow + bytes > g_smem_bytes) die("bulk copy source outside shared memory");
+    check_global(dst, bytes, "bulk copy writes outside every global buffer");
+    unsigned char* smem = att_smem;
+    auto op = [dst, src, bytes, smem] {
+        std::lock_guard<std::mutex> lock(g_red_mutex);
+        std::memcpy(dst, smem + (src - kSmemWindow), bytes);
+    };
+    if (g_late_copies)
+        t_bulk.push_back(op);
+    else
+        op();
+}
 static inline void att_bulk_commit() {}
 static inline void att_bulk_wait_all() {
     for (auto& op : t_bulk) op();
@@ -1000,7 +1014,8 @@ static int run(int argc, char** argv) {
         tma_encode(&tq, qkv.data(), dims, strides, {64, 1, 64, 1});
         tma_encode(&tdo, dout.data(), odims, ostrides, {64, 1, 64, 1});
         const int nqb = (T + 63) / 64, nkb = (T + 127) / 128;
-        std::vector<float> acc((size_t)B * H * nqb * 64 * HD, 0.0f);
+        // The accumulator starts as NaN (key block 0 stores each tile first); the counters at zero.
+        std::vector<float> acc((size_t)B * H * nqb * 64 * HD, NAN);
         std::vector<u32> turn((size_t)B * H * nqb, 0);
         reg(acc), reg(turn);
         launch({kv_pairs, blocks(128), 384, (size_t)ATT_WG_ORDERED_SMEM(HD)}, [&] {
