@@ -252,6 +252,8 @@ __device__ __forceinline__ u32 att_ld_acquire_gpu(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+// Ends the kernel with an error (the launch's stream reports it) instead of spinning forever.
+__device__ __forceinline__ void att_trap() { asm volatile("trap;\n" ::: "memory"); }
 __device__ __forceinline__ void att_red_release_gpu_add(u32* p, u32 v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -1489,8 +1491,10 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                 if (lane == 0) {
                     const u64 tile = ((u64)b * H + kvh * G + hh) * nqb + i;
                     u32* turn = dq_turn + tile;
-                    while (att_ld_acquire_gpu(turn) != (u32)kb) {
-                    }
+                    // A turn that never comes (a lower block that cannot run) is an error after 2^28
+                    // polls, seconds at least, rather than a hang of the whole process.
+                    for (u32 polls = 0; att_ld_acquire_gpu(turn) != (u32)kb;)
+                        if (++polls == (1u << 28)) att_trap();
                     att_fence_proxy_async_global();
                     // Key block 0 comes first at every tile: it stores, so the accumulator needs no clearing.
                     if (kb == 0)

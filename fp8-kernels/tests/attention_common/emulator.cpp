@@ -715,6 +715,7 @@ static inline u32 att_ld_acquire_gpu(const u32* p) {
     std::this_thread::yield();
     return v;
 }
+static inline void att_trap() { die("trap"); }
 static inline void att_red_release_gpu_add(u32* p, u32 v) {
     check_global(p, 4, "release add outside every global buffer");
     std::lock_guard<std::mutex> lock(g_red_mutex);
