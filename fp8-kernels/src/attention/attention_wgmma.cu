@@ -1234,6 +1234,67 @@ __device__ __forceinline__ void attn_bwd_wgmma(const u16* __restrict__ qkv, cons
     }
 }
 
+// The producer steps of the warp-specialised dK/dV kernel and the ordered backward (lane 0 issues the
+// TMA loads). K and V of the block's BN keys once, against barrier `bar` (tensor map tkv; column blocks
+// BN * 128 bytes apart):
+template <int HD, int BN>
+__device__ __forceinline__ void att_ws_load_kv_once(const AttTmaMap* tkv, u32 aK, u32 aV, u32 bar, int H, int KV,
+                                                    int kvh, int k0, int b, int lane) {
+    if (lane != 0) return;
+    att_mbar_arrive_expect_tx(bar, 2 * BN * HD * 2);
+#pragma unroll
+    for (int c = 0; c < HD / 64; ++c) {
+        att_tma_load_4d(aK + (u32)c * BN * 128, tkv, 64 * c, H + kvh, k0, b, bar);
+        att_tma_load_4d(aV + (u32)c * BN * 128, tkv, 64 * c, H + KV + kvh, k0, b, bar);
+    }
+}
+// ... and query tile i of head h as the walk's tile n into stage n % ST: after the consumers released
+// the stage's previous tile (empty phase n / ST - 1), the warp writes its lse and D rows (zeros past T)
+// with ordinary stores, then lane 0 loads Q and dO (tensor maps tq, tdo) against the stage's full barrier.
+// Barriers at aBar: full_kv, full[ST], empty[ST].
+template <int HD, int BM, int ST>
+__device__ __forceinline__ void att_ws_produce_q_tile(const AttTmaMap* tq, const AttTmaMap* tdo,
+                                                      const float* __restrict__ lse, const float* __restrict__ dvec,
+                                                      float* sL, float* sD, u32 aQ, u32 adO, u32 aBar, int n, int i,
+                                                      int h, int b, int H, int T, int lane) {
+    constexpr u32 QB = BM * HD * 2;
+    const int st = n % ST;
+    const float* gL = lse + ((u64)b * H + h) * T;
+    const float* gD = dvec + ((u64)b * H + h) * T;
+    if (n >= ST) att_mbar_wait(aBar + 8u * (1 + ST + st), (u32)(n / ST - 1) & 1u);
+    for (int r = lane; r < BM; r += 32) {
+        const int t = i * BM + r;
+        sL[st * BM + r] = t < T ? gL[t] : 0.0f;
+        sD[st * BM + r] = t < T ? gD[t] : 0.0f;
+    }
+    __syncwarp();  // the warp's lse and D writes before lane 0's arrival (release)
+    if (lane == 0) {
+        const u32 full = aBar + 8u * (1 + st);
+        att_mbar_arrive_expect_tx(full, 2 * QB);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c) {
+            att_tma_load_4d(aQ + (u32)st * QB + (u32)c * BM * 128, tq, 64 * c, h, i * BM, b, full);
+            att_tma_load_4d(adO + (u32)st * QB + (u32)c * BM * 128, tdo, 64 * c, h, i * BM, b, full);
+        }
+    }
+}
+
+// The warp-specialised dK/dV kernels' end: dK (times scale) and dV to dqkv, staged in the warp's own rows
+// (64 wg + 16 warp ..) of the K and V tiles (BN rows), 16 bytes at a time, rows < T only.
+template <int HD, int BN>
+__device__ __forceinline__ void att_ws_store_dkdv(const float (&dk)[HD / 2], const float (&dv)[HD / 2], u16* sK,
+                                                  u16* sV, u16* __restrict__ dqkv, int b, int kvh, int k0, int T,
+                                                  int H, int KV, float scale, int wg, int warp, int lane) {
+    const int srow = 64 * wg + 16 * warp, g = lane >> 2, q = lane & 3;
+    const u64 rs = (u64)(H + 2 * KV) * HD;
+    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.0f, 1.0f};
+    att_wg_stage_rows<HD, BN>(dk, dk_mul, sK, srow, g, q);
+    att_wg_stage_rows<HD, BN>(dv, dv_mul, sV, srow, g, q);
+    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
+    att_wg_store_rows<HD, BN>(sK, srow, gdK, rs, k0 + srow, T, lane);
+    att_wg_store_rows<HD, BN>(sV, srow, gdK + (u64)KV * HD, rs, k0 + srow, T, lane);
+}
+
 // The dK/dV kernel with warp specialisation (the deterministic backward's first kernel, as attn_bwd_wgmma
 // with DQ false): grid (B*KV, ceil(T / BN)), NWG consumer warpgroups of 64 keys each (BN = 64 NWG) and a
 // producer warpgroup. The producer's first thread loads the block's K and V once (tensor map tkv, boxes
@@ -1269,7 +1330,6 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
     const int g = lane >> 2, q = lane & 3;
     const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;
     const int G = H / KV;
-    const u64 rs = (u64)(H + 2 * KV) * HD;
     const int nqb = (T + BM - 1) / BM;
     const int k0 = blockIdx.y * BN;
     const int i0 = k0 / BM;  // the first query tile holding a query >= k0
@@ -1285,39 +1345,12 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
     if (tid >= NC) {  // the producer warpgroup; its first warp works
         att_setmaxnreg_dec<24>();
         if (tid >= NC + 32) return;
-        if (lane == 0) {
-            att_mbar_arrive_expect_tx(aBar, 2 * KB);
-#pragma unroll
-            for (int c = 0; c < HD / 64; ++c) {
-                att_tma_load_4d(aK + (u32)c * BN * 128, tkv, 64 * c, H + kvh, k0, b, aBar);
-                att_tma_load_4d(aV + (u32)c * BN * 128, tkv, 64 * c, H + KV + kvh, k0, b, aBar);
-            }
-        }
+        att_ws_load_kv_once<HD, BN>(tkv, aK, aV, aBar, H, KV, kvh, k0, b, lane);
         int n = 0;
-        for (int hh = 0; hh < G; ++hh) {
-            const int h = kvh * G + hh;
-            const float* gL = lse + ((u64)b * H + h) * T;
-            const float* gD = dvec + ((u64)b * H + h) * T;
-            for (int i = i0; i < nqb; ++i, ++n) {
-                const int st = n % ST;
-                if (n >= ST) att_mbar_wait(aBar + 8u * (1 + ST + st), (u32)(n / ST - 1) & 1u);
-                for (int r = lane; r < BM; r += 32) {
-                    const int t = i * BM + r;
-                    sL[st * BM + r] = t < T ? gL[t] : 0.0f;
-                    sD[st * BM + r] = t < T ? gD[t] : 0.0f;
-                }
-                __syncwarp();  // the warp's lse and D writes before lane 0's arrival (release)
-                if (lane == 0) {
-                    const u32 full = aBar + 8u * (1 + st);
-                    att_mbar_arrive_expect_tx(full, 2 * QB);
-#pragma unroll
-                    for (int c = 0; c < HD / 64; ++c) {
-                        att_tma_load_4d(aQ + (u32)st * QB + (u32)c * BM * 128, tq, 64 * c, h, i * BM, b, full);
-                        att_tma_load_4d(adO + (u32)st * QB + (u32)c * BM * 128, tdo, 64 * c, h, i * BM, b, full);
-                    }
-                }
-            }
-        }
+        for (int hh = 0; hh < G; ++hh)
+            for (int i = i0; i < nqb; ++i, ++n)
+                att_ws_produce_q_tile<HD, BM, ST>(tq, tdo, lse, dvec, sL, sD, aQ, adO, aBar, n, i, kvh * G + hh, b,
+                                                  H, T, lane);
         return;
     }
 
@@ -1348,13 +1381,7 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 
     // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV (only this warpgroup's
     // wgmma read them, and they completed).
-    const int srow = 64 * wg + 16 * warp;
-    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.0f, 1.0f};
-    att_wg_stage_rows<HD, BN>(dk, dk_mul, sK, srow, g, q);
-    att_wg_stage_rows<HD, BN>(dv, dv_mul, sV, srow, g, q);
-    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
-    att_wg_store_rows<HD, BN>(sK, srow, gdK, rs, k0 + srow, T, lane);
-    att_wg_store_rows<HD, BN>(sV, srow, gdK + (u64)KV * HD, rs, k0 + srow, T, lane);
+    att_ws_store_dkdv<HD, BN>(dk, dv, sK, sV, dqkv, b, kvh, k0, T, H, KV, scale, wg, warp, lane);
 }
 
 // Bytes of attn_bwd_kv_wgmma_ws's shared memory: K, V [64 NWG][HD]; Q, dO [ST][64][HD]; lse, D [ST][64]
@@ -1426,7 +1453,6 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     const int g = lane >> 2, q = lane & 3;
     const int bkv = blockIdx.x, b = bkv / KV, kvh = bkv - (bkv / KV) * KV;
     const int G = H / KV;
-    const u64 rs = (u64)(H + 2 * KV) * HD;
     const int nqb = (T + BM - 1) / BM;
     const int kb = blockIdx.y, k0 = kb * BN;
     const int i0 = k0 / BM;  // the last query tile of the walk: the first holding a query >= k0
@@ -1449,38 +1475,12 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
         att_setmaxnreg_dec<40>();
         if (tid >= NC + 64) return;
         if (tid < NC + 32) {
-            if (lane == 0) {
-                att_mbar_arrive_expect_tx(aBar, 2 * KB);
-#pragma unroll
-                for (int c = 0; c < HD / 64; ++c) {
-                    att_tma_load_4d(aK + (u32)c * KCB, tkv, 64 * c, H + kvh, k0, b, aBar);
-                    att_tma_load_4d(aV + (u32)c * KCB, tkv, 64 * c, H + KV + kvh, k0, b, aBar);
-                }
-            }
+            att_ws_load_kv_once<HD, BN>(tkv, aK, aV, aBar, H, KV, kvh, k0, b, lane);
             int n = 0;
             for (int i = nqb - 1; i >= i0; --i)
-                for (int hh = 0; hh < G; ++hh, ++n) {
-                    const int h = kvh * G + hh, st = n % ST;
-                    const float* gL = lse + ((u64)b * H + h) * T;
-                    const float* gD = dvec + ((u64)b * H + h) * T;
-                    if (n >= ST) att_mbar_wait(aBar + 8u * (1 + ST + st), (u32)(n / ST - 1) & 1u);
-                    for (int r = lane; r < BM; r += 32) {
-                        const int t = i * BM + r;
-                        sL[st * BM + r] = t < T ? gL[t] : 0.0f;
-                        sD[st * BM + r] = t < T ? gD[t] : 0.0f;
-                    }
-                    __syncwarp();  // the warp's lse and D writes before lane 0's arrival (release)
-                    if (lane == 0) {
-                        const u32 full = aBar + 8u * (1 + st);
-                        att_mbar_arrive_expect_tx(full, 2 * QB);
-#pragma unroll
-                        for (int c = 0; c < HD / 64; ++c) {
-                            att_tma_load_4d(aQ + (u32)st * QB + (u32)c * BM * 128, tq, 64 * c, h, i * BM, b, full);
-                            att_tma_load_4d(adO + (u32)st * QB + (u32)c * BM * 128, tdo, 64 * c, h, i * BM, b,
-                                            full);
-                        }
-                    }
-                }
+                for (int hh = 0; hh < G; ++hh, ++n)
+                    att_ws_produce_q_tile<HD, BM, ST>(tq, tdo, lse, dvec, sL, sD, aQ, adO, aBar, n, i, kvh * G + hh,
+                                                      b, H, T, lane);
             return;
         }
         // The dQ writer.
@@ -1587,13 +1587,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     // of a wgmma: the warpgroup passes a barrier before any warp overwrites them. (The emulator, which
     // completes a late wgmma per thread at its own wait, caught the missing barrier.)
     att_bar_sync(1 + wg, 128);
-    const int srow = 64 * wg + 16 * warp;
-    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.0f, 1.0f};
-    att_wg_stage_rows<HD, BN>(dk, dk_mul, sK, srow, g, q);
-    att_wg_stage_rows<HD, BN>(dv, dv_mul, sV, srow, g, q);
-    u16* gdK = dqkv + (u64)b * T * rs + (u64)(H + kvh) * HD;
-    att_wg_store_rows<HD, BN>(sK, srow, gdK, rs, k0 + srow, T, lane);
-    att_wg_store_rows<HD, BN>(sV, srow, gdK + (u64)KV * HD, rs, k0 + srow, T, lane);
+    att_ws_store_dkdv<HD, BN>(dk, dv, sK, sV, dqkv, b, kvh, k0, T, H, KV, scale, wg, warp, lane);
 }
 
 // Bytes of attn_bwd_ordered_wgmma's shared memory: K, V [128][HD]; Q, dO [ST][64][HD]; sdS [128][64] bf16;

@@ -661,35 +661,24 @@ static inline void att_tma_load_4d(u32 dst, const void* map, int c0, int c1, int
 // fails). ld.acquire / red.release on a counter: under one mutex; a thread that polls a counter without
 // seeing it change for 20 s is deadlocked.
 static thread_local std::vector<std::function<void()>> t_bulk;
-static inline void att_bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
-    if ((bytes % 16) != 0 || (src % 16) != 0 || ((uintptr_t)dst % 16) != 0) die("bulk reduction misaligned");
-    if (src < kSmemWindow || src - kSmemWindow + bytes > g_smem_bytes) die("bulk reduction source outside shared memory");
-    check_global(dst, bytes, "bulk reduction writes outside every global buffer");
+// One bulk operation from shared memory to global memory: an f32 reduction (add) or a copy.
+static void bulk_op(float* dst, u32 src, u32 bytes, bool add) {
+    if ((bytes % 16) != 0 || (src % 16) != 0 || ((uintptr_t)dst % 16) != 0) die("bulk operation misaligned");
+    if (src < kSmemWindow || src - kSmemWindow + bytes > g_smem_bytes) die("bulk operation source outside shared memory");
+    check_global(dst, bytes, "bulk operation writes outside every global buffer");
     unsigned char* smem = att_smem;
-    auto op = [dst, src, bytes, smem] {
+    auto op = [dst, src, bytes, smem, add] {
         const float* from = (const float*)(smem + (src - kSmemWindow));
         std::lock_guard<std::mutex> lock(g_red_mutex);
-        for (u32 k = 0; k < bytes / 4; ++k) dst[k] += from[k];
+        for (u32 k = 0; k < bytes / 4; ++k) dst[k] = add ? dst[k] + from[k] : from[k];
     };
     if (g_late_copies)
         t_bulk.push_back(op);
     else
         op();
 }
-static inline void att_bulk_store(float* dst, u32 src, u32 bytes) {
-    if ((bytes % 16) != 0 || (src % 16) != 0 || ((uintptr_t)dst % 16) != 0) die("bulk copy misaligned");
-    if (src < kSmemWindow || src - kSmemWindow + bytes > g_smem_bytes) die("bulk copy source outside shared memory");
-    check_global(dst, bytes, "bulk copy writes outside every global buffer");
-    unsigned char* smem = att_smem;
-    auto op = [dst, src, bytes, smem] {
-        std::lock_guard<std::mutex> lock(g_red_mutex);
-        std::memcpy(dst, smem + (src - kSmemWindow), bytes);
-    };
-    if (g_late_copies)
-        t_bulk.push_back(op);
-    else
-        op();
-}
+static inline void att_bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) { bulk_op(dst, src, bytes, true); }
+static inline void att_bulk_store(float* dst, u32 src, u32 bytes) { bulk_op(dst, src, bytes, false); }
 static inline void att_bulk_commit() {}
 static inline void att_bulk_wait_all() {
     for (auto& op : t_bulk) op();
