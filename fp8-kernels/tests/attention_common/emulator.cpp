@@ -24,10 +24,10 @@
 //     ("late": the accumulator reads NaN in between, and shared memory is read at the wait, so a kernel
 //     that reads results early or overwrites operands in flight fails). A wgmma without a wgmma.fence since
 //     the last wait, and a wgmma after a barrier that published cp.async data without
-//     fence.proxy.async, are errors. In late mode the last warp of each warpgroup is slow to complete
-//     its waits, and each warp's shared-memory operands of an op are checked at its wait against their
-//     bits at issue: a kernel that overwrites an operand another warp of the warpgroup has not yet waited
-//     for is an error. setmaxnreg moves registers within the block's pool fixed at launch (an inc the
+//     fence.proxy.async, are errors. In late mode each warp's shared-memory operands of an op are checked
+//     at its wait against their bits at issue: a kernel that overwrites an operand another warp of the
+//     warpgroup has not yet waited for is an error (ATT_EMULATOR_SLOW_WARP_US=N keeps the last warp of
+//     each warpgroup N microseconds slow at its waits, so such a kernel fails reliably). setmaxnreg moves registers within the block's pool fixed at launch (an inc the
 //     pool cannot satisfy is a deadlock error). cp.reduce.async.bulk runs at issue or at
 //     cp.async.bulk.wait_group, and the GPU-scope counters under one lock with deadlock detection.
 //     The emulated shared window starts at a 16-byte but not 1024-byte
@@ -149,6 +149,7 @@ static std::deque<Warp> g_warps;
 static size_t g_smem_bytes = 0;
 static thread_local int t_lane = 0, t_warp = 0;
 static bool g_late_copies = false;
+static int g_slow_warp_us = 0;  // ATT_EMULATOR_SLOW_WARP_US (late mode only)
 
 static thread_local int t_phase = 0;
 static inline Warp& W() { return g_warps[t_warp]; }
@@ -460,11 +461,12 @@ template <int N>
 static inline void att_wg_wait() {
     if (!t_wg_open.empty()) die("wgmma.wait_group with uncommitted wgmma");
     t_wg_fenced = false;
-    // Late results: the last warp of each warpgroup is slow to complete its part, so the other warps run
-    // ahead of it as far as the kernel lets them (a warp's wait covers only its own part of a wgmma,
-    // whose shared-memory operands its slow sibling still reads).
-    if (g_late_copies && (t_warp % 4) == 3 && !t_wg_groups.empty())
-        std::this_thread::sleep_for(std::chrono::microseconds(300));
+    // Late results with ATT_EMULATOR_SLOW_WARP_US set: the last warp of each warpgroup is that many
+    // microseconds slow to complete its part at every wait, so the other warps run ahead of it as far as
+    // the kernel lets them (a warp's wait covers only its own part of a wgmma, whose shared-memory
+    // operands its slow sibling still reads; the operand check below then fails).
+    if (g_late_copies && g_slow_warp_us > 0 && (t_warp % 4) == 3 && !t_wg_groups.empty())
+        std::this_thread::sleep_for(std::chrono::microseconds(g_slow_warp_us));
     while (t_wg_groups.size() > (size_t)N) {
         for (PendingWg& p : t_wg_groups.front()) {
             const WgOp& op = g_wgs[t_warp / 4].ops[p.op];
@@ -874,6 +876,7 @@ static int run(int argc, char** argv) {
               HD = std::atoi(argv[8]);
     const float scale = std::strtof(argv[9], nullptr);
     g_late_copies = std::string(argv[10]) == "late";
+    if (const char* us = std::getenv("ATT_EMULATOR_SLOW_WARP_US")) g_slow_warp_us = std::atoi(us);
     const std::string fwd = argv[11], bwd = argv[12];
     if (HD != 32 && HD != 64 && HD != 128) die("head dim");
     if (KV < 1 || H % KV != 0) die("kv heads must divide heads");
