@@ -135,15 +135,15 @@ pub(super) fn wgmma_kv_ws_smem_bytes(head_dim: usize, warpgroups: usize) -> usiz
 }
 
 /// Bytes of dynamic shared memory of the fused ordered wgmma backward (`ATT_WG_ORDERED_SMEM`): K, V
-/// [128][hd]; Q, dO [stages][64][hd]; dS^T [128][64] bf16; the dQ tile [64][hd] f32; lse, D [stages][64]
-/// f32; 4 + 2 stages mbarriers; the alignment ([`kv_ws_stages`]).
+/// [128][hd]; Q, dO [stages][64][hd]; dS^T [128][64] bf16; two dQ tiles [64][hd] f32; lse, D
+/// [stages][64] f32; 7 + 2 stages mbarriers; the alignment ([`kv_ws_stages`]).
 pub(super) fn wgmma_ordered_smem_bytes(head_dim: usize) -> usize {
     let stages = kv_ws_stages(head_dim);
     (2 * 128 + 2 * stages * 64) * head_dim * 2
         + 128 * 64 * 2
-        + 64 * head_dim * 4
+        + 2 * 64 * head_dim * 4
         + 2 * stages * 64 * 4
-        + (4 + 2 * stages) * 8
+        + (7 + 2 * stages) * 8
         + 1024
 }
 

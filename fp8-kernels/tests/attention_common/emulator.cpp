@@ -658,32 +658,52 @@ static inline void att_tma_load_4d(u32 dst, const void* map, int c0, int c1, int
 }
 
 // ---- bulk reductions and GPU-scope counters (the ordered wgmma backward's dQ writer) ----
-// cp.reduce.async.bulk .add.f32: applied at issue ("early") or only at the cp.async.bulk.wait_group that
-// retires it ("late"; shared memory is read then, so a kernel that overwrites its source before the wait
-// fails). ld.acquire / red.release on a counter: under one mutex; a thread that polls a counter without
-// seeing it change for 20 s is deadlocked.
-static thread_local std::vector<std::function<void()>> t_bulk;
+// cp.reduce.async.bulk .add.f32: applied at issue ("early"), or ("late") its shared-memory source read
+// only at the cp.async.bulk.wait_group.read or wait_group that retires it and its global writes made
+// only at the wait_group, so a kernel that overwrites the source before the read wait, or lets another
+// block's reduction go before the writes, fails. ld.acquire / red.release on a counter: under one mutex;
+// a thread that polls a counter without seeing it change for 20 s is deadlocked.
+struct BulkOp {
+    float* dst;
+    u32 src, bytes;
+    bool add, read;
+    std::vector<float> data;
+};
+static thread_local std::vector<BulkOp> t_bulk;
+static void bulk_read(BulkOp& op) {
+    if (op.read) return;
+    const float* from = (const float*)(att_smem + (op.src - kSmemWindow));
+    op.data.assign(from, from + op.bytes / 4);
+    op.read = true;
+}
+static void bulk_write(const BulkOp& op) {
+    std::lock_guard<std::mutex> lock(g_red_mutex);
+    for (u32 k = 0; k < op.bytes / 4; ++k) op.dst[k] = op.add ? op.dst[k] + op.data[k] : op.data[k];
+}
 // One bulk operation from shared memory to global memory: an f32 reduction (add) or a copy.
 static void bulk_op(float* dst, u32 src, u32 bytes, bool add) {
     if ((bytes % 16) != 0 || (src % 16) != 0 || ((uintptr_t)dst % 16) != 0) die("bulk operation misaligned");
     if (src < kSmemWindow || src - kSmemWindow + bytes > g_smem_bytes) die("bulk operation source outside shared memory");
     check_global(dst, bytes, "bulk operation writes outside every global buffer");
-    unsigned char* smem = att_smem;
-    auto op = [dst, src, bytes, smem, add] {
-        const float* from = (const float*)(smem + (src - kSmemWindow));
-        std::lock_guard<std::mutex> lock(g_red_mutex);
-        for (u32 k = 0; k < bytes / 4; ++k) dst[k] = add ? dst[k] + from[k] : from[k];
-    };
-    if (g_late_copies)
-        t_bulk.push_back(op);
-    else
-        op();
+    BulkOp op{dst, src, bytes, add, false, {}};
+    if (g_late_copies) {
+        t_bulk.push_back(std::move(op));
+    } else {
+        bulk_read(op);
+        bulk_write(op);
+    }
 }
 static inline void att_bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) { bulk_op(dst, src, bytes, true); }
 static inline void att_bulk_store(float* dst, u32 src, u32 bytes) { bulk_op(dst, src, bytes, false); }
 static inline void att_bulk_commit() {}
+static inline void att_bulk_wait_read_all() {
+    for (auto& op : t_bulk) bulk_read(op);
+}
 static inline void att_bulk_wait_all() {
-    for (auto& op : t_bulk) op();
+    for (auto& op : t_bulk) {
+        bulk_read(op);
+        bulk_write(op);
+    }
     t_bulk.clear();
 }
 static inline void att_fence_proxy_async_global() {}
