@@ -150,8 +150,15 @@ pub(super) fn wgmma_ordered_smem_bytes(head_dim: usize) -> usize {
 /// F32 workspace elements of the fused ordered wgmma backward: the dQ accumulator, a 64 x hd tile per
 /// (batch, query head, 64-row query tile), then one 32-bit turn counter per tile.
 pub(super) fn ordered_workspace_len(shape: &AttentionShape) -> usize {
+    let (tiles, acc_len) = ordered_accumulator(shape);
+    acc_len + tiles
+}
+
+/// The fused ordered backward's dQ tiles, one per (batch, query head, 64-row query tile), and the f32
+/// elements of their accumulator.
+fn ordered_accumulator(shape: &AttentionShape) -> (usize, usize) {
     let tiles = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
-    tiles * 64 * shape.head_dim + tiles
+    (tiles, tiles * 64 * shape.head_dim)
 }
 
 /// Bytes of dynamic shared memory of the wgmma dQ kernel (`ATT_WG_DQ_SMEM`): Q, dO [64 * warpgroups][hd];
@@ -761,14 +768,15 @@ pub(super) fn backward(
 }
 
 /// The fused ordered wgmma backward (`D` already in `d_ws`): clears the turn counters in `dq_ws` (the
-/// accumulator tiles before them are stored by key block 0 first), runs `attn_bwd_wgmma_ordered_hd<hd>` (grid (B*KV, ceil(T / 128)), 384 threads)
-/// and converts the accumulator into the q slot of `d_qkv`.
+/// accumulator tiles before them are stored by key block 0 first), runs
+/// `attn_bwd_wgmma_ordered_hd<hd>` (grid (B*KV, ceil(T / 128)), 384 threads) and converts the
+/// accumulator into the q slot of `d_qkv` with `attn_bwd_dq_tiles_convert` of `rows_module`.
 #[allow(clippy::too_many_arguments)]
 fn ordered_backward(
     dev: &CudaDevice,
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
-    module: &'static crate::kernel_source::KernelModule,
+    rows_module: &'static crate::kernel_source::KernelModule,
     qkv: &CudaSlice<bf16>,
     d_out: &CudaSlice<bf16>,
     lse: &CudaSlice<f32>,
@@ -780,8 +788,7 @@ fn ordered_backward(
     require_sm90(dev, WHAT)?;
     let hd = shape.head_dim;
     let (b, t, h, kv) = dims(shape);
-    let tiles = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
-    let acc_len = tiles * 64 * hd;
+    let (_, acc_len) = ordered_accumulator(shape);
     let need = ordered_workspace_len(shape);
     if dq_ws.len() < need {
         return Err(KernelError::Internal(format!(
@@ -843,7 +850,7 @@ fn ordered_backward(
     // B*T*(H+2*KV)*HD; grid-stride over the element pairs, rows >= T skipped.
     launch!(
         dev,
-        module,
+        rows_module,
         "attn_bwd_dq_tiles_convert",
         launch,
         "attn_bwd_dq_tiles_convert(const float* acc, u16* dqkv, int B, int T, int H, int KV, int HD, \
