@@ -1412,16 +1412,18 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 //   batch 5      per 64-column half c of dQ: dQ_w = dS_w K_w over the warpgroup's 64 keys, 4 wgmma
 //                m64n64k16 with A = sdS read MN-major (A(query, key) = sdS[key][query]) and B = K read
 //                MN-major, waited for
-//   combine      step n uses sdQ buffer n % 2: warpgroup 0 stores dQ_0 into that f32 tile (once the writer
-//                has read the buffer's previous tile: dq_empty) and arrives on dq_half; warpgroup 1 waits
-//                for it, stores dQ_0 + dQ_1 and arrives on dq_full
-// The dQ writer, the producer warpgroup's second warp, then adds the buffer into the f32 accumulator tile
-// of (b, h, i) in global memory with one bulk reduction (key block 0: a bulk copy), in key-block order:
-// its first lane waits until the tile's counter equals n (ld.acquire.gpu), reduces, frees the buffer as
-// soon as the reduction has read it, waits for the reduction's writes, and increments the counter
-// (red.release.gpu). With two buffers and the early free the consumers never wait for a reduction's
-// writes or a turn: freeing one buffer only after the writes cost a quarter of the kernel's time at
-// llama-8b's shape (H100, 2026-12-07). Every dQ element is thus ((dQ(block 0) + dQ(block 1)) + ...)
+//   combine      step n uses sdQ buffer n % DQS (ATT_WG_ORDERED_DQS: 3 at head dim 64, 2 at 128):
+//                warpgroup 0 stores dQ_0 into that f32 tile (once the buffer's writer has read its
+//                previous tile: dq_empty) and arrives on dq_half; warpgroup 1 waits for it, stores
+//                dQ_0 + dQ_1 and arrives on dq_full
+// The buffer's dQ writer, warp 1 + (n % DQS) of the producer warpgroup, then adds it into the f32
+// accumulator tile of (b, h, i) in global memory with one bulk reduction (key block 0: a bulk copy), in
+// key-block order: its first lane waits until the tile's counter equals the block's key-block index
+// (ld.acquire.gpu), reduces, frees the buffer as soon as the reduction has read it, waits for the
+// reduction's writes, and increments the counter (red.release.gpu). With a writer per buffer and the early free the consumers
+// wait neither for a reduction's writes nor for a turn while another buffer is free: one buffer freed
+// after the writes cost a quarter of the kernel's time at llama-8b's shape (H100, 2026-12-07), and one
+// writer for two buffers still about a tenth. Every dQ element is thus ((dQ(block 0) + dQ(block 1)) + ...)
 // in key-block order, each block's part (dQ_0 + dQ_1) summed in a fixed order too: the same bits on every
 // run. A block waits only for lower key blocks, which the grid launches first (blockIdx.y = n) and whose
 // walks hold this block's tiles, in the same order, before their own last ones: a waiting block never
@@ -1432,8 +1434,11 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 // 64 c + 8 r4 + 2 (lane % 4) + j % 2), 16-byte stores without bank conflicts; attn_bwd_dq_tiles_convert
 // (attention_rows.cu) writes dQ * scale from it. Accumulator and counters are zero at launch.
 // Shared memory (1024-byte aligned): K, V [128][HD]; Q, dO [ST][64][HD]; sdS [128][64] bf16 (SW128
-// tiles); sdQ [2][64 HD] f32; lse, D [ST][64] f32; the barriers full_kv, full[ST], empty[ST], then
+// tiles); sdQ [DQS][64 HD] f32; lse, D [ST][64] f32; the barriers full_kv, full[ST], empty[ST], then
 // dq_half, dq_full, dq_empty per sdQ buffer.
+// The ordered backward's sdQ buffers and dQ writer warps: 3 at head dim 64 (every spare warp of the
+// producer warpgroup), 2 at 128 (a third does not fit in shared memory).
+#define ATT_WG_ORDERED_DQS(HD) ((HD) == 64 ? 3 : 2)
 template <int HD>
 __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, const AttTmaMap* tq,
                                                        const AttTmaMap* tdo, const float* __restrict__ lse,
@@ -1443,7 +1448,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
     constexpr int NWG = 2, BN = 128, BM = 64, NC = 256, ST = ATT_KV_WS_STAGES(HD);
     constexpr u32 KB = BN * HD * 2, QB = BM * HD * 2, KCB = BN * 128, DSB = BN * BM * 2, DQB = BM * HD * 4;
-    constexpr int DQS = 2;  // sdQ buffers: the consumers fill one while the writer reduces the other
+    constexpr int DQS = ATT_WG_ORDERED_DQS(HD);  // sdQ buffers, each with its own writer warp
     const u32 raw = att_smem_u32(att_smem);
     const u32 pad = (1024u - (raw & 1023u)) & 1023u;
     const u32 aK = raw + pad, aV = aK + KB, aQ = aV + KB, adO = aQ + ST * QB, adS = adO + ST * QB,
@@ -1480,12 +1485,12 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     }
     __syncthreads();
 
-    if (tid >= NC) {  // the producer warpgroup: warp 0 loads, warp 1 writes dQ
+    if (tid >= NC) {  // the producer warpgroup: warp 0 loads, warps 1 .. DQS write dQ
         // The block's pool is 168 registers per thread (the launch bounds' most for 384 threads), 504 per
         // thread of a warpgroup triple: 2 x 232 for the consumers and 40 here (with 24 the two loops
         // spill). A split asking for more than the pool makes setmaxnreg.inc wait forever.
         att_setmaxnreg_dec<40>();
-        if (tid >= NC + 64) return;
+        if (tid >= NC + 32 * (1 + DQS)) return;
         if (tid < NC + 32) {
             att_ws_load_kv_once<HD, BN>(tkv, aK, aV, aBar, H, KV, kvh, k0, b, lane);
             int n = 0;
@@ -1495,11 +1500,15 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                                                       b, H, T, lane);
             return;
         }
-        // The dQ writer.
+        // The dQ writer of buffer d: the steps n with n % DQS = d. A writer's reductions are serial (a
+        // turn, the reduction, its writes, the next block's turn); one writer for every step was the
+        // kernel's bottleneck at short steps.
+        const int d = ((tid - NC) >> 5) - 1;
+        const u32 dq_full = dq_bars + 24u * d + 8u, adQn = adQ + (u32)d * DQB;
         int n = 0;
         for (int i = nqb - 1; i >= i0; --i)
             for (int hh = 0; hh < G; ++hh, ++n) {
-                const u32 dq_full = dq_bars + 24u * (n % DQS) + 8u, adQn = adQ + (u32)(n % DQS) * DQB;
+                if (n % DQS != d) continue;
                 att_mbar_wait(dq_full, (u32)(n / DQS) & 1u);
                 if (lane == 0) {
                     const u64 tile = ((u64)b * H + kvh * G + hh) * nqb + i;
@@ -1518,7 +1527,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                     // The buffer is free once read; the next block's turn waits for the writes. (Freeing
                     // it only after the writes cost a quarter of the kernel's time at llama-8b's shape.)
                     att_bulk_wait_read_all();
-                    att_mbar_arrive(dq_bars + 24u * (n % DQS) + 16u);
+                    att_mbar_arrive(dq_full + 8u);  // dq_empty
                     att_bulk_wait_all();
                     att_fence_proxy_async_global();
                     att_red_release_gpu_add(turn, 1u);
@@ -1610,10 +1619,11 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
 }
 
 // Bytes of attn_bwd_ordered_wgmma's shared memory: K, V [128][HD]; Q, dO [ST][64][HD]; sdS [128][64] bf16;
-// sdQ [2][64][HD] f32; lse, D [ST][64] f32; 1 + 2 ST + 6 barriers; the alignment.
+// sdQ [DQS][64][HD] f32; lse, D [ST][64] f32; 1 + 2 ST + 3 DQS barriers; the alignment.
 #define ATT_WG_ORDERED_SMEM(HD)                                                                            \
-    ((2 * 128 + 2 * ATT_KV_WS_STAGES(HD) * 64) * (HD) * 2 + 128 * 64 * 2 + 2 * 64 * (HD) * 4 +            \
-     2 * ATT_KV_WS_STAGES(HD) * 64 * 4 + (7 + 2 * ATT_KV_WS_STAGES(HD)) * 8 + 1024)
+    ((2 * 128 + 2 * ATT_KV_WS_STAGES(HD) * 64) * (HD) * 2 + 128 * 64 * 2 +                                \
+     ATT_WG_ORDERED_DQS(HD) * 64 * (HD) * 4 + 2 * ATT_KV_WS_STAGES(HD) * 64 * 4 +                         \
+     (1 + 3 * ATT_WG_ORDERED_DQS(HD) + 2 * ATT_KV_WS_STAGES(HD)) * 8 + 1024)
 
 // -----------------------------------------------------------------------------------------------------
 // dQ of the deterministic backward. Grid (B*H, ceil(T / BM)), BM = 64 NWG query rows per block of NWG

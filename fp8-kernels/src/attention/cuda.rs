@@ -135,15 +135,17 @@ pub(super) fn wgmma_kv_ws_smem_bytes(head_dim: usize, warpgroups: usize) -> usiz
 }
 
 /// Bytes of dynamic shared memory of the fused ordered wgmma backward (`ATT_WG_ORDERED_SMEM`): K, V
-/// [128][hd]; Q, dO [stages][64][hd]; dS^T [128][64] bf16; two dQ tiles [64][hd] f32; lse, D
-/// [stages][64] f32; 7 + 2 stages mbarriers; the alignment ([`kv_ws_stages`]).
+/// [128][hd]; Q, dO [stages][64][hd]; dS^T [128][64] bf16; 3 (hd 64) or 2 dQ tiles [64][hd] f32; lse,
+/// D [stages][64] f32; 1 + 3 per dQ tile + 2 stages mbarriers; the alignment ([`kv_ws_stages`]).
 pub(super) fn wgmma_ordered_smem_bytes(head_dim: usize) -> usize {
     let stages = kv_ws_stages(head_dim);
+    // `ATT_WG_ORDERED_DQS`: the dQ tiles, each with its writer warp.
+    let dq_tiles = if head_dim == 64 { 3 } else { 2 };
     (2 * 128 + 2 * stages * 64) * head_dim * 2
         + 128 * 64 * 2
-        + 2 * 64 * head_dim * 4
+        + dq_tiles * 64 * head_dim * 4
         + 2 * stages * 64 * 4
-        + (7 + 2 * stages) * 8
+        + (1 + 3 * dq_tiles + 2 * stages) * 8
         + 1024
 }
 
