@@ -2,7 +2,8 @@
 //! forward and backward on CUDA (world size 1, NCCL) against the same model on the CPU, in the training
 //! configuration (BF16 activations, FP8 linears, fused RMSNorm and SwiGLU casts, grouped-query flash
 //! attention on RoPE-rotated inputs) and with BF16 and F32 linears; tied and untied heads, head dims 32,
-//! 64 and 128, Llama 3.1's RoPE frequency scaling; and two CUDA steps give the same bits.
+//! 64 and 128, Llama 3.1's RoPE frequency scaling, plain parameters gathered in BF16
+//! (`FsdpConfig::plain_gather_dtype`, on both devices); and two CUDA steps give the same bits.
 //!
 //! The tolerances are the GPT check's (`gpt_cuda.rs` explains them): relative L2 error of every gradient
 //! against the CPU's at most 5e-2 (BF16 activations) or 2e-2 (F32), or twice the FP8 quantization's own
@@ -17,7 +18,7 @@ use fp8_kernels::rope::Llama3RopeScaling;
 use fsdp_comm::{Communicator, NcclComm, NcclConfig, ThreadGroup};
 use fsdp_examples::llama::{wrap_policy, Llama, LlamaConfig};
 use fsdp_nn::{convert_to_fp8, Activation, Fp8Filter};
-use fsdp_shard::{FsdpConfig, FsdpModel, Mode};
+use fsdp_shard::{FsdpConfig, FsdpModel, GatherDtype, Mode};
 use gpt_common::{grad, ids};
 use half::bf16;
 use std::sync::Arc;
@@ -40,29 +41,39 @@ fn config(d: usize, heads: usize, kv: usize, tied: bool) -> LlamaConfig {
 fn wrap<T: Activation>(
     config: LlamaConfig,
     fp8: &Fp8Filter,
+    plain_gather: GatherDtype,
     comm: Arc<dyn Communicator>,
 ) -> Result<FsdpModel<Llama<T>>, String> {
     let mut llama = Llama::<T>::new(config).map_err(|e| e.to_string())?;
     convert_to_fp8(&mut llama, fp8, &Fp8Recipe::default()).map_err(|e| e.to_string())?;
-    FsdpModel::new(llama, comm, wrap_policy(), FsdpConfig::default()).map_err(|e| e.to_string())
+    let fsdp = FsdpConfig {
+        plain_gather_dtype: plain_gather,
+        ..FsdpConfig::default()
+    };
+    FsdpModel::new(llama, comm, wrap_policy(), fsdp).map_err(|e| e.to_string())
 }
 
-fn cpu_model<T: Activation>(config: LlamaConfig, fp8: &Fp8Filter) -> FsdpModel<Llama<T>> {
+fn cpu_model<T: Activation>(
+    config: LlamaConfig,
+    fp8: &Fp8Filter,
+    plain_gather: GatherDtype,
+) -> FsdpModel<Llama<T>> {
     let comm: Arc<dyn Communicator> = Arc::new(
         ThreadGroup::new(1, Duration::from_secs(300))
             .unwrap()
             .pop()
             .unwrap(),
     );
-    wrap(config, fp8, comm).unwrap()
+    wrap(config, fp8, plain_gather, comm).unwrap()
 }
 
 fn cuda_model<T: Activation>(
     config: LlamaConfig,
     fp8: &Fp8Filter,
+    plain_gather: GatherDtype,
 ) -> Result<FsdpModel<Llama<T>>, String> {
     let comm = NcclComm::from_env(&NcclConfig::default()).map_err(|e| e.to_string())?;
-    wrap(config, fp8, Arc::new(comm))
+    wrap(config, fp8, plain_gather, Arc::new(comm))
 }
 
 /// Loss and every gradient (by name) after one training step of a fixed batch.
@@ -109,15 +120,28 @@ fn compare<T: Activation>(
     grad_tol: f64,
     loss_tol: f64,
 ) {
-    let mut gpu = cuda_model::<T>(config.clone(), &filter).expect("a CUDA GPU with NCCL");
+    compare_gathered::<T>(what, config, filter, GatherDtype::F32, grad_tol, loss_tol)
+}
+
+/// [`compare`] with the plain parameters gathered in `plain_gather` on both devices.
+fn compare_gathered<T: Activation>(
+    what: &str,
+    config: LlamaConfig,
+    filter: Fp8Filter,
+    plain_gather: GatherDtype,
+    grad_tol: f64,
+    loss_tol: f64,
+) {
+    let mut gpu =
+        cuda_model::<T>(config.clone(), &filter, plain_gather).expect("a CUDA GPU with NCCL");
     let fp8 = !matches!(filter, Fp8Filter::None);
-    let mut cpu = cpu_model::<T>(config.clone(), &filter);
+    let mut cpu = cpu_model::<T>(config.clone(), &filter, plain_gather);
     let (loss_c, grads_c) = step(&mut cpu);
     let (loss_g, grads_g) = step(&mut gpu);
     assert_eq!(grads_c.len(), grads_g.len(), "{what}: parameter lists");
     // The FP8 quantization's own effect per gradient: the same model with BF16 linears on the CPU.
     let noise: Vec<f64> = if fp8 {
-        let mut plain = cpu_model::<T>(config, &Fp8Filter::None);
+        let mut plain = cpu_model::<T>(config, &Fp8Filter::None, plain_gather);
         let (_, grads_p) = step(&mut plain);
         grads_c
             .iter()
@@ -197,6 +221,16 @@ fn llama_cuda_matches_cpu() {
             ..config(256, 2, 1, true)
         },
         fp8,
+        5e-2,
+        1e-2,
+    );
+    // Norm weights, embeddings and the tied head gathered in BF16: the CUDA layers read (or cast) the
+    // BF16 copies as the CPU's do.
+    compare_gathered::<bf16>(
+        "bf16 + FP8, hd 64, GQA 4/2, tied, plain parameters gathered in BF16",
+        config(256, 4, 2, true),
+        Fp8Filter::All,
+        GatherDtype::Bf16,
         5e-2,
         1e-2,
     );
