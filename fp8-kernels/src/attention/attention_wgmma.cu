@@ -1462,7 +1462,11 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     float* sD = sL + ST * BM;                                                            // [ST][BM]
     // full_kv, full[ST], empty[ST], then per sdQ buffer dq_half, dq_full, dq_empty
     const u32 aBar = adQ + DQS * DQB + 2 * ST * BM * 4;
-    const u32 dq_bars = aBar + 8u * (1 + 2 * ST);  // buffer d: dq_half + 24 d, dq_full + 8, dq_empty + 16
+    const u32 dq_bars = aBar + 8u * (1 + 2 * ST);
+    // sdQ buffer d's barriers: warpgroup 0's part stored, the sum stored, the writer has read it.
+    auto dq_half = [dq_bars](int d) { return dq_bars + 24u * (u32)d; };
+    auto dq_full = [dq_bars](int d) { return dq_bars + 24u * (u32)d + 8u; };
+    auto dq_empty = [dq_bars](int d) { return dq_bars + 24u * (u32)d + 16u; };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
     const int g = lane >> 2, q = lane & 3;
@@ -1477,9 +1481,9 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
         for (int s = 0; s < ST; ++s) att_mbar_init(aBar + 8u * (1 + s), 1);
         for (int s = 0; s < ST; ++s) att_mbar_init(aBar + 8u * (1 + ST + s), 4 * NWG);
         for (int d = 0; d < DQS; ++d) {
-            att_mbar_init(dq_bars + 24u * d, 4);
-            att_mbar_init(dq_bars + 24u * d + 8u, 4);
-            att_mbar_init(dq_bars + 24u * d + 16u, 1);
+            att_mbar_init(dq_half(d), 4);
+            att_mbar_init(dq_full(d), 4);
+            att_mbar_init(dq_empty(d), 1);
         }
         att_mbar_init_fence();
     }
@@ -1504,12 +1508,12 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
         // turn, the reduction, its writes, the next block's turn); one writer for every step was the
         // kernel's bottleneck at short steps.
         const int d = ((tid - NC) >> 5) - 1;
-        const u32 dq_full = dq_bars + 24u * d + 8u, adQn = adQ + (u32)d * DQB;
+        const u32 adQn = adQ + (u32)d * DQB;
         int n = 0;
         for (int i = nqb - 1; i >= i0; --i)
             for (int hh = 0; hh < G; ++hh, ++n) {
                 if (n % DQS != d) continue;
-                att_mbar_wait(dq_full, (u32)(n / DQS) & 1u);
+                att_mbar_wait(dq_full(d), (u32)(n / DQS) & 1u);
                 if (lane == 0) {
                     const u64 tile = ((u64)b * H + kvh * G + hh) * nqb + i;
                     u32* turn = dq_turn + tile;
@@ -1527,7 +1531,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                     // The buffer is free once read; the next block's turn waits for the writes. (Freeing
                     // it only after the writes cost a quarter of the kernel's time at llama-8b's shape.)
                     att_bulk_wait_read_all();
-                    att_mbar_arrive(dq_full + 8u);  // dq_empty
+                    att_mbar_arrive(dq_empty(d));
                     att_bulk_wait_all();
                     att_fence_proxy_async_global();
                     att_red_release_gpu_add(turn, 1u);
@@ -1591,12 +1595,12 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                 float4* dst = dq_mine + d * (DQB / 16) + c * 4 * 8 * 32;
                 if (wg == 0) {
                     // Buffer d's previous step, n - DQS, was read by the writer.
-                    if (c == 0 && n >= DQS) att_mbar_wait(dq_bars + 24u * d + 16u, (u32)(n / DQS - 1) & 1u);
+                    if (c == 0 && n >= DQS) att_mbar_wait(dq_empty(d), (u32)(n / DQS - 1) & 1u);
 #pragma unroll
                     for (int r4 = 0; r4 < 8; ++r4)
                         dst[r4 * 32] = make_float4(dq[4 * r4], dq[4 * r4 + 1], dq[4 * r4 + 2], dq[4 * r4 + 3]);
                 } else {
-                    if (c == 0) att_mbar_wait(dq_bars + 24u * d, (u32)(n / DQS) & 1u);
+                    if (c == 0) att_mbar_wait(dq_half(d), (u32)(n / DQS) & 1u);
 #pragma unroll
                     for (int r4 = 0; r4 < 8; ++r4) {
                         const float4 p = dst[r4 * 32];
@@ -1607,7 +1611,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
             }
             if (wg == 1) att_fence_proxy_async();  // sdQ's sums before the writer's bulk reduction reads them
             __syncwarp();
-            if (lane == 0) att_mbar_arrive(dq_bars + 24u * (n % DQS) + (wg == 0 ? 0u : 8u));
+            if (lane == 0) att_mbar_arrive(wg == 0 ? dq_half(n % DQS) : dq_full(n % DQS));
         }
 
     // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV. Every warp of the
