@@ -2,10 +2,14 @@
 //! input/output dump for `scripts/check_attention_vs_torch.py`.
 //!
 //! ```text
-//! attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE] [--shape I]
+//! attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE] [--shape I] [--only LIST]
 //! ```
 //!
 //! `--shape I` runs the I-th shape of the table alone (1-based, in the order below), e.g. under a profiler.
+//! `--only LIST` (comma-separated) runs, of the table's modes and the `--wgmma` tables' variants, only
+//! those whose name contains one of the strings (e.g. `--only "ordered,g2w q g2n64w"`), besides the
+//! default mode and the `mma.sync` rows the others are compared with: device time goes to the rows in
+//! question.
 //!
 //! - Table: for each shape (the GPT shapes B16 H12 T1024 hd64, B4 H20 T2048 hd128, B8 H4 T1024 hd32, and
 //!   the Llama presets' grouped-query shapes B4 H32 KV8 T4096 hd64, B2 H24 KV8 T4096 hd128, B1 H32 KV8
@@ -131,6 +135,15 @@ struct Args {
     peer: Option<PathBuf>,
     /// Only this shape of the table (1-based), for a profiler.
     shape: Option<usize>,
+    /// Only the modes and variants whose names contain one of these (all when empty).
+    only: Vec<String>,
+}
+
+impl Args {
+    /// Whether `--only` lets the mode or variant `name` run.
+    fn wanted(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| name.contains(o.as_str()))
+    }
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -141,6 +154,7 @@ fn parse_args() -> Result<Args, String> {
         iters: 20,
         peer: None,
         shape: None,
+        only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -166,10 +180,23 @@ fn parse_args() -> Result<Args, String> {
                         })?,
                 )
             }
+            "--only" => {
+                a.only = it
+                    .next()
+                    .ok_or("--only needs a comma-separated list of names")?
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|o| !o.is_empty())
+                    .map(String::from)
+                    .collect();
+                if a.only.is_empty() {
+                    return Err("--only needs at least one name".into());
+                }
+            }
             "-h" | "--help" => {
                 println!(
                     "attention_bench [--sweep] [--wgmma] [--dump DIR] [--iters N] [--peer FILE] \
-                     [--shape I]"
+                     [--shape I] [--only LIST]"
                 );
                 std::process::exit(0);
             }
@@ -490,6 +517,10 @@ fn run(
         let mut b = buffers(dev, &s)?;
         let (mut default_rate, mut best): (Option<f64>, Option<(&str, f64)>) = (None, None);
         for (name, cfg) in modes(args.wgmma) {
+            // The default first, always: it is the row compared with the peer.
+            if name != "default" && !args.wanted(name) {
+                continue;
+            }
             // Each mode's own workspace size; the forward, then the backward from its outputs.
             b.ws = AttentionWorkspace::new();
             let timed = time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Forward).and_then(|f| {
@@ -635,6 +666,9 @@ fn wgmma_forwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::E
                 ..wgmma_config()
             };
             let name = format!("wgmma {t}");
+            if !args.wanted(&name) {
+                continue;
+            }
             // Poisoned outputs first, so a forward that writes nothing shows as a difference.
             b.out = dev.upload(&vec![bf16::NAN; s.out_len()])?;
             b.lse = dev.upload(&vec![f32::NAN; s.lse_len()])?;
@@ -714,6 +748,9 @@ fn wgmma_backwards(dev: &Device, args: &Args) -> Result<(), Box<dyn std::error::
             },
         ));
         for (name, cfg) in cfgs {
+            if !args.wanted(&name) {
+                continue;
+            }
             b.ws = AttentionWorkspace::new();
             b.d_qkv = dev.upload(&vec![bf16::NAN; s.qkv_len()])?;
             match time_pass(dev, &s, &cfg, &mut b, args.iters, Pass::Backward) {
