@@ -26,7 +26,7 @@ use attention_common::{
 use fp8_kernels::attention::{
     default_wgmma_backward_tiles, default_wgmma_tiles, wgmma_backward_variants,
     wgmma_forward_variants, AttentionConfig, AttentionShape, BackwardKernels, LayoutProbe,
-    WgmmaProbe,
+    WgmmaBackwardTiles, WgmmaProbe,
 };
 use half::bf16;
 use std::path::{Path, PathBuf};
@@ -578,8 +578,9 @@ fn emulated_wgmma_backward_matches_cpu() {
 fn emulated_ordered_backward_matches_cpu_and_repeats() {
     // The fused deterministic wgmma backward (one kernel, dQ added tile by tile with bulk reductions in
     // key-block order; the emulator also checks that every tile's turn counter ends at the number of
-    // key blocks that reach it) on the wgmma shapes up to T = 257 and a group of 3 with a non-default
-    // scale: against the CPU, and the same bits with wgmma results, TMA copies and bulk reductions at
+    // key blocks that reach it; at head dim 128 every other shape with dQ's columns split between the
+    // warpgroups) on the wgmma shapes up to T = 257 and a group of 3 with a non-default scale: against
+    // the CPU, and the same bits with wgmma results, TMA copies and bulk reductions at
     // issue and at the waits (there with the last warp of each warpgroup slow at its waits).
     let bin = emulator();
     let dir = scratch("attention_emulated_ordered_backward");
@@ -596,13 +597,19 @@ fn emulated_ordered_backward_matches_cpu_and_repeats() {
         .scale_for(shape.head_dim);
         let want = reference(&inp, scale);
         let fwd = default_wgmma_tiles(shape.head_dim).unwrap();
+        // At head dim 128 the shapes alternate between the two ways of splitting dQ's products.
+        let (kernel, bwd) = if shape.head_dim == 128 && i % 2 == 1 {
+            (WgmmaBackwardTiles::ORDERED_COLUMNS, "wgordc")
+        } else {
+            (WgmmaBackwardTiles::ORDERED, "wgord")
+        };
         let mut runs = Vec::new();
         for copies in ["early", "late"] {
             let v = Variant {
-                name: format!("wgmma {fwd}, ordered backward"),
+                name: format!("wgmma {fwd}, backward {kernel}"),
                 copies,
                 fwd: format!("wg:{fwd}"),
-                bwd: "wgord".to_string(),
+                bwd: bwd.to_string(),
             };
             let label = wgmma_label(&shape, scale, &v);
             // Late results with the last warp of each warpgroup slow: a shared-memory operand that one

@@ -441,6 +441,7 @@ fn wgmma_configs_are_validated() {
                 kv_specialized: true,
                 dq: WgmmaTiles::new(1, 64),
                 ordered: false,
+                dq_columns: false,
             },
         ] {
             let c = AttentionConfig {
@@ -457,6 +458,9 @@ fn wgmma_configs_are_validated() {
             ));
         }
     }
+    // The ordered kernel with dQ's columns split exists at head dim 128 only.
+    assert!(wgmma_backward_variants(128).contains(&WgmmaBackwardTiles::ORDERED_COLUMNS));
+    assert!(!wgmma_backward_variants(64).contains(&WgmmaBackwardTiles::ORDERED_COLUMNS));
     // Key blocks of 128 in the dQ kernel exist at head dim 64 only; the pipelined dQ schedule at both.
     assert!(wgmma_dq_variants(64).contains(&WgmmaTiles::new(1, 128)));
     assert!(!wgmma_dq_variants(128).contains(&WgmmaTiles::new(1, 128)));
@@ -1021,6 +1025,9 @@ fn wgmma_kernels(hd: usize) -> Vec<TensorKernel> {
             .iter()
             .map(|&t| TensorKernel::WgmmaDq(t)),
     );
-    v.push(TensorKernel::WgmmaOrdered);
+    v.push(TensorKernel::WgmmaOrdered { dq_columns: false });
+    if hd == 128 {
+        v.push(TensorKernel::WgmmaOrdered { dq_columns: true });
+    }
     v
 }

@@ -1439,13 +1439,14 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 // The ordered backward's sdQ buffers and dQ writer warps: 3 at head dim 64 (every spare warp of the
 // producer warpgroup), 2 at 128 (a third does not fit in shared memory).
 #define ATT_WG_ORDERED_DQS(HD) ((HD) == 64 ? 3 : 2)
-template <int HD>
+template <int HD, bool COLS>
 __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, const AttTmaMap* tq,
                                                        const AttTmaMap* tdo, const float* __restrict__ lse,
                                                        const float* __restrict__ dvec, float* __restrict__ dq_acc,
                                                        u32* __restrict__ dq_turn, u16* __restrict__ dqkv, int T,
                                                        int H, int KV, float scale, float scale_log2) {
     static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
+    static_assert(!COLS || HD == 128, "dQ's columns split between the warpgroups at head dim 128 only");
     constexpr int NWG = 2, BN = 128, BM = 64, NC = 256, ST = ATT_KV_WS_STAGES(HD);
     constexpr u32 KB = BN * HD * 2, QB = BM * HD * 2, KCB = BN * 128, DSB = BN * BM * 2, DQB = BM * HD * 4;
     constexpr int DQS = ATT_WG_ORDERED_DQS(HD);  // sdQ buffers, each with its own writer warp
@@ -1482,7 +1483,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
         for (int s = 0; s < ST; ++s) att_mbar_init(aBar + 8u * (1 + ST + s), 4 * NWG);
         for (int d = 0; d < DQS; ++d) {
             att_mbar_init(dq_half(d), 4);
-            att_mbar_init(dq_full(d), 4);
+            att_mbar_init(dq_full(d), COLS ? 8 : 4);  // COLS: every warp of both warpgroups
             att_mbar_init(dq_empty(d), 1);
         }
         att_mbar_init_fence();
@@ -1569,7 +1570,48 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                 att_wg_fence_regs<HD / 2>(dv);
                 att_wg_fence_regs<HD / 2>(dk);
                 att_fence_proxy_async();
-                att_bar_sync(1 + wg, 128);  // the warpgroup's rows of sdS complete
+                if constexpr (!COLS) att_bar_sync(1 + wg, 128);  // the warpgroup's rows of sdS complete
+            } else if constexpr (COLS) {
+                // Warpgroup 1 sees no query of the tile: its 64 rows of sdS (bytes 8192 .. 16383) hold
+                // zeros for the other warpgroup's dQ products (64 bytes per thread).
+                float4* rows = reinterpret_cast<float4*>(reinterpret_cast<unsigned char*>(sdS) + DSB / 2);
+#pragma unroll
+                for (int x = 0; x < 4; ++x) rows[(tid - 128) * 4 + x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                att_fence_proxy_async();
+            }
+            if constexpr (COLS) {
+                // Both warpgroups' rows of sdS complete (warpgroup 1's unused when it sees no query).
+                att_bar_sync(3, 256);
+                if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));  // Q and dO read
+                // dQ's columns 64 wg .. 64 wg + 63 over the block's 128 keys: 8 wgmma m64n64k16, A = sdS
+                // MN-major, B = K MN-major. (One straight-line chain: a data-dependent length makes ptxas
+                // serialise it, hence the zeroed rows of an idle warpgroup 1.)
+                float dq[32];
+                att_wg_fence_regs<32>(dq);
+                att_wg_fence();
+#pragma unroll
+                for (int kc = 0; kc < 8; ++kc) {
+                    const u32 krow = (u32)(16 * kc) * 128u;
+                    AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + krow, DSB, 1024u),
+                                        att_wg_desc(aK + (u32)wg * KCB + krow, KCB, 1024u), kc > 0 ? 1 : 0);
+                }
+                att_wg_commit();
+                att_wg_wait<0>();
+                att_wg_fence_regs<32>(dq);
+                // Every warp of both warpgroups has waited for its part of the products: sdS and K rows
+                // may be overwritten (the next tile's dS^T, the dK staging) by either warpgroup.
+                att_bar_sync(4, 256);
+                const int d = n % DQS;
+                float4* dst = dq_mine + d * (DQB / 16) + wg * 4 * 8 * 32;
+                // Buffer d's previous step, n - DQS, was read by the writer.
+                if (n >= DQS) att_mbar_wait(dq_empty(d), (u32)(n / DQS - 1) & 1u);
+#pragma unroll
+                for (int r4 = 0; r4 < 8; ++r4)
+                    dst[r4 * 32] = make_float4(dq[4 * r4], dq[4 * r4 + 1], dq[4 * r4 + 2], dq[4 * r4 + 3]);
+                att_fence_proxy_async();  // the warp's part of sdQ before the writer's bulk reduction reads it
+                __syncwarp();
+                if (lane == 0) att_mbar_arrive(dq_full(d));
+                continue;
             }
             if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));  // Q and dO read
 #pragma unroll
@@ -1617,8 +1659,9 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
     // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV. Every warp of the
     // warpgroup read all 64 of its K rows as dQ's B operand, and a warp's wait covers only its own part
     // of a wgmma: the warpgroup passes a barrier before any warp overwrites them. (The emulator, which
-    // completes a late wgmma per thread at its own wait, caught the missing barrier.)
-    att_bar_sync(1 + wg, 128);
+    // completes a late wgmma per thread at its own wait, caught the missing barrier.) With COLS every
+    // step ended with a barrier of both warpgroups after their products.
+    if constexpr (!COLS) att_bar_sync(1 + wg, 128);
     att_ws_store_dkdv<HD, BN>(dk, dv, sK, sV, dqkv, b, kvh, k0, T, H, KV, scale, wg, warp, lane);
 }
 
@@ -2141,8 +2184,20 @@ ATT_WG_PROBE_ENTRIES(128)
         const __grid_constant__ AttTmaMap tq, const __grid_constant__ AttTmaMap tdo) {                         \
         (void)qkv;                                                                                             \
         (void)dout;                                                                                            \
-        attn_bwd_ordered_wgmma<HD>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,         \
-                                   scale_log2);                                                                \
+        attn_bwd_ordered_wgmma<HD, false>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,  \
+                                          scale_log2);                                                         \
+    }
+// attn_bwd_wgmma_ordered_cols_hd<HD>: the same with dQ's columns split between the consumer warpgroups
+// (head dim 128; ATT_ONLY_KIND 10, ATT_ONLY_A = 1).
+#define ATT_WG_BWD_ORDERED_COLS_ENTRY(HD)                                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_wgmma_ordered_cols_hd##HD(                   \
+        const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc, u32* dq_turn,     \
+        u16* dqkv, int T, int H, int KV, float scale, float scale_log2, const __grid_constant__ AttTmaMap tkv,  \
+        const __grid_constant__ AttTmaMap tq, const __grid_constant__ AttTmaMap tdo) {                         \
+        (void)qkv;                                                                                             \
+        (void)dout;                                                                                            \
+        attn_bwd_ordered_wgmma<HD, true>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,   \
+                                         scale_log2);                                                          \
     }
 #define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
 #define ATT_WG_KV_VARIANTS_128(X) X(128, 1) X(128, 2)
@@ -2170,6 +2225,8 @@ ATT_WG_APPLY3(ATT_WG_BWD_Q_WS_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B)
 ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 9
 ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
+#elif ATT_ONLY_KIND == 10 && ATT_ONLY_A == 1 && ATT_HD == 128
+ATT_WG_APPLY1(ATT_WG_BWD_ORDERED_COLS_ENTRY, ATT_HD)
 #elif ATT_ONLY_KIND == 10
 ATT_WG_APPLY1(ATT_WG_BWD_ORDERED_ENTRY, ATT_HD)
 #endif
@@ -2189,4 +2246,5 @@ ATT_WG_Q_WS_VARIANTS_64(ATT_WG_BWD_Q_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_128(ATT_WG_BWD_Q_WS_ENTRY)
 ATT_WG_BWD_ORDERED_ENTRY(64)
 ATT_WG_BWD_ORDERED_ENTRY(128)
+ATT_WG_BWD_ORDERED_COLS_ENTRY(128)
 #endif

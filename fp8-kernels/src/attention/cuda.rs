@@ -459,8 +459,9 @@ pub(super) enum BackwardRun {
     Separate { dkdv: KeyTiles, dq: QueryTiles },
     /// The wgmma dK/dV and dQ kernels (the deterministic wgmma backward).
     WgmmaSeparate(WgmmaBackwardTiles),
-    /// The fused ordered wgmma kernel (deterministic; [`WgmmaBackwardTiles::ORDERED`]).
-    WgmmaOrdered,
+    /// The fused ordered wgmma kernel (deterministic; [`WgmmaBackwardTiles::ORDERED`]), with dQ's
+    /// columns split between its warpgroups ([`WgmmaBackwardTiles::ORDERED_COLUMNS`]) or its keys.
+    WgmmaOrdered { dq_columns: bool },
 }
 
 /// Which tensor-core backward this call runs: the wgmma one where the config asks for it and the GPU
@@ -477,7 +478,9 @@ pub(super) fn backward_run(
         if dev.compute_capability() == (9, 0) {
             return Ok(match cfg.dq_accumulation {
                 DqAccumulation::Atomic => BackwardRun::Fused(TensorKernel::WgmmaFused),
-                DqAccumulation::Deterministic if tiles.ordered => BackwardRun::WgmmaOrdered,
+                DqAccumulation::Deterministic if tiles.ordered => BackwardRun::WgmmaOrdered {
+                    dq_columns: tiles.dq_columns,
+                },
                 DqAccumulation::Deterministic => BackwardRun::WgmmaSeparate(tiles),
             });
         }
@@ -556,7 +559,7 @@ pub(super) fn workspace_lens(
                 BackwardRun::Fused(kernel) => {
                     fused_plan(dev, shape, cfg, kernel)?.buffers * shape.out_len()
                 }
-                BackwardRun::WgmmaOrdered => ordered_workspace_len(shape),
+                BackwardRun::WgmmaOrdered { .. } => ordered_workspace_len(shape),
                 BackwardRun::Separate { .. } | BackwardRun::WgmmaSeparate(_) => 0,
             }
         }
@@ -599,7 +602,9 @@ pub(super) fn backward(
                 specialized: t.kv_specialized,
             },
         ),
-        Some(BackwardRun::WgmmaOrdered) => kernel_module(hd, TensorKernel::WgmmaOrdered),
+        Some(BackwardRun::WgmmaOrdered { dq_columns }) => {
+            kernel_module(hd, TensorKernel::WgmmaOrdered { dq_columns })
+        }
     };
 
     // D = rowsum(dO * O), one warp per row.
@@ -697,11 +702,14 @@ pub(super) fn backward(
                     ];
                     separate_backward(dev, shape, cfg, kernels, qkv, d_out, lse, d_qkv, d_ws)?
                 }
-                Some(BackwardRun::WgmmaOrdered) => {
+                Some(BackwardRun::WgmmaOrdered { dq_columns }) => {
                     let dq_ws = dq_ws.ok_or_else(|| {
                         KernelError::Internal("attention backward without a dQ workspace".into())
                     })?;
-                    ordered_backward(dev, shape, cfg, module, qkv, d_out, lse, d_qkv, d_ws, dq_ws)?
+                    let kernel = TensorKernel::WgmmaOrdered { dq_columns };
+                    ordered_backward(
+                        dev, shape, cfg, kernel, module, qkv, d_out, lse, d_qkv, d_ws, dq_ws,
+                    )?
                 }
                 Some(BackwardRun::Fused(kernel)) => {
                     let dq_ws = dq_ws.ok_or_else(|| {
@@ -778,6 +786,7 @@ fn ordered_backward(
     dev: &CudaDevice,
     shape: &AttentionShape,
     cfg: &ResolvedConfig,
+    kernel: TensorKernel,
     rows_module: &'static crate::kernel_source::KernelModule,
     qkv: &CudaSlice<bf16>,
     d_out: &CudaSlice<bf16>,
@@ -803,7 +812,7 @@ fn ordered_backward(
         let mut view = dq_ws.slice_mut(acc_len..need);
         dev.stream().memset_zeros(&mut view)?;
     }
-    let (module_k, entry) = kernel_entry(hd, TensorKernel::WgmmaOrdered);
+    let (module_k, entry) = kernel_entry(hd, kernel);
     let kernel = Kernel::new(dev, module_k, entry)?;
     let smem = wgmma_ordered_smem_bytes(hd);
     allow_dynamic_smem(dev, &kernel, smem, WHAT)?;

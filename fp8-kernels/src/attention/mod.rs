@@ -208,8 +208,13 @@ pub enum TensorKernel {
     /// The dQ kernel of the deterministic wgmma backward.
     WgmmaDq(WgmmaTiles),
     /// The fused deterministic wgmma backward ([`WgmmaBackwardTiles::ORDERED`]): dK, dV and dQ in one
-    /// kernel, dQ reduced tile by tile in key-block order.
-    WgmmaOrdered,
+    /// kernel, dQ reduced tile by tile in key-block order; with `dq_columns` each consumer warpgroup
+    /// computes half of dQ's columns over all the block's keys ([`WgmmaBackwardTiles::ORDERED_COLUMNS`],
+    /// head dim 128), else its keys' part of every column.
+    WgmmaOrdered {
+        /// dQ's columns split between the consumer warpgroups.
+        dq_columns: bool,
+    },
 }
 
 impl TensorKernel {
@@ -232,7 +237,10 @@ impl TensorKernel {
                 format!("attn_bwd_wgmma_kv_g{warpgroups}{w}_hd{head_dim}")
             }
             TensorKernel::WgmmaDq(t) => format!("attn_bwd_wgmma_q_{t}_hd{head_dim}"),
-            TensorKernel::WgmmaOrdered => format!("attn_bwd_wgmma_ordered_hd{head_dim}"),
+            TensorKernel::WgmmaOrdered { dq_columns } => {
+                let cols = if *dq_columns { "_cols" } else { "" };
+                format!("attn_bwd_wgmma_ordered{cols}_hd{head_dim}")
+            }
         }
     }
 
@@ -251,7 +259,7 @@ impl TensorKernel {
                 specialized,
             } => [8, warpgroups, 0, if specialized { 2 } else { 0 }],
             TensorKernel::WgmmaDq(t) => [9, t.warpgroups, t.key_rows, t.schedule_selector()],
-            TensorKernel::WgmmaOrdered => [10, 0, 0, 0],
+            TensorKernel::WgmmaOrdered { dq_columns } => [10, usize::from(dq_columns), 0, 0],
         }
     }
 }
@@ -305,7 +313,7 @@ fn single_kernel_module(head_dim: usize, kernel: TensorKernel) -> &'static Singl
             | TensorKernel::WgmmaFused
             | TensorKernel::WgmmaDkDv { .. }
             | TensorKernel::WgmmaDq(_)
-            | TensorKernel::WgmmaOrdered => &ATTENTION_WGMMA_MODULE,
+            | TensorKernel::WgmmaOrdered { .. } => &ATTENTION_WGMMA_MODULE,
             _ => &ATTENTION_MODULE,
         };
         let entry: &'static str = Box::leak(kernel.name(head_dim).into_boxed_str());
@@ -949,7 +957,7 @@ pub fn backward_splits(
             }
             cuda::BackwardRun::Separate { .. }
             | cuda::BackwardRun::WgmmaSeparate(_)
-            | cuda::BackwardRun::WgmmaOrdered => Ok((0, 0)),
+            | cuda::BackwardRun::WgmmaOrdered { .. } => Ok((0, 0)),
         },
         _ => Ok((0, 0)),
     }

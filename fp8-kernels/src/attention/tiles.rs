@@ -223,7 +223,9 @@ pub fn default_wgmma_tiles(head_dim: usize) -> Option<WgmmaTiles> {
 /// (`attn_bwd_wgmma_ordered_hd<hd>`): the warp-specialised dK/dV kernel's blocks of 128 keys also
 /// compute dQ per query tile and add it into an F32 accumulator with one bulk reduction per tile, the
 /// key blocks taking turns in a fixed order (a counter per tile), so it is deterministic too: five
-/// products per tile pair instead of seven. Its `kv_*` and `dq` fields are unused.
+/// products per tile pair instead of seven. Its `kv_*` and `dq` fields are unused; `dq_columns`
+/// ([`WgmmaBackwardTiles::ORDERED_COLUMNS`], head dim 128) splits dQ's columns between its two
+/// consumer warpgroups instead of its keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WgmmaBackwardTiles {
     /// Warpgroups of the dK/dV kernel (64 keys each; the consumer warpgroups when specialised).
@@ -234,6 +236,9 @@ pub struct WgmmaBackwardTiles {
     pub dq: WgmmaTiles,
     /// The fused kernel with the ordered dQ reduction instead of the two kernels.
     pub ordered: bool,
+    /// With `ordered`: each consumer warpgroup computes half of dQ's columns over the block's 128 keys
+    /// (head dim 128 only), instead of its 64 keys' part of every column summed with the other's.
+    pub dq_columns: bool,
 }
 
 impl WgmmaBackwardTiles {
@@ -243,6 +248,14 @@ impl WgmmaBackwardTiles {
         kv_specialized: true,
         dq: WgmmaTiles::new(1, 64),
         ordered: true,
+        dq_columns: false,
+    };
+
+    /// [`WgmmaBackwardTiles::ORDERED`] with dQ's columns split between the consumer warpgroups (head
+    /// dim 128): no per-tile meeting of the two warpgroups' sums, two block barriers per tile instead.
+    pub const ORDERED_COLUMNS: Self = WgmmaBackwardTiles {
+        dq_columns: true,
+        ..Self::ORDERED
     };
 
     /// The plain dK/dV kernel with `kv_warpgroups` warpgroups and the dQ kernel with `dq`.
@@ -252,6 +265,7 @@ impl WgmmaBackwardTiles {
             kv_specialized: false,
             dq,
             ordered: false,
+            dq_columns: false,
         }
     }
 
@@ -262,6 +276,7 @@ impl WgmmaBackwardTiles {
             kv_specialized: true,
             dq,
             ordered: false,
+            dq_columns: false,
         }
     }
 
@@ -276,7 +291,11 @@ impl WgmmaBackwardTiles {
 impl fmt::Display for WgmmaBackwardTiles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.ordered {
-            return f.write_str("fused ordered");
+            return f.write_str(if self.dq_columns {
+                "fused ordered cols"
+            } else {
+                "fused ordered"
+            });
         }
         let w = if self.kv_specialized { "w" } else { "" };
         write!(f, "kv g{}{w} q {}", self.kv_warpgroups, self.dq)
@@ -324,7 +343,8 @@ pub fn wgmma_dq_variants(head_dim: usize) -> &'static [WgmmaTiles] {
 
 /// Every compiled pair of wgmma dK/dV and dQ kernels for `head_dim`: each plain dK/dV kernel
 /// ([`wgmma_kv_variants`]) and the warp-specialised one (`ATT_WG_KV_WS_VARIANTS`, two warpgroups at
-/// both head dims) with each dQ kernel; then the fused ordered kernel ([`WgmmaBackwardTiles::ORDERED`]).
+/// both head dims) with each dQ kernel; then the fused ordered kernel ([`WgmmaBackwardTiles::ORDERED`],
+/// and at head dim 128 [`WgmmaBackwardTiles::ORDERED_COLUMNS`]).
 pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
     let dq = wgmma_dq_variants(head_dim);
     let plain = wgmma_kv_variants(head_dim)
@@ -337,7 +357,12 @@ pub fn wgmma_backward_variants(head_dim: usize) -> Vec<WgmmaBackwardTiles> {
     let ordered = WGMMA_HEAD_DIMS
         .contains(&head_dim)
         .then_some(WgmmaBackwardTiles::ORDERED);
-    plain.chain(specialized).chain(ordered).collect()
+    let columns = (head_dim == 128).then_some(WgmmaBackwardTiles::ORDERED_COLUMNS);
+    plain
+        .chain(specialized)
+        .chain(ordered)
+        .chain(columns)
+        .collect()
 }
 
 /// The wgmma backward tiles used when [`super::AttentionTiles::wgmma_backward`] is `None`: the

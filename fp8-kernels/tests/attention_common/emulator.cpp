@@ -44,7 +44,8 @@
 //     FWD: simple | w<NW>m<MT>n<BN> (a forward variant, as in the kernel names)
 //     BWD: simple | fused:q<BM>:det:<SPLITS> | fused:q<BM>:atomic | wg:det:<SPLITS> | wg:atomic (the wgmma
 //          fused backward) | wgsep:g<NWG>[w]:g<NWG>n<BN>[p|w] (the wgmma dK/dV and dQ kernels) | sep:DKDV:w<NW>m<MT>n<BN> with DKDV
-//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | none (the forward alone; dqkv.bin all NaN)
+//          w<NW>m<MT>q<BM> or p<NP>q<BM> (warp pairs) | wgord | wgordc (the fused ordered wgmma backward;
+//          wgordc: dQ's columns split, head dim 128) | none (the forward alone; dqkv.bin all NaN)
 //     IN/qkv.bin, IN/dout.bin (bf16 little-endian) -> OUT/out.bin (bf16), OUT/lse.bin (f32),
 //     OUT/dqkv.bin (bf16). SPLITS 0 = (2 * 132 + pairs - 1) / pairs (pairs = B * KV), capped by the key blocks.
 //   emulator probe abt|pb|atb IN OUT
@@ -1013,11 +1014,14 @@ static int run(int argc, char** argv) {
             launch({pairs, blocks(64 * qg), (unsigned)(128 * qg), (size_t)ATT_WG_DQ_SMEM(HD, qg, qn, qpipe ? 3 : 2)},
                    [&] { b(qkv.data(), dout.data(), lse.data(), dvec.data(), dqkv.data(), T, H, KV, scale, scale_log2); });
         }
-    } else if (bwd == "wgord") {
-        // The ordered wgmma backward: tensor maps of K/V (128-row boxes), Q and dO (64 rows); the dQ
-        // accumulator tiles and turn counters start at zero.
+    } else if (bwd == "wgord" || bwd == "wgordc") {
+        // The ordered wgmma backward (wgordc: dQ's columns split between the warpgroups, head dim 128):
+        // tensor maps of K/V (128-row boxes), Q and dO (64 rows); the turn counters start at zero.
         if (HD == 32) die("the wgmma backward has head dims 64 and 128");
-        BwdOrdered f = HD == 64 ? attn_bwd_wgmma_ordered_hd64 : attn_bwd_wgmma_ordered_hd128;
+        if (bwd == "wgordc" && HD != 128) die("the ordered backward splits dQ's columns at head dim 128 only");
+        BwdOrdered f = bwd == "wgordc" ? attn_bwd_wgmma_ordered_cols_hd128
+                       : HD == 64      ? attn_bwd_wgmma_ordered_hd64
+                                       : attn_bwd_wgmma_ordered_hd128;
         const u64 heads = (u64)(H + 2 * KV), dims[4] = {(u64)HD, heads, (u64)T, (u64)B},
                   strides[3] = {(u64)HD * 2, heads * HD * 2, (u64)T * heads * HD * 2},
                   odims[4] = {(u64)HD, (u64)H, (u64)T, (u64)B},
