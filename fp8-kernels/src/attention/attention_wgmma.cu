@@ -2174,29 +2174,18 @@ ATT_WG_PROBE_ENTRIES(128)
         (void)dout;                                                                                            \
         attn_bwd_kv_wgmma_ws<HD, NWG>(&tkv, &tq, &tdo, lse, dvec, dqkv, T, H, KV, scale, scale_log2);          \
     }
-// attn_bwd_wgmma_ordered_hd<HD>: the fused deterministic backward (ATT_ONLY_KIND 10), the dK/dV kernel's
-// arguments with the dQ accumulator tiles and their turn counters, then the tensor maps of K/V (qkv, boxes
-// of 128 rows), Q (qkv, 64 rows) and dO (dout, 64 rows).
-#define ATT_WG_BWD_ORDERED_ENTRY(HD)                                                                           \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_wgmma_ordered_hd##HD(                        \
+// attn_bwd_wgmma_ordered<NAME>_hd<HD>: the fused deterministic backward (ATT_ONLY_KIND 10), NAME `_cols`
+// with dQ's columns split between the consumer warpgroups (COLS; head dim 128, ATT_ONLY_A = 1), the dK/dV
+// kernel's arguments with the dQ accumulator tiles and their turn counters, then the tensor maps of K/V
+// (qkv, boxes of 128 rows), Q (qkv, 64 rows) and dO (dout, 64 rows).
+#define ATT_WG_BWD_ORDERED_ENTRY(HD, COLS, NAME)                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_wgmma_ordered##NAME##_hd##HD(                \
         const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc, u32* dq_turn,     \
         u16* dqkv, int T, int H, int KV, float scale, float scale_log2, const __grid_constant__ AttTmaMap tkv,  \
         const __grid_constant__ AttTmaMap tq, const __grid_constant__ AttTmaMap tdo) {                         \
         (void)qkv;                                                                                             \
         (void)dout;                                                                                            \
-        attn_bwd_ordered_wgmma<HD, false>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,  \
-                                          scale_log2);                                                         \
-    }
-// attn_bwd_wgmma_ordered_cols_hd<HD>: the same with dQ's columns split between the consumer warpgroups
-// (head dim 128; ATT_ONLY_KIND 10, ATT_ONLY_A = 1).
-#define ATT_WG_BWD_ORDERED_COLS_ENTRY(HD)                                                                      \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_wgmma_ordered_cols_hd##HD(                   \
-        const u16* qkv, const u16* dout, const float* lse, const float* dvec, float* dq_acc, u32* dq_turn,     \
-        u16* dqkv, int T, int H, int KV, float scale, float scale_log2, const __grid_constant__ AttTmaMap tkv,  \
-        const __grid_constant__ AttTmaMap tq, const __grid_constant__ AttTmaMap tdo) {                         \
-        (void)qkv;                                                                                             \
-        (void)dout;                                                                                            \
-        attn_bwd_ordered_wgmma<HD, true>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,   \
+        attn_bwd_ordered_wgmma<HD, COLS>(&tkv, &tq, &tdo, lse, dvec, dq_acc, dq_turn, dqkv, T, H, KV, scale,   \
                                          scale_log2);                                                          \
     }
 #define ATT_WG_KV_VARIANTS_64(X) X(64, 1) X(64, 2)
@@ -2226,9 +2215,9 @@ ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, p)
 #elif ATT_ONLY_KIND == 9
 ATT_WG_APPLY4(ATT_WG_BWD_Q_ENTRY, ATT_HD, ATT_ONLY_A, ATT_ONLY_B, )
 #elif ATT_ONLY_KIND == 10 && ATT_ONLY_A == 1 && ATT_HD == 128
-ATT_WG_APPLY1(ATT_WG_BWD_ORDERED_COLS_ENTRY, ATT_HD)
+ATT_WG_APPLY3(ATT_WG_BWD_ORDERED_ENTRY, ATT_HD, true, _cols)
 #elif ATT_ONLY_KIND == 10
-ATT_WG_APPLY1(ATT_WG_BWD_ORDERED_ENTRY, ATT_HD)
+ATT_WG_APPLY3(ATT_WG_BWD_ORDERED_ENTRY, ATT_HD, false, )
 #endif
 #else
 ATT_WG_FWD_VARIANTS_64(ATT_WG_FWD_ENTRY)
@@ -2244,7 +2233,7 @@ ATT_WG_Q_VARIANTS_128(ATT_WG_BWD_Q_ENTRY)
 ATT_WG_KV_WS_VARIANTS(ATT_WG_BWD_KV_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_64(ATT_WG_BWD_Q_WS_ENTRY)
 ATT_WG_Q_WS_VARIANTS_128(ATT_WG_BWD_Q_WS_ENTRY)
-ATT_WG_BWD_ORDERED_ENTRY(64)
-ATT_WG_BWD_ORDERED_ENTRY(128)
-ATT_WG_BWD_ORDERED_COLS_ENTRY(128)
+ATT_WG_BWD_ORDERED_ENTRY(64, false, )
+ATT_WG_BWD_ORDERED_ENTRY(128, false, )
+ATT_WG_BWD_ORDERED_ENTRY(128, true, _cols)
 #endif
