@@ -1420,10 +1420,10 @@ __device__ __forceinline__ void attn_bwd_kv_wgmma_ws(const AttTmaMap* tkv, const
 // accumulator tile of (b, h, i) in global memory with one bulk reduction (key block 0: a bulk copy), in
 // key-block order: its first lane waits until the tile's counter equals the block's key-block index
 // (ld.acquire.gpu), reduces, frees the buffer as soon as the reduction has read it, waits for the
-// reduction's writes, and increments the counter (red.release.gpu). With a writer per buffer and the early free the consumers
-// wait neither for a reduction's writes nor for a turn while another buffer is free: one buffer freed
-// after the writes cost a quarter of the kernel's time at llama-8b's shape (H100, 2026-12-07), and one
-// writer for two buffers still about a tenth. Every dQ element is thus ((dQ(block 0) + dQ(block 1)) + ...)
+// reduction's writes, and increments the counter (red.release.gpu). With a writer per buffer and the
+// early free the consumers wait neither for a reduction's writes nor for a turn while another buffer is
+// free. (H100, llama-8b's shape, 2026-12-07: one buffer freed after the writes 3.67 ms, two freed once
+// read 3.27 ms, a writer per buffer 3.23 ms.) Every dQ element is thus ((dQ(block 0) + dQ(block 1)) + ...)
 // in key-block order, each block's part (dQ_0 + dQ_1) summed in a fixed order too: the same bits on every
 // run. A block waits only for lower key blocks, which the grid launches first (blockIdx.y = n) and whose
 // walks hold this block's tiles, in the same order, before their own last ones: a waiting block never
@@ -1580,7 +1580,7 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                 att_fence_proxy_async();
             }
             if constexpr (COLS) {
-                // Both warpgroups' rows of sdS complete (warpgroup 1's unused when it sees no query).
+                // Both warpgroups' rows of sdS complete (an idle warpgroup 1's zeroed above).
                 att_bar_sync(3, 256);
                 if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));  // Q and dO read
                 // dQ's columns 64 wg .. 64 wg + 63 over the block's 128 keys: 8 wgmma m64n64k16, A = sdS
@@ -1611,49 +1611,49 @@ __device__ __forceinline__ void attn_bwd_ordered_wgmma(const AttTmaMap* tkv, con
                 att_fence_proxy_async();  // the warp's part of sdQ before the writer's bulk reduction reads it
                 __syncwarp();
                 if (lane == 0) att_mbar_arrive(dq_full(d));
-                continue;
-            }
-            if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));  // Q and dO read
+            } else {
+                if (lane == 0) att_mbar_arrive(aBar + 8u * (1 + ST + st));  // Q and dO read
 #pragma unroll
-            for (int c = 0; c < HD / 64; ++c) {
-                float dq[32];
-                if (visible) {
-                    att_wg_fence_regs<32>(dq);
-                    att_wg_fence();
+                for (int c = 0; c < HD / 64; ++c) {
+                    float dq[32];
+                    if (visible) {
+                        att_wg_fence_regs<32>(dq);
+                        att_wg_fence();
 #pragma unroll
-                    for (int kc = 0; kc < 4; ++kc) {
-                        const u32 krow = (u32)(64 * wg + 16 * kc) * 128u;
-                        AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + krow, DSB, 1024u),
-                                            att_wg_desc(aK + (u32)c * KCB + krow, KCB, 1024u), kc > 0 ? 1 : 0);
+                        for (int kc = 0; kc < 4; ++kc) {
+                            const u32 krow = (u32)(64 * wg + 16 * kc) * 128u;
+                            AttWgmma<64>::ss_tt(dq, att_wg_desc(adS + krow, DSB, 1024u),
+                                                att_wg_desc(aK + (u32)c * KCB + krow, KCB, 1024u), kc > 0 ? 1 : 0);
+                        }
+                        att_wg_commit();
+                        att_wg_wait<0>();
+                        att_wg_fence_regs<32>(dq);
+                    } else {
+#pragma unroll
+                        for (int x = 0; x < 32; ++x) dq[x] = 0.0f;
                     }
-                    att_wg_commit();
-                    att_wg_wait<0>();
-                    att_wg_fence_regs<32>(dq);
-                } else {
+                    const int d = n % DQS;
+                    float4* dst = dq_mine + d * (DQB / 16) + c * 4 * 8 * 32;
+                    if (wg == 0) {
+                        // Buffer d's previous step, n - DQS, was read by the writer.
+                        if (c == 0 && n >= DQS) att_mbar_wait(dq_empty(d), (u32)(n / DQS - 1) & 1u);
 #pragma unroll
-                    for (int x = 0; x < 32; ++x) dq[x] = 0.0f;
-                }
-                const int d = n % DQS;
-                float4* dst = dq_mine + d * (DQB / 16) + c * 4 * 8 * 32;
-                if (wg == 0) {
-                    // Buffer d's previous step, n - DQS, was read by the writer.
-                    if (c == 0 && n >= DQS) att_mbar_wait(dq_empty(d), (u32)(n / DQS - 1) & 1u);
+                        for (int r4 = 0; r4 < 8; ++r4)
+                            dst[r4 * 32] = make_float4(dq[4 * r4], dq[4 * r4 + 1], dq[4 * r4 + 2], dq[4 * r4 + 3]);
+                    } else {
+                        if (c == 0) att_mbar_wait(dq_half(d), (u32)(n / DQS) & 1u);
 #pragma unroll
-                    for (int r4 = 0; r4 < 8; ++r4)
-                        dst[r4 * 32] = make_float4(dq[4 * r4], dq[4 * r4 + 1], dq[4 * r4 + 2], dq[4 * r4 + 3]);
-                } else {
-                    if (c == 0) att_mbar_wait(dq_half(d), (u32)(n / DQS) & 1u);
-#pragma unroll
-                    for (int r4 = 0; r4 < 8; ++r4) {
-                        const float4 p = dst[r4 * 32];
-                        dst[r4 * 32] = make_float4(p.x + dq[4 * r4], p.y + dq[4 * r4 + 1], p.z + dq[4 * r4 + 2],
-                                                   p.w + dq[4 * r4 + 3]);
+                        for (int r4 = 0; r4 < 8; ++r4) {
+                            const float4 p = dst[r4 * 32];
+                            dst[r4 * 32] = make_float4(p.x + dq[4 * r4], p.y + dq[4 * r4 + 1], p.z + dq[4 * r4 + 2],
+                                                       p.w + dq[4 * r4 + 3]);
+                        }
                     }
                 }
+                if (wg == 1) att_fence_proxy_async();  // sdQ's sums before the writer's bulk reduction reads them
+                __syncwarp();
+                if (lane == 0) att_mbar_arrive(wg == 0 ? dq_half(n % DQS) : dq_full(n % DQS));
             }
-            if (wg == 1) att_fence_proxy_async();  // sdQ's sums before the writer's bulk reduction reads them
-            __syncwarp();
-            if (lane == 0) att_mbar_arrive(wg == 0 ? dq_half(n % DQS) : dq_full(n % DQS));
         }
 
     // dK (times scale) and dV to dqkv, staged in the warp's own rows of sK and sV. Every warp of the

@@ -27,9 +27,11 @@
 //     fence.proxy.async, are errors. In late mode each warp's shared-memory operands of an op are checked
 //     at its wait against their bits at issue: a kernel that overwrites an operand another warp of the
 //     warpgroup has not yet waited for is an error (ATT_EMULATOR_SLOW_WARP_US=N keeps the last warp of
-//     each warpgroup N microseconds slow at its waits, so such a kernel fails reliably). setmaxnreg moves registers within the block's pool fixed at launch (an inc the
-//     pool cannot satisfy is a deadlock error). cp.reduce.async.bulk runs at issue or at
-//     cp.async.bulk.wait_group, and the GPU-scope counters under one lock with deadlock detection.
+//     each warpgroup N microseconds slow at its waits, so such a kernel fails reliably). setmaxnreg
+//     moves registers within the block's pool fixed at launch (an inc the pool cannot satisfy is a
+//     deadlock error). cp.async.bulk and cp.reduce.async.bulk run at issue, or read their source at
+//     cp.async.bulk.wait_group.read and write at cp.async.bulk.wait_group; the GPU-scope counters run
+//     under one lock with deadlock detection.
 //     The emulated shared window starts at a 16-byte but not 1024-byte
 //     aligned address: the swizzle follows address bits, so a kernel must align its tiles itself.
 // So the kernels' own index arithmetic, tile bookkeeping, masks and synchronisation run as written, and
@@ -1018,7 +1020,8 @@ static int run(int argc, char** argv) {
         // The ordered wgmma backward (wgordc: dQ's columns split between the warpgroups, head dim 128):
         // tensor maps of K/V (128-row boxes), Q and dO (64 rows); the turn counters start at zero.
         if (HD == 32) die("the wgmma backward has head dims 64 and 128");
-        if (bwd == "wgordc" && HD != 128) die("the ordered backward splits dQ's columns at head dim 128 only");
+        if (bwd == "wgordc" && HD != 128)
+            die("the ordered backward splits dQ's columns at head dim 128 only");
         BwdOrdered f = bwd == "wgordc" ? attn_bwd_wgmma_ordered_cols_hd128
                        : HD == 64      ? attn_bwd_wgmma_ordered_hd64
                                        : attn_bwd_wgmma_ordered_hd128;
