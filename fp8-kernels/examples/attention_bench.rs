@@ -22,7 +22,8 @@
 //!   `--peer FILE`, the JSON lines `peer_layers.py` printed in the same device call (`bench/run.sh
 //!   layers` passes it), with the ratio of our default to the fastest backend.
 //! - `--wgmma`: also the modes `wgmma ordered` (the fused deterministic wgmma backward,
-//!   `WgmmaBackwardTiles::ORDERED`), `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
+//!   `WgmmaBackwardTiles::ORDERED`), `wgmma ordered cols` (the same with dQ's columns split,
+//!   `WgmmaBackwardTiles::ORDERED_COLUMNS`, head dim 128 only), `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
 //!   fwd+mma` (the wgmma forward with the mma.sync fused backward; compute capability 9.0 only, head
 //!   dims 64 and 128), and after the table, per shape of head dim 64 or 128, the mma.sync forward and
 //!   every compiled wgmma forward variant timed alone, with their speed-up and their largest differences
@@ -473,6 +474,16 @@ fn modes(wgmma: bool) -> Vec<(&'static str, AttentionConfig)> {
             },
         ));
         v.push((
+            "wgmma ordered cols",
+            AttentionConfig {
+                tiles: AttentionTiles {
+                    wgmma_backward: Some(WgmmaBackwardTiles::ORDERED_COLUMNS),
+                    ..Default::default()
+                },
+                ..wgmma_config()
+            },
+        ));
+        v.push((
             "wgmma atomic",
             AttentionConfig {
                 dq_accumulation: DqAccumulation::Atomic,
@@ -508,7 +519,7 @@ fn run(
         }
     );
     println!(
-        "{:<24} {:<13} {:>7} {:>7} {:>8} {:>7} | {:>6} {:>7} | kernels",
+        "{:<24} {:<18} {:>7} {:>7} {:>8} {:>7} | {:>6} {:>7} | kernels",
         "shape", "mode", "fwd ms", "bwd ms", "total ms", "TFLOP/s", "splits", "ws MiB"
     );
     // Per shape: our deterministic default's rate, our best rate and its mode, the peer's rates.
@@ -519,6 +530,10 @@ fn run(
         for (name, cfg) in modes(args.wgmma) {
             // The default first, always: it is the row compared with the peer.
             if name != "default" && !args.wanted(name) {
+                continue;
+            }
+            // The column split exists at head dim 128 only.
+            if name == "wgmma ordered cols" && s.head_dim != 128 {
                 continue;
             }
             // Each mode's own workspace size; the forward, then the backward from its outputs.
@@ -532,7 +547,7 @@ fn run(
             let (f, bw) = match timed {
                 Ok(t) => t,
                 Err(e) => {
-                    println!("{:<24} {name:<13} error: {e}", label(&s));
+                    println!("{:<24} {name:<18} error: {e}", label(&s));
                     continue;
                 }
             };
@@ -546,7 +561,7 @@ fn run(
             let (splits, _) = backward_splits(dev, &s, &cfg)?;
             let kernels = kernels_label(&cfg, s.head_dim)?;
             println!(
-                "{:<24} {:<13} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>6} {:>7.1} | {kernels}",
+                "{:<24} {:<18} {:>7.3} {:>7.3} {:>8.3} {:>7.1} | {:>6} {:>7.1} | {kernels}",
                 label(&s),
                 name,
                 f,
@@ -575,7 +590,7 @@ fn run(
     // backends measured in the same call.
     println!("\nattention fwd+bwd TFLOP/s, ours against PyTorch (same call)");
     println!(
-        "{:<24} {:>8} {:>18} | {:>7} {:>5} {:>5} {:>10} | {:>11} {:>9}",
+        "{:<24} {:>8} {:>26} | {:>7} {:>5} {:>5} {:>10} | {:>11} {:>9}",
         "shape",
         "ours det",
         "ours best (mode)",
@@ -593,7 +608,7 @@ fn run(
             _ => "-".into(),
         };
         println!(
-            "{:<24} {:>8} {:>18} | {:>7} {:>5} {:>5} {:>10} | {:>11} {:>9}",
+            "{:<24} {:>8} {:>26} | {:>7} {:>5} {:>5} {:>10} | {:>11} {:>9}",
             label(&s),
             rate_cell(det),
             best.map_or_else(|| "-".into(), |(n, r)| format!("{r:.0} ({n})")),
