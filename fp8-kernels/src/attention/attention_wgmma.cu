@@ -836,7 +836,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
                                                   float* __restrict__ lse, int T, int H, int KV, float scale_log2) {
     static_assert(HD == 64 || HD == 128, "head dim 64 or 128");
     static_assert(BN == 64 || BN == 128, "key blocks of 64 or 128");
-    static_assert(NWG == 2, "two consumer warpgroups (the register split below is for three)");
+    static_assert(NWG == 2 || NWG == 3, "two or three consumer warpgroups (the register splits below)");
     constexpr int BM = 64 * NWG, NC = 128 * NWG, ST = ATT_WS_STAGES;
     constexpr u32 QBYTES = BM * HD * 2, KBYTES = BN * HD * 2;
     const u32 raw = att_smem_u32(att_smem);
@@ -854,6 +854,10 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
 
     att_ws_init_barriers<ST, NWG>(aBar, tid);
 
+    // The register file (64 Ki per SM, one block) split as FlashAttention-3 does: 24 + 2 x 240 per thread
+    // for two consumer warpgroups, 24 + 3 x 160 for three (a split asking for more than the pool makes
+    // setmaxnreg.inc wait forever).
+    constexpr int CONSUMER_REGS = NWG == 2 ? 240 : 160;
     if (tid >= NC) {  // the producer warpgroup
         att_setmaxnreg_dec<24>();
         if (tid == NC) {
@@ -865,7 +869,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_ws(const AttTmaMap* tmq, const At
         return;
     }
 
-    att_setmaxnreg_inc<240>();
+    att_setmaxnreg_inc<CONSUMER_REGS>();
     const int r0 = q0 + 64 * wg;       // the warpgroup's first row
     const int row = r0 + 16 * wq + g;  // the thread's rows: row, row + 8
     const bool active = r0 < T;
@@ -2108,7 +2112,7 @@ ATT_WG_PROBE_ENTRIES(128)
 // attn_fwd_wgmma_g<NWG>n<BN>w_hd<HD>: the warp-specialised forward (NWG consumer warpgroups and a producer
 // warpgroup, TMA loads), with the forward's arguments and then the two tensor maps; qkv is read through the
 // maps and passed only so that the launch orders the buffer like the others. ATT_ONLY_C = 2 builds it.
-#define ATT_WG_FWD_WS_VARIANTS_64(X) X(64, 2, 64) X(64, 2, 128)
+#define ATT_WG_FWD_WS_VARIANTS_64(X) X(64, 2, 64) X(64, 2, 128) X(64, 3, 128)
 #define ATT_WG_FWD_WS_VARIANTS_128(X) X(128, 2, 128) X(128, 2, 64)
 #define ATT_WG_FWD_WS_ENTRY(HD, NWG, BN)                                                                       \
     extern "C" __global__ void __launch_bounds__(128 * NWG + 128, 1) attn_fwd_wgmma_g##NWG##n##BN##w_hd##HD(   \

@@ -175,8 +175,8 @@ pub const WGMMA_HEAD_DIMS: [usize; 2] = [64, 128];
 /// The wgmma forward's variants per head dim (`ATT_WG_FWD_VARIANTS_<hd>` and, warp-specialised,
 /// `ATT_WG_FWD_WS_VARIANTS_<hd>` in attention_wgmma.cu), in the order of [`WGMMA_HEAD_DIMS`]; the first
 /// is the default.
-const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 7]; 2] = [
-    [
+const WGMMA_FORWARD_VARIANTS: [&[WgmmaTiles]; 2] = [
+    &[
         WgmmaTiles::new(2, 64),
         WgmmaTiles::new(2, 128),
         WgmmaTiles::new(3, 128),
@@ -184,8 +184,10 @@ const WGMMA_FORWARD_VARIANTS: [[WgmmaTiles; 7]; 2] = [
         WgmmaTiles::pipelined(3, 128),
         WgmmaTiles::warp_specialized(2, 64),
         WgmmaTiles::warp_specialized(2, 128),
+        // FlashAttention-3's head-dim-64 forward tile: 192 query rows, key blocks of 128.
+        WgmmaTiles::warp_specialized(3, 128),
     ],
-    [
+    &[
         WgmmaTiles::warp_specialized(2, 128),
         WgmmaTiles::new(2, 128),
         WgmmaTiles::new(2, 64),
@@ -201,7 +203,7 @@ pub fn wgmma_forward_variants(head_dim: usize) -> &'static [WgmmaTiles] {
     WGMMA_HEAD_DIMS
         .iter()
         .position(|&h| h == head_dim)
-        .map_or(&[], |i| &WGMMA_FORWARD_VARIANTS[i])
+        .map_or(&[], |i| WGMMA_FORWARD_VARIANTS[i])
 }
 
 /// The wgmma forward tiles used when [`super::AttentionTiles::wgmma_forward`] is `None`, the fastest of
