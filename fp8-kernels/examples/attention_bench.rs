@@ -23,7 +23,8 @@
 //!   layers` passes it), with the ratio of our default to the fastest backend.
 //! - `--wgmma`: also the modes `wgmma ordered` (the fused deterministic wgmma backward,
 //!   `WgmmaBackwardTiles::ORDERED`), `wgmma ordered cols` (the same with dQ's columns split,
-//!   `WgmmaBackwardTiles::ORDERED_COLUMNS`, head dim 128 only), `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
+//!   `WgmmaBackwardTiles::ORDERED_COLUMNS`; the ordered modes have no row at a head dim their kernel is
+//!   not compiled for), `wgmma atomic` (the wgmma backward with atomic dQ sums) and `wgmma
 //!   fwd+mma` (the wgmma forward with the mma.sync fused backward; compute capability 9.0 only, head
 //!   dims 64 and 128), and after the table, per shape of head dim 64 or 128, the mma.sync forward and
 //!   every compiled wgmma forward variant timed alone, with their speed-up and their largest differences
@@ -532,8 +533,13 @@ fn run(
             if name != "default" && !args.wanted(name) {
                 continue;
             }
-            // The column split exists at head dim 128 only.
-            if name == "wgmma ordered cols" && s.head_dim != 128 {
+            // A mode whose chosen backward kernel is not compiled for this head dim (the column split
+            // exists at head dim 128 only) has no row there.
+            if cfg
+                .tiles
+                .wgmma_backward
+                .is_some_and(|t| !wgmma_backward_variants(s.head_dim).contains(&t))
+            {
                 continue;
             }
             // Each mode's own workspace size; the forward, then the backward from its outputs.
