@@ -32,7 +32,7 @@
 use crate::init::normal;
 use crate::layer::Activation;
 use crate::layer::{rows_of_width, take_saved};
-use crate::plain_param::{plain_in, plain_owned};
+use crate::plain_param::{plain_in, plain_into, plain_owned};
 use crate::{NnError, Tensor};
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::cast::{amax, cast_to_fp8, cast_transpose_to_fp8, AmaxSlot};
@@ -532,7 +532,20 @@ impl<T: Activation> LmHead<T> {
         // Gradient of `grad_scale * mean`: each row's `(softmax - onehot)` times `grad_scale / tokens`.
         let row_scale = grad_scale.map(|g| g / tokens as f32);
         let weight = self.weight;
-        let w = ctx.plain_param(weight)?;
+        // A pass that computes the gradients reads the table once (to cast it to E4M3, or as the float
+        // GEMMs' own copy) and never again in this step: it takes the gathered copy out of its unit, so
+        // the table's memory goes before the chunk loop instead of when the unit is released (for a
+        // table in the root unit, after the backward).
+        let taken = match row_scale {
+            Some(_) => Some(ctx.take_param(weight)?),
+            None => None,
+        };
+        let w = match &taken {
+            Some(t) => t
+                .as_plain()
+                .ok_or_else(|| NnError::usage(&self.name, "the table is an FP8 weight"))?,
+            None => ctx.plain_param(weight)?,
+        };
         if w.len() != vocab * d {
             return Err(NnError::usage(
                 &self.name,
@@ -553,9 +566,14 @@ impl<T: Activation> LmHead<T> {
                     Fp8HeadOperands::new(&dev, w, x.data(), [vocab, d], grad_scale)?
                 }
             };
+            drop(taken);
             HeadGemms::Fp8(Box::new(ops))
         } else {
-            HeadGemms::Float(plain_owned::<T>(&dev, w)?)
+            match taken {
+                // Moved when gathered in `T`: no copy beside the gathered one.
+                Some(t) => HeadGemms::Float(plain_into::<T>(t, &self.name)?),
+                None => HeadGemms::Float(plain_owned::<T>(&dev, w)?),
+            }
         };
         let chunk = self.chunk.min(tokens);
         for a in (0..tokens).step_by(chunk) {

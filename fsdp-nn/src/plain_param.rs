@@ -2,7 +2,7 @@
 //! in BF16 (`fsdp_shard::FsdpConfig::plain_gather_dtype`); a layer borrows one when the types agree and
 //! converts it otherwise (rounding to nearest even, or widening exactly).
 
-use crate::retype::buffer_ref;
+use crate::retype::{buffer_converted, buffer_ref};
 use crate::NnError;
 use fp8_kernels::{convert, Buffer, Device, FloatElement, KernelError};
 use fsdp_shard::{GatheredParam, PlainParam};
@@ -71,5 +71,20 @@ pub(crate) fn plain_owned<T: FloatElement>(
     match p {
         PlainParam::F32(b) => owned(dev, b),
         PlainParam::Bf16(b) => owned(dev, b),
+    }
+}
+
+/// The plain parameter `p`, taken out of its unit, as a `Buffer<T>`: moved when gathered in `T`, else
+/// converted (an error naming `layer` for an FP8 weight).
+pub(crate) fn plain_into<T: FloatElement>(
+    p: GatheredParam,
+    layer: &str,
+) -> Result<Buffer<T>, NnError> {
+    match p {
+        GatheredParam::Plain(b) => buffer_converted::<f32, T>(b),
+        GatheredParam::PlainBf16(b) => buffer_converted::<half::bf16, T>(b),
+        GatheredParam::Fp8 { .. } | GatheredParam::Fp8Block { .. } => {
+            Err(NnError::usage(layer, "expected a plain parameter"))
+        }
     }
 }

@@ -280,6 +280,10 @@ impl Ctx<'_> {
     ) -> Result<[&GatheredParam; N], ShardError> {
         for id in ids {
             let u = self.unit_of(id)?;
+            if id.index().is_some_and(|p| self.sharded.is_taken(p)) {
+                // Taken out earlier in the pass (`Ctx::take_param`): the unit is gathered again.
+                self.sharded.release(u)?;
+            }
             self.touch(u, true)?;
         }
         let sharded = &*self.sharded;
@@ -292,6 +296,21 @@ impl Ctx<'_> {
         }
         out.try_into()
             .map_err(|_| ShardError::State("parameter count".into()))
+    }
+
+    /// Parameter `id` gathered, moved out of its unit for a module that needs it no more in this pass
+    /// (see [`ShardedModel::take_param`]): its memory goes when the module drops it, not when the unit
+    /// is released. A later use in the pass gathers the unit again. While the model is pinned
+    /// ([`FsdpModel::gather_all`]) the module gets a copy and the unit keeps its own.
+    pub fn take_param(&mut self, id: ParamId) -> Result<GatheredParam, ShardError> {
+        let [_] = self.params([id])?;
+        let p = id
+            .index()
+            .ok_or_else(|| ShardError::InvalidArgument("unset parameter id".into()))?;
+        if self.schedule.pinned {
+            return self.sharded.param(p)?.try_clone();
+        }
+        self.sharded.take_param(p)
     }
 
     /// A gathered plain parameter in F32: an error where the model gathers plain parameters in BF16

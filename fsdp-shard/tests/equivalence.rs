@@ -248,3 +248,88 @@ fn memory_report_counts_shards() {
         + 4 * layout.units[0].group(ParamGroup::Plain).padded_len(4);
     assert_eq!(after.peak_gathered, during.gathered + flat);
 }
+
+#[test]
+fn one_rank_gradients_go_straight_into_the_shards() {
+    let names = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"];
+    let grads: Vec<Vec<f32>> = (0..names.len())
+        .map(|p| values(100 + p as u64, init(p).len()))
+        .collect();
+    // One rank with FP8 weights reduced in FP8: only the plain group may skip its full buffer.
+    let fp8_wire = FsdpConfig {
+        grad_reduction: GradReduction::Fp8(Fp8Format::E5M2),
+        ..FsdpConfig::default()
+    };
+    for (ws, fp8, config, divisor) in [
+        (1, false, FsdpConfig::default(), 1.0),
+        (1, true, FsdpConfig::default(), 1.0),
+        (1, true, FsdpConfig::default(), 2.0),
+        (1, true, fp8_wire, 1.0),
+        (2, false, FsdpConfig::default(), 1.0),
+    ] {
+        let layout = layout(fp8, WrapPolicy::PerModule);
+        let (grads, names) = (&grads, &names);
+        let out = run_ranks(ws, |comm: ThreadComm| {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            let (mut model, _) = ShardedModel::new(layout.clone(), comm, config.clone(), &init)?;
+            model.set_grad_divisor(divisor)?;
+            let dev = model.device().clone();
+            let direct = [ParamGroup::Fp8, ParamGroup::Plain].map(|g| model.grads_go_to_shards(g));
+            for (name, g) in names.iter().zip(grads) {
+                model.add_grad(name, &dev.upload(g)?)?;
+            }
+            let full = model.memory()?.full_grads;
+            // A divisor change would divide what is already in the shards or not: refused until the
+            // gradients are reduced.
+            let refused = model.set_grad_divisor(divisor * 2.0).is_err();
+            model.set_grad_divisor(divisor)?;
+            let mut shards = Vec::new();
+            for u in 0..model.num_units() {
+                model.reduce_grads(u)?;
+                let s = model.unit(u)?;
+                shards.push([s.grads[0].to_vec()?, s.grads[1].to_vec()?]);
+            }
+            model.set_grad_divisor(divisor * 2.0)?;
+            Ok::<_, ShardError>((direct, full, refused, shards))
+        })
+        .unwrap();
+        let (direct, full, refused, shards) = &out[0];
+        let want_direct = [
+            ws == 1 && divisor == 1.0 && config.grad_reduction == GradReduction::F32,
+            ws == 1 && divisor == 1.0,
+        ];
+        assert_eq!(*direct, want_direct, "ws {ws} fp8 {fp8} divisor {divisor}");
+        // The full buffers held: exactly those of the groups that do not go to the shards.
+        let want_full: usize = layout
+            .units
+            .iter()
+            .flat_map(|u| {
+                [ParamGroup::Fp8, ParamGroup::Plain]
+                    .into_iter()
+                    .filter(|g| !direct[*g as usize] && !u.group(*g).is_empty())
+                    .map(|g| 4 * u.group(g).padded_len(ws))
+            })
+            .sum();
+        assert_eq!(*full, want_full, "ws {ws} fp8 {fp8} divisor {divisor}");
+        assert_eq!(*refused, direct.contains(&true), "divisor change refused");
+        if ws == 1 {
+            // Every parameter's gradient, divided, at its offset in its group's shard, whichever buffer
+            // it went through (a power-of-two divisor divides exactly; the FP8 wire rounds).
+            for (p, g) in grads.iter().enumerate() {
+                let (u, grp, slot) = layout.locate(p).unwrap();
+                let got = &shards[u][grp as usize][slot.offset..slot.offset + slot.numel];
+                let want: Vec<f32> = g.iter().map(|v| v / divisor).collect();
+                if grp == ParamGroup::Fp8 && config.grad_reduction != GradReduction::F32 {
+                    let d = rel_diff(&[got.to_vec()], &[want]);
+                    assert!(
+                        d > 0.0 && d < 0.1,
+                        "{}: FP8-wire gradient off by {d:e}",
+                        names[p]
+                    );
+                } else {
+                    assert_eq!(got, &want[..], "{}", names[p]);
+                }
+            }
+        }
+    }
+}
