@@ -11,7 +11,8 @@ use common::{
     bits, cuda_device, first_difference, join_differences, matches_cpu_and_deterministic,
 };
 use fp8_kernels::embedding::{
-    embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups,
+    embedding_backward, embedding_backward_at, embedding_forward, PositionGrad, PositionTable,
+    RowGroups,
 };
 use fp8_kernels::rng::SplitMix64;
 use fp8_kernels::{Buffer, Device, FloatElement};
@@ -64,8 +65,9 @@ fn up<T: FloatElement>(dev: &Device, v: &[f32]) -> Buffer<T> {
         .unwrap()
 }
 
-/// Forward output, token-table gradient, position-table gradient.
-fn run<T: FloatElement, D: FloatElement>(dev: &Device, c: &Case) -> [Vec<u32>; 3] {
+/// Forward output, token-table gradient, position-table gradient, and the token-table gradient added at
+/// an offset of a larger buffer (`embedding_backward_at`, the whole buffer).
+fn run<T: FloatElement, D: FloatElement>(dev: &Device, c: &Case) -> [Vec<u32>; 4] {
     let n = c.ids.len();
     let g = RowGroups::from_ids(dev, &c.ids, c.vocab).unwrap();
     let table = up::<T>(dev, &c.table);
@@ -96,7 +98,15 @@ fn run<T: FloatElement, D: FloatElement>(dev: &Device, c: &Case) -> [Vec<u32>; 3
         }),
     )
     .unwrap();
-    [bits(&out), bits(&dt), bits(&dp)]
+    let (before, after) = (37, 11);
+    let flat: Vec<f32> = (0..before)
+        .map(|i| i as f32 * 0.25)
+        .chain(c.old_table.iter().copied())
+        .chain((0..after).map(|i| -(i as f32)))
+        .collect();
+    let mut at = up::<D>(dev, &flat);
+    embedding_backward_at(&dy, c.d, &g, (&mut at, before), None).unwrap();
+    [bits(&out), bits(&dt), bits(&dp), bits(&at)]
 }
 
 fn compare<T: FloatElement, D: FloatElement>(gpu: &Device, c: &Case, what: &str) -> bool {
@@ -105,7 +115,7 @@ fn compare<T: FloatElement, D: FloatElement>(gpu: &Device, c: &Case, what: &str)
     let g2 = run::<T, D>(gpu, c);
     matches_cpu_and_deterministic(what, &cpu, &g1, &g2, |a, b| {
         join_differences(
-            ["forward", "d_table", "d_pos"]
+            ["forward", "d_table", "d_pos", "d_table at an offset"]
                 .iter()
                 .zip(a.iter().zip(b))
                 .map(|(name, (a, b))| first_difference(name, a, b)),

@@ -4,7 +4,8 @@
 //! semantics, and argument errors.
 
 use fp8_kernels::embedding::{
-    embedding_backward, embedding_forward, PositionGrad, PositionTable, RowGroups, EMBEDDING_CHUNK,
+    embedding_backward, embedding_backward_at, embedding_forward, PositionGrad, PositionTable,
+    RowGroups, EMBEDDING_CHUNK,
 };
 use fp8_kernels::{Buffer, Device, FloatElement};
 use half::bf16;
@@ -132,6 +133,39 @@ proptest! {
                 prop_assert_eq!(dp[t * d + c].to_bits(), (old_p[t * d + c] + s).to_bits());
             }
         }
+    }
+
+    #[test]
+    fn backward_at_an_offset_equals_a_temporary_added_there(
+        (vocab, d, seq, ids) in batch(),
+        before in 0usize..40,
+        after in 0usize..40,
+    ) {
+        // A flat gradient holding other values around the table's range (a tied head's gradient, other
+        // parameters): the in-place form adds into the range and touches nothing else, with the bits of
+        // a zeroed temporary added afterwards.
+        let dev = Device::cpu();
+        let n = ids.len();
+        let dyb = dev.upload(&values(n * d, 6)).unwrap();
+        let flat = values(before + vocab * d + after, 7);
+        let g = RowGroups::from_ids(&dev, &ids, vocab).unwrap();
+        let mut at = dev.upload(&flat).unwrap();
+        embedding_backward_at(&dyb, d, &g, (&mut at, before), None).unwrap();
+        let mut tmp = dev.zeros::<f32>(vocab * d).unwrap();
+        embedding_backward(&dyb, d, &g, &mut tmp, None).unwrap();
+        let tmp = tmp.to_vec().unwrap();
+        let mut want = flat.clone();
+        for (w, t) in want[before..before + vocab * d].iter_mut().zip(&tmp) {
+            *w += *t;
+        }
+        let got = at.to_vec().unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            prop_assert_eq!(a.to_bits(), b.to_bits(), "element {}", i);
+        }
+        // A range that does not fit is refused.
+        let mut short = dev.zeros::<f32>(before + vocab * d).unwrap();
+        prop_assert!(embedding_backward_at(&dyb, d, &g, (&mut short, before + 1), None).is_err());
+        let _ = seq;
     }
 }
 

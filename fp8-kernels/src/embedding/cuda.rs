@@ -55,7 +55,7 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
     dy: &Buffer<G>,
     d: usize,
     groups: &RowGroups,
-    d_table: &mut Buffer<D>,
+    (d_table, range): (&mut Buffer<D>, std::ops::Range<usize>),
     d_positions: Option<PositionGrad<'_, D>>,
 ) -> Result<(), KernelError> {
     const WHAT: &str = "embedding_backward";
@@ -82,9 +82,10 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
         let cfg = grid(dev, (groups.chunks * nvec) as u64);
         let chunks = groups.chunks as i32;
         let (order, starts, dests) = (idx.slice(o..cs0), idx.slice(cs0..cd), idx.slice(cd..mr));
-        let (gs, ts, ps) = (cs(dy, WHAT)?, cs_mut(d_table, WHAT)?, &mut partial);
+        let mut table = cs_mut(d_table, WHAT)?.slice_mut(range.clone());
+        let (gs, ts, ps) = (cs(dy, WHAT)?, &mut table, &mut partial);
         // The index views hold n, chunks + 1 and chunks words built by RowGroups (positions < n, table
-        // rows < vocab, slots < partial_slots); dy holds n*d elements, d_table vocab*d (checked by the
+        // rows < vocab, slots < partial_slots); dy holds n*d elements, the table view vocab*d (checked by the
         // caller).
         launch!(
             dev,
@@ -100,7 +101,8 @@ pub(super) fn backward<G: FloatElement, D: FloatElement>(
         let cfg = grid(dev, (groups.multi_groups * nvec) as u64);
         let m = groups.multi_groups as i32;
         let (rows, first) = (idx.slice(mr..mf), idx.slice(mf..end));
-        let (ps, ts) = (&partial, cs_mut(d_table, WHAT)?);
+        let mut table = cs_mut(d_table, WHAT)?.slice_mut(range);
+        let (ps, ts) = (&partial, &mut table);
         // multi_row holds `groups` table rows < vocab, multi_first groups + 1 increasing slot offsets <=
         // partial_slots; partial holds partial_slots*d.
         launch!(

@@ -343,12 +343,38 @@ pub fn embedding_backward<G: FloatElement, D: FloatElement>(
     d_table: &mut Buffer<D>,
     d_positions: Option<PositionGrad<'_, D>>,
 ) -> Result<(), KernelError> {
+    check_len("embedding_backward", groups.vocab * d, d_table.len())?;
+    embedding_backward_at(dy, d, groups, (d_table, 0), d_positions)
+}
+
+/// [`embedding_backward`] adding the token table's gradient into the `[vocab, d]` range starting at
+/// `offset` of a larger buffer (a model's flat gradient, so no table-sized temporary is made and
+/// added): the same values, bit for bit, as a zeroed temporary added there afterwards.
+pub fn embedding_backward_at<G: FloatElement, D: FloatElement>(
+    dy: &Buffer<G>,
+    d: usize,
+    groups: &RowGroups,
+    (d_table, offset): (&mut Buffer<D>, usize),
+    d_positions: Option<PositionGrad<'_, D>>,
+) -> Result<(), KernelError> {
     const WHAT: &str = "embedding_backward";
     check_type::<G>(WHAT)?;
     check_type::<D>(WHAT)?;
     let n = check_shape(WHAT, groups, d)?;
     check_len(WHAT, n, dy.len())?;
-    check_len(WHAT, groups.vocab * d, d_table.len())?;
+    let table_len = groups.vocab * d;
+    if offset
+        .checked_add(table_len)
+        .is_none_or(|end| end > d_table.len())
+    {
+        return Err(bad(
+            WHAT,
+            format!(
+                "a table gradient of {table_len} elements at offset {offset} of a buffer of {}",
+                d_table.len()
+            ),
+        ));
+    }
     if let Some(p) = &d_positions {
         check_positions(WHAT, p.grad.len(), d, p.seq, groups.len())?;
     }
@@ -356,16 +382,17 @@ pub fn embedding_backward<G: FloatElement, D: FloatElement>(
     if groups.device() != dy.device() {
         return Err(KernelError::WrongDevice(WHAT));
     }
+    let range = offset..offset + table_len;
     match dev {
         None => {
             let dys = dy.host(WHAT)?;
-            cpu::backward_table(dys, groups, d, d_table.host_mut(WHAT)?);
+            cpu::backward_table(dys, groups, d, &mut d_table.host_mut(WHAT)?[range]);
             if let Some(p) = d_positions {
                 let batch = groups.len() / p.seq;
                 cpu::backward_positions(dys, batch, p.seq, d, p.grad.host_mut(WHAT)?);
             }
             Ok(())
         }
-        Some(dev) => cuda::backward(&dev, dy, d, groups, d_table, d_positions),
+        Some(dev) => cuda::backward(&dev, dy, d, groups, (d_table, range), d_positions),
     }
 }

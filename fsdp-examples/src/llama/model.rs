@@ -82,7 +82,10 @@ impl<T: Activation> Llama<T> {
         }
         .with_chunk(c.head_chunk)?;
         Ok(Llama {
-            embed_tokens: Embedding::new(c.vocab, d)?.with_seed(s(EMBED_STREAM)),
+            // Untied, the table is read by the lookup only: dropped after it in a training forward.
+            embed_tokens: Embedding::new(c.vocab, d)?
+                .with_seed(s(EMBED_STREAM))
+                .with_sole_reader(!c.tie_embeddings),
             stack: DecoderStack::new(
                 layers,
                 c.recompute_blocks,
