@@ -696,3 +696,80 @@ fn fp8_lm_head_is_close_to_the_float_head() {
         .unwrap();
     assert_eq!(eval.to_bits(), loss_q.to_bits(), "evaluation loss");
 }
+
+/// A token table (a sole reader or not) and a second table in the same unit.
+struct TwoTables {
+    wte: Embedding,
+    other: Embedding,
+}
+
+impl Module for TwoTables {
+    fn visit(&mut self, v: &mut dyn Visitor) -> Result<(), ShardError> {
+        v.child("wte", &mut self.wte)?;
+        v.child("other", &mut self.other)
+    }
+}
+
+#[test]
+fn a_sole_reader_embedding_drops_its_gathered_table_after_the_lookup() {
+    let (vocab, d, seq, batch) = (20, 8, 6, 3);
+    let ids = [7, 3, 7, 0, 19, 7, 1, 2, 3, 4, 5, 6, 19, 18, 17, 16, 15, 14];
+    let r = uniform(batch * seq * d, 1.0, 8);
+    let mut runs = Vec::new();
+    for sole in [false, true] {
+        let mut model = one_rank(TwoTables {
+            wte: Embedding::new(vocab, d)
+                .map(|l| l.with_seed(1).with_std(0.5).with_sole_reader(sole))
+                .unwrap(),
+            other: Embedding::new(4, d).map(|l| l.with_seed(2)).unwrap(),
+        });
+        let dev = model.device().clone();
+        let tb = TokenBatch::new(&dev, &ids, &ids, batch, seq, vocab).unwrap();
+        let p = model.module().wte.weight_id().index().unwrap();
+        let mut per_step = Vec::new();
+        for _ in 0..2 {
+            let y: Vec<f32> = model
+                .forward(Mode::Train, |m, ctx| {
+                    let y = m.wte.forward::<f32>(ctx, &tb, None)?;
+                    // The other table of the unit is still there to read.
+                    ctx.plain(m.other.weight_id())?;
+                    y.data().to_vec().map_err(NnError::from)
+                })
+                .unwrap();
+            let held = model.sharded().memory().unwrap().gathered;
+            let taken = model.sharded().is_taken(p);
+            model
+                .backward(|m, ctx| {
+                    let dy = Tensor::new(
+                        ctx.device().upload(&r)?,
+                        fsdp_nn::Shape::new(&[batch, seq, d])?,
+                    )?;
+                    m.wte.backward(ctx, &dy, &tb, None)
+                })
+                .unwrap();
+            let g = grad(&model, model.module().wte.weight_id());
+            model.sharded_mut().zero_grads().unwrap();
+            per_step.push((y, held, taken, g));
+        }
+        // An evaluation forward borrows the table as gathered.
+        model
+            .forward(Mode::Eval, |m, ctx| {
+                m.wte.forward::<f32>(ctx, &tb, None).map(drop)
+            })
+            .unwrap();
+        runs.push(per_step);
+    }
+    for step in 0..2 {
+        let (kept, dropped) = (&runs[0][step], &runs[1][step]);
+        // The same lookup and the same gradient, bit for bit; the table's 20 x 8 F32 values gone from
+        // the gathered unit after the forward.
+        assert_eq!(kept.0, dropped.0, "step {step}: forward");
+        assert_eq!(kept.3, dropped.3, "step {step}: gradient");
+        assert_eq!(
+            kept.1 - dropped.1,
+            vocab * d * 4,
+            "step {step}: gathered bytes"
+        );
+        assert_eq!((kept.2, dropped.2), (false, true), "step {step}");
+    }
+}

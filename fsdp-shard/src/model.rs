@@ -12,7 +12,11 @@
 //! - for block-scaled FP8 weights ([`ParamKind::Fp8BlockWeight`]), this rank's inverse block scales
 //!   ([`UnitShards::block_scales`]): the rank's whole 128-row block rows are quantized from its own master
 //!   rows, so no scale is agreed across ranks; the all-gather moves codes and scales (uneven shards);
-//! - while gathered: the full flat buffers and each parameter cut out of them.
+//! - while gathered: each parameter cut out of the full flat buffers the all-gather wrote (each group's
+//!   flat buffer is freed right after its cut; a group whose one parameter fills it becomes that parameter
+//!   without a copy), minus parameters a module took out ([`ShardedModel::take_param`]);
+//! - until reduced: the full flat gradients, except on one rank where they would only be added to the
+//!   shard ([`ShardedModel::grads_go_to_shards`]).
 //!
 //! Master weights of FP8 parameters are not here: the optimizer owns them, once.
 //!
@@ -790,17 +794,35 @@ impl ShardedModel {
             .pending
             .take()
             .ok_or_else(|| ShardError::State(format!("unit {u}: no gather in flight")))?;
-        for w in pending.works {
+        let PendingGather {
+            fp8,
+            scales,
+            plain,
+            plain_bf16,
+            works,
+        } = pending;
+        for w in works {
             w.wait()?;
         }
+        // The all-gather's BF16 send buffer (this rank's shard rounded) is done with.
+        let plain_bf16 = plain_bf16.map(|(full, _send)| full);
         let layout = self.layout.clone();
         let unit_layout = &layout.units[u];
+        let others = self.gathered_bytes() + self.pending_bytes();
+        // Bytes of this unit held now: the flat buffers still alive and the parameters cut so far. Each
+        // group's flat buffer is freed right after its cut, and a group of one parameter that fills its
+        // flat buffer takes the buffer itself (no copy, no second buffer of the unit's size).
+        let mut flats = fp8.as_ref().map_or(0, Buffer::num_bytes)
+            + scales.as_ref().map_or(0, Buffer::num_bytes)
+            + plain.as_ref().map_or(0, Buffer::num_bytes)
+            + plain_bf16.as_ref().map_or(0, Buffer::num_bytes);
+        let mut cut = 0;
+        let mut peak = others + flats;
         let shards = &self.units[u];
         let mut params: [Vec<Option<GatheredParam>>; 2] = [Vec::new(), Vec::new()];
-        let mut bytes = 0;
-        if let (Some(full), Some(all_scales)) = (&pending.fp8, &pending.scales) {
-            bytes += full.num_bytes() + all_scales.num_bytes();
-            let g8 = unit_layout.group(ParamGroup::Fp8);
+        let g8 = unit_layout.group(ParamGroup::Fp8);
+        let gp = unit_layout.group(ParamGroup::Plain);
+        if let (Some(full), Some(all_scales)) = (&fp8, &scales) {
             let ws = self.comm.world_size();
             // Computed once per gather: the ranks' pieces of codes and scales.
             let (ranges, scale_ranges) = (g8.shard_ranges(ws), g8.scale_ranges(ws));
@@ -827,44 +849,62 @@ impl ShardedModel {
                     let src = r * ns + (s0 - srange.start);
                     scale_inv.copy_range_from(s0 - b.offset, all_scales, src, rows * b.row_len)?;
                 }
-                bytes += codes.num_bytes() + scale_inv.num_bytes();
+                cut += codes.num_bytes() + scale_inv.num_bytes();
                 params[ParamGroup::Fp8 as usize].push(Some(GatheredParam::Fp8Block {
                     codes,
                     scale_inv,
                     cols: slot.cols,
                 }));
             }
-        } else if let Some(full) = &pending.fp8 {
-            bytes += full.num_bytes();
-            for (i, slot) in unit_layout.group(ParamGroup::Fp8).slots.iter().enumerate() {
-                let mut codes = self.device.uninit::<u8>(slot.numel)?;
-                codes.copy_range_from(0, full, slot.offset, slot.numel)?;
-                let mut scales = self.device.uninit::<f32>(2)?;
-                scales.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
-                bytes += codes.num_bytes() + scales.num_bytes();
-                params[ParamGroup::Fp8 as usize].push(Some(GatheredParam::Fp8 { codes, scales }));
+            peak = peak.max(others + flats + cut);
+            flats -= full.num_bytes() + all_scales.num_bytes();
+        } else if let Some(full) = fp8 {
+            let len = full.num_bytes();
+            let scales_of = |i: usize| -> Result<Buffer<f32>, ShardError> {
+                let mut s = self.device.uninit::<f32>(2)?;
+                s.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
+                Ok(s)
+            };
+            if fills_alone(g8, full.len()) {
+                let scales = scales_of(0)?;
+                cut += len + scales.num_bytes();
+                flats -= len;
+                let p = GatheredParam::Fp8 {
+                    codes: full,
+                    scales,
+                };
+                params[ParamGroup::Fp8 as usize].push(Some(p));
+            } else {
+                for (i, slot) in g8.slots.iter().enumerate() {
+                    let mut codes = self.device.uninit::<u8>(slot.numel)?;
+                    codes.copy_range_from(0, &full, slot.offset, slot.numel)?;
+                    let scales = scales_of(i)?;
+                    cut += codes.num_bytes() + scales.num_bytes();
+                    params[ParamGroup::Fp8 as usize]
+                        .push(Some(GatheredParam::Fp8 { codes, scales }));
+                }
+                peak = peak.max(others + flats + cut);
+                flats -= len;
             }
         }
-        if let Some(full) = &pending.plain {
-            bytes += full.num_bytes();
-            for slot in &unit_layout.group(ParamGroup::Plain).slots {
-                let mut p = self.device.uninit::<f32>(slot.numel)?;
-                p.copy_range_from(0, full, slot.offset, slot.numel)?;
-                bytes += p.num_bytes();
-                params[ParamGroup::Plain as usize].push(Some(GatheredParam::Plain(p)));
-            }
-        } else if let Some((full, send)) = &pending.plain_bf16 {
-            bytes += full.num_bytes() + send.num_bytes();
-            for slot in &unit_layout.group(ParamGroup::Plain).slots {
-                let mut p = self.device.uninit::<bf16>(slot.numel)?;
-                p.copy_range_from(0, full, slot.offset, slot.numel)?;
-                bytes += p.num_bytes();
-                params[ParamGroup::Plain as usize].push(Some(GatheredParam::PlainBf16(p)));
-            }
+        peak = peak.max(others + flats + cut);
+        if let Some(full) = plain {
+            params[ParamGroup::Plain as usize] =
+                cut_plain(&self.device, gp, full, GatheredParam::Plain, &mut |held| {
+                    peak = peak.max(others + cut + held);
+                })?;
+        } else if let Some(full) = plain_bf16 {
+            params[ParamGroup::Plain as usize] = cut_plain(
+                &self.device,
+                gp,
+                full,
+                GatheredParam::PlainBf16,
+                &mut |held| {
+                    peak = peak.max(others + cut + held);
+                },
+            )?;
         }
-        // During the cut the flat buffers and the cut parameters coexist: that is the peak.
-        let held = self.gathered_bytes() + self.pending_bytes() + bytes;
-        self.peak_gathered_bytes = self.peak_gathered_bytes.max(held);
+        self.peak_gathered_bytes = self.peak_gathered_bytes.max(peak);
         self.units[u].gathered = Some(params);
         Ok(())
     }
@@ -1548,6 +1588,38 @@ impl ShardedModel {
 }
 
 /// What a gathered parameter is, for error messages.
+/// Whether a group's only parameter fills its gathered flat buffer of `len` elements (then the buffer
+/// is the parameter, without a cut).
+fn fills_alone(g: &crate::layout::GroupLayout, len: usize) -> bool {
+    matches!(g.slots.as_slice(), [s] if s.offset == 0 && s.numel == len)
+}
+
+/// The plain group's parameters cut out of its gathered flat buffer `full` (moved into the one
+/// parameter that fills it), each wrapped by `wrap`; `held(bytes)` is told the bytes of the flat buffer
+/// and the cut parameters at the cut's fullest.
+fn cut_plain<T: fp8_kernels::Element>(
+    device: &Device,
+    g: &crate::layout::GroupLayout,
+    full: Buffer<T>,
+    wrap: fn(Buffer<T>) -> GatheredParam,
+    held: &mut dyn FnMut(usize),
+) -> Result<Vec<Option<GatheredParam>>, ShardError> {
+    if fills_alone(g, full.len()) {
+        held(full.num_bytes());
+        return Ok(vec![Some(wrap(full))]);
+    }
+    let mut out = Vec::with_capacity(g.slots.len());
+    let mut bytes = full.num_bytes();
+    for slot in &g.slots {
+        let mut p = device.uninit::<T>(slot.numel)?;
+        p.copy_range_from(0, &full, slot.offset, slot.numel)?;
+        bytes += p.num_bytes();
+        out.push(Some(wrap(p)));
+    }
+    held(bytes);
+    Ok(out)
+}
+
 fn gathered_kind(p: &GatheredParam) -> &'static str {
     match p {
         GatheredParam::Fp8 { .. } => "a per-tensor FP8 weight",

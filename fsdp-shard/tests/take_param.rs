@@ -1,6 +1,7 @@
 //! `Ctx::take_param`: a module moves a gathered parameter out of its unit, so its memory goes when the
 //! module drops it; a later use in the pass gathers the unit again (the same values, on every rank);
-//! a pinned model (`gather_all`) hands out a copy and keeps its own.
+//! a pinned model (`gather_all`) hands out a copy and keeps its own. A unit whose one parameter fills its
+//! gathered buffer takes that buffer without a cut.
 
 use fsdp_comm::{run_ranks, Communicator, ThreadComm};
 use fsdp_shard::{
@@ -100,6 +101,10 @@ fn a_taken_parameter_leaves_its_unit_and_comes_back_on_the_next_use() {
                 m.sharded().is_taken(p),
             );
             m.release_all()?;
+            // Each unit's only parameter fills its gathered buffer and takes it without a cut: the
+            // gathered peak is the two parameters, never a buffer and its copy.
+            let peak = m.sharded().memory()?.peak_gathered;
+            assert_eq!(peak, 2 * N * 4, "ws {}", m.sharded().comm().world_size());
             Ok::<_, ShardError>((gathered, pinned))
         })
         .unwrap();
