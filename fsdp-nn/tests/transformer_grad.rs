@@ -759,8 +759,7 @@ fn a_sole_reader_embedding_drops_its_gathered_table_after_the_lookup() {
             .unwrap();
         runs.push(per_step);
     }
-    for step in 0..2 {
-        let (kept, dropped) = (&runs[0][step], &runs[1][step]);
+    for (step, (kept, dropped)) in runs[0].iter().zip(&runs[1]).enumerate() {
         // The same lookup and the same gradient, bit for bit; the table's 20 x 8 F32 values gone from
         // the gathered unit after the forward.
         assert_eq!(kept.0, dropped.0, "step {step}: forward");
