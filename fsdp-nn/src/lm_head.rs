@@ -86,8 +86,10 @@ struct HeadChunk {
     par: CpuParallelism,
 }
 
-/// The chunk's GEMMs: in the activation type on a copy of `W` made once per pass (so that the weight's
-/// gradient can be accumulated in the model's flat gradient while it is in use), or on FP8 codes.
+/// The chunk's GEMMs: in the activation type on `W` owned by the pass (so that the weight's gradient can
+/// be accumulated in the model's gradient while it is in use): the gathered table taken out of its unit
+/// when the pass computes gradients (moved when gathered in the activation type, else converted once),
+/// else a copy; or on FP8 codes.
 enum HeadGemms<'w, T: Activation> {
     Float(Buffer<T>),
     Fp8(Box<Fp8HeadOperands<'w>>),
