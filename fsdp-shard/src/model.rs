@@ -30,6 +30,7 @@ use crate::ShardError;
 use fp8_core::{compute_scale, Fp8Format, ScaleRounding};
 use fp8_kernels::block_quantize::{block_quantize, BlockQuantLayout, BlockQuantSpec, ScaleOrder};
 use fp8_kernels::cast::convert;
+use fp8_kernels::elementwise::{add_at, scale};
 use fp8_kernels::segmented::segmented_scales;
 use fp8_kernels::{Buffer, Device};
 use fsdp_comm::{CommWork, Communicator, RecvBuf, SendBuf};
@@ -368,8 +369,8 @@ pub struct UnitShards {
     pub grads: [Buffer<f32>; 2],
     /// Reduced gradient shards when they are BF16 ([`GradDtype::Bf16`]); empty otherwise.
     pub grads_bf16: [Buffer<bf16>; 2],
-    /// Full flat gradients of the current backward, before reduction.
-    full_grads: [Option<Buffer<f32>>; 2],
+    /// Full gradients of the current backward, before reduction.
+    full_grads: [Option<FullGrad>; 2],
     /// Per group: gradients went straight into the shard since its last reduction (one rank, see
     /// [`ShardedModel::grads_go_to_shards`]).
     direct_grads: [bool; 2],
@@ -397,6 +398,26 @@ impl UnitShards {
         } else {
             // Both empty (an empty group): either view is the same empty shard.
             GradShard::F32(&self.grads[i])
+        }
+    }
+}
+
+/// A group's full gradient of the current backward, before its reduction.
+#[derive(Debug)]
+enum FullGrad {
+    /// One flat buffer of the group's padded length: what the reduce-scatter takes.
+    Flat(Buffer<f32>),
+    /// One rank with an F32 reduction: a buffer per parameter (in slot order), made on the parameter's
+    /// first gradient. Nothing is communicated, so nothing needs the group contiguous, and a parameter
+    /// whose gradient comes late in the backward (a token embedding, last) holds no memory before it.
+    PerParam(Vec<Option<Buffer<f32>>>),
+}
+
+impl FullGrad {
+    fn num_bytes(&self) -> usize {
+        match self {
+            FullGrad::Flat(b) => b.num_bytes(),
+            FullGrad::PerParam(v) => v.iter().flatten().map(Buffer::num_bytes).sum(),
         }
     }
 }
@@ -1084,18 +1105,21 @@ impl ShardedModel {
 
     /// The buffer a gradient of parameter `param` (`len` elements) accumulates in, and the parameter's
     /// offset in it, after checking that the lengths agree: the unit's gradient shard itself where
-    /// [`ShardedModel::grads_go_to_shards`] says so, else the unit's full flat gradient (created zeroed on
-    /// first use).
+    /// [`ShardedModel::grads_go_to_shards`] says so; else on one rank with an F32 reduction the
+    /// parameter's own full gradient (offset 0, created zeroed on first use); else the unit's full flat
+    /// gradient (created zeroed on first use).
     fn full_grad_range(
         &mut self,
         param: usize,
         len: usize,
     ) -> Result<(&mut Buffer<f32>, usize), ShardError> {
         let ws = self.comm.world_size();
+        let loc = self.layout.location(param);
         let (u, g, slot) = self.layout.locate(param).ok_or_else(|| {
             ShardError::InvalidArgument(format!("no parameter with index {param}"))
         })?;
         let (offset, numel) = (slot.offset, slot.numel);
+        let slot_index = loc.map_or(0, |l| l.slot);
         if len != numel {
             return Err(ShardError::InvalidArgument(format!(
                 "gradient of {} has {len} elements, the parameter {numel}",
@@ -1112,14 +1136,37 @@ impl ShardedModel {
                 return Ok((&mut s.grads[gi], offset));
             }
         }
-        let padded = self.layout.units[u].group(g).padded_len(ws);
+        let group = self.layout.units[u].group(g);
+        let (padded, slots) = (group.padded_len(ws), group.slots.len());
+        let per_param = ws == 1 && self.reduction(g) == GradReduction::F32 && !group.block_scaled;
         let device = self.device.clone();
-        let slot_buf = &mut self.units[u].full_grads[gi];
-        let full = match slot_buf {
-            Some(b) => b,
-            None => slot_buf.insert(device.zeros::<f32>(padded)?),
-        };
-        Ok((full, offset))
+        let entry = &mut self.units[u].full_grads[gi];
+        if entry.is_none() {
+            *entry = Some(if per_param {
+                FullGrad::PerParam((0..slots).map(|_| None).collect())
+            } else {
+                FullGrad::Flat(device.zeros::<f32>(padded)?)
+            });
+        }
+        match entry {
+            Some(FullGrad::Flat(full)) => Ok((full, offset)),
+            Some(FullGrad::PerParam(bufs)) => {
+                let b = bufs.get_mut(slot_index).ok_or_else(|| {
+                    ShardError::State(format!("parameter {param} missing from its unit"))
+                })?;
+                Ok((b.get_or_insert(device.zeros::<f32>(numel)?), 0))
+            }
+            None => Err(ShardError::State("full gradient vanished".into())),
+        }
+    }
+
+    /// How group `g`'s gradients are reduced: FP8 weights' as [`FsdpConfig::grad_reduction`] says,
+    /// plain parameters' always exactly.
+    fn reduction(&self, g: ParamGroup) -> GradReduction {
+        match g {
+            ParamGroup::Fp8 => self.config.grad_reduction,
+            ParamGroup::Plain => GradReduction::F32,
+        }
     }
 
     /// Whether gradients of group `g` accumulate straight in the gradient shards instead of a full flat
@@ -1135,7 +1182,7 @@ impl ShardedModel {
         self.comm.world_size() == 1
             && self.config.grad_dtype == GradDtype::F32
             && self.config.grad_divisor == 1.0
-            && (g == ParamGroup::Plain || self.config.grad_reduction == GradReduction::F32)
+            && self.reduction(g) == GradReduction::F32
     }
 
     /// Whether gradients are reduced at [`ShardedModel::reduce_grads`] (true) or kept in the full buffers
@@ -1187,49 +1234,68 @@ impl ShardedModel {
         // Gradients that went straight into the shards are reduced as they stand.
         shards.direct_grads = [false, false];
         for g in ParamGroup::ALL {
-            if let Some(mut full) = shards.full_grads[g as usize].take() {
-                let group = layout.units[u].group(g);
-                let uneven = group.block_scaled.then(|| group.shard_counts(ws));
-                // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
-                let mode = if g == ParamGroup::Fp8 {
-                    self.config.grad_reduction
-                } else {
-                    GradReduction::F32
-                };
-                let (comm, divisor) = (self.comm.as_ref(), self.config.grad_divisor);
-                let r = &mut self.reducer;
-                match (self.config.grad_dtype, &uneven) {
-                    (GradDtype::F32, None) => r.reduce_scatter_add(
-                        comm,
-                        mode,
-                        &mut full,
-                        &mut shards.grads[g as usize],
-                        divisor,
-                    )?,
-                    (GradDtype::Bf16, None) => r.reduce_scatter_add(
-                        comm,
-                        mode,
-                        &mut full,
-                        &mut shards.grads_bf16[g as usize],
-                        divisor,
-                    )?,
-                    (GradDtype::F32, Some(counts)) => r.reduce_scatter_add_uneven(
-                        comm,
-                        mode,
-                        &mut full,
-                        &mut shards.grads[g as usize],
-                        counts,
-                        divisor,
-                    )?,
-                    (GradDtype::Bf16, Some(counts)) => r.reduce_scatter_add_uneven(
-                        comm,
-                        mode,
-                        &mut full,
-                        &mut shards.grads_bf16[g as usize],
-                        counts,
-                        divisor,
-                    )?,
+            let group = layout.units[u].group(g);
+            let divisor = self.config.grad_divisor;
+            let mut full = match shards.full_grads[g as usize].take() {
+                None => continue,
+                Some(FullGrad::Flat(full)) => full,
+                Some(FullGrad::PerParam(bufs)) => {
+                    // One rank: each parameter's gradient divided and added at its offset of the
+                    // shard, the element operations of the flat path's identity reduction.
+                    for (slot, b) in group.slots.iter().zip(bufs) {
+                        if let Some(mut b) = b {
+                            if divisor != 1.0 {
+                                scale(&mut b, 1.0 / divisor)?;
+                            }
+                            match self.config.grad_dtype {
+                                GradDtype::F32 => {
+                                    add_at(&mut shards.grads[g as usize], slot.offset, &b)?
+                                }
+                                GradDtype::Bf16 => {
+                                    add_at(&mut shards.grads_bf16[g as usize], slot.offset, &b)?
+                                }
+                            }
+                        }
+                    }
+                    continue;
                 }
+            };
+            let uneven = group.block_scaled.then(|| group.shard_counts(ws));
+            // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
+            let mode = match g {
+                ParamGroup::Fp8 => self.config.grad_reduction,
+                ParamGroup::Plain => GradReduction::F32,
+            };
+            let comm = self.comm.as_ref();
+            let r = &mut self.reducer;
+            let gi = g as usize;
+            match (self.config.grad_dtype, &uneven) {
+                (GradDtype::F32, None) => {
+                    r.reduce_scatter_add(comm, mode, &mut full, &mut shards.grads[gi], divisor)?
+                }
+                (GradDtype::Bf16, None) => r.reduce_scatter_add(
+                    comm,
+                    mode,
+                    &mut full,
+                    &mut shards.grads_bf16[gi],
+                    divisor,
+                )?,
+                (GradDtype::F32, Some(counts)) => r.reduce_scatter_add_uneven(
+                    comm,
+                    mode,
+                    &mut full,
+                    &mut shards.grads[gi],
+                    counts,
+                    divisor,
+                )?,
+                (GradDtype::Bf16, Some(counts)) => r.reduce_scatter_add_uneven(
+                    comm,
+                    mode,
+                    &mut full,
+                    &mut shards.grads_bf16[gi],
+                    counts,
+                    divisor,
+                )?,
             }
         }
         Ok(())
@@ -1341,7 +1407,7 @@ impl ShardedModel {
                 .full_grads
                 .iter()
                 .flatten()
-                .map(Buffer::num_bytes)
+                .map(FullGrad::num_bytes)
                 .sum::<usize>();
         }
         // Full buffers of gathers in flight are gathered memory too.

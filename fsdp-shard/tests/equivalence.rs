@@ -309,7 +309,10 @@ fn one_rank_gradients_go_straight_into_the_shards() {
             ws == 1 && divisor == 1.0,
         ];
         assert_eq!(*direct, want_direct, "ws {ws} fp8 {fp8} divisor {divisor}");
-        // The full buffers held: exactly those of the groups that do not go to the shards.
+        // The full buffers held: none for the groups that go to the shards; on one rank with an F32
+        // reduction one per parameter (no padding); else the group's flat buffer.
+        let f32_wire =
+            |g: ParamGroup| g == ParamGroup::Plain || config.grad_reduction == GradReduction::F32;
         let want_full: usize = layout
             .units
             .iter()
@@ -317,7 +320,10 @@ fn one_rank_gradients_go_straight_into_the_shards() {
                 [ParamGroup::Fp8, ParamGroup::Plain]
                     .into_iter()
                     .filter(|g| !direct[*g as usize] && !u.group(*g).is_empty())
-                    .map(|g| 4 * u.group(g).padded_len(ws))
+                    .map(|g| match ws == 1 && f32_wire(g) {
+                        true => 4 * u.group(g).slots.iter().map(|s| s.numel).sum::<usize>(),
+                        false => 4 * u.group(g).padded_len(ws),
+                    })
             })
             .sum();
         assert_eq!(*full, want_full, "ws {ws} fp8 {fp8} divisor {divisor}");
@@ -342,4 +348,52 @@ fn one_rank_gradients_go_straight_into_the_shards() {
             }
         }
     }
+}
+
+#[test]
+fn one_rank_full_gradients_are_made_per_parameter_on_first_use() {
+    // One rank with BF16 shards (which a GEMM cannot accumulate into): each parameter's full gradient
+    // is made when its first gradient comes, so a parameter without a gradient yet holds nothing; the
+    // reduction adds each into the shard with the divisor, as the flat path does.
+    let layout = layout(false, WrapPolicy::Single);
+    let config = FsdpConfig {
+        grad_dtype: fsdp_shard::GradDtype::Bf16,
+        ..FsdpConfig::default()
+    };
+    let out = run_ranks(1, |comm: ThreadComm| {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let (mut model, _) = ShardedModel::new(layout.clone(), comm, config.clone(), &init)?;
+        model.set_grad_divisor(4.0)?;
+        let dev = model.device().clone();
+        let mut held = Vec::new();
+        for (name, n) in [("l2.bias", OUT), ("l2.weight", OUT * HID)] {
+            model.add_grad(name, &dev.upload(&vec![2.0f32; n])?)?;
+            held.push(model.memory()?.full_grads);
+        }
+        model.add_grad("l2.bias", &dev.upload(&[1.0f32; OUT])?)?;
+        held.push(model.memory()?.full_grads);
+        model.reduce_grads(0)?;
+        held.push(model.memory()?.full_grads);
+        let g = model.unit(0)?.grad(ParamGroup::Plain).to_f32_vec()?;
+        Ok::<_, ShardError>((held, g))
+    })
+    .unwrap();
+    let (held, g) = &out[0];
+    assert_eq!(
+        *held,
+        [4 * OUT, 4 * OUT + 4 * OUT * HID, 4 * OUT + 4 * OUT * HID, 0]
+    );
+    let (_, _, bias) = layout
+        .locate(layout.param_index("l2.bias").unwrap())
+        .unwrap();
+    let (_, _, weight) = layout
+        .locate(layout.param_index("l2.weight").unwrap())
+        .unwrap();
+    // (2 + 1) / 4 and 2 / 4, exact in BF16; the parameters without a gradient stay zero.
+    assert!(g[bias.offset..bias.offset + OUT].iter().all(|&v| v == 0.75));
+    assert!(g[weight.offset..weight.offset + OUT * HID]
+        .iter()
+        .all(|&v| v == 0.5));
+    let nonzero = g.iter().filter(|&&v| v != 0.0).count();
+    assert_eq!(nonzero, OUT + OUT * HID);
 }
