@@ -15,8 +15,9 @@
 //! - while gathered: each parameter cut out of the full flat buffers the all-gather wrote (each group's
 //!   flat buffer is freed right after its cut; a group whose one parameter fills it becomes that parameter
 //!   without a copy), minus parameters a module took out ([`ShardedModel::take_param`]);
-//! - until reduced: the full flat gradients, except on one rank where they would only be added to the
-//!   shard ([`ShardedModel::grads_go_to_shards`]).
+//! - until reduced: the full flat gradients; on one rank, where the reduction is only an addition, either
+//!   none (the gradients go to the shards, [`ShardedModel::grads_go_to_shards`]) or one buffer per
+//!   parameter that got a gradient.
 //!
 //! Master weights of FP8 parameters are not here: the optimizer owns them, once.
 //!
