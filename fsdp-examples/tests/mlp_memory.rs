@@ -24,8 +24,12 @@ use std::sync::Arc;
 ///   (at the down linear's weight gradient) the E5M2 output-gradient codes and transpose `2 x [T, d]`,
 ///   whichever is larger (the weight gradient itself accumulates in the unit's F32 full gradient, counted
 ///   below: no buffer of its own);
-/// - one unit's transients: its F32 full gradient (`4 x 8 d^2`), its gathered E4M3 weights (`8 d^2`) and
-///   the next unit's gathered flat buffer, in flight (`8 d^2`);
+/// - one unit's transients: its gathered E4M3 weights (`8 d^2`), the next unit's gathered flat buffer, in
+///   flight (`8 d^2`), and its weights' F32 full gradients, which on one rank are a buffer per weight
+///   made at its first gradient (`4 x 4 d^2` each): the down linear's beside the working set above; both
+///   at the up linear's weight gradient, where the block has freed its kept pre-activation and the down
+///   linear's input codes (`3 T H` bytes) and holds the residual gradient, the up linear's output-gradient
+///   codes and transpose and its input gradient (`2 T d (+ the unfused copy) + 2 T H + 2 T d`);
 /// - `small`: scales, metas, segment tables and step scalars (a few KiB).
 ///
 /// The bound is tight (see the test): reintroducing a full-model-size F32 temporary (`4 P` bytes) or
@@ -55,8 +59,12 @@ fn fp8_peak_bound(
     // branch adds `2 T H - T H` beyond the codes counted above.
     let working = 2 * t * d + dy_copy + 2 * t * h + (t * h).max(2 * t * d);
     let unit = 8 * d * d;
-    let transients = 4 * unit + unit + unit;
-    model_state + io + codes + kept + working + transients + small
+    let weight_grad = 4 * 4 * d * d;
+    let at_gelu = working + weight_grad;
+    let at_up =
+        (2 * t * d + dy_copy + 2 * t * h + 2 * t * d + 2 * weight_grad).saturating_sub(3 * t * h);
+    let transients = at_gelu.max(at_up) + unit + unit;
+    model_state + io + codes + kept + transients + small
 }
 
 fn config(d: usize, blocks: usize, t: usize, fused: bool, recompute_gelu: bool) -> MlpConfig {
