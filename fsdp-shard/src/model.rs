@@ -844,70 +844,80 @@ impl ShardedModel {
         let mut params: [Vec<Option<GatheredParam>>; 2] = [Vec::new(), Vec::new()];
         let g8 = unit_layout.group(ParamGroup::Fp8);
         let gp = unit_layout.group(ParamGroup::Plain);
-        if let (Some(full), Some(all_scales)) = (&fp8, &scales) {
-            let ws = self.comm.world_size();
-            // Computed once per gather: the ranks' pieces of codes and scales.
-            let (ranges, scale_ranges) = (g8.shard_ranges(ws), g8.scale_ranges(ws));
-            let n8 = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
-            let ns = scale_ranges.iter().map(|r| r.len()).max().unwrap_or(0);
-            for (slot, b) in g8.slots.iter().zip(g8.block_scales()) {
-                let mut codes = self.device.zeros::<u8>(slot.numel)?;
-                let mut scale_inv = self.device.zeros::<f32>(b.len())?;
-                // The slot's pieces in each rank's chunk (a weight may span several ranks' block rows):
-                // whole block rows, so the piece's scales are whole rows of the slot's scales.
-                let row_elems = BLOCK_ROWS * slot.cols.max(1);
-                for (r, (range, srange)) in ranges.iter().zip(&scale_ranges).enumerate() {
-                    let (start, end) = (
-                        slot.offset.max(range.start),
-                        (slot.offset + slot.numel).min(range.end),
-                    );
-                    if start >= end {
-                        continue;
+        // Each arm owns its flat buffers, freed when it ends.
+        match (fp8, scales) {
+            (Some(full), Some(all_scales)) => {
+                let ws = self.comm.world_size();
+                // Computed once per gather: the ranks' pieces of codes and scales.
+                let (ranges, scale_ranges) = (g8.shard_ranges(ws), g8.scale_ranges(ws));
+                let n8 = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
+                let ns = scale_ranges.iter().map(|r| r.len()).max().unwrap_or(0);
+                for (slot, b) in g8.slots.iter().zip(g8.block_scales()) {
+                    let mut codes = self.device.zeros::<u8>(slot.numel)?;
+                    let mut scale_inv = self.device.zeros::<f32>(b.len())?;
+                    // The slot's pieces in each rank's chunk (a weight may span several ranks' block rows):
+                    // whole block rows, so the piece's scales are whole rows of the slot's scales.
+                    let row_elems = BLOCK_ROWS * slot.cols.max(1);
+                    for (r, (range, srange)) in ranges.iter().zip(&scale_ranges).enumerate() {
+                        let (start, end) = (
+                            slot.offset.max(range.start),
+                            (slot.offset + slot.numel).min(range.end),
+                        );
+                        if start >= end {
+                            continue;
+                        }
+                        let src = r * n8 + (start - range.start);
+                        codes.copy_range_from(start - slot.offset, &full, src, end - start)?;
+                        let s0 = b.offset + (start - slot.offset) / row_elems * b.row_len;
+                        let rows = (end - start).div_ceil(row_elems);
+                        let src = r * ns + (s0 - srange.start);
+                        scale_inv.copy_range_from(
+                            s0 - b.offset,
+                            &all_scales,
+                            src,
+                            rows * b.row_len,
+                        )?;
                     }
-                    let src = r * n8 + (start - range.start);
-                    codes.copy_range_from(start - slot.offset, full, src, end - start)?;
-                    let s0 = b.offset + (start - slot.offset) / row_elems * b.row_len;
-                    let rows = (end - start).div_ceil(row_elems);
-                    let src = r * ns + (s0 - srange.start);
-                    scale_inv.copy_range_from(s0 - b.offset, all_scales, src, rows * b.row_len)?;
-                }
-                cut += codes.num_bytes() + scale_inv.num_bytes();
-                params[ParamGroup::Fp8 as usize].push(Some(GatheredParam::Fp8Block {
-                    codes,
-                    scale_inv,
-                    cols: slot.cols,
-                }));
-            }
-            peak = peak.max(others + flats + cut);
-            flats -= full.num_bytes() + all_scales.num_bytes();
-        } else if let Some(full) = fp8 {
-            let len = full.num_bytes();
-            let scales_of = |i: usize| -> Result<Buffer<f32>, ShardError> {
-                let mut s = self.device.uninit::<f32>(2)?;
-                s.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
-                Ok(s)
-            };
-            if fills_alone(g8, full.len()) {
-                let scales = scales_of(0)?;
-                cut += len + scales.num_bytes();
-                flats -= len;
-                let p = GatheredParam::Fp8 {
-                    codes: full,
-                    scales,
-                };
-                params[ParamGroup::Fp8 as usize].push(Some(p));
-            } else {
-                for (i, slot) in g8.slots.iter().enumerate() {
-                    let mut codes = self.device.uninit::<u8>(slot.numel)?;
-                    codes.copy_range_from(0, &full, slot.offset, slot.numel)?;
-                    let scales = scales_of(i)?;
-                    cut += codes.num_bytes() + scales.num_bytes();
-                    params[ParamGroup::Fp8 as usize]
-                        .push(Some(GatheredParam::Fp8 { codes, scales }));
+                    cut += codes.num_bytes() + scale_inv.num_bytes();
+                    params[ParamGroup::Fp8 as usize].push(Some(GatheredParam::Fp8Block {
+                        codes,
+                        scale_inv,
+                        cols: slot.cols,
+                    }));
                 }
                 peak = peak.max(others + flats + cut);
-                flats -= len;
+                flats -= full.num_bytes() + all_scales.num_bytes();
             }
+            (Some(full), None) => {
+                let len = full.num_bytes();
+                let scales_of = |i: usize| -> Result<Buffer<f32>, ShardError> {
+                    let mut s = self.device.uninit::<f32>(2)?;
+                    s.copy_range_from(0, &shards.weight_scales, 2 * i, 2)?;
+                    Ok(s)
+                };
+                if fills_alone(g8, full.len()) {
+                    let scales = scales_of(0)?;
+                    cut += len + scales.num_bytes();
+                    flats -= len;
+                    let p = GatheredParam::Fp8 {
+                        codes: full,
+                        scales,
+                    };
+                    params[ParamGroup::Fp8 as usize].push(Some(p));
+                } else {
+                    for (i, slot) in g8.slots.iter().enumerate() {
+                        let mut codes = self.device.uninit::<u8>(slot.numel)?;
+                        codes.copy_range_from(0, &full, slot.offset, slot.numel)?;
+                        let scales = scales_of(i)?;
+                        cut += codes.num_bytes() + scales.num_bytes();
+                        params[ParamGroup::Fp8 as usize]
+                            .push(Some(GatheredParam::Fp8 { codes, scales }));
+                    }
+                    peak = peak.max(others + flats + cut);
+                    flats -= len;
+                }
+            }
+            _ => {}
         }
         peak = peak.max(others + flats + cut);
         if let Some(full) = plain {
