@@ -1165,7 +1165,13 @@ impl ShardedModel {
                 let b = bufs.get_mut(slot_index).ok_or_else(|| {
                     ShardError::State(format!("parameter {param} missing from its unit"))
                 })?;
-                Ok((b.get_or_insert(device.zeros::<f32>(numel)?), 0))
+                if b.is_none() {
+                    *b = Some(device.zeros::<f32>(numel)?);
+                }
+                let b = b.as_mut().ok_or_else(|| {
+                    ShardError::State(format!("parameter {param}: full gradient vanished"))
+                })?;
+                Ok((b, 0))
             }
             None => Err(ShardError::State("full gradient vanished".into())),
         }
