@@ -920,21 +920,16 @@ impl ShardedModel {
             _ => {}
         }
         peak = peak.max(others + flats + cut);
-        if let Some(full) = plain {
-            params[ParamGroup::Plain as usize] =
-                cut_plain(&self.device, gp, full, GatheredParam::Plain, &mut |held| {
-                    peak = peak.max(others + cut + held);
-                })?;
-        } else if let Some(full) = plain_bf16 {
-            params[ParamGroup::Plain as usize] = cut_plain(
-                &self.device,
-                gp,
-                full,
-                GatheredParam::PlainBf16,
-                &mut |held| {
-                    peak = peak.max(others + cut + held);
-                },
-            )?;
+        let plain_cut = match (plain, plain_bf16) {
+            (Some(full), _) => Some(cut_plain(&self.device, gp, full, GatheredParam::Plain)?),
+            (None, Some(full)) => {
+                Some(cut_plain(&self.device, gp, full, GatheredParam::PlainBf16)?)
+            }
+            (None, None) => None,
+        };
+        if let Some((cut_params, held)) = plain_cut {
+            params[ParamGroup::Plain as usize] = cut_params;
+            peak = peak.max(others + cut + held);
         }
         self.peak_gathered_bytes = self.peak_gathered_bytes.max(peak);
         self.units[u].gathered = Some(params);
@@ -1125,12 +1120,16 @@ impl ShardedModel {
         len: usize,
     ) -> Result<(&mut Buffer<f32>, usize), ShardError> {
         let ws = self.comm.world_size();
-        let loc = self.layout.location(param);
-        let (u, g, slot) = self.layout.locate(param).ok_or_else(|| {
+        let loc = self.layout.location(param).ok_or_else(|| {
             ShardError::InvalidArgument(format!("no parameter with index {param}"))
         })?;
+        let (u, g, slot_index) = (loc.unit, loc.group, loc.slot);
+        let slot = self.layout.units[u]
+            .group(g)
+            .slots
+            .get(slot_index)
+            .ok_or_else(|| ShardError::State(format!("parameter {param} missing from its unit")))?;
         let (offset, numel) = (slot.offset, slot.numel);
-        let slot_index = loc.map_or(0, |l| l.slot);
         if len != numel {
             return Err(ShardError::InvalidArgument(format!(
                 "gradient of {} has {len} elements, the parameter {numel}",
@@ -1247,6 +1246,7 @@ impl ShardedModel {
         }
         let ws = self.comm.world_size();
         let layout = self.layout.clone();
+        let modes = ParamGroup::ALL.map(|g| self.reduction(g));
         let shards = &mut self.units[u];
         // Gradients that went straight into the shards are reduced as they stand.
         shards.direct_grads = [false, false];
@@ -1278,11 +1278,7 @@ impl ShardedModel {
                 }
             };
             let uneven = group.block_scaled.then(|| group.shard_counts(ws));
-            // Only FP8 weight gradients may travel in FP8; plain parameters are reduced exactly.
-            let mode = match g {
-                ParamGroup::Fp8 => self.config.grad_reduction,
-                ParamGroup::Plain => GradReduction::F32,
-            };
+            let mode = modes[g as usize];
             let comm = self.comm.as_ref();
             let r = &mut self.reducer;
             let gi = g as usize;
@@ -1678,18 +1674,17 @@ fn fills_alone(g: &crate::layout::GroupLayout, len: usize) -> bool {
 }
 
 /// The plain group's parameters cut out of its gathered flat buffer `full` (moved into the one
-/// parameter that fills it), each wrapped by `wrap`; `held(bytes)` is told the bytes of the flat buffer
-/// and the cut parameters at the cut's fullest.
+/// parameter that fills it), each wrapped by `wrap`, and the bytes of the flat buffer and the cut
+/// parameters at the cut's fullest.
 fn cut_plain<T: fp8_kernels::Element>(
     device: &Device,
     g: &crate::layout::GroupLayout,
     full: Buffer<T>,
     wrap: fn(Buffer<T>) -> GatheredParam,
-    held: &mut dyn FnMut(usize),
-) -> Result<Vec<Option<GatheredParam>>, ShardError> {
+) -> Result<(Vec<Option<GatheredParam>>, usize), ShardError> {
     if fills_alone(g, full.len()) {
-        held(full.num_bytes());
-        return Ok(vec![Some(wrap(full))]);
+        let bytes = full.num_bytes();
+        return Ok((vec![Some(wrap(full))], bytes));
     }
     let mut out = Vec::with_capacity(g.slots.len());
     let mut bytes = full.num_bytes();
@@ -1699,8 +1694,7 @@ fn cut_plain<T: fp8_kernels::Element>(
         bytes += p.num_bytes();
         out.push(Some(wrap(p)));
     }
-    held(bytes);
-    Ok(out)
+    Ok((out, bytes))
 }
 
 fn gathered_kind(p: &GatheredParam) -> &'static str {
