@@ -9,9 +9,10 @@
 //! records a fingerprint of that arithmetic (the bits of a set of GEMMs at the net's shapes). Where this
 //! machine's fingerprint is the recorded one, every loss must match bit for bit. Elsewhere the FP8 losses
 //! still must (their GEMM operands are FP8 codes, whose products and sums come out the same on every
-//! machine we have run), and the F32 losses must agree within what the GEMM's rounding alone explains:
-//! 5e-5 relative over the first 10 steps, 5e-2 over all 50 (between the record of an earlier machine and
-//! an FMA machine without AVX2: 5.0e-6 and 5.9e-3), where a wrong gradient or data order is off by far more from the first steps on.
+//! machine we have run), and the F32 losses must agree within what the GEMM's rounding alone explains: 5e-5
+//! relative over the first 10 steps, 5e-2 over all 50 (between the record of an earlier machine and an FMA
+//! machine without AVX2: 5.0e-6 and 5.9e-3), where a wrong gradient or data order is off by far more from
+//! the first steps on.
 
 use fp8_kernels::gemm::gemm_f32;
 use fp8_kernels::{Buffer, CpuParallelism, Device, GemmSpec, Transpose};
