@@ -81,3 +81,55 @@ fn the_estimate_is_below_every_measured_h200_peak_and_near_it() {
         );
     }
 }
+
+/// A refusal names the recompute settings with the count that fits: llama-8b at 1 x 8192 on an 80 GB
+/// card (78.09 GiB free, as the 2026-12-08 H100 call reported) is refused, and the named
+/// `--recompute-mlp-up N` is the smallest count whose own estimate passes.
+#[test]
+fn a_refusal_names_the_smallest_recompute_count_that_fits() {
+    let plan = MemoryPlan {
+        world_size: 1,
+        cuda: true,
+        fp8_linears: true,
+        optimizer_states: StatePrecision::LowPrecision,
+        grad_shards: GradDtype::Bf16,
+        optimizer_in_backward: true,
+    };
+    let have = (78.09 * f64::from(1u32 << 30)) as u64;
+    let spec_with = |n: usize| {
+        let mut spec = LmSpec::with_overrides("llama-8b", ShapeOverrides::default(), 8192).unwrap();
+        // The Llama-3 tokenizer's vocabulary, which the run sets from its data.
+        spec.vocab = 128_256;
+        spec.recompute_mlp_up = n;
+        spec
+    };
+    let verdict = |spec: &LmSpec| {
+        fsdp_train::memory_verdict(&spec.memory_estimate(1, &plan).unwrap(), true, 1, have)
+    };
+    let m = verdict(&spec_with(0)).unwrap_err().to_string();
+    let named: usize = m
+        .split("--recompute-mlp-up ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --recompute-mlp-up count in: {m}"));
+    assert!(named > 0 && named <= 32, "{m}");
+    assert!(
+        verdict(&spec_with(named)).is_ok(),
+        "{named} blocks do not fit: {m}"
+    );
+    assert!(
+        verdict(&spec_with(named - 1)).is_err(),
+        "{} blocks fit already: {m}",
+        named - 1
+    );
+    // --recompute is named too, and its estimate fits.
+    assert!(m.contains("--recompute (about"), "{m}");
+    let mut all = spec_with(0);
+    all.recompute_blocks = true;
+    assert!(verdict(&all).is_ok());
+    // From a count already set, the advice names the larger total count.
+    let m4 = verdict(&spec_with(4)).unwrap_err().to_string();
+    assert!(m4.contains(&format!("--recompute-mlp-up {named} ")), "{m4}");
+    eprintln!("{m}");
+}

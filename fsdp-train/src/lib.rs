@@ -134,7 +134,7 @@ pub use setup::DeviceChoice;
 pub use speed::{model_state_json, peak_memory, reset_peak_memory, SpeedOptions, SpeedReport};
 pub use task::{
     BatchIndex, Evaluation, LossKind, LossValue, MemoryEstimate, MemoryPart, MemoryPlan,
-    OptimizerChoice, RankEnv, ScheduleClock, SchedulePlan, TrainTask,
+    MemoryRemedy, OptimizerChoice, RankEnv, ScheduleClock, SchedulePlan, TrainTask,
 };
 pub use trainer::{
     available_bytes, eval_forward, evaluate_sums, memory_verdict, StopReason, TrainReport, Trainer,

@@ -415,11 +415,57 @@ pub struct MemoryPart {
     pub bytes: u64,
 }
 
+/// A setting of the task that lowers its estimate, which a refusal names with the count that would make
+/// the run fit (`--recompute-mlp-up 15`) instead of only advising a smaller run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryRemedy {
+    /// The setting, with `{n}` where its count goes (`"--recompute-mlp-up {n}"`); a switch has none.
+    pub setting: String,
+    /// Bytes one more unit of the count saves (a switch: what it saves).
+    pub saves_per_unit: u64,
+    /// The count the run has now (0 for a switch that is off); the advice names this plus the units
+    /// needed.
+    pub current: u64,
+    /// The largest count the setting takes (1 for a switch).
+    pub max: u64,
+}
+
+impl MemoryRemedy {
+    /// A count: `setting` with `{n}`, `saves_per_unit` bytes per unit, from `current` up to `max`.
+    pub fn count(setting: impl Into<String>, saves_per_unit: u64, current: u64, max: u64) -> Self {
+        MemoryRemedy {
+            setting: setting.into(),
+            saves_per_unit,
+            current,
+            max,
+        }
+    }
+
+    /// A switch that is off and would save `saves` bytes.
+    pub fn switch(setting: impl Into<String>, saves: u64) -> Self {
+        MemoryRemedy::count(setting, saves, 0, 1)
+    }
+
+    /// The setting that saves at least `gap` bytes and what it saves, if one does: the smallest count
+    /// above `current`.
+    pub fn advice(&self, gap: u64) -> Option<(String, u64)> {
+        if self.saves_per_unit == 0 || self.current >= self.max {
+            return None;
+        }
+        let units = gap.div_ceil(self.saves_per_unit).max(1);
+        let n = self.current.checked_add(units).filter(|&n| n <= self.max)?;
+        let setting = self.setting.replace("{n}", &n.to_string());
+        Some((setting, units.saturating_mul(self.saves_per_unit)))
+    }
+}
+
 /// One rank's estimated peak memory, by part.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoryEstimate {
     /// The parts.
     pub parts: Vec<MemoryPart>,
+    /// Settings that would lower it, for the refusal's advice.
+    pub remedies: Vec<MemoryRemedy>,
 }
 
 impl MemoryEstimate {
@@ -429,6 +475,12 @@ impl MemoryEstimate {
             what: what.into(),
             bytes,
         });
+        self
+    }
+
+    /// Adds a setting that would lower the estimate.
+    pub fn remedy(mut self, remedy: MemoryRemedy) -> Self {
+        self.remedies.push(remedy);
         self
     }
 

@@ -1486,12 +1486,41 @@ pub fn memory_verdict(
         (false, 1) => ("of host memory", ""),
         (false, _) => ("of host memory for its thread ranks", "each: "),
     };
+    // The task's own settings first, each with the count that closes the gap (per rank: thread ranks
+    // each save what one saves).
+    let gap_per_rank = (need - have).div_ceil(ranks);
+    let advice: Vec<String> = estimate
+        .remedies
+        .iter()
+        .filter_map(|r| r.advice(gap_per_rank))
+        .map(|(setting, saves)| {
+            format!(
+                "{setting} (about {:.2} GiB less{})",
+                gib(saves),
+                each_rank(ranks)
+            )
+        })
+        .collect();
+    let fixes = if advice.is_empty() {
+        String::new()
+    } else {
+        format!("{}; or ", advice.join(", or "))
+    };
     Err(TrainError::Config(format!(
-        "this run needs at least about {:.2} GiB {whose} ({each}{parts}) but {:.2} GiB are free: use a \
-         smaller model, --batch-size or --seq-len, more ranks, or a device with more memory",
+        "this run needs at least about {:.2} GiB {whose} ({each}{parts}) but {:.2} GiB are free: {fixes}use \
+         a smaller model, --batch-size or --seq-len, more ranks, or a device with more memory",
         gib(need),
         gib(have)
     )))
+}
+
+/// " per rank" where several thread ranks share the host.
+fn each_rank(ranks: u64) -> &'static str {
+    if ranks > 1 {
+        " per rank"
+    } else {
+        ""
+    }
 }
 
 /// An evaluation loop's sums over every rank: gathers every unit once for the pass (so ranks with
@@ -1534,6 +1563,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::MemoryRemedy;
 
     #[test]
     fn the_memory_verdict_counts_thread_ranks_and_names_the_parts() {
@@ -1556,5 +1586,48 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(m.contains("GPU memory per rank"), "{m}");
+        assert!(!m.contains("less"), "no remedy was given: {m}");
+    }
+
+    #[test]
+    fn the_memory_verdict_names_the_smallest_count_that_fits() {
+        let e = MemoryEstimate::default()
+            .part("model state", 6 << 30)
+            .part("activations", 4 << 30)
+            .remedy(MemoryRemedy::count(
+                "--recompute-mlp-up {n}",
+                1 << 28,
+                2,
+                12,
+            ))
+            .remedy(MemoryRemedy::switch("--recompute", 3 << 30));
+        // 1.1 GiB over: five more quarter-GiB blocks (1.25 GiB), seven in all; the switch saves enough.
+        let have = (10 << 30) - (11 << 30) / 10;
+        let m = memory_verdict(&e, true, 1, have).unwrap_err().to_string();
+        assert!(
+            m.contains("--recompute-mlp-up 7 (about 1.25 GiB less)"),
+            "{m}"
+        );
+        assert!(m.contains("--recompute (about 3.00 GiB less)"), "{m}");
+        // 3.5 GiB over: the count would pass its maximum and the switch saves too little.
+        let m = memory_verdict(&e, true, 1, (13 << 30) / 2)
+            .unwrap_err()
+            .to_string();
+        assert!(!m.contains("--recompute"), "{m}");
+        // Two thread ranks on a host: each closes its half of the gap (1.1 GiB each -> 5 more blocks).
+        let m = memory_verdict(&e, false, 2, 2 * have)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("--recompute-mlp-up 7 (about 1.25 GiB less per rank)"),
+            "{m}"
+        );
+        // A count already at its maximum, or a zero saving, gives no advice.
+        assert_eq!(MemoryRemedy::count("--x {n}", 1, 12, 12).advice(1), None);
+        assert_eq!(MemoryRemedy::count("--x {n}", 0, 0, 12).advice(1), None);
+        assert_eq!(
+            MemoryRemedy::count("--x {n}", 10, 0, 12).advice(25),
+            Some(("--x 3".to_string(), 30))
+        );
     }
 }

@@ -15,7 +15,7 @@ use crate::hf::{HfLlamaFormat, LlamaHfConfig};
 use crate::llama::{self, Llama, LlamaConfig, LLAMA3_VOCAB};
 use fsdp_nn::{Activation, LossStats, TokenBatch, DEFAULT_HEAD_CHUNK};
 use fsdp_shard::{Ctx, Module, WrapPolicy};
-use fsdp_train::{MemoryEstimate, MemoryPlan};
+use fsdp_train::{MemoryEstimate, MemoryPlan, MemoryRemedy};
 
 /// A model family: its presets, its layers and its names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,6 +257,9 @@ impl LmSpec {
     /// - one chunk of head logits in F32;
     /// - with the optimizer in the backward, the largest unit's gradient shard (a block's, or the
     ///   embeddings' and head's), which the model state then leaves out.
+    ///
+    /// Without `--recompute` it names two remedies for a refusal: `--recompute-mlp-up N` (the up output's
+    /// byte per element in each more block) and `--recompute` (what the activations above save).
     pub fn memory_estimate(&self, b: usize, plan: &MemoryPlan) -> Result<MemoryEstimate, GptError> {
         let s = self;
         let over = |what: &str| {
@@ -314,26 +317,28 @@ impl LmSpec {
             .and_then(|x| x.checked_mul(k))
             .and_then(|x| x.checked_mul(tokens))
             .ok_or_else(|| over("the activations"))?;
+        // With --recompute: each block's input (BF16 on CUDA, F32 on the CPU) and one block recomputed.
+        let recomputed = tokens
+            .checked_mul(d)
+            .and_then(|x| x.checked_mul(if plan.cuda { 2 } else { 4 }))
+            .and_then(|x| x.checked_mul(l))
+            .and_then(|x| x.checked_add(per_block))
+            .ok_or_else(|| over("the activations"))?;
+        // A block that recomputes its MLP's up output (`(m - 1) ffn` wide) holds at least one byte per
+        // element of it less (two in BF16; one keeps the bound below the runs).
+        let up_per_block = ffn
+            .checked_mul(mats - 1)
+            .and_then(|x| x.checked_mul(tokens))
+            .ok_or_else(|| over("the activations"))?;
         let acts = if s.recompute_blocks {
-            // Each block's input (BF16 on CUDA, F32 on the CPU) and one block recomputed.
-            let input = tokens
-                .checked_mul(d)
-                .and_then(|x| x.checked_mul(if plan.cuda { 2 } else { 4 }))
-                .and_then(|x| x.checked_mul(l));
-            input.and_then(|x| x.checked_add(per_block))
+            recomputed
         } else {
-            // Blocks that recompute their MLP's up output (`(m - 1) ffn` wide) hold at least one byte
-            // per element of it less (two in BF16; one keeps the bound below the runs).
-            let up = ffn
-                .checked_mul(mats - 1)
-                .and_then(|x| x.checked_mul(tokens))
-                .and_then(|x| x.checked_mul(s.recompute_mlp_up as u64));
             per_block
                 .checked_mul(l)
-                .zip(up)
+                .zip(up_per_block.checked_mul(s.recompute_mlp_up as u64))
                 .map(|(a, u)| a.saturating_sub(u))
-        }
-        .ok_or_else(|| over("the activations"))?;
+                .ok_or_else(|| over("the activations"))?
+        };
         let gathered = block.checked_mul(8).ok_or_else(|| over("the parameters"))?;
         let head = tokens
             .min(DEFAULT_HEAD_CHUNK as u64)
@@ -373,6 +378,23 @@ impl LmSpec {
                 acts,
             )
             .part("a chunk of head logits", head);
+        // The settings a refusal can name: more blocks recomputing their MLP's up output, or every
+        // block recomputed.
+        let estimate = if s.recompute_blocks {
+            estimate
+        } else {
+            estimate
+                .remedy(MemoryRemedy::count(
+                    "--recompute-mlp-up {n}",
+                    up_per_block,
+                    s.recompute_mlp_up as u64,
+                    l,
+                ))
+                .remedy(MemoryRemedy::switch(
+                    "--recompute",
+                    acts.saturating_sub(recomputed),
+                ))
+        };
         Ok(if transient > 0 {
             estimate.part(
                 "the largest unit's gradient shard, stepped in the backward (--optimizer-in-backward)",
