@@ -7,8 +7,9 @@
 mod common;
 
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
-use fp8_kernels::kernel_source::{compile_ptx, ModuleArch, CAST_MODULE, MODULES};
+use fp8_kernels::kernel_source::{compile_ptx, KernelModule, ModuleArch, CAST_MODULE, MODULES};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Every `.cu` and `.cuh` file under `dir`, as paths relative to the crate root.
 fn cuda_sources(root: &Path, dir: &Path, out: &mut Vec<String>) {
@@ -72,23 +73,67 @@ fn every_cuda_source_belongs_to_a_registered_module() {
     assert_eq!(names.len(), MODULES.len(), "module names must be unique");
 }
 
+/// Compiles one module for its compute capability 9.0 target and checks its PTX: the line to print, or
+/// what failed.
+fn compile_checked(m: &KernelModule) -> Result<String, String> {
+    let target = m
+        .target_for((9, 0))
+        .map_err(|e| format!("{}: {e}", m.name))?;
+    let ptx = compile_ptx(m, target).map_err(|e| format!("{}: {e}", m.name))?;
+    let text = ptx.to_src();
+    if !text.contains(&format!(".target {target}\n")) {
+        return Err(format!("{}: PTX target is not {target}", m.name));
+    }
+    if !text.contains(".entry") {
+        return Err(format!("{}: no kernels in PTX", m.name));
+    }
+    Ok(format!(
+        "compiled {} ({}) for {target}",
+        m.name,
+        m.files.join(" + ")
+    ))
+}
+
 nvrtc_test! {
     fn every_kernel_module_compiles_for_sm90() {
         require_nvrtc();
         // Each module for the target it gets on a compute capability 9.0 GPU: sm_90, or sm_90a for the
-        // modules built for that target alone (ModuleArch::Sm90a).
-        for m in MODULES {
-            let target = m.target_for((9, 0)).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-            let ptx = compile_ptx(m, target).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-            let text = ptx.to_src();
-            assert!(
-                text.contains(&format!(".target {target}\n")),
-                "{}: PTX target",
-                m.name
-            );
-            assert!(text.contains(".entry"), "{}: no kernels in PTX", m.name);
-            println!("compiled {} ({}) for {target}", m.name, m.files.join(" + "));
-        }
+        // modules built for that target alone (ModuleArch::Sm90a). The modules compile on every core
+        // (NVRTC compiles separate programs concurrently, as the parallel tests of the other NVRTC test
+        // binaries do): one at a time they took 204 s of a 2-core CI machine.
+        let next = AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MODULES.len());
+        let mut results: Vec<(usize, Result<String, String>)> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut done = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(m) = MODULES.get(i) else { break done };
+                            done.push((i, compile_checked(m)));
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().expect("a compile thread panicked"))
+                .collect()
+        });
+        results.sort_by_key(|(i, _)| *i);
+        assert_eq!(results.len(), MODULES.len(), "every module compiled once");
+        let failures: Vec<String> = results
+            .into_iter()
+            .filter_map(|(_, r)| match r {
+                Ok(line) => {
+                    println!("{line}");
+                    None
+                }
+                Err(e) => Some(e),
+            })
+            .collect();
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
         assert!(
             MODULES.iter().any(|m| m.arch == ModuleArch::Sm90a),
             "the sm_90a modules are registered (and compiled above)"
