@@ -8,8 +8,8 @@ mod common;
 
 use common::{nvrtc_test, require_nvrtc, sm90_ptx};
 use fp8_kernels::kernel_source::{compile_ptx, KernelModule, ModuleArch, CAST_MODULE, MODULES};
+use rayon::prelude::*;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Every `.cu` and `.cuh` file under `dir`, as paths relative to the crate root.
 fn cuda_sources(root: &Path, dir: &Path, out: &mut Vec<String>) {
@@ -99,33 +99,12 @@ nvrtc_test! {
         require_nvrtc();
         // Each module for the target it gets on a compute capability 9.0 GPU: sm_90, or sm_90a for the
         // modules built for that target alone (ModuleArch::Sm90a). The modules compile on every core
-        // (NVRTC compiles separate programs concurrently, as the parallel tests of the other NVRTC test
-        // binaries do): one at a time they took 204 s of a 2-core CI machine.
-        let next = AtomicUsize::new(0);
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MODULES.len());
-        let mut results: Vec<(usize, Result<String, String>)> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut done = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some(m) = MODULES.get(i) else { break done };
-                            done.push((i, compile_checked(m)));
-                        }
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .flat_map(|w| w.join().expect("a compile thread panicked"))
-                .collect()
-        });
-        results.sort_by_key(|(i, _)| *i);
-        assert_eq!(results.len(), MODULES.len(), "every module compiled once");
+        // through rayon (NVRTC compiles separate programs concurrently, as the parallel tests of the other
+        // NVRTC test binaries do): one at a time they took 204 s of a 2-core CI machine.
+        let results: Vec<Result<String, String>> = MODULES.par_iter().map(compile_checked).collect();
         let failures: Vec<String> = results
             .into_iter()
-            .filter_map(|(_, r)| match r {
+            .filter_map(|r| match r {
                 Ok(line) => {
                     println!("{line}");
                     None

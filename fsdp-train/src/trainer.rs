@@ -1481,10 +1481,10 @@ pub fn memory_verdict(
         .map(|p| format!("{}: {:.2} GiB", p.what, gib(p.bytes)))
         .collect::<Vec<_>>()
         .join("; ");
-    let (whose, each) = match (cuda, ranks) {
-        (true, _) => ("of GPU memory per rank", ""),
-        (false, 1) => ("of host memory", ""),
-        (false, _) => ("of host memory for its thread ranks", "each: "),
+    let (whose, each, per_rank) = match (cuda, ranks) {
+        (true, _) => ("of GPU memory per rank", "", ""),
+        (false, 1) => ("of host memory", "", ""),
+        (false, _) => ("of host memory for its thread ranks", "each: ", " per rank"),
     };
     // The task's own settings first, each with the count that closes the gap (per rank: thread ranks
     // each save what one saves).
@@ -1493,13 +1493,7 @@ pub fn memory_verdict(
         .remedies
         .iter()
         .filter_map(|r| r.advice(gap_per_rank))
-        .map(|(setting, saves)| {
-            format!(
-                "{setting} (about {:.2} GiB less{})",
-                gib(saves),
-                each_rank(ranks)
-            )
-        })
+        .map(|(setting, saves)| format!("{setting} (about {:.2} GiB less{per_rank})", gib(saves)))
         .collect();
     let fixes = if advice.is_empty() {
         String::new()
@@ -1512,15 +1506,6 @@ pub fn memory_verdict(
         gib(need),
         gib(have)
     )))
-}
-
-/// " per rank" where several thread ranks share the host.
-fn each_rank(ranks: u64) -> &'static str {
-    if ranks > 1 {
-        " per rank"
-    } else {
-        ""
-    }
 }
 
 /// An evaluation loop's sums over every rank: gathers every unit once for the pass (so ranks with
